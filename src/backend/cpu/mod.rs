@@ -1,0 +1,1 @@
+//! The CPU backend (owned by the model/CPU-backend work).

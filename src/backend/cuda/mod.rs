@@ -1,0 +1,1 @@
+//! The CUDA backend (owned by the CUDA work).

@@ -1,0 +1,503 @@
+//! The daemon's configuration, read from TOML.
+//!
+//! `config/replayd.toml` is the documented default; every key there is
+//! described. Unknown keys are rejected (`deny_unknown_fields`) and every value
+//! is checked in [`Config::validate`], so a typo fails at start-up with a
+//! message that names the key rather than being silently ignored.
+
+use crate::model::Pooling;
+use crate::tensor::DType;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config key `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub batching: BatchingConfig,
+    pub devices: DevicesConfig,
+    pub eager: EagerConfig,
+    pub models: Vec<ModelConfig>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// ZeroMQ endpoint clients connect to (ROUTER): `tcp://host:port` or `ipc:///path`.
+    pub endpoint: String,
+    /// ZeroMQ endpoint for `replayctl` (ROUTER).
+    pub control_endpoint: String,
+    /// Directory for the worker IPC sockets and other run-time files.
+    pub runtime_dir: PathBuf,
+    /// Largest request message accepted, in bytes (all frames together).
+    pub max_request_bytes: usize,
+    /// Most texts (or id sequences, or feature rows) in one request.
+    pub max_items_per_request: usize,
+    /// Threads that tokenize texts, off the async runtime (0 = number of cores, at most 8).
+    pub tokenizer_threads: usize,
+    /// Time to finish queued and in-flight work after SIGTERM/SIGINT, in milliseconds.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            endpoint: "tcp://127.0.0.1:5555".into(),
+            control_endpoint: "tcp://127.0.0.1:5556".into(),
+            runtime_dir: std::env::temp_dir().join("replayd"),
+            max_request_bytes: 64 << 20,
+            max_items_per_request: 1024,
+            tokenizer_threads: 0,
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BatchingConfig {
+    /// Longest time the oldest queued request waits for a fuller batch while
+    /// every device is busy, in microseconds. An idle device takes work at once.
+    pub max_wait_us: u64,
+    /// Most requests queued per model; beyond it requests get `overloaded` at once.
+    pub max_queue: usize,
+    /// Batches a device may hold at once (one running, the rest staged so the
+    /// host never waits between replays).
+    pub max_inflight_per_device: usize,
+    /// Times a batch is retried after its worker died before its requests get `internal`.
+    pub max_attempts: u32,
+}
+
+impl Default for BatchingConfig {
+    fn default() -> Self {
+        Self {
+            max_wait_us: 500,
+            max_queue: 4096,
+            max_inflight_per_device: 2,
+            max_attempts: 3,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// CUDA where a GPU is present, otherwise the CPU.
+    Auto,
+    Cuda,
+    Cpu,
+}
+
+/// Which GPUs to use: `"all"` or a list of CUDA ordinals.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum GpuSelection {
+    Named(String),
+    List(Vec<usize>),
+}
+
+impl Default for GpuSelection {
+    fn default() -> Self {
+        GpuSelection::Named("all".into())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DevicesConfig {
+    pub backend: BackendKind,
+    /// GPUs to serve on (CUDA backend).
+    pub gpus: GpuSelection,
+    /// Number of CPU devices (worker processes) when the CPU backend is used.
+    pub cpu_devices: usize,
+    /// Threads each CPU device uses for matrix products (0 = cores / cpu_devices).
+    pub cpu_threads: usize,
+    /// Allow TF32 tensor cores for f32 models (faster, ~1e-3 relative error).
+    pub allow_tf32: bool,
+    /// Enable the `inject-fault` control command (tests only).
+    pub fault_injection: bool,
+    /// First delay before restarting a dead worker, in milliseconds (doubles up to the max).
+    pub restart_backoff_ms: u64,
+    pub restart_backoff_max_ms: u64,
+    /// How long a worker may take to start and capture every graph, in milliseconds.
+    pub start_timeout_ms: u64,
+    /// Where NVRTC-compiled kernels are cached (by source hash and architecture).
+    pub kernel_cache_dir: Option<PathBuf>,
+}
+
+impl Default for DevicesConfig {
+    fn default() -> Self {
+        Self {
+            backend: BackendKind::Auto,
+            gpus: GpuSelection::default(),
+            cpu_devices: 1,
+            cpu_threads: 0,
+            allow_tf32: false,
+            fault_injection: false,
+            restart_backoff_ms: 100,
+            restart_backoff_max_ms: 10_000,
+            start_timeout_ms: 300_000,
+            kernel_cache_dir: None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EagerConfig {
+    /// Worker processes that run requests too large for every bucket (0 = such requests get `too_long`).
+    pub workers: usize,
+    /// GPU the eager workers use on the CUDA backend (default: the first served GPU).
+    pub gpu: Option<usize>,
+    /// Most eager requests queued; beyond it `overloaded`.
+    pub max_queue: usize,
+}
+
+impl Default for EagerConfig {
+    fn default() -> Self {
+        Self {
+            workers: 1,
+            gpu: None,
+            max_queue: 256,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// A BERT-family encoder from a Hugging Face folder.
+    Bert,
+    /// Linear → activation → Linear … from a safetensors `state_dict`.
+    Mlp,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Name clients use in requests.
+    pub name: String,
+    pub kind: ModelKind,
+    /// BERT: the model folder. MLP: a `.safetensors` file, or a folder with
+    /// `model.safetensors` and an optional `config.json` naming the activation.
+    pub path: PathBuf,
+    /// Compute dtype on the device: f32, f16 or bf16.
+    #[serde(default = "default_dtype")]
+    pub dtype: DType,
+    /// Batch sizes a graph is captured for.
+    #[serde(default = "default_batch_buckets")]
+    pub batch_buckets: Vec<usize>,
+    /// Sequence lengths a graph is captured for (BERT only).
+    #[serde(default = "default_seq_buckets")]
+    pub seq_buckets: Vec<usize>,
+    /// Longest input in tokens (BERT); default: the folder's `max_seq_length`.
+    #[serde(default)]
+    pub max_seq_len: Option<usize>,
+    /// MLP activation between linear layers (overrides the folder's config.json).
+    #[serde(default)]
+    pub activation: Option<String>,
+    /// Sentence pooling override (BERT; default: the folder's 1_Pooling/config.json, else mean).
+    #[serde(default)]
+    pub pooling: Option<Pooling>,
+    /// L2-normalise embeddings (default: whether modules.json has a Normalize module).
+    #[serde(default)]
+    pub normalize: Option<bool>,
+}
+
+fn default_dtype() -> DType {
+    DType::F32
+}
+fn default_batch_buckets() -> Vec<usize> {
+    vec![1, 2, 4, 8, 16, 32, 64, 128]
+}
+fn default_seq_buckets() -> Vec<usize> {
+    vec![16, 32, 64, 128, 256]
+}
+
+impl ModelConfig {
+    /// The seq buckets that apply to this model (none for MLPs).
+    pub fn seq_grid(&self) -> &[usize] {
+        match self.kind {
+            ModelKind::Bert => &self.seq_buckets,
+            ModelKind::Mlp => &[],
+        }
+    }
+
+    pub fn max_batch_bucket(&self) -> usize {
+        self.batch_buckets.iter().copied().max().unwrap_or(0)
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates a config file. Relative model paths are
+    /// resolved against the current directory.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.to_path_buf(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    /// Parses and validates TOML text.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: PathBuf::from("<config>"),
+            message: e.to_string(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every value; the error names the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_endpoint("server.endpoint", &self.server.endpoint)?;
+        check_endpoint("server.control_endpoint", &self.server.control_endpoint)?;
+        if self.server.endpoint == self.server.control_endpoint {
+            return Err(invalid(
+                "server.control_endpoint",
+                "must differ from server.endpoint",
+            ));
+        }
+        if self.server.max_request_bytes < 1024 {
+            return Err(invalid("server.max_request_bytes", "must be at least 1024"));
+        }
+        if self.server.max_items_per_request == 0 {
+            return Err(invalid("server.max_items_per_request", "must be at least 1"));
+        }
+        if self.batching.max_queue == 0 {
+            return Err(invalid("batching.max_queue", "must be at least 1"));
+        }
+        if self.batching.max_inflight_per_device == 0 {
+            return Err(invalid(
+                "batching.max_inflight_per_device",
+                "must be at least 1",
+            ));
+        }
+        if self.batching.max_wait_us > 10_000_000 {
+            return Err(invalid(
+                "batching.max_wait_us",
+                "must be at most 10000000 (10 s)",
+            ));
+        }
+        if self.batching.max_attempts == 0 {
+            return Err(invalid("batching.max_attempts", "must be at least 1"));
+        }
+        if let GpuSelection::Named(name) = &self.devices.gpus {
+            if name != "all" {
+                return Err(invalid(
+                    "devices.gpus",
+                    format!("expected \"all\" or a list of GPU numbers, got {name:?}"),
+                ));
+            }
+        }
+        if let GpuSelection::List(list) = &self.devices.gpus {
+            if list.is_empty() {
+                return Err(invalid("devices.gpus", "the list is empty"));
+            }
+            let mut sorted = list.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            if sorted.len() != list.len() {
+                return Err(invalid("devices.gpus", "lists a GPU twice"));
+            }
+        }
+        if self.devices.cpu_devices == 0 || self.devices.cpu_devices > 64 {
+            return Err(invalid("devices.cpu_devices", "must be between 1 and 64"));
+        }
+        if self.devices.restart_backoff_ms == 0
+            || self.devices.restart_backoff_max_ms < self.devices.restart_backoff_ms
+        {
+            return Err(invalid(
+                "devices.restart_backoff_max_ms",
+                "must be at least devices.restart_backoff_ms, which must be positive",
+            ));
+        }
+        if self.devices.start_timeout_ms < 1000 {
+            return Err(invalid("devices.start_timeout_ms", "must be at least 1000"));
+        }
+        if self.eager.workers > 64 {
+            return Err(invalid("eager.workers", "must be at most 64"));
+        }
+        if self.eager.max_queue == 0 {
+            return Err(invalid("eager.max_queue", "must be at least 1"));
+        }
+        if self.models.is_empty() {
+            return Err(invalid("models", "at least one [[models]] entry is required"));
+        }
+        for (i, model) in self.models.iter().enumerate() {
+            let key = |k: &str| format!("models[{i}].{k}");
+            if model.name.is_empty()
+                || !model
+                    .name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            {
+                return Err(invalid(
+                    key("name"),
+                    format!(
+                        "{:?} must be non-empty ASCII letters, digits, '-', '_' or '.'",
+                        model.name
+                    ),
+                ));
+            }
+            if self.models[..i].iter().any(|m| m.name == model.name) {
+                return Err(invalid(
+                    key("name"),
+                    format!("{:?} is used twice", model.name),
+                ));
+            }
+            if !model.dtype.is_float() {
+                return Err(invalid(
+                    key("dtype"),
+                    format!("{} is not a compute dtype (use f32, f16 or bf16)", model.dtype),
+                ));
+            }
+            check_grid(&key("batch_buckets"), &model.batch_buckets, 4096)?;
+            match model.kind {
+                ModelKind::Bert => {
+                    check_grid(&key("seq_buckets"), &model.seq_buckets, 8192)?;
+                    if model.activation.is_some() {
+                        return Err(invalid(key("activation"), "applies to kind = \"mlp\" only"));
+                    }
+                    if let Some(max) = model.max_seq_len {
+                        if max < 2 {
+                            return Err(invalid(key("max_seq_len"), "must be at least 2"));
+                        }
+                    }
+                }
+                ModelKind::Mlp => {
+                    if model.max_seq_len.is_some() || model.pooling.is_some() {
+                        return Err(invalid(
+                            key("max_seq_len"),
+                            "max_seq_len and pooling apply to kind = \"bert\" only",
+                        ));
+                    }
+                    if let Some(act) = &model.activation {
+                        if crate::model::Activation::parse(act).is_none() {
+                            return Err(invalid(
+                                key("activation"),
+                                format!("unknown activation {act:?} (relu, gelu, gelu_tanh, tanh, sigmoid, silu, identity)"),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn model(&self, name: &str) -> Option<&ModelConfig> {
+        self.models.iter().find(|m| m.name == name)
+    }
+}
+
+fn check_endpoint(key: &str, endpoint: &str) -> Result<(), ConfigError> {
+    let ok = endpoint
+        .strip_prefix("tcp://")
+        .map(|rest| rest.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok()))
+        .unwrap_or(false)
+        || endpoint.strip_prefix("ipc://").is_some_and(|p| !p.is_empty());
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            key,
+            format!("{endpoint:?} is not a ZeroMQ endpoint (tcp://HOST:PORT or ipc:///PATH)"),
+        ))
+    }
+}
+
+fn check_grid(key: &str, grid: &[usize], max: usize) -> Result<(), ConfigError> {
+    if grid.is_empty() {
+        return Err(invalid(key, "must list at least one size"));
+    }
+    if grid.iter().any(|&b| b == 0 || b > max) {
+        return Err(invalid(key, format!("sizes must be between 1 and {max}")));
+    }
+    if grid.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(invalid(key, "sizes must be strictly increasing"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[[models]]
+name = "mlp"
+kind = "mlp"
+path = "mlp.safetensors"
+"#;
+
+    #[test]
+    fn defaults_fill_everything_but_models() {
+        let c = Config::parse(MINIMAL).unwrap();
+        assert_eq!(c.batching.max_wait_us, 500);
+        assert_eq!(c.models[0].batch_buckets, vec![1, 2, 4, 8, 16, 32, 64, 128]);
+        assert_eq!(c.models[0].dtype, DType::F32);
+        assert_eq!(c.devices.backend, BackendKind::Auto);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = Config::parse(&format!("[batching]\nmax_wait = 5\n{MINIMAL}")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("max_wait"), "{msg}");
+        let err = Config::parse(&format!("{MINIMAL}colour = \"red\"\n")).unwrap_err();
+        assert!(err.to_string().contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_key() {
+        let cases = [
+            ("[batching]\nmax_queue = 0\n", "batching.max_queue"),
+            ("[devices]\nbackend = \"tpu\"\n", "backend"),
+            ("[devices]\ngpus = \"some\"\n", "devices.gpus"),
+            ("[server]\nendpoint = \"http://x\"\n", "server.endpoint"),
+        ];
+        for (prefix, key) in cases {
+            let err = Config::parse(&format!("{prefix}{MINIMAL}")).unwrap_err();
+            assert!(err.to_string().contains(key), "{key}: {err}");
+        }
+        let err = Config::parse(&MINIMAL.replace(
+            "path",
+            "batch_buckets = [4, 2]\npath",
+        ))
+        .unwrap_err();
+        assert!(err.to_string().contains("models[0].batch_buckets"), "{err}");
+        let err = Config::parse(&MINIMAL.replace("path", "dtype = \"i32\"\npath")).unwrap_err();
+        assert!(err.to_string().contains("models[0].dtype"), "{err}");
+        let err = Config::parse("").unwrap_err();
+        assert!(err.to_string().contains("models"), "{err}");
+    }
+}

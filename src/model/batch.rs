@@ -1,0 +1,123 @@
+//! The rows of one batch, and how they are padded into a program's static inputs.
+
+use super::program::InputRole;
+use serde::{Deserialize, Serialize};
+
+/// The real rows of a batch, in order, before padding to a bucket.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum BatchRows {
+    /// f32 feature rows, row-major `[rows, features]`.
+    Features { features: usize, data: Vec<f32> },
+    /// One token-id sequence per row ([CLS] … [SEP] included).
+    Tokens(Vec<Vec<u32>>),
+}
+
+impl BatchRows {
+    pub fn rows(&self) -> usize {
+        match self {
+            BatchRows::Features { features, data } => {
+                if *features == 0 {
+                    0
+                } else {
+                    data.len() / features
+                }
+            }
+            BatchRows::Tokens(seqs) => seqs.len(),
+        }
+    }
+
+    /// Longest sequence (1 for feature rows).
+    pub fn max_len(&self) -> usize {
+        match self {
+            BatchRows::Features { .. } => 1,
+            BatchRows::Tokens(seqs) => seqs.iter().map(Vec::len).max().unwrap_or(0),
+        }
+    }
+
+    /// Writes the f32 feature input of a `[batch, features]` program: real rows
+    /// first, zeros after. `dst.len()` must be `batch · features`.
+    pub fn pack_features(&self, dst: &mut [f32]) {
+        match self {
+            BatchRows::Features { data, .. } => {
+                assert!(data.len() <= dst.len(), "batch larger than the bucket");
+                dst[..data.len()].copy_from_slice(data);
+                dst[data.len()..].fill(0.0);
+            }
+            BatchRows::Tokens(_) => panic!("token rows packed into a feature input"),
+        }
+    }
+
+    /// Writes one i32 `[batch, seq]` input of a token program: ids (0 where
+    /// padded), the attention mask (1 for real tokens) or token types (all 0).
+    /// `dst.len()` must be `batch · seq`.
+    pub fn pack_tokens(&self, role: InputRole, seq: usize, dst: &mut [i32]) {
+        let BatchRows::Tokens(seqs) = self else {
+            panic!("feature rows packed into a token input")
+        };
+        assert!(seqs.len() * seq <= dst.len(), "batch larger than the bucket");
+        dst.fill(0);
+        if role == InputRole::TokenTypeIds {
+            return;
+        }
+        for (row, ids) in seqs.iter().enumerate() {
+            assert!(ids.len() <= seq, "sequence longer than the bucket");
+            let out = &mut dst[row * seq..row * seq + ids.len()];
+            match role {
+                InputRole::TokenIds => out
+                    .iter_mut()
+                    .zip(ids)
+                    .for_each(|(o, &id)| *o = id as i32),
+                InputRole::AttentionMask => out.fill(1),
+                _ => unreachable!(),
+            }
+        }
+    }
+
+    /// Packs whichever input `role` names; `dst_f32`/`dst_i32` is used by type.
+    pub fn pack(&self, role: InputRole, seq: usize, dst: PackTarget<'_>) {
+        match (role, dst) {
+            (InputRole::Features, PackTarget::F32(d)) => self.pack_features(d),
+            (role, PackTarget::I32(d)) if role.is_integer() => self.pack_tokens(role, seq, d),
+            (role, _) => panic!("input {role:?} packed into the wrong element type"),
+        }
+    }
+}
+
+/// A destination buffer for [`BatchRows::pack`].
+pub enum PackTarget<'a> {
+    F32(&'a mut [f32]),
+    I32(&'a mut [i32]),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_pad_with_zero_ids_and_mask() {
+        let rows = BatchRows::Tokens(vec![vec![101, 7, 102], vec![101, 102]]);
+        let mut ids = vec![-1; 3 * 4];
+        rows.pack_tokens(InputRole::TokenIds, 4, &mut ids);
+        assert_eq!(ids, vec![101, 7, 102, 0, 101, 102, 0, 0, 0, 0, 0, 0]);
+        let mut mask = vec![-1; 12];
+        rows.pack_tokens(InputRole::AttentionMask, 4, &mut mask);
+        assert_eq!(mask, vec![1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0]);
+        let mut types = vec![-1; 12];
+        rows.pack_tokens(InputRole::TokenTypeIds, 4, &mut types);
+        assert_eq!(types, vec![0; 12]);
+        assert_eq!(rows.rows(), 2);
+        assert_eq!(rows.max_len(), 3);
+    }
+
+    #[test]
+    fn features_pad_with_zero_rows() {
+        let rows = BatchRows::Features {
+            features: 2,
+            data: vec![1.0, 2.0, 3.0, 4.0],
+        };
+        let mut dst = vec![9.0; 8];
+        rows.pack_features(&mut dst);
+        assert_eq!(dst, vec![1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(rows.rows(), 2);
+    }
+}

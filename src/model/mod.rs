@@ -1,0 +1,126 @@
+//! Models: loading weights and configs from disk, and describing the forward
+//! pass as a [`Program`] at a given (batch, seq) shape.
+//!
+//! * [`mlp`]: the articles' example, `Linear → activation → Linear …`, from a
+//!   PyTorch `state_dict` saved with safetensors.
+//! * [`bert`]: BERT-family sentence encoders from a Hugging Face folder, with
+//!   sentence-transformers pooling and normalisation.
+//! * [`program`]: the shape-fixed op list that backends capture.
+//! * [`batch`]: the rows of one batch and how they are padded into a program's
+//!   static inputs.
+//!
+//! The main process only needs [`ModelInfo`] (from [`inspect`], which reads
+//! configs and safetensors headers but no weight data); worker processes call
+//! [`Model::load`].
+
+pub mod batch;
+pub mod bert;
+pub mod mlp;
+pub mod program;
+pub mod weights;
+
+pub use batch::BatchRows;
+pub use program::{Activation, InputRole, Pooling, Program};
+pub use weights::Weights;
+
+use crate::config::{ModelConfig, ModelKind};
+use crate::tensor::DType;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use thiserror::Error;
+
+/// Why a model could not be loaded. Always names the file and the problem.
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("model {model}: {message}")]
+    Invalid { model: String, message: String },
+}
+
+impl ModelError {
+    pub fn file(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        ModelError::File {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// What a request to a model must carry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum InputSpec {
+    /// An f32 tensor `[n, features]`.
+    Features { features: usize },
+    /// Token ids (or texts the frontend tokenizes), at most `max_seq_len`
+    /// tokens each including special tokens; ids must be `< vocab_size`.
+    Tokens {
+        vocab_size: usize,
+        max_seq_len: usize,
+    },
+}
+
+/// Everything about a model that the main process needs (no weights).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub name: String,
+    pub kind: ModelKind,
+    pub input: InputSpec,
+    /// Width of one output row (embedding size, or the MLP's last layer).
+    pub output_dim: usize,
+    /// Compute dtype on the device.
+    pub dtype: DType,
+    /// Where the tokenizer lives, for token models.
+    pub tokenizer_path: Option<PathBuf>,
+}
+
+impl ModelInfo {
+    /// True for models with a sequence axis (seq buckets apply).
+    pub fn has_seq(&self) -> bool {
+        matches!(self.input, InputSpec::Tokens { .. })
+    }
+}
+
+/// The architecture of a loaded model, with weight ids into [`Model::weights`].
+#[derive(Clone, Debug)]
+pub enum Architecture {
+    Mlp(mlp::MlpArch),
+    Bert(bert::BertArch),
+}
+
+/// A model with its weights in host memory (f32), ready for a backend to upload.
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub info: ModelInfo,
+    pub arch: Architecture,
+    pub weights: Weights,
+}
+
+impl Model {
+    /// Loads config and weights. Errors name the file and what is wrong.
+    pub fn load(config: &ModelConfig) -> Result<Model, ModelError> {
+        match config.kind {
+            ModelKind::Mlp => mlp::load(config),
+            ModelKind::Bert => bert::load(config),
+        }
+    }
+
+    /// The forward pass at `batch` rows and `seq` tokens per row (`seq` is
+    /// ignored, and the program's `seq` is 1, for models without a sequence axis).
+    pub fn program(&self, batch: usize, seq: usize) -> Program {
+        match &self.arch {
+            Architecture::Mlp(arch) => arch.program(batch),
+            Architecture::Bert(arch) => arch.program(batch, seq),
+        }
+    }
+}
+
+/// Reads a model's configs, tokenizer presence and safetensors header (names,
+/// dtypes, shapes) without loading weight data, and checks that the model can
+/// be served. The daemon calls this at start-up so a bad folder fails fast.
+pub fn inspect(config: &ModelConfig) -> Result<ModelInfo, ModelError> {
+    match config.kind {
+        ModelKind::Mlp => mlp::inspect(config),
+        ModelKind::Bert => bert::inspect(config),
+    }
+}

@@ -1,0 +1,306 @@
+//! The forward pass of a model at one fixed shape, as a flat list of ops over
+//! numbered buffers.
+//!
+//! A [`Program`] is what a backend captures: every buffer has a fixed size,
+//! every op a fixed shape, and there is no control flow. The CPU backend
+//! executes the ops in order over preallocated host buffers; the CUDA backend
+//! launches one kernel (or cuBLASLt matmul) per op inside a stream capture.
+//! Models describe themselves once here, so both backends compute the same
+//! function by construction.
+//!
+//! Activation buffers are reused across layers (the builder ping-pongs a
+//! handful of them), so a program's memory does not grow with depth.
+
+use serde::{Deserialize, Serialize};
+
+/// Index into the model's weight table ([`crate::model::Weights`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WeightId(pub usize);
+
+/// Index into [`Program::buffers`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BufId(pub usize);
+
+/// What a buffer holds, which decides its element type on a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum BufKind {
+    /// A static input filled from the batch before each run (see [`InputRole`]).
+    Input(InputRole),
+    /// Intermediate activations, in the model's compute dtype.
+    Activation,
+    /// The program's result: always f32, `[batch, output_dim]`.
+    Output,
+}
+
+/// The meaning of an input buffer; decides how a batch is packed into it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum InputRole {
+    /// f32 `[batch, features]`, padded rows are zero.
+    Features,
+    /// i32 `[batch, seq]` token ids, padding positions hold 0 (the pad id is irrelevant: masked).
+    TokenIds,
+    /// i32 `[batch, seq]`, 1 for real tokens, 0 for padding (also 0 for padded rows).
+    AttentionMask,
+    /// i32 `[batch, seq]` segment ids (all 0 for single-sentence encoders).
+    TokenTypeIds,
+}
+
+impl InputRole {
+    /// Integer inputs are i32; feature inputs f32.
+    pub fn is_integer(self) -> bool {
+        !matches!(self, InputRole::Features)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BufferDecl {
+    pub name: String,
+    pub kind: BufKind,
+    /// Number of elements (not bytes).
+    pub elems: usize,
+}
+
+/// Element-wise activation applied after a linear layer's bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    Identity,
+    Relu,
+    /// Exact GELU, `0.5·x·(1 + erf(x/√2))` (BERT's `"gelu"`).
+    Gelu,
+    /// The tanh approximation (`"gelu_new"`, `"gelu_pytorch_tanh"`).
+    GeluTanh,
+    Tanh,
+    Sigmoid,
+    /// `x·sigmoid(x)` (`"silu"`, `"swish"`).
+    Silu,
+}
+
+impl Activation {
+    /// Parses the names used by PyTorch modules and Hugging Face configs.
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "identity" | "none" | "linear" => Activation::Identity,
+            "relu" => Activation::Relu,
+            "gelu" => Activation::Gelu,
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" | "gelu_tanh" => Activation::GeluTanh,
+            "tanh" => Activation::Tanh,
+            "sigmoid" => Activation::Sigmoid,
+            "silu" | "swish" => Activation::Silu,
+            _ => return None,
+        })
+    }
+
+    /// Reference implementation (f32), shared by the CPU backend and tests.
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Activation::Identity => x,
+            Activation::Relu => x.max(0.0),
+            Activation::Gelu => 0.5 * x * (1.0 + erf(x / std::f32::consts::SQRT_2)),
+            Activation::GeluTanh => {
+                let c = (2.0f32 / std::f32::consts::PI).sqrt();
+                0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+            }
+            Activation::Tanh => x.tanh(),
+            Activation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+            Activation::Silu => x / (1.0 + (-x).exp()),
+        }
+    }
+}
+
+/// The error function in f32, computed in f64 (Rust's std has no erf).
+pub fn erf(x: f32) -> f32 {
+    erf_f64(x as f64) as f32
+}
+
+/// The error function from the C math library, which every target we build for links.
+pub fn erf_f64(x: f64) -> f64 {
+    extern "C" {
+        fn erf(x: f64) -> f64;
+    }
+    // SAFETY: a pure function of its argument.
+    unsafe { erf(x) }
+}
+
+/// How token embeddings become one sentence embedding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pooling {
+    /// Mean over tokens where the attention mask is 1.
+    Mean,
+    /// The first token's vector.
+    Cls,
+    /// Element-wise max over tokens where the attention mask is 1.
+    Max,
+}
+
+/// One step of a forward pass. Row-major everywhere; `rows = batch · seq`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// `out[r] = LayerNorm(word[ids[r]] + position[r % seq] + token_type[types[r]])`.
+    /// Ids outside the vocabulary never reach a program (the frontend rejects them).
+    EmbedLayerNorm {
+        ids: BufId,
+        token_types: BufId,
+        word: WeightId,
+        position: WeightId,
+        token_type: WeightId,
+        gamma: WeightId,
+        beta: WeightId,
+        eps: f32,
+        out: BufId,
+        batch: usize,
+        seq: usize,
+        hidden: usize,
+    },
+    /// `out[m, n] = act(x[m, k] · wᵀ + bias)`, `w` stored `[n, k]` as PyTorch does.
+    /// `x` may be an f32 input buffer (first layer of an MLP); `out` may be the
+    /// f32 program output (last layer).
+    Linear {
+        x: BufId,
+        w: WeightId,
+        bias: Option<WeightId>,
+        act: Activation,
+        out: BufId,
+        m: usize,
+        n: usize,
+        k: usize,
+    },
+    /// `out = LayerNorm(x + residual)` over the last dimension (`hidden`).
+    /// `out` may alias `residual` (never `x`).
+    AddLayerNorm {
+        x: BufId,
+        residual: BufId,
+        gamma: WeightId,
+        beta: WeightId,
+        eps: f32,
+        out: BufId,
+        rows: usize,
+        hidden: usize,
+    },
+    /// Multi-head self-attention over a fused projection.
+    /// `qkv` is `[batch·seq, 3·heads·head_dim]`, laid out `[q | k | v]` with heads
+    /// contiguous inside each part; `mask` is the i32 attention mask `[batch, seq]`
+    /// (keys with mask 0 get −∞ before the softmax; fully masked rows produce
+    /// zeros); `out` is `[batch·seq, heads·head_dim]`. Scale is `1/√head_dim`.
+    Attention {
+        qkv: BufId,
+        mask: BufId,
+        out: BufId,
+        batch: usize,
+        seq: usize,
+        heads: usize,
+        head_dim: usize,
+    },
+    /// Sentence pooling: `x` `[batch·seq, hidden]` → `out` `[batch, hidden]` (f32),
+    /// then optional L2 normalisation of each row (`x / max(‖x‖, 1e-12)`).
+    /// Mean pooling divides by `max(Σ mask, 1e-9)` as sentence-transformers does.
+    Pool {
+        x: BufId,
+        mask: BufId,
+        out: BufId,
+        batch: usize,
+        seq: usize,
+        hidden: usize,
+        mode: Pooling,
+        normalize: bool,
+    },
+}
+
+/// A model's forward pass at one (batch, seq) shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Program {
+    pub batch: usize,
+    /// Sequence length (1 for models without a sequence axis).
+    pub seq: usize,
+    pub buffers: Vec<BufferDecl>,
+    pub ops: Vec<Op>,
+    /// Input buffers, in the order the model's [`InputRole`]s list them.
+    pub inputs: Vec<BufId>,
+    /// The f32 `[batch, output_dim]` result.
+    pub output: BufId,
+    pub output_dim: usize,
+}
+
+impl Program {
+    pub fn buffer(&self, id: BufId) -> &BufferDecl {
+        &self.buffers[id.0]
+    }
+
+    /// The input buffer with the given role, if the program has one.
+    pub fn input(&self, role: InputRole) -> Option<BufId> {
+        self.inputs
+            .iter()
+            .copied()
+            .find(|id| self.buffers[id.0].kind == BufKind::Input(role))
+    }
+}
+
+/// Builds programs: hands out buffers and records ops.
+#[derive(Debug, Default)]
+pub struct ProgramBuilder {
+    buffers: Vec<BufferDecl>,
+    ops: Vec<Op>,
+    inputs: Vec<BufId>,
+}
+
+impl ProgramBuilder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn input(&mut self, name: &str, role: InputRole, elems: usize) -> BufId {
+        let id = self.declare(name, BufKind::Input(role), elems);
+        self.inputs.push(id);
+        id
+    }
+
+    pub fn activation(&mut self, name: &str, elems: usize) -> BufId {
+        self.declare(name, BufKind::Activation, elems)
+    }
+
+    pub fn output(&mut self, name: &str, elems: usize) -> BufId {
+        self.declare(name, BufKind::Output, elems)
+    }
+
+    fn declare(&mut self, name: &str, kind: BufKind, elems: usize) -> BufId {
+        self.buffers.push(BufferDecl {
+            name: name.to_string(),
+            kind,
+            elems,
+        });
+        BufId(self.buffers.len() - 1)
+    }
+
+    pub fn push(&mut self, op: Op) {
+        self.ops.push(op);
+    }
+
+    pub fn finish(self, batch: usize, seq: usize, output: BufId, output_dim: usize) -> Program {
+        Program {
+            batch,
+            seq,
+            buffers: self.buffers,
+            ops: self.ops,
+            inputs: self.inputs,
+            output,
+            output_dim,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activations_match_known_values() {
+        assert_eq!(Activation::Relu.apply(-2.0), 0.0);
+        assert!((Activation::Gelu.apply(1.0) - 0.841_344_7).abs() < 1e-6);
+        assert!((Activation::GeluTanh.apply(1.0) - 0.841_192).abs() < 1e-5);
+        assert!((Activation::Silu.apply(1.0) - 0.731_058_6).abs() < 1e-6);
+        assert!((erf_f64(0.5) - 0.520_499_877_813_046_5).abs() < 1e-15);
+        assert_eq!(Activation::parse("GELU"), Some(Activation::Gelu));
+        assert_eq!(Activation::parse("mish"), None);
+    }
+}
