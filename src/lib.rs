@@ -21,6 +21,9 @@
 //! * [`client`] — a Rust client for the wire protocol.
 
 pub mod backend;
+pub mod batcher;
+pub mod bucket;
 pub mod config;
 pub mod model;
+pub mod protocol;
 pub mod tensor;

@@ -1,0 +1,2 @@
+//! The batcher (see [`queue`] for the rules).
+pub mod queue;

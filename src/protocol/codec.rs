@@ -1,0 +1,363 @@
+//! Frames ⇄ protocol values.
+
+use super::{
+    ErrorCode, InputKind, Payload, ProtocolError, Reply, ReplyHeader, Request, RequestHeader,
+    Status, PROTOCOL_VERSION,
+};
+use crate::tensor::{element_count, DType, HostTensor};
+use bytes::Bytes;
+use serde::Deserialize;
+
+/// Size limits applied while decoding, before anything is allocated for a request.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeLimits {
+    /// All frames together.
+    pub max_bytes: usize,
+    /// Texts, id sequences or tensor rows per request.
+    pub max_items: usize,
+}
+
+impl Default for DecodeLimits {
+    fn default() -> Self {
+        Self {
+            max_bytes: 64 << 20,
+            max_items: 1024,
+        }
+    }
+}
+
+fn bad(id: u64, message: impl Into<String>) -> ProtocolError {
+    ProtocolError::new(id, ErrorCode::BadRequest, message)
+}
+
+/// Decodes a request from its frames (identity and delimiter already removed).
+pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request, ProtocolError> {
+    let Some((head, payload)) = frames.split_first() else {
+        return Err(bad(0, "empty message: expected a header frame"));
+    };
+    let total: usize = frames.iter().map(Bytes::len).sum();
+    let header: RequestHeader = match rmp_serde::from_slice(head) {
+        Ok(h) => h,
+        Err(e) => {
+            // Recover the id if the header is a map that has one, so the client
+            // can match the error to its request.
+            #[derive(Deserialize)]
+            struct IdOnly {
+                id: u64,
+            }
+            let id = rmp_serde::from_slice::<IdOnly>(head).map(|h| h.id).unwrap_or(0);
+            return Err(bad(
+                id,
+                format!("malformed header frame (expected a MessagePack map): {e}"),
+            ));
+        }
+    };
+    let id = header.id;
+    if header.v != PROTOCOL_VERSION {
+        return Err(bad(
+            id,
+            format!(
+                "unsupported protocol version {} (this daemon speaks {PROTOCOL_VERSION})",
+                header.v
+            ),
+        ));
+    }
+    if total > limits.max_bytes {
+        return Err(bad(
+            id,
+            format!(
+                "request is {total} bytes, more than the limit of {}",
+                limits.max_bytes
+            ),
+        ));
+    }
+    if let Some(dt) = header.output_dtype {
+        if !matches!(dt, DType::F32 | DType::F16) {
+            return Err(bad(id, format!("output_dtype {dt} is not supported (f32 or f16)")));
+        }
+    }
+    let payload = match header.input {
+        InputKind::Tensor => decode_tensor(&header, payload)?,
+        InputKind::Texts => {
+            check_items(id, payload.len(), limits, "texts")?;
+            let mut texts = Vec::with_capacity(payload.len());
+            for (i, frame) in payload.iter().enumerate() {
+                let text = std::str::from_utf8(frame).map_err(|e| {
+                    bad(id, format!("text {i} is not valid UTF-8: {e}"))
+                })?;
+                texts.push(text.to_owned());
+            }
+            Payload::Texts(texts)
+        }
+        InputKind::Ids => {
+            check_items(id, payload.len(), limits, "id sequences")?;
+            let mut seqs = Vec::with_capacity(payload.len());
+            for (i, frame) in payload.iter().enumerate() {
+                if frame.is_empty() || frame.len() % 4 != 0 {
+                    return Err(bad(
+                        id,
+                        format!(
+                            "id sequence {i} is {} bytes: expected a non-empty multiple of 4 (little-endian u32 ids)",
+                            frame.len()
+                        ),
+                    ));
+                }
+                seqs.push(
+                    frame
+                        .chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                );
+            }
+            Payload::Ids(seqs)
+        }
+    };
+    Ok(Request { header, payload })
+}
+
+fn check_items(id: u64, n: usize, limits: &DecodeLimits, what: &str) -> Result<(), ProtocolError> {
+    if n == 0 {
+        return Err(bad(id, format!("no {what}: expected at least one payload frame")));
+    }
+    if n > limits.max_items {
+        return Err(bad(
+            id,
+            format!("{n} {what} in one request, more than the limit of {}", limits.max_items),
+        ));
+    }
+    Ok(())
+}
+
+fn decode_tensor(header: &RequestHeader, payload: &[Bytes]) -> Result<Payload, ProtocolError> {
+    let id = header.id;
+    let dtype = header
+        .dtype
+        .ok_or_else(|| bad(id, "input \"tensor\" needs a \"dtype\""))?;
+    let shape = header
+        .shape
+        .as_ref()
+        .ok_or_else(|| bad(id, "input \"tensor\" needs a \"shape\""))?;
+    let [frame] = payload else {
+        return Err(bad(
+            id,
+            format!(
+                "input \"tensor\" takes exactly one payload frame, got {}",
+                payload.len()
+            ),
+        ));
+    };
+    let shape: Vec<usize> = shape
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| bad(id, "shape dimension too large")))
+        .collect::<Result<_, _>>()?;
+    if element_count(&shape).is_none() {
+        return Err(bad(id, format!("shape {shape:?} is too large")));
+    }
+    let tensor = HostTensor::new(dtype, shape, frame.clone()).map_err(|e| {
+        bad(id, format!("payload does not match dtype and shape: {e}"))
+    })?;
+    Ok(Payload::Tensor(tensor))
+}
+
+/// Encodes a reply as frames (header, then the output payload on success).
+pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
+    let (header, payload) = match reply {
+        Reply::Ok {
+            id,
+            output,
+            bucket,
+            device,
+            queued_us,
+            compute_us,
+            total_us,
+        } => (
+            ReplyHeader {
+                v: PROTOCOL_VERSION,
+                id: *id,
+                status: Status::Ok,
+                code: None,
+                message: None,
+                dtype: Some(output.dtype),
+                shape: Some(output.shape.iter().map(|&d| d as u64).collect()),
+                bucket: Some(bucket.clone()),
+                device: Some(device.clone()),
+                queued_us: *queued_us,
+                compute_us: *compute_us,
+                total_us: *total_us,
+            },
+            Some(output.data.clone()),
+        ),
+        Reply::Error { id, code, message } => (
+            ReplyHeader {
+                v: PROTOCOL_VERSION,
+                id: *id,
+                status: Status::Error,
+                code: Some(*code),
+                message: Some(message.clone()),
+                dtype: None,
+                shape: None,
+                bucket: None,
+                device: None,
+                queued_us: 0,
+                compute_us: 0,
+                total_us: 0,
+            },
+            None,
+        ),
+    };
+    let head = rmp_serde::to_vec_named(&header).expect("reply header always serialises");
+    let mut frames = vec![Bytes::from(head)];
+    frames.extend(payload);
+    frames
+}
+
+/// Encodes a request (for clients).
+pub fn encode_request(header: &RequestHeader, payload: &Payload) -> Vec<Bytes> {
+    let head = rmp_serde::to_vec_named(header).expect("request header always serialises");
+    let mut frames = vec![Bytes::from(head)];
+    match payload {
+        Payload::Tensor(t) => frames.push(t.data.clone()),
+        Payload::Texts(texts) => frames.extend(texts.iter().map(|t| Bytes::from(t.clone()))),
+        Payload::Ids(seqs) => frames.extend(seqs.iter().map(|s| {
+            let mut b = Vec::with_capacity(s.len() * 4);
+            s.iter().for_each(|id| b.extend_from_slice(&id.to_le_bytes()));
+            Bytes::from(b)
+        })),
+    }
+    frames
+}
+
+/// Decodes a reply (for clients): the header, and the output tensor on success.
+pub fn decode_reply(frames: &[Bytes]) -> Result<(ReplyHeader, Option<HostTensor>), String> {
+    let (head, rest) = frames.split_first().ok_or("empty reply")?;
+    let header: ReplyHeader =
+        rmp_serde::from_slice(head).map_err(|e| format!("malformed reply header: {e}"))?;
+    let tensor = match (header.status, header.dtype, &header.shape, rest) {
+        (Status::Ok, Some(dtype), Some(shape), [data]) => Some(
+            HostTensor::new(
+                dtype,
+                shape.iter().map(|&d| d as usize).collect(),
+                data.clone(),
+            )
+            .map_err(|e| format!("reply payload: {e}"))?,
+        ),
+        (Status::Ok, ..) => return Err("ok reply without dtype, shape and one payload".into()),
+        (Status::Error, ..) => None,
+    };
+    Ok((header, tensor))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> DecodeLimits {
+        DecodeLimits {
+            max_bytes: 1 << 20,
+            max_items: 4,
+        }
+    }
+
+    #[test]
+    fn tensor_request_round_trips() {
+        let mut header = RequestHeader::new(7, "mlp", InputKind::Tensor);
+        header.dtype = Some(DType::F32);
+        header.shape = Some(vec![2, 2]);
+        header.priority = 3;
+        let t = HostTensor::from_f32(vec![2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        let frames = encode_request(&header, &Payload::Tensor(t.clone()));
+        let req = decode_request(&frames, &limits()).unwrap();
+        assert_eq!(req.header, header);
+        assert_eq!(req.payload, Payload::Tensor(t));
+    }
+
+    #[test]
+    fn texts_and_ids_round_trip() {
+        let header = RequestHeader::new(1, "m", InputKind::Texts);
+        let p = Payload::Texts(vec!["héllo".into(), "".into()]);
+        let req = decode_request(&encode_request(&header, &p), &limits()).unwrap();
+        assert_eq!(req.payload, p);
+        let header = RequestHeader::new(2, "m", InputKind::Ids);
+        let p = Payload::Ids(vec![vec![101, 102], vec![101, 7, 102]]);
+        let req = decode_request(&encode_request(&header, &p), &limits()).unwrap();
+        assert_eq!(req.payload, p);
+    }
+
+    fn err(frames: Vec<Bytes>) -> ProtocolError {
+        decode_request(&frames, &limits()).unwrap_err()
+    }
+
+    #[test]
+    fn malformed_requests_are_bad_requests_with_reasons() {
+        assert!(err(vec![]).message.contains("empty message"));
+        let e = err(vec![Bytes::from_static(b"\xc1garbage")]);
+        assert_eq!((e.code, e.id), (ErrorCode::BadRequest, 0));
+        // An unknown key is named, and the id is still recovered.
+        #[derive(serde::Serialize)]
+        struct Typo<'a> {
+            v: u32,
+            id: u64,
+            model: &'a str,
+            input: &'a str,
+            timeout_ms: u64,
+        }
+        let head = rmp_serde::to_vec_named(&Typo {
+            v: 1,
+            id: 42,
+            model: "m",
+            input: "texts",
+            timeout_ms: 5,
+        })
+        .unwrap();
+        let e = err(vec![Bytes::from(head), Bytes::from_static(b"x")]);
+        assert_eq!(e.id, 42);
+        assert!(e.message.contains("timeout_ms"), "{}", e.message);
+
+        let text = |frames: Vec<&'static [u8]>| {
+            let mut f = vec![Bytes::from(
+                rmp_serde::to_vec_named(&RequestHeader::new(5, "m", InputKind::Texts)).unwrap(),
+            )];
+            f.extend(frames.into_iter().map(Bytes::from_static));
+            f
+        };
+        assert!(err(text(vec![b"ok", b"\xff\xfe"])).message.contains("text 1 is not valid UTF-8"));
+        assert!(err(text(vec![])).message.contains("no texts"));
+        assert!(err(text(vec![b"a"; 5])).message.contains("limit of 4"));
+
+        let mut h = RequestHeader::new(6, "m", InputKind::Tensor);
+        h.dtype = Some(DType::F32);
+        h.shape = Some(vec![2, 3]);
+        let head = Bytes::from(rmp_serde::to_vec_named(&h).unwrap());
+        let e = err(vec![head.clone(), Bytes::from(vec![0u8; 20])]);
+        assert!(e.message.contains("needs 24 bytes, got 20"), "{}", e.message);
+        let e = err(vec![head.clone()]);
+        assert!(e.message.contains("exactly one payload frame"), "{}", e.message);
+
+        let mut h = RequestHeader::new(8, "m", InputKind::Ids);
+        h.v = 2;
+        let e = err(vec![Bytes::from(rmp_serde::to_vec_named(&h).unwrap()), Bytes::from_static(b"\0\0\0\0")]);
+        assert!(e.message.contains("version 2"), "{}", e.message);
+        let h = RequestHeader::new(9, "m", InputKind::Ids);
+        let e = err(vec![Bytes::from(rmp_serde::to_vec_named(&h).unwrap()), Bytes::from_static(b"\0\0\0")]);
+        assert!(e.message.contains("multiple of 4"), "{}", e.message);
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        let out = HostTensor::from_f32(vec![1, 2], &[0.5, -0.5]);
+        let reply = Reply::Ok {
+            id: 3,
+            output: out.clone(),
+            bucket: "8x16".into(),
+            device: "cpu:0".into(),
+            queued_us: 10,
+            compute_us: 20,
+            total_us: 40,
+        };
+        let (h, t) = decode_reply(&encode_reply(&reply)).unwrap();
+        assert_eq!((h.id, h.status, h.bucket.as_deref()), (3, Status::Ok, Some("8x16")));
+        assert_eq!(t.unwrap(), out);
+        let (h, t) = decode_reply(&encode_reply(&Reply::error(4, ErrorCode::TooLong, "long"))).unwrap();
+        assert_eq!((h.code, h.message.as_deref(), t), (Some(ErrorCode::TooLong), Some("long"), None));
+    }
+}

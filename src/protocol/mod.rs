@@ -1,0 +1,279 @@
+//! The client wire protocol (see `docs/protocol.md` for the normative text).
+//!
+//! A request is one ZeroMQ multipart message to the daemon's ROUTER socket:
+//! a MessagePack header frame followed by raw payload frames. A reply is a
+//! header frame and, on success, one payload frame with the output tensor.
+//! Clients using REQ sockets put an empty delimiter frame first; the daemon
+//! echoes it. Requests carry a client-chosen `id`; replies may come back in
+//! any order and carry the same `id`.
+//!
+//! * [`RequestHeader`] / [`ReplyHeader`]: the header frames.
+//! * [`decode_request`] / [`encode_reply`]: frames ⇄ values, with every
+//!   malformation mapped to an [`ErrorCode`] and a message that says what is wrong.
+
+mod codec;
+
+pub use codec::{decode_reply, decode_request, encode_reply, encode_request, DecodeLimits};
+
+use crate::tensor::{DType, HostTensor};
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this daemon speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Machine-readable failure reasons carried by error replies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The message is malformed or inconsistent (header, dtype, shape, payload, ids).
+    BadRequest,
+    /// No model of that name is served.
+    UnknownModel,
+    /// An input is longer than the model accepts (and truncation was not asked for).
+    TooLong,
+    /// The queue for that model is full; retry later.
+    Overloaded,
+    /// The request's deadline passed before it could run.
+    DeadlineExceeded,
+    /// The daemon is shutting down, or no device can serve the model.
+    Unavailable,
+    /// A bug or an unexpected failure inside the daemon.
+    Internal,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 7] = [
+        ErrorCode::BadRequest,
+        ErrorCode::UnknownModel,
+        ErrorCode::TooLong,
+        ErrorCode::Overloaded,
+        ErrorCode::DeadlineExceeded,
+        ErrorCode::Unavailable,
+        ErrorCode::Internal,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::BadRequest => "bad_request",
+            ErrorCode::UnknownModel => "unknown_model",
+            ErrorCode::TooLong => "too_long",
+            ErrorCode::Overloaded => "overloaded",
+            ErrorCode::DeadlineExceeded => "deadline_exceeded",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the payload frames of a request hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputKind {
+    /// One frame: a dense little-endian tensor described by `dtype` and `shape`.
+    Tensor,
+    /// One frame per text, UTF-8.
+    Texts,
+    /// One frame per sequence of token ids, little-endian u32, special tokens included.
+    Ids,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// The header frame of a request (a MessagePack map with these keys).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestHeader {
+    /// Protocol version; must be 1.
+    pub v: u32,
+    /// Client-chosen id, echoed in the reply.
+    pub id: u64,
+    /// Name of the model (as configured).
+    pub model: String,
+    pub input: InputKind,
+    /// Element type of a tensor payload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<DType>,
+    /// Shape of a tensor payload, `[rows, features]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<u64>>,
+    /// Higher runs first among queued requests of the same model (default 0).
+    #[serde(default)]
+    pub priority: u8,
+    /// Give up after this many microseconds from receipt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_us: Option<u64>,
+    /// Give up at this wall-clock time, microseconds since the Unix epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_unix_us: Option<u64>,
+    /// Truncate texts longer than the model's maximum (default true); when
+    /// false such a text fails the request with `too_long`.
+    #[serde(default = "default_true")]
+    pub truncate: bool,
+    /// Element type of the reply tensor: f32 (default) or f16.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_dtype: Option<DType>,
+}
+
+impl RequestHeader {
+    /// A header with the defaults for everything optional.
+    pub fn new(id: u64, model: impl Into<String>, input: InputKind) -> Self {
+        Self {
+            v: PROTOCOL_VERSION,
+            id,
+            model: model.into(),
+            input,
+            dtype: None,
+            shape: None,
+            priority: 0,
+            timeout_us: None,
+            deadline_unix_us: None,
+            truncate: true,
+            output_dtype: None,
+        }
+    }
+}
+
+/// A request's decoded payload.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Payload {
+    Tensor(HostTensor),
+    Texts(Vec<String>),
+    Ids(Vec<Vec<u32>>),
+}
+
+impl Payload {
+    /// Number of rows (tensor rows, texts or sequences).
+    pub fn items(&self) -> usize {
+        match self {
+            Payload::Tensor(t) => t.shape.first().copied().unwrap_or(0),
+            Payload::Texts(t) => t.len(),
+            Payload::Ids(s) => s.len(),
+        }
+    }
+}
+
+/// A decoded, well-formed request (not yet checked against the model).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    pub header: RequestHeader,
+    pub payload: Payload,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Error,
+}
+
+/// The header frame of a reply (a MessagePack map). Optional keys are left
+/// out when they don't apply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplyHeader {
+    pub v: u32,
+    /// The request's id (0 when the request was too malformed to read one).
+    pub id: u64,
+    pub status: Status,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<ErrorCode>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<DType>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<u64>>,
+    /// The bucket the request ran in, `"<batch>x<seq>"` (seq 1 for models
+    /// without a sequence axis), or `"eager"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<String>,
+    /// The device that ran it, e.g. `"cuda:0"` or `"cpu:1"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Microseconds from receipt until its batch was sent to a device.
+    #[serde(default)]
+    pub queued_us: u64,
+    /// Microseconds the worker spent on its batch (copy in, replay, copy out).
+    #[serde(default)]
+    pub compute_us: u64,
+    /// Microseconds from receipt until the reply was sent.
+    #[serde(default)]
+    pub total_us: u64,
+}
+
+/// A reply as the daemon produces it, before encoding.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reply {
+    Ok {
+        id: u64,
+        output: HostTensor,
+        bucket: String,
+        device: String,
+        queued_us: u64,
+        compute_us: u64,
+        total_us: u64,
+    },
+    Error {
+        id: u64,
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+impl Reply {
+    pub fn error(id: u64, code: ErrorCode, message: impl Into<String>) -> Self {
+        Reply::Error {
+            id,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn id(&self) -> u64 {
+        match self {
+            Reply::Ok { id, .. } | Reply::Error { id, .. } => *id,
+        }
+    }
+
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            Reply::Ok { .. } => None,
+            Reply::Error { code, .. } => Some(*code),
+        }
+    }
+}
+
+/// A request that could not be decoded: what to reply.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ProtocolError {
+    /// The request id, if the header was readable far enough to get it.
+    pub id: u64,
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl ProtocolError {
+    pub fn new(id: u64, code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            id,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn into_reply(self) -> Reply {
+        Reply::Error {
+            id: self.id,
+            code: self.code,
+            message: self.message,
+        }
+    }
+}
