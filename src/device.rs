@@ -1,0 +1,571 @@
+//! The device actor: one per device (and one per eager worker). It owns the
+//! device's worker process and the ZeroMQ socket to it.
+//!
+//! Life cycle of a worker ("generation"): bind a fresh `ipc://` socket, start
+//! `replayd worker`, wait for `Ready` (every graph captured), forward batches
+//! and results; when the process exits — killed, crashed, or on purpose after a
+//! device fault — tell the batcher (which re-dispatches what the worker held)
+//! and start a new generation after a back-off that doubles up to a limit.
+//! Events from an older generation are ignored.
+
+use crate::batcher::queue::DeviceId;
+use crate::batcher::{Batch, BatcherMsg, RequestInput};
+use crate::metrics::Metrics;
+use crate::worker::ipc::{self, FromWorker, RowsLayout, ToWorker};
+use crate::worker::WorkerBackend;
+use bytes::Bytes;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use zeromq::{Socket, SocketRecv, SocketSend};
+
+/// How to start this device's worker process.
+#[derive(Clone, Debug)]
+pub struct WorkerCommand {
+    pub exe: PathBuf,
+    pub config_path: PathBuf,
+    pub backend: WorkerBackend,
+    pub ordinal: usize,
+    pub threads: usize,
+    pub eager: bool,
+}
+
+#[derive(Clone)]
+pub struct DeviceArgs {
+    pub device: DeviceId,
+    /// Index of this device in [`Metrics`]' device list.
+    pub metrics_index: usize,
+    /// e.g. "cuda:0", "cpu:1", "eager:0".
+    pub label: String,
+    pub worker: WorkerCommand,
+    pub runtime_dir: PathBuf,
+    pub batcher: ActorRef<BatcherMsg>,
+    pub metrics: Arc<Metrics>,
+    pub model_names: Vec<String>,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+    pub start_timeout: Duration,
+    pub stop_timeout: Duration,
+    pub fault_injection: bool,
+}
+
+pub enum DeviceMsg {
+    /// Run a batch on this device's worker.
+    Run { batch: Arc<Batch>, attempt: u32 },
+    /// Make the worker corrupt its device (tests); answers the worker's reply.
+    InjectFault(RpcReplyPort<Result<String, String>>),
+    /// Kill the worker now (e.g. NVML reported a critical Xid); it restarts.
+    Kill { reason: String },
+    /// Stop the worker for good (daemon shutdown); answers once it exited.
+    Stop(RpcReplyPort<()>),
+    /// Start a new worker generation.
+    Spawn,
+    /// Something happened to worker generation `generation`.
+    Worker { generation: u64, event: WorkerEvent },
+}
+
+pub enum WorkerEvent {
+    Message(Vec<Bytes>),
+    Exited { code: Option<i32>, signal: Option<i32> },
+    StartTimeout,
+    StopTimeout,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Starting,
+    Ready,
+    Down,
+    Stopped,
+}
+
+impl Status {
+    fn as_str(self) -> &'static str {
+        match self {
+            Status::Starting => "starting",
+            Status::Ready => "ready",
+            Status::Down => "down",
+            Status::Stopped => "stopped",
+        }
+    }
+}
+
+pub struct DeviceState {
+    args: DeviceArgs,
+    generation: u64,
+    status: Status,
+    pid: Option<u32>,
+    outbox: Option<mpsc::UnboundedSender<Vec<Bytes>>>,
+    io_task: Option<tokio::task::JoinHandle<()>>,
+    backoff: Duration,
+    started_once: bool,
+    stopping: bool,
+    stop_waiters: Vec<RpcReplyPort<()>>,
+    fault_waiters: Vec<RpcReplyPort<Result<String, String>>>,
+    socket_path: Option<PathBuf>,
+}
+
+pub struct DeviceActor;
+
+impl Actor for DeviceActor {
+    type Msg = DeviceMsg;
+    type State = DeviceState;
+    type Arguments = DeviceArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<DeviceMsg>,
+        args: DeviceArgs,
+    ) -> Result<DeviceState, ActorProcessingErr> {
+        let _ = myself.cast(DeviceMsg::Spawn);
+        Ok(DeviceState {
+            backoff: args.backoff_initial,
+            args,
+            generation: 0,
+            status: Status::Down,
+            pid: None,
+            outbox: None,
+            io_task: None,
+            started_once: false,
+            stopping: false,
+            stop_waiters: Vec::new(),
+            fault_waiters: Vec::new(),
+            socket_path: None,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<DeviceMsg>,
+        state: &mut DeviceState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Never leave a worker behind (e.g. if this actor fails).
+        state.kill_worker();
+        if let Some(task) = state.io_task.take() {
+            task.abort();
+        }
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<DeviceMsg>,
+        msg: DeviceMsg,
+        state: &mut DeviceState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            DeviceMsg::Run { batch, attempt } => state.run(&batch, attempt),
+            DeviceMsg::InjectFault(port) => state.inject_fault(port),
+            DeviceMsg::Kill { reason } => {
+                tracing::warn!(device = %state.args.label, "killing worker: {reason}");
+                state.set_error(reason);
+                state.kill_worker();
+            }
+            DeviceMsg::Stop(port) => state.stop(&myself, port),
+            DeviceMsg::Spawn => state.spawn(&myself).await,
+            DeviceMsg::Worker { generation, event } => {
+                if generation == state.generation {
+                    state.worker_event(&myself, event);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DeviceState {
+    fn label(&self) -> &str {
+        &self.args.label
+    }
+
+    fn set_status(&mut self, status: Status) {
+        self.status = status;
+        let pid = self.pid;
+        self.args.metrics.update_device(self.args.metrics_index, |d| {
+            d.state = status.as_str().to_string();
+            d.worker_pid = pid;
+        });
+    }
+
+    fn set_error(&self, error: String) {
+        self.args
+            .metrics
+            .update_device(self.args.metrics_index, |d| d.last_error = Some(error));
+    }
+
+    async fn spawn(&mut self, myself: &ActorRef<DeviceMsg>) {
+        if self.stopping || matches!(self.status, Status::Starting | Status::Ready) {
+            return;
+        }
+        self.generation += 1;
+        let generation = self.generation;
+        if self.started_once {
+            self.args
+                .metrics
+                .update_device(self.args.metrics_index, |d| d.restarts += 1);
+        }
+        self.started_once = true;
+        let safe_label: String = self
+            .label()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        let path = self.args.runtime_dir.join(format!(
+            "worker-{safe_label}-{}-{generation}.sock",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let endpoint = format!("ipc://{}", path.display());
+        let mut socket = zeromq::DealerSocket::new();
+        if let Err(e) = socket.bind(&endpoint).await {
+            self.start_failed(myself, format!("cannot bind {endpoint}: {e}"));
+            return;
+        }
+        self.socket_path = Some(path);
+        let w = &self.args.worker;
+        let mut cmd = tokio::process::Command::new(&w.exe);
+        cmd.arg("worker")
+            .arg("--config")
+            .arg(&w.config_path)
+            .arg("--endpoint")
+            .arg(&endpoint)
+            .arg("--backend")
+            .arg(match w.backend {
+                WorkerBackend::Cpu => "cpu",
+                WorkerBackend::Cuda => "cuda",
+            })
+            .arg("--ordinal")
+            .arg(w.ordinal.to_string())
+            .arg("--threads")
+            .arg(w.threads.to_string())
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        if w.eager {
+            cmd.arg("--eager");
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                self.start_failed(myself, format!("cannot start {}: {e}", w.exe.display()));
+                return;
+            }
+        };
+        self.pid = child.id();
+        tracing::info!(device = %self.label(), pid = ?self.pid, generation, "worker started");
+        self.set_status(Status::Starting);
+
+        let (outbox, mut outgoing) = mpsc::unbounded_channel::<Vec<Bytes>>();
+        self.outbox = Some(outbox);
+        let (mut send, mut recv) = socket.split();
+        let me = myself.clone();
+        self.io_task = Some(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    incoming = recv.recv() => match incoming {
+                        Ok(m) => {
+                            let event = WorkerEvent::Message(m.into_vec());
+                            if me.cast(DeviceMsg::Worker { generation, event }).is_err() {
+                                break;
+                            }
+                        }
+                        Err(_) => break,
+                    },
+                    out = outgoing.recv() => match out {
+                        Some(frames) => {
+                            if let Ok(m) = zeromq::ZmqMessage::try_from(frames) {
+                                if send.send(m).await.is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                        None => break,
+                    },
+                }
+            }
+        }));
+        let me = myself.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            let (code, signal) = match status {
+                Ok(s) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    (s.code(), s.signal())
+                }
+                Err(_) => (None, None),
+            };
+            let _ = me.cast(DeviceMsg::Worker {
+                generation,
+                event: WorkerEvent::Exited { code, signal },
+            });
+        });
+        myself.send_after(self.args.start_timeout, move || DeviceMsg::Worker {
+            generation,
+            event: WorkerEvent::StartTimeout,
+        });
+    }
+
+    fn start_failed(&mut self, myself: &ActorRef<DeviceMsg>, error: String) {
+        tracing::error!(device = %self.label(), "{error}");
+        self.set_error(error);
+        self.set_status(Status::Down);
+        self.schedule_restart(myself);
+    }
+
+    fn schedule_restart(&mut self, myself: &ActorRef<DeviceMsg>) {
+        let delay = self.backoff;
+        self.backoff = (self.backoff * 2).min(self.args.backoff_max);
+        myself.send_after(delay, || DeviceMsg::Spawn);
+    }
+
+    fn worker_event(&mut self, myself: &ActorRef<DeviceMsg>, event: WorkerEvent) {
+        match event {
+            WorkerEvent::Message(frames) => self.worker_message(&frames),
+            WorkerEvent::Exited { code, signal } => self.worker_exited(myself, code, signal),
+            WorkerEvent::StartTimeout => {
+                if self.status == Status::Starting {
+                    self.set_error(format!(
+                        "worker did not become ready within {:?}",
+                        self.args.start_timeout
+                    ));
+                    self.kill_worker();
+                }
+            }
+            WorkerEvent::StopTimeout => {
+                if self.stopping && self.pid.is_some() {
+                    self.kill_worker();
+                }
+            }
+        }
+    }
+
+    fn worker_message(&mut self, frames: &[Bytes]) {
+        let (msg, data) = match ipc::decode::<FromWorker>(frames) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!(device = %self.label(), "{e}");
+                return;
+            }
+        };
+        let device = self.args.device;
+        match msg {
+            FromWorker::Ready {
+                info,
+                graphs,
+                startup_ms,
+            } => {
+                tracing::info!(
+                    device = %self.label(),
+                    name = %info.name,
+                    graphs = graphs.len(),
+                    startup_ms,
+                    "worker ready"
+                );
+                self.backoff = self.args.backoff_initial;
+                let graph_stats = Metrics::graph_stats(&graphs, &self.args.model_names);
+                self.args.metrics.update_device(self.args.metrics_index, |d| {
+                    d.name = info.name.clone();
+                    d.graphs = graph_stats;
+                    d.startup_ms = Some(startup_ms);
+                });
+                self.set_status(Status::Ready);
+                if self.stopping {
+                    self.send(ipc::encode(&ToWorker::Shutdown, []));
+                } else {
+                    let _ = self.args.batcher.cast(BatcherMsg::DeviceUp { device });
+                }
+            }
+            FromWorker::Done {
+                batch,
+                attempt,
+                rows: _,
+                output_dim,
+                compute_us,
+            } => {
+                self.args
+                    .metrics
+                    .update_device(self.args.metrics_index, |d| d.batches += 1);
+                let output = data.first().cloned().unwrap_or_default();
+                let _ = self.args.batcher.cast(BatcherMsg::BatchDone {
+                    device,
+                    batch,
+                    attempt,
+                    output,
+                    output_dim,
+                    compute_us,
+                });
+            }
+            FromWorker::Failed {
+                batch,
+                attempt,
+                message,
+                fatal,
+            } => {
+                if fatal {
+                    // The worker exits next; the batch is re-dispatched then.
+                    self.set_error(message);
+                } else {
+                    let _ = self.args.batcher.cast(BatcherMsg::BatchFailed {
+                        device,
+                        batch,
+                        attempt,
+                        message,
+                    });
+                }
+            }
+            FromWorker::FaultInjected { ok, message } => {
+                for port in self.fault_waiters.drain(..) {
+                    let _ = port.send(if ok { Ok(message.clone()) } else { Err(message.clone()) });
+                }
+            }
+            FromWorker::Fatal { message } => {
+                tracing::error!(device = %self.label(), "worker: {message}");
+                self.set_error(message);
+            }
+        }
+    }
+
+    fn worker_exited(&mut self, myself: &ActorRef<DeviceMsg>, code: Option<i32>, signal: Option<i32>) {
+        let was = self.status;
+        self.pid = None;
+        self.outbox = None;
+        if let Some(task) = self.io_task.take() {
+            task.abort();
+        }
+        if let Some(path) = self.socket_path.take() {
+            let _ = std::fs::remove_file(path);
+        }
+        let how = match (code, signal) {
+            (Some(ipc::EXIT_DEVICE_FAULT), _) => "device fault".to_string(),
+            (Some(c), _) => format!("exit status {c}"),
+            (None, Some(s)) => format!("signal {s}"),
+            _ => "unknown exit".to_string(),
+        };
+        if code == Some(ipc::EXIT_DEVICE_FAULT) {
+            self.args
+                .metrics
+                .update_device(self.args.metrics_index, |d| d.device_faults += 1);
+        }
+        for port in self.fault_waiters.drain(..) {
+            let _ = port.send(Err(format!("worker exited ({how})")));
+        }
+        let _ = self.args.batcher.cast(BatcherMsg::DeviceDown {
+            device: self.args.device,
+            reason: format!("worker exited: {how}"),
+        });
+        if self.stopping {
+            tracing::info!(device = %self.label(), "worker stopped ({how})");
+            self.set_status(Status::Stopped);
+            for port in self.stop_waiters.drain(..) {
+                let _ = port.send(());
+            }
+            return;
+        }
+        tracing::warn!(device = %self.label(), state = was.as_str(), "worker exited ({how}); restarting");
+        if was == Status::Ready {
+            self.set_error(format!("worker exited ({how})"));
+        }
+        self.set_status(Status::Down);
+        self.schedule_restart(myself);
+    }
+
+    fn send(&self, frames: Vec<Bytes>) -> bool {
+        self.outbox.as_ref().is_some_and(|o| o.send(frames).is_ok())
+    }
+
+    fn run(&mut self, batch: &Batch, attempt: u32) {
+        if self.status != Status::Ready {
+            // The batcher re-dispatches it when it processes our DeviceDown.
+            return;
+        }
+        self.send(encode_run(batch, attempt));
+    }
+
+    fn inject_fault(&mut self, port: RpcReplyPort<Result<String, String>>) {
+        if !self.args.fault_injection {
+            let _ = port.send(Err(
+                "fault injection is disabled (set devices.fault_injection = true)".into(),
+            ));
+            return;
+        }
+        if self.status != Status::Ready {
+            let _ = port.send(Err(format!(
+                "device {} is {}, not ready",
+                self.label(),
+                self.status.as_str()
+            )));
+            return;
+        }
+        self.fault_waiters.push(port);
+        self.send(ipc::encode(&ToWorker::InjectFault, []));
+    }
+
+    fn stop(&mut self, myself: &ActorRef<DeviceMsg>, port: RpcReplyPort<()>) {
+        self.stopping = true;
+        if self.pid.is_none() {
+            self.set_status(Status::Stopped);
+            let _ = port.send(());
+            return;
+        }
+        self.stop_waiters.push(port);
+        if self.status == Status::Ready {
+            self.send(ipc::encode(&ToWorker::Shutdown, []));
+        }
+        let generation = self.generation;
+        myself.send_after(self.args.stop_timeout, move || DeviceMsg::Worker {
+            generation,
+            event: WorkerEvent::StopTimeout,
+        });
+    }
+
+    fn kill_worker(&mut self) {
+        if let Some(pid) = self.pid {
+            // SAFETY: sending a signal to our own child process.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// Encodes a batch as a `Run` message: rows go in data frames, zero-copy
+/// for feature tensors.
+pub fn encode_run(batch: &Batch, attempt: u32) -> Vec<Bytes> {
+    let features = batch.parts.first().map(|(_, input)| match input.as_ref() {
+        RequestInput::Features { rows, data } => Some(data.len() / 4 / (*rows).max(1)),
+        RequestInput::Tokens(_) => None,
+    });
+    let (layout, data): (RowsLayout, Vec<Bytes>) = match features.flatten() {
+        Some(features) => (
+            RowsLayout::Features { features },
+            batch
+                .parts
+                .iter()
+                .map(|(_, input)| match input.as_ref() {
+                    RequestInput::Features { data, .. } => data.clone(),
+                    RequestInput::Tokens(_) => Bytes::new(),
+                })
+                .collect(),
+        ),
+        None => {
+            let (lens, frame) = ipc::tokens_frame(batch.parts.iter().flat_map(|(_, input)| {
+                match input.as_ref() {
+                    RequestInput::Tokens(seqs) => seqs.iter(),
+                    RequestInput::Features { .. } => [].iter(),
+                }
+            }));
+            (RowsLayout::Tokens { lens }, vec![frame])
+        }
+    };
+    ipc::encode(
+        &ToWorker::Run {
+            batch: batch.id,
+            attempt,
+            model: batch.model,
+            bucket: batch.bucket,
+            layout,
+        },
+        data,
+    )
+}

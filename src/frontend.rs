@@ -1,0 +1,257 @@
+//! The client-facing socket: a ZeroMQ ROUTER that receives requests, checks
+//! them against the model, tokenizes texts on the tokenizer pool, hands them
+//! to the batcher and sends each reply back to the peer that asked.
+//!
+//! Every message is handled in its own task, so a request waiting for
+//! tokenization, for its batch or for a slow client's socket never delays
+//! another. Replies to a client that stops reading are dropped after
+//! [`REPLY_SEND_TIMEOUT`] rather than held forever.
+
+use crate::batcher::{BatcherMsg, RequestInput, Submission};
+use crate::metrics::Metrics;
+use crate::model::{InputSpec, ModelInfo};
+use crate::protocol::{
+    decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply,
+    Request,
+};
+use crate::tensor::DType;
+use crate::tokenize::{TokenizeError, TokenizerPool};
+use bytes::Bytes;
+use ractor::ActorRef;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::oneshot;
+use zeromq::{RouterSendHalf, RouterSocket, SocketRecv, SocketSend, ZmqMessage};
+
+/// How long a reply may wait for a client that is not reading.
+pub const REPLY_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A served model, as the frontend sees it.
+pub struct ServedModel {
+    pub info: ModelInfo,
+    pub tokenizer: Option<TokenizerPool>,
+}
+
+/// Everything a request handler needs; shared by all handler tasks.
+pub struct Frontend {
+    models: Vec<ServedModel>,
+    by_name: HashMap<String, usize>,
+    batcher: ActorRef<BatcherMsg>,
+    metrics: Arc<Metrics>,
+    limits: DecodeLimits,
+}
+
+impl Frontend {
+    pub fn new(
+        models: Vec<ServedModel>,
+        batcher: ActorRef<BatcherMsg>,
+        metrics: Arc<Metrics>,
+        limits: DecodeLimits,
+    ) -> Self {
+        let by_name = models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.info.name.clone(), i))
+            .collect();
+        Self {
+            models,
+            by_name,
+            batcher,
+            metrics,
+            limits,
+        }
+    }
+
+    /// Decodes, validates and submits one request; resolves to its reply.
+    pub async fn handle(&self, frames: &[Bytes]) -> Reply {
+        let received = Instant::now();
+        let request = match decode_request(frames, &self.limits) {
+            Ok(r) => r,
+            Err(e) => return self.error(e),
+        };
+        match self.submit(request, received).await {
+            Ok(rx) => rx.await.unwrap_or_else(|_| {
+                // The batcher dropped the request without answering: a bug or a
+                // shutdown past its grace period.
+                self.error(ProtocolError::new(0, ErrorCode::Internal, "the request was dropped"))
+            }),
+            Err(e) => self.error(e),
+        }
+    }
+
+    fn error(&self, e: ProtocolError) -> Reply {
+        self.metrics.error(e.code);
+        e.into_reply()
+    }
+
+    async fn submit(
+        &self,
+        request: Request,
+        received: Instant,
+    ) -> Result<oneshot::Receiver<Reply>, ProtocolError> {
+        let header = request.header;
+        let id = header.id;
+        let bad = |msg: String| ProtocolError::new(id, ErrorCode::BadRequest, msg);
+        let &index = self.by_name.get(&header.model).ok_or_else(|| {
+            let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+            names.sort_unstable();
+            ProtocolError::new(
+                id,
+                ErrorCode::UnknownModel,
+                format!("no model named {:?} (served: {})", header.model, names.join(", ")),
+            )
+        })?;
+        let model = &self.models[index];
+        let name = &model.info.name;
+        let input = match (&model.info.input, request.payload) {
+            (InputSpec::Features { features }, Payload::Tensor(t)) => {
+                if t.dtype != DType::F32 {
+                    return Err(bad(format!("model {name} takes f32 tensors, got {}", t.dtype)));
+                }
+                if t.shape.len() != 2 || t.shape[1] != *features || t.shape[0] == 0 {
+                    return Err(bad(format!(
+                        "model {name} takes a tensor of shape [n, {features}] with n >= 1, got {:?}",
+                        t.shape
+                    )));
+                }
+                if t.shape[0] > self.limits.max_items {
+                    return Err(bad(format!(
+                        "{} rows in one request, more than the limit of {}",
+                        t.shape[0], self.limits.max_items
+                    )));
+                }
+                RequestInput::Features {
+                    rows: t.shape[0],
+                    data: t.data,
+                }
+            }
+            (InputSpec::Features { .. }, _) => {
+                return Err(bad(format!("model {name} takes input \"tensor\" (f32 rows)")))
+            }
+            (InputSpec::Tokens { .. }, Payload::Tensor(_)) => {
+                return Err(bad(format!("model {name} takes input \"texts\" or \"ids\"")))
+            }
+            (InputSpec::Tokens { .. }, Payload::Texts(texts)) => {
+                let pool = model.tokenizer.as_ref().ok_or_else(|| {
+                    ProtocolError::new(id, ErrorCode::Internal, "model has no tokenizer")
+                })?;
+                match pool.encode(texts, header.truncate).await {
+                    Ok(ids) => RequestInput::Tokens(ids),
+                    Err(TokenizeError::TooLong { index, tokens, max }) => {
+                        return Err(ProtocolError::new(
+                            id,
+                            ErrorCode::TooLong,
+                            format!(
+                                "text {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
+                            ),
+                        ))
+                    }
+                    Err(e) => return Err(bad(format!("cannot tokenize: {e}"))),
+                }
+            }
+            (
+                InputSpec::Tokens {
+                    vocab_size,
+                    max_seq_len,
+                },
+                Payload::Ids(seqs),
+            ) => {
+                for (i, seq) in seqs.iter().enumerate() {
+                    if seq.len() > *max_seq_len {
+                        return Err(ProtocolError::new(
+                            id,
+                            ErrorCode::TooLong,
+                            format!(
+                                "id sequence {i} has {} tokens, more than model {name}'s maximum of {max_seq_len}",
+                                seq.len()
+                            ),
+                        ));
+                    }
+                    if let Some(pos) = seq.iter().position(|&t| t as usize >= *vocab_size) {
+                        return Err(bad(format!(
+                            "id sequence {i} has id {} at position {pos}, outside the vocabulary of {vocab_size}",
+                            seq[pos]
+                        )));
+                    }
+                }
+                RequestInput::Tokens(seqs)
+            }
+        };
+        let deadline = deadline(header.timeout_us, header.deadline_unix_us, received);
+        let (tx, rx) = oneshot::channel();
+        let submission = Submission {
+            model: index,
+            client_id: id,
+            input,
+            priority: header.priority,
+            received,
+            deadline,
+            output_dtype: header.output_dtype.unwrap_or(DType::F32),
+            reply: tx,
+        };
+        self.batcher
+            .cast(BatcherMsg::Submit(submission))
+            .map_err(|_| ProtocolError::new(id, ErrorCode::Unavailable, "the daemon is shutting down"))?;
+        Ok(rx)
+    }
+}
+
+/// The earlier of a relative timeout and an absolute wall-clock deadline.
+fn deadline(timeout_us: Option<u64>, deadline_unix_us: Option<u64>, received: Instant) -> Option<Instant> {
+    let relative = timeout_us.map(|us| received + Duration::from_micros(us));
+    let absolute = deadline_unix_us.map(|unix_us| {
+        let now_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        if unix_us <= now_us {
+            received
+        } else {
+            received + Duration::from_micros(unix_us - now_us)
+        }
+    });
+    match (relative, absolute) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Serves the ROUTER socket until `shutdown` resolves.
+pub async fn run(socket: RouterSocket, frontend: Arc<Frontend>, shutdown: impl Future<Output = ()>) {
+    let (send, mut recv) = socket.split();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            msg = recv.recv() => {
+                let Ok(msg) = msg else { continue };
+                let frontend = frontend.clone();
+                let send = send.clone();
+                tokio::spawn(async move { serve_message(frontend, send, msg).await });
+            }
+        }
+    }
+}
+
+async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: ZmqMessage) {
+    let mut frames = msg.into_vec();
+    if frames.is_empty() {
+        return;
+    }
+    // Envelope: the peer identity, and an empty delimiter from REQ sockets.
+    let mut envelope = vec![frames.remove(0)];
+    if frames.first().is_some_and(|f| f.is_empty()) {
+        envelope.push(frames.remove(0));
+    }
+    let reply = frontend.handle(&frames).await;
+    envelope.extend(encode_reply(&reply));
+    let Ok(out) = ZmqMessage::try_from(envelope) else {
+        return;
+    };
+    match tokio::time::timeout(REPLY_SEND_TIMEOUT, send.send(out)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!("reply to a departed client dropped: {e}"),
+        Err(_) => tracing::warn!("reply dropped: the client did not read it within {REPLY_SEND_TIMEOUT:?}"),
+    }
+}

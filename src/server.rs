@@ -1,0 +1,349 @@
+//! Starting and stopping the whole daemon: [`run`] binds the sockets, starts
+//! the actors and workers, serves until `shutdown` resolves, then drains.
+//!
+//! Shutdown order: the batcher stops accepting (new requests get
+//! `unavailable`) and dispatches everything queued at once; once every
+//! accepted request is answered — or the grace period ends, and whatever is
+//! left is answered `unavailable` — the workers are stopped and `run` returns.
+
+use crate::backend::cuda::cuda_device_count;
+use crate::batcher::queue::{DeviceKind, SchedulerConfig};
+use crate::batcher::{BatcherActor, BatcherArgs, BatcherMsg, ModelSlot};
+use crate::bucket::BucketGrid;
+use crate::config::{BackendKind, Config, GpuSelection};
+use crate::control::Control;
+use crate::device::{DeviceArgs, WorkerCommand};
+use crate::frontend::{Frontend, ServedModel};
+use crate::metrics::{DeviceStats, Metrics};
+use crate::protocol::DecodeLimits;
+use crate::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::tokenize::{TextTokenizer, TokenizerPool};
+use crate::worker::WorkerBackend;
+use anyhow::{bail, Context};
+use ractor::Actor;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use zeromq::Socket;
+
+pub struct ServerOptions {
+    /// The config file, passed on to worker processes.
+    pub config_path: PathBuf,
+    /// The `replayd` executable that runs `replayd worker`.
+    pub worker_exe: PathBuf,
+    /// Written (JSON: endpoints and pid) once every device is ready.
+    pub ready_file: Option<PathBuf>,
+}
+
+/// A device to start: its label and how to run its worker.
+struct PlannedDevice {
+    label: String,
+    kind: DeviceKind,
+    worker: WorkerCommand,
+}
+
+/// Decides the backend and the device list from the config.
+fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<PlannedDevice>> {
+    let backend = match config.devices.backend {
+        BackendKind::Cpu => WorkerBackend::Cpu,
+        BackendKind::Cuda => match cuda_device_count() {
+            Ok(n) if n > 0 => WorkerBackend::Cuda,
+            Ok(_) => bail!("devices.backend = \"cuda\" but no CUDA GPU is present"),
+            Err(e) => bail!("devices.backend = \"cuda\" but CUDA is not usable: {e}"),
+        },
+        BackendKind::Auto => match cuda_device_count() {
+            Ok(n) if n > 0 => {
+                tracing::info!("backend = auto: {n} CUDA GPU(s) found, using the CUDA backend");
+                WorkerBackend::Cuda
+            }
+            Ok(_) => {
+                tracing::info!("backend = auto: no CUDA GPU found, using the CPU backend");
+                WorkerBackend::Cpu
+            }
+            Err(e) => {
+                tracing::info!("backend = auto: CUDA not usable ({e}), using the CPU backend");
+                WorkerBackend::Cpu
+            }
+        },
+    };
+    let worker = |ordinal: usize, threads: usize, eager: bool| WorkerCommand {
+        exe: options.worker_exe.clone(),
+        config_path: options.config_path.clone(),
+        backend,
+        ordinal,
+        threads,
+        eager,
+    };
+    let mut devices = Vec::new();
+    match backend {
+        WorkerBackend::Cuda => {
+            let count = cuda_device_count().unwrap_or(0);
+            let gpus: Vec<usize> = match &config.devices.gpus {
+                GpuSelection::Named(_) => (0..count).collect(),
+                GpuSelection::List(list) => {
+                    if let Some(bad) = list.iter().find(|&&g| g >= count) {
+                        bail!("devices.gpus lists GPU {bad}, but only {count} GPU(s) are present");
+                    }
+                    list.clone()
+                }
+            };
+            for &g in &gpus {
+                devices.push(PlannedDevice {
+                    label: format!("cuda:{g}"),
+                    kind: DeviceKind::Graph,
+                    worker: worker(g, 1, false),
+                });
+            }
+            let eager_gpu = config.eager.gpu.unwrap_or(gpus[0]);
+            if eager_gpu >= count {
+                bail!("eager.gpu = {eager_gpu}, but only {count} GPU(s) are present");
+            }
+            for i in 0..config.eager.workers {
+                devices.push(PlannedDevice {
+                    label: format!("eager:{i}"),
+                    kind: DeviceKind::Eager,
+                    worker: worker(eager_gpu, 1, true),
+                });
+            }
+        }
+        WorkerBackend::Cpu => {
+            let n = config.devices.cpu_devices;
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            let threads = match config.devices.cpu_threads {
+                0 => (cores / n).max(1),
+                t => t,
+            };
+            for i in 0..n {
+                devices.push(PlannedDevice {
+                    label: format!("cpu:{i}"),
+                    kind: DeviceKind::Graph,
+                    worker: worker(i, threads, false),
+                });
+            }
+            for i in 0..config.eager.workers {
+                devices.push(PlannedDevice {
+                    label: format!("eager:{i}"),
+                    kind: DeviceKind::Eager,
+                    worker: worker(i, threads, true),
+                });
+            }
+        }
+    }
+    Ok(devices)
+}
+
+/// Loads what the main process needs of each model (configs, tokenizer).
+fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
+    let threads = match config.server.tokenizer_threads {
+        0 => std::thread::available_parallelism().map_or(1, |c| c.get()).min(8),
+        t => t,
+    };
+    config
+        .models
+        .iter()
+        .map(|mc| {
+            let info = crate::model::inspect(mc)
+                .with_context(|| format!("cannot serve model {:?}", mc.name))?;
+            let tokenizer = match (&info.input, &info.tokenizer_path) {
+                (crate::model::InputSpec::Tokens { max_seq_len, .. }, Some(path)) => {
+                    let t = TextTokenizer::load(path, *max_seq_len)
+                        .with_context(|| format!("model {:?}: tokenizer {}", mc.name, path.display()))?;
+                    Some(TokenizerPool::new(Arc::new(t), threads))
+                }
+                _ => None,
+            };
+            Ok(ServedModel { info, tokenizer })
+        })
+        .collect()
+}
+
+/// Runs the daemon until `shutdown` resolves, then drains and stops.
+pub async fn run(
+    config: Config,
+    options: ServerOptions,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&config.server.runtime_dir).with_context(|| {
+        format!(
+            "cannot create server.runtime_dir {}",
+            config.server.runtime_dir.display()
+        )
+    })?;
+    let models = load_models(&config)?;
+    let planned = plan_devices(&config, &options)?;
+    let metrics = Arc::new(Metrics::new());
+
+    let mut client_socket = zeromq::RouterSocket::new();
+    let endpoint = client_socket
+        .bind(&config.server.endpoint)
+        .await
+        .with_context(|| format!("cannot bind server.endpoint {}", config.server.endpoint))?;
+    let mut control_socket = zeromq::RouterSocket::new();
+    let control_endpoint = control_socket
+        .bind(&config.server.control_endpoint)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot bind server.control_endpoint {}",
+                config.server.control_endpoint
+            )
+        })?;
+    tracing::info!(%endpoint, %control_endpoint, "listening");
+
+    let model_slots: Vec<ModelSlot> = config
+        .models
+        .iter()
+        .map(|mc| ModelSlot {
+            name: mc.name.clone(),
+            grid: BucketGrid::for_model(mc),
+        })
+        .collect();
+    let (batcher, batcher_handle) = Actor::spawn(
+        None,
+        BatcherActor,
+        BatcherArgs {
+            models: model_slots,
+            devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
+            config: SchedulerConfig {
+                max_wait: Duration::from_micros(config.batching.max_wait_us),
+                max_queue: config.batching.max_queue,
+                max_inflight: config.batching.max_inflight_per_device,
+                eager_max_queue: config.eager.max_queue,
+            },
+            max_attempts: config.batching.max_attempts,
+            metrics: metrics.clone(),
+        },
+    )
+    .await
+    .context("cannot start the batcher")?;
+
+    let model_names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
+    let device_args: Vec<DeviceArgs> = planned
+        .into_iter()
+        .enumerate()
+        .map(|(slot, d)| DeviceArgs {
+            device: slot,
+            metrics_index: metrics.add_device(DeviceStats {
+                label: d.label.clone(),
+                role: match d.kind {
+                    DeviceKind::Graph => "graph".into(),
+                    DeviceKind::Eager => "eager".into(),
+                },
+                state: "starting".into(),
+                ..Default::default()
+            }),
+            label: d.label,
+            worker: d.worker,
+            runtime_dir: config.server.runtime_dir.clone(),
+            batcher: batcher.clone(),
+            metrics: metrics.clone(),
+            model_names: model_names.clone(),
+            backoff_initial: Duration::from_millis(config.devices.restart_backoff_ms),
+            backoff_max: Duration::from_millis(config.devices.restart_backoff_max_ms),
+            start_timeout: Duration::from_millis(config.devices.start_timeout_ms),
+            stop_timeout: Duration::from_secs(10),
+            fault_injection: config.devices.fault_injection,
+        })
+        .collect();
+    let (supervisor, supervisor_handle) = Actor::spawn(
+        None,
+        Supervisor,
+        SupervisorArgs {
+            devices: device_args,
+            batcher: batcher.clone(),
+        },
+    )
+    .await
+    .context("cannot start the supervisor")?;
+
+    let frontend = Arc::new(Frontend::new(
+        models,
+        batcher.clone(),
+        metrics.clone(),
+        DecodeLimits {
+            max_bytes: config.server.max_request_bytes,
+            max_items: config.server.max_items_per_request,
+        },
+    ));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let frontend_task = tokio::spawn(crate::frontend::run(
+        client_socket,
+        frontend,
+        stopped(stop_rx.clone()),
+    ));
+    let control = Arc::new(Control {
+        metrics: metrics.clone(),
+        supervisor: supervisor.clone(),
+    });
+    let control_task = tokio::spawn(crate::control::run(
+        control_socket,
+        control,
+        stopped(stop_rx.clone()),
+    ));
+    let ready_task = tokio::spawn(announce_ready(
+        metrics.clone(),
+        options.ready_file.clone(),
+        serde_json::json!({
+            "endpoint": endpoint.to_string(),
+            "control_endpoint": control_endpoint.to_string(),
+            "pid": std::process::id(),
+        }),
+    ));
+
+    shutdown.await;
+    tracing::info!("shutting down: draining queued and in-flight requests");
+    ready_task.abort();
+    let grace = Duration::from_millis(config.server.shutdown_grace_ms);
+    let started = Instant::now();
+    match batcher.call(BatcherMsg::Drain, Some(grace)).await {
+        Ok(ractor::rpc::CallResult::Success(())) => {
+            tracing::info!("drained in {:?}", started.elapsed())
+        }
+        _ => {
+            let left = batcher
+                .call(BatcherMsg::Abort, Some(Duration::from_secs(5)))
+                .await
+                .ok();
+            tracing::warn!(
+                "grace period of {grace:?} ended; answered the rest unavailable ({left:?})"
+            );
+        }
+    }
+    // Replies are sent by per-request tasks; give them a moment to flush.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = stop_tx.send(true);
+    let _ = frontend_task.await;
+    let _ = control_task.await;
+    let _ = supervisor
+        .call(SupervisorMsg::StopAll, Some(Duration::from_secs(60)))
+        .await;
+    supervisor.stop(None);
+    batcher.stop(None);
+    let _ = supervisor_handle.await;
+    let _ = batcher_handle.await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Waits until every device is ready, then writes the ready file.
+async fn announce_ready(metrics: Arc<Metrics>, ready_file: Option<PathBuf>, info: serde_json::Value) {
+    let started = Instant::now();
+    loop {
+        let devices = metrics.devices();
+        if devices.iter().all(|d| d.state == "ready") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tracing::info!("all devices ready after {:?}", started.elapsed());
+    if let Some(path) = ready_file {
+        let tmp = path.with_extension("tmp");
+        if std::fs::write(&tmp, info.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
+            tracing::error!("cannot write the ready file {}", path.display());
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! The worker's backend thread: loads the models, captures every graph, then
+//! runs batches as they arrive.
+//!
+//! Batches are pipelined: a batch is launched (inputs copied in, replay
+//! started) as soon as it arrives, and collected when the next one has been
+//! launched or nothing else is waiting, so the device never idles while the
+//! host prepares the next batch. At most [`MAX_PIPELINE`] are in flight.
+
+use super::graph_cache::GraphCache;
+use super::ipc::{self, FromWorker, RowsLayout, ToWorker};
+use super::{WorkerArgs, WorkerBackend};
+use crate::backend::{Backend, BackendError};
+use crate::bucket::BucketGrid;
+use crate::config::Config;
+use crate::model::Model;
+use bytes::Bytes;
+use std::collections::VecDeque;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Batches launched but not yet collected.
+pub const MAX_PIPELINE: usize = 2;
+
+/// A message from the daemon, as the I/O thread hands it over.
+pub struct Command {
+    pub msg: ToWorker,
+    pub data: Vec<Bytes>,
+}
+
+/// What the backend thread asks the I/O thread to do.
+pub enum Outgoing {
+    Message(Vec<Bytes>),
+    /// Send nothing more; exit the process with this status.
+    Exit(i32),
+}
+
+struct Link {
+    tx: UnboundedSender<Outgoing>,
+}
+
+impl Link {
+    fn send(&self, msg: &FromWorker, data: Option<Bytes>) {
+        let _ = self.tx.send(Outgoing::Message(ipc::encode(msg, data)));
+    }
+
+    /// Reports a fatal error and stops this thread without dropping the
+    /// backend (a poisoned device's destructors may panic).
+    fn die(&self, message: String, code: i32) -> ! {
+        tracing::error!("{message}");
+        self.send(&FromWorker::Fatal { message }, None);
+        let _ = self.tx.send(Outgoing::Exit(code));
+        loop {
+            std::thread::park();
+        }
+    }
+}
+
+/// Entry point of the backend thread.
+pub fn run(
+    args: WorkerArgs,
+    config: Config,
+    rx: Receiver<Command>,
+    tx: UnboundedSender<Outgoing>,
+) {
+    let link = Link { tx };
+    match args.backend {
+        WorkerBackend::Cpu => {
+            let backend = crate::backend::cpu::CpuBackend::new(args.ordinal, args.threads.max(1));
+            serve(backend, &args, &config, &rx, &link)
+        }
+        WorkerBackend::Cuda => {
+            let options = crate::backend::cuda::CudaOptions {
+                allow_tf32: config.devices.allow_tf32,
+                kernel_cache_dir: config.devices.kernel_cache_dir.clone(),
+            };
+            match crate::backend::cuda::CudaBackend::new(args.ordinal, options) {
+                Ok(backend) => serve(backend, &args, &config, &rx, &link),
+                Err(e) => link.die(
+                    format!("cuda:{}: {e}", args.ordinal),
+                    if e.is_fatal() {
+                        ipc::EXIT_DEVICE_FAULT
+                    } else {
+                        ipc::EXIT_STARTUP_FAILED
+                    },
+                ),
+            }
+        }
+    }
+}
+
+struct InFlight<P> {
+    batch: u64,
+    attempt: u32,
+    rows: usize,
+    output_dim: usize,
+    started: Instant,
+    pending: P,
+}
+
+fn serve<B: Backend>(
+    mut backend: B,
+    args: &WorkerArgs,
+    config: &Config,
+    rx: &Receiver<Command>,
+    link: &Link,
+) {
+    let started = Instant::now();
+    let startup_code = |e: &BackendError| {
+        if e.is_fatal() {
+            ipc::EXIT_DEVICE_FAULT
+        } else {
+            ipc::EXIT_STARTUP_FAILED
+        }
+    };
+    let mut models = Vec::new();
+    for model_config in &config.models {
+        let model = match Model::load(model_config) {
+            Ok(m) => m,
+            Err(e) => link.die(e.to_string(), ipc::EXIT_STARTUP_FAILED),
+        };
+        let weights = match backend.upload(&model) {
+            Ok(w) => w,
+            Err(e) => link.die(
+                format!("uploading model {}: {e}", model.info.name),
+                startup_code(&e),
+            ),
+        };
+        models.push((model, weights, BucketGrid::for_model(model_config)));
+    }
+    let mut cache: GraphCache<B> = GraphCache::new();
+    let mut graphs = Vec::new();
+    if !args.eager {
+        for (index, (model, weights, grid)) in models.iter().enumerate() {
+            match cache.capture_model(&mut backend, index, model, weights, grid) {
+                Ok(reports) => graphs.extend(reports),
+                Err(e) => link.die(
+                    format!("capturing model {}: {e}", model.info.name),
+                    startup_code(&e),
+                ),
+            }
+        }
+    }
+    link.send(
+        &FromWorker::Ready {
+            info: backend.info(),
+            graphs,
+            startup_ms: started.elapsed().as_millis() as u64,
+        },
+        None,
+    );
+
+    let mut inflight: VecDeque<InFlight<B::Pending>> = VecDeque::new();
+    loop {
+        let command = if inflight.is_empty() {
+            match rx.recv() {
+                Ok(c) => c,
+                Err(_) => return,
+            }
+        } else {
+            match rx.try_recv() {
+                Ok(c) => c,
+                Err(TryRecvError::Empty) => {
+                    collect_oldest(&mut backend, &mut inflight, link);
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) => return,
+            }
+        };
+        match command.msg {
+            ToWorker::Run {
+                batch,
+                attempt,
+                model,
+                bucket,
+                layout,
+            } => {
+                let fail = |message: String| {
+                    link.send(
+                        &FromWorker::Failed {
+                            batch,
+                            attempt,
+                            message,
+                            fatal: false,
+                        },
+                        None,
+                    )
+                };
+                let Some((m, weights, _)) = models.get(model) else {
+                    fail(format!("no model {model}"));
+                    continue;
+                };
+                let rows = match ipc::rows_from_frames(&layout, &command.data) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        fail(e);
+                        continue;
+                    }
+                };
+                let output_dim = m.info.output_dim;
+                let n = rows.rows();
+                match bucket {
+                    Some(bucket) => {
+                        let Some(cached) = cache.get_mut(model, bucket) else {
+                            fail(format!("no graph captured for bucket {bucket}"));
+                            continue;
+                        };
+                        let t0 = Instant::now();
+                        match backend.launch(&mut cached.graph, &rows) {
+                            Ok(pending) => {
+                                cached.replays += 1;
+                                inflight.push_back(InFlight {
+                                    batch,
+                                    attempt,
+                                    rows: n,
+                                    output_dim,
+                                    started: t0,
+                                    pending,
+                                });
+                                if inflight.len() >= MAX_PIPELINE {
+                                    collect_oldest(&mut backend, &mut inflight, link);
+                                }
+                            }
+                            Err(e) => report_error(link, batch, attempt, e),
+                        }
+                    }
+                    None => {
+                        let t0 = Instant::now();
+                        let seq = match layout {
+                            RowsLayout::Features { .. } => 1,
+                            RowsLayout::Tokens { .. } => rows.max_len(),
+                        };
+                        let program = m.program(n, seq);
+                        match backend.run_eager(m, weights, &program, &rows) {
+                            Ok(out) => send_done(link, batch, attempt, n, output_dim, t0, &out),
+                            Err(e) => report_error(link, batch, attempt, e),
+                        }
+                    }
+                }
+            }
+            ToWorker::InjectFault => {
+                let (ok, message) = match backend.inject_fault() {
+                    Ok(()) => (true, "fault injected".to_string()),
+                    Err(e) => (false, e.to_string()),
+                };
+                tracing::warn!("inject-fault: {message}");
+                link.send(&FromWorker::FaultInjected { ok, message }, None);
+            }
+            ToWorker::Shutdown => {
+                while !inflight.is_empty() {
+                    collect_oldest(&mut backend, &mut inflight, link);
+                }
+                let _ = link.tx.send(Outgoing::Exit(0));
+                return;
+            }
+        }
+    }
+}
+
+fn collect_oldest<B: Backend>(
+    backend: &mut B,
+    inflight: &mut VecDeque<InFlight<B::Pending>>,
+    link: &Link,
+) {
+    let Some(job) = inflight.pop_front() else {
+        return;
+    };
+    match backend.collect(job.pending) {
+        Ok(out) => send_done(
+            link,
+            job.batch,
+            job.attempt,
+            job.rows,
+            job.output_dim,
+            job.started,
+            &out,
+        ),
+        Err(e) => report_error(link, job.batch, job.attempt, e),
+    }
+}
+
+fn send_done(
+    link: &Link,
+    batch: u64,
+    attempt: u32,
+    rows: usize,
+    output_dim: usize,
+    started: Instant,
+    out: &[f32],
+) {
+    if out.len() != rows * output_dim {
+        report_error(
+            link,
+            batch,
+            attempt,
+            BackendError::Other(format!(
+                "backend returned {} values for {rows} rows of {output_dim}",
+                out.len()
+            )),
+        );
+        return;
+    }
+    link.send(
+        &FromWorker::Done {
+            batch,
+            attempt,
+            rows,
+            output_dim,
+            compute_us: started.elapsed().as_micros() as u64,
+        },
+        Some(crate::tensor::f32s_to_le(out)),
+    );
+}
+
+/// Reports a failed batch; on a device fault, also exits the worker.
+fn report_error(link: &Link, batch: u64, attempt: u32, error: BackendError) {
+    let fatal = error.is_fatal();
+    link.send(
+        &FromWorker::Failed {
+            batch,
+            attempt,
+            message: error.to_string(),
+            fatal,
+        },
+        None,
+    );
+    if fatal {
+        link.die(error.to_string(), ipc::EXIT_DEVICE_FAULT);
+    }
+}

@@ -1,0 +1,94 @@
+//! The graph cache: one captured graph per (model, bucket), owned by the
+//! worker's backend thread.
+//!
+//! Graphs are captured at start-up, largest bucket first (so the first
+//! capture sizes any memory pool the backend shares between graphs), and
+//! looked up by exact bucket: a batch never runs on a graph of another shape.
+//! A new worker process starts with an empty cache and re-captures
+//! everything; [`GraphCache::invalidate`] drops a model's graphs so they can
+//! be captured again (e.g. after a reload).
+
+use super::ipc::GraphReport;
+use crate::backend::{Backend, BackendError};
+use crate::bucket::{Bucket, BucketGrid};
+use crate::model::Model;
+use std::collections::HashMap;
+use std::time::Instant;
+
+pub struct CachedGraph<G> {
+    pub graph: G,
+    pub capture_us: u64,
+    pub memory_bytes: u64,
+    pub replays: u64,
+}
+
+pub struct GraphCache<B: Backend> {
+    graphs: HashMap<(usize, Bucket), CachedGraph<B::Graph>>,
+}
+
+impl<B: Backend> Default for GraphCache<B> {
+    fn default() -> Self {
+        Self {
+            graphs: HashMap::new(),
+        }
+    }
+}
+
+impl<B: Backend> GraphCache<B> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Captures every bucket of `grid` for model `index`, largest first.
+    pub fn capture_model(
+        &mut self,
+        backend: &mut B,
+        index: usize,
+        model: &Model,
+        weights: &B::Weights,
+        grid: &BucketGrid,
+    ) -> Result<Vec<GraphReport>, BackendError> {
+        let mut reports = Vec::new();
+        for bucket in grid.largest_first() {
+            let program = model.program(bucket.batch, bucket.seq);
+            let started = Instant::now();
+            let graph = backend.capture(model, weights, &program)?;
+            let capture_us = started.elapsed().as_micros() as u64;
+            let memory_bytes = backend.graph_memory_bytes(&graph);
+            tracing::debug!(model = %model.info.name, %bucket, capture_us, memory_bytes, "captured");
+            reports.push(GraphReport {
+                model: index,
+                bucket,
+                capture_us,
+                memory_bytes,
+            });
+            self.graphs.insert(
+                (index, bucket),
+                CachedGraph {
+                    graph,
+                    capture_us,
+                    memory_bytes,
+                    replays: 0,
+                },
+            );
+        }
+        Ok(reports)
+    }
+
+    pub fn get_mut(&mut self, model: usize, bucket: Bucket) -> Option<&mut CachedGraph<B::Graph>> {
+        self.graphs.get_mut(&(model, bucket))
+    }
+
+    /// Drops every graph of `model`.
+    pub fn invalidate(&mut self, model: usize) {
+        self.graphs.retain(|(m, _), _| *m != model);
+    }
+
+    pub fn len(&self) -> usize {
+        self.graphs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.graphs.is_empty()
+    }
+}

@@ -1,0 +1,182 @@
+//! Messages between a device actor (daemon side) and its worker process, over
+//! a ZeroMQ DEALER pair on an `ipc://` socket.
+//!
+//! Each message is a MessagePack header frame followed by raw data frames
+//! (row data never goes through MessagePack): a `Run` carries its rows, a
+//! `Done` its output.
+
+use crate::backend::DeviceInfo;
+use crate::batcher::queue::BatchId;
+use crate::bucket::Bucket;
+use crate::model::BatchRows;
+use bytes::Bytes;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+/// Exit status of a worker whose device faulted (sticky CUDA error): the
+/// daemon restarts it and counts a device fault.
+pub const EXIT_DEVICE_FAULT: i32 = 3;
+/// Exit status of a worker that could not start (bad model, no device).
+pub const EXIT_STARTUP_FAILED: i32 = 2;
+
+/// How the rows of a `Run` are laid out in its data frames.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RowsLayout {
+    /// One frame per request: little-endian f32 rows of `features` values.
+    Features { features: usize },
+    /// One frame holding every sequence's little-endian u32 ids back to back;
+    /// `lens` gives each sequence's length.
+    Tokens { lens: Vec<u32> },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ToWorker {
+    /// Run a batch: in the graph for `bucket`, or eagerly when `None`.
+    Run {
+        batch: BatchId,
+        attempt: u32,
+        model: usize,
+        bucket: Option<Bucket>,
+        layout: RowsLayout,
+    },
+    /// Corrupt the device on purpose (only when the daemon enables fault injection).
+    InjectFault,
+    /// Finish what is in flight and exit 0.
+    Shutdown,
+}
+
+/// One captured graph, as reported at start-up.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GraphReport {
+    pub model: usize,
+    pub bucket: Bucket,
+    pub capture_us: u64,
+    pub memory_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum FromWorker {
+    /// Every model is loaded and every graph captured: the worker takes work.
+    Ready {
+        info: DeviceInfo,
+        graphs: Vec<GraphReport>,
+        startup_ms: u64,
+    },
+    /// A batch finished; one data frame with `rows · output_dim` little-endian f32.
+    Done {
+        batch: BatchId,
+        attempt: u32,
+        rows: usize,
+        output_dim: usize,
+        compute_us: u64,
+    },
+    /// A batch failed. When `fatal`, the worker exits right after (device fault).
+    Failed {
+        batch: BatchId,
+        attempt: u32,
+        message: String,
+        fatal: bool,
+    },
+    /// Answer to `InjectFault`.
+    FaultInjected { ok: bool, message: String },
+    /// The worker is exiting because it could not start or its device failed.
+    Fatal { message: String },
+}
+
+/// Encodes a header and its data frames into one multipart message.
+pub fn encode<T: Serialize>(header: &T, data: impl IntoIterator<Item = Bytes>) -> Vec<Bytes> {
+    let head = rmp_serde::to_vec_named(header).expect("IPC header always serialises");
+    std::iter::once(Bytes::from(head)).chain(data).collect()
+}
+
+/// Splits a multipart message into its header and data frames.
+pub fn decode<T: DeserializeOwned>(frames: &[Bytes]) -> Result<(T, &[Bytes]), String> {
+    let (head, data) = frames.split_first().ok_or("empty IPC message")?;
+    let header = rmp_serde::from_slice(head).map_err(|e| format!("bad IPC header: {e}"))?;
+    Ok((header, data))
+}
+
+/// Rebuilds a batch's rows from a `Run`'s layout and data frames.
+pub fn rows_from_frames(layout: &RowsLayout, data: &[Bytes]) -> Result<BatchRows, String> {
+    match layout {
+        RowsLayout::Features { features } => {
+            let mut values = Vec::with_capacity(data.iter().map(Bytes::len).sum::<usize>() / 4);
+            for frame in data {
+                if frame.len() % (4 * features.max(&1)) != 0 {
+                    return Err(format!(
+                        "feature frame of {} bytes is not whole rows of {features} f32",
+                        frame.len()
+                    ));
+                }
+                values.extend(crate::tensor::f32s_from_le(frame));
+            }
+            Ok(BatchRows::Features {
+                features: *features,
+                data: values,
+            })
+        }
+        RowsLayout::Tokens { lens } => {
+            let [frame] = data else {
+                return Err(format!("token batch needs one data frame, got {}", data.len()));
+            };
+            let total: usize = lens.iter().map(|&l| l as usize).sum();
+            if frame.len() != total * 4 {
+                return Err(format!(
+                    "token frame is {} bytes, lens need {}",
+                    frame.len(),
+                    total * 4
+                ));
+            }
+            let mut ids = frame
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            Ok(BatchRows::Tokens(
+                lens.iter()
+                    .map(|&l| ids.by_ref().take(l as usize).collect())
+                    .collect(),
+            ))
+        }
+    }
+}
+
+/// Encodes token sequences as one frame (see [`RowsLayout::Tokens`]).
+pub fn tokens_frame<'a>(seqs: impl IntoIterator<Item = &'a Vec<u32>>) -> (Vec<u32>, Bytes) {
+    let mut lens = Vec::new();
+    let mut bytes = Vec::new();
+    for seq in seqs {
+        lens.push(seq.len() as u32);
+        seq.iter().for_each(|id| bytes.extend_from_slice(&id.to_le_bytes()));
+    }
+    (lens, Bytes::from(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_messages_round_trip() {
+        let seqs = vec![vec![101, 5, 102], vec![101, 102]];
+        let (lens, frame) = tokens_frame(&seqs);
+        let msg = ToWorker::Run {
+            batch: 9,
+            attempt: 1,
+            model: 0,
+            bucket: Some(Bucket::new(2, 16)),
+            layout: RowsLayout::Tokens { lens },
+        };
+        let frames = encode(&msg, [frame]);
+        let (back, data): (ToWorker, _) = decode(&frames).unwrap();
+        assert_eq!(back, msg);
+        let ToWorker::Run { layout, .. } = back else { unreachable!() };
+        assert_eq!(rows_from_frames(&layout, data).unwrap(), BatchRows::Tokens(seqs));
+
+        let layout = RowsLayout::Features { features: 2 };
+        let rows = rows_from_frames(
+            &layout,
+            &[crate::tensor::f32s_to_le(&[1.0, 2.0]), crate::tensor::f32s_to_le(&[3.0, 4.0, 5.0, 6.0])],
+        )
+        .unwrap();
+        assert_eq!(rows.rows(), 3);
+        assert!(rows_from_frames(&layout, &[Bytes::from_static(&[0; 6])]).is_err());
+    }
+}

@@ -1,0 +1,136 @@
+//! The `replayd worker` process: one per device (and one per eager worker).
+//!
+//! * [`ipc`] — the messages it exchanges with its device actor.
+//! * [`graph_cache`] — the captured graphs, per (model, bucket).
+//! * [`executor`] — the backend thread: loads models, captures, runs batches.
+//!
+//! The process has two threads that matter: the async I/O thread (the ZeroMQ
+//! socket to the daemon) and the backend thread, which owns the device (CUDA
+//! graphs are not `Send`). They talk through channels. A device fault makes
+//! the worker report it and exit with [`ipc::EXIT_DEVICE_FAULT`]: only a new
+//! process recovers a poisoned GPU.
+
+pub mod executor;
+pub mod graph_cache;
+pub mod ipc;
+
+use crate::config::Config;
+use bytes::Bytes;
+use std::path::PathBuf;
+use zeromq::{Socket, SocketRecv, SocketSend};
+
+/// Which backend a worker drives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum WorkerBackend {
+    Cpu,
+    Cuda,
+}
+
+/// Arguments of `replayd worker` (started by the daemon, not by hand).
+#[derive(Clone, Debug, clap::Args)]
+pub struct WorkerArgs {
+    /// The daemon's config file (models, buckets, device options).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// The device actor's IPC endpoint to connect to.
+    #[arg(long)]
+    pub endpoint: String,
+    #[arg(long, value_enum)]
+    pub backend: WorkerBackend,
+    /// CUDA ordinal, or CPU device number.
+    #[arg(long, default_value_t = 0)]
+    pub ordinal: usize,
+    /// Threads for the CPU backend.
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Run requests eagerly only: capture no graphs.
+    #[arg(long)]
+    pub eager: bool,
+}
+
+/// Runs a worker until the daemon tells it to stop or its device fails;
+/// returns the process exit status.
+pub fn run(args: WorkerArgs) -> i32 {
+    die_with_parent();
+    let config = match Config::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("replayd worker: {e}");
+            return ipc::EXIT_STARTUP_FAILED;
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    runtime.block_on(serve(args, config))
+}
+
+async fn serve(args: WorkerArgs, config: Config) -> i32 {
+    let mut socket = zeromq::DealerSocket::new();
+    if let Err(e) = socket.connect(&args.endpoint).await {
+        eprintln!("replayd worker: cannot connect to {}: {e}", args.endpoint);
+        return ipc::EXIT_STARTUP_FAILED;
+    }
+    let (mut send, mut recv) = socket.split();
+    let (to_backend, from_io) = std::sync::mpsc::channel::<executor::Command>();
+    let (to_io, mut from_backend) = tokio::sync::mpsc::unbounded_channel::<executor::Outgoing>();
+    let backend_thread = std::thread::Builder::new()
+        .name("backend".into())
+        .spawn(move || executor::run(args, config, from_io, to_io))
+        .expect("spawn backend thread");
+
+    let exit_code = loop {
+        tokio::select! {
+            incoming = recv.recv() => {
+                let frames: Vec<Bytes> = match incoming {
+                    Ok(m) => m.into_vec(),
+                    Err(e) => {
+                        eprintln!("replayd worker: daemon socket closed: {e}");
+                        break 0;
+                    }
+                };
+                match ipc::decode::<ipc::ToWorker>(&frames) {
+                    Ok((msg, data)) => {
+                        let data = data.to_vec();
+                        if to_backend.send(executor::Command { msg, data }).is_err() {
+                            break 0;
+                        }
+                    }
+                    Err(e) => eprintln!("replayd worker: {e}"),
+                }
+            }
+            outgoing = from_backend.recv() => match outgoing {
+                Some(executor::Outgoing::Message(frames)) => {
+                    if let Ok(msg) = zeromq::ZmqMessage::try_from(frames) {
+                        if send.send(msg).await.is_err() {
+                            break 0;
+                        }
+                    }
+                }
+                Some(executor::Outgoing::Exit(code)) => break code,
+                None => break 0,
+            },
+        }
+    };
+    drop(to_backend);
+    if exit_code == 0 {
+        let _ = backend_thread.join();
+    }
+    // After a device fault, exit without running the backend's destructors:
+    // some of them panic on a poisoned context.
+    exit_code
+}
+
+/// Asks the kernel to kill this process when the daemon dies, so no worker
+/// outlives it (e.g. after `kill -9` of the daemon).
+fn die_with_parent() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: prctl with PR_SET_PDEATHSIG only sets a flag on this process.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        if libc::getppid() == 1 {
+            libc::_exit(0);
+        }
+    }
+}
