@@ -468,6 +468,20 @@ path = "mlp.safetensors"
         assert_eq!(c.devices.backend, BackendKind::Auto);
     }
 
+    /// config/replayd.toml documents the defaults: it must parse and agree with them.
+    #[test]
+    fn the_documented_default_config_matches_the_defaults() {
+        let c = Config::parse(include_str!("../config/replayd.toml")).unwrap();
+        assert_eq!(c.server, ServerConfig::default());
+        assert_eq!(c.batching, BatchingConfig::default());
+        assert_eq!(c.devices, DevicesConfig::default());
+        assert_eq!(c.eager, EagerConfig::default());
+        let m = &c.models[0];
+        assert_eq!((m.kind, m.dtype), (ModelKind::Bert, DType::F32));
+        assert_eq!(m.batch_buckets, default_batch_buckets());
+        assert_eq!(m.seq_buckets, default_seq_buckets());
+    }
+
     #[test]
     fn unknown_keys_are_named() {
         let err = Config::parse(&format!("[batching]\nmax_wait = 5\n{MINIMAL}")).unwrap_err();

@@ -36,3 +36,4 @@ pub mod tokenize;
 pub mod control;
 pub mod server;
 pub mod client;
+pub mod notify;

@@ -296,6 +296,7 @@ pub async fn run(
 
     shutdown.await;
     tracing::info!("shutting down: draining queued and in-flight requests");
+    crate::notify::notify("STOPPING=1");
     ready_task.abort();
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
     let started = Instant::now();
@@ -340,6 +341,7 @@ async fn announce_ready(metrics: Arc<Metrics>, ready_file: Option<PathBuf>, info
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tracing::info!("all devices ready after {:?}", started.elapsed());
+    crate::notify::notify("READY=1");
     if let Some(path) = ready_file {
         let tmp = path.with_extension("tmp");
         if std::fs::write(&tmp, info.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {

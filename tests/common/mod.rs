@@ -1,0 +1,279 @@
+//! Test harness: starts the real `replayd` binary with a config written to a
+//! temporary directory (ports chosen by the kernel, worker sockets in the
+//! temporary directory), waits for its ready file, and talks to it over real
+//! ZeroMQ sockets. Dropping a [`Daemon`] kills it (its workers die with it).
+
+#![allow(dead_code)]
+
+use replayd::client::Client;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn crate_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn data(name: &str) -> PathBuf {
+    crate_dir().join("tests/data").join(name)
+}
+
+/// The default model folder; tests need it fetched (`scripts/fetch-model.sh`).
+pub fn minilm_dir() -> PathBuf {
+    let dir = crate_dir().join("models/all-MiniLM-L6-v2");
+    assert!(
+        dir.join("model.safetensors").exists(),
+        "{} is missing: run scripts/fetch-model.sh (the README's test command does)",
+        dir.display()
+    );
+    dir
+}
+
+pub struct Daemon {
+    child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    pub endpoint: String,
+    pub control: String,
+    pub config_path: PathBuf,
+}
+
+impl Daemon {
+    /// Starts replayd with `[server]` settings filled in and `rest` (the
+    /// remaining TOML: batching, devices, eager, models) appended.
+    pub fn start(rest: &str) -> Daemon {
+        Self::start_with(rest, "")
+    }
+
+    /// Like [`Daemon::start`], with extra `[server]` keys.
+    pub fn start_with(rest: &str, server_extra: &str) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = format!(
+            "[server]\nendpoint = \"tcp://127.0.0.1:0\"\ncontrol_endpoint = \"tcp://127.0.0.1:0\"\nruntime_dir = \"{}\"\n{server_extra}\n{rest}",
+            dir.path().join("run").display()
+        );
+        let config_path = dir.path().join("replayd.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let ready = dir.path().join("ready.json");
+        let log = std::fs::File::create(dir.path().join("replayd.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_replayd"))
+            .arg("--config")
+            .arg(&config_path)
+            .arg("--ready-file")
+            .arg(&ready)
+            .current_dir(crate_dir())
+            .env("REPLAYD_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start replayd");
+        let mut daemon = Daemon {
+            child: Some(child),
+            dir,
+            endpoint: String::new(),
+            control: String::new(),
+            config_path,
+        };
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&ready) {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                daemon.endpoint = v["endpoint"].as_str().unwrap().to_string();
+                daemon.control = v["control_endpoint"].as_str().unwrap().to_string();
+                return daemon;
+            }
+            if let Some(status) = daemon.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("replayd exited before ready ({status}):\n{}", daemon.log());
+            }
+            assert!(Instant::now() < deadline, "replayd not ready in time:\n{}", daemon.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts replayd with a config that is expected to fail; returns its
+    /// exit status and log.
+    pub fn start_failing(config: &str) -> (ExitStatus, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("replayd.toml");
+        std::fs::write(&path, config).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_replayd"))
+            .arg("--config")
+            .arg(&path)
+            .current_dir(crate_dir())
+            .output()
+            .unwrap();
+        (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("replayd.log")).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    pub async fn client(&self) -> Client {
+        Client::connect(&self.endpoint).await.expect("connect")
+    }
+
+    /// Runs replayctl against this daemon.
+    pub fn ctl(&self, args: &[&str]) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_replayctl"))
+            .arg("--control")
+            .arg(&self.control)
+            .args(args)
+            .output()
+            .expect("run replayctl")
+    }
+
+    /// `replayctl stats --json`, parsed.
+    pub fn stats(&self) -> Value {
+        let out = self.ctl(&["stats", "--json"]);
+        assert!(out.status.success(), "replayctl stats failed: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("stats JSON")
+    }
+
+    pub fn device(&self, label: &str) -> Value {
+        self.stats()["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["label"] == label)
+            .cloned()
+            .unwrap_or_else(|| panic!("no device {label}"))
+    }
+
+    /// Waits until `cond(stats)` holds.
+    pub fn wait_for(&self, what: &str, timeout: Duration, cond: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let s = self.stats();
+            if cond(&s) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:#}\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn signal(&self, signal: i32) {
+        unsafe {
+            libc::kill(self.pid() as i32, signal);
+        }
+    }
+
+    /// Waits for the daemon to exit.
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "replayd did not exit:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A small deterministic generator for test inputs.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [lo, hi).
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo) as u64) as usize
+    }
+
+    /// Roughly standard normal.
+    pub fn normal(&mut self) -> f32 {
+        let s: f64 = (0..12).map(|_| (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64).sum();
+        (s - 6.0) as f32
+    }
+}
+
+/// The seed MLP (`Linear(128,256) → ReLU → Linear(256,10)`) in float64, for
+/// references on random inputs.
+pub struct MlpReference {
+    layers: Vec<(Vec<f64>, Vec<f64>, usize, usize)>,
+}
+
+impl MlpReference {
+    pub fn load(path: &Path) -> Self {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let get = |name: &str| -> (Vec<f64>, Vec<usize>) {
+            let t = st.tensor(name).unwrap();
+            let v = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                .collect();
+            (v, t.shape().to_vec())
+        };
+        let mut layers = Vec::new();
+        for i in [0, 2] {
+            let (w, shape) = get(&format!("{i}.weight"));
+            let (b, _) = get(&format!("{i}.bias"));
+            layers.push((w, b, shape[0], shape[1]));
+        }
+        MlpReference { layers }
+    }
+
+    pub fn forward(&self, x: &[f32], rows: usize) -> Vec<f64> {
+        let mut cur: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        for (li, (w, b, out, inp)) in self.layers.iter().enumerate() {
+            let mut next = vec![0.0; rows * out];
+            for r in 0..rows {
+                for o in 0..*out {
+                    let mut acc = b[o];
+                    for i in 0..*inp {
+                        acc += cur[r * inp + i] * w[o * inp + i];
+                    }
+                    next[r * out + o] = if li + 1 < self.layers.len() { acc.max(0.0) } else { acc };
+                }
+            }
+            cur = next;
+        }
+        cur
+    }
+}
+
+/// max |a - b| / max |b|
+pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    a.iter()
+        .zip(b)
+        .fold(0f64, |m, (x, y)| m.max((*x as f64 - y).abs()))
+        / scale
+}
+
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb).max(1e-30)
+}

@@ -1,0 +1,444 @@
+//! The daemon core, end to end on the CPU backend, with the seed MLP: real
+//! daemon process, real worker processes, real ZeroMQ sockets.
+
+mod common;
+
+use bytes::Bytes;
+use common::{data, rel_err, Daemon, MlpReference, Rng};
+use replayd::client::{Client, RawClient, Response};
+use replayd::protocol::{ErrorCode, InputKind, Payload, RequestHeader, Status};
+use replayd::tensor::{DType, HostTensor};
+use serde_json::Value;
+use std::sync::Arc;
+use std::time::Duration;
+
+const BUCKETS: [usize; 6] = [1, 2, 4, 8, 16, 32];
+
+fn mlp_config(extra_batching: &str) -> String {
+    format!(
+        r#"
+[batching]
+max_wait_us = 1000
+{extra_batching}
+
+[devices]
+backend = "cpu"
+cpu_devices = 2
+cpu_threads = 1
+fault_injection = true
+restart_backoff_ms = 50
+
+[eager]
+workers = 1
+
+[[models]]
+name = "mlp"
+kind = "mlp"
+path = "{}"
+activation = "relu"
+batch_buckets = [1, 2, 4, 8, 16, 32]
+"#,
+        data("mlp_seed.safetensors").display()
+    )
+}
+
+fn random_rows(rng: &mut Rng, rows: usize) -> Vec<f32> {
+    (0..rows * 128).map(|_| rng.normal()).collect()
+}
+
+const T: Duration = Duration::from_secs(60);
+
+fn output_of(r: &Response) -> Vec<f32> {
+    assert_eq!(r.header.status, Status::Ok, "{:?}", r.header);
+    r.output.as_ref().unwrap().to_f32_vec().unwrap()
+}
+
+fn bucket_sum(stats: &Value, field: &str) -> u64 {
+    stats["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b[field].as_u64().unwrap())
+        .sum()
+}
+
+/// 1,000 requests of random batch sizes from 16 concurrent sockets on two
+/// CPU devices: every output is right, and the per-bucket counters add up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thousand_requests_from_many_clients_are_correct_and_counted() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
+
+    // The reference batches first, in order.
+    let client = daemon.client().await;
+    for line in std::fs::read_to_string(data("mlp_seed_io.jsonl")).unwrap().lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let rows: Vec<Vec<f32>> = serde_json::from_value(v["input"].clone()).unwrap();
+        let want: Vec<Vec<f64>> = serde_json::from_value(v["output"].clone()).unwrap();
+        let x: Vec<f32> = rows.concat();
+        let r = client
+            .infer("mlp", &HostTensor::from_f32(vec![rows.len(), 128], &x), T)
+            .await
+            .unwrap();
+        let got = output_of(&r);
+        assert_eq!(r.output.as_ref().unwrap().shape, vec![rows.len(), 10]);
+        let err = rel_err(&got, &want.concat());
+        assert!(err < 1e-5, "reference batch of {}: rel err {err}", rows.len());
+    }
+    let sent_before = bucket_sum(&daemon.stats(), "requests");
+
+    let mut tasks = Vec::new();
+    for c in 0..16u64 {
+        let endpoint = daemon.endpoint.clone();
+        let reference = reference.clone();
+        tasks.push(tokio::spawn(async move {
+            let client = Arc::new(Client::connect(&endpoint).await.unwrap());
+            let mut rng = Rng::new(c);
+            let mut inflight = Vec::new();
+            let mut rows_sent = 0;
+            for _ in 0..(if c < 8 { 63 } else { 62 }) {
+                let rows = rng.range(1, 33);
+                rows_sent += rows;
+                let x = random_rows(&mut rng, rows);
+                let client = client.clone();
+                inflight.push(tokio::spawn(async move {
+                    let r = client
+                        .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+                        .await
+                        .unwrap();
+                    (x, rows, r)
+                }));
+            }
+            let mut n = 0;
+            for t in inflight {
+                let (x, rows, r) = t.await.unwrap();
+                let got = output_of(&r);
+                let err = rel_err(&got, &reference.forward(&x, rows));
+                assert!(err < 1e-5, "client {c}: {rows} rows, rel err {err}");
+                let bucket = r.header.bucket.clone().unwrap();
+                let b: usize = bucket.split('x').next().unwrap().parse().unwrap();
+                assert!(BUCKETS.contains(&b) && b >= rows, "{rows} rows ran in {bucket}");
+                assert!(r.header.device.as_deref().unwrap().starts_with("cpu:"));
+                n += 1;
+            }
+            (n, rows_sent)
+        }));
+    }
+    let mut requests = 0;
+    let mut rows = 0;
+    for t in tasks {
+        let (n, r) = t.await.unwrap();
+        requests += n;
+        rows += r;
+    }
+    assert_eq!(requests, 1000);
+
+    let stats = daemon.stats();
+    assert_eq!(bucket_sum(&stats, "requests") - sent_before, 1000);
+    let ref_rows = 1 + 3 + 8 + 13;
+    assert_eq!(bucket_sum(&stats, "rows"), rows as u64 + ref_rows);
+    for b in stats["buckets"].as_array().unwrap() {
+        let size = b["batch"].as_u64().unwrap();
+        assert_eq!(
+            b["rows"].as_u64().unwrap() + b["padded_rows"].as_u64().unwrap(),
+            size * b["batches"].as_u64().unwrap(),
+            "bucket {b}"
+        );
+    }
+    assert_eq!(stats["requests"]["ok"].as_u64().unwrap(), 1004);
+    assert_eq!(stats["eager"]["requests"], 0);
+    // Both devices served.
+    for d in ["cpu:0", "cpu:1"] {
+        assert!(daemon.device(d)["batches"].as_u64().unwrap() > 0, "{d} idle");
+    }
+}
+
+/// A request with more rows than the largest batch bucket runs eagerly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_request_runs_on_the_eager_path() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let reference = MlpReference::load(&data("mlp_seed.safetensors"));
+    let client = daemon.client().await;
+    let mut rng = Rng::new(42);
+    let rows = 100;
+    let x = random_rows(&mut rng, rows);
+    let r = client
+        .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+        .await
+        .unwrap();
+    assert_eq!(r.header.bucket.as_deref(), Some("eager"));
+    assert_eq!(r.header.device.as_deref(), Some("eager:0"));
+    let err = rel_err(&output_of(&r), &reference.forward(&x, rows));
+    assert!(err < 1e-5, "rel err {err}");
+    let stats = daemon.stats();
+    assert_eq!(stats["eager"]["requests"], 1);
+    assert_eq!(stats["eager"]["by_reason"]["batch_too_large"], 1);
+    assert_eq!(bucket_sum(&stats, "requests"), 0);
+}
+
+fn worker_pid(daemon: &Daemon, label: &str) -> i32 {
+    daemon.device(label)["worker_pid"].as_i64().expect("worker pid") as i32
+}
+
+/// kill -9 of a worker holding batches: every request still gets exactly one
+/// correct reply, the worker comes back with its graphs re-captured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_worker_loses_nothing_and_comes_back() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
+    let victim = worker_pid(&daemon, "cpu:0");
+    // Freeze the worker so that batches pile up on it, then kill it.
+    unsafe { libc::kill(victim, libc::SIGSTOP) };
+
+    let client = Arc::new(daemon.client().await);
+    let mut rng = Rng::new(7);
+    let mut tasks = Vec::new();
+    for _ in 0..500 {
+        let rows = rng.range(1, 9);
+        let x = random_rows(&mut rng, rows);
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = client
+                .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+                .await
+                .unwrap();
+            (x, rows, r)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    unsafe { libc::kill(victim, libc::SIGKILL) };
+
+    let mut ids = std::collections::HashSet::new();
+    for t in tasks {
+        let (x, rows, r) = t.await.unwrap();
+        assert!(ids.insert(r.header.id), "two replies for request {}", r.header.id);
+        let err = rel_err(&output_of(&r), &reference.forward(&x, rows));
+        assert!(err < 1e-5, "rel err {err}");
+    }
+    assert_eq!(ids.len(), 500);
+
+    let stats = daemon.wait_for("cpu:0 to come back", Duration::from_secs(60), |s| {
+        s["devices"].as_array().unwrap().iter().any(|d| {
+            d["label"] == "cpu:0" && d["state"] == "ready" && d["restarts"].as_u64() == Some(1)
+        })
+    });
+    assert!(stats["retried_batches"].as_u64().unwrap() >= 1, "no batch was in flight on the killed worker");
+    let dev = daemon.device("cpu:0");
+    assert_ne!(dev["worker_pid"].as_i64().unwrap() as i32, victim);
+    assert_eq!(dev["graphs"].as_array().unwrap().len(), BUCKETS.len(), "graphs re-captured");
+    assert!(dev["last_error"].as_str().unwrap().contains("signal 9"), "{dev}");
+    assert_eq!(stats["requests"]["errors"]["internal"], 0);
+
+    // The restarted worker serves again.
+    let before = dev["batches"].as_u64().unwrap();
+    for _ in 0..40 {
+        let x = random_rows(&mut rng, 1);
+        let r = client.infer("mlp", &HostTensor::from_f32(vec![1, 128], &x), T).await.unwrap();
+        assert!(rel_err(&output_of(&r), &reference.forward(&x, 1)) < 1e-5);
+    }
+    daemon.wait_for("cpu:0 to serve again", Duration::from_secs(10), |_| {
+        daemon.device("cpu:0")["batches"].as_u64().unwrap() > before
+    });
+}
+
+/// An injected device fault makes the worker exit with the device-fault
+/// status; its batches are served anyway and it restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn injected_fault_under_load_is_recovered() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
+    let out = daemon.ctl(&["inject-fault", "--device", "cpu:1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let client = Arc::new(daemon.client().await);
+    let mut rng = Rng::new(9);
+    let mut tasks = Vec::new();
+    for _ in 0..300 {
+        let rows = rng.range(1, 17);
+        let x = random_rows(&mut rng, rows);
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            (x.clone(), rows, client.infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T).await.unwrap())
+        }));
+    }
+    for t in tasks {
+        let (x, rows, r) = t.await.unwrap();
+        assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
+    }
+    daemon.wait_for("cpu:1 to recover from the fault", Duration::from_secs(60), |s| {
+        s["devices"].as_array().unwrap().iter().any(|d| {
+            d["label"] == "cpu:1" && d["state"] == "ready" && d["device_faults"] == 1
+        })
+    });
+}
+
+fn header_frame(h: &RequestHeader) -> Bytes {
+    Bytes::from(rmp_serde::to_vec_named(h).unwrap())
+}
+
+async fn expect_error(raw: &mut RawClient, frames: Vec<Bytes>, code: ErrorCode, needle: &str) {
+    raw.send(frames).await.unwrap();
+    let r = raw.recv_reply(T).await.unwrap();
+    assert_eq!(r.header.status, Status::Error);
+    assert_eq!(r.header.code, Some(code), "{:?}", r.header.message);
+    let msg = r.header.message.unwrap_or_default();
+    assert!(msg.contains(needle), "message {msg:?} lacks {needle:?}");
+}
+
+/// Each kind of bad input gets its error code and a message saying what is
+/// wrong, and the daemon keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_clear_errors() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let mut raw = RawClient::connect(&daemon.endpoint).await.unwrap();
+    let good = |id: u64| {
+        let mut h = RequestHeader::new(id, "mlp", InputKind::Tensor);
+        h.dtype = Some(DType::F32);
+        h.shape = Some(vec![2, 128]);
+        h
+    };
+    let payload = Bytes::from(vec![0u8; 2 * 128 * 4]);
+
+    expect_error(&mut raw, vec![Bytes::from_static(b"not msgpack \xc1")], ErrorCode::BadRequest, "malformed header").await;
+    expect_error(&mut raw, vec![Bytes::new()], ErrorCode::BadRequest, "malformed header").await;
+    let mut h = good(2);
+    h.model = "nope".into();
+    expect_error(&mut raw, vec![header_frame(&h), payload.clone()], ErrorCode::UnknownModel, "no model named \"nope\"").await;
+    let mut h = good(3);
+    h.dtype = Some(DType::F16);
+    expect_error(&mut raw, vec![header_frame(&h), Bytes::from(vec![0u8; 2 * 128 * 2])], ErrorCode::BadRequest, "takes f32").await;
+    let mut h = good(4);
+    h.shape = Some(vec![2, 64]);
+    expect_error(&mut raw, vec![header_frame(&h), Bytes::from(vec![0u8; 2 * 64 * 4])], ErrorCode::BadRequest, "[n, 128]").await;
+    expect_error(&mut raw, vec![header_frame(&good(5)), payload.slice(..1000)], ErrorCode::BadRequest, "needs 1024 bytes, got 1000").await;
+    expect_error(&mut raw, vec![header_frame(&good(6))], ErrorCode::BadRequest, "exactly one payload frame").await;
+    let mut h = good(7);
+    h.deadline_unix_us = Some(1);
+    expect_error(&mut raw, vec![header_frame(&h), payload.clone()], ErrorCode::DeadlineExceeded, "deadline").await;
+    let mut h = good(8);
+    h.input = InputKind::Texts;
+    expect_error(&mut raw, vec![header_frame(&h), Bytes::from_static(b"hello")], ErrorCode::BadRequest, "takes input \"tensor\"").await;
+
+    // The daemon still serves, with the id echoed.
+    raw.send(vec![header_frame(&good(99)), payload.clone()]).await.unwrap();
+    let r = raw.recv_reply(T).await.unwrap();
+    assert_eq!((r.header.id, r.header.status), (99, Status::Ok));
+    let stats = daemon.stats();
+    assert!(stats["requests"]["errors"]["bad_request"].as_u64().unwrap() >= 7);
+    assert_eq!(stats["requests"]["errors"]["unknown_model"], 1);
+    assert_eq!(stats["requests"]["errors"]["deadline_exceeded"], 1);
+}
+
+/// A flood beyond the queue limit is answered `overloaded` at once; nothing
+/// hangs and nothing is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn flood_beyond_the_queue_limit_is_overloaded() {
+    let daemon = Daemon::start(&mlp_config("max_queue = 4\nmax_inflight_per_device = 1"));
+    // Freeze both workers so the queue cannot drain.
+    let pids = [worker_pid(&daemon, "cpu:0"), worker_pid(&daemon, "cpu:1")];
+    pids.iter().for_each(|&p| unsafe {
+        libc::kill(p, libc::SIGSTOP);
+    });
+    let client = Arc::new(daemon.client().await);
+    let mut tasks = Vec::new();
+    for _ in 0..200 {
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            client
+                .infer("mlp", &HostTensor::from_f32(vec![1, 128], &[0.5; 128]), T)
+                .await
+                .unwrap()
+        }));
+    }
+    // Overloaded replies come back while the workers are still frozen.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let overloaded = daemon.stats()["requests"]["errors"]["overloaded"].as_u64().unwrap();
+    assert!(overloaded >= 190, "only {overloaded} overloaded replies while frozen");
+    pids.iter().for_each(|&p| unsafe {
+        libc::kill(p, libc::SIGCONT);
+    });
+    let (mut ok, mut over) = (0, 0);
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.header.code {
+            None => ok += 1,
+            Some(ErrorCode::Overloaded) => {
+                assert!(r.header.message.unwrap().contains("retry later"));
+                over += 1
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(ok + over, 200);
+    // At most two dispatched (one per device) plus four queued.
+    assert!(ok <= 6 && ok >= 4, "{ok} served");
+}
+
+/// SIGTERM with work queued: everything accepted is answered, then exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_answers_everything_accepted_before_exit() {
+    let mut daemon = Daemon::start(&mlp_config(""));
+    let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
+    let pids = [worker_pid(&daemon, "cpu:0"), worker_pid(&daemon, "cpu:1")];
+    pids.iter().for_each(|&p| unsafe {
+        libc::kill(p, libc::SIGSTOP);
+    });
+    let client = Arc::new(daemon.client().await);
+    let mut rng = Rng::new(3);
+    let mut tasks = Vec::new();
+    for _ in 0..300 {
+        let rows = rng.range(1, 5);
+        let x = random_rows(&mut rng, rows);
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            (x.clone(), rows, client.infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T).await.unwrap())
+        }));
+    }
+    daemon.wait_for("300 accepted", Duration::from_secs(10), |s| s["requests"]["accepted"] == 300);
+    daemon.signal(libc::SIGTERM);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A request after SIGTERM is refused, not lost.
+    let late = client
+        .infer("mlp", &HostTensor::from_f32(vec![1, 128], &[0.0; 128]), T)
+        .await
+        .unwrap();
+    assert_eq!(late.header.code, Some(ErrorCode::Unavailable));
+    pids.iter().for_each(|&p| unsafe {
+        libc::kill(p, libc::SIGCONT);
+    });
+    for t in tasks {
+        let (x, rows, r) = t.await.unwrap();
+        assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
+    }
+    let status = daemon.wait(Duration::from_secs(30));
+    assert!(status.success(), "exit status {status}\n{}", daemon.log());
+}
+
+/// replayctl health reports every device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayctl_health_and_stats() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let out = daemon.ctl(&["health"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("status: ok"), "{text}");
+    for d in ["cpu:0", "cpu:1", "eager:0"] {
+        assert!(text.contains(d), "{text}");
+    }
+    let out = daemon.ctl(&["stats"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("model/bucket"));
+    let out = daemon.ctl(&["inject-fault", "--device", "cuda:7"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no device \"cuda:7\""));
+}
+
+/// Invalid configs stop the daemon at start-up with a message naming the key.
+#[test]
+fn invalid_config_names_the_key() {
+    let (status, log) = Daemon::start_failing(&format!("{}\n[batching]\nmax_wiat_us = 3\n", mlp_config("")).replace("[batching]\nmax_wait_us = 1000\n", ""));
+    assert!(!status.success());
+    assert!(log.contains("max_wiat_us"), "{log}");
+    let (status, log) = Daemon::start_failing(&mlp_config("max_queue = 0"));
+    assert!(!status.success());
+    assert!(log.contains("batching.max_queue"), "{log}");
+}
