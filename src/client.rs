@@ -44,6 +44,9 @@ type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Response>>>>;
 pub struct Client {
     send: tokio::sync::Mutex<DealerSendHalf>,
     waiters: Waiters,
+    /// Replies whose id matched no outstanding request (duplicates, or
+    /// replies after a timeout).
+    stray: Arc<AtomicU64>,
     next_id: AtomicU64,
     reader: tokio::task::JoinHandle<()>,
 }
@@ -67,6 +70,8 @@ impl Client {
         let (send, mut recv) = socket.split();
         let waiters: Waiters = Arc::default();
         let w = waiters.clone();
+        let stray = Arc::new(AtomicU64::new(0));
+        let stray_count = stray.clone();
         let reader = tokio::spawn(async move {
             while let Ok(msg) = recv.recv().await {
                 let frames = msg.into_vec();
@@ -74,8 +79,13 @@ impl Client {
                     continue;
                 };
                 let waiter = w.lock().unwrap().remove(&header.id);
-                if let Some(tx) = waiter {
-                    let _ = tx.send(Response { header, output });
+                match waiter {
+                    Some(tx) => {
+                        let _ = tx.send(Response { header, output });
+                    }
+                    None => {
+                        stray_count.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             w.lock().unwrap().clear();
@@ -83,9 +93,15 @@ impl Client {
         Ok(Client {
             send: tokio::sync::Mutex::new(send),
             waiters,
+            stray,
             next_id: AtomicU64::new(1),
             reader,
         })
+    }
+
+    /// Replies received that matched no outstanding request.
+    pub fn stray_replies(&self) -> u64 {
+        self.stray.load(Ordering::Relaxed)
     }
 
     /// A fresh request id (unique on this client).

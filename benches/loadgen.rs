@@ -1,0 +1,236 @@
+//! `replayd-loadgen`: a closed-loop load generator for a running replayd.
+//!
+//! Keeps `--concurrency` requests outstanding over `--sockets` DEALER
+//! connections, for `--requests` requests or `--duration` seconds, and
+//! reports throughput and latency percentiles (client-side, send → reply).
+//! Every request must get exactly one reply; with `--texts FILE.jsonl` whose
+//! lines carry an `embedding`, every returned embedding is also checked
+//! against it (`--min-cosine`). Exit status 1 if any check fails.
+//!
+//! Texts come from a JSONL file with a `text` field per line (e.g.
+//! tests/data/minilm_set_a.jsonl); `--features N` sends random f32 rows
+//! instead (MLP models).
+
+use clap::Parser;
+use replayd::client::Client;
+use replayd::protocol::{InputKind, Payload, RequestHeader, Status};
+use replayd::tensor::{DType, HostTensor};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Closed-loop load generator for replayd")]
+struct Args {
+    #[arg(long, default_value = "tcp://127.0.0.1:5555")]
+    endpoint: String,
+    #[arg(long)]
+    model: String,
+    /// JSONL with a "text" (and optionally "embedding") per line.
+    #[arg(long)]
+    texts: Option<PathBuf>,
+    /// Send random f32 rows of this width instead of texts.
+    #[arg(long)]
+    features: Option<usize>,
+    /// Texts (or rows) per request.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Draw each request's size uniformly from 1..=batch instead.
+    #[arg(long)]
+    random_batch: bool,
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    #[arg(long, default_value_t = 8)]
+    sockets: usize,
+    /// Stop after this many requests...
+    #[arg(long)]
+    requests: Option<u64>,
+    /// ...or after this many seconds (default 10 when --requests is absent).
+    #[arg(long)]
+    duration: Option<f64>,
+    #[arg(long, default_value = "f32")]
+    output_dtype: String,
+    /// Fail if an embedding's cosine with the file's reference is below this.
+    #[arg(long, default_value_t = 0.999)]
+    min_cosine: f64,
+    /// Write the report here as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Seconds to wait for each reply.
+    #[arg(long, default_value_t = 120.0)]
+    timeout: f64,
+}
+
+struct Corpus {
+    texts: Vec<String>,
+    embeddings: Vec<Option<Vec<f32>>>,
+}
+
+fn load_corpus(path: &PathBuf) -> Corpus {
+    let mut texts = Vec::new();
+    let mut embeddings = Vec::new();
+    for line in std::fs::read_to_string(path).expect("read --texts").lines() {
+        let v: Value = serde_json::from_str(line).expect("JSONL");
+        texts.push(v["text"].as_str().expect("text field").to_string());
+        embeddings.push(serde_json::from_value(v["embedding"].clone()).ok());
+    }
+    Corpus { texts, embeddings }
+}
+
+#[derive(Default)]
+struct Tally {
+    latencies_us: Vec<u64>,
+    ok: u64,
+    items: u64,
+    errors: BTreeMap<String, u64>,
+    min_cosine: f64,
+    bad_cosine: u64,
+    buckets: BTreeMap<String, u64>,
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (na * nb).max(1e-30)
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let corpus = Arc::new(args.texts.as_ref().map(load_corpus));
+    if corpus.is_none() && args.features.is_none() {
+        eprintln!("replayd-loadgen: give --texts FILE or --features N");
+        std::process::exit(2);
+    }
+    let output_dtype: DType = args.output_dtype.parse().expect("--output-dtype");
+    let mut clients = Vec::new();
+    for _ in 0..args.sockets.max(1) {
+        clients.push(Arc::new(Client::connect(&args.endpoint).await.expect("connect")));
+    }
+    let duration = args
+        .duration
+        .or(if args.requests.is_none() { Some(10.0) } else { None })
+        .map(Duration::from_secs_f64);
+    let started = Instant::now();
+    let issued = Arc::new(AtomicU64::new(0));
+    let tally = Arc::new(Mutex::new(Tally {
+        min_cosine: 1.0,
+        ..Default::default()
+    }));
+    let mut workers = Vec::new();
+    for w in 0..args.concurrency {
+        let client = clients[w % clients.len()].clone();
+        let (args, corpus, issued, tally) = (args.clone(), corpus.clone(), issued.clone(), tally.clone());
+        workers.push(tokio::spawn(async move {
+            let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
+            let mut next = move || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            loop {
+                let n = issued.fetch_add(1, Ordering::Relaxed);
+                if args.requests.is_some_and(|r| n >= r) || duration.is_some_and(|d| started.elapsed() >= d) {
+                    break;
+                }
+                let size = if args.random_batch { 1 + (next() as usize % args.batch) } else { args.batch };
+                let id = client.next_id();
+                let (header, payload, picked) = match (&*corpus, args.features) {
+                    (Some(c), _) => {
+                        let picked: Vec<usize> = (0..size).map(|_| next() as usize % c.texts.len()).collect();
+                        let mut h = RequestHeader::new(id, &args.model, InputKind::Texts);
+                        h.output_dtype = Some(output_dtype);
+                        let texts = picked.iter().map(|&i| c.texts[i].clone()).collect();
+                        (h, Payload::Texts(texts), picked)
+                    }
+                    (None, Some(f)) => {
+                        let x: Vec<f32> = (0..size * f).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
+                        let mut h = RequestHeader::new(id, &args.model, InputKind::Tensor);
+                        h.dtype = Some(DType::F32);
+                        h.shape = Some(vec![size as u64, f as u64]);
+                        h.output_dtype = Some(output_dtype);
+                        (h, Payload::Tensor(HostTensor::from_f32(vec![size, f], &x)), vec![])
+                    }
+                    (None, None) => unreachable!(),
+                };
+                let t0 = Instant::now();
+                let reply = client
+                    .request(&header, &payload, Duration::from_secs_f64(args.timeout))
+                    .await;
+                let us = t0.elapsed().as_micros() as u64;
+                let mut t = tally.lock().unwrap();
+                match reply {
+                    Ok(r) if r.header.status == Status::Ok => {
+                        t.ok += 1;
+                        t.items += size as u64;
+                        t.latencies_us.push(us);
+                        *t.buckets.entry(r.header.bucket.clone().unwrap_or_default()).or_default() += 1;
+                        if let (Some(c), Some(out)) = (&*corpus, &r.output) {
+                            let values = out.to_f32_vec().unwrap_or_default();
+                            let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
+                            for (row, &i) in values.chunks(dim).zip(&picked) {
+                                if let Some(reference) = &c.embeddings[i] {
+                                    let cos = cosine(row, reference);
+                                    t.min_cosine = t.min_cosine.min(cos);
+                                    if cos < args.min_cosine {
+                                        t.bad_cosine += 1;
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    Ok(r) => {
+                        let code = r.header.code.map_or("unknown".to_string(), |c| c.to_string());
+                        *t.errors.entry(code).or_default() += 1;
+                    }
+                    Err(e) => *t.errors.entry(format!("client: {e}")).or_default() += 1,
+                }
+            }
+        }));
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    // Let any duplicate reply arrive before counting strays.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stray: u64 = clients.iter().map(|c| c.stray_replies()).sum();
+    let mut t = tally.lock().unwrap();
+    t.latencies_us.sort_unstable();
+    let pct = |q: f64| -> u64 {
+        if t.latencies_us.is_empty() {
+            0
+        } else {
+            t.latencies_us[((t.latencies_us.len() - 1) as f64 * q).round() as usize]
+        }
+    };
+    let errors: u64 = t.errors.values().sum();
+    let report = json!({
+        "model": args.model,
+        "concurrency": args.concurrency,
+        "batch": args.batch,
+        "requests": t.ok + errors,
+        "ok": t.ok,
+        "errors": t.errors,
+        "elapsed_s": elapsed,
+        "requests_per_s": t.ok as f64 / elapsed,
+        "items_per_s": t.items as f64 / elapsed,
+        "latency_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0)},
+        "min_cosine": if corpus.is_some() { json!(t.min_cosine) } else { Value::Null },
+        "below_min_cosine": t.bad_cosine,
+        "stray_replies": stray,
+        "buckets": t.buckets,
+    });
+    println!("{report}");
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report).unwrap()).expect("write --json");
+    }
+    if errors > 0 || t.bad_cosine > 0 || stray > 0 {
+        std::process::exit(1);
+    }
+}
