@@ -109,11 +109,17 @@ async fn main() {
     let output_dtype: DType = args.output_dtype.parse().expect("--output-dtype");
     let mut clients = Vec::new();
     for _ in 0..args.sockets.max(1) {
-        clients.push(Arc::new(Client::connect(&args.endpoint).await.expect("connect")));
+        clients.push(Arc::new(
+            Client::connect(&args.endpoint).await.expect("connect"),
+        ));
     }
     let duration = args
         .duration
-        .or(if args.requests.is_none() { Some(10.0) } else { None })
+        .or(if args.requests.is_none() {
+            Some(10.0)
+        } else {
+            None
+        })
         .map(Duration::from_secs_f64);
     let started = Instant::now();
     let issued = Arc::new(AtomicU64::new(0));
@@ -124,7 +130,8 @@ async fn main() {
     let mut workers = Vec::new();
     for w in 0..args.concurrency {
         let client = clients[w % clients.len()].clone();
-        let (args, corpus, issued, tally) = (args.clone(), corpus.clone(), issued.clone(), tally.clone());
+        let (args, corpus, issued, tally) =
+            (args.clone(), corpus.clone(), issued.clone(), tally.clone());
         workers.push(tokio::spawn(async move {
             let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
             let mut next = move || {
@@ -135,26 +142,39 @@ async fn main() {
             };
             loop {
                 let n = issued.fetch_add(1, Ordering::Relaxed);
-                if args.requests.is_some_and(|r| n >= r) || duration.is_some_and(|d| started.elapsed() >= d) {
+                if args.requests.is_some_and(|r| n >= r)
+                    || duration.is_some_and(|d| started.elapsed() >= d)
+                {
                     break;
                 }
-                let size = if args.random_batch { 1 + (next() as usize % args.batch) } else { args.batch };
+                let size = if args.random_batch {
+                    1 + (next() as usize % args.batch)
+                } else {
+                    args.batch
+                };
                 let id = client.next_id();
                 let (header, payload, picked) = match (&*corpus, args.features) {
                     (Some(c), _) => {
-                        let picked: Vec<usize> = (0..size).map(|_| next() as usize % c.texts.len()).collect();
+                        let picked: Vec<usize> =
+                            (0..size).map(|_| next() as usize % c.texts.len()).collect();
                         let mut h = RequestHeader::new(id, &args.model, InputKind::Texts);
                         h.output_dtype = Some(output_dtype);
                         let texts = picked.iter().map(|&i| c.texts[i].clone()).collect();
                         (h, Payload::Texts(texts), picked)
                     }
                     (None, Some(f)) => {
-                        let x: Vec<f32> = (0..size * f).map(|_| (next() % 2000) as f32 / 1000.0 - 1.0).collect();
+                        let x: Vec<f32> = (0..size * f)
+                            .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
+                            .collect();
                         let mut h = RequestHeader::new(id, &args.model, InputKind::Tensor);
                         h.dtype = Some(DType::F32);
                         h.shape = Some(vec![size as u64, f as u64]);
                         h.output_dtype = Some(output_dtype);
-                        (h, Payload::Tensor(HostTensor::from_f32(vec![size, f], &x)), vec![])
+                        (
+                            h,
+                            Payload::Tensor(HostTensor::from_f32(vec![size, f], &x)),
+                            vec![],
+                        )
                     }
                     (None, None) => unreachable!(),
                 };
@@ -169,7 +189,9 @@ async fn main() {
                         t.ok += 1;
                         t.items += size as u64;
                         t.latencies_us.push(us);
-                        *t.buckets.entry(r.header.bucket.clone().unwrap_or_default()).or_default() += 1;
+                        *t.buckets
+                            .entry(r.header.bucket.clone().unwrap_or_default())
+                            .or_default() += 1;
                         if let (Some(c), Some(out)) = (&*corpus, &r.output) {
                             let values = out.to_f32_vec().unwrap_or_default();
                             let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
@@ -185,7 +207,10 @@ async fn main() {
                         }
                     }
                     Ok(r) => {
-                        let code = r.header.code.map_or("unknown".to_string(), |c| c.to_string());
+                        let code = r
+                            .header
+                            .code
+                            .map_or("unknown".to_string(), |c| c.to_string());
                         *t.errors.entry(code).or_default() += 1;
                     }
                     Err(e) => *t.errors.entry(format!("client: {e}")).or_default() += 1,

@@ -33,7 +33,9 @@ impl Control {
     pub async fn handle(&self, frame: &[u8]) -> Value {
         let request: ControlRequest = match serde_json::from_slice(frame) {
             Ok(r) => r,
-            Err(e) => return json!({"ok": false, "error": format!("malformed control request: {e}")}),
+            Err(e) => {
+                return json!({"ok": false, "error": format!("malformed control request: {e}")})
+            }
         };
         match request.cmd.as_str() {
             "health" => json!({"ok": true, "result": health(&self.metrics)}),
@@ -50,7 +52,12 @@ impl Control {
 
     async fn inject_fault(&self, device: Option<&str>) -> Result<String, String> {
         let device = device.ok_or("inject_fault needs a \"device\"")?;
-        let labels: Vec<String> = self.metrics.devices().into_iter().map(|d| d.label).collect();
+        let labels: Vec<String> = self
+            .metrics
+            .devices()
+            .into_iter()
+            .map(|d| d.label)
+            .collect();
         let slot = labels
             .iter()
             .position(|l| l == device)

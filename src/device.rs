@@ -68,7 +68,10 @@ pub enum DeviceMsg {
 
 pub enum WorkerEvent {
     Message(Vec<Bytes>),
-    Exited { code: Option<i32>, signal: Option<i32> },
+    Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
     StartTimeout,
     StopTimeout,
 }
@@ -183,10 +186,12 @@ impl DeviceState {
     fn set_status(&mut self, status: Status) {
         self.status = status;
         let pid = self.pid;
-        self.args.metrics.update_device(self.args.metrics_index, |d| {
-            d.state = status.as_str().to_string();
-            d.worker_pid = pid;
-        });
+        self.args
+            .metrics
+            .update_device(self.args.metrics_index, |d| {
+                d.state = status.as_str().to_string();
+                d.worker_pid = pid;
+            });
     }
 
     fn set_error(&self, error: String) {
@@ -364,11 +369,13 @@ impl DeviceState {
                 );
                 self.backoff = self.args.backoff_initial;
                 let graph_stats = Metrics::graph_stats(&graphs, &self.args.model_names);
-                self.args.metrics.update_device(self.args.metrics_index, |d| {
-                    d.name = info.name.clone();
-                    d.graphs = graph_stats;
-                    d.startup_ms = Some(startup_ms);
-                });
+                self.args
+                    .metrics
+                    .update_device(self.args.metrics_index, |d| {
+                        d.name = info.name.clone();
+                        d.graphs = graph_stats;
+                        d.startup_ms = Some(startup_ms);
+                    });
                 self.set_status(Status::Ready);
                 if self.stopping {
                     self.send(ipc::encode(&ToWorker::Shutdown, []));
@@ -416,7 +423,11 @@ impl DeviceState {
             }
             FromWorker::FaultInjected { ok, message } => {
                 for port in self.fault_waiters.drain(..) {
-                    let _ = port.send(if ok { Ok(message.clone()) } else { Err(message.clone()) });
+                    let _ = port.send(if ok {
+                        Ok(message.clone())
+                    } else {
+                        Err(message.clone())
+                    });
                 }
             }
             FromWorker::Fatal { message } => {
@@ -426,7 +437,12 @@ impl DeviceState {
         }
     }
 
-    fn worker_exited(&mut self, myself: &ActorRef<DeviceMsg>, code: Option<i32>, signal: Option<i32>) {
+    fn worker_exited(
+        &mut self,
+        myself: &ActorRef<DeviceMsg>,
+        code: Option<i32>,
+        signal: Option<i32>,
+    ) {
         let was = self.status;
         self.pid = None;
         self.outbox = None;
@@ -536,28 +552,30 @@ pub fn encode_run(batch: &Batch, attempt: u32) -> Vec<Bytes> {
         RequestInput::Features { rows, data } => Some(data.len() / 4 / (*rows).max(1)),
         RequestInput::Tokens(_) => None,
     });
-    let (layout, data): (RowsLayout, Vec<Bytes>) = match features.flatten() {
-        Some(features) => (
-            RowsLayout::Features { features },
-            batch
-                .parts
-                .iter()
-                .map(|(_, input)| match input.as_ref() {
-                    RequestInput::Features { data, .. } => data.clone(),
-                    RequestInput::Tokens(_) => Bytes::new(),
-                })
-                .collect(),
-        ),
-        None => {
-            let (lens, frame) = ipc::tokens_frame(batch.parts.iter().flat_map(|(_, input)| {
-                match input.as_ref() {
-                    RequestInput::Tokens(seqs) => seqs.iter(),
-                    RequestInput::Features { .. } => [].iter(),
-                }
-            }));
-            (RowsLayout::Tokens { lens }, vec![frame])
-        }
-    };
+    let (layout, data): (RowsLayout, Vec<Bytes>) =
+        match features.flatten() {
+            Some(features) => (
+                RowsLayout::Features { features },
+                batch
+                    .parts
+                    .iter()
+                    .map(|(_, input)| match input.as_ref() {
+                        RequestInput::Features { data, .. } => data.clone(),
+                        RequestInput::Tokens(_) => Bytes::new(),
+                    })
+                    .collect(),
+            ),
+            None => {
+                let (lens, frame) =
+                    ipc::tokens_frame(batch.parts.iter().flat_map(
+                        |(_, input)| match input.as_ref() {
+                            RequestInput::Tokens(seqs) => seqs.iter(),
+                            RequestInput::Features { .. } => [].iter(),
+                        },
+                    ));
+                (RowsLayout::Tokens { lens }, vec![frame])
+            }
+        };
     ipc::encode(
         &ToWorker::Run {
             batch: batch.id,

@@ -11,8 +11,7 @@ use crate::batcher::{BatcherMsg, RequestInput, Submission};
 use crate::metrics::Metrics;
 use crate::model::{InputSpec, ModelInfo};
 use crate::protocol::{
-    decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply,
-    Request,
+    decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply, Request,
 };
 use crate::tensor::DType;
 use crate::tokenize::{TokenizeError, TokenizerPool};
@@ -75,7 +74,11 @@ impl Frontend {
             Ok(rx) => rx.await.unwrap_or_else(|_| {
                 // The batcher dropped the request without answering: a bug or a
                 // shutdown past its grace period.
-                self.error(ProtocolError::new(0, ErrorCode::Internal, "the request was dropped"))
+                self.error(ProtocolError::new(
+                    0,
+                    ErrorCode::Internal,
+                    "the request was dropped",
+                ))
             }),
             Err(e) => self.error(e),
         }
@@ -100,7 +103,11 @@ impl Frontend {
             ProtocolError::new(
                 id,
                 ErrorCode::UnknownModel,
-                format!("no model named {:?} (served: {})", header.model, names.join(", ")),
+                format!(
+                    "no model named {:?} (served: {})",
+                    header.model,
+                    names.join(", ")
+                ),
             )
         })?;
         let model = &self.models[index];
@@ -108,7 +115,10 @@ impl Frontend {
         let input = match (&model.info.input, request.payload) {
             (InputSpec::Features { features }, Payload::Tensor(t)) => {
                 if t.dtype != DType::F32 {
-                    return Err(bad(format!("model {name} takes f32 tensors, got {}", t.dtype)));
+                    return Err(bad(format!(
+                        "model {name} takes f32 tensors, got {}",
+                        t.dtype
+                    )));
                 }
                 if t.shape.len() != 2 || t.shape[1] != *features || t.shape[0] == 0 {
                     return Err(bad(format!(
@@ -128,10 +138,14 @@ impl Frontend {
                 }
             }
             (InputSpec::Features { .. }, _) => {
-                return Err(bad(format!("model {name} takes input \"tensor\" (f32 rows)")))
+                return Err(bad(format!(
+                    "model {name} takes input \"tensor\" (f32 rows)"
+                )))
             }
             (InputSpec::Tokens { .. }, Payload::Tensor(_)) => {
-                return Err(bad(format!("model {name} takes input \"texts\" or \"ids\"")))
+                return Err(bad(format!(
+                    "model {name} takes input \"texts\" or \"ids\""
+                )))
             }
             (InputSpec::Tokens { .. }, Payload::Texts(texts)) => {
                 let pool = model.tokenizer.as_ref().ok_or_else(|| {
@@ -193,13 +207,19 @@ impl Frontend {
         };
         self.batcher
             .cast(BatcherMsg::Submit(submission))
-            .map_err(|_| ProtocolError::new(id, ErrorCode::Unavailable, "the daemon is shutting down"))?;
+            .map_err(|_| {
+                ProtocolError::new(id, ErrorCode::Unavailable, "the daemon is shutting down")
+            })?;
         Ok(rx)
     }
 }
 
 /// The earlier of a relative timeout and an absolute wall-clock deadline.
-fn deadline(timeout_us: Option<u64>, deadline_unix_us: Option<u64>, received: Instant) -> Option<Instant> {
+fn deadline(
+    timeout_us: Option<u64>,
+    deadline_unix_us: Option<u64>,
+    received: Instant,
+) -> Option<Instant> {
     let relative = timeout_us.map(|us| received + Duration::from_micros(us));
     let absolute = deadline_unix_us.map(|unix_us| {
         let now_us = SystemTime::now()
@@ -218,7 +238,11 @@ fn deadline(timeout_us: Option<u64>, deadline_unix_us: Option<u64>, received: In
 }
 
 /// Serves the ROUTER socket until `shutdown` resolves.
-pub async fn run(socket: RouterSocket, frontend: Arc<Frontend>, shutdown: impl Future<Output = ()>) {
+pub async fn run(
+    socket: RouterSocket,
+    frontend: Arc<Frontend>,
+    shutdown: impl Future<Output = ()>,
+) {
     let (send, mut recv) = socket.split();
     tokio::pin!(shutdown);
     loop {
@@ -252,6 +276,8 @@ async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: Z
     match tokio::time::timeout(REPLY_SEND_TIMEOUT, send.send(out)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::debug!("reply to a departed client dropped: {e}"),
-        Err(_) => tracing::warn!("reply dropped: the client did not read it within {REPLY_SEND_TIMEOUT:?}"),
+        Err(_) => tracing::warn!(
+            "reply dropped: the client did not read it within {REPLY_SEND_TIMEOUT:?}"
+        ),
     }
 }

@@ -12,7 +12,13 @@ use std::path::PathBuf;
 #[command(version, about, long_about = None)]
 struct Cli {
     /// Configuration file (TOML; see config/replayd.toml for every key).
-    #[arg(long, short, env = "REPLAYD_CONFIG", default_value = "config/replayd.toml", global = true)]
+    #[arg(
+        long,
+        short,
+        env = "REPLAYD_CONFIG",
+        default_value = "config/replayd.toml",
+        global = true
+    )]
     config: PathBuf,
 
     /// Write a JSON file with the bound endpoints and pid once every device is ready.
@@ -39,7 +45,9 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     match cli.command {

@@ -136,7 +136,9 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
 /// Loads what the main process needs of each model (configs, tokenizer).
 fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
     let threads = match config.server.tokenizer_threads {
-        0 => std::thread::available_parallelism().map_or(1, |c| c.get()).min(8),
+        0 => std::thread::available_parallelism()
+            .map_or(1, |c| c.get())
+            .min(8),
         t => t,
     };
     config
@@ -147,8 +149,9 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
                 .with_context(|| format!("cannot serve model {:?}", mc.name))?;
             let tokenizer = match (&info.input, &info.tokenizer_path) {
                 (crate::model::InputSpec::Tokens { max_seq_len, .. }, Some(path)) => {
-                    let t = TextTokenizer::load(path, *max_seq_len)
-                        .with_context(|| format!("model {:?}: tokenizer {}", mc.name, path.display()))?;
+                    let t = TextTokenizer::load(path, *max_seq_len).with_context(|| {
+                        format!("model {:?}: tokenizer {}", mc.name, path.display())
+                    })?;
                     Some(TokenizerPool::new(Arc::new(t), threads))
                 }
                 _ => None,
@@ -331,7 +334,11 @@ pub async fn run(
 }
 
 /// Waits until every device is ready, then writes the ready file.
-async fn announce_ready(metrics: Arc<Metrics>, ready_file: Option<PathBuf>, info: serde_json::Value) {
+async fn announce_ready(
+    metrics: Arc<Metrics>,
+    ready_file: Option<PathBuf>,
+    info: serde_json::Value,
+) {
     let started = Instant::now();
     loop {
         let devices = metrics.devices();
@@ -344,7 +351,10 @@ async fn announce_ready(metrics: Arc<Metrics>, ready_file: Option<PathBuf>, info
     crate::notify::notify("READY=1");
     if let Some(path) = ready_file {
         let tmp = path.with_extension("tmp");
-        if std::fs::write(&tmp, info.to_string()).and_then(|_| std::fs::rename(&tmp, &path)).is_err() {
+        if std::fs::write(&tmp, info.to_string())
+            .and_then(|_| std::fs::rename(&tmp, &path))
+            .is_err()
+        {
             tracing::error!("cannot write the ready file {}", path.display());
         }
     }

@@ -96,9 +96,9 @@ impl Actor for Supervisor {
                 let children = state.children.clone();
                 // Wait off the handler so the supervisor stays responsive.
                 tokio::spawn(async move {
-                    let waits = children.iter().map(|c| {
-                        c.call(DeviceMsg::Stop, Some(Duration::from_secs(60)))
-                    });
+                    let waits = children
+                        .iter()
+                        .map(|c| c.call(DeviceMsg::Stop, Some(Duration::from_secs(60))));
                     futures::future::join_all(waits).await;
                     let _ = port.send(());
                 });

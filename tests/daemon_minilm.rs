@@ -67,11 +67,18 @@ async fn embed(client: &Client, texts: &[&str]) -> Vec<Vec<f32>> {
     assert_eq!(r.header.status, Status::Ok, "{:?}", r.header.message);
     let out = r.output.unwrap();
     assert_eq!(out.shape, vec![texts.len(), 384]);
-    out.to_f32_vec().unwrap().chunks(384).map(<[f32]>::to_vec).collect()
+    out.to_f32_vec()
+        .unwrap()
+        .chunks(384)
+        .map(<[f32]>::to_vec)
+        .collect()
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Every reference text, served over the socket through the batcher, in
@@ -96,7 +103,9 @@ async fn reference_set_matches_sentence_transformers_in_every_grouping() {
     for (i, line) in lines.iter().enumerate() {
         let client = client.clone();
         let text = line.text.clone();
-        tasks.push(tokio::spawn(async move { (i, embed(&client, &[&text]).await.remove(0)) }));
+        tasks.push(tokio::spawn(async move {
+            (i, embed(&client, &[&text]).await.remove(0))
+        }));
     }
     let mut single: HashMap<usize, Vec<f32>> = HashMap::new();
     for t in tasks {
@@ -137,14 +146,25 @@ async fn reference_set_matches_sentence_transformers_in_every_grouping() {
         let out = embed(&client, &texts).await;
         for (k, &i) in idx.iter().enumerate() {
             let d = max_abs_diff(&out[k], &single[&i]);
-            assert!(d <= 1e-5, "line {i} differs by {d} when shuffled with a long text");
+            assert!(
+                d <= 1e-5,
+                "line {i} differs by {d} when shuffled with a long text"
+            );
         }
         pos += n;
     }
 
     let stats = daemon.stats();
-    assert!(stats["eager"]["requests"].as_u64().unwrap() > 0, "long texts went eager");
-    let buckets: Vec<&str> = stats["buckets"].as_array().unwrap().iter().map(|b| b["bucket"].as_str().unwrap()).collect();
+    assert!(
+        stats["eager"]["requests"].as_u64().unwrap() > 0,
+        "long texts went eager"
+    );
+    let buckets: Vec<&str> = stats["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["bucket"].as_str().unwrap())
+        .collect();
     assert!(buckets.len() >= 4, "several buckets were used: {buckets:?}");
 }
 
@@ -158,14 +178,22 @@ async fn long_texts_take_the_eager_path_accurately() {
     let long: Vec<&Line> = lines.iter().filter(|l| l.ids.len() > 128).collect();
     assert!(!long.is_empty());
     for line in long.iter().take(6) {
-        let r = client.embed("minilm", &[&line.text], DType::F32, T).await.unwrap();
+        let r = client
+            .embed("minilm", &[&line.text], DType::F32, T)
+            .await
+            .unwrap();
         assert_eq!(r.header.bucket.as_deref(), Some("eager"));
         let e = r.output.unwrap().to_f32_vec().unwrap();
         let c = cosine(&e, &line.embedding);
         assert!(c >= 0.9999, "{} tokens: cosine {c}", line.ids.len());
     }
     let stats = daemon.stats();
-    assert_eq!(stats["eager"]["by_reason"]["seq_too_long"].as_u64().unwrap(), long.len().min(6) as u64);
+    assert_eq!(
+        stats["eager"]["by_reason"]["seq_too_long"]
+            .as_u64()
+            .unwrap(),
+        long.len().min(6) as u64
+    );
 }
 
 /// f16 output on request; pre-tokenized ids give the same embedding as text.
@@ -177,7 +205,10 @@ async fn ids_requests_and_f16_output() {
     let line = &lines[5];
     let mut h = RequestHeader::new(1, "minilm", InputKind::Ids);
     h.output_dtype = Some(DType::F16);
-    let r = client.request(&h, &Payload::Ids(vec![line.ids.clone()]), T).await.unwrap();
+    let r = client
+        .request(&h, &Payload::Ids(vec![line.ids.clone()]), T)
+        .await
+        .unwrap();
     let out = r.output.unwrap();
     assert_eq!((out.dtype, out.shape.clone()), (DType::F16, vec![1, 384]));
     assert!(cosine(&out.to_f32_vec().unwrap(), &line.embedding) >= 0.9999);
@@ -201,22 +232,71 @@ async fn bad_text_inputs_get_clear_errors() {
     let daemon = Daemon::start_with(&config(""), "max_items_per_request = 4");
     let mut raw = RawClient::connect(&daemon.endpoint).await.unwrap();
     let texts = RequestHeader::new(1, "minilm", InputKind::Texts);
-    expect(&mut raw, vec![head(&texts), Bytes::from_static(b"fine"), Bytes::from_static(b"\xc3\x28")], ErrorCode::BadRequest, "text 1 is not valid UTF-8").await;
-    expect(&mut raw, vec![head(&texts)], ErrorCode::BadRequest, "no texts").await;
-    expect(&mut raw, vec![head(&texts); 6].into_iter().enumerate().map(|(i, h)| if i == 0 { h } else { Bytes::from_static(b"x") }).collect(), ErrorCode::BadRequest, "limit of 4").await;
+    expect(
+        &mut raw,
+        vec![
+            head(&texts),
+            Bytes::from_static(b"fine"),
+            Bytes::from_static(b"\xc3\x28"),
+        ],
+        ErrorCode::BadRequest,
+        "text 1 is not valid UTF-8",
+    )
+    .await;
+    expect(
+        &mut raw,
+        vec![head(&texts)],
+        ErrorCode::BadRequest,
+        "no texts",
+    )
+    .await;
+    expect(
+        &mut raw,
+        vec![head(&texts); 6]
+            .into_iter()
+            .enumerate()
+            .map(|(i, h)| if i == 0 { h } else { Bytes::from_static(b"x") })
+            .collect(),
+        ErrorCode::BadRequest,
+        "limit of 4",
+    )
+    .await;
     let ids = RequestHeader::new(2, "minilm", InputKind::Ids);
-    let bad_id: Vec<u8> = [101u32, 40000, 102].iter().flat_map(|i| i.to_le_bytes()).collect();
-    expect(&mut raw, vec![head(&ids), Bytes::from(bad_id)], ErrorCode::BadRequest, "outside the vocabulary").await;
+    let bad_id: Vec<u8> = [101u32, 40000, 102]
+        .iter()
+        .flat_map(|i| i.to_le_bytes())
+        .collect();
+    expect(
+        &mut raw,
+        vec![head(&ids), Bytes::from(bad_id)],
+        ErrorCode::BadRequest,
+        "outside the vocabulary",
+    )
+    .await;
     let mut strict = RequestHeader::new(3, "minilm", InputKind::Texts);
     strict.truncate = false;
     let long = "word ".repeat(400);
-    expect(&mut raw, vec![head(&strict), Bytes::from(long)], ErrorCode::TooLong, "maximum of 256").await;
+    expect(
+        &mut raw,
+        vec![head(&strict), Bytes::from(long)],
+        ErrorCode::TooLong,
+        "maximum of 256",
+    )
+    .await;
     let mut tensor = RequestHeader::new(4, "minilm", InputKind::Tensor);
     tensor.dtype = Some(DType::F32);
     tensor.shape = Some(vec![1, 4]);
-    expect(&mut raw, vec![head(&tensor), Bytes::from(vec![0u8; 16])], ErrorCode::BadRequest, "takes input \"texts\" or \"ids\"").await;
+    expect(
+        &mut raw,
+        vec![head(&tensor), Bytes::from(vec![0u8; 16])],
+        ErrorCode::BadRequest,
+        "takes input \"texts\" or \"ids\"",
+    )
+    .await;
 
-    raw.send(vec![head(&texts), Bytes::from_static(b"still serving")]).await.unwrap();
+    raw.send(vec![head(&texts), Bytes::from_static(b"still serving")])
+        .await
+        .unwrap();
     assert_eq!(raw.recv_reply(T).await.unwrap().header.status, Status::Ok);
 }
 
@@ -225,9 +305,18 @@ async fn bad_text_inputs_get_clear_errors() {
 #[test]
 fn broken_model_folders_fail_at_startup_naming_the_file() {
     let src = minilm_dir();
-    for (broken, needle) in [("tokenizer.json", "tokenizer.json"), ("model.safetensors", "model.safetensors")] {
+    for (broken, needle) in [
+        ("tokenizer.json", "tokenizer.json"),
+        ("model.safetensors", "model.safetensors"),
+    ] {
         let dir = tempfile::tempdir().unwrap();
-        for f in ["config.json", "model.safetensors", "tokenizer.json", "modules.json", "sentence_bert_config.json"] {
+        for f in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "modules.json",
+            "sentence_bert_config.json",
+        ] {
             std::os::unix::fs::symlink(src.join(f), dir.path().join(f)).unwrap();
         }
         std::fs::remove_file(dir.path().join(broken)).unwrap();
@@ -236,7 +325,10 @@ fn broken_model_folders_fail_at_startup_naming_the_file() {
             let bytes = std::fs::read(src.join(broken)).unwrap();
             std::fs::write(dir.path().join(broken), &bytes[..1000]).unwrap();
         }
-        let cfg = config("").replace(&minilm_dir().display().to_string(), &dir.path().display().to_string());
+        let cfg = config("").replace(
+            &minilm_dir().display().to_string(),
+            &dir.path().display().to_string(),
+        );
         let (status, log) = Daemon::start_failing(&cfg);
         assert!(!status.success());
         assert!(log.contains(needle), "{broken}: {log}");
@@ -254,7 +346,10 @@ async fn fetch_script_fetches_a_model_that_then_serves() {
         .status()
         .unwrap();
     assert!(status.success());
-    let cfg = config("").replace(&minilm_dir().display().to_string(), &dest.display().to_string());
+    let cfg = config("").replace(
+        &minilm_dir().display().to_string(),
+        &dest.display().to_string(),
+    );
     let daemon = Daemon::start(&cfg);
     let client = daemon.client().await;
     let lines = reference();

@@ -6,7 +6,7 @@ mod common;
 use bytes::Bytes;
 use common::{data, rel_err, Daemon, MlpReference, Rng};
 use replayd::client::{Client, RawClient, Response};
-use replayd::protocol::{ErrorCode, InputKind, Payload, RequestHeader, Status};
+use replayd::protocol::{ErrorCode, InputKind, RequestHeader, Status};
 use replayd::tensor::{DType, HostTensor};
 use serde_json::Value;
 use std::sync::Arc;
@@ -71,7 +71,10 @@ async fn thousand_requests_from_many_clients_are_correct_and_counted() {
 
     // The reference batches first, in order.
     let client = daemon.client().await;
-    for line in std::fs::read_to_string(data("mlp_seed_io.jsonl")).unwrap().lines() {
+    for line in std::fs::read_to_string(data("mlp_seed_io.jsonl"))
+        .unwrap()
+        .lines()
+    {
         let v: Value = serde_json::from_str(line).unwrap();
         let rows: Vec<Vec<f32>> = serde_json::from_value(v["input"].clone()).unwrap();
         let want: Vec<Vec<f64>> = serde_json::from_value(v["output"].clone()).unwrap();
@@ -83,7 +86,11 @@ async fn thousand_requests_from_many_clients_are_correct_and_counted() {
         let got = output_of(&r);
         assert_eq!(r.output.as_ref().unwrap().shape, vec![rows.len(), 10]);
         let err = rel_err(&got, &want.concat());
-        assert!(err < 1e-5, "reference batch of {}: rel err {err}", rows.len());
+        assert!(
+            err < 1e-5,
+            "reference batch of {}: rel err {err}",
+            rows.len()
+        );
     }
     let sent_before = bucket_sum(&daemon.stats(), "requests");
 
@@ -117,7 +124,10 @@ async fn thousand_requests_from_many_clients_are_correct_and_counted() {
                 assert!(err < 1e-5, "client {c}: {rows} rows, rel err {err}");
                 let bucket = r.header.bucket.clone().unwrap();
                 let b: usize = bucket.split('x').next().unwrap().parse().unwrap();
-                assert!(BUCKETS.contains(&b) && b >= rows, "{rows} rows ran in {bucket}");
+                assert!(
+                    BUCKETS.contains(&b) && b >= rows,
+                    "{rows} rows ran in {bucket}"
+                );
                 assert!(r.header.device.as_deref().unwrap().starts_with("cpu:"));
                 n += 1;
             }
@@ -149,7 +159,10 @@ async fn thousand_requests_from_many_clients_are_correct_and_counted() {
     assert_eq!(stats["eager"]["requests"], 0);
     // Both devices served.
     for d in ["cpu:0", "cpu:1"] {
-        assert!(daemon.device(d)["batches"].as_u64().unwrap() > 0, "{d} idle");
+        assert!(
+            daemon.device(d)["batches"].as_u64().unwrap() > 0,
+            "{d} idle"
+        );
     }
 }
 
@@ -177,7 +190,9 @@ async fn oversize_request_runs_on_the_eager_path() {
 }
 
 fn worker_pid(daemon: &Daemon, label: &str) -> i32 {
-    daemon.device(label)["worker_pid"].as_i64().expect("worker pid") as i32
+    daemon.device(label)["worker_pid"]
+        .as_i64()
+        .expect("worker pid") as i32
 }
 
 /// kill -9 of a worker holding batches: every request still gets exactly one
@@ -211,7 +226,11 @@ async fn killed_worker_loses_nothing_and_comes_back() {
     let mut ids = std::collections::HashSet::new();
     for t in tasks {
         let (x, rows, r) = t.await.unwrap();
-        assert!(ids.insert(r.header.id), "two replies for request {}", r.header.id);
+        assert!(
+            ids.insert(r.header.id),
+            "two replies for request {}",
+            r.header.id
+        );
         let err = rel_err(&output_of(&r), &reference.forward(&x, rows));
         assert!(err < 1e-5, "rel err {err}");
     }
@@ -222,18 +241,31 @@ async fn killed_worker_loses_nothing_and_comes_back() {
             d["label"] == "cpu:0" && d["state"] == "ready" && d["restarts"].as_u64() == Some(1)
         })
     });
-    assert!(stats["retried_batches"].as_u64().unwrap() >= 1, "no batch was in flight on the killed worker");
+    assert!(
+        stats["retried_batches"].as_u64().unwrap() >= 1,
+        "no batch was in flight on the killed worker"
+    );
     let dev = daemon.device("cpu:0");
     assert_ne!(dev["worker_pid"].as_i64().unwrap() as i32, victim);
-    assert_eq!(dev["graphs"].as_array().unwrap().len(), BUCKETS.len(), "graphs re-captured");
-    assert!(dev["last_error"].as_str().unwrap().contains("signal 9"), "{dev}");
+    assert_eq!(
+        dev["graphs"].as_array().unwrap().len(),
+        BUCKETS.len(),
+        "graphs re-captured"
+    );
+    assert!(
+        dev["last_error"].as_str().unwrap().contains("signal 9"),
+        "{dev}"
+    );
     assert_eq!(stats["requests"]["errors"]["internal"], 0);
 
     // The restarted worker serves again.
     let before = dev["batches"].as_u64().unwrap();
     for _ in 0..40 {
         let x = random_rows(&mut rng, 1);
-        let r = client.infer("mlp", &HostTensor::from_f32(vec![1, 128], &x), T).await.unwrap();
+        let r = client
+            .infer("mlp", &HostTensor::from_f32(vec![1, 128], &x), T)
+            .await
+            .unwrap();
         assert!(rel_err(&output_of(&r), &reference.forward(&x, 1)) < 1e-5);
     }
     daemon.wait_for("cpu:0 to serve again", Duration::from_secs(10), |_| {
@@ -248,7 +280,11 @@ async fn injected_fault_under_load_is_recovered() {
     let daemon = Daemon::start(&mlp_config(""));
     let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
     let out = daemon.ctl(&["inject-fault", "--device", "cpu:1"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let client = Arc::new(daemon.client().await);
     let mut rng = Rng::new(9);
     let mut tasks = Vec::new();
@@ -257,18 +293,31 @@ async fn injected_fault_under_load_is_recovered() {
         let x = random_rows(&mut rng, rows);
         let client = client.clone();
         tasks.push(tokio::spawn(async move {
-            (x.clone(), rows, client.infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T).await.unwrap())
+            (
+                x.clone(),
+                rows,
+                client
+                    .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+                    .await
+                    .unwrap(),
+            )
         }));
     }
     for t in tasks {
         let (x, rows, r) = t.await.unwrap();
         assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
     }
-    daemon.wait_for("cpu:1 to recover from the fault", Duration::from_secs(60), |s| {
-        s["devices"].as_array().unwrap().iter().any(|d| {
-            d["label"] == "cpu:1" && d["state"] == "ready" && d["device_faults"] == 1
-        })
-    });
+    daemon.wait_for(
+        "cpu:1 to recover from the fault",
+        Duration::from_secs(60),
+        |s| {
+            s["devices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|d| d["label"] == "cpu:1" && d["state"] == "ready" && d["device_faults"] == 1)
+        },
+    );
 }
 
 fn header_frame(h: &RequestHeader) -> Bytes {
@@ -298,28 +347,84 @@ async fn bad_inputs_get_clear_errors() {
     };
     let payload = Bytes::from(vec![0u8; 2 * 128 * 4]);
 
-    expect_error(&mut raw, vec![Bytes::from_static(b"not msgpack \xc1")], ErrorCode::BadRequest, "malformed header").await;
-    expect_error(&mut raw, vec![Bytes::new()], ErrorCode::BadRequest, "malformed header").await;
+    expect_error(
+        &mut raw,
+        vec![Bytes::from_static(b"not msgpack \xc1")],
+        ErrorCode::BadRequest,
+        "malformed header",
+    )
+    .await;
+    expect_error(
+        &mut raw,
+        vec![Bytes::new()],
+        ErrorCode::BadRequest,
+        "malformed header",
+    )
+    .await;
     let mut h = good(2);
     h.model = "nope".into();
-    expect_error(&mut raw, vec![header_frame(&h), payload.clone()], ErrorCode::UnknownModel, "no model named \"nope\"").await;
+    expect_error(
+        &mut raw,
+        vec![header_frame(&h), payload.clone()],
+        ErrorCode::UnknownModel,
+        "no model named \"nope\"",
+    )
+    .await;
     let mut h = good(3);
     h.dtype = Some(DType::F16);
-    expect_error(&mut raw, vec![header_frame(&h), Bytes::from(vec![0u8; 2 * 128 * 2])], ErrorCode::BadRequest, "takes f32").await;
+    expect_error(
+        &mut raw,
+        vec![header_frame(&h), Bytes::from(vec![0u8; 2 * 128 * 2])],
+        ErrorCode::BadRequest,
+        "takes f32",
+    )
+    .await;
     let mut h = good(4);
     h.shape = Some(vec![2, 64]);
-    expect_error(&mut raw, vec![header_frame(&h), Bytes::from(vec![0u8; 2 * 64 * 4])], ErrorCode::BadRequest, "[n, 128]").await;
-    expect_error(&mut raw, vec![header_frame(&good(5)), payload.slice(..1000)], ErrorCode::BadRequest, "needs 1024 bytes, got 1000").await;
-    expect_error(&mut raw, vec![header_frame(&good(6))], ErrorCode::BadRequest, "exactly one payload frame").await;
+    expect_error(
+        &mut raw,
+        vec![header_frame(&h), Bytes::from(vec![0u8; 2 * 64 * 4])],
+        ErrorCode::BadRequest,
+        "[n, 128]",
+    )
+    .await;
+    expect_error(
+        &mut raw,
+        vec![header_frame(&good(5)), payload.slice(..1000)],
+        ErrorCode::BadRequest,
+        "needs 1024 bytes, got 1000",
+    )
+    .await;
+    expect_error(
+        &mut raw,
+        vec![header_frame(&good(6))],
+        ErrorCode::BadRequest,
+        "exactly one payload frame",
+    )
+    .await;
     let mut h = good(7);
     h.deadline_unix_us = Some(1);
-    expect_error(&mut raw, vec![header_frame(&h), payload.clone()], ErrorCode::DeadlineExceeded, "deadline").await;
+    expect_error(
+        &mut raw,
+        vec![header_frame(&h), payload.clone()],
+        ErrorCode::DeadlineExceeded,
+        "deadline",
+    )
+    .await;
     let mut h = good(8);
     h.input = InputKind::Texts;
-    expect_error(&mut raw, vec![header_frame(&h), Bytes::from_static(b"hello")], ErrorCode::BadRequest, "takes input \"tensor\"").await;
+    expect_error(
+        &mut raw,
+        vec![header_frame(&h), Bytes::from_static(b"hello")],
+        ErrorCode::BadRequest,
+        "takes input \"tensor\"",
+    )
+    .await;
 
     // The daemon still serves, with the id echoed.
-    raw.send(vec![header_frame(&good(99)), payload.clone()]).await.unwrap();
+    raw.send(vec![header_frame(&good(99)), payload.clone()])
+        .await
+        .unwrap();
     let r = raw.recv_reply(T).await.unwrap();
     assert_eq!((r.header.id, r.header.status), (99, Status::Ok));
     let stats = daemon.stats();
@@ -351,8 +456,13 @@ async fn flood_beyond_the_queue_limit_is_overloaded() {
     }
     // Overloaded replies come back while the workers are still frozen.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let overloaded = daemon.stats()["requests"]["errors"]["overloaded"].as_u64().unwrap();
-    assert!(overloaded >= 190, "only {overloaded} overloaded replies while frozen");
+    let overloaded = daemon.stats()["requests"]["errors"]["overloaded"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        overloaded >= 190,
+        "only {overloaded} overloaded replies while frozen"
+    );
     pids.iter().for_each(|&p| unsafe {
         libc::kill(p, libc::SIGCONT);
     });
@@ -370,7 +480,7 @@ async fn flood_beyond_the_queue_limit_is_overloaded() {
     }
     assert_eq!(ok + over, 200);
     // At most two dispatched (one per device) plus four queued.
-    assert!(ok <= 6 && ok >= 4, "{ok} served");
+    assert!((4..=6).contains(&ok), "{ok} served");
 }
 
 /// SIGTERM with work queued: everything accepted is answered, then exit 0.
@@ -390,10 +500,19 @@ async fn sigterm_answers_everything_accepted_before_exit() {
         let x = random_rows(&mut rng, rows);
         let client = client.clone();
         tasks.push(tokio::spawn(async move {
-            (x.clone(), rows, client.infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T).await.unwrap())
+            (
+                x.clone(),
+                rows,
+                client
+                    .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+                    .await
+                    .unwrap(),
+            )
         }));
     }
-    daemon.wait_for("300 accepted", Duration::from_secs(10), |s| s["requests"]["accepted"] == 300);
+    daemon.wait_for("300 accepted", Duration::from_secs(10), |s| {
+        s["requests"]["accepted"] == 300
+    });
     daemon.signal(libc::SIGTERM);
     tokio::time::sleep(Duration::from_millis(200)).await;
     // A request after SIGTERM is refused, not lost.
@@ -435,7 +554,10 @@ async fn replayctl_health_and_stats() {
 /// Invalid configs stop the daemon at start-up with a message naming the key.
 #[test]
 fn invalid_config_names_the_key() {
-    let (status, log) = Daemon::start_failing(&format!("{}\n[batching]\nmax_wiat_us = 3\n", mlp_config("")).replace("[batching]\nmax_wait_us = 1000\n", ""));
+    let (status, log) = Daemon::start_failing(
+        &format!("{}\n[batching]\nmax_wiat_us = 3\n", mlp_config(""))
+            .replace("[batching]\nmax_wait_us = 1000\n", ""),
+    );
     assert!(!status.success());
     assert!(log.contains("max_wiat_us"), "{log}");
     let (status, log) = Daemon::start_failing(&mlp_config("max_queue = 0"));

@@ -98,9 +98,14 @@ pub enum BatcherMsg {
         actor: ActorRef<DeviceMsg>,
     },
     /// The device's worker captured every graph and takes work.
-    DeviceUp { device: DeviceId },
+    DeviceUp {
+        device: DeviceId,
+    },
     /// The device's worker is gone; re-dispatch what it held.
-    DeviceDown { device: DeviceId, reason: String },
+    DeviceDown {
+        device: DeviceId,
+        reason: String,
+    },
     BatchDone {
         device: DeviceId,
         batch: BatchId,
@@ -279,7 +284,11 @@ impl BatcherState {
             deadline: sub.deadline,
         };
         if sub.deadline.is_some_and(|d| d <= Instant::now()) {
-            return self.reject(sub, ErrorCode::DeadlineExceeded, "the deadline had passed on arrival".into());
+            return self.reject(
+                sub,
+                ErrorCode::DeadlineExceeded,
+                "the deadline had passed on arrival".into(),
+            );
         }
         match self.scheduler.enqueue(queued) {
             Ok(placement) => {
@@ -305,7 +314,10 @@ impl BatcherState {
                 );
             }
             Err(Rejection::Overloaded { limit }) => {
-                let msg = format!("model {} has {limit} requests queued; retry later", slot.name);
+                let msg = format!(
+                    "model {} has {limit} requests queued; retry later",
+                    slot.name
+                );
                 self.reject(sub, ErrorCode::Overloaded, msg)
             }
             Err(Rejection::TooLarge { rows, len, largest }) => {
@@ -314,9 +326,11 @@ impl BatcherState {
                 );
                 self.reject(sub, ErrorCode::TooLong, msg)
             }
-            Err(Rejection::Draining) => {
-                self.reject(sub, ErrorCode::Unavailable, "the daemon is shutting down".into())
-            }
+            Err(Rejection::Draining) => self.reject(
+                sub,
+                ErrorCode::Unavailable,
+                "the daemon is shutting down".into(),
+            ),
         }
     }
 

@@ -67,9 +67,15 @@ pub enum Placement {
 /// Why a request was not accepted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Rejection {
-    Overloaded { limit: usize },
+    Overloaded {
+        limit: usize,
+    },
     /// Larger than every bucket and no eager worker is configured.
-    TooLarge { rows: usize, len: usize, largest: Bucket },
+    TooLarge {
+        rows: usize,
+        len: usize,
+        largest: Bucket,
+    },
     Draining,
 }
 
@@ -144,8 +150,14 @@ impl Queue {
 /// Where a queued request sits, for removal by id.
 #[derive(Clone, Copy, Debug)]
 enum Slot {
-    Bucketed { model: usize, seq: usize, key: QueueKey },
-    Eager { key: QueueKey },
+    Bucketed {
+        model: usize,
+        seq: usize,
+        key: QueueKey,
+    },
+    Eager {
+        key: QueueKey,
+    },
 }
 
 /// The scheduling state machine.
@@ -523,7 +535,10 @@ mod tests {
         let d = s.add_device(DeviceKind::Graph);
         s.set_healthy(d, true);
         let t0 = Instant::now();
-        assert_eq!(s.enqueue(req(1, 0, 3, 1, t0)), Ok(Placement::Bucketed { seq: 1 }));
+        assert_eq!(
+            s.enqueue(req(1, 0, 3, 1, t0)),
+            Ok(Placement::Bucketed { seq: 1 })
+        );
         let out = dispatched(&s.poll(t0));
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].1.bucket, Some(Bucket::new(4, 1)));
@@ -535,9 +550,18 @@ mod tests {
     fn seq_bucket_is_chosen_from_token_count() {
         let mut s = scheduler();
         let t0 = Instant::now();
-        assert_eq!(s.enqueue(req(1, 1, 1, 16, t0)), Ok(Placement::Bucketed { seq: 16 }));
-        assert_eq!(s.enqueue(req(2, 1, 1, 17, t0)), Ok(Placement::Bucketed { seq: 32 }));
-        assert_eq!(s.enqueue(req(3, 1, 1, 64, t0)), Ok(Placement::Bucketed { seq: 64 }));
+        assert_eq!(
+            s.enqueue(req(1, 1, 1, 16, t0)),
+            Ok(Placement::Bucketed { seq: 16 })
+        );
+        assert_eq!(
+            s.enqueue(req(2, 1, 1, 17, t0)),
+            Ok(Placement::Bucketed { seq: 32 })
+        );
+        assert_eq!(
+            s.enqueue(req(3, 1, 1, 64, t0)),
+            Ok(Placement::Bucketed { seq: 64 })
+        );
     }
 
     #[test]
@@ -722,7 +746,13 @@ mod tests {
         s.retry(77, DeviceKind::Graph);
         s.enqueue(req(3, 0, 8, 1, t0)).unwrap();
         let actions = s.poll(t0);
-        assert_eq!(actions[0], Action::Redispatch { device: b, batch: 77 });
+        assert_eq!(
+            actions[0],
+            Action::Redispatch {
+                device: b,
+                batch: 77
+            }
+        );
         // b is now at max_inflight (2): request 3 waits.
         assert_eq!(dispatched(&actions).len(), 0);
         assert_eq!(s.queued(), 1);
@@ -732,7 +762,13 @@ mod tests {
         assert!(s.poll(t0).is_empty());
         assert_eq!(s.pending_retries(), 1);
         s.set_healthy(a, true);
-        assert_eq!(s.poll(t0)[0], Action::Redispatch { device: a, batch: 78 });
+        assert_eq!(
+            s.poll(t0)[0],
+            Action::Redispatch {
+                device: a,
+                batch: 78
+            }
+        );
     }
 
     #[test]

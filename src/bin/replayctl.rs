@@ -69,17 +69,30 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         None => cli.control.clone(),
     };
     let request = match &cli.command {
-        Command::Health { .. } => ControlRequest { cmd: "health".into(), device: None },
-        Command::Stats { .. } => ControlRequest { cmd: "stats".into(), device: None },
+        Command::Health { .. } => ControlRequest {
+            cmd: "health".into(),
+            device: None,
+        },
+        Command::Stats { .. } => ControlRequest {
+            cmd: "stats".into(),
+            device: None,
+        },
         Command::InjectFault { device } => ControlRequest {
             cmd: "inject_fault".into(),
             device: Some(device.clone()),
         },
     };
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     let reply = runtime.block_on(call(&endpoint, &request, Duration::from_secs(cli.timeout)))?;
     if reply["ok"] != Value::Bool(true) {
-        bail!("{}", reply["error"].as_str().unwrap_or("the daemon reported an error"));
+        bail!(
+            "{}",
+            reply["error"]
+                .as_str()
+                .unwrap_or("the daemon reported an error")
+        );
     }
     let result = &reply["result"];
     match cli.command {
@@ -95,7 +108,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                         d["role"].as_str().unwrap_or("?"),
                         d["state"].as_str().unwrap_or("?"),
                         d["restarts"],
-                        d["last_error"].as_str().map(|e| format!("  last error: {e}")).unwrap_or_default()
+                        d["last_error"]
+                            .as_str()
+                            .map(|e| format!("  last error: {e}"))
+                            .unwrap_or_default()
                     );
                 }
             }
@@ -116,7 +132,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     }
 }
 
-async fn call(endpoint: &str, request: &ControlRequest, timeout: Duration) -> anyhow::Result<Value> {
+async fn call(
+    endpoint: &str,
+    request: &ControlRequest,
+    timeout: Duration,
+) -> anyhow::Result<Value> {
     let mut socket = zeromq::DealerSocket::new();
     tokio::time::timeout(timeout, socket.connect(endpoint))
         .await
@@ -127,7 +147,10 @@ async fn call(endpoint: &str, request: &ControlRequest, timeout: Duration) -> an
     let reply = tokio::time::timeout(timeout, socket.recv())
         .await
         .map_err(|_| anyhow!("no answer from {endpoint} within {timeout:?}"))??;
-    let frame = reply.into_vec().pop().ok_or_else(|| anyhow!("empty answer"))?;
+    let frame = reply
+        .into_vec()
+        .pop()
+        .ok_or_else(|| anyhow!("empty answer"))?;
     serde_json::from_slice(&frame).context("malformed answer")
 }
 
@@ -146,7 +169,14 @@ fn print_stats(s: &Value) {
         .filter(|(_, v)| v.as_u64() != Some(0))
         .map(|(k, v)| format!("{k} {v}"))
         .collect();
-    println!("errors: {}", if errors.is_empty() { "none".into() } else { errors.join(", ") });
+    println!(
+        "errors: {}",
+        if errors.is_empty() {
+            "none".into()
+        } else {
+            errors.join(", ")
+        }
+    );
     let lat = &s["latency"]["total"];
     println!(
         "latency (receipt → reply): p50 {} µs  p90 {} µs  p99 {} µs  max {} µs",
@@ -163,7 +193,11 @@ fn print_stats(s: &Value) {
         let batches = b["batches"].as_u64().unwrap_or(0);
         println!(
             "{:<16} {:>9} {:>10} {:>8.1}% {:>10} {:>8.1}% {:>8.1}%",
-            format!("{}/{}", b["model"].as_str().unwrap_or("?"), b["bucket"].as_str().unwrap_or("?")),
+            format!(
+                "{}/{}",
+                b["model"].as_str().unwrap_or("?"),
+                b["bucket"].as_str().unwrap_or("?")
+            ),
             b["requests"],
             batches,
             100.0 * batches as f64 / total_batches.max(1) as f64,
@@ -173,7 +207,10 @@ fn print_stats(s: &Value) {
         );
     }
     let eager = &s["eager"];
-    println!("eager requests: {}  {}", eager["requests"], eager["by_reason"]);
+    println!(
+        "eager requests: {}  {}",
+        eager["requests"], eager["by_reason"]
+    );
     println!("queue depth: {}", s["queue_depth"]);
     println!();
     for d in s["devices"].as_array().into_iter().flatten() {

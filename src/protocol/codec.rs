@@ -45,7 +45,9 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
             struct IdOnly {
                 id: u64,
             }
-            let id = rmp_serde::from_slice::<IdOnly>(head).map(|h| h.id).unwrap_or(0);
+            let id = rmp_serde::from_slice::<IdOnly>(head)
+                .map(|h| h.id)
+                .unwrap_or(0);
             return Err(bad(
                 id,
                 format!("malformed header frame (expected a MessagePack map): {e}"),
@@ -73,7 +75,10 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
     }
     if let Some(dt) = header.output_dtype {
         if !matches!(dt, DType::F32 | DType::F16) {
-            return Err(bad(id, format!("output_dtype {dt} is not supported (f32 or f16)")));
+            return Err(bad(
+                id,
+                format!("output_dtype {dt} is not supported (f32 or f16)"),
+            ));
         }
     }
     let payload = match header.input {
@@ -82,9 +87,8 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
             check_items(id, payload.len(), limits, "texts")?;
             let mut texts = Vec::with_capacity(payload.len());
             for (i, frame) in payload.iter().enumerate() {
-                let text = std::str::from_utf8(frame).map_err(|e| {
-                    bad(id, format!("text {i} is not valid UTF-8: {e}"))
-                })?;
+                let text = std::str::from_utf8(frame)
+                    .map_err(|e| bad(id, format!("text {i} is not valid UTF-8: {e}")))?;
                 texts.push(text.to_owned());
             }
             Payload::Texts(texts)
@@ -117,12 +121,18 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
 
 fn check_items(id: u64, n: usize, limits: &DecodeLimits, what: &str) -> Result<(), ProtocolError> {
     if n == 0 {
-        return Err(bad(id, format!("no {what}: expected at least one payload frame")));
+        return Err(bad(
+            id,
+            format!("no {what}: expected at least one payload frame"),
+        ));
     }
     if n > limits.max_items {
         return Err(bad(
             id,
-            format!("{n} {what} in one request, more than the limit of {}", limits.max_items),
+            format!(
+                "{n} {what} in one request, more than the limit of {}",
+                limits.max_items
+            ),
         ));
     }
     Ok(())
@@ -153,9 +163,8 @@ fn decode_tensor(header: &RequestHeader, payload: &[Bytes]) -> Result<Payload, P
     if element_count(&shape).is_none() {
         return Err(bad(id, format!("shape {shape:?} is too large")));
     }
-    let tensor = HostTensor::new(dtype, shape, frame.clone()).map_err(|e| {
-        bad(id, format!("payload does not match dtype and shape: {e}"))
-    })?;
+    let tensor = HostTensor::new(dtype, shape, frame.clone())
+        .map_err(|e| bad(id, format!("payload does not match dtype and shape: {e}")))?;
     Ok(Payload::Tensor(tensor))
 }
 
@@ -220,7 +229,8 @@ pub fn encode_request(header: &RequestHeader, payload: &Payload) -> Vec<Bytes> {
         Payload::Texts(texts) => frames.extend(texts.iter().map(|t| Bytes::from(t.clone()))),
         Payload::Ids(seqs) => frames.extend(seqs.iter().map(|s| {
             let mut b = Vec::with_capacity(s.len() * 4);
-            s.iter().for_each(|id| b.extend_from_slice(&id.to_le_bytes()));
+            s.iter()
+                .for_each(|id| b.extend_from_slice(&id.to_le_bytes()));
             Bytes::from(b)
         })),
     }
@@ -320,7 +330,9 @@ mod tests {
             f.extend(frames.into_iter().map(Bytes::from_static));
             f
         };
-        assert!(err(text(vec![b"ok", b"\xff\xfe"])).message.contains("text 1 is not valid UTF-8"));
+        assert!(err(text(vec![b"ok", b"\xff\xfe"]))
+            .message
+            .contains("text 1 is not valid UTF-8"));
         assert!(err(text(vec![])).message.contains("no texts"));
         assert!(err(text(vec![b"a"; 5])).message.contains("limit of 4"));
 
@@ -329,16 +341,30 @@ mod tests {
         h.shape = Some(vec![2, 3]);
         let head = Bytes::from(rmp_serde::to_vec_named(&h).unwrap());
         let e = err(vec![head.clone(), Bytes::from(vec![0u8; 20])]);
-        assert!(e.message.contains("needs 24 bytes, got 20"), "{}", e.message);
+        assert!(
+            e.message.contains("needs 24 bytes, got 20"),
+            "{}",
+            e.message
+        );
         let e = err(vec![head.clone()]);
-        assert!(e.message.contains("exactly one payload frame"), "{}", e.message);
+        assert!(
+            e.message.contains("exactly one payload frame"),
+            "{}",
+            e.message
+        );
 
         let mut h = RequestHeader::new(8, "m", InputKind::Ids);
         h.v = 2;
-        let e = err(vec![Bytes::from(rmp_serde::to_vec_named(&h).unwrap()), Bytes::from_static(b"\0\0\0\0")]);
+        let e = err(vec![
+            Bytes::from(rmp_serde::to_vec_named(&h).unwrap()),
+            Bytes::from_static(b"\0\0\0\0"),
+        ]);
         assert!(e.message.contains("version 2"), "{}", e.message);
         let h = RequestHeader::new(9, "m", InputKind::Ids);
-        let e = err(vec![Bytes::from(rmp_serde::to_vec_named(&h).unwrap()), Bytes::from_static(b"\0\0\0")]);
+        let e = err(vec![
+            Bytes::from(rmp_serde::to_vec_named(&h).unwrap()),
+            Bytes::from_static(b"\0\0\0"),
+        ]);
         assert!(e.message.contains("multiple of 4"), "{}", e.message);
     }
 
@@ -355,9 +381,16 @@ mod tests {
             total_us: 40,
         };
         let (h, t) = decode_reply(&encode_reply(&reply)).unwrap();
-        assert_eq!((h.id, h.status, h.bucket.as_deref()), (3, Status::Ok, Some("8x16")));
+        assert_eq!(
+            (h.id, h.status, h.bucket.as_deref()),
+            (3, Status::Ok, Some("8x16"))
+        );
         assert_eq!(t.unwrap(), out);
-        let (h, t) = decode_reply(&encode_reply(&Reply::error(4, ErrorCode::TooLong, "long"))).unwrap();
-        assert_eq!((h.code, h.message.as_deref(), t), (Some(ErrorCode::TooLong), Some("long"), None));
+        let (h, t) =
+            decode_reply(&encode_reply(&Reply::error(4, ErrorCode::TooLong, "long"))).unwrap();
+        assert_eq!(
+            (h.code, h.message.as_deref(), t),
+            (Some(ErrorCode::TooLong), Some("long"), None)
+        );
     }
 }

@@ -57,12 +57,7 @@ impl Link {
 }
 
 /// Entry point of the backend thread.
-pub fn run(
-    args: WorkerArgs,
-    config: Config,
-    rx: Receiver<Command>,
-    tx: UnboundedSender<Outgoing>,
-) {
+pub fn run(args: WorkerArgs, config: Config, rx: Receiver<Command>, tx: UnboundedSender<Outgoing>) {
     let link = Link { tx };
     match args.backend {
         WorkerBackend::Cpu => {

@@ -116,7 +116,10 @@ pub fn rows_from_frames(layout: &RowsLayout, data: &[Bytes]) -> Result<BatchRows
         }
         RowsLayout::Tokens { lens } => {
             let [frame] = data else {
-                return Err(format!("token batch needs one data frame, got {}", data.len()));
+                return Err(format!(
+                    "token batch needs one data frame, got {}",
+                    data.len()
+                ));
             };
             let total: usize = lens.iter().map(|&l| l as usize).sum();
             if frame.len() != total * 4 {
@@ -144,7 +147,8 @@ pub fn tokens_frame<'a>(seqs: impl IntoIterator<Item = &'a Vec<u32>>) -> (Vec<u3
     let mut bytes = Vec::new();
     for seq in seqs {
         lens.push(seq.len() as u32);
-        seq.iter().for_each(|id| bytes.extend_from_slice(&id.to_le_bytes()));
+        seq.iter()
+            .for_each(|id| bytes.extend_from_slice(&id.to_le_bytes()));
     }
     (lens, Bytes::from(bytes))
 }
@@ -167,13 +171,21 @@ mod tests {
         let frames = encode(&msg, [frame]);
         let (back, data): (ToWorker, _) = decode(&frames).unwrap();
         assert_eq!(back, msg);
-        let ToWorker::Run { layout, .. } = back else { unreachable!() };
-        assert_eq!(rows_from_frames(&layout, data).unwrap(), BatchRows::Tokens(seqs));
+        let ToWorker::Run { layout, .. } = back else {
+            unreachable!()
+        };
+        assert_eq!(
+            rows_from_frames(&layout, data).unwrap(),
+            BatchRows::Tokens(seqs)
+        );
 
         let layout = RowsLayout::Features { features: 2 };
         let rows = rows_from_frames(
             &layout,
-            &[crate::tensor::f32s_to_le(&[1.0, 2.0]), crate::tensor::f32s_to_le(&[3.0, 4.0, 5.0, 6.0])],
+            &[
+                crate::tensor::f32s_to_le(&[1.0, 2.0]),
+                crate::tensor::f32s_to_le(&[3.0, 4.0, 5.0, 6.0]),
+            ],
         )
         .unwrap();
         assert_eq!(rows.rows(), 3);

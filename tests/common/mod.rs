@@ -85,7 +85,11 @@ impl Daemon {
             if let Some(status) = daemon.child.as_mut().unwrap().try_wait().unwrap() {
                 panic!("replayd exited before ready ({status}):\n{}", daemon.log());
             }
-            assert!(Instant::now() < deadline, "replayd not ready in time:\n{}", daemon.log());
+            assert!(
+                Instant::now() < deadline,
+                "replayd not ready in time:\n{}",
+                daemon.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -102,7 +106,10 @@ impl Daemon {
             .current_dir(crate_dir())
             .output()
             .unwrap();
-        (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     }
 
     pub fn log(&self) -> String {
@@ -130,7 +137,11 @@ impl Daemon {
     /// `replayctl stats --json`, parsed.
     pub fn stats(&self) -> Value {
         let out = self.ctl(&["stats", "--json"]);
-        assert!(out.status.success(), "replayctl stats failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "replayctl stats failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).expect("stats JSON")
     }
 
@@ -152,7 +163,11 @@ impl Daemon {
             if cond(&s) {
                 return s;
             }
-            assert!(Instant::now() < deadline, "timed out waiting for {what}: {s:#}\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}: {s:#}\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -170,7 +185,11 @@ impl Daemon {
             if let Some(s) = self.child.as_mut().unwrap().try_wait().unwrap() {
                 return s;
             }
-            assert!(Instant::now() < deadline, "replayd did not exit:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "replayd did not exit:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -209,7 +228,9 @@ impl Rng {
 
     /// Roughly standard normal.
     pub fn normal(&mut self) -> f32 {
-        let s: f64 = (0..12).map(|_| (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64).sum();
+        let s: f64 = (0..12)
+            .map(|_| (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
+            .sum();
         (s - 6.0) as f32
     }
 }
@@ -252,7 +273,11 @@ impl MlpReference {
                     for i in 0..*inp {
                         acc += cur[r * inp + i] * w[o * inp + i];
                     }
-                    next[r * out + o] = if li + 1 < self.layers.len() { acc.max(0.0) } else { acc };
+                    next[r * out + o] = if li + 1 < self.layers.len() {
+                        acc.max(0.0)
+                    } else {
+                        acc
+                    };
                 }
             }
             cur = next;

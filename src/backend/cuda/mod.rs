@@ -32,7 +32,13 @@ impl Backend for CudaBackend {
     fn collect(&mut self, _: ()) -> Result<Vec<f32>, BackendError> {
         unimplemented!()
     }
-    fn run_eager(&mut self, _: &Model, _: &(), _: &Program, _: &BatchRows) -> Result<Vec<f32>, BackendError> {
+    fn run_eager(
+        &mut self,
+        _: &Model,
+        _: &(),
+        _: &Program,
+        _: &BatchRows,
+    ) -> Result<Vec<f32>, BackendError> {
         unimplemented!()
     }
 }
