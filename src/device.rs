@@ -389,10 +389,18 @@ impl DeviceState {
                 rows: _,
                 output_dim,
                 compute_us,
+                replayed,
             } => {
                 self.args
                     .metrics
-                    .update_device(self.args.metrics_index, |d| d.batches += 1);
+                    .update_device(self.args.metrics_index, |d| {
+                        d.batches += 1;
+                        if replayed {
+                            d.graph_replays += 1;
+                        } else {
+                            d.eager_runs += 1;
+                        }
+                    });
                 let output = data.first().cloned().unwrap_or_default();
                 let _ = self.args.batcher.cast(BatcherMsg::BatchDone {
                     device,

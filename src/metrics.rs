@@ -57,6 +57,10 @@ pub struct DeviceStats {
     pub startup_ms: Option<u64>,
     pub graphs: Vec<GraphStats>,
     pub batches: u64,
+    /// Batches served by replaying a captured graph.
+    pub graph_replays: u64,
+    /// Batches run eagerly (no graph).
+    pub eager_runs: u64,
     /// Live figures from NVML where available.
     pub gpu: Option<serde_json::Value>,
 }

@@ -227,7 +227,9 @@ fn serve<B: Backend>(
                         };
                         let program = m.program(n, seq);
                         match backend.run_eager(m, weights, &program, &rows) {
-                            Ok(out) => send_done(link, batch, attempt, n, output_dim, t0, &out),
+                            Ok(out) => {
+                                send_done(link, batch, attempt, n, output_dim, t0, &out, false)
+                            }
                             Err(e) => report_error(link, batch, attempt, e),
                         }
                     }
@@ -269,11 +271,13 @@ fn collect_oldest<B: Backend>(
             job.output_dim,
             job.started,
             &out,
+            true,
         ),
         Err(e) => report_error(link, job.batch, job.attempt, e),
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn send_done(
     link: &Link,
     batch: u64,
@@ -282,6 +286,7 @@ fn send_done(
     output_dim: usize,
     started: Instant,
     out: &[f32],
+    replayed: bool,
 ) {
     if out.len() != rows * output_dim {
         report_error(
@@ -302,6 +307,7 @@ fn send_done(
             rows,
             output_dim,
             compute_us: started.elapsed().as_micros() as u64,
+            replayed,
         },
         Some(crate::tensor::f32s_to_le(out)),
     );

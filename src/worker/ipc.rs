@@ -68,6 +68,8 @@ pub enum FromWorker {
         rows: usize,
         output_dim: usize,
         compute_us: u64,
+        /// True when a captured graph ran it, false for the eager path.
+        replayed: bool,
     },
     /// A batch failed. When `fatal`, the worker exits right after (device fault).
     Failed {
