@@ -5,7 +5,10 @@
 //! * "Capture" ([`Backend::capture`]) allocates every buffer of the program
 //!   once and resolves its ops into a replayable plan bound to those buffers
 //!   (see [`plan`]); a replay packs the batch into the static inputs and runs
-//!   the plan without allocating.
+//!   the plan without allocating. By default a replay computes only the
+//!   batch's real rows and its longest sequence inside those buffers (padding
+//!   costs real work on a CPU, and skipping it cannot change a real row's
+//!   result); [`CpuBackend::set_trim_padding`] turns that off.
 //! * Matrix products go through the `gemm` crate with
 //!   `Parallelism::Rayon(threads)`; every op runs inside this backend's own
 //!   rayon pool of `threads` threads (never the global pool), which gemm and
@@ -86,6 +89,8 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     /// Set by [`Backend::inject_fault`]: the "device" is unusable.
     fault: Option<String>,
+    /// Compute only the real rows and tokens of a batch (see [`CpuBackend::set_trim_padding`]).
+    trim_padding: bool,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -94,6 +99,7 @@ impl std::fmt::Debug for CpuBackend {
             .field("ordinal", &self.ordinal)
             .field("threads", &self.threads)
             .field("fault", &self.fault)
+            .field("trim_padding", &self.trim_padding)
             .finish()
     }
 }
@@ -119,7 +125,21 @@ impl CpuBackend {
             threads,
             pool,
             fault: None,
+            trim_padding: true,
         }
+    }
+
+    /// Whether replays compute only a batch's real rows and its longest
+    /// sequence (the default) or the graph's whole padded shape.
+    ///
+    /// On a GPU the padded rows of a bucket cost little; on the CPU they cost
+    /// their full share of every matrix product. Rows are independent and
+    /// attention never sees masked keys, so skipping them cannot change a
+    /// real row's result (beyond float rounding in the blocking of gemm); the
+    /// buffers stay those allocated at capture. Turn it off to measure or
+    /// test the full bucket shape.
+    pub fn set_trim_padding(&mut self, on: bool) {
+        self.trim_padding = on;
     }
 
     pub fn threads(&self) -> usize {
@@ -135,7 +155,7 @@ impl CpuBackend {
 
     fn replay(&self, plan: &mut Plan, rows: &BatchRows) -> Result<Vec<f32>, BackendError> {
         plan.validate(rows)?;
-        plan.pack(rows);
+        plan.pack(rows, self.trim_padding);
         self.pool.install(|| plan.run());
         Ok(plan.output_rows(rows.rows()).to_vec())
     }

@@ -58,7 +58,7 @@ impl Buf {
 }
 
 /// One op bound to buffer and weight indices (all checked).
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 enum Step {
     Embed {
         ids: usize,
@@ -115,6 +115,142 @@ enum Step {
     },
 }
 
+impl Step {
+    /// This step restricted to the first `active.0` rows of `active.1`
+    /// tokens, for a program of `full.0` rows of `full.1` tokens; `None` if
+    /// the step's shape is not one of the program's row counts (then the
+    /// plan never trims).
+    fn active(self, full: (usize, usize), active: (usize, usize)) -> Option<Step> {
+        let (fb, fs) = full;
+        let (ab, as_) = active;
+        // Row counts scale with batch·seq (token rows) or batch (sentence rows).
+        let rows = |r: usize| {
+            if r == fb * fs {
+                Some(ab * as_)
+            } else if r == fb {
+                Some(ab)
+            } else {
+                None
+            }
+        };
+        let shape = |b: usize, s: usize| (b == fb && s == fs).then_some((ab, as_));
+        Some(match self {
+            Step::Embed {
+                ids,
+                types,
+                word,
+                position,
+                token_type,
+                gamma,
+                beta,
+                eps,
+                out,
+                rows: r,
+                seq,
+                hidden,
+            } => {
+                if seq != fs || r != fb * fs {
+                    return None;
+                }
+                Step::Embed {
+                    ids,
+                    types,
+                    word,
+                    position,
+                    token_type,
+                    gamma,
+                    beta,
+                    eps,
+                    out,
+                    rows: ab * as_,
+                    seq: as_,
+                    hidden,
+                }
+            }
+            Step::Linear {
+                x,
+                w,
+                bias,
+                act,
+                out,
+                m,
+                n,
+                k,
+            } => Step::Linear {
+                x,
+                w,
+                bias,
+                act,
+                out,
+                m: rows(m)?,
+                n,
+                k,
+            },
+            Step::AddNorm {
+                x,
+                residual,
+                gamma,
+                beta,
+                eps,
+                out,
+                rows: r,
+                hidden,
+            } => Step::AddNorm {
+                x,
+                residual,
+                gamma,
+                beta,
+                eps,
+                out,
+                rows: rows(r)?,
+                hidden,
+            },
+            Step::Attention {
+                qkv,
+                mask,
+                out,
+                batch,
+                seq,
+                heads,
+                head_dim,
+            } => {
+                let (batch, seq) = shape(batch, seq)?;
+                Step::Attention {
+                    qkv,
+                    mask,
+                    out,
+                    batch,
+                    seq,
+                    heads,
+                    head_dim,
+                }
+            }
+            Step::Pool {
+                x,
+                mask,
+                out,
+                batch,
+                seq,
+                hidden,
+                mode,
+                normalize,
+            } => {
+                let (batch, seq) = shape(batch, seq)?;
+                Step::Pool {
+                    x,
+                    mask,
+                    out,
+                    batch,
+                    seq,
+                    hidden,
+                    mode,
+                    normalize,
+                }
+            }
+        })
+    }
+}
+
 /// What the inputs of a plan accept.
 #[derive(Clone, Copy, Debug)]
 enum InputKind {
@@ -140,6 +276,11 @@ pub(crate) struct Plan {
     /// Attention scores: `workers · seq²` floats.
     scratch: Vec<f32>,
     threads: usize,
+    /// Whether every step can be restricted to the real rows and tokens
+    /// (see [`Plan::run`]).
+    trimmable: bool,
+    /// The (rows, tokens) the current batch was packed at.
+    active: (usize, usize),
 }
 
 fn invalid_program(message: impl Into<String>) -> BackendError {
@@ -474,6 +615,9 @@ impl Plan {
             .collect();
         let workers = threads.max(1);
         let scratch = vec![0.0; workers * max_attention_seq * max_attention_seq];
+        let trimmable = steps
+            .iter()
+            .all(|s| s.active((batch, seq), (1, 1)).is_some());
         Ok(Plan {
             batch,
             seq,
@@ -486,6 +630,8 @@ impl Plan {
             output: program.output.0,
             scratch,
             threads: workers,
+            trimmable,
+            active: (batch, seq),
         })
     }
 
@@ -547,12 +693,33 @@ impl Plan {
         Ok(())
     }
 
-    /// Writes a validated batch into the static inputs (padding the rest).
-    pub(crate) fn pack(&mut self, rows: &BatchRows) {
+    /// Writes a validated batch into the static inputs.
+    ///
+    /// With `trim` (and a plan whose ops all allow it), the batch is packed
+    /// at its own shape, the real rows × its longest sequence, at the start
+    /// of each input, and [`Plan::run`] computes only that much; otherwise
+    /// it is padded to the full (batch, seq) of the program. Rows are
+    /// independent and attention only sees unmasked keys, so the real rows'
+    /// results are the same either way (to float rounding); trimming only
+    /// skips work whose results nobody reads.
+    pub(crate) fn pack(&mut self, rows: &BatchRows, trim: bool) {
+        self.active = if trim && self.trimmable {
+            let seq = match rows {
+                BatchRows::Tokens(_) => rows.max_len().max(1),
+                BatchRows::Features { .. } => self.seq,
+            };
+            (rows.rows(), seq)
+        } else {
+            (self.batch, self.seq)
+        };
+        let (batch, seq) = self.active;
         for &(role, index) in &self.inputs {
             match &mut self.bufs[index] {
-                Buf::F32(v) => rows.pack_features(v),
-                Buf::I32(v) => rows.pack_tokens(role, self.seq, v),
+                Buf::F32(v) => {
+                    let width = v.len() / self.batch;
+                    rows.pack_features(&mut v[..batch * width]);
+                }
+                Buf::I32(v) => rows.pack_tokens(role, seq, &mut v[..batch * seq]),
             }
         }
     }
@@ -562,13 +729,23 @@ impl Plan {
         &self.bufs[self.output].f32()[..rows * self.output_dim]
     }
 
-    /// Runs every step over the static buffers. Call inside the backend's pool.
+    /// Runs every step over the static buffers, at the shape the last
+    /// [`Plan::pack`] chose. Call inside the backend's pool.
     pub(crate) fn run(&mut self) {
         let threads = self.threads;
         let weights = &self.weights.tensors;
         let wt = |i: usize| weights[i].data.as_slice();
-        for step in &self.steps {
-            match *step {
+        let full = (self.batch, self.seq);
+        let active = self.active;
+        for i in 0..self.steps.len() {
+            let step = if active == full {
+                self.steps[i]
+            } else {
+                self.steps[i]
+                    .active(full, active)
+                    .expect("checked at capture: trimmable")
+            };
+            match step {
                 Step::Embed {
                     ids,
                     types,

@@ -111,36 +111,39 @@ fn mlp_matches_pytorch_float64_in_every_bucket() {
     assert_eq!(cases.len(), 4);
     let mut backend = CpuBackend::new(0, THREADS);
     let weights = backend.upload(&model).unwrap();
-    let mut graphs: Vec<CpuGraph> = [1, 4, 8, 16, 64]
-        .iter()
-        .map(|&b| {
-            backend
-                .capture(&model, &weights, &model.program(b, 1))
-                .unwrap()
-        })
-        .collect();
-    for case in &cases {
-        let rows = feature_rows(&case.input);
-        let want: Vec<f64> = case.output.iter().flatten().copied().collect();
-        let mut checked = 0;
-        for graph in graphs.iter_mut().filter(|g| g.batch() >= case.input.len()) {
-            let pending = backend.launch(graph, &rows).unwrap();
-            let got = backend.collect(pending).unwrap();
-            let err = relative_error(&got, &want);
-            assert!(
-                err < 1e-5,
-                "batch {} in bucket {}: {err}",
-                case.input.len(),
-                graph.batch()
-            );
-            checked += 1;
+    for trim in [true, false] {
+        backend.set_trim_padding(trim);
+        let mut graphs: Vec<CpuGraph> = [1, 4, 8, 16, 64]
+            .iter()
+            .map(|&b| {
+                backend
+                    .capture(&model, &weights, &model.program(b, 1))
+                    .unwrap()
+            })
+            .collect();
+        for case in &cases {
+            let rows = feature_rows(&case.input);
+            let want: Vec<f64> = case.output.iter().flatten().copied().collect();
+            let mut checked = 0;
+            for graph in graphs.iter_mut().filter(|g| g.batch() >= case.input.len()) {
+                let pending = backend.launch(graph, &rows).unwrap();
+                let got = backend.collect(pending).unwrap();
+                let err = relative_error(&got, &want);
+                assert!(
+                    err < 1e-5,
+                    "batch {} in bucket {}: {err}",
+                    case.input.len(),
+                    graph.batch()
+                );
+                checked += 1;
+            }
+            assert!(checked >= 2);
+            let program = model.program(case.input.len(), 1);
+            let got = backend
+                .run_eager(&model, &weights, &program, &rows)
+                .unwrap();
+            assert!(relative_error(&got, &want) < 1e-5);
         }
-        assert!(checked >= 2);
-        let program = model.program(case.input.len(), 1);
-        let got = backend
-            .run_eager(&model, &weights, &program, &rows)
-            .unwrap();
-        assert!(relative_error(&got, &want) < 1e-5);
     }
 }
 
@@ -571,34 +574,39 @@ fn minilm_padding_never_changes_an_embedding() {
             &BatchRows::Tokens(vec![target.ids.clone()]),
         )
         .unwrap();
-    // In a (4, 64) graph, second of three rows (one padded row).
+    assert!(cosine(&exact, &target.embedding) >= 0.9999);
     let mut g4 = backend
         .capture(model, &weights, &model.program(4, 64))
         .unwrap();
-    let rows = BatchRows::Tokens(vec![
-        others[0].clone(),
-        target.ids.clone(),
-        others[1].clone(),
-    ]);
-    let p = backend.launch(&mut g4, &rows).unwrap();
-    let in4 = backend.collect(p).unwrap()[384..768].to_vec();
-    // In an (8, 128) graph, last of eight rows.
     let mut g8 = backend
         .capture(model, &weights, &model.program(8, 128))
         .unwrap();
-    let mut seqs = others.clone();
-    seqs.push(target.ids.clone());
-    let p = backend.launch(&mut g8, &BatchRows::Tokens(seqs)).unwrap();
-    let in8 = backend.collect(p).unwrap()[7 * 384..].to_vec();
-    for (name, other) in [("(4, 64)", &in4), ("(8, 128)", &in8)] {
-        let max = exact
-            .iter()
-            .zip(other.iter())
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        assert!(max < 1e-5, "{name}: max difference {max}");
+    // Padded to the whole bucket, then (the default) computing real rows only.
+    for trim in [false, true] {
+        backend.set_trim_padding(trim);
+        // In a (4, 64) graph, second of three rows (one padded row).
+        let rows = BatchRows::Tokens(vec![
+            others[0].clone(),
+            target.ids.clone(),
+            others[1].clone(),
+        ]);
+        let p = backend.launch(&mut g4, &rows).unwrap();
+        let in4 = backend.collect(p).unwrap()[384..768].to_vec();
+        // In an (8, 128) graph, last of eight rows.
+        let mut seqs = others.clone();
+        seqs.push(target.ids.clone());
+        let p = backend.launch(&mut g8, &BatchRows::Tokens(seqs)).unwrap();
+        let in8 = backend.collect(p).unwrap()[7 * 384..].to_vec();
+        for (name, other) in [("(4, 64)", &in4), ("(8, 128)", &in8)] {
+            let max = exact
+                .iter()
+                .zip(other.iter())
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            eprintln!("padding invariance {name}, trim {trim}: max difference {max:e}");
+            assert!(max < 1e-5, "{name}, trim {trim}: max difference {max}");
+        }
     }
-    assert!(cosine(&exact, &target.embedding) >= 0.9999);
 }
 
 #[test]
@@ -669,21 +677,40 @@ fn minilm_throughput_32x128() {
         .capture(model, &weights, &model.program(32, 128))
         .unwrap();
     let capture = start.elapsed();
-    let rows = BatchRows::Tokens(lines.iter().take(32).map(|l| l.ids.clone()).collect());
-    let p = backend.launch(&mut graph, &rows).unwrap();
-    backend.collect(p).unwrap();
-    let runs = 2;
-    let start = Instant::now();
-    for _ in 0..runs {
-        let p = backend.launch(&mut graph, &rows).unwrap();
-        backend.collect(p).unwrap();
-    }
-    let per_batch = start.elapsed().as_secs_f64() / runs as f64;
     eprintln!(
-        "minilm cpu ({THREADS} threads) at (32, 128): {:.1} ms per batch, {:.1} texts/s; capture {:.1} ms, graph memory {:.1} MiB",
-        per_batch * 1e3,
-        32.0 / per_batch,
+        "minilm cpu graph (32, 128): capture {:.1} ms, graph memory {:.1} MiB",
         capture.as_secs_f64() * 1e3,
         backend.graph_memory_bytes(&graph) as f64 / (1 << 20) as f64
     );
+    // 32 texts of 128 tokens (the whole bucket), then 32 real texts of the
+    // reference set (padded to their longest, which the default replay skips).
+    let full = BatchRows::Tokens(vec![
+        lines[5].ids.iter().copied().cycle().take(128).collect();
+        32
+    ]);
+    let real = BatchRows::Tokens(
+        lines
+            .iter()
+            .skip(10)
+            .take(32)
+            .map(|l| l.ids.clone())
+            .collect(),
+    );
+    for (name, rows, trim) in [
+        ("128-token texts", &full, true),
+        ("reference texts, padded", &real, false),
+        ("reference texts", &real, true),
+    ] {
+        backend.set_trim_padding(trim);
+        let start = Instant::now();
+        let p = backend.launch(&mut graph, rows).unwrap();
+        backend.collect(p).unwrap();
+        let secs = start.elapsed().as_secs_f64();
+        eprintln!(
+            "minilm cpu ({THREADS} threads) at (32, 128), {name} (longest {}), trim {trim}: {:.0} ms per batch, {:.1} texts/s",
+            rows.max_len(),
+            secs * 1e3,
+            32.0 / secs
+        );
+    }
 }
