@@ -1,0 +1,23 @@
+# The README's two commands are `make run` and `make test`.
+.PHONY: run test model nvrtc build lint
+
+# Start the daemon on the default config (CUDA where a GPU is present, else CPU).
+run: model
+	cargo run --release --bin replayd -- --config config/replayd.toml
+
+# Everything CI runs: lint, then every test (needs the model and NVRTC).
+test: model nvrtc lint
+	. scripts/nvrtc-env.sh && cargo test --all-targets
+
+model:
+	scripts/fetch-model.sh
+
+nvrtc:
+	scripts/install-nvrtc.sh
+
+build:
+	cargo build --release
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --all-targets -- -D warnings

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""PyTorch baselines for the GPU check, measured in the same call as replayd.
+
+* Reference embeddings for the MiniLM folder we serve (computed with
+  sentence-transformers on the same weights, in f32), written as JSONL
+  (text, embedding) for replayd-loadgen --texts to verify against.
+* replay+sync latency of PyTorch's own CUDA-graph replay (torch.cuda.CUDAGraph)
+  for the seed MLP at batch 8 and for MiniLM (BertModel + mean pooling + L2
+  normalisation, as sentence-transformers computes it) at (1, 16) and
+  (32, 128), in f32 and f16.
+* sentence-transformers' own encode() throughput on the reference texts.
+
+Usage: torch_baseline.py MODEL_DIR MLP_SAFETENSORS TEXTS_JSONL OUT_DIR
+Writes OUT_DIR/torch_baseline.json and OUT_DIR/reference_f32.jsonl.
+"""
+import json
+import statistics
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+model_dir, mlp_path, texts_path, out_dir = sys.argv[1:5]
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+dev = torch.device("cuda")
+results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
+
+
+def replay_latency(fn, iters=2000):
+    """Capture fn() in a CUDA graph; time replay + synchronize, per call."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    for _ in range(50):
+        g.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    samples.sort()
+    return {
+        "p50_us": statistics.median(samples),
+        "p90_us": samples[int(0.9 * len(samples))],
+        "p99_us": samples[int(0.99 * len(samples))],
+    }, out
+
+
+# --- MLP 128 -> 256 ReLU -> 10, f32, batch 8
+sd = load_file(mlp_path)
+mlp = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+mlp.load_state_dict(sd)
+mlp = mlp.to(dev).eval()
+x = torch.randn(8, 128, device=dev)
+with torch.no_grad():
+    results["mlp_f32_b8"], _ = replay_latency(lambda: mlp(x))
+
+# --- MiniLM through transformers (what sentence-transformers runs), pooled.
+from transformers import AutoModel  # noqa: E402
+
+texts = [json.loads(l)["text"] for l in open(texts_path)]
+
+
+def encoder(dtype):
+    m = AutoModel.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="eager")
+    return m.to(dev).eval()
+
+
+for dtype, name in [(torch.float32, "f32"), (torch.float16, "f16")]:
+    bert = encoder(dtype)
+    for b, s in [(1, 16), (32, 128)]:
+        ids = torch.randint(1000, 20000, (b, s), device=dev)
+        mask = torch.ones(b, s, dtype=torch.long, device=dev)
+
+        def fwd():
+            h = bert(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask.unsqueeze(-1).to(h.dtype)
+            e = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(e.float(), dim=-1)
+
+        with torch.no_grad():
+            results[f"minilm_{name}_{b}x{s}"], _ = replay_latency(fwd, iters=1000)
+    del bert
+    torch.cuda.empty_cache()
+
+# --- Reference embeddings (f32) and sentence-transformers throughput.
+from sentence_transformers import SentenceTransformer  # noqa: E402
+
+st = SentenceTransformer(model_dir, device="cuda", model_kwargs={"torch_dtype": torch.float32})
+emb = st.encode(texts, batch_size=64, convert_to_numpy=True, normalize_embeddings=False)
+with open(f"{out_dir}/reference_f32.jsonl", "w") as f:
+    for t, e in zip(texts, emb):
+        f.write(json.dumps({"text": t, "embedding": [float(v) for v in e]}) + "\n")
+for dtype, name in [(torch.float32, "f32"), (torch.float16, "f16")]:
+    st = SentenceTransformer(model_dir, device="cuda", model_kwargs={"torch_dtype": dtype})
+    corpus = texts * 10
+    st.encode(corpus[:256], batch_size=128)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    st.encode(corpus, batch_size=128)
+    torch.cuda.synchronize()
+    results[f"st_encode_{name}_texts_per_s"] = len(corpus) / (time.perf_counter() - t0)
+
+json.dump(results, open(f"{out_dir}/torch_baseline.json", "w"), indent=1)
+print(json.dumps(results, indent=1))
