@@ -280,7 +280,10 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_endpoint("server.endpoint", &self.server.endpoint)?;
         check_endpoint("server.control_endpoint", &self.server.control_endpoint)?;
-        if self.server.endpoint == self.server.control_endpoint {
+        // Equal endpoints can't both bind, except port 0 (each gets a free port).
+        if self.server.endpoint == self.server.control_endpoint
+            && !self.server.endpoint.ends_with(":0")
+        {
             return Err(invalid(
                 "server.control_endpoint",
                 "must differ from server.endpoint",

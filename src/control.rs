@@ -133,7 +133,7 @@ pub async fn run(socket: RouterSocket, control: Arc<Control>, shutdown: impl Fut
                 tokio::spawn(async move {
                     let mut frames = msg.into_vec();
                     let mut envelope = vec![frames.remove(0)];
-                    if frames.first().is_some_and(|f| f.is_empty()) {
+                    if frames.len() > 1 && frames[0].is_empty() {
                         envelope.push(frames.remove(0));
                     }
                     let reply = match frames.as_slice() {

@@ -263,9 +263,10 @@ async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: Z
     if frames.is_empty() {
         return;
     }
-    // Envelope: the peer identity, and an empty delimiter from REQ sockets.
+    // Envelope: the peer identity, and the empty delimiter REQ sockets put
+    // before the header (a lone empty frame is an empty message, not a delimiter).
     let mut envelope = vec![frames.remove(0)];
-    if frames.first().is_some_and(|f| f.is_empty()) {
+    if frames.len() > 1 && frames[0].is_empty() {
         envelope.push(frames.remove(0));
     }
     let reply = frontend.handle(&frames).await;
