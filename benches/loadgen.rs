@@ -56,6 +56,14 @@ struct Args {
     /// Fail if an embedding's cosine with the file's reference is below this.
     #[arg(long, default_value_t = 0.999)]
     min_cosine: f64,
+    /// Check every MLP output against a float64 forward pass of this
+    /// safetensors state_dict (Linear → ReLU → … → Linear); relative error < 1e-5.
+    #[arg(long)]
+    verify_mlp: Option<PathBuf>,
+    /// Check that the same input run in the same bucket gives bit-identical
+    /// outputs, whichever device ran it (texts, or a fixed set of MLP rows).
+    #[arg(long)]
+    identical: bool,
     /// Write the report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -80,8 +88,73 @@ fn load_corpus(path: &PathBuf) -> Corpus {
     Corpus { texts, embeddings }
 }
 
+/// A float64 forward pass of an MLP state_dict (ReLU between layers).
+struct MlpReference {
+    layers: Vec<(Vec<f64>, Vec<f64>, usize, usize)>,
+}
+
+impl MlpReference {
+    fn load(path: &PathBuf) -> Self {
+        let bytes = std::fs::read(path).expect("read --verify-mlp");
+        let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+        let mut indices: Vec<usize> = st
+            .names()
+            .iter()
+            .filter_map(|n| n.strip_suffix(".weight")?.parse().ok())
+            .collect();
+        indices.sort_unstable();
+        let get = |name: String| -> (Vec<f64>, Vec<usize>) {
+            let t = st.tensor(&name).expect("tensor");
+            let v = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                .collect();
+            (v, t.shape().to_vec())
+        };
+        let layers = indices
+            .iter()
+            .map(|i| {
+                let (w, shape) = get(format!("{i}.weight"));
+                let (b, _) = get(format!("{i}.bias"));
+                (w, b, shape[0], shape[1])
+            })
+            .collect();
+        MlpReference { layers }
+    }
+
+    fn forward(&self, x: &[f32], rows: usize) -> Vec<f64> {
+        let mut cur: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        for (li, (w, b, out, inp)) in self.layers.iter().enumerate() {
+            let mut next = vec![0.0; rows * out];
+            for r in 0..rows {
+                for o in 0..*out {
+                    let acc = b[o]
+                        + (0..*inp)
+                            .map(|i| cur[r * inp + i] * w[o * inp + i])
+                            .sum::<f64>();
+                    next[r * out + o] = if li + 1 < self.layers.len() {
+                        acc.max(0.0)
+                    } else {
+                        acc
+                    };
+                }
+            }
+            cur = next;
+        }
+        cur
+    }
+}
+
 #[derive(Default)]
 struct Tally {
+    max_rel_err: f64,
+    bad_mlp: u64,
+    /// (input, bucket) -> (first device, first output row)
+    seen: std::collections::HashMap<(u64, String), (String, Vec<f32>)>,
+    devices: BTreeMap<String, u64>,
+    max_device_diff: f32,
+    nonidentical: u64,
     latencies_us: Vec<u64>,
     ok: u64,
     items: u64,
@@ -102,6 +175,7 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 async fn main() {
     let args = Args::parse();
     let corpus = Arc::new(args.texts.as_ref().map(load_corpus));
+    let mlp_reference = Arc::new(args.verify_mlp.as_ref().map(MlpReference::load));
     if corpus.is_none() && args.features.is_none() {
         eprintln!("replayd-loadgen: give --texts FILE or --features N");
         std::process::exit(2);
@@ -132,6 +206,7 @@ async fn main() {
         let client = clients[w % clients.len()].clone();
         let (args, corpus, issued, tally) =
             (args.clone(), corpus.clone(), issued.clone(), tally.clone());
+        let mlp_reference = mlp_reference.clone();
         workers.push(tokio::spawn(async move {
             let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
             let mut next = move || {
@@ -192,6 +267,48 @@ async fn main() {
                         *t.buckets
                             .entry(r.header.bucket.clone().unwrap_or_default())
                             .or_default() += 1;
+                        let device = r.header.device.clone().unwrap_or_default();
+                        *t.devices.entry(device.clone()).or_default() += 1;
+                        if let (Some(reference), Some(out), Payload::Tensor(x)) =
+                            (&*mlp_reference, &r.output, &payload)
+                        {
+                            let got = out.to_f32_vec().unwrap_or_default();
+                            let want = reference.forward(&x.to_f32_vec().unwrap(), size);
+                            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+                            let err = got
+                                .iter()
+                                .zip(&want)
+                                .fold(0f64, |m, (a, b)| m.max((*a as f64 - b).abs()))
+                                / scale;
+                            t.max_rel_err = t.max_rel_err.max(err);
+                            if err >= 1e-5 || got.len() != want.len() {
+                                t.bad_mlp += 1;
+                            }
+                        }
+                        if let (true, Some(out)) = (args.identical, &r.output) {
+                            let values = out.to_f32_vec().unwrap_or_default();
+                            let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
+                            let bucket = r.header.bucket.clone().unwrap_or_default();
+                            for (row, &k) in values.chunks(dim).zip(&picked) {
+                                let key = (k as u64, bucket.clone());
+                                match t.seen.get(&key) {
+                                    None => {
+                                        t.seen.insert(key, (device.clone(), row.to_vec()));
+                                    }
+                                    Some((_, first)) => {
+                                        let d = first
+                                            .iter()
+                                            .zip(row)
+                                            .map(|(a, b)| (a - b).abs())
+                                            .fold(0f32, f32::max);
+                                        t.max_device_diff = t.max_device_diff.max(d);
+                                        if d != 0.0 {
+                                            t.nonidentical += 1;
+                                        }
+                                    }
+                                }
+                            }
+                        }
                         if let (Some(c), Some(out)) = (&*corpus, &r.output) {
                             let values = out.to_f32_vec().unwrap_or_default();
                             let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
@@ -249,13 +366,17 @@ async fn main() {
         "min_cosine": if corpus.is_some() { json!(t.min_cosine) } else { Value::Null },
         "below_min_cosine": t.bad_cosine,
         "stray_replies": stray,
+        "mlp_max_rel_err": if mlp_reference.is_some() { json!(t.max_rel_err) } else { Value::Null },
+        "mlp_above_1e-5": t.bad_mlp,
+        "devices": t.devices,
+        "identical_check": if args.identical { json!({"max_abs_diff": t.max_device_diff, "differing_rows": t.nonidentical}) } else { Value::Null },
         "buckets": t.buckets,
     });
     println!("{report}");
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report).unwrap()).expect("write --json");
     }
-    if errors > 0 || t.bad_cosine > 0 || stray > 0 {
+    if errors > 0 || t.bad_cosine > 0 || stray > 0 || t.bad_mlp > 0 || t.nonidentical > 0 {
         std::process::exit(1);
     }
 }

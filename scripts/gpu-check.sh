@@ -1,0 +1,249 @@
+#!/usr/bin/env bash
+# The GPU check: everything the CUDA backend must show, in one run on a GPU
+# machine, with a table at the end. Builds nothing: it runs binaries built
+# elsewhere (see scripts/gpu-carry.sh, which stages them with an f16 copy of
+# all-MiniLM-L6-v2 under .carry/).
+#
+#   scripts/gpu-check.sh                 # on the GPU machine
+#   GPU_CHECK_BACKEND=cpu scripts/gpu-check.sh   # dry run of the same flow on the CPU backend
+#
+# Steps: (0) environment; (1) PyTorch baselines and f32 reference embeddings
+# computed with sentence-transformers on the very weights we serve; (2) the
+# backend check: every bucket on CUDA vs the CPU backend, capture time, graph
+# memory, replay+sync latency; (3) the daemon on every GPU with an MLP (f32)
+# and MiniLM (f32 and f16): correctness through the daemon against the
+# references, every bucketed batch a graph replay, oversize requests eager;
+# (4) fault injection under load, with recovery time; (5) with two GPUs: both
+# serve identical results, and one faults while the other keeps serving.
+# Results: $OUT/gpu-check.md (the table) and JSON beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+BACKEND=${GPU_CHECK_BACKEND:-cuda}
+BIN=${GPU_CHECK_BIN:-.carry/bin}
+MODEL=${GPU_CHECK_MODEL:-.carry/minilm-f16}
+MLP=tests/data/mlp_seed.safetensors
+TEXTS=tests/data/minilm_set_a.jsonl
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export REPLAYD_LOG=${REPLAYD_LOG:-info}
+WORK=$(mktemp -d)
+FAILED=0
+T0=$(date +%s)
+log() { echo "[gpu-check +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/gpu-check.log"; }
+fail() { log "FAIL: $*"; FAILED=1; }
+md() { echo "$*" >> "$OUT/gpu-check.md"; }
+: > "$OUT/gpu-check.md"
+md "# replayd GPU check"
+md ""
+md "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit: $(cat .carry/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)  backend: $BACKEND"
+
+# --- 0. environment
+if [ "$BACKEND" = cuda ]; then
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.csv"
+  NGPU=$(nvidia-smi -L | wc -l)
+  md "GPUs: $NGPU × $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
+else
+  NGPU=2
+fi
+md ""
+
+# --- 1. PyTorch baselines and reference embeddings (GPU only)
+REF_F32=$TEXTS
+if [ "$BACKEND" = cuda ]; then
+  log "PyTorch baselines and reference embeddings"
+  if PYTHONUNBUFFERED=1 python3 scripts/torch_baseline.py "$MODEL" "$MLP" "$TEXTS" "$OUT" > "$OUT/torch_baseline.log" 2>&1; then
+    REF_F32=$OUT/reference_f32.jsonl
+  else
+    fail "torch baseline (see torch_baseline.log)"; tail -20 "$OUT/torch_baseline.log"
+  fi
+fi
+
+# --- 2. backend check: every bucket, CUDA vs CPU; latency; capture; memory
+cat > "$WORK/models.toml" <<TOML
+[[models]]
+name = "mlp"
+kind = "mlp"
+path = "$MLP"
+activation = "relu"
+dtype = "f32"
+batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+
+[[models]]
+name = "minilm-f32"
+kind = "bert"
+path = "$MODEL"
+dtype = "f32"
+batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+seq_buckets = [16, 32, 64, 128]
+
+[[models]]
+name = "minilm-f16"
+kind = "bert"
+path = "$MODEL"
+dtype = "f16"
+batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+seq_buckets = [16, 32, 64, 128]
+TOML
+if [ "$BACKEND" = cuda ]; then
+  log "backend check"
+  cp "$WORK/models.toml" "$WORK/check.toml"
+  if ! "$BIN/replayd" backend-check --config "$WORK/check.toml" --json "$OUT/backend_check.json" > "$OUT/backend_check.log" 2>&1; then
+    fail "backend check (see backend_check.log)"
+  fi
+  tail -60 "$OUT/backend_check.log"
+fi
+
+# --- 3. the daemon
+GPUS="all"
+cat > "$WORK/replayd.toml" <<TOML
+[server]
+endpoint = "ipc://$WORK/replayd.sock"
+control_endpoint = "ipc://$WORK/control.sock"
+runtime_dir = "$WORK/run"
+
+[batching]
+max_wait_us = 300
+
+[devices]
+backend = "$BACKEND"
+gpus = "$GPUS"
+cpu_devices = 2
+fault_injection = true
+restart_backoff_ms = 50
+
+[eager]
+workers = 1
+
+$(cat "$WORK/models.toml")
+TOML
+log "starting replayd ($BACKEND)"
+"$BIN/replayd" --config "$WORK/replayd.toml" --ready-file "$WORK/ready.json" > "$OUT/replayd.log" 2>&1 &
+DAEMON=$!
+for _ in $(seq 1 600); do [ -f "$WORK/ready.json" ] && break; kill -0 $DAEMON 2>/dev/null || break; sleep 0.2; done
+if [ ! -f "$WORK/ready.json" ]; then
+  fail "replayd did not become ready"; tail -40 "$OUT/replayd.log"; exit 1
+fi
+log "replayd ready"
+CTL=("$BIN/replayctl" --control "ipc://$WORK/control.sock")
+LOAD=("$BIN/replayd-loadgen" --endpoint "ipc://$WORK/replayd.sock")
+stats() { "${CTL[@]}" stats --json; }
+"${CTL[@]}" health
+
+run_load() { # name, expected-ok, args...
+  local name=$1; shift
+  if "${LOAD[@]}" --json "$OUT/load_$name.json" "$@" > "$OUT/load_$name.log" 2>&1; then
+    log "load $name: $(python3 -c "import json;d=json.load(open('$OUT/load_$name.json'));print(d['ok'],'ok', round(d['requests_per_s']),'req/s', 'p50', d['latency_us']['p50'],'us', 'min_cos', d['min_cosine'], 'mlp_err', d['mlp_max_rel_err'], 'devices', d['devices'])")"
+  else
+    fail "load $name"; tail -5 "$OUT/load_$name.log"
+  fi
+}
+log "correctness through the daemon"
+run_load mlp --model mlp --features 128 --verify-mlp "$MLP" --batch 64 --random-batch --concurrency 32 --requests ${N_MLP:-3000} --identical
+run_load minilm_f32 --model minilm-f32 --texts "$REF_F32" --min-cosine 0.9999 --batch 8 --random-batch --concurrency 32 --requests ${N_TEXT:-2000} --identical
+run_load minilm_f16 --model minilm-f16 --texts "$REF_F32" --min-cosine 0.999 --batch 8 --random-batch --concurrency 32 --requests ${N_TEXT:-2000} --identical
+run_load mlp_oversize --model mlp --features 128 --verify-mlp "$MLP" --batch 300 --concurrency 2 --requests 20
+stats > "$OUT/stats_after_correctness.json"
+
+# --- 4. fault injection under load
+log "fault injection under load"
+"${LOAD[@]}" --json "$OUT/load_fault.json" --model minilm-f16 --texts "$REF_F32" --min-cosine 0.999 \
+  --batch 4 --random-batch --concurrency 64 --duration ${FAULT_SECONDS:-12} > "$OUT/load_fault.log" 2>&1 &
+LOADPID=$!
+sleep 3
+T_FAULT=$(date +%s.%N)
+"${CTL[@]}" inject-fault --device "$( [ "$BACKEND" = cuda ] && echo cuda:0 || echo cpu:0 )" | tee -a "$OUT/gpu-check.log"
+RECOVERED=""
+for _ in $(seq 1 1200); do
+  if stats | python3 -c "import json,sys; d=[x for x in json.load(sys.stdin)['devices'] if x['label'] in ('cuda:0','cpu:0')][0]; sys.exit(0 if d['state']=='ready' and d['device_faults']>=1 else 1)"; then
+    RECOVERED=$(python3 -c "import time; print(round(time.time()-$T_FAULT, 2))"); break
+  fi
+  sleep 0.05
+done
+wait $LOADPID || fail "load during fault injection had errors (see load_fault.log)"
+[ -n "$RECOVERED" ] && log "recovered in ${RECOVERED}s after the fault" || fail "device did not recover"
+stats > "$OUT/stats_after_fault.json"
+
+# --- 5. two GPUs: a fault on the second while the first keeps serving
+if [ "$NGPU" -ge 2 ]; then
+  SECOND=$( [ "$BACKEND" = cuda ] && echo cuda:1 || echo cpu:1 )
+  log "second device fault while both serve"
+  "${LOAD[@]}" --json "$OUT/load_fault2.json" --model minilm-f32 --texts "$REF_F32" --min-cosine 0.9999 \
+    --batch 4 --random-batch --concurrency 64 --duration ${FAULT2_SECONDS:-8} --identical > "$OUT/load_fault2.log" 2>&1 &
+  LOADPID=$!
+  sleep 2
+  "${CTL[@]}" inject-fault --device "$SECOND" | tee -a "$OUT/gpu-check.log"
+  wait $LOADPID || fail "load during the second fault had errors (see load_fault2.log)"
+  stats > "$OUT/stats_after_fault2.json"
+fi
+
+kill -TERM $DAEMON; wait $DAEMON; log "replayd exited with status $?"
+stats_file=$OUT/stats_after_fault2.json; [ -f "$stats_file" ] || stats_file=$OUT/stats_after_fault.json
+
+# --- the table
+python3 - "$OUT" "$BACKEND" "${RECOVERED:-none}" >> "$OUT/gpu-check.md" <<'PY' || FAILED=1
+import json, os, sys
+out, backend, recovered = sys.argv[1:4]
+def load(name):
+    p = os.path.join(out, name)
+    return json.load(open(p)) if os.path.exists(p) else None
+ok = True
+s = load("stats_after_correctness.json")
+print("## Correctness through the daemon\n")
+print("| run | requests ok | errors | stray replies | check | devices |")
+print("|---|---|---|---|---|---|")
+for name in ["mlp", "minilm_f32", "minilm_f16", "mlp_oversize", "fault", "fault2"]:
+    d = load(f"load_{name}.json")
+    if not d:
+        continue
+    check = []
+    if d.get("min_cosine") is not None:
+        check.append(f"min cosine {d['min_cosine']:.6f}")
+    if d.get("mlp_max_rel_err") is not None:
+        check.append(f"max rel err {d['mlp_max_rel_err']:.2e}")
+    if d.get("identical_check"):
+        ic = d["identical_check"]
+        check.append(f"cross-device max diff {ic['max_abs_diff']:g}")
+    errs = sum(d["errors"].values())
+    ok &= errs == 0 and d["stray_replies"] == 0
+    print(f"| {name} | {d['ok']} | {errs} | {d['stray_replies']} | {', '.join(check)} | {d['devices']} |")
+print()
+if s:
+    bucket_batches = sum(b["batches"] for b in s["buckets"])
+    graph_devs = [d for d in s["devices"] if d["role"] == "graph"]
+    replays = sum(d["graph_replays"] for d in graph_devs)
+    eager_runs = sum(d["eager_runs"] for d in s["devices"])
+    print(f"Bucketed batches {bucket_batches}, graph replays {replays}, graph-device eager runs "
+          f"{sum(d['eager_runs'] for d in graph_devs)}; eager requests {s['eager']['requests']} "
+          f"({s['eager']['by_reason']}), eager runs {eager_runs}.\n")
+    ok &= bucket_batches == replays and eager_runs == s["eager"]["requests"]
+f = load("stats_after_fault.json")
+if f:
+    print("## Fault injection under load\n")
+    for d in f["devices"]:
+        print(f"* {d['label']}: state {d['state']}, device faults {d['device_faults']}, restarts {d['restarts']}, "
+              f"graphs {len(d['graphs'])}, startup {d['startup_ms']} ms, last error: {d['last_error']}")
+    print(f"\nRecovered (fault → ready with every graph re-captured) in {recovered} s.\n")
+    if recovered == "none":
+        ok = False
+dev0 = [d for d in (s or {}).get("devices", []) if d["role"] == "graph"][:1]
+if dev0:
+    print(f"## Capture time and graph memory ({dev0[0]['label']})\n")
+    print("| model | bucket | capture µs | memory MiB |")
+    print("|---|---|---|---|")
+    for g in dev0[0]["graphs"]:
+        print(f"| {g['model']} | {g['bucket']} | {g['capture_us']} | {g['memory_bytes'] / 2**20:.1f} |")
+    print()
+bc = load("backend_check.json")
+tb = load("torch_baseline.json")
+if bc or tb:
+    print("## Replay + sync latency (µs, median)\n")
+    print("```")
+    print(json.dumps({"replayd_backend_check": bc, "pytorch": tb}, indent=1)[:20000])
+    print("```")
+print("\nRESULT:", "PASS" if ok else "FAIL")
+sys.exit(0 if ok else 1)
+PY
+cat "$OUT/gpu-check.md"
+rm -rf "$WORK"
+exit $FAILED
