@@ -282,3 +282,30 @@ async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: Z
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_earlier_deadline_wins_and_past_ones_are_now() {
+        let now = Instant::now();
+        assert_eq!(deadline(None, None, now), None);
+        assert_eq!(
+            deadline(Some(500), None, now),
+            Some(now + Duration::from_micros(500))
+        );
+        // An absolute deadline in the past is "already passed": the receipt time.
+        assert_eq!(deadline(None, Some(1), now), Some(now));
+        assert_eq!(deadline(Some(10_000_000), Some(1), now), Some(now));
+        let in_a_minute = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64
+            + 60_000_000;
+        let d = deadline(Some(1000), Some(in_a_minute), now).unwrap();
+        assert_eq!(d, now + Duration::from_micros(1000));
+        let d = deadline(None, Some(in_a_minute), now).unwrap();
+        assert!(d > now + Duration::from_secs(59) && d <= now + Duration::from_secs(61));
+    }
+}
