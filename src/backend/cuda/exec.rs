@@ -17,7 +17,7 @@ use cudarc::driver::{result as dres, sys as dsys, CudaStream};
 
 use super::error::DriverResultExt;
 use super::kernels::Kernels;
-use super::matmul::{split_activation, Matmul, MatmulPlan, MatmulShape};
+use super::matmul::{split_activation, Epilogue, Matmul, MatmulPlan, MatmulShape};
 use super::mem::{align_up, ALIGN};
 use crate::backend::BackendError;
 use crate::model::program::{BufId, BufKind, InputRole, Op, WeightId};
@@ -796,9 +796,9 @@ pub fn resolve(
     matmul: &mut Matmul,
     workspace_bytes: usize,
 ) -> Result<Vec<Resolved>, BackendError> {
-    let mut out = Vec::with_capacity(plan.steps.len());
+    let mut out_steps = Vec::with_capacity(plan.steps.len());
     for s in &plan.steps {
-        out.push(match s {
+        let step = match s {
             Step::Kernel {
                 name,
                 grid,
@@ -832,15 +832,64 @@ pub fn resolve(
                 x,
                 out,
                 bias,
-            } => Resolved::Matmul {
-                plan: matmul.plan(*shape, bias.map(|b| bases.addr(b)), workspace_bytes)?,
-                w: bases.addr(*w),
-                x: bases.addr(*x),
-                out: bases.addr(*out),
-            },
-        });
+            } => {
+                let bias_addr = bias.map(|b| bases.addr(b));
+                match matmul.plan(*shape, bias_addr, workspace_bytes) {
+                    Ok(p) => Resolved::Matmul {
+                        plan: p,
+                        w: bases.addr(*w),
+                        x: bases.addr(*x),
+                        out: bases.addr(*out),
+                    },
+                    // No algorithm for this epilogue: plain matmul, then bias
+                    // and activation in our element-wise kernel.
+                    Err(BackendError::Unsupported(why)) if shape.epilogue != Epilogue::None => {
+                        tracing::debug!(
+                            target: "replayd::cuda",
+                            "cuBLASLt epilogue {:?} unavailable for {}x{}x{} ({why}); using a separate kernel",
+                            shape.epilogue,
+                            shape.m,
+                            shape.n,
+                            shape.k
+                        );
+                        let plain = MatmulShape {
+                            epilogue: Epilogue::None,
+                            ..*shape
+                        };
+                        out_steps.push(Resolved::Matmul {
+                            plan: matmul.plan(plain, None, workspace_bytes)?,
+                            w: bases.addr(*w),
+                            x: bases.addr(*x),
+                            out: bases.addr(*out),
+                        });
+                        let name = format!("bias_act_{0}_{0}", suffix(shape.dtype));
+                        let f = kernels.get(&name).ok_or_else(|| {
+                            BackendError::Other(format!("kernel {name} is not loaded"))
+                        })?;
+                        let n = shape.m * shape.n;
+                        let o = bases.addr(*out);
+                        Resolved::Kernel {
+                            func: f.cu_function(),
+                            grid: (ew_blocks(n), 1, 1),
+                            block: (EW_THREADS, 1, 1),
+                            smem: 0,
+                            args: vec![
+                                RArg::U64(o),
+                                RArg::U64(bias_addr.unwrap_or(0)),
+                                RArg::U64(o),
+                                RArg::I32(n as i32),
+                                RArg::I32(shape.n as i32),
+                                RArg::I32(act_code(shape.epilogue.activation())),
+                            ],
+                        }
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        out_steps.push(step);
     }
-    Ok(out)
+    Ok(out_steps)
 }
 
 /// Enqueues resolved steps on `stream` (no synchronisation). The caller has

@@ -247,17 +247,25 @@ pub fn describe_nodes(counts: &BTreeMap<&'static str, usize>) -> String {
 }
 
 /// Device memory of one graph, for metrics and the backend check.
+///
+/// The activation arena is shared by all graphs of a model. The graph whose
+/// capture allocated it (the first, largest one; or one that had to grow it)
+/// is charged for all of it, the graphs that reuse it for none, so the totals
+/// of a model's graphs add up to the memory really used and each graph's
+/// figure is fixed at capture.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct GraphMemory {
     /// The graph's own static input and output buffers.
     pub static_bytes: u64,
-    /// Size of the activation arena it shares.
+    /// Size of the activation arena it uses.
     pub arena_bytes: u64,
-    /// Bytes of the arena this graph's program uses.
+    /// Bytes of the arena this graph's program needs.
     pub arena_used_bytes: u64,
+    /// Bytes of the arena charged to this graph (all of it, or 0).
+    pub arena_charged_bytes: u64,
     /// Graphs sharing the arena now.
     pub arena_users: u64,
-    /// `static_bytes + arena_bytes / arena_users` (what `graph_memory_bytes` reports).
+    /// `static_bytes + arena_charged_bytes` (what `graph_memory_bytes` reports).
     pub total_bytes: u64,
     /// Pinned host memory of its staging slots.
     pub pinned_host_bytes: u64,
@@ -271,6 +279,8 @@ pub struct CapturedGraph {
     pub(crate) inputs: DeviceBuf,
     pub(crate) output: DeviceBuf,
     pub(crate) arena: Arc<Arena>,
+    /// Arena bytes charged to this graph (see [`GraphMemory`]).
+    pub(crate) arena_charge: u64,
     pub(crate) slots: Vec<Arc<Slot>>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) ctx: Arc<CudaContext>,
@@ -287,6 +297,7 @@ impl CapturedGraph {
         inputs: DeviceBuf,
         output: DeviceBuf,
         arena: Arc<Arena>,
+        arena_charge: u64,
         stream: Arc<CudaStream>,
         ctx: Arc<CudaContext>,
         node_counts: BTreeMap<&'static str, usize>,
@@ -298,6 +309,7 @@ impl CapturedGraph {
             inputs,
             output,
             arena,
+            arena_charge,
             slots: Vec::new(),
             stream,
             ctx,
@@ -344,14 +356,13 @@ impl CapturedGraph {
 
     pub fn memory(&self) -> GraphMemory {
         let static_bytes = (self.inputs.bytes() + self.output.bytes()) as u64;
-        let users = self.arena.users().max(1) as u64;
-        let arena_bytes = self.arena.bytes() as u64;
         GraphMemory {
             static_bytes,
-            arena_bytes,
+            arena_bytes: self.arena.bytes() as u64,
             arena_used_bytes: self.plan.arena_bytes as u64,
-            arena_users: users,
-            total_bytes: static_bytes + arena_bytes.div_ceil(users),
+            arena_charged_bytes: self.arena_charge,
+            arena_users: self.arena.users() as u64,
+            total_bytes: static_bytes + self.arena_charge,
             pinned_host_bytes: self.slots.iter().map(|s| s.pinned_bytes() as u64).sum(),
         }
     }

@@ -54,6 +54,15 @@ impl Epilogue {
         }
     }
 
+    /// The activation the epilogue applies.
+    pub fn activation(self) -> Activation {
+        match self {
+            Epilogue::None | Epilogue::Bias => Activation::Identity,
+            Epilogue::Relu | Epilogue::ReluBias => Activation::Relu,
+            Epilogue::GeluTanh | Epilogue::GeluTanhBias => Activation::GeluTanh,
+        }
+    }
+
     pub fn has_bias(self) -> bool {
         matches!(
             self,

@@ -44,6 +44,10 @@ impl DeviceBuf {
         let b = Self::alloc(ctx, bytes)?;
         // SAFETY: the range is ours.
         unsafe { sys::cuMemsetD8_v2(b.ptr, 0, b.bytes) }.result()?;
+        // The memset runs on the legacy stream, which does not order with our
+        // non-blocking streams: wait for it here.
+        // SAFETY: plain synchronisation of the current context.
+        unsafe { sys::cuCtxSynchronize() }.result()?;
         Ok(b)
     }
 

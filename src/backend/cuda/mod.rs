@@ -44,7 +44,7 @@ use self::matmul::Matmul;
 use self::mem::{align_up, DeviceBuf};
 use crate::backend::{Backend, BackendError, DeviceInfo};
 use crate::config::DevicesConfig;
-use crate::model::{BatchRows, Model, Program};
+use crate::model::{BatchRows, Model, Program, Weights};
 use crate::tensor::DType;
 
 /// Options of the CUDA backend (from `[devices]` in the config).
@@ -358,6 +358,43 @@ impl CudaBackend {
         self.track(r)
     }
 
+    /// [`Backend::upload`] for a bare weight table in compute type `dtype`.
+    pub fn upload_weights(
+        &mut self,
+        host: &Weights,
+        dtype: DType,
+    ) -> Result<CudaWeights, BackendError> {
+        self.alive()?;
+        let r = self.upload_inner(host, dtype);
+        self.track(r)
+    }
+
+    /// [`Backend::capture`] for a program over a bare weight table (`host`
+    /// gives the shapes; `weights` must be its upload).
+    pub fn capture_program(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+    ) -> Result<CapturedGraph, BackendError> {
+        self.alive()?;
+        let r = self.capture_inner(host, weights, program);
+        self.track(r)
+    }
+
+    /// [`Backend::run_eager`] for a program over a bare weight table.
+    pub fn run_program_eager(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+        rows: &BatchRows,
+    ) -> Result<Vec<f32>, BackendError> {
+        self.alive()?;
+        let r = self.eager_inner(host, weights, program, rows);
+        self.track(r)
+    }
+
     fn alive(&self) -> Result<(), BackendError> {
         match &self.faulted {
             Some(f) => Err(BackendError::DeviceFault(format!(
@@ -400,14 +437,20 @@ impl CudaBackend {
         }
     }
 
-    fn arena_for(&self, weights: &CudaWeights, bytes: usize) -> Result<Arc<Arena>, BackendError> {
+    /// The model's arena if it is large enough, else a new one (returned with
+    /// `true`: the new graph is charged for it).
+    fn arena_for(
+        &self,
+        weights: &CudaWeights,
+        bytes: usize,
+    ) -> Result<(Arc<Arena>, bool), BackendError> {
         let mut slot = weights
             .arena
             .lock()
             .map_err(|_| BackendError::Other("arena lock poisoned".into()))?;
         if let Some(a) = slot.as_ref() {
             if a.bytes() >= bytes {
-                return Ok(a.clone());
+                return Ok((a.clone(), false));
             }
             tracing::info!(
                 target: "replayd::cuda",
@@ -417,23 +460,24 @@ impl CudaBackend {
         }
         let a = Arena::new(DeviceBuf::alloc(&self.inner.ctx, bytes).cu("activation arena")?);
         *slot = Some(a.clone());
-        Ok(a)
+        Ok((a, true))
     }
 
     fn capture_inner(
         &mut self,
-        model: &Model,
+        host: &Weights,
         weights: &CudaWeights,
         program: &Program,
     ) -> Result<CapturedGraph, BackendError> {
         let plan = exec::plan(
             program,
-            &model.weights,
+            host,
             weights.dtype,
             self.options.allow_tf32,
             self.limits,
         )?;
-        let arena = self.arena_for(weights, plan.arena_bytes)?;
+        let (arena, charged) = self.arena_for(weights, plan.arena_bytes)?;
+        let arena_charge = if charged { arena.bytes() as u64 } else { 0 };
         let inner = &mut *self.inner;
         let ctx = inner.ctx.clone();
         let inputs = DeviceBuf::zeroed(&ctx, plan.input_bytes).cu("static inputs")?;
@@ -491,6 +535,7 @@ impl CudaBackend {
             inputs,
             output,
             arena,
+            arena_charge,
             inner.stream.clone(),
             ctx,
             counts,
@@ -549,14 +594,14 @@ impl CudaBackend {
 
     fn eager_inner(
         &mut self,
-        model: &Model,
+        host: &Weights,
         weights: &CudaWeights,
         program: &Program,
         rows: &BatchRows,
     ) -> Result<Vec<f32>, BackendError> {
         let plan: Plan = exec::plan(
             program,
-            &model.weights,
+            host,
             weights.dtype,
             self.options.allow_tf32,
             self.limits,
@@ -614,20 +659,19 @@ impl CudaBackend {
         Ok(out)
     }
 
-    fn upload_inner(&mut self, model: &Model) -> Result<CudaWeights, BackendError> {
-        let dtype = model.info.dtype;
+    fn upload_inner(&mut self, host: &Weights, dtype: DType) -> Result<CudaWeights, BackendError> {
         if !dtype.is_float() {
             return Err(BackendError::Unsupported(format!("compute dtype {dtype}")));
         }
-        let mut offsets = Vec::with_capacity(model.weights.len());
+        let mut offsets = Vec::with_capacity(host.len());
         let mut total = 0usize;
-        for (_, t) in model.weights.iter() {
+        for (_, t) in host.iter() {
             offsets.push(total);
             total += align_up(t.data.len() * dtype.size(), mem::ALIGN);
         }
-        let mut host = vec![0u8; total.max(1)];
-        for ((_, t), &off) in model.weights.iter().zip(&offsets) {
-            let dst = &mut host[off..off + t.data.len() * dtype.size()];
+        let mut staging = vec![0u8; total.max(1)];
+        for ((_, t), &off) in host.iter().zip(&offsets) {
+            let dst = &mut staging[off..off + t.data.len() * dtype.size()];
             match dtype {
                 DType::F32 => dst
                     .chunks_exact_mut(4)
@@ -645,13 +689,13 @@ impl CudaBackend {
             }
         }
         let ctx = self.inner.ctx.clone();
-        let buf = DeviceBuf::alloc(&ctx, host.len()).cu("weights")?;
-        // SAFETY: `buf` holds host.len() bytes; synchronous copy.
+        let buf = DeviceBuf::alloc(&ctx, staging.len()).cu("weights")?;
+        // SAFETY: `buf` holds staging.len() bytes; synchronous copy.
         unsafe {
             sys::cuMemcpyHtoD_v2(
                 buf.ptr(),
-                host.as_ptr() as *const std::ffi::c_void,
-                host.len(),
+                staging.as_ptr() as *const std::ffi::c_void,
+                staging.len(),
             )
         }
         .result()
@@ -698,9 +742,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&mut self, model: &Model) -> Result<CudaWeights, BackendError> {
-        self.alive()?;
-        let r = self.upload_inner(model);
-        self.track(r)
+        self.upload_weights(&model.weights, model.info.dtype)
     }
 
     fn capture(
@@ -715,8 +757,7 @@ impl Backend for CudaBackend {
                 "weights were uploaded for another dtype".into(),
             ));
         }
-        let r = self.capture_inner(model, weights, program);
-        self.track(r)
+        self.capture_program(&model.weights, weights, program)
     }
 
     fn graph_memory_bytes(&self, graph: &CapturedGraph) -> u64 {
@@ -752,9 +793,7 @@ impl Backend for CudaBackend {
         program: &Program,
         rows: &BatchRows,
     ) -> Result<Vec<f32>, BackendError> {
-        self.alive()?;
-        let r = self.eager_inner(model, weights, program, rows);
-        self.track(r)
+        self.run_program_eager(&model.weights, weights, program, rows)
     }
 
     fn inject_fault(&mut self) -> Result<(), BackendError> {
