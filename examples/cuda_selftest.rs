@@ -877,7 +877,17 @@ fn main() {
             act: Activation::Gelu,
         };
         let cases: Vec<(BertDims, Vec<(usize, usize, usize)>)> = vec![
-            (base, vec![(1, 16, 1), (4, 100, 3), (2, 256, 2), (2, 64, 2)]),
+            (
+                base,
+                vec![
+                    (1, 16, 1),
+                    (2, 8, 2),
+                    (3, 5, 3),
+                    (4, 100, 3),
+                    (2, 256, 2),
+                    (2, 64, 2),
+                ],
+            ),
             (
                 BertDims {
                     hidden: 256,

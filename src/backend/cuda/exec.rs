@@ -17,7 +17,7 @@ use cudarc::driver::{result as dres, sys as dsys, CudaStream};
 
 use super::error::DriverResultExt;
 use super::kernels::Kernels;
-use super::matmul::{split_activation, Epilogue, Matmul, MatmulPlan, MatmulShape};
+use super::matmul::{split_activation, Epilogue, Matmul, MatmulPlan, MatmulShape, TuneArgs};
 use super::mem::{align_up, ALIGN};
 use crate::backend::BackendError;
 use crate::model::program::{BufId, BufKind, InputRole, Op, WeightId};
@@ -34,6 +34,14 @@ pub const ATT_KC: usize = 64;
 pub const POOL_THREADS: u32 = 256;
 /// Values each LayerNorm thread keeps in registers (`LN_VPT` in layernorm.cu).
 pub const LN_VPT: usize = 8;
+/// Most rows of the skinny matmul (`SK_MAXM` in skinny.cu).
+pub const SK_MAXM: usize = 16;
+/// Output columns per skinny warp (`SK_COLS`).
+pub const SK_COLS: usize = 4;
+/// Warps per skinny block (`SK_WARPS`).
+pub const SK_WARPS: usize = 4;
+/// Largest number of fused (counter-using) ops in one plan.
+pub const MAX_COUNTERS: usize = 1024;
 /// Block size of the element-wise kernel.
 pub const EW_THREADS: u32 = 256;
 /// Grid cap of the element-wise kernel (it loops over the rest).
@@ -113,6 +121,50 @@ pub fn attention_smem_bytes(seq: usize, dmax: usize) -> usize {
     4 * (ATT_QT * (dmax + 1) + ATT_KC * (dmax + 1) + ATT_QT * (seq | 1))
 }
 
+/// Whether a Linear of `m` rows and `k` inputs in `t` can use the skinny kernel
+/// (16-byte vectors along k).
+pub fn skinny_fits(m: usize, k: usize, t: DType) -> bool {
+    let vec = 16 / t.size().max(1);
+    (1..=SK_MAXM).contains(&m) && k > 0 && k.is_multiple_of(vec) && k <= i32::MAX as usize
+}
+
+/// Buffers an op reads.
+pub fn op_reads(op: &Op) -> Vec<BufId> {
+    match *op {
+        Op::EmbedLayerNorm {
+            ids, token_types, ..
+        } => vec![ids, token_types],
+        Op::Linear { x, .. } => vec![x],
+        Op::AddLayerNorm { x, residual, .. } => vec![x, residual],
+        Op::Attention { qkv, mask, .. } => vec![qkv, mask],
+        Op::Pool { x, mask, .. } => vec![x, mask],
+    }
+}
+
+/// The buffer an op writes.
+pub fn op_writes(op: &Op) -> BufId {
+    match *op {
+        Op::EmbedLayerNorm { out, .. }
+        | Op::Linear { out, .. }
+        | Op::AddLayerNorm { out, .. }
+        | Op::Attention { out, .. }
+        | Op::Pool { out, .. } => out,
+    }
+}
+
+/// True when `buf` is not read by `ops[from..]` before being overwritten.
+pub fn dead_after(ops: &[Op], from: usize, buf: BufId) -> bool {
+    for op in ops.iter().skip(from) {
+        if op_reads(op).contains(&buf) {
+            return false;
+        }
+        if op_writes(op) == buf {
+            return true;
+        }
+    }
+    true
+}
+
 /// Where a device address comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Loc {
@@ -123,6 +175,8 @@ pub enum Loc {
     Output(usize),
     /// Byte offset into the activation arena.
     Arena(usize),
+    /// Index of a u32 counter (zero between kernels) for last-block reductions.
+    Counter(usize),
 }
 
 /// A kernel argument.
@@ -181,6 +235,8 @@ pub struct Plan {
     pub activation_bytes: usize,
     /// Activations plus cast scratch: the arena this plan needs.
     pub arena_bytes: usize,
+    /// Counters the plan's fused kernels use (see [`Loc::Counter`]).
+    pub counters: usize,
 }
 
 impl Plan {
@@ -217,6 +273,7 @@ struct Planner<'a> {
     limits: Limits,
     locs: HashMap<BufId, Loc>,
     arena: usize,
+    counters: usize,
     steps: Vec<Step>,
 }
 
@@ -385,7 +442,111 @@ impl<'a> Planner<'a> {
         Ok(())
     }
 
-    fn op(&mut self, idx: usize, op: &Op) -> Result<(), BackendError> {
+    /// A Linear with few rows through the skinny kernel, fused with the
+    /// AddLayerNorm after it when that reads only this output (which is then
+    /// never materialised). Returns the ops consumed.
+    #[allow(clippy::too_many_arguments)]
+    fn skinny(
+        &mut self,
+        idx: usize,
+        w: WeightId,
+        bias: Option<WeightId>,
+        act: Activation,
+        x_l: Loc,
+        out: BufId,
+        out_t: DType,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<usize, BackendError> {
+        let t = self.compute;
+        let grid = (n.div_ceil(SK_WARPS * SK_COLS) as u32, 1, 1);
+        let block = (32 * SK_WARPS) as u32;
+        let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        if let Some(Op::AddLayerNorm {
+            x: ln_x,
+            residual,
+            gamma,
+            beta,
+            eps,
+            out: ln_out,
+            rows,
+            hidden,
+        }) = self.program.ops.get(idx + 1).cloned()
+        {
+            let fusable = act == Activation::Identity
+                && ln_x == out
+                && ln_out != out
+                && rows == m
+                && hidden == n
+                && self.program.buffer(out).kind == BufKind::Activation
+                && self.dtype(residual) == t
+                && self.dtype(ln_out) == t
+                && dead_after(&self.program.ops, idx + 2, out);
+            if fusable {
+                let what = format!("ops {idx}-{} (Linear + AddLayerNorm)", idx + 1);
+                self.weight(gamma, &[hidden], &what)?;
+                self.weight(beta, &[hidden], &what)?;
+                self.check_buf(residual, m * n, &what)?;
+                self.check_buf(ln_out, m * n, &what)?;
+                let tmp = self.scratch(m * n, DType::F32);
+                let counter = Loc::Counter(self.counters);
+                self.counters += 1;
+                self.kernel(
+                    format!("skinny_{0}_{0}", suffix(t)),
+                    grid,
+                    block,
+                    0,
+                    vec![
+                        Arg::Ptr(x_l),
+                        Arg::Ptr(Loc::Weight(w)),
+                        bias_arg,
+                        Arg::Ptr(self.locs[&ln_out]),
+                        Arg::I32(m as i32),
+                        Arg::I32(n as i32),
+                        Arg::I32(k as i32),
+                        Arg::I32(0),
+                        Arg::I32(1),
+                        Arg::Ptr(self.locs[&residual]),
+                        Arg::Ptr(tmp),
+                        Arg::Ptr(Loc::Weight(gamma)),
+                        Arg::Ptr(Loc::Weight(beta)),
+                        Arg::F32(eps),
+                        Arg::Ptr(counter),
+                    ],
+                );
+                return Ok(2);
+            }
+        }
+        self.kernel(
+            format!("skinny_{}_{}", suffix(t), suffix(out_t)),
+            grid,
+            block,
+            0,
+            vec![
+                Arg::Ptr(x_l),
+                Arg::Ptr(Loc::Weight(w)),
+                bias_arg,
+                Arg::Ptr(self.locs[&out]),
+                Arg::I32(m as i32),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(act_code(act)),
+                Arg::I32(0),
+                Arg::Null,
+                Arg::Null,
+                Arg::Null,
+                Arg::Null,
+                Arg::F32(0.0),
+                Arg::Null,
+            ],
+        );
+        Ok(1)
+    }
+
+    /// Plans op `idx` (and possibly the one after it, when fused); returns
+    /// how many ops it consumed.
+    fn op(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
         let t = self.compute;
         let ts = suffix(t);
         match *op {
@@ -436,7 +597,8 @@ impl<'a> Planner<'a> {
                         Arg::I32(ntypes as i32),
                     ],
                 );
-                self.finish_out(pending, rows * hidden)
+                self.finish_out(pending, rows * hidden)?;
+                Ok(1)
             }
             Op::Linear {
                 x,
@@ -459,6 +621,9 @@ impl<'a> Planner<'a> {
                 let x_l = self.float_in(x, m * k, t, &what)?;
                 self.check_buf(out, m * n, &what)?;
                 let out_t = self.dtype(out);
+                if skinny_fits(m, k, t) && (out_t == t || out_t == DType::F32) {
+                    return self.skinny(idx, w, bias, act, x_l, out, out_t, m, n, k);
+                }
                 let (epilogue, post) = split_activation(act, bias.is_some());
                 let shape = MatmulShape {
                     dtype: t,
@@ -502,7 +667,7 @@ impl<'a> Planner<'a> {
                         post.unwrap_or(Activation::Identity),
                     )?;
                 }
-                Ok(())
+                Ok(1)
             }
             Op::AddLayerNorm {
                 x,
@@ -540,7 +705,8 @@ impl<'a> Planner<'a> {
                         Arg::I32(hidden as i32),
                     ],
                 );
-                self.finish_out(pending, elems)
+                self.finish_out(pending, elems)?;
+                Ok(1)
             }
             Op::Attention {
                 qkv,
@@ -590,7 +756,8 @@ impl<'a> Planner<'a> {
                         Arg::F32(1.0 / (head_dim as f32).sqrt()),
                     ],
                 );
-                self.finish_out(pending, rows * hd)
+                self.finish_out(pending, rows * hd)?;
+                Ok(1)
             }
             Op::Pool {
                 x,
@@ -624,7 +791,8 @@ impl<'a> Planner<'a> {
                         Arg::I32(normalize as i32),
                     ],
                 );
-                self.finish_out(pending, batch * hidden)
+                self.finish_out(pending, batch * hidden)?;
+                Ok(1)
             }
         }
     }
@@ -723,10 +891,18 @@ pub fn plan(
         limits,
         locs,
         arena,
+        counters: 0,
         steps: Vec::new(),
     };
-    for (i, op) in program.ops.iter().enumerate() {
-        p.op(i, op)?;
+    let mut i = 0;
+    while i < program.ops.len() {
+        i += p.op(i, &program.ops[i])?;
+    }
+    if p.counters > MAX_COUNTERS {
+        return Err(BackendError::Unsupported(format!(
+            "{} fused ops in one program (at most {MAX_COUNTERS})",
+            p.counters
+        )));
     }
     Ok(Plan {
         compute,
@@ -739,6 +915,7 @@ pub fn plan(
         output_dim: program.output_dim,
         activation_bytes,
         arena_bytes: p.arena.max(ALIGN),
+        counters: p.counters,
     })
 }
 
@@ -748,6 +925,8 @@ pub struct Bases<'a> {
     pub inputs: u64,
     pub output: u64,
     pub arena: u64,
+    /// [`MAX_COUNTERS`] zeroed u32s owned by the stream that runs the plan.
+    pub counters: u64,
 }
 
 impl Bases<'_> {
@@ -757,6 +936,7 @@ impl Bases<'_> {
             Loc::Input(o) => self.inputs + o as u64,
             Loc::Output(o) => self.output + o as u64,
             Loc::Arena(o) => self.arena + o as u64,
+            Loc::Counter(i) => self.counters + 4 * i as u64,
         }
     }
 }
@@ -773,6 +953,7 @@ pub enum RArg {
 /// A step with device addresses, ready to enqueue.
 pub enum Resolved {
     Kernel {
+        name: String,
         func: dsys::CUfunction,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
@@ -789,12 +970,16 @@ pub enum Resolved {
 
 /// Resolves a plan's steps against base addresses; matmul plans come from
 /// (and are cached in) `matmul`.
+///
+/// With `tune` (the stream's workspace address and the stream, outside any
+/// capture), matmul algorithms are chosen by timing on the plan's buffers.
 pub fn resolve(
     plan: &Plan,
     bases: &Bases<'_>,
     kernels: &Kernels,
     matmul: &mut Matmul,
     workspace_bytes: usize,
+    tune: Option<(u64, &CudaStream)>,
 ) -> Result<Vec<Resolved>, BackendError> {
     let mut out_steps = Vec::with_capacity(plan.steps.len());
     for s in &plan.steps {
@@ -810,6 +995,7 @@ pub fn resolve(
                     .get(name)
                     .ok_or_else(|| BackendError::Other(format!("kernel {name} is not loaded")))?;
                 Resolved::Kernel {
+                    name: name.clone(),
                     func: f.cu_function(),
                     grid: *grid,
                     block: *block,
@@ -834,7 +1020,14 @@ pub fn resolve(
                 bias,
             } => {
                 let bias_addr = bias.map(|b| bases.addr(b));
-                match matmul.plan(*shape, bias_addr, workspace_bytes) {
+                let tune_args = tune.map(|(ws, stream)| TuneArgs {
+                    w: bases.addr(*w),
+                    x: bases.addr(*x),
+                    d: bases.addr(*out),
+                    workspace: ws,
+                    stream: stream.cu_stream(),
+                });
+                match matmul.plan(*shape, bias_addr, workspace_bytes, tune_args) {
                     Ok(p) => Resolved::Matmul {
                         plan: p,
                         w: bases.addr(*w),
@@ -857,7 +1050,7 @@ pub fn resolve(
                             ..*shape
                         };
                         out_steps.push(Resolved::Matmul {
-                            plan: matmul.plan(plain, None, workspace_bytes)?,
+                            plan: matmul.plan(plain, None, workspace_bytes, tune_args)?,
                             w: bases.addr(*w),
                             x: bases.addr(*x),
                             out: bases.addr(*out),
@@ -869,6 +1062,7 @@ pub fn resolve(
                         let n = shape.m * shape.n;
                         let o = bases.addr(*out);
                         Resolved::Kernel {
+                            name,
                             func: f.cu_function(),
                             grid: (ew_blocks(n), 1, 1),
                             block: (EW_THREADS, 1, 1),
@@ -901,38 +1095,103 @@ pub fn enqueue(
     workspace_bytes: usize,
     stream: &CudaStream,
 ) -> Result<(), BackendError> {
-    let stream = stream.cu_stream();
     for s in steps {
-        match s {
-            Resolved::Kernel {
-                func,
-                grid,
-                block,
-                smem,
-                args,
-            } => {
-                let mut ptrs: Vec<*mut c_void> = args
-                    .iter()
-                    .map(|a| match a {
-                        RArg::U64(v) => v as *const u64 as *mut c_void,
-                        RArg::I32(v) => v as *const i32 as *mut c_void,
-                        RArg::I64(v) => v as *const i64 as *mut c_void,
-                        RArg::F32(v) => v as *const f32 as *mut c_void,
-                    })
-                    .collect();
-                // SAFETY: the planner checked every buffer extent against the
-                // kernel's shape arguments; the argument list matches the
-                // kernel's signature (see the `*_KERNEL` macros in kernels/).
-                unsafe { dres::launch_kernel(*func, *grid, *block, *smem, stream, &mut ptrs) }
-                    .cu("kernel launch")?;
-            }
-            Resolved::Matmul { plan, w, x, out } => {
-                // SAFETY: extents checked by the planner; the workspace belongs to this stream.
-                unsafe { matmul.run(plan, *w, *x, *out, workspace, workspace_bytes, stream) }?;
-            }
-        }
+        enqueue_one(s, matmul, workspace, workspace_bytes, stream.cu_stream())?;
     }
     Ok(())
+}
+
+fn enqueue_one(
+    s: &Resolved,
+    matmul: &Matmul,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: dsys::CUstream,
+) -> Result<(), BackendError> {
+    match s {
+        Resolved::Kernel {
+            func,
+            grid,
+            block,
+            smem,
+            args,
+            ..
+        } => {
+            let mut ptrs: Vec<*mut c_void> = args
+                .iter()
+                .map(|a| match a {
+                    RArg::U64(v) => v as *const u64 as *mut c_void,
+                    RArg::I32(v) => v as *const i32 as *mut c_void,
+                    RArg::I64(v) => v as *const i64 as *mut c_void,
+                    RArg::F32(v) => v as *const f32 as *mut c_void,
+                })
+                .collect();
+            // SAFETY: the planner checked every buffer extent against the
+            // kernel's shape arguments; the argument list matches the
+            // kernel's signature (see the `*_KERNEL` macros in kernels/).
+            unsafe { dres::launch_kernel(*func, *grid, *block, *smem, stream, &mut ptrs) }
+                .cu("kernel launch")
+        }
+        Resolved::Matmul { plan, w, x, out } => {
+            // SAFETY: extents checked by the planner; the workspace belongs to this stream.
+            unsafe { matmul.run(plan, *w, *x, *out, workspace, workspace_bytes, stream) }
+        }
+    }
+}
+
+/// A short name for a step (profiles, logs).
+pub fn label(s: &Resolved) -> String {
+    match s {
+        Resolved::Kernel { name, grid, .. } => {
+            format!("{name} grid {}x{}x{}", grid.0, grid.1, grid.2)
+        }
+        Resolved::Matmul { plan, .. } => {
+            let sh = plan.shape;
+            format!(
+                "cublasLt {} m{} n{} k{} {:?}",
+                suffix(sh.dtype),
+                sh.m,
+                sh.n,
+                sh.k,
+                sh.epilogue
+            )
+        }
+    }
+}
+
+/// Runs the steps `reps` times with an event after every step and returns
+/// each step's mean GPU time in microseconds (steps queued back to back, so
+/// the time between events is the step's own).
+pub fn profile(
+    steps: &[Resolved],
+    matmul: &Matmul,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: &CudaStream,
+    reps: usize,
+) -> Result<Vec<(String, f64)>, BackendError> {
+    let cs = stream.cu_stream();
+    let ev = super::timing::Events::new(steps.len() + 1).cu("cuEventCreate")?;
+    let mut total = vec![0f64; steps.len()];
+    // One untimed pass first.
+    enqueue(steps, matmul, workspace, workspace_bytes, stream)?;
+    for _ in 0..reps.max(1) {
+        // SAFETY: `cs` is the live stream borrowed above.
+        unsafe { ev.record(0, cs) }.cu("cuEventRecord")?;
+        for (i, s) in steps.iter().enumerate() {
+            enqueue_one(s, matmul, workspace, workspace_bytes, cs)?;
+            // SAFETY: as above.
+            unsafe { ev.record(i + 1, cs) }.cu("cuEventRecord")?;
+        }
+        for (i, t) in total.iter_mut().enumerate() {
+            *t += ev.elapsed_ms(i, i + 1).cu("cuEventElapsedTime")? as f64 * 1e3;
+        }
+    }
+    Ok(steps
+        .iter()
+        .zip(total)
+        .map(|(s, t)| (label(s), t / reps.max(1) as f64))
+        .collect())
 }
 
 #[cfg(test)]
@@ -1136,14 +1395,14 @@ pub(crate) mod tests {
 
     #[test]
     fn mlp_f32_is_two_fused_matmuls() {
-        let (p, w) = mlp(8, Activation::Relu);
+        let (p, w) = mlp(32, Activation::Relu);
         let plan = plan(&p, &w, DType::F32, false, LIMITS).unwrap();
         assert_eq!(plan.matmul_count(), 2);
         assert_eq!(plan.kernel_count(), 0, "{:?}", plan.steps);
         assert_eq!(plan.inputs.len(), 1);
-        assert_eq!(plan.input_bytes, align_up(8 * 128 * 4, ALIGN));
-        assert_eq!(plan.output_elems, 80);
-        assert_eq!(plan.arena_bytes, 8 * 256 * 4);
+        assert_eq!(plan.input_bytes, align_up(32 * 128 * 4, ALIGN));
+        assert_eq!(plan.output_elems, 320);
+        assert_eq!(plan.arena_bytes, 32 * 256 * 4);
         match &plan.steps[0] {
             Step::Matmul {
                 shape,
@@ -1153,7 +1412,7 @@ pub(crate) mod tests {
                 ..
             } => {
                 assert_eq!(shape.epilogue, super::super::matmul::Epilogue::ReluBias);
-                assert_eq!((shape.m, shape.n, shape.k), (8, 256, 128));
+                assert_eq!((shape.m, shape.n, shape.k), (32, 256, 128));
                 assert!(!shape.tf32);
                 assert_eq!(*x, Loc::Input(0));
                 assert_eq!(*out, Loc::Arena(0));
@@ -1171,7 +1430,7 @@ pub(crate) mod tests {
 
     #[test]
     fn mlp_f16_casts_input_and_output() {
-        let (p, w) = mlp(4, Activation::Gelu);
+        let (p, w) = mlp(20, Activation::Gelu);
         let plan = plan(&p, &w, DType::F16, true, LIMITS).unwrap();
         let names: Vec<String> = plan
             .steps
@@ -1197,6 +1456,99 @@ pub(crate) mod tests {
             .iter()
             .all(|s| !matches!(s, Step::Matmul { shape, .. } if shape.tf32)));
         assert!(plan.arena_bytes > plan.activation_bytes);
+    }
+
+    #[test]
+    fn small_batches_use_the_skinny_kernel() {
+        let (p, w) = mlp(8, Activation::Relu);
+        let plan = plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        let names: Vec<String> = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, grid, .. } => format!("{name} {}", grid.0),
+                Step::Matmul { .. } => "mm".into(),
+            })
+            .collect();
+        // 256 columns / 16 per block; the last layer writes the f32 output directly.
+        assert_eq!(names, vec!["skinny_f32_f32 16", "skinny_f32_f32 1"]);
+        match &plan.steps[0] {
+            Step::Kernel { args, .. } => {
+                assert_eq!(args[4], Arg::I32(8)); // M
+                assert_eq!(args[7], Arg::I32(act_code(Activation::Relu)));
+                assert_eq!(args[8], Arg::I32(0)); // mode: activation
+            }
+            s => panic!("{s:?}"),
+        }
+        let plan = super::plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let names: Vec<&str> = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, .. } => name.as_str(),
+                Step::Matmul { .. } => "mm",
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec!["bias_act_f32_f16", "skinny_f16_f16", "skinny_f16_f32"]
+        );
+        assert_eq!(plan.counters, 0);
+        // More rows than the kernel handles, or unaligned k: cuBLASLt.
+        assert!(skinny_fits(16, 384, DType::F16) && !skinny_fits(17, 384, DType::F16));
+        assert!(!skinny_fits(4, 12, DType::F16) && skinny_fits(4, 12, DType::F32));
+        assert!(!skinny_fits(4, 10, DType::F32) && !skinny_fits(0, 8, DType::F32));
+    }
+
+    #[test]
+    fn small_bert_fuses_linear_and_layernorm() {
+        let (p, w) = tiny_bert(1, 16);
+        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let names: Vec<String> = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, args, .. } if name.starts_with("skinny") => {
+                    format!("{name} mode {:?}", args[8])
+                }
+                Step::Kernel { name, .. } => name.clone(),
+                Step::Matmul { .. } => "mm".into(),
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                "embed_ln_f16",
+                "skinny_f16_f16 mode I32(0)", // QKV
+                "attention_f16_d32",
+                "skinny_f16_f16 mode I32(1)", // O + add + LN
+                "skinny_f16_f16 mode I32(0)", // FFN1 + exact GELU
+                "skinny_f16_f16 mode I32(1)", // FFN2 + add + LN
+                "pool_f16",
+            ]
+        );
+        assert_eq!(plan.counters, 2);
+        // The fused kernels write the LayerNorm output (h) and read h as the residual.
+        let h = Loc::Arena(0);
+        for s in &plan.steps {
+            if let Step::Kernel { name, args, .. } = s {
+                if name.starts_with("skinny") && args[8] == Arg::I32(1) {
+                    assert_eq!(args[3], Arg::Ptr(h));
+                    assert_eq!(args[9], Arg::Ptr(h));
+                    assert!(matches!(args[14], Arg::Ptr(Loc::Counter(_))));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn liveness() {
+        let (p, _) = tiny_bert(1, 16);
+        // qkv (buffer 4) is overwritten by the next layer's / read by attention.
+        let qkv = BufId(4);
+        assert!(!dead_after(&p.ops, 2, qkv)); // attention reads it
+        assert!(dead_after(&p.ops, 8, qkv)); // nothing after the last LN reads it
+        assert!(dead_after(&p.ops, 5, qkv)); // FFN2 overwrites it
     }
 
     #[test]
@@ -1305,6 +1657,10 @@ pub(crate) mod tests {
         assert!(att.contains(&format!("#define ATT_QT {ATT_QT}\n")));
         assert!(att.contains(&format!("#define ATT_KC {ATT_KC}\n")));
         assert!(att.contains(&format!("#define ATT_THREADS {ATT_THREADS}\n")));
+        let sk = include_str!("../../../kernels/skinny.cu");
+        assert!(sk.contains(&format!("#define SK_MAXM {SK_MAXM}\n")));
+        assert!(sk.contains(&format!("#define SK_COLS {SK_COLS}\n")));
+        assert!(sk.contains(&format!("#define SK_WARPS {SK_WARPS}\n")));
         let ln = include_str!("../../../kernels/layernorm.cu");
         assert!(ln.contains(&format!("#define LN_VPT {LN_VPT}\n")));
     }

@@ -38,6 +38,7 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         include_str!("../../../kernels/attention.cu"),
     ),
     ("pool.cu", include_str!("../../../kernels/pool.cu")),
+    ("skinny.cu", include_str!("../../../kernels/skinny.cu")),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
 
@@ -58,6 +59,15 @@ pub const BIAS_ACT_PAIRS: &[(&str, &str)] = &[
     ("bf16", "f32"),
 ];
 
+/// (input, output) storage-type pairs of `skinny_<in>_<out>`.
+pub const SKINNY_PAIRS: &[(&str, &str)] = &[
+    ("f32", "f32"),
+    ("f16", "f16"),
+    ("bf16", "bf16"),
+    ("f16", "f32"),
+    ("bf16", "f32"),
+];
+
 /// Every `extern "C"` kernel the backend looks up.
 pub fn expected_entry_points() -> Vec<String> {
     let mut names = Vec::new();
@@ -71,6 +81,9 @@ pub fn expected_entry_points() -> Vec<String> {
     }
     for (i, o) in BIAS_ACT_PAIRS {
         names.push(format!("bias_act_{i}_{o}"));
+    }
+    for (i, o) in SKINNY_PAIRS {
+        names.push(format!("skinny_{i}_{o}"));
     }
     names.push("fault_oob_write".to_string());
     names

@@ -170,8 +170,9 @@ impl Drop for Pref {
 /// A cuBLASLt handle with its plan cache. Destroyed on drop (errors ignored).
 pub struct Matmul {
     handle: sys::cublasLtHandle_t,
-    algos: HashMap<(MatmulShape, usize), (sys::cublasLtMatmulAlgo_t, usize)>,
-    plans: HashMap<(MatmulShape, Option<u64>, usize), Arc<MatmulPlan>>,
+    /// (algorithm, its workspace, whether it was chosen by timing).
+    algos: HashMap<(MatmulShape, usize), (sys::cublasLtMatmulAlgo_t, usize, bool)>,
+    plans: HashMap<(MatmulShape, Option<u64>, usize, bool), Arc<MatmulPlan>>,
 }
 
 // SAFETY: a cuBLASLt handle may be used from any thread (calls are serialised
@@ -180,6 +181,20 @@ unsafe impl Send for Matmul {}
 
 /// Plans kept before the cache is cleared (eager shapes vary without bound).
 const MAX_PLANS: usize = 8192;
+
+/// Algorithms the heuristic proposes for autotuning.
+const TUNE_CANDIDATES: usize = 8;
+
+/// Buffers and stream to time candidate algorithms on (outside any capture;
+/// the output is overwritten).
+#[derive(Clone, Copy, Debug)]
+pub struct TuneArgs {
+    pub w: u64,
+    pub x: u64,
+    pub d: u64,
+    pub workspace: u64,
+    pub stream: cudarc::driver::sys::CUstream,
+}
 
 impl Matmul {
     /// Creates the handle. cuBLASLt must be loadable (see `libs`).
@@ -193,11 +208,15 @@ impl Matmul {
     }
 
     /// The plan for `shape` and `bias` using at most `workspace_bytes` of workspace.
+    /// With `tune`, the first plan of a shape times the heuristic's candidate
+    /// algorithms on those buffers and keeps the fastest; otherwise the
+    /// heuristic's first choice is used.
     pub fn plan(
         &mut self,
         shape: MatmulShape,
         bias: Option<u64>,
         workspace_bytes: usize,
+        tune: Option<TuneArgs>,
     ) -> Result<Arc<MatmulPlan>, BackendError> {
         if shape.epilogue.has_bias() != bias.is_some() {
             return Err(BackendError::Other(format!(
@@ -205,14 +224,14 @@ impl Matmul {
                 shape.epilogue
             )));
         }
-        let key = (shape, bias, workspace_bytes);
+        let key = (shape, bias, workspace_bytes, tune.is_some());
         if let Some(p) = self.plans.get(&key) {
             return Ok(p.clone());
         }
         if self.plans.len() >= MAX_PLANS {
             self.plans.clear();
         }
-        let p = Arc::new(self.make_plan(shape, bias, workspace_bytes)?);
+        let p = Arc::new(self.make_plan(shape, bias, workspace_bytes, tune)?);
         self.plans.insert(key, p.clone());
         Ok(p)
     }
@@ -227,6 +246,7 @@ impl Matmul {
         shape: MatmulShape,
         bias: Option<u64>,
         workspace_bytes: usize,
+        tune: Option<TuneArgs>,
     ) -> Result<MatmulPlan, BackendError> {
         let dt = data_type(shape.dtype)?;
         let (m, n, k) = (shape.m as u64, shape.n as u64, shape.k as u64);
@@ -283,7 +303,11 @@ impl Matmul {
         plan.d =
             lt::create_matrix_layout(dt, n, m, n as i64).lt("cublasLtMatrixLayoutCreate(D)")?;
 
-        if let Some(&(algo, ws)) = self.algos.get(&(shape, workspace_bytes)) {
+        if let Some(&(algo, ws, _)) = self
+            .algos
+            .get(&(shape, workspace_bytes))
+            .filter(|a| a.2 || tune.is_none())
+        {
             plan.algo = algo;
             plan.workspace_bytes = ws;
             return Ok(plan);
@@ -299,9 +323,19 @@ impl Matmul {
             )
         }
         .lt("cublasLtMatmulPreferenceSetAttribute")?;
-        // SAFETY: all handles are live.
-        let heuristic = unsafe {
-            lt::get_matmul_algo_heuristic(
+        let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> =
+            // SAFETY: plain-old-data, filled in by cuBLASLt.
+            vec![unsafe { std::mem::zeroed() }; TUNE_CANDIDATES];
+        let mut count: i32 = 0;
+        let what = || {
+            format!(
+                "cublasLtMatmulAlgoGetHeuristic for {:?} {}x{}x{} {:?}",
+                shape.dtype, shape.m, shape.n, shape.k, shape.epilogue
+            )
+        };
+        // SAFETY: all handles are live; `results` holds TUNE_CANDIDATES entries.
+        unsafe {
+            sys::cublasLtMatmulAlgoGetHeuristic(
                 self.handle,
                 plan.desc,
                 plan.a,
@@ -309,23 +343,61 @@ impl Matmul {
                 plan.d,
                 plan.d,
                 pref.0,
+                if tune.is_some() {
+                    TUNE_CANDIDATES as i32
+                } else {
+                    1
+                },
+                results.as_mut_ptr(),
+                &mut count,
             )
         }
-        .map_err(|e| {
-            super::error::cublas_error(
-                &format!(
-                    "cublasLtMatmulAlgoGetHeuristic for {:?} {}x{}x{} {:?}",
-                    shape.dtype, shape.m, shape.n, shape.k, shape.epilogue
-                ),
-                e,
-            )
-        })?;
-        plan.algo = heuristic.algo;
-        plan.workspace_bytes = heuristic.workspaceSize;
-        self.algos.insert(
-            (shape, workspace_bytes),
-            (heuristic.algo, heuristic.workspaceSize),
-        );
+        .result()
+        .map_err(|e| super::error::cublas_error(&what(), e))?;
+        let candidates: Vec<&sys::cublasLtMatmulHeuristicResult_t> = results
+            .iter()
+            .take(count.max(0) as usize)
+            .filter(|r| {
+                r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && r.workspaceSize <= workspace_bytes
+            })
+            .collect();
+        let Some(first) = candidates.first() else {
+            return Err(BackendError::Unsupported(format!(
+                "{}: no algorithm",
+                what()
+            )));
+        };
+        let mut best = (first.algo, first.workspaceSize);
+        if let (Some(t), true) = (tune, candidates.len() > 1) {
+            let mut best_ms = f32::INFINITY;
+            for c in &candidates {
+                plan.algo = c.algo;
+                plan.workspace_bytes = c.workspaceSize;
+                // SAFETY: the caller's buffers fit the shape; outside any capture.
+                if let Ok(ms) = unsafe { self.time_plan(&plan, &t, workspace_bytes) } {
+                    if ms < best_ms {
+                        best_ms = ms;
+                        best = (c.algo, c.workspaceSize);
+                    }
+                }
+            }
+            tracing::debug!(
+                target: "replayd::cuda",
+                "tuned {:?} {}x{}x{} {:?}: {} candidates, best {:.1} us",
+                shape.dtype,
+                shape.m,
+                shape.n,
+                shape.k,
+                shape.epilogue,
+                candidates.len(),
+                best_ms * 1e3
+            );
+        }
+        plan.algo = best.0;
+        plan.workspace_bytes = best.1;
+        self.algos
+            .insert((shape, workspace_bytes), (best.0, best.1, tune.is_some()));
         Ok(plan)
     }
 
@@ -368,6 +440,31 @@ impl Matmul {
             stream as sys::cudaStream_t,
         )
         .lt("cublasLtMatmul")
+    }
+}
+
+impl Matmul {
+    /// Median-free quick timing of one plan: one warm-up run, then the mean of
+    /// a few runs, in milliseconds.
+    ///
+    /// # Safety
+    /// As for [`Matmul::run`]; not during a capture.
+    unsafe fn time_plan(
+        &self,
+        plan: &MatmulPlan,
+        t: &TuneArgs,
+        workspace_bytes: usize,
+    ) -> Result<f32, BackendError> {
+        use super::error::DriverResultExt;
+        const RUNS: usize = 5;
+        let ev = super::timing::Events::new(2).cu("cuEventCreate")?;
+        self.run(plan, t.w, t.x, t.d, t.workspace, workspace_bytes, t.stream)?;
+        ev.record(0, t.stream).cu("cuEventRecord")?;
+        for _ in 0..RUNS {
+            self.run(plan, t.w, t.x, t.d, t.workspace, workspace_bytes, t.stream)?;
+        }
+        ev.record(1, t.stream).cu("cuEventRecord")?;
+        Ok(ev.elapsed_ms(0, 1).cu("cuEventElapsedTime")? / RUNS as f32)
     }
 }
 

@@ -26,6 +26,7 @@ pub mod libs;
 pub mod matmul;
 pub mod mem;
 pub mod nvml;
+pub mod timing;
 
 use std::mem::ManuallyDrop;
 use std::path::PathBuf;
@@ -153,6 +154,7 @@ impl CudaWeights {
 #[derive(Default)]
 struct EagerBuffers {
     workspace: Option<DeviceBuf>,
+    counters: Option<DeviceBuf>,
     arena: Option<DeviceBuf>,
     io: Option<DeviceBuf>,
 }
@@ -161,6 +163,8 @@ struct Inner {
     // Field order is drop order: everything that uses the context first.
     eager: EagerBuffers,
     workspace: DeviceBuf,
+    /// Zeroed counters of the fused kernels on the graph stream.
+    counters: DeviceBuf,
     matmul: Matmul,
     kernels: Kernels,
     eager_stream: Arc<CudaStream>,
@@ -286,6 +290,7 @@ impl CudaBackend {
         let matmul = Matmul::new()?;
         let workspace =
             DeviceBuf::zeroed(&ctx, matmul::workspace_bytes_for(cc.0)).cu("cuBLASLt workspace")?;
+        let counters = DeviceBuf::zeroed(&ctx, exec::MAX_COUNTERS * 4).cu("kernel counters")?;
         let info = DeviceInfo {
             backend: "cuda".into(),
             name,
@@ -299,6 +304,7 @@ impl CudaBackend {
             inner: ManuallyDrop::new(Inner {
                 eager: EagerBuffers::default(),
                 workspace,
+                counters,
                 matmul,
                 kernels,
                 eager_stream,
@@ -395,6 +401,60 @@ impl CudaBackend {
         self.track(r)
     }
 
+    /// Per-step GPU time (µs) of a program, run `reps` times on the graph
+    /// stream without capture (with scratch buffers; for tuning and reports).
+    pub fn profile_program(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+        reps: usize,
+    ) -> Result<Vec<(String, f64)>, BackendError> {
+        self.alive()?;
+        let r = (|| {
+            let plan = exec::plan(
+                program,
+                host,
+                weights.dtype,
+                self.options.allow_tf32,
+                self.limits,
+            )?;
+            let inner = &mut *self.inner;
+            let ctx = inner.ctx.clone();
+            let arena = DeviceBuf::zeroed(&ctx, plan.arena_bytes).cu("profile arena")?;
+            let io = DeviceBuf::zeroed(&ctx, plan.input_bytes + plan.output_elems * 4 + mem::ALIGN)
+                .cu("profile io")?;
+            let bases = Bases {
+                weights: &weights.ptrs,
+                inputs: io.ptr(),
+                output: io.ptr() + align_up(plan.input_bytes, mem::ALIGN) as u64,
+                arena: arena.ptr(),
+                counters: inner.counters.ptr(),
+            };
+            let ws = &inner.workspace;
+            ctx.bind_to_thread().cu("bind context")?;
+            let steps = exec::resolve(
+                &plan,
+                &bases,
+                &inner.kernels,
+                &mut inner.matmul,
+                ws.bytes(),
+                Some((ws.ptr(), &inner.stream)),
+            )?;
+            let r = exec::profile(
+                &steps,
+                &inner.matmul,
+                ws.ptr(),
+                ws.bytes(),
+                &inner.stream,
+                reps,
+            );
+            inner.stream.synchronize().cu("profile")?;
+            r
+        })();
+        self.track(r)
+    }
+
     fn alive(&self) -> Result<(), BackendError> {
         match &self.faulted {
             Some(f) => Err(BackendError::DeviceFault(format!(
@@ -487,9 +547,18 @@ impl CudaBackend {
             inputs: inputs.ptr(),
             output: output.ptr(),
             arena: arena.buf.ptr(),
+            counters: inner.counters.ptr(),
         };
         let ws = &inner.workspace;
-        let steps = exec::resolve(&plan, &bases, &inner.kernels, &mut inner.matmul, ws.bytes())?;
+        ctx.bind_to_thread().cu("bind context")?;
+        let steps = exec::resolve(
+            &plan,
+            &bases,
+            &inner.kernels,
+            &mut inner.matmul,
+            ws.bytes(),
+            Some((ws.ptr(), &inner.stream)),
+        )?;
         ctx.bind_to_thread().cu("bind context")?;
         // Warm-up (module loading, cuBLASLt kernel selection), outside the capture.
         exec::enqueue(&steps, &inner.matmul, ws.ptr(), ws.bytes(), &inner.stream)?;
@@ -634,13 +703,27 @@ impl CudaBackend {
             out_off + plan.output_elems * 4,
             "eager inputs/outputs",
         )?;
+        if inner.eager.counters.is_none() {
+            inner.eager.counters =
+                Some(DeviceBuf::zeroed(&ctx, exec::MAX_COUNTERS * 4).cu("eager counters")?);
+        }
+        let counters = inner.eager.counters.as_ref().map(|b| b.ptr()).unwrap_or(0);
         let bases = Bases {
             weights: &weights.ptrs,
             inputs: io,
             output: io + out_off as u64,
             arena,
+            counters,
         };
-        let steps = exec::resolve(&plan, &bases, &inner.kernels, &mut inner.matmul, ws_bytes)?;
+        ctx.bind_to_thread().cu("bind context")?;
+        let steps = exec::resolve(
+            &plan,
+            &bases,
+            &inner.kernels,
+            &mut inner.matmul,
+            ws_bytes,
+            None,
+        )?;
         let mut host = vec![0u32; plan.input_bytes.div_ceil(4)];
         // SAFETY: `host` holds input_bytes, 4-byte aligned; rows validated.
         unsafe { graph::pack_inputs(&plan, rows, host.as_mut_ptr() as *mut u8) };
