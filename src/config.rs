@@ -290,7 +290,10 @@ impl Config {
             return Err(invalid("server.max_request_bytes", "must be at least 1024"));
         }
         if self.server.max_items_per_request == 0 {
-            return Err(invalid("server.max_items_per_request", "must be at least 1"));
+            return Err(invalid(
+                "server.max_items_per_request",
+                "must be at least 1",
+            ));
         }
         if self.batching.max_queue == 0 {
             return Err(invalid("batching.max_queue", "must be at least 1"));
@@ -350,7 +353,10 @@ impl Config {
             return Err(invalid("eager.max_queue", "must be at least 1"));
         }
         if self.models.is_empty() {
-            return Err(invalid("models", "at least one [[models]] entry is required"));
+            return Err(invalid(
+                "models",
+                "at least one [[models]] entry is required",
+            ));
         }
         for (i, model) in self.models.iter().enumerate() {
             let key = |k: &str| format!("models[{i}].{k}");
@@ -377,7 +383,10 @@ impl Config {
             if !model.dtype.is_float() {
                 return Err(invalid(
                     key("dtype"),
-                    format!("{} is not a compute dtype (use f32, f16 or bf16)", model.dtype),
+                    format!(
+                        "{} is not a compute dtype (use f32, f16 or bf16)",
+                        model.dtype
+                    ),
                 ));
             }
             check_grid(&key("batch_buckets"), &model.batch_buckets, 4096)?;
@@ -422,9 +431,14 @@ impl Config {
 fn check_endpoint(key: &str, endpoint: &str) -> Result<(), ConfigError> {
     let ok = endpoint
         .strip_prefix("tcp://")
-        .map(|rest| rest.rsplit_once(':').is_some_and(|(_, port)| port.parse::<u16>().is_ok()))
+        .map(|rest| {
+            rest.rsplit_once(':')
+                .is_some_and(|(_, port)| port.parse::<u16>().is_ok())
+        })
         .unwrap_or(false)
-        || endpoint.strip_prefix("ipc://").is_some_and(|p| !p.is_empty());
+        || endpoint
+            .strip_prefix("ipc://")
+            .is_some_and(|p| !p.is_empty());
     if ok {
         Ok(())
     } else {
@@ -489,11 +503,8 @@ path = "mlp.safetensors"
             let err = Config::parse(&format!("{prefix}{MINIMAL}")).unwrap_err();
             assert!(err.to_string().contains(key), "{key}: {err}");
         }
-        let err = Config::parse(&MINIMAL.replace(
-            "path",
-            "batch_buckets = [4, 2]\npath",
-        ))
-        .unwrap_err();
+        let err =
+            Config::parse(&MINIMAL.replace("path", "batch_buckets = [4, 2]\npath")).unwrap_err();
         assert!(err.to_string().contains("models[0].batch_buckets"), "{err}");
         let err = Config::parse(&MINIMAL.replace("path", "dtype = \"i32\"\npath")).unwrap_err();
         assert!(err.to_string().contains("models[0].dtype"), "{err}");

@@ -24,3 +24,4 @@ pub mod backend;
 pub mod config;
 pub mod model;
 pub mod tensor;
+pub mod tokenize;

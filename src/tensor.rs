@@ -111,7 +111,11 @@ impl HostTensor {
     }
 
     pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Self {
-        assert_eq!(element_count(&shape), Some(values.len()), "shape/values mismatch");
+        assert_eq!(
+            element_count(&shape),
+            Some(values.len()),
+            "shape/values mismatch"
+        );
         let mut bytes = Vec::with_capacity(values.len() * 4);
         for v in values {
             bytes.extend_from_slice(&v.to_le_bytes());
@@ -124,7 +128,11 @@ impl HostTensor {
     }
 
     pub fn from_i32(shape: Vec<usize>, values: &[i32]) -> Self {
-        assert_eq!(element_count(&shape), Some(values.len()), "shape/values mismatch");
+        assert_eq!(
+            element_count(&shape),
+            Some(values.len()),
+            "shape/values mismatch"
+        );
         let mut bytes = Vec::with_capacity(values.len() * 4);
         for v in values {
             bytes.extend_from_slice(&v.to_le_bytes());

@@ -54,7 +54,10 @@ impl BatchRows {
         let BatchRows::Tokens(seqs) = self else {
             panic!("feature rows packed into a token input")
         };
-        assert!(seqs.len() * seq <= dst.len(), "batch larger than the bucket");
+        assert!(
+            seqs.len() * seq <= dst.len(),
+            "batch larger than the bucket"
+        );
         dst.fill(0);
         if role == InputRole::TokenTypeIds {
             return;
@@ -63,10 +66,7 @@ impl BatchRows {
             assert!(ids.len() <= seq, "sequence longer than the bucket");
             let out = &mut dst[row * seq..row * seq + ids.len()];
             match role {
-                InputRole::TokenIds => out
-                    .iter_mut()
-                    .zip(ids)
-                    .for_each(|(o, &id)| *o = id as i32),
+                InputRole::TokenIds => out.iter_mut().zip(ids).for_each(|(o, &id)| *o = id as i32),
                 InputRole::AttentionMask => out.fill(1),
                 _ => unreachable!(),
             }

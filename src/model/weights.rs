@@ -47,7 +47,10 @@ impl Weights {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (WeightId, &WeightTensor)> {
-        self.tensors.iter().enumerate().map(|(i, t)| (WeightId(i), t))
+        self.tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (WeightId(i), t))
     }
 
     /// Total number of parameters.

@@ -1,1 +1,265 @@
-//! The CPU backend (owned by the model/CPU-backend work).
+//! The CPU backend: a real backend and the numerical reference for CUDA.
+//!
+//! * Weights are kept as f32; for f16/bf16 models every weight is rounded
+//!   through that dtype at upload, and all arithmetic is f32.
+//! * "Capture" ([`Backend::capture`]) allocates every buffer of the program
+//!   once and resolves its ops into a replayable plan bound to those buffers
+//!   (see [`plan`]); a replay packs the batch into the static inputs and runs
+//!   the plan without allocating. By default a replay computes only the
+//!   batch's real rows and its longest sequence inside those buffers (padding
+//!   costs real work on a CPU, and skipping it cannot change a real row's
+//!   result); [`CpuBackend::set_trim_padding`] turns that off.
+//! * Matrix products go through the `gemm` crate with
+//!   `Parallelism::Rayon(threads)`; every op runs inside this backend's own
+//!   rayon pool of `threads` threads (never the global pool), which gemm and
+//!   the per-row kernels use.
+//! * [`Backend::launch`] runs the replay to completion on the pool and hands
+//!   the output rows to the returned [`CpuPending`]: on the CPU the "device"
+//!   is these threads, so there is nothing to overlap with. Consecutive
+//!   launches are therefore safe to collect in any order.
+//! * [`Backend::inject_fault`] poisons the backend like a sticky CUDA error:
+//!   every later call that touches the "device" returns
+//!   [`BackendError::DeviceFault`].
+
+mod ops;
+mod plan;
+#[cfg(test)]
+mod tests;
+
+use self::plan::Plan;
+use super::{Backend, BackendError, DeviceInfo};
+use crate::model::{BatchRows, Model, Program};
+use crate::tensor::DType;
+use std::sync::Arc;
+
+/// One weight tensor as the CPU backend computes with it.
+#[derive(Debug)]
+pub struct CpuTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// A model's weights, resident in host memory, indexed by `WeightId`.
+/// Cheap to clone (graphs keep a handle).
+#[derive(Clone, Debug)]
+pub struct CpuWeights {
+    tensors: Arc<Vec<CpuTensor>>,
+    dtype: DType,
+}
+
+impl CpuWeights {
+    /// The dtype the weights were rounded through.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes of the uploaded weights (f32).
+    pub fn bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.data.len() as u64 * 4).sum()
+    }
+}
+
+/// A captured program: its static buffers and replay plan.
+#[derive(Debug)]
+pub struct CpuGraph {
+    plan: Plan,
+}
+
+impl CpuGraph {
+    pub fn batch(&self) -> usize {
+        self.plan.batch
+    }
+
+    pub fn seq(&self) -> usize {
+        self.plan.seq
+    }
+}
+
+/// A launched batch: the output rows that belong to real inputs.
+#[derive(Debug)]
+pub struct CpuPending {
+    output: Vec<f32>,
+}
+
+/// Runs programs on host threads.
+pub struct CpuBackend {
+    ordinal: usize,
+    threads: usize,
+    pool: rayon::ThreadPool,
+    /// Set by [`Backend::inject_fault`]: the "device" is unusable.
+    fault: Option<String>,
+    /// Compute only the real rows and tokens of a batch (see [`CpuBackend::set_trim_padding`]).
+    trim_padding: bool,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend")
+            .field("ordinal", &self.ordinal)
+            .field("threads", &self.threads)
+            .field("fault", &self.fault)
+            .field("trim_padding", &self.trim_padding)
+            .finish()
+    }
+}
+
+impl CpuBackend {
+    /// A CPU "device" numbered `ordinal` computing with `threads` threads
+    /// (0 = the number of available cores).
+    ///
+    /// Panics if the operating system refuses to start the threads.
+    pub fn new(ordinal: usize, threads: usize) -> Self {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("cpu{ordinal}-compute-{i}"))
+            .build()
+            .expect("cannot start the CPU backend's compute threads");
+        CpuBackend {
+            ordinal,
+            threads,
+            pool,
+            fault: None,
+            trim_padding: true,
+        }
+    }
+
+    /// Whether replays compute only a batch's real rows and its longest
+    /// sequence (the default) or the graph's whole padded shape.
+    ///
+    /// On a GPU the padded rows of a bucket cost little; on the CPU they cost
+    /// their full share of every matrix product. Rows are independent and
+    /// attention never sees masked keys, so skipping them cannot change a
+    /// real row's result (beyond float rounding in the blocking of gemm); the
+    /// buffers stay those allocated at capture. Turn it off to measure or
+    /// test the full bucket shape.
+    pub fn set_trim_padding(&mut self, on: bool) {
+        self.trim_padding = on;
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    fn check_fault(&self) -> Result<(), BackendError> {
+        match &self.fault {
+            Some(why) => Err(BackendError::DeviceFault(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn replay(&self, plan: &mut Plan, rows: &BatchRows) -> Result<Vec<f32>, BackendError> {
+        plan.validate(rows)?;
+        plan.pack(rows, self.trim_padding);
+        self.pool.install(|| plan.run());
+        Ok(plan.output_rows(rows.rows()).to_vec())
+    }
+}
+
+/// Rounds `x` through `dtype` (identity for f32).
+fn round_through(dtype: DType, x: f32) -> f32 {
+    match dtype {
+        DType::F16 => half::f16::from_f32(x).to_f32(),
+        DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        _ => x,
+    }
+}
+
+impl Backend for CpuBackend {
+    type Weights = CpuWeights;
+    type Graph = CpuGraph;
+    type Pending = CpuPending;
+
+    fn info(&self) -> DeviceInfo {
+        DeviceInfo {
+            backend: "cpu".into(),
+            name: format!("cpu ({} threads)", self.threads),
+            ordinal: self.ordinal,
+            ..DeviceInfo::default()
+        }
+    }
+
+    fn upload(&mut self, model: &Model) -> Result<CpuWeights, BackendError> {
+        self.check_fault()?;
+        let dtype = model.info.dtype;
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(BackendError::Unsupported(format!(
+                "compute dtype {dtype} (the CPU backend computes f32, f16 or bf16 models)"
+            )));
+        }
+        let tensors = model
+            .weights
+            .iter()
+            .map(|(_, t)| CpuTensor {
+                name: t.name.clone(),
+                shape: t.shape.clone(),
+                data: if dtype == DType::F32 {
+                    t.data.clone()
+                } else {
+                    t.data.iter().map(|&x| round_through(dtype, x)).collect()
+                },
+            })
+            .collect();
+        Ok(CpuWeights {
+            tensors: Arc::new(tensors),
+            dtype,
+        })
+    }
+
+    fn capture(
+        &mut self,
+        _model: &Model,
+        weights: &CpuWeights,
+        program: &Program,
+    ) -> Result<CpuGraph, BackendError> {
+        self.check_fault()?;
+        // No warm-up run: there is no JIT or workspace to prime on the CPU,
+        // and a full forward pass per bucket would slow start-up for nothing.
+        let plan = Plan::new(program, weights, self.threads)?;
+        Ok(CpuGraph { plan })
+    }
+
+    fn graph_memory_bytes(&self, graph: &CpuGraph) -> u64 {
+        graph.plan.memory_bytes()
+    }
+
+    fn launch(
+        &mut self,
+        graph: &mut CpuGraph,
+        rows: &BatchRows,
+    ) -> Result<CpuPending, BackendError> {
+        self.check_fault()?;
+        let output = self.replay(&mut graph.plan, rows)?;
+        Ok(CpuPending { output })
+    }
+
+    fn collect(&mut self, pending: CpuPending) -> Result<Vec<f32>, BackendError> {
+        self.check_fault()?;
+        Ok(pending.output)
+    }
+
+    fn run_eager(
+        &mut self,
+        _model: &Model,
+        weights: &CpuWeights,
+        program: &Program,
+        rows: &BatchRows,
+    ) -> Result<Vec<f32>, BackendError> {
+        self.check_fault()?;
+        let mut plan = Plan::new(program, weights, self.threads)?;
+        self.replay(&mut plan, rows)
+    }
+
+    fn inject_fault(&mut self) -> Result<(), BackendError> {
+        self.fault = Some(format!(
+            "injected fault on cpu device {} (the backend is poisoned until the process restarts)",
+            self.ordinal
+        ));
+        Ok(())
+    }
+}

@@ -1,0 +1,526 @@
+//! The op kernels of the CPU backend, in f32.
+//!
+//! Matrix products go through the `gemm` crate (packed, blocked, SIMD); the
+//! element-wise and per-row ops are plain loops written so that the compiler
+//! vectorises them, parallelised over rows on the backend's own rayon pool
+//! (every kernel here runs inside `ThreadPool::install`, so `par_*` and
+//! gemm's `Parallelism::Rayon` use that pool, never the global one).
+//!
+//! No kernel allocates: every buffer, including attention's score scratch,
+//! is passed in.
+
+use crate::model::program::{Activation, Pooling};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// Below this many output elements a per-row op runs on the calling thread
+/// (splitting it would cost more than it saves).
+const PAR_MIN_ELEMS: usize = 1 << 14;
+
+/// Runs `f(row_index, row)` over the `width`-element rows of `out`, split into
+/// one contiguous block of rows per thread when that is worth it.
+fn for_rows(out: &mut [f32], width: usize, threads: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let rows = out.len() / width;
+    if threads <= 1 || rows < 2 || out.len() < PAR_MIN_ELEMS {
+        out.chunks_exact_mut(width)
+            .enumerate()
+            .for_each(|(r, row)| f(r, row));
+        return;
+    }
+    let per = rows.div_ceil(threads);
+    out.par_chunks_mut(per * width)
+        .enumerate()
+        .for_each(|(c, block)| {
+            block
+                .chunks_exact_mut(width)
+                .enumerate()
+                .for_each(|(i, row)| f(c * per + i, row));
+        });
+}
+
+/// Sum with eight independent accumulators (vectorises; also more accurate
+/// than one running sum).
+#[inline]
+fn sum(xs: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] += c[i];
+        }
+    }
+    let mut total =
+        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for &t in tail {
+        total += t;
+    }
+    total
+}
+
+/// Sum of squared deviations from `mean`, with eight accumulators.
+#[inline]
+fn sum_sq_dev(xs: &[f32], mean: f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            let d = c[i] - mean;
+            acc[i] += d * d;
+        }
+    }
+    let mut total =
+        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for &t in tail {
+        let d = t - mean;
+        total += d * d;
+    }
+    total
+}
+
+/// LayerNorm of one row in place: two-pass mean and (biased) variance in f32.
+#[inline]
+pub(crate) fn layer_norm_row(row: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) {
+    let n = row.len() as f32;
+    let mean = sum(row) / n;
+    let var = sum_sq_dev(row, mean) / n;
+    let inv = 1.0 / (var + eps).sqrt();
+    for ((v, &g), &b) in row.iter_mut().zip(gamma).zip(beta) {
+        *v = (*v - mean) * inv * g + b;
+    }
+}
+
+/// `out[m, n] = act(x[m, k] · wᵀ + bias)`, `w` stored `[n, k]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear(
+    threads: usize,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    act: Activation,
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+) {
+    let out = &mut out[..m * n];
+    let x = &x[..m * k];
+    let w = &w[..n * k];
+    let parallelism = if threads > 1 {
+        Parallelism::Rayon(threads)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: dst is m×n with row stride n (`out` holds m·n); lhs is m×k with
+    // row stride k (`x` holds m·k); rhs = wᵀ is k×n with element (i, j) at
+    // w[j·k + i], whose largest offset is n·k − 1 < w.len(). No aliasing: out
+    // is a unique borrow.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+    if bias.is_none() && act == Activation::Identity {
+        return;
+    }
+    for_rows(out, n, threads, |_, row| epilogue(row, bias, act));
+}
+
+/// `row = act(row + bias)`, with the activation chosen outside the loop.
+#[inline]
+fn epilogue(row: &mut [f32], bias: Option<&[f32]>, act: Activation) {
+    if let Some(b) = bias {
+        row.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
+    }
+    match act {
+        Activation::Identity => {}
+        Activation::Relu => row.iter_mut().for_each(|v| *v = v.max(0.0)),
+        other => row.iter_mut().for_each(|v| *v = other.apply(*v)),
+    }
+}
+
+/// `out[r] = LayerNorm(word[ids[r]] + position[r % seq] + token_type[types[r]])`.
+/// Ids and types are checked by the caller (the plan validates batches).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn embed_layer_norm(
+    threads: usize,
+    ids: &[i32],
+    types: &[i32],
+    word: &[f32],
+    position: &[f32],
+    token_type: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+    out: &mut [f32],
+    seq: usize,
+    hidden: usize,
+) {
+    let rows = ids.len();
+    for_rows(&mut out[..rows * hidden], hidden, threads, |r, row| {
+        let id = ids[r] as usize;
+        let t = types[r] as usize;
+        let p = r % seq;
+        let w = &word[id * hidden..(id + 1) * hidden];
+        let pe = &position[p * hidden..(p + 1) * hidden];
+        let te = &token_type[t * hidden..(t + 1) * hidden];
+        for (((o, &a), &b), &c) in row.iter_mut().zip(w).zip(pe).zip(te) {
+            *o = a + b + c;
+        }
+        layer_norm_row(row, gamma, beta, eps);
+    });
+}
+
+/// `res_out = LayerNorm(x + res_out)` (the residual is updated in place).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn add_layer_norm_in_place(
+    threads: usize,
+    x: &[f32],
+    res_out: &mut [f32],
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+    rows: usize,
+    hidden: usize,
+) {
+    for_rows(&mut res_out[..rows * hidden], hidden, threads, |r, row| {
+        let xr = &x[r * hidden..(r + 1) * hidden];
+        row.iter_mut().zip(xr).for_each(|(v, &a)| *v += a);
+        layer_norm_row(row, gamma, beta, eps);
+    });
+}
+
+/// A raw output pointer that attention tasks write disjoint blocks through.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: every task writes a disjoint set of elements (see `attention`).
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+impl SharedOut {
+    /// A method (not a field access) so closures capture the whole wrapper.
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Multi-head self-attention over a fused `[q | k | v]` projection; see
+/// [`crate::model::program::Op::Attention`].
+///
+/// One task per (sequence, head): scores `S = Q·Kᵀ/√d` by gemm into a
+/// per-worker scratch of `seq²` floats, masked softmax (max subtracted) per
+/// query row, then `O = P·V` by gemm straight into the head's columns of
+/// `out`. Keys after a sequence's last unmasked position are skipped (their
+/// probability is exactly 0), so a padded sequence costs what its real length
+/// costs in the score/value products, and padding cannot change any value.
+/// Masked keys inside that range get probability 0; a sequence with no
+/// unmasked key produces zeros.
+///
+/// `scratch` holds `workers · seq²` floats; tasks are dealt round-robin to
+/// `workers = scratch.len() / seq²` parallel workers.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    qkv: &[f32],
+    mask: &[i32],
+    out: &mut [f32],
+    scratch: &mut [f32],
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+) {
+    let h = heads * head_dim;
+    let stride = 3 * h;
+    assert!(qkv.len() >= batch * seq * stride && out.len() >= batch * seq * h);
+    assert!(mask.len() >= batch * seq && scratch.len() >= seq * seq);
+    let tasks = batch * heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let shared = SharedOut(out.as_mut_ptr());
+    let run = |task: usize, s: &mut [f32]| {
+        let (b, head) = (task / heads, task % heads);
+        let m = &mask[b * seq..(b + 1) * seq];
+        let kv_len = m.iter().rposition(|&v| v != 0).map_or(0, |p| p + 1);
+        // SAFETY: this task's block of `out` is rows b·seq .. (b+1)·seq,
+        // columns head·head_dim .. (head+1)·head_dim (row stride h): in
+        // bounds (asserted above) and disjoint from every other task's.
+        let o = unsafe { shared.ptr().add(b * seq * h + head * head_dim) };
+        if kv_len == 0 {
+            for i in 0..seq {
+                // SAFETY: row i of this task's block, head_dim elements.
+                unsafe { std::slice::from_raw_parts_mut(o.add(i * h), head_dim) }.fill(0.0);
+            }
+            return;
+        }
+        let base = b * seq * stride + head * head_dim;
+        let q = qkv[base..].as_ptr();
+        let k = qkv[base + h..].as_ptr();
+        let v = qkv[base + 2 * h..].as_ptr();
+        let s = &mut s[..seq * kv_len];
+        // SAFETY (both products): Q is seq×head_dim at q + i·stride + d,
+        // Kᵀ is head_dim×kv_len at k + j·stride + d, V is kv_len×head_dim at
+        // v + j·stride + d; every offset is below (b+1)·seq·stride − base, in
+        // `qkv`. S is seq×kv_len in `s`; O is this task's block of `out`.
+        unsafe {
+            gemm::gemm(
+                seq,
+                kv_len,
+                head_dim,
+                s.as_mut_ptr(),
+                1,
+                kv_len as isize,
+                false,
+                q,
+                1,
+                stride as isize,
+                k,
+                stride as isize,
+                1,
+                0.0,
+                scale,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            );
+        }
+        let key_mask = &m[..kv_len];
+        for row in s.chunks_exact_mut(kv_len) {
+            masked_softmax(row, key_mask);
+        }
+        unsafe {
+            gemm::gemm(
+                seq,
+                head_dim,
+                kv_len,
+                o,
+                1,
+                h as isize,
+                false,
+                s.as_ptr(),
+                1,
+                kv_len as isize,
+                v,
+                1,
+                stride as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            );
+        }
+    };
+    let workers = (scratch.len() / (seq * seq)).clamp(1, tasks.max(1));
+    if workers == 1 {
+        let s = &mut scratch[..seq * seq];
+        (0..tasks).for_each(|t| run(t, s));
+    } else {
+        scratch[..workers * seq * seq]
+            .par_chunks_mut(seq * seq)
+            .enumerate()
+            .for_each(|(w, s)| (w..tasks).step_by(workers).for_each(|t| run(t, s)));
+    }
+}
+
+/// Softmax over the keys whose mask is non-zero (others get 0); at least one
+/// key is unmasked (the caller ends the row at the last unmasked key).
+#[inline]
+fn masked_softmax(row: &mut [f32], mask: &[i32]) {
+    let mut max = f32::NEG_INFINITY;
+    for (&v, &m) in row.iter().zip(mask) {
+        if m != 0 && v > max {
+            max = v;
+        }
+    }
+    let mut total = 0.0f32;
+    for (v, &m) in row.iter_mut().zip(mask) {
+        *v = if m != 0 { (*v - max).exp() } else { 0.0 };
+        total += *v;
+    }
+    let inv = 1.0 / total;
+    row.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Sentence pooling `[batch·seq, hidden]` → `[batch, hidden]`, then optional
+/// L2 normalisation. Mean divides by `max(Σ mask, 1e-9)`; max pooling of a
+/// row without unmasked tokens gives zeros.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pool(
+    x: &[f32],
+    mask: &[i32],
+    out: &mut [f32],
+    batch: usize,
+    seq: usize,
+    hidden: usize,
+    mode: Pooling,
+    normalize: bool,
+) {
+    for (b, o) in out[..batch * hidden].chunks_exact_mut(hidden).enumerate() {
+        let token = |t: usize| &x[(b * seq + t) * hidden..(b * seq + t + 1) * hidden];
+        let m = &mask[b * seq..(b + 1) * seq];
+        match mode {
+            Pooling::Mean => {
+                o.fill(0.0);
+                let mut count = 0usize;
+                for (t, _) in m.iter().enumerate().filter(|(_, &v)| v != 0) {
+                    o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a += v);
+                    count += 1;
+                }
+                let denom = (count as f32).max(1e-9);
+                o.iter_mut().for_each(|a| *a /= denom);
+            }
+            Pooling::Cls => o.copy_from_slice(token(0)),
+            Pooling::Max => {
+                o.fill(f32::NEG_INFINITY);
+                let mut any = false;
+                for (t, _) in m.iter().enumerate().filter(|(_, &v)| v != 0) {
+                    o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a = a.max(v));
+                    any = true;
+                }
+                if !any {
+                    o.fill(0.0);
+                }
+            }
+        }
+        if normalize {
+            let norm = o.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+            o.iter_mut().for_each(|v| *v /= norm);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_norm_matches_f64() {
+        let row: Vec<f32> = (0..37)
+            .map(|i| (i as f32 * 0.37).sin() * 3.0 + 100.0)
+            .collect();
+        let gamma: Vec<f32> = (0..37).map(|i| 1.0 + i as f32 * 0.01).collect();
+        let beta: Vec<f32> = (0..37).map(|i| i as f32 * -0.02).collect();
+        let mut got = row.clone();
+        layer_norm_row(&mut got, &gamma, &beta, 1e-12);
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / 37.0;
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / 37.0;
+        for i in 0..37 {
+            let want =
+                (row[i] as f64 - mean) / (var + 1e-12).sqrt() * gamma[i] as f64 + beta[i] as f64;
+            assert!(
+                (got[i] as f64 - want).abs() < 1e-4,
+                "{i}: {} vs {want}",
+                got[i]
+            );
+        }
+    }
+
+    /// Naive f64 attention for one (batch, head), for checking the kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        qkv: &[f32],
+        mask: &[i32],
+        seq: usize,
+        heads: usize,
+        d: usize,
+        b: usize,
+        hd: usize,
+        i: usize,
+    ) -> Vec<f64> {
+        let h = heads * d;
+        let at = |t: usize, part: usize, e: usize| {
+            qkv[(b * seq + t) * 3 * h + part * h + hd * d + e] as f64
+        };
+        let scores: Vec<Option<f64>> = (0..seq)
+            .map(|j| {
+                (mask[b * seq + j] != 0).then(|| {
+                    (0..d).map(|e| at(i, 0, e) * at(j, 1, e)).sum::<f64>() / (d as f64).sqrt()
+                })
+            })
+            .collect();
+        let max = scores
+            .iter()
+            .flatten()
+            .cloned()
+            .fold(f64::NEG_INFINITY, f64::max);
+        if max == f64::NEG_INFINITY {
+            return vec![0.0; d];
+        }
+        let exps: Vec<f64> = scores
+            .iter()
+            .map(|s| s.map_or(0.0, |s| (s - max).exp()))
+            .collect();
+        let total: f64 = exps.iter().sum();
+        (0..d)
+            .map(|e| (0..seq).map(|j| exps[j] / total * at(j, 2, e)).sum())
+            .collect()
+    }
+
+    #[test]
+    fn attention_matches_naive_reference_with_masks() {
+        let (batch, seq, heads, d) = (3, 7, 2, 4);
+        let h = heads * d;
+        let qkv: Vec<f32> = (0..batch * seq * 3 * h)
+            .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        // Row 0: full; row 1: prefix of 3 plus a hole; row 2: fully masked.
+        let mut mask = vec![1; seq];
+        mask.extend([1, 0, 1, 0, 0, 0, 0]);
+        mask.extend([0; 7]);
+        for workers in [1, 2, 4] {
+            let mut out = vec![f32::NAN; batch * seq * h];
+            let mut scratch = vec![0.0; workers * seq * seq];
+            attention(&qkv, &mask, &mut out, &mut scratch, batch, seq, heads, d);
+            for b in 0..batch {
+                for hd in 0..heads {
+                    for i in 0..seq {
+                        let want = reference(&qkv, &mask, seq, heads, d, b, hd, i);
+                        for e in 0..d {
+                            let got = out[(b * seq + i) * h + hd * d + e] as f64;
+                            assert!(
+                                (got - want[e]).abs() < 1e-5,
+                                "b{b} h{hd} i{i} e{e}: {got} vs {}",
+                                want[e]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pooling_modes() {
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0, -6.0, 0.0, 0.0];
+        let mask = [1, 1, 1, 0];
+        let mut out = [0.0; 4];
+        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Mean, false);
+        assert_eq!(out, [2.0, 3.0, 5.0, -6.0]);
+        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Max, false);
+        assert_eq!(out, [3.0, 4.0, 5.0, -6.0]);
+        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Cls, true);
+        let n = (5.0f32).sqrt();
+        assert_eq!(out[..2], [1.0 / n, 2.0 / n]);
+        pool(&x, &[0, 0, 0, 0], &mut out, 2, 2, 2, Pooling::Mean, true);
+        assert_eq!(out, [0.0; 4]);
+    }
+}

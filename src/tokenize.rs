@@ -1,0 +1,336 @@
+//! Hugging Face tokenizers, run on a dedicated thread pool.
+//!
+//! [`TextTokenizer`] wraps a model's `tokenizer.json` with our own
+//! truncation and padding settings: whatever the file enables, there is no
+//! padding (batches are padded to a bucket later) and truncation is at the
+//! model's `max_seq_len`, special tokens ([CLS]/[SEP]) included, or off
+//! when the caller asks for an error on over-long texts instead.
+//!
+//! [`TokenizerPool`] runs encodes on its own rayon pool and hands results
+//! back over `tokio::sync::oneshot`, so tokenization never occupies the
+//! async runtime's threads.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use thiserror::Error;
+use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum TokenizeError {
+    /// The tokenizer file could not be read or parsed.
+    #[error("{path}: cannot load tokenizer: {message}")]
+    Load { path: PathBuf, message: String },
+    /// Text `index` of a request is longer than the model takes and
+    /// truncation was not requested.
+    #[error("text {index} has {tokens} tokens, more than the model's maximum of {max}")]
+    TooLong {
+        index: usize,
+        tokens: usize,
+        max: usize,
+    },
+    /// The tokenizer failed on a text.
+    #[error("cannot tokenize text {index}: {message}")]
+    Encode { index: usize, message: String },
+    /// The pool's worker went away (a panic inside the tokenizer).
+    #[error("tokenizer pool failed: {0}")]
+    Pool(String),
+}
+
+/// A model's tokenizer with our truncation settings.
+#[derive(Clone)]
+pub struct TextTokenizer {
+    /// No truncation, no padding: exact lengths (to report `TooLong`).
+    full: Tokenizer,
+    /// Truncation at `max_seq_len`, no padding.
+    truncating: Tokenizer,
+    max_seq_len: usize,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("path", &self.path)
+            .field("max_seq_len", &self.max_seq_len)
+            .finish()
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `tokenizer.json` from a model folder, or the file itself.
+    /// `max_seq_len` counts special tokens.
+    pub fn load(
+        folder_or_tokenizer_json: &Path,
+        max_seq_len: usize,
+    ) -> Result<Self, TokenizeError> {
+        let path = if folder_or_tokenizer_json.is_dir() {
+            folder_or_tokenizer_json.join("tokenizer.json")
+        } else {
+            folder_or_tokenizer_json.to_path_buf()
+        };
+        let load_error = |message: String| TokenizeError::Load {
+            path: path.clone(),
+            message,
+        };
+        if !path.is_file() {
+            return Err(load_error("missing file".into()));
+        }
+        let mut full = Tokenizer::from_file(&path).map_err(|e| load_error(e.to_string()))?;
+        full.with_padding(None);
+        full.with_truncation(None)
+            .map_err(|e| load_error(e.to_string()))?;
+        let mut truncating = full.clone();
+        truncating
+            .with_truncation(Some(TruncationParams {
+                direction: TruncationDirection::Right,
+                max_length: max_seq_len,
+                strategy: TruncationStrategy::LongestFirst,
+                stride: 0,
+            }))
+            .map_err(|e| load_error(format!("cannot truncate at {max_seq_len} tokens: {e}")))?;
+        // The special tokens must fit: an empty text must encode within the limit.
+        let empty = truncating
+            .encode_fast("", true)
+            .map_err(|e| load_error(e.to_string()))?;
+        if empty.len() > max_seq_len {
+            return Err(load_error(format!(
+                "max_seq_len {max_seq_len} leaves no room for the {} special tokens",
+                empty.len()
+            )));
+        }
+        Ok(TextTokenizer {
+            full,
+            truncating,
+            max_seq_len,
+            path,
+        })
+    }
+
+    /// Token ids of each text, special tokens included. With `truncate`,
+    /// texts are cut to `max_seq_len` tokens; without it an over-long text
+    /// is a [`TokenizeError::TooLong`] naming its index.
+    ///
+    /// Parallel over texts when called inside a rayon pool (as
+    /// [`TokenizerPool`] does).
+    pub fn encode(&self, texts: &[&str], truncate: bool) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        let tokenizer = if truncate {
+            &self.truncating
+        } else {
+            &self.full
+        };
+        let encodings = tokenizer
+            .encode_batch_fast(texts.to_vec(), true)
+            .map_err(|e| {
+                // encode_batch does not say which text failed: find it.
+                let index = texts
+                    .iter()
+                    .position(|t| tokenizer.encode_fast(*t, true).is_err())
+                    .unwrap_or(0);
+                TokenizeError::Encode {
+                    index,
+                    message: e.to_string(),
+                }
+            })?;
+        let mut out = Vec::with_capacity(encodings.len());
+        for (index, encoding) in encodings.into_iter().enumerate() {
+            let ids = encoding.get_ids();
+            if ids.len() > self.max_seq_len {
+                return Err(TokenizeError::TooLong {
+                    index,
+                    tokens: ids.len(),
+                    max: self.max_seq_len,
+                });
+            }
+            out.push(ids.to_vec());
+        }
+        Ok(out)
+    }
+
+    /// Vocabulary size, added tokens included (every id is below it).
+    pub fn vocab_size(&self) -> usize {
+        self.full.get_vocab_size(true)
+    }
+
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// The tokenizer.json this was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Tokenizes on a dedicated pool of threads, off the async runtime.
+#[derive(Clone)]
+pub struct TokenizerPool {
+    tokenizer: Arc<TextTokenizer>,
+    pool: Arc<rayon::ThreadPool>,
+}
+
+impl std::fmt::Debug for TokenizerPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenizerPool")
+            .field("tokenizer", &self.tokenizer)
+            .field("threads", &self.pool.current_num_threads())
+            .finish()
+    }
+}
+
+impl TokenizerPool {
+    /// A pool of `threads` threads (0 = the number of cores, at most 8).
+    ///
+    /// Panics if the operating system refuses to start the threads.
+    pub fn new(tokenizer: Arc<TextTokenizer>, threads: usize) -> Self {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .min(8)
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("tokenize-{i}"))
+            .build()
+            .expect("cannot start the tokenizer threads");
+        TokenizerPool {
+            tokenizer,
+            pool: Arc::new(pool),
+        }
+    }
+
+    pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
+        &self.tokenizer
+    }
+
+    /// Encodes `texts` on the pool; see [`TextTokenizer::encode`].
+    pub async fn encode(
+        &self,
+        texts: Vec<String>,
+        truncate: bool,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let tokenizer = Arc::clone(&self.tokenizer);
+        self.pool.spawn(move || {
+            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            // The receiver may be gone (request cancelled): nothing to do then.
+            let _ = tx.send(tokenizer.encode(&refs, truncate));
+        });
+        rx.await
+            .map_err(|_| TokenizeError::Pool("the tokenizer worker stopped (panic)".into()))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    pub(crate) fn model_dir() -> PathBuf {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2");
+        assert!(
+            dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file(),
+            "{} is missing: run scripts/fetch-model.sh",
+            dir.display()
+        );
+        dir
+    }
+
+    #[derive(Deserialize)]
+    struct Line {
+        text: String,
+        ids: Vec<u32>,
+    }
+
+    fn reference() -> Vec<Line> {
+        let path = "/work/shared/reference/minilm_set_a.jsonl";
+        let path = std::env::var("REPLAYD_REFERENCE_DIR")
+            .map(|d| PathBuf::from(d).join("minilm_set_a.jsonl"))
+            .unwrap_or_else(|_| PathBuf::from(path));
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn ids_match_reference_for_all_lines() {
+        let tok = TextTokenizer::load(&model_dir(), 256).unwrap();
+        let lines = reference();
+        assert_eq!(lines.len(), 300);
+        let texts: Vec<&str> = lines.iter().map(|l| l.text.as_str()).collect();
+        let ids = tok.encode(&texts, true).unwrap();
+        for (i, (line, got)) in lines.iter().zip(&ids).enumerate() {
+            assert_eq!(got, &line.ids, "line {i}: {:?}", line.text);
+        }
+        // Nothing in the set is over 256 tokens, so no truncation either way.
+        assert_eq!(tok.encode(&texts, false).unwrap(), ids);
+        assert_eq!(tok.vocab_size(), 30522);
+    }
+
+    #[test]
+    fn truncation_and_too_long() {
+        let tok = TextTokenizer::load(&model_dir().join("tokenizer.json"), 16).unwrap();
+        let long = "word ".repeat(40);
+        let texts = ["short text", long.as_str()];
+        let ids = tok.encode(&texts, true).unwrap();
+        assert_eq!(ids[1].len(), 16);
+        assert_eq!((ids[1][0], ids[1][15]), (101, 102));
+        let full = TextTokenizer::load(&model_dir(), 512)
+            .unwrap()
+            .encode(&[long.as_str()], false)
+            .unwrap();
+        assert_eq!(ids[1][..15], full[0][..15]);
+        let err = tok.encode(&texts, false).unwrap_err();
+        assert_eq!(
+            err,
+            TokenizeError::TooLong {
+                index: 1,
+                tokens: 42,
+                max: 16
+            }
+        );
+        // No padding, whatever tokenizer.json says (it asks for Fixed(128)).
+        assert_eq!(ids[0].len(), 4);
+    }
+
+    #[test]
+    fn missing_tokenizer_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = TextTokenizer::load(dir.path(), 256)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tokenizer.json") && err.contains("missing"),
+            "{err}"
+        );
+        std::fs::write(dir.path().join("tokenizer.json"), "{oops").unwrap();
+        let err = TextTokenizer::load(dir.path(), 256)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tokenizer.json") && err.contains("cannot load"),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn pool_encodes_off_the_runtime() {
+        let tok = Arc::new(TextTokenizer::load(&model_dir(), 256).unwrap());
+        let pool = TokenizerPool::new(tok.clone(), 2);
+        let texts: Vec<String> = (0..50).map(|i| format!("sentence number {i}")).collect();
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let want = tok.encode(&refs, true).unwrap();
+        let (a, b) = tokio::join!(
+            pool.encode(texts.clone(), true),
+            pool.encode(vec!["x ".repeat(300)], false)
+        );
+        assert_eq!(a.unwrap(), want);
+        assert!(
+            matches!(b, Err(TokenizeError::TooLong { index: 0, .. })),
+            "{b:?}"
+        );
+    }
+}
