@@ -3,7 +3,7 @@
 // x    : [batch*seq, hidden] (T), mask: i32 [batch, seq], out: f32 [batch, hidden]
 // mode : 0 = mean over tokens with mask != 0 (divided by max(sum(mask), 1e-9)),
 //        1 = cls (the first token), 2 = max over tokens with mask != 0
-//        (-1e9 where a row has none, as sentence-transformers does).
+//        (0 where a row has none, as the CPU backend does).
 // Then, if `normalize`, out[b] /= max(||out[b]||, 1e-12).
 //
 // One block of POOL_THREADS (8 warps) per batch row. Columns are processed in
@@ -72,7 +72,7 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
 #pragma unroll
                     for (int w = 1; w < POOL_WARPS; w++) v = is_max ? fmaxf(v, part[w][i]) : v + part[w][i];
                     if (is_max) {
-                        if (v == NEG_INF_F) v = -1e9f;
+                        if (v == NEG_INF_F) v = 0.0f;
                     } else {
                         v = v / fmaxf(cnt, 1e-9f);
                     }

@@ -21,6 +21,7 @@
 //! * [`client`] — a Rust client for the wire protocol.
 
 pub mod backend;
+pub mod backend_check;
 pub mod config;
 pub mod model;
 pub mod tensor;
