@@ -999,6 +999,28 @@ fn main() {
             },
             &mut rng,
         );
+        println!("== per-step GPU time, MiniLM-shaped");
+        for (dt, b, s) in [
+            (DType::F16, 1usize, 16usize),
+            (DType::F16, 32, 128),
+            (DType::F16, 128, 128),
+            (DType::F32, 1, 16),
+        ] {
+            let gw = gpu.upload_weights(&mini.weights, dt)?;
+            let prof = gpu.profile_program(&mini.weights, &gw, &bert_program(&mini, b, s), 20)?;
+            let total: f64 = prof.iter().map(|p| p.1).sum();
+            println!(
+                "  PROFILE {dt} ({b},{s}): {} steps, sum {total:.1} us",
+                prof.len()
+            );
+            // The embedding, the first layer's steps and the pooling.
+            let per_layer = (prof.len() - 2) / 6;
+            for (name, us) in prof.iter().take(1 + per_layer).chain(prof.last()) {
+                println!("    {us:8.2} us  {name}");
+            }
+            rep.json
+                .push(serde_json::json!({"profile": format!("{dt} ({b},{s})"), "steps": prof}));
+        }
         for dt in [DType::F16, DType::F32] {
             for (b, s) in [
                 (1usize, 16usize),
