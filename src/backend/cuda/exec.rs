@@ -30,6 +30,10 @@ pub const ATT_THREADS: u32 = 128;
 pub const ATT_QT: usize = 32;
 /// Keys per shared-memory chunk (`ATT_KC`).
 pub const ATT_KC: usize = 64;
+/// Threads per tensor-core attention block (`TC_THREADS` in attention_tc.cu).
+pub const TC_THREADS: u32 = 128;
+/// Queries per tensor-core attention block (`TC_QT`).
+pub const TC_QT: usize = 64;
 /// Threads per pooling block (`POOL_THREADS` in pool.cu).
 pub const POOL_THREADS: u32 = 256;
 /// Values each LayerNorm thread keeps in registers (`LN_VPT` in layernorm.cu).
@@ -729,33 +733,56 @@ impl<'a> Planner<'a> {
                         "{what}: batch {batch} x heads {heads}"
                     )));
                 }
-                let smem = attention_smem_bytes(seq, dmax);
+                let rows = batch * seq;
+                let hd = heads * head_dim;
+                let tensor_cores = matches!(t, DType::F16 | DType::BF16)
+                    && super::kernels::ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
+                let smem = if tensor_cores {
+                    0
+                } else {
+                    attention_smem_bytes(seq, dmax)
+                };
                 if smem > self.limits.max_dyn_smem {
                     return Err(BackendError::Unsupported(format!(
                         "{what}: sequence length {seq} needs {smem} bytes of shared memory, the device allows {}",
                         self.limits.max_dyn_smem
                     )));
                 }
-                let rows = batch * seq;
-                let hd = heads * head_dim;
                 let mask_l = self.check_int(mask, rows, &what)?;
                 let q_l = self.float_in(qkv, rows * 3 * hd, t, &what)?;
                 let (dst, pending) = self.float_out(out, rows * hd, t, &what)?;
-                self.kernel(
-                    format!("attention_{ts}_d{dmax}"),
-                    (seq.div_ceil(ATT_QT) as u32, heads as u32, batch as u32),
-                    ATT_THREADS,
-                    smem,
-                    vec![
-                        Arg::Ptr(q_l),
-                        Arg::Ptr(mask_l),
-                        Arg::Ptr(dst),
-                        Arg::I32(seq as i32),
-                        Arg::I32(heads as i32),
-                        Arg::I32(head_dim as i32),
-                        Arg::F32(1.0 / (head_dim as f32).sqrt()),
-                    ],
-                );
+                if tensor_cores {
+                    self.kernel(
+                        format!("attention_tc_{ts}_d{head_dim}"),
+                        (seq.div_ceil(TC_QT) as u32, heads as u32, batch as u32),
+                        TC_THREADS,
+                        0,
+                        vec![
+                            Arg::Ptr(q_l),
+                            Arg::Ptr(mask_l),
+                            Arg::Ptr(dst),
+                            Arg::I32(seq as i32),
+                            Arg::I32(heads as i32),
+                            Arg::F32(1.0 / (head_dim as f32).sqrt()),
+                        ],
+                    );
+                } else {
+                    self.kernel(
+                        format!("attention_{ts}_d{dmax}"),
+                        (seq.div_ceil(ATT_QT) as u32, heads as u32, batch as u32),
+                        ATT_THREADS,
+                        smem,
+                        vec![
+                            Arg::Ptr(q_l),
+                            Arg::Ptr(mask_l),
+                            Arg::Ptr(dst),
+                            Arg::I32(seq as i32),
+                            Arg::I32(heads as i32),
+                            Arg::I32(head_dim as i32),
+                            Arg::F32(1.0 / (head_dim as f32).sqrt()),
+                        ],
+                    );
+                }
                 self.finish_out(pending, rows * hd)?;
                 Ok(1)
             }
@@ -1520,7 +1547,7 @@ pub(crate) mod tests {
             vec![
                 "embed_ln_f16",
                 "skinny_f16_f16 mode I32(0)", // QKV
-                "attention_f16_d32",
+                "attention_tc_f16_d32",
                 "skinny_f16_f16 mode I32(1)", // O + add + LN
                 "skinny_f16_f16 mode I32(0)", // FFN1 + exact GELU
                 "skinny_f16_f16 mode I32(1)", // FFN2 + add + LN
@@ -1576,9 +1603,16 @@ pub(crate) mod tests {
                 _ => None,
             })
             .unwrap();
-        assert_eq!(att.0, "attention_f16_d32");
+        assert_eq!(att.0, "attention_tc_f16_d32");
         assert_eq!(att.1, (1, 12, 2));
-        assert_eq!(att.2 as usize, attention_smem_bytes(16, 32));
+        assert_eq!(att.2, 0);
+        // f32 keeps the CUDA-core kernel, with dynamic shared memory.
+        let plan32 = super::plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        assert!(plan32
+            .steps
+            .iter()
+            .any(|s| matches!(s, Step::Kernel { name, smem, .. }
+            if name == "attention_f32_d32" && *smem as usize == attention_smem_bytes(16, 32))));
         match plan.steps.last().unwrap() {
             Step::Kernel { name, args, .. } => {
                 assert_eq!(name, "pool_f16");
@@ -1657,6 +1691,8 @@ pub(crate) mod tests {
         assert!(att.contains(&format!("#define ATT_QT {ATT_QT}\n")));
         assert!(att.contains(&format!("#define ATT_KC {ATT_KC}\n")));
         assert!(att.contains(&format!("#define ATT_THREADS {ATT_THREADS}\n")));
+        let tc = include_str!("../../../kernels/attention_tc.cu");
+        assert!(tc.contains("#define TC_WARPS 4\n") && TC_THREADS == 128 && TC_QT == 64);
         let sk = include_str!("../../../kernels/skinny.cu");
         assert!(sk.contains(&format!("#define SK_MAXM {SK_MAXM}\n")));
         assert!(sk.contains(&format!("#define SK_COLS {SK_COLS}\n")));

@@ -39,6 +39,10 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
     ),
     ("pool.cu", include_str!("../../../kernels/pool.cu")),
     ("skinny.cu", include_str!("../../../kernels/skinny.cu")),
+    (
+        "attention_tc.cu",
+        include_str!("../../../kernels/attention_tc.cu"),
+    ),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
 
@@ -47,6 +51,9 @@ pub const DTYPE_SUFFIXES: &[&str] = &["f32", "f16", "bf16"];
 
 /// Head-size classes of the attention kernel (`attention_<t>_d<N>`).
 pub const ATTENTION_DMAX: &[usize] = &[32, 64, 128];
+
+/// Head sizes of the tensor-core attention kernel (`attention_tc_<t>_d<N>`, f16/bf16).
+pub const ATTENTION_TC_HEAD_DIMS: &[usize] = &[32, 64, 128];
 
 /// (input, output) storage-type pairs of `bias_act_<in>_<out>`.
 pub const BIAS_ACT_PAIRS: &[(&str, &str)] = &[
@@ -84,6 +91,11 @@ pub fn expected_entry_points() -> Vec<String> {
     }
     for (i, o) in SKINNY_PAIRS {
         names.push(format!("skinny_{i}_{o}"));
+    }
+    for t in ["f16", "bf16"] {
+        for d in ATTENTION_TC_HEAD_DIMS {
+            names.push(format!("attention_tc_{t}_d{d}"));
+        }
     }
     names.push("fault_oob_write".to_string());
     names

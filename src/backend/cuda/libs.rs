@@ -189,6 +189,10 @@ pub fn ensure(lib: CudaLib) -> Result<(), String> {
 
 /// [`ensure`] for several libraries; the error lists every missing one.
 pub fn require(libs: &[CudaLib]) -> Result<(), String> {
+    // Without a driver nothing else matters; say just that.
+    if libs.contains(&CudaLib::Driver) {
+        ensure(CudaLib::Driver)?;
+    }
     let errors: Vec<String> = libs.iter().filter_map(|&l| ensure(l).err()).collect();
     if errors.is_empty() {
         Ok(())
