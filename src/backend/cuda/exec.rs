@@ -260,10 +260,39 @@ impl Plan {
 }
 
 /// Device limits the planner needs.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// Largest dynamic shared memory a block may use (after opt-in).
     pub max_dyn_smem: usize,
+    /// Use the tensor-core attention kernel where it applies.
+    pub tc_attention: bool,
+    /// Use the skinny matmul kernel (and its LayerNorm fusion) for few rows.
+    pub skinny: bool,
+}
+
+impl Limits {
+    /// All kernels enabled, with this shared-memory limit.
+    pub const fn new(max_dyn_smem: usize) -> Limits {
+        Limits {
+            max_dyn_smem,
+            tc_attention: true,
+            skinny: true,
+        }
+    }
+
+    /// Applies `REPLAYD_CUDA_DISABLE` (comma-separated: `tc_attention`,
+    /// `skinny`), a switch for debugging and for falling back should one of
+    /// the specialised kernels misbehave on some device.
+    pub fn with_disabled(mut self, list: &str) -> Limits {
+        for item in list.split(',').map(str::trim) {
+            match item {
+                "tc_attention" => self.tc_attention = false,
+                "skinny" => self.skinny = false,
+                _ => {}
+            }
+        }
+        self
+    }
 }
 
 /// A cast still to run after an op: (from, from type, to, to type).
@@ -625,7 +654,8 @@ impl<'a> Planner<'a> {
                 let x_l = self.float_in(x, m * k, t, &what)?;
                 self.check_buf(out, m * n, &what)?;
                 let out_t = self.dtype(out);
-                if skinny_fits(m, k, t) && (out_t == t || out_t == DType::F32) {
+                if self.limits.skinny && skinny_fits(m, k, t) && (out_t == t || out_t == DType::F32)
+                {
                     return self.skinny(idx, w, bias, act, x_l, out, out_t, m, n, k);
                 }
                 let (epilogue, post) = split_activation(act, bias.is_some());
@@ -735,7 +765,8 @@ impl<'a> Planner<'a> {
                 }
                 let rows = batch * seq;
                 let hd = heads * head_dim;
-                let tensor_cores = matches!(t, DType::F16 | DType::BF16)
+                let tensor_cores = self.limits.tc_attention
+                    && matches!(t, DType::F16 | DType::BF16)
                     && super::kernels::ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
                 let smem = if tensor_cores {
                     0
@@ -1226,9 +1257,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::model::program::ProgramBuilder;
 
-    const LIMITS: Limits = Limits {
-        max_dyn_smem: 227 * 1024,
-    };
+    const LIMITS: Limits = Limits::new(227 * 1024);
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -1569,6 +1598,20 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn kernels_can_be_switched_off() {
+        let l = LIMITS.with_disabled("skinny, tc_attention,unknown");
+        assert!(!l.skinny && !l.tc_attention);
+        let (p, w) = tiny_bert(1, 16);
+        let plan = plan(&p, &w, DType::F16, false, l).unwrap();
+        assert_eq!(plan.matmul_count(), 4);
+        assert!(plan
+            .steps
+            .iter()
+            .any(|s| matches!(s, Step::Kernel { name, .. } if name == "attention_f16_d32")));
+        assert_eq!(LIMITS.with_disabled(""), LIMITS);
+    }
+
+    #[test]
     fn liveness() {
         let (p, _) = tiny_bert(1, 16);
         // qkv (buffer 4) is overwritten by the next layer's / read by attention.
@@ -1638,16 +1681,7 @@ pub(crate) mod tests {
         assert!(plan(&p, &w, DType::F32, false, LIMITS).is_err());
 
         let (p, w) = tiny_bert(1, 600);
-        let e = plan(
-            &p,
-            &w,
-            DType::F32,
-            false,
-            Limits {
-                max_dyn_smem: 48 * 1024,
-            },
-        )
-        .unwrap_err();
+        let e = plan(&p, &w, DType::F32, false, Limits::new(48 * 1024)).unwrap_err();
         assert!(matches!(e, BackendError::Unsupported(_)), "{e:?}");
 
         let (mut p, w) = tiny_bert(1, 16);

@@ -406,9 +406,7 @@ mod tests {
             &w,
             DType::F32,
             false,
-            Limits {
-                max_dyn_smem: 48 << 10,
-            },
+            Limits::new(48 << 10),
         )
         .unwrap()
     }
@@ -459,16 +457,7 @@ mod tests {
     #[test]
     fn token_batches_are_validated() {
         let (prog, w) = super::super::exec::tests::tiny_bert(2, 8);
-        let p = plan(
-            &prog,
-            &w,
-            DType::F16,
-            false,
-            Limits {
-                max_dyn_smem: 48 << 10,
-            },
-        )
-        .unwrap();
+        let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
         validate_rows(
             &p,
             &BatchRows::Tokens(vec![vec![101, 5, 102], vec![101, 102]]),

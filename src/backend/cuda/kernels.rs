@@ -101,6 +101,12 @@ pub fn expected_entry_points() -> Vec<String> {
     names
 }
 
+/// Kernels launched with dynamic shared memory beyond the default 48 KiB (the
+/// CUDA-core attention, `attention_<t>_d<N>`), whose limit is raised at load.
+pub fn needs_dynamic_smem(name: &str) -> bool {
+    name.starts_with("attention_") && !name.starts_with("attention_tc_")
+}
+
 /// All kernel files concatenated into one translation unit, with `#line`
 /// directives so compiler messages name the original file and line.
 pub fn combined_source() -> String {
@@ -628,6 +634,23 @@ mod tests {
             let stem = name.split('_').next().unwrap();
             assert!(src.contains(stem), "{name}");
         }
+    }
+
+    #[test]
+    fn dynamic_shared_memory_kernels() {
+        let dynamic: Vec<String> = expected_entry_points()
+            .into_iter()
+            .filter(|n| needs_dynamic_smem(n))
+            .collect();
+        assert_eq!(
+            dynamic.len(),
+            DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len(),
+            "{dynamic:?}"
+        );
+        assert!(dynamic.iter().all(|n| !n.contains("_tc_")));
+        assert!(
+            needs_dynamic_smem("attention_f16_d32") && !needs_dynamic_smem("attention_tc_f16_d32")
+        );
     }
 
     #[test]

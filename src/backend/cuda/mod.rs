@@ -120,6 +120,19 @@ pub fn normalize_pci_bus_id(id: &str) -> String {
     }
 }
 
+/// The dynamic shared memory every dynamic-smem kernel may use: the opt-in
+/// limit minus the largest static shared memory among them.
+fn max_dyn_smem(k: &Kernels, optin: usize) -> usize {
+    let static_max = k
+        .iter()
+        .filter(|(n, _)| kernels::needs_dynamic_smem(n))
+        .filter_map(|(_, f)| f.shared_size_bytes().ok())
+        .max()
+        .unwrap_or(0)
+        .max(0) as usize;
+    optin.saturating_sub(static_max)
+}
+
 /// A model's weights on the device, converted to its compute dtype, plus the
 /// activation arena its graphs share.
 pub struct CudaWeights {
@@ -246,10 +259,13 @@ impl CudaBackend {
         let kernels =
             Kernels::load(&ctx, image, target, origin.clone()).cu("load kernel module")?;
         for (name, f) in kernels.iter() {
-            if name.starts_with("attention_") {
+            // The CUDA-core attention kernels size their shared memory by the
+            // sequence length (dynamic); the others use static shared memory.
+            if kernels::needs_dynamic_smem(name) {
+                let static_smem = f.shared_size_bytes().cu("kernel shared memory")?.max(0) as usize;
                 f.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    optin as i32,
+                    optin.saturating_sub(static_smem) as i32,
                 )
                 .cu("raise the attention kernel's shared memory limit")?;
             }
@@ -291,6 +307,7 @@ impl CudaBackend {
         let workspace =
             DeviceBuf::zeroed(&ctx, matmul::workspace_bytes_for(cc.0)).cu("cuBLASLt workspace")?;
         let counters = DeviceBuf::zeroed(&ctx, exec::MAX_COUNTERS * 4).cu("kernel counters")?;
+        let max_dyn = max_dyn_smem(&kernels, optin);
         let info = DeviceInfo {
             backend: "cuda".into(),
             name,
@@ -313,9 +330,8 @@ impl CudaBackend {
             }),
             info,
             options,
-            limits: Limits {
-                max_dyn_smem: optin,
-            },
+            limits: Limits::new(max_dyn)
+                .with_disabled(&std::env::var("REPLAYD_CUDA_DISABLE").unwrap_or_default()),
             faulted: None,
             initial_slots: DEFAULT_STAGING_SLOTS,
         })
