@@ -21,6 +21,7 @@
 //! * [`client`] — a Rust client for the wire protocol.
 
 pub mod backend;
+pub mod backend_check;
 pub mod batcher;
 pub mod bucket;
 pub mod client;

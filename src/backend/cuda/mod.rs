@@ -1,53 +1,975 @@
-//! PLACEHOLDER until the CUDA branch lands (signature only).
-use super::{Backend, BackendError, DeviceInfo};
-use crate::model::{BatchRows, Model, Program};
+//! The CUDA backend: NVRTC-compiled kernels (`kernels/`), cuBLASLt matmuls
+//! with fused epilogues, and one CUDA graph per (batch, seq) bucket.
+//!
+//! * [`libs`]: finds the CUDA libraries before cudarc touches them (cudarc
+//!   panics on a missing library; here that is a clear
+//!   [`BackendError::Unsupported`]).
+//! * [`kernels`]: NVRTC compile for the device's architecture + disk cache.
+//! * [`matmul`]: cuBLASLt plans, our own workspace (no allocation in captures).
+//! * [`exec`]: [`Program`] → launch plan (pure, tested without a GPU) → enqueue.
+//! * [`graph`]: captured graphs, the shared activation arena, pinned staging.
+//! * [`nvml`]: device discovery, health samples and the Xid watcher.
+//! * [`error`]: CUDA/cuBLASLt errors → [`BackendError`] (sticky → `DeviceFault`).
+//!
+//! Life cycle on a worker: [`CudaBackend::new`] (context, streams, kernels,
+//! cuBLASLt handle and workspace) → `upload` per model → `capture` per bucket
+//! (largest first: the first capture sizes the model's shared activation
+//! arena) → `launch`/`collect` per batch. After a [`BackendError::DeviceFault`]
+//! every call fails fast and dropping the backend touches no CUDA resource;
+//! the worker is expected to exit.
 
-pub struct CudaBackend;
+pub mod error;
+pub mod exec;
+pub mod graph;
+pub mod kernels;
+pub mod libs;
+pub mod matmul;
+pub mod mem;
+pub mod nvml;
+pub mod timing;
+
+use std::mem::ManuallyDrop;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::{result as dres, sys, CudaContext, CudaStream};
+
+use self::error::{driver_error, DriverResultExt};
+use self::exec::{Bases, Limits, Plan};
+use self::graph::{Arena, Slot};
+pub use self::graph::{CapturedGraph, CudaPending, GraphMemory};
+use self::kernels::{ImageOrigin, Kernels};
+use self::libs::CudaLib;
+use self::matmul::Matmul;
+use self::mem::{align_up, DeviceBuf};
+use crate::backend::{Backend, BackendError, DeviceInfo};
+use crate::config::DevicesConfig;
+use crate::model::{BatchRows, Model, Program, Weights};
+use crate::tensor::DType;
+
+/// Options of the CUDA backend (from `[devices]` in the config).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CudaOptions {
+    /// Let f32 matmuls use TF32 tensor cores (about 1e-3 relative error).
+    pub allow_tf32: bool,
+    /// Where compiled kernels are cached; `None`: the default
+    /// ([`kernels::resolve_cache_dir`]).
+    pub kernel_cache_dir: Option<PathBuf>,
+}
+
+impl CudaOptions {
+    pub fn from_config(devices: &DevicesConfig) -> Self {
+        CudaOptions {
+            allow_tf32: devices.allow_tf32,
+            kernel_cache_dir: devices.kernel_cache_dir.clone(),
+        }
+    }
+}
+
+/// Number of CUDA devices, or why there are none usable (no driver, driver
+/// too old, no GPU visible). Never panics.
+pub fn cuda_device_count() -> Result<usize, String> {
+    libs::ensure(CudaLib::Driver)?;
+    match std::panic::catch_unwind(CudaContext::device_count) {
+        Ok(Ok(n)) => Ok(n.max(0) as usize),
+        Ok(Err(e)) => Err(format!(
+            "cuInit/cuDeviceGetCount failed: {:?} (code {}){}",
+            e.0,
+            e.0 as u32,
+            match e.0 as u32 {
+                100 => " — no GPU visible (check CUDA_VISIBLE_DEVICES)",
+                34 => " — a stub libcuda from a toolkit's lib64/stubs was loaded; remove it from LD_LIBRARY_PATH",
+                35 | 803 => " — the NVIDIA driver is too old or does not match its kernel module",
+                _ => "",
+            }
+        )),
+        Err(_) => Err("the CUDA driver library panicked while loading".into()),
+    }
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as NVML and nvidia-smi print it.
+pub fn format_uuid(bytes: &[u8; 16]) -> String {
+    let h = |r: std::ops::Range<usize>| {
+        bytes[r]
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<String>()
+    };
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        h(0..4),
+        h(4..6),
+        h(6..8),
+        h(8..10),
+        h(10..16)
+    )
+}
+
+/// Normalises a PCI bus id to NVML's form, `00000000:00:06.0` (CUDA prints a
+/// 4-digit domain, NVML 8; both upper-case the hex digits differently).
+pub fn normalize_pci_bus_id(id: &str) -> String {
+    let id = id.trim().to_ascii_lowercase();
+    match id.split_once(':') {
+        Some((domain, rest))
+            if domain.len() < 8 && domain.chars().all(|c| c.is_ascii_hexdigit()) =>
+        {
+            format!("{:0>8}:{rest}", domain)
+        }
+        _ => id,
+    }
+}
+
+/// The dynamic shared memory every dynamic-smem kernel may use: the opt-in
+/// limit minus the largest static shared memory among them.
+fn max_dyn_smem(k: &Kernels, optin: usize) -> usize {
+    let static_max = k
+        .iter()
+        .filter(|(n, _)| kernels::needs_dynamic_smem(n))
+        .filter_map(|(_, f)| f.shared_size_bytes().ok())
+        .max()
+        .unwrap_or(0)
+        .max(0) as usize;
+    optin.saturating_sub(static_max)
+}
+
+/// A model's weights on the device, converted to its compute dtype, plus the
+/// activation arena its graphs share.
+pub struct CudaWeights {
+    buf: DeviceBuf,
+    ptrs: Vec<u64>,
+    dtype: DType,
+    arena: Mutex<Option<Arc<Arena>>>,
+}
+
+impl CudaWeights {
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Device bytes of the weights.
+    pub fn bytes(&self) -> u64 {
+        self.buf.bytes() as u64
+    }
+
+    /// Bytes of the current shared activation arena (0 before the first capture).
+    pub fn arena_bytes(&self) -> u64 {
+        self.arena
+            .lock()
+            .ok()
+            .and_then(|a| a.as_ref().map(|a| a.bytes() as u64))
+            .unwrap_or(0)
+    }
+}
+
+/// Buffers of the eager path, grown on demand and kept (own stream, so never
+/// shared with the graphs).
+#[derive(Default)]
+struct EagerBuffers {
+    workspace: Option<DeviceBuf>,
+    counters: Option<DeviceBuf>,
+    arena: Option<DeviceBuf>,
+    io: Option<DeviceBuf>,
+}
+
+struct Inner {
+    // Field order is drop order: everything that uses the context first.
+    eager: EagerBuffers,
+    workspace: DeviceBuf,
+    /// Zeroed counters of the fused kernels on the graph stream.
+    counters: DeviceBuf,
+    matmul: Matmul,
+    kernels: Kernels,
+    eager_stream: Arc<CudaStream>,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+/// The CUDA backend for one device. Lives on one thread of a worker process.
+pub struct CudaBackend {
+    inner: ManuallyDrop<Inner>,
+    info: DeviceInfo,
+    options: CudaOptions,
+    limits: Limits,
+    /// Set by the first sticky error; every later call fails with it.
+    faulted: Option<String>,
+    /// Staging slots allocated per graph at capture (more are added on demand).
+    initial_slots: usize,
+}
+
+/// Staging slots each graph starts with (one running, one being filled).
+pub const DEFAULT_STAGING_SLOTS: usize = 2;
 
 impl CudaBackend {
-    pub fn new(_ordinal: usize, _options: CudaOptions) -> Result<Self, BackendError> {
-        Ok(CudaBackend)
+    /// Opens CUDA device `ordinal`: checks the libraries, creates the context
+    /// (event tracking off, so nothing cudarc adds ends up in a capture), a
+    /// high-priority stream for graphs and another for the eager path,
+    /// compiles (or loads from the cache) the kernels, and creates the cuBLASLt
+    /// handle and workspace.
+    pub fn new(ordinal: usize, options: CudaOptions) -> Result<CudaBackend, BackendError> {
+        libs::require(&[CudaLib::Driver, CudaLib::Nvrtc, CudaLib::CublasLt])
+            .map_err(BackendError::Unsupported)?;
+        let count = cuda_device_count().map_err(BackendError::Unsupported)?;
+        if ordinal >= count {
+            return Err(BackendError::Unsupported(format!(
+                "CUDA device {ordinal} requested, but {count} visible"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).cu("CudaContext::new")?;
+        // SAFETY: called before any buffer is allocated in this context.
+        unsafe { ctx.disable_event_tracking() };
+        let cc = ctx.compute_capability().cu("compute capability")?;
+        let cc = (cc.0 as u32, cc.1 as u32);
+        let name = ctx.name().cu("device name")?;
+        let uuid = ctx.uuid().cu("device uuid")?;
+        let uuid_bytes: [u8; 16] = std::array::from_fn(|i| uuid.bytes[i] as u8);
+        let mut bus = [0 as std::ffi::c_char; 32];
+        // SAFETY: 32-byte buffer, NUL-terminated by the driver.
+        let pci = unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 32, ctx.cu_device()) }
+            .result()
+            .ok()
+            .map(|_| {
+                unsafe { std::ffi::CStr::from_ptr(bus.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned()
+            });
+        let total = ctx.total_mem().cu("total memory")?;
+        let optin = ctx
+            .attribute(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .cu("shared memory limit")?
+            .max(48 * 1024) as usize;
+
+        ctx.bind_to_thread().cu("bind context")?;
+        let (least, greatest) = dres::stream::get_priority_range().cu("stream priorities")?;
+        let stream = ctx.new_stream_with_priority(greatest).cu("create stream")?;
+        let eager_stream = ctx
+            .new_stream_with_priority(least)
+            .cu("create eager stream")?;
+
+        // Kernels: cache → NVRTC.
+        let archs = kernels::supported_archs().map_err(BackendError::Other)?;
+        let target = kernels::choose_target(cc, &archs).map_err(BackendError::Unsupported)?;
+        let cache_dir = kernels::resolve_cache_dir(options.kernel_cache_dir.as_deref());
+        let cache = cache_dir.as_ref().map(kernels::KernelCache::new);
+        let t0 = Instant::now();
+        let (image, key, origin) =
+            kernels::build_image(target, cache.as_ref()).map_err(BackendError::Other)?;
+        let kernels =
+            Kernels::load(&ctx, image, target, origin.clone()).cu("load kernel module")?;
+        for (name, f) in kernels.iter() {
+            // The CUDA-core attention kernels size their shared memory by the
+            // sequence length (dynamic); the others use static shared memory.
+            if kernels::needs_dynamic_smem(name) {
+                let static_smem = f.shared_size_bytes().cu("kernel shared memory")?.max(0) as usize;
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    optin.saturating_sub(static_smem) as i32,
+                )
+                .cu("raise the attention kernel's shared memory limit")?;
+            }
+        }
+        tracing::info!(
+            target: "replayd::cuda",
+            "GPU {ordinal} ({name}, sm_{}{}): kernels {} in {:.1} ms ({})",
+            cc.0,
+            cc.1,
+            match &origin {
+                ImageOrigin::Cache(p) => format!("loaded from {}", p.display()),
+                ImageOrigin::Compiled { millis, stored } => format!(
+                    "compiled by NVRTC in {millis:.0} ms{}",
+                    stored.as_ref().map(|p| format!(", cached at {}", p.display())).unwrap_or_default()
+                ),
+            },
+            t0.elapsed().as_secs_f64() * 1e3,
+            key.describe()
+        );
+        let nvrtc = key.nvrtc;
+        let mut drv: i32 = 0;
+        // SAFETY: out-parameter.
+        if unsafe { sys::cuDriverGetVersion(&mut drv) }
+            .result()
+            .is_ok()
+            && nvrtc.0 * 1000 + nvrtc.1 * 10 > drv
+        {
+            tracing::warn!(
+                target: "replayd::cuda",
+                "NVRTC {}.{} is newer than the driver's CUDA {}.{}: modules may fail to load",
+                nvrtc.0,
+                nvrtc.1,
+                drv / 1000,
+                (drv % 1000) / 10
+            );
+        }
+
+        let matmul = Matmul::new()?;
+        let workspace =
+            DeviceBuf::zeroed(&ctx, matmul::workspace_bytes_for(cc.0)).cu("cuBLASLt workspace")?;
+        let counters = DeviceBuf::zeroed(&ctx, exec::MAX_COUNTERS * 4).cu("kernel counters")?;
+        let max_dyn = max_dyn_smem(&kernels, optin);
+        let info = DeviceInfo {
+            backend: "cuda".into(),
+            name,
+            ordinal,
+            pci_bus_id: pci,
+            uuid: Some(format_uuid(&uuid_bytes)),
+            compute_capability: Some(cc),
+            memory_total_bytes: Some(total as u64),
+        };
+        Ok(CudaBackend {
+            inner: ManuallyDrop::new(Inner {
+                eager: EagerBuffers::default(),
+                workspace,
+                counters,
+                matmul,
+                kernels,
+                eager_stream,
+                stream,
+                ctx,
+            }),
+            info,
+            options,
+            limits: Limits::new(max_dyn)
+                .with_disabled(&std::env::var("REPLAYD_CUDA_DISABLE").unwrap_or_default()),
+            faulted: None,
+            initial_slots: DEFAULT_STAGING_SLOTS,
+        })
+    }
+
+    pub fn options(&self) -> &CudaOptions {
+        &self.options
+    }
+
+    /// Where the kernels came from (cache file or NVRTC compile time).
+    pub fn kernel_origin(&self) -> &ImageOrigin {
+        &self.inner.kernels.origin
+    }
+
+    /// The cuBLASLt workspace of the graph stream, in bytes (shared by all graphs).
+    pub fn workspace_bytes(&self) -> u64 {
+        self.inner.workspace.bytes() as u64
+    }
+
+    /// The device fault that poisoned this backend, if any.
+    pub fn fault(&self) -> Option<&str> {
+        self.faulted.as_deref()
+    }
+
+    /// Staging slots a new graph gets (at least 1); more are added on demand.
+    pub fn set_initial_staging_slots(&mut self, n: usize) {
+        self.initial_slots = n.max(1);
+    }
+
+    /// Detailed device memory of a graph.
+    pub fn graph_memory(&self, graph: &CapturedGraph) -> GraphMemory {
+        graph.memory()
+    }
+
+    /// (free, total) device memory.
+    pub fn mem_info(&mut self) -> Result<(usize, usize), BackendError> {
+        self.alive()?;
+        let r = self.inner.ctx.mem_get_info().cu("cuMemGetInfo");
+        self.track(r)
+    }
+
+    /// Waits for everything on the graph stream.
+    pub fn synchronize(&mut self) -> Result<(), BackendError> {
+        self.alive()?;
+        let r = self.inner.stream.synchronize().cu("stream synchronize");
+        self.track(r)
+    }
+
+    /// [`Backend::upload`] for a bare weight table in compute type `dtype`.
+    pub fn upload_weights(
+        &mut self,
+        host: &Weights,
+        dtype: DType,
+    ) -> Result<CudaWeights, BackendError> {
+        self.alive()?;
+        let r = self.upload_inner(host, dtype);
+        self.track(r)
+    }
+
+    /// [`Backend::capture`] for a program over a bare weight table (`host`
+    /// gives the shapes; `weights` must be its upload).
+    pub fn capture_program(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+    ) -> Result<CapturedGraph, BackendError> {
+        self.alive()?;
+        let r = self.capture_inner(host, weights, program);
+        self.track(r)
+    }
+
+    /// [`Backend::run_eager`] for a program over a bare weight table.
+    pub fn run_program_eager(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+        rows: &BatchRows,
+    ) -> Result<Vec<f32>, BackendError> {
+        self.alive()?;
+        let r = self.eager_inner(host, weights, program, rows);
+        self.track(r)
+    }
+
+    /// Per-step GPU time (µs) of a program, run `reps` times on the graph
+    /// stream without capture (with scratch buffers; for tuning and reports).
+    pub fn profile_program(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+        reps: usize,
+    ) -> Result<Vec<(String, f64)>, BackendError> {
+        self.alive()?;
+        let r = (|| {
+            let plan = exec::plan(
+                program,
+                host,
+                weights.dtype,
+                self.options.allow_tf32,
+                self.limits,
+            )?;
+            let inner = &mut *self.inner;
+            let ctx = inner.ctx.clone();
+            let arena = DeviceBuf::zeroed(&ctx, plan.arena_bytes).cu("profile arena")?;
+            let io = DeviceBuf::zeroed(&ctx, plan.input_bytes + plan.output_elems * 4 + mem::ALIGN)
+                .cu("profile io")?;
+            let bases = Bases {
+                weights: &weights.ptrs,
+                inputs: io.ptr(),
+                output: io.ptr() + align_up(plan.input_bytes, mem::ALIGN) as u64,
+                arena: arena.ptr(),
+                counters: inner.counters.ptr(),
+            };
+            let ws = &inner.workspace;
+            ctx.bind_to_thread().cu("bind context")?;
+            let steps = exec::resolve(
+                &plan,
+                &bases,
+                &inner.kernels,
+                &mut inner.matmul,
+                ws.bytes(),
+                Some((ws.ptr(), &inner.stream)),
+            )?;
+            let r = exec::profile(
+                &steps,
+                &inner.matmul,
+                ws.ptr(),
+                ws.bytes(),
+                &inner.stream,
+                reps,
+            );
+            inner.stream.synchronize().cu("profile")?;
+            r
+        })();
+        self.track(r)
+    }
+
+    fn alive(&self) -> Result<(), BackendError> {
+        match &self.faulted {
+            Some(f) => Err(BackendError::DeviceFault(format!(
+                "device already faulted: {f}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Records a fatal error so every later call fails fast.
+    fn track<T>(&mut self, r: Result<T, BackendError>) -> Result<T, BackendError> {
+        match r {
+            Err(e) if e.is_fatal() => {
+                if self.faulted.is_none() {
+                    tracing::error!(target: "replayd::cuda", "GPU {}: {e}", self.info.ordinal);
+                    self.faulted = Some(e.to_string());
+                }
+                Err(e)
+            }
+            Err(e @ (BackendError::Other(_) | BackendError::Unsupported(_))) => {
+                // A cuBLASLt or launch failure may be the first sign of a
+                // sticky error: ask the context.
+                let probe = {
+                    let c = &self.inner.ctx;
+                    c.bind_to_thread().and_then(|_| c.synchronize())
+                };
+                match probe {
+                    Err(pe)
+                        if error::classify_cu_code(error::cu_code(&pe))
+                            == error::ErrorClass::Sticky =>
+                    {
+                        let f = driver_error(&format!("{e}; then"), pe);
+                        self.faulted = Some(f.to_string());
+                        Err(f)
+                    }
+                    _ => Err(e),
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// The model's arena if it is large enough, else a new one (returned with
+    /// `true`: the new graph is charged for it).
+    fn arena_for(
+        &self,
+        weights: &CudaWeights,
+        bytes: usize,
+    ) -> Result<(Arc<Arena>, bool), BackendError> {
+        let mut slot = weights
+            .arena
+            .lock()
+            .map_err(|_| BackendError::Other("arena lock poisoned".into()))?;
+        if let Some(a) = slot.as_ref() {
+            if a.bytes() >= bytes {
+                return Ok((a.clone(), false));
+            }
+            tracing::info!(
+                target: "replayd::cuda",
+                "activation arena grows from {} to {bytes} bytes (capture the largest bucket first to avoid this)",
+                a.bytes()
+            );
+        }
+        let a = Arena::new(DeviceBuf::alloc(&self.inner.ctx, bytes).cu("activation arena")?);
+        *slot = Some(a.clone());
+        Ok((a, true))
+    }
+
+    fn capture_inner(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+    ) -> Result<CapturedGraph, BackendError> {
+        let plan = exec::plan(
+            program,
+            host,
+            weights.dtype,
+            self.options.allow_tf32,
+            self.limits,
+        )?;
+        let (arena, charged) = self.arena_for(weights, plan.arena_bytes)?;
+        let arena_charge = if charged { arena.bytes() as u64 } else { 0 };
+        let inner = &mut *self.inner;
+        let ctx = inner.ctx.clone();
+        let inputs = DeviceBuf::zeroed(&ctx, plan.input_bytes).cu("static inputs")?;
+        let output = DeviceBuf::zeroed(&ctx, plan.output_elems * 4).cu("static output")?;
+        let bases = Bases {
+            weights: &weights.ptrs,
+            inputs: inputs.ptr(),
+            output: output.ptr(),
+            arena: arena.buf.ptr(),
+            counters: inner.counters.ptr(),
+        };
+        let ws = &inner.workspace;
+        ctx.bind_to_thread().cu("bind context")?;
+        let steps = exec::resolve(
+            &plan,
+            &bases,
+            &inner.kernels,
+            &mut inner.matmul,
+            ws.bytes(),
+            Some((ws.ptr(), &inner.stream)),
+        )?;
+        ctx.bind_to_thread().cu("bind context")?;
+        // Warm-up (module loading, cuBLASLt kernel selection), outside the capture.
+        exec::enqueue(&steps, &inner.matmul, ws.ptr(), ws.bytes(), &inner.stream)?;
+        inner.stream.synchronize().cu("warm-up")?;
+
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        inner
+            .stream
+            .begin_capture(mode)
+            .cu("cuStreamBeginCapture")?;
+        let body = exec::enqueue(&steps, &inner.matmul, ws.ptr(), ws.bytes(), &inner.stream);
+        // Always end the capture, so the stream is usable whatever happened.
+        let end = inner.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        body?;
+        let exec_graph = end
+            .cu("cuStreamEndCapture/cuGraphInstantiate")?
+            .ok_or_else(|| BackendError::Other("the capture recorded nothing".into()))?;
+        let counts = graph::node_counts(&exec_graph)?;
+        let summary = graph::describe_nodes(&counts);
+        if counts.contains_key("MEM_ALLOC") || counts.contains_key("MEM_FREE") {
+            tracing::warn!(
+                target: "replayd::cuda",
+                "graph ({}, {}) contains allocation nodes: {summary}",
+                plan.batch,
+                plan.seq
+            );
+        } else {
+            tracing::debug!(
+                target: "replayd::cuda",
+                "captured graph ({}, {}) of {} steps: {summary}",
+                plan.batch,
+                plan.seq,
+                plan.steps.len()
+            );
+        }
+        exec_graph.upload().cu("cuGraphUpload")?;
+        // One replay to surface launch errors now rather than on the first batch.
+        exec_graph.launch().cu("first replay")?;
+        inner.stream.synchronize().cu("first replay")?;
+        let mut g = CapturedGraph::new(
+            exec_graph,
+            plan,
+            inputs,
+            output,
+            arena,
+            arena_charge,
+            inner.stream.clone(),
+            ctx,
+            counts,
+        );
+        g.reserve_slots(self.initial_slots)?;
+        Ok(g)
+    }
+
+    fn launch_inner(
+        &mut self,
+        graph: &mut CapturedGraph,
+        rows: &BatchRows,
+    ) -> Result<CudaPending, BackendError> {
+        graph::validate_rows(&graph.plan, rows)?;
+        if !Arc::ptr_eq(&graph.stream, &self.inner.stream) {
+            return Err(BackendError::InvalidBatch(
+                "graph belongs to another backend".into(),
+            ));
+        }
+        let slot: Arc<Slot> = graph.take_slot()?;
+        let plan = &graph.plan;
+        let values = rows.rows() * plan.output_dim;
+        let result = (|| {
+            // SAFETY: the slot is ours (taken above): no copy reads or writes it.
+            unsafe { graph::pack_inputs(plan, rows, slot.input_ptr()) };
+            let s = &self.inner.stream;
+            let cs = s.cu_stream();
+            self.inner.ctx.bind_to_thread().cu("bind context")?;
+            // SAFETY: pinned source of input_bytes; the device block has the same size.
+            unsafe {
+                let src =
+                    std::slice::from_raw_parts(slot.input_ptr() as *const u8, plan.input_bytes);
+                dres::memcpy_htod_async(graph.inputs.ptr(), src, cs).cu("copy inputs")?;
+            }
+            graph.exec.launch().cu("cuGraphLaunch")?;
+            // SAFETY: pinned destination of `values` floats; the output holds at least that.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(slot.output_ptr(), values);
+                dres::memcpy_dtoh_async(dst, graph.output.ptr(), cs).cu("copy output")?;
+            }
+            slot.event.record(s).cu("cuEventRecord")?;
+            Ok(())
+        })();
+        match result {
+            Ok(()) => Ok(CudaPending {
+                slot,
+                values,
+                collected: false,
+            }),
+            Err(e) => {
+                slot.release();
+                Err(e)
+            }
+        }
+    }
+
+    fn eager_inner(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+        rows: &BatchRows,
+    ) -> Result<Vec<f32>, BackendError> {
+        let plan: Plan = exec::plan(
+            program,
+            host,
+            weights.dtype,
+            self.options.allow_tf32,
+            self.limits,
+        )?;
+        graph::validate_rows(&plan, rows)?;
+        let inner = &mut *self.inner;
+        let ctx = inner.ctx.clone();
+        let grow =
+            |slot: &mut Option<DeviceBuf>, bytes: usize, what: &str| -> Result<u64, BackendError> {
+                if slot.as_ref().is_none_or(|b| b.bytes() < bytes) {
+                    *slot = None; // free first
+                    *slot = Some(DeviceBuf::alloc(&ctx, bytes).cu(what)?);
+                }
+                Ok(slot.as_ref().map(|b| b.ptr()).unwrap_or(0))
+            };
+        let ws_bytes = inner.workspace.bytes();
+        let ws = grow(
+            &mut inner.eager.workspace,
+            ws_bytes,
+            "eager cuBLASLt workspace",
+        )?;
+        let arena = grow(
+            &mut inner.eager.arena,
+            plan.arena_bytes,
+            "eager activations",
+        )?;
+        let out_off = align_up(plan.input_bytes, mem::ALIGN);
+        let io = grow(
+            &mut inner.eager.io,
+            out_off + plan.output_elems * 4,
+            "eager inputs/outputs",
+        )?;
+        if inner.eager.counters.is_none() {
+            inner.eager.counters =
+                Some(DeviceBuf::zeroed(&ctx, exec::MAX_COUNTERS * 4).cu("eager counters")?);
+        }
+        let counters = inner.eager.counters.as_ref().map(|b| b.ptr()).unwrap_or(0);
+        let bases = Bases {
+            weights: &weights.ptrs,
+            inputs: io,
+            output: io + out_off as u64,
+            arena,
+            counters,
+        };
+        ctx.bind_to_thread().cu("bind context")?;
+        let steps = exec::resolve(
+            &plan,
+            &bases,
+            &inner.kernels,
+            &mut inner.matmul,
+            ws_bytes,
+            None,
+        )?;
+        let mut host = vec![0u32; plan.input_bytes.div_ceil(4)];
+        // SAFETY: `host` holds input_bytes, 4-byte aligned; rows validated.
+        unsafe { graph::pack_inputs(&plan, rows, host.as_mut_ptr() as *mut u8) };
+        let s = &inner.eager_stream;
+        let cs = s.cu_stream();
+        ctx.bind_to_thread().cu("bind context")?;
+        let values = rows.rows() * plan.output_dim;
+        let mut out = vec![0f32; values];
+        // SAFETY: pageable copies (staged by the driver); sizes match the buffers.
+        unsafe { dres::memcpy_htod_async(io, &host, cs) }.cu("copy inputs (eager)")?;
+        exec::enqueue(&steps, &inner.matmul, ws, ws_bytes, s)?;
+        // SAFETY: as above.
+        unsafe { dres::memcpy_dtoh_async(&mut out, io + out_off as u64, cs) }
+            .cu("copy output (eager)")?;
+        s.synchronize().cu("eager run")?;
+        Ok(out)
+    }
+
+    fn upload_inner(&mut self, host: &Weights, dtype: DType) -> Result<CudaWeights, BackendError> {
+        if !dtype.is_float() {
+            return Err(BackendError::Unsupported(format!("compute dtype {dtype}")));
+        }
+        let mut offsets = Vec::with_capacity(host.len());
+        let mut total = 0usize;
+        for (_, t) in host.iter() {
+            offsets.push(total);
+            total += align_up(t.data.len() * dtype.size(), mem::ALIGN);
+        }
+        let mut staging = vec![0u8; total.max(1)];
+        for ((_, t), &off) in host.iter().zip(&offsets) {
+            let dst = &mut staging[off..off + t.data.len() * dtype.size()];
+            match dtype {
+                DType::F32 => dst
+                    .chunks_exact_mut(4)
+                    .zip(&t.data)
+                    .for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
+                DType::F16 => dst
+                    .chunks_exact_mut(2)
+                    .zip(&t.data)
+                    .for_each(|(d, v)| d.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
+                DType::BF16 => dst
+                    .chunks_exact_mut(2)
+                    .zip(&t.data)
+                    .for_each(|(d, v)| d.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
+                _ => unreachable!("checked above"),
+            }
+        }
+        let ctx = self.inner.ctx.clone();
+        let buf = DeviceBuf::alloc(&ctx, staging.len()).cu("weights")?;
+        // SAFETY: `buf` holds staging.len() bytes; synchronous copy.
+        unsafe {
+            sys::cuMemcpyHtoD_v2(
+                buf.ptr(),
+                staging.as_ptr() as *const std::ffi::c_void,
+                staging.len(),
+            )
+        }
+        .result()
+        .cu("copy weights")?;
+        let ptrs = offsets.iter().map(|&o| buf.ptr() + o as u64).collect();
+        Ok(CudaWeights {
+            buf,
+            ptrs,
+            dtype,
+            arena: Mutex::new(None),
+        })
+    }
+
+    fn inject_inner(&mut self) -> Result<(), BackendError> {
+        let f = self
+            .inner
+            .kernels
+            .get("fault_oob_write")
+            .ok_or_else(|| BackendError::Other("fault kernel not loaded".into()))?
+            .cu_function();
+        let ptr = self.inner.workspace.ptr();
+        // 1 TiB past the end of a real allocation: unmapped on any GPU.
+        let offset: i64 = 1 << 38;
+        let mut args: Vec<*mut std::ffi::c_void> = vec![
+            &ptr as *const u64 as *mut std::ffi::c_void,
+            &offset as *const i64 as *mut std::ffi::c_void,
+        ];
+        self.inner.ctx.bind_to_thread().cu("bind context")?;
+        let s = &self.inner.stream;
+        // SAFETY: deliberately faulting kernel (that is the point).
+        unsafe { dres::launch_kernel(f, (1, 1, 1), (32, 1, 1), 0, s.cu_stream(), &mut args) }
+            .cu("launch fault kernel")?;
+        s.synchronize().cu("fault kernel")
     }
 }
 
 impl Backend for CudaBackend {
-    type Weights = ();
-    type Graph = ();
-    type Pending = ();
+    type Weights = CudaWeights;
+    type Graph = CapturedGraph;
+    type Pending = CudaPending;
+
     fn info(&self) -> DeviceInfo {
-        DeviceInfo::default()
+        self.info.clone()
     }
-    fn upload(&mut self, _: &Model) -> Result<(), BackendError> {
-        unimplemented!()
+
+    fn upload(&mut self, model: &Model) -> Result<CudaWeights, BackendError> {
+        self.upload_weights(&model.weights, model.info.dtype)
     }
-    fn capture(&mut self, _: &Model, _: &(), _: &Program) -> Result<(), BackendError> {
-        unimplemented!()
+
+    fn capture(
+        &mut self,
+        model: &Model,
+        weights: &CudaWeights,
+        program: &Program,
+    ) -> Result<CapturedGraph, BackendError> {
+        self.alive()?;
+        if weights.dtype != model.info.dtype {
+            return Err(BackendError::Other(
+                "weights were uploaded for another dtype".into(),
+            ));
+        }
+        self.capture_program(&model.weights, weights, program)
     }
-    fn graph_memory_bytes(&self, _: &()) -> u64 {
-        0
+
+    fn graph_memory_bytes(&self, graph: &CapturedGraph) -> u64 {
+        graph.memory().total_bytes
     }
-    fn launch(&mut self, _: &mut (), _: &BatchRows) -> Result<(), BackendError> {
-        unimplemented!()
+
+    fn launch(
+        &mut self,
+        graph: &mut CapturedGraph,
+        rows: &BatchRows,
+    ) -> Result<CudaPending, BackendError> {
+        self.alive()?;
+        let r = self.launch_inner(graph, rows);
+        self.track(r)
     }
-    fn collect(&mut self, _: ()) -> Result<Vec<f32>, BackendError> {
-        unimplemented!()
+
+    fn collect(&mut self, mut pending: CudaPending) -> Result<Vec<f32>, BackendError> {
+        self.alive()?;
+        let r = pending.slot.event.synchronize().cu("wait for batch");
+        let r = r.map(|_| {
+            // SAFETY: the event covers the copy into the slot.
+            unsafe { pending.slot.output(pending.values) }.to_vec()
+        });
+        pending.collected = true;
+        pending.slot.release();
+        self.track(r)
     }
+
     fn run_eager(
         &mut self,
-        _: &Model,
-        _: &(),
-        _: &Program,
-        _: &BatchRows,
+        model: &Model,
+        weights: &CudaWeights,
+        program: &Program,
+        rows: &BatchRows,
     ) -> Result<Vec<f32>, BackendError> {
-        unimplemented!()
+        self.run_program_eager(&model.weights, weights, program, rows)
+    }
+
+    fn inject_fault(&mut self) -> Result<(), BackendError> {
+        self.alive()?;
+        match self.inject_inner() {
+            Err(e) if e.is_fatal() => {
+                self.faulted = Some(format!("injected: {e}"));
+                tracing::warn!(target: "replayd::cuda", "GPU {}: fault injected: {e}", self.info.ordinal);
+                Ok(())
+            }
+            Err(e) => Err(e),
+            Ok(()) => Err(BackendError::Other(
+                "the fault kernel completed without a fault".into(),
+            )),
+        }
     }
 }
 
-pub struct CudaOptions {
-    pub allow_tf32: bool,
-    pub kernel_cache_dir: Option<std::path::PathBuf>,
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if self.faulted.is_some() {
+            // The device is poisoned: leave every handle alone (the process is
+            // about to exit; drop handlers could only fail or block).
+            return;
+        }
+        let _ = self.inner.stream.synchronize();
+        let _ = self.inner.eager_stream.synchronize();
+        // SAFETY: dropped exactly once, here.
+        unsafe { ManuallyDrop::drop(&mut self.inner) };
+    }
 }
 
-pub fn cuda_device_count() -> Result<usize, String> {
-    Err("placeholder".into())
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_gpu_here_is_an_error_not_a_panic() {
+        // On machines with a GPU this returns Ok; here (CI) an error.
+        match cuda_device_count() {
+            Ok(n) => eprintln!("{n} CUDA devices"),
+            Err(e) => assert!(!e.is_empty()),
+        }
+        if cuda_device_count().is_err() {
+            let e = CudaBackend::new(0, CudaOptions::default())
+                .err()
+                .expect("no GPU");
+            assert!(matches!(e, BackendError::Unsupported(_)), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn options_from_config() {
+        let mut d = DevicesConfig::default();
+        assert_eq!(CudaOptions::from_config(&d), CudaOptions::default());
+        d.allow_tf32 = true;
+        d.kernel_cache_dir = Some("/tmp/k".into());
+        let o = CudaOptions::from_config(&d);
+        assert!(o.allow_tf32);
+        assert_eq!(
+            o.kernel_cache_dir.as_deref(),
+            Some(std::path::Path::new("/tmp/k"))
+        );
+    }
+
+    #[test]
+    fn uuid_and_pci_formats() {
+        let b: [u8; 16] = [
+            0x69, 0x5d, 0xa9, 0xc6, 0xb8, 0xa8, 0x4e, 0x47, 0xd6, 0xd2, 0x55, 0xf3, 0xc3, 0x3d,
+            0x14, 0x59,
+        ];
+        assert_eq!(format_uuid(&b), "GPU-695da9c6-b8a8-4e47-d6d2-55f3c33d1459");
+        assert_eq!(normalize_pci_bus_id("0000:00:06.0"), "00000000:00:06.0");
+        assert_eq!(normalize_pci_bus_id("00000000:1A:00.0"), "00000000:1a:00.0");
+        assert_eq!(
+            normalize_pci_bus_id("0000:1a:00.0"),
+            normalize_pci_bus_id("00000000:1A:00.0")
+        );
+    }
 }

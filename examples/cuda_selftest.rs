@@ -1,0 +1,1080 @@
+//! CUDA backend self-test on synthetic models (no model files needed): every
+//! kernel and the graph/eager paths against an f64 reference interpreter of
+//! the Program IR, replay latency on a MiniLM-shaped model, NVML, and (with
+//! `--fault`, in its own process) fault injection.
+//!
+//! Usage (GPU machine):
+//!   cuda_selftest [--gpu 0] [--iters 500] [--json out.json]
+//!   cuda_selftest --fault [--gpu 0]
+//!
+//! Exit status: 0 all pass, 1 a failure, 2 no usable GPU.
+
+#![allow(clippy::type_complexity)]
+
+use std::time::Instant;
+
+use replayd::backend::cuda::{self, nvml, CudaBackend, CudaOptions};
+use replayd::backend::{Backend, BackendError};
+use replayd::model::batch::PackTarget;
+use replayd::model::program::{BufKind, InputRole, Op, ProgramBuilder, WeightId};
+use replayd::model::{Activation, BatchRows, Pooling, Program, Weights};
+use replayd::tensor::DType;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+}
+
+fn round(v: f32, dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => half::f16::from_f32(v).to_f64(),
+        DType::BF16 => half::bf16::from_f32(v).to_f64(),
+        _ => v as f64,
+    }
+}
+
+/// f64 reference interpreter of the Program IR (weights rounded to `dtype`
+/// as the device stores them; activations kept in f64).
+fn reference(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32> {
+    let mut bufs: Vec<Vec<f64>> = p.buffers.iter().map(|d| vec![0.0; d.elems]).collect();
+    for &id in &p.inputs {
+        let d = p.buffer(id);
+        let BufKind::Input(role) = d.kind else {
+            unreachable!()
+        };
+        if role == InputRole::Features {
+            let mut v = vec![0f32; d.elems];
+            rows.pack(role, p.seq, PackTarget::F32(&mut v));
+            bufs[id.0] = v.iter().map(|x| *x as f64).collect();
+        } else {
+            let mut v = vec![0i32; d.elems];
+            rows.pack(role, p.seq, PackTarget::I32(&mut v));
+            bufs[id.0] = v.iter().map(|x| *x as f64).collect();
+        }
+    }
+    let wt =
+        |id: WeightId| -> Vec<f64> { w.get(id).data.iter().map(|v| round(*v, dtype)).collect() };
+    let ln = |v: &mut [f64], g: &[f64], b: &[f64], eps: f32| {
+        let n = v.len() as f64;
+        let mean = v.iter().sum::<f64>() / n;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        let r = 1.0 / (var + eps as f64).sqrt();
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = (*x - mean) * r * g[i] + b[i];
+        }
+    };
+    let act = |a: Activation, x: f64| -> f64 {
+        match a {
+            Activation::Gelu => {
+                0.5 * x * (1.0 + replayd::model::program::erf_f64(x / std::f64::consts::SQRT_2))
+            }
+            Activation::GeluTanh => {
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+            }
+            Activation::Relu => x.max(0.0),
+            Activation::Tanh => x.tanh(),
+            Activation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+            Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::Identity => x,
+        }
+    };
+    for op in &p.ops {
+        match *op {
+            Op::EmbedLayerNorm {
+                ids,
+                token_types,
+                word,
+                position,
+                token_type,
+                gamma,
+                beta,
+                eps,
+                out,
+                batch,
+                seq,
+                hidden,
+            } => {
+                let (wd, pd, td, g, b) =
+                    (wt(word), wt(position), wt(token_type), wt(gamma), wt(beta));
+                for r in 0..batch * seq {
+                    let id = bufs[ids.0][r] as usize;
+                    let tt = bufs[token_types.0][r] as usize;
+                    let mut v: Vec<f64> = (0..hidden)
+                        .map(|c| {
+                            wd[id * hidden + c] + pd[(r % seq) * hidden + c] + td[tt * hidden + c]
+                        })
+                        .collect();
+                    ln(&mut v, &g, &b, eps);
+                    bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::Linear {
+                x,
+                w: wid,
+                bias,
+                act: a,
+                out,
+                m,
+                n,
+                k,
+            } => {
+                let wm = wt(wid);
+                let bv = bias.map(wt);
+                let xs = bufs[x.0].clone();
+                for i in 0..m {
+                    for j in 0..n {
+                        let mut acc = 0.0;
+                        for l in 0..k {
+                            acc += xs[i * k + l] * wm[j * k + l];
+                        }
+                        if let Some(b) = &bv {
+                            acc += b[j];
+                        }
+                        bufs[out.0][i * n + j] = act(a, acc);
+                    }
+                }
+            }
+            Op::AddLayerNorm {
+                x,
+                residual,
+                gamma,
+                beta,
+                eps,
+                out,
+                rows,
+                hidden,
+            } => {
+                let (g, b) = (wt(gamma), wt(beta));
+                for r in 0..rows {
+                    let mut v: Vec<f64> = (0..hidden)
+                        .map(|c| bufs[x.0][r * hidden + c] + bufs[residual.0][r * hidden + c])
+                        .collect();
+                    ln(&mut v, &g, &b, eps);
+                    bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::Attention {
+                qkv,
+                mask,
+                out,
+                batch,
+                seq,
+                heads,
+                head_dim,
+            } => {
+                let hd = heads * head_dim;
+                let q = bufs[qkv.0].clone();
+                let mk = bufs[mask.0].clone();
+                let scale = 1.0 / (head_dim as f64).sqrt();
+                for b in 0..batch {
+                    for h in 0..heads {
+                        for i in 0..seq {
+                            let qrow = &q[(b * seq + i) * 3 * hd + h * head_dim..][..head_dim];
+                            let scores: Vec<f64> = (0..seq)
+                                .map(|j| {
+                                    if mk[b * seq + j] == 0.0 {
+                                        f64::NEG_INFINITY
+                                    } else {
+                                        let krow = &q[(b * seq + j) * 3 * hd + hd + h * head_dim..]
+                                            [..head_dim];
+                                        qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
+                                            * scale
+                                    }
+                                })
+                                .collect();
+                            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                            let o =
+                                &mut bufs[out.0][(b * seq + i) * hd + h * head_dim..][..head_dim];
+                            o.fill(0.0);
+                            if m == f64::NEG_INFINITY {
+                                continue;
+                            }
+                            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                            let sum: f64 = e.iter().sum();
+                            for j in 0..seq {
+                                let vrow = &q[(b * seq + j) * 3 * hd + 2 * hd + h * head_dim..]
+                                    [..head_dim];
+                                for d in 0..head_dim {
+                                    o[d] += e[j] / sum * vrow[d];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            Op::Pool {
+                x,
+                mask,
+                out,
+                batch,
+                seq,
+                hidden,
+                mode,
+                normalize,
+            } => {
+                for b in 0..batch {
+                    let mut v = vec![0.0f64; hidden];
+                    let cnt: f64 = (0..seq).map(|s| bufs[mask.0][b * seq + s]).sum();
+                    for (c, vc) in v.iter_mut().enumerate() {
+                        let xs = |s: usize| bufs[x.0][(b * seq + s) * hidden + c];
+                        let valid = |s: usize| bufs[mask.0][b * seq + s] != 0.0;
+                        *vc = match mode {
+                            Pooling::Cls => xs(0),
+                            Pooling::Mean => {
+                                (0..seq).filter(|&s| valid(s)).map(xs).sum::<f64>() / cnt.max(1e-9)
+                            }
+                            Pooling::Max => (0..seq)
+                                .filter(|&s| valid(s))
+                                .map(xs)
+                                .fold(f64::NEG_INFINITY, f64::max)
+                                .max(-1e9),
+                        };
+                    }
+                    if normalize {
+                        let n = v.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
+                        v.iter_mut().for_each(|a| *a /= n);
+                    }
+                    bufs[out.0][b * hidden..(b + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+        }
+    }
+    bufs[p.output.0][..rows.rows() * p.output_dim]
+        .iter()
+        .map(|v| *v as f32)
+        .collect()
+}
+
+struct Mlp {
+    weights: Weights,
+    layers: Vec<(WeightId, Option<WeightId>, Activation, usize, usize)>,
+}
+
+fn mlp(dims: &[usize], acts: &[Activation], bias: &[bool], rng: &mut Rng) -> Mlp {
+    let mut w = Weights::new();
+    let mut layers = Vec::new();
+    for i in 0..dims.len() - 1 {
+        let (k, n) = (dims[i], dims[i + 1]);
+        let wid = w.push(
+            format!("{i}.weight"),
+            vec![n, k],
+            rng.vec(n * k, 1.0 / (k as f32).sqrt()),
+        );
+        let b = bias[i].then(|| w.push(format!("{i}.bias"), vec![n], rng.vec(n, 0.1)));
+        layers.push((wid, b, acts[i], k, n));
+    }
+    Mlp { weights: w, layers }
+}
+
+fn mlp_program(m: &Mlp, batch: usize) -> Program {
+    let mut b = ProgramBuilder::new();
+    let x = b.input("x", InputRole::Features, batch * m.layers[0].3);
+    let last = m.layers.len() - 1;
+    let out_dim = m.layers[last].4;
+    let y = b.output("y", batch * out_dim);
+    let mut cur = x;
+    for (i, &(w, bias, act, k, n)) in m.layers.iter().enumerate() {
+        let out = if i == last {
+            y
+        } else {
+            b.activation(&format!("h{i}"), batch * n)
+        };
+        b.push(Op::Linear {
+            x: cur,
+            w,
+            bias,
+            act,
+            out,
+            m: batch,
+            n,
+            k,
+        });
+        cur = out;
+    }
+    b.finish(batch, 1, y, out_dim)
+}
+
+#[derive(Clone, Copy)]
+struct BertDims {
+    hidden: usize,
+    heads: usize,
+    inter: usize,
+    layers: usize,
+    vocab: usize,
+    pooling: Pooling,
+    normalize: bool,
+    act: Activation,
+}
+
+struct Bert {
+    d: BertDims,
+    weights: Weights,
+    emb: [WeightId; 5],
+    layers: Vec<[WeightId; 12]>,
+}
+
+fn bert(d: BertDims, rng: &mut Rng) -> Bert {
+    let h = d.hidden;
+    let mut w = Weights::new();
+    let ln = |w: &mut Weights, name: &str, rng: &mut Rng| {
+        let g = w.push(
+            format!("{name}.g"),
+            vec![h],
+            (0..h).map(|_| 1.0 + 0.1 * rng.unit()).collect(),
+        );
+        let b = w.push(format!("{name}.b"), vec![h], rng.vec(h, 0.1));
+        (g, b)
+    };
+    let word = w.push("word", vec![d.vocab, h], rng.vec(d.vocab * h, 0.5));
+    let pos = w.push("pos", vec![512, h], rng.vec(512 * h, 0.2));
+    let tt = w.push("tt", vec![2, h], rng.vec(2 * h, 0.2));
+    let (g, b) = ln(&mut w, "emb", rng);
+    let emb = [word, pos, tt, g, b];
+    let mut layers = Vec::new();
+    for l in 0..d.layers {
+        let s = |k: usize| 1.0 / (k as f32).sqrt();
+        let qkv = w.push(format!("{l}.qkv"), vec![3 * h, h], rng.vec(3 * h * h, s(h)));
+        let qkvb = w.push(format!("{l}.qkv.b"), vec![3 * h], rng.vec(3 * h, 0.1));
+        let o = w.push(format!("{l}.o"), vec![h, h], rng.vec(h * h, s(h)));
+        let ob = w.push(format!("{l}.o.b"), vec![h], rng.vec(h, 0.1));
+        let (g1, b1) = ln(&mut w, &format!("{l}.ln1"), rng);
+        let i = w.push(
+            format!("{l}.i"),
+            vec![d.inter, h],
+            rng.vec(d.inter * h, s(h)),
+        );
+        let ib = w.push(format!("{l}.i.b"), vec![d.inter], rng.vec(d.inter, 0.1));
+        let o2 = w.push(
+            format!("{l}.o2"),
+            vec![h, d.inter],
+            rng.vec(d.inter * h, s(d.inter)),
+        );
+        let o2b = w.push(format!("{l}.o2.b"), vec![h], rng.vec(h, 0.1));
+        let (g2, b2) = ln(&mut w, &format!("{l}.ln2"), rng);
+        layers.push([qkv, qkvb, o, ob, g1, b1, i, ib, o2, o2b, g2, b2]);
+    }
+    Bert {
+        d,
+        weights: w,
+        emb,
+        layers,
+    }
+}
+
+fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
+    let d = m.d;
+    let (h, rows) = (d.hidden, batch * seq);
+    let mut b = ProgramBuilder::new();
+    let ids = b.input("ids", InputRole::TokenIds, rows);
+    let mask = b.input("mask", InputRole::AttentionMask, rows);
+    let types = b.input("types", InputRole::TokenTypeIds, rows);
+    let hid = b.activation("h", rows * h);
+    let qkv = b.activation("qkv", rows * 3 * h);
+    let ctx = b.activation("ctx", rows * h);
+    let inter = b.activation("inter", rows * d.inter);
+    let out = b.output("out", batch * h);
+    let [word, pos, tt, g, be] = m.emb;
+    b.push(Op::EmbedLayerNorm {
+        ids,
+        token_types: types,
+        word,
+        position: pos,
+        token_type: tt,
+        gamma: g,
+        beta: be,
+        eps: 1e-12,
+        out: hid,
+        batch,
+        seq,
+        hidden: h,
+    });
+    for l in &m.layers {
+        let [wq, bq, wo, bo, g1, b1, wi, bi, wo2, bo2, g2, b2] = *l;
+        b.push(Op::Linear {
+            x: hid,
+            w: wq,
+            bias: Some(bq),
+            act: Activation::Identity,
+            out: qkv,
+            m: rows,
+            n: 3 * h,
+            k: h,
+        });
+        b.push(Op::Attention {
+            qkv,
+            mask,
+            out: ctx,
+            batch,
+            seq,
+            heads: d.heads,
+            head_dim: h / d.heads,
+        });
+        b.push(Op::Linear {
+            x: ctx,
+            w: wo,
+            bias: Some(bo),
+            act: Activation::Identity,
+            out: qkv,
+            m: rows,
+            n: h,
+            k: h,
+        });
+        b.push(Op::AddLayerNorm {
+            x: qkv,
+            residual: hid,
+            gamma: g1,
+            beta: b1,
+            eps: 1e-12,
+            out: hid,
+            rows,
+            hidden: h,
+        });
+        b.push(Op::Linear {
+            x: hid,
+            w: wi,
+            bias: Some(bi),
+            act: d.act,
+            out: inter,
+            m: rows,
+            n: d.inter,
+            k: h,
+        });
+        b.push(Op::Linear {
+            x: inter,
+            w: wo2,
+            bias: Some(bo2),
+            act: Activation::Identity,
+            out: qkv,
+            m: rows,
+            n: h,
+            k: d.inter,
+        });
+        b.push(Op::AddLayerNorm {
+            x: qkv,
+            residual: hid,
+            gamma: g2,
+            beta: b2,
+            eps: 1e-12,
+            out: hid,
+            rows,
+            hidden: h,
+        });
+    }
+    b.push(Op::Pool {
+        x: hid,
+        mask,
+        out,
+        batch,
+        seq,
+        hidden: h,
+        mode: d.pooling,
+        normalize: d.normalize,
+    });
+    b.finish(batch, seq, out, h)
+}
+
+fn token_rows(n: usize, seq: usize, vocab: usize, rng: &mut Rng) -> BatchRows {
+    BatchRows::Tokens(
+        (0..n)
+            .map(|i| {
+                let len = if i == 0 { seq } else { rng.range(1, seq) };
+                (0..len).map(|_| rng.range(0, vocab - 1) as u32).collect()
+            })
+            .collect(),
+    )
+}
+
+fn feature_rows(n: usize, f: usize, rng: &mut Rng) -> BatchRows {
+    BatchRows::Features {
+        features: f,
+        data: rng.vec(n * f, 1.0),
+    }
+}
+
+/// (max |g-r| / max |r|, min row cosine)
+fn diff(g: &[f32], r: &[f32], dim: usize) -> (f64, f64) {
+    if g.len() != r.len() {
+        return (f64::INFINITY, f64::NEG_INFINITY);
+    }
+    let scale = r
+        .iter()
+        .map(|v| v.abs() as f64)
+        .fold(0.0, f64::max)
+        .max(1e-30);
+    let mut max = 0f64;
+    for (a, b) in g.iter().zip(r) {
+        let d = (*a as f64 - *b as f64).abs();
+        max = max.max(if d.is_nan() { f64::INFINITY } else { d });
+    }
+    let mut cos = 1f64;
+    for (a, b) in g.chunks(dim).zip(r.chunks(dim)) {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let na = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        let nb = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        let c = if na == 0.0 && nb == 0.0 {
+            1.0
+        } else {
+            dot / (na * nb).max(1e-300)
+        };
+        cos = cos.min(if c.is_nan() { f64::NEG_INFINITY } else { c });
+    }
+    (max / scale, cos)
+}
+
+struct Report {
+    fails: Vec<String>,
+    json: Vec<serde_json::Value>,
+}
+
+impl Report {
+    fn check(&mut self, name: &str, ok: bool, detail: String) {
+        println!("  {} {name}: {detail}", if ok { "PASS" } else { "FAIL" });
+        if !ok {
+            self.fails.push(format!("{name}: {detail}"));
+        }
+        self.json
+            .push(serde_json::json!({"check": name, "pass": ok, "detail": detail}));
+    }
+}
+
+fn stats(mut v: Vec<f64>) -> (f64, f64, f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let q = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    (q(0.5), q(0.9), q(0.99), v[0])
+}
+
+/// Graph + eager vs the reference for one program.
+#[allow(clippy::too_many_arguments)]
+fn run_case(
+    gpu: &mut CudaBackend,
+    rep: &mut Report,
+    name: &str,
+    w: &Weights,
+    dtype: DType,
+    prog: &Program,
+    rows: &BatchRows,
+    metric_cos: bool,
+    threshold: f64,
+    eager_only: bool,
+) -> Result<(), BackendError> {
+    let gw = gpu.upload_weights(w, dtype)?;
+    let refv = reference(prog, w, dtype, rows);
+    let dim = prog.output_dim;
+    let judge = |(rel, cos): (f64, f64)| {
+        if metric_cos {
+            (
+                cos >= threshold,
+                format!("min cos {cos:.7} (>= {threshold}), rel {rel:.2e}"),
+            )
+        } else {
+            (
+                rel <= threshold,
+                format!("max rel err {rel:.3e} (<= {threshold:.0e}), cos {cos:.7}"),
+            )
+        }
+    };
+    if !eager_only {
+        let t = Instant::now();
+        match gpu.capture_program(w, &gw, prog) {
+            Ok(mut g) => {
+                let cap = t.elapsed().as_secs_f64() * 1e3;
+                let out = gpu.launch(&mut g, rows).and_then(|p| gpu.collect(p))?;
+                let (ok, d) = judge(diff(&out, &refv, dim));
+                let allocs = g.node_counts.contains_key("MEM_ALLOC");
+                rep.check(
+                    &format!("{name} graph"),
+                    ok && !allocs,
+                    format!("{d}; capture {cap:.1} ms, {}", g.nodes),
+                );
+                // Replay again with other data: static buffers really re-read.
+                let out2 = gpu.launch(&mut g, rows).and_then(|p| gpu.collect(p))?;
+                rep.check(
+                    &format!("{name} graph replay deterministic"),
+                    out2 == out,
+                    String::new(),
+                );
+            }
+            Err(e) => rep.check(&format!("{name} graph"), false, format!("capture: {e}")),
+        }
+    }
+    match gpu.run_program_eager(w, &gw, prog, rows) {
+        Ok(out) => {
+            let (ok, d) = judge(diff(&out, &refv, dim));
+            rep.check(&format!("{name} eager"), ok, d);
+        }
+        Err(e) => rep.check(&format!("{name} eager"), false, e.to_string()),
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn latency(
+    gpu: &mut CudaBackend,
+    rep: &mut Report,
+    name: &str,
+    w: &Weights,
+    dtype: DType,
+    prog: &Program,
+    inputs: &[BatchRows],
+    iters: usize,
+) -> Result<(), BackendError> {
+    let gw = gpu.upload_weights(w, dtype)?;
+    let mut g = gpu.capture_program(w, &gw, prog)?;
+    let mut v = Vec::with_capacity(iters);
+    for i in 0..iters + 50 {
+        let t = Instant::now();
+        gpu.launch(&mut g, &inputs[i % inputs.len()])
+            .and_then(|p| gpu.collect(p))?;
+        if i >= 50 {
+            v.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    let (p50, p90, p99, min) = stats(v);
+    // Pipelined throughput (2 in flight).
+    let n = iters.max(100);
+    let t = Instant::now();
+    let mut q = std::collections::VecDeque::new();
+    for i in 0..n {
+        q.push_back(gpu.launch(&mut g, &inputs[i % inputs.len()])?);
+        if q.len() >= 2 {
+            gpu.collect(q.pop_front().unwrap())?;
+        }
+    }
+    while let Some(p) = q.pop_front() {
+        gpu.collect(p)?;
+    }
+    let per = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+    let mem = g.memory();
+    println!(
+        "  LAT {name}: launch->collect p50 {p50:.1} us, p90 {p90:.1}, p99 {p99:.1}, min {min:.1}; pipelined {per:.1} us/batch ({:.0} rows/s); {}; mem {:.1} MiB",
+        prog.batch as f64 * 1e6 / per,
+        g.nodes,
+        mem.total_bytes as f64 / 1048576.0
+    );
+    rep.json.push(serde_json::json!({"latency": name, "p50_us": p50, "p90_us": p90, "p99_us": p99, "min_us": min,
+        "pipelined_us_per_batch": per, "rows_per_s": prog.batch as f64 * 1e6 / per, "nodes": g.nodes, "memory": mem}));
+    Ok(())
+}
+
+fn fault_test(gpu_ord: usize) -> i32 {
+    println!("== fault injection on GPU {gpu_ord}");
+    let mut gpu = match CudaBackend::new(gpu_ord, CudaOptions::default()) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("  cannot open GPU: {e}");
+            return 2;
+        }
+    };
+    println!("  kernels: {:?}", gpu.kernel_origin());
+    let uuid = gpu.info().uuid.unwrap_or_default();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let watcher = nvml::XidWatcher::start(vec![uuid.clone()], move |u, e| {
+        let _ = tx.send((u, e));
+    });
+    match &watcher {
+        Ok(w) => println!("  Xid watcher on {:?}", w.watching),
+        Err(e) => println!("  Xid watcher: {e}"),
+    }
+    let mut rng = Rng(7);
+    let m = mlp(
+        &[16, 32, 4],
+        &[Activation::Relu, Activation::Identity],
+        &[true, true],
+        &mut rng,
+    );
+    let w = &m.weights;
+    let gw = gpu.upload_weights(w, DType::F32).expect("upload");
+    let prog = mlp_program(&m, 2);
+    let mut g = gpu.capture_program(w, &gw, &prog).expect("capture");
+    let rows = feature_rows(2, 16, &mut rng);
+    let ok = gpu.launch(&mut g, &rows).and_then(|p| gpu.collect(p));
+    println!("  before: {:?}", ok.map(|v| v.len()));
+    let r = gpu.inject_fault();
+    println!("  inject_fault -> {r:?}; fault = {:?}", gpu.fault());
+    let after = gpu.launch(&mut g, &rows).map(|_| ());
+    println!("  launch after fault -> {after:?}");
+    let mut code = if matches!(after, Err(BackendError::DeviceFault(_))) && r.is_ok() {
+        0
+    } else {
+        1
+    };
+    // A fresh backend in the same process must fail too (sticky, device-wide).
+    match CudaBackend::new(gpu_ord, CudaOptions::default()) {
+        Ok(_) => println!("  a new backend in this process opened (unexpected?)"),
+        Err(e) => println!(
+            "  new backend in this process -> {e} (fatal={})",
+            e.is_fatal()
+        ),
+    }
+    match rx.recv_timeout(std::time::Duration::from_secs(5)) {
+        Ok((u, e)) => println!("  NVML event: {u} {e:?}"),
+        Err(_) => {
+            println!("  no NVML event within 5 s");
+            if watcher.is_ok() {
+                code = code.max(1);
+            }
+        }
+    }
+    println!(
+        "RESULT fault test: {}",
+        if code == 0 { "PASS" } else { "FAIL" }
+    );
+    // Do not run destructors of a poisoned device.
+    std::mem::forget(g);
+    std::mem::forget(gpu);
+    std::mem::forget(watcher);
+    code
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = |f: &str| {
+        args.iter()
+            .position(|a| a == f)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let ord: usize = flag("--gpu")
+        .map(|s| s.parse().expect("--gpu N"))
+        .unwrap_or(0);
+    let iters: usize = flag("--iters")
+        .map(|s| s.parse().expect("--iters N"))
+        .unwrap_or(500);
+    if args.iter().any(|a| a == "--fault") {
+        std::process::exit(fault_test(ord));
+    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .try_init();
+    println!("cuda_device_count: {:?}", cuda::cuda_device_count());
+    match nvml::discover() {
+        Ok(g) => {
+            for x in &g {
+                println!("  NVML {x:?} sample {:?}", nvml::sample(x));
+            }
+            println!(
+                "  CUDA {ord} -> NVML {:?}",
+                nvml::for_cuda_ordinal(ord).map(|g| g.index)
+            );
+        }
+        Err(e) => println!("NVML: {e}"),
+    }
+    let t = Instant::now();
+    let mut gpu = match CudaBackend::new(ord, CudaOptions::default()) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("cannot open GPU {ord}: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!(
+        "backend: {:?} in {:.0} ms; kernels {:?}",
+        gpu.info(),
+        t.elapsed().as_secs_f64() * 1e3,
+        gpu.kernel_origin()
+    );
+    let mut rep = Report {
+        fails: Vec::new(),
+        json: Vec::new(),
+    };
+    let mut rng = Rng(0x1234_5678);
+    let result = (|| -> Result<(), BackendError> {
+        println!("== MLP");
+        let m = mlp(
+            &[128, 256, 10],
+            &[Activation::Relu, Activation::Identity],
+            &[true, true],
+            &mut rng,
+        );
+        for b in [1usize, 8, 13] {
+            let p = mlp_program(&m, b);
+            let rows = feature_rows(if b == 13 { 13 } else { b.max(1) }, 128, &mut rng);
+            run_case(
+                &mut gpu,
+                &mut rep,
+                &format!("mlp128-256-10 f32 b{b}"),
+                &m.weights,
+                DType::F32,
+                &p,
+                &rows,
+                false,
+                1e-5,
+                false,
+            )?;
+        }
+        // Padded batch (fewer rows than the bucket).
+        let p = mlp_program(&m, 8);
+        let rows = feature_rows(3, 128, &mut rng);
+        run_case(
+            &mut gpu,
+            &mut rep,
+            "mlp f32 3 rows in b8",
+            &m.weights,
+            DType::F32,
+            &p,
+            &rows,
+            false,
+            1e-5,
+            false,
+        )?;
+        let acts = [
+            Activation::Gelu,
+            Activation::GeluTanh,
+            Activation::Tanh,
+            Activation::Sigmoid,
+            Activation::Silu,
+            Activation::Relu,
+            Activation::Identity,
+        ];
+        for (i, &a) in acts.iter().enumerate() {
+            for (dt, th) in [(DType::F32, 1e-5), (DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+                let m = mlp(
+                    &[64, 96, 48, 7],
+                    &[a, acts[(i + 3) % 7], Activation::Identity],
+                    &[i % 2 == 0, true, i % 3 != 0],
+                    &mut rng,
+                );
+                let p = mlp_program(&m, 5);
+                let rows = feature_rows(5, 64, &mut rng);
+                run_case(
+                    &mut gpu,
+                    &mut rep,
+                    &format!("mlp {a:?} {dt}"),
+                    &m.weights,
+                    dt,
+                    &p,
+                    &rows,
+                    false,
+                    th,
+                    false,
+                )?;
+            }
+        }
+        println!("== BERT-shaped");
+        let base = BertDims {
+            hidden: 384,
+            heads: 12,
+            inter: 1536,
+            layers: 2,
+            vocab: 1000,
+            pooling: Pooling::Mean,
+            normalize: true,
+            act: Activation::Gelu,
+        };
+        let cases: Vec<(BertDims, Vec<(usize, usize, usize)>)> = vec![
+            (
+                base,
+                vec![
+                    (1, 16, 1),
+                    (2, 8, 2),
+                    (3, 5, 3),
+                    (4, 100, 3),
+                    (2, 256, 2),
+                    (2, 64, 2),
+                ],
+            ),
+            (
+                BertDims {
+                    hidden: 256,
+                    heads: 4,
+                    pooling: Pooling::Cls,
+                    normalize: false,
+                    inter: 512,
+                    ..base
+                },
+                vec![(3, 70, 3)],
+            ),
+            (
+                BertDims {
+                    hidden: 192,
+                    heads: 4,
+                    pooling: Pooling::Max,
+                    inter: 384,
+                    act: Activation::GeluTanh,
+                    ..base
+                },
+                vec![(2, 33, 2)],
+            ),
+            (
+                BertDims {
+                    hidden: 256,
+                    heads: 2,
+                    pooling: Pooling::Mean,
+                    inter: 512,
+                    ..base
+                },
+                vec![(2, 130, 2)],
+            ),
+            (
+                BertDims {
+                    hidden: 100,
+                    heads: 5,
+                    pooling: Pooling::Mean,
+                    inter: 200,
+                    ..base
+                },
+                vec![(3, 20, 2)],
+            ),
+        ];
+        for (d, shapes) in cases {
+            let m = bert(d, &mut rng);
+            for (b, s, n) in shapes {
+                for (dt, th) in [
+                    (DType::F32, 0.99999),
+                    (DType::F16, 0.999),
+                    (DType::BF16, 0.99),
+                ] {
+                    let p = bert_program(&m, b, s);
+                    let rows = token_rows(n, s, d.vocab, &mut rng);
+                    let name = format!(
+                        "bert h{} nh{} {:?} b{b} s{s} ({n} rows) {dt}",
+                        d.hidden, d.heads, d.pooling
+                    );
+                    run_case(
+                        &mut gpu, &mut rep, &name, &m.weights, dt, &p, &rows, true, th, false,
+                    )?;
+                }
+            }
+        }
+        // Long sequence through the eager path (attention smem opt-in).
+        let m = bert(BertDims { layers: 1, ..base }, &mut rng);
+        for dt in [DType::F32, DType::F16] {
+            let p = bert_program(&m, 2, 512);
+            let rows = token_rows(2, 512, base.vocab, &mut rng);
+            run_case(
+                &mut gpu,
+                &mut rep,
+                &format!("bert s512 eager {dt}"),
+                &m.weights,
+                dt,
+                &p,
+                &rows,
+                true,
+                if dt == DType::F32 { 0.99999 } else { 0.999 },
+                true,
+            )?;
+        }
+
+        println!("== latency (launch -> collect, one at a time; then 2 in flight)");
+        let m = mlp(
+            &[128, 256, 10],
+            &[Activation::Relu, Activation::Identity],
+            &[true, true],
+            &mut rng,
+        );
+        for b in [1usize, 8, 128] {
+            let p = mlp_program(&m, b);
+            let inputs: Vec<BatchRows> = (0..4).map(|_| feature_rows(b, 128, &mut rng)).collect();
+            latency(
+                &mut gpu,
+                &mut rep,
+                &format!("mlp f32 b{b}"),
+                &m.weights,
+                DType::F32,
+                &p,
+                &inputs,
+                iters,
+            )?;
+        }
+        let mini = bert(
+            BertDims {
+                layers: 6,
+                vocab: 30522,
+                ..base
+            },
+            &mut rng,
+        );
+        println!("== per-step GPU time, MiniLM-shaped");
+        for (dt, b, s) in [
+            (DType::F16, 1usize, 16usize),
+            (DType::F16, 32, 128),
+            (DType::F16, 128, 128),
+            (DType::F32, 1, 16),
+        ] {
+            let gw = gpu.upload_weights(&mini.weights, dt)?;
+            let prof = gpu.profile_program(&mini.weights, &gw, &bert_program(&mini, b, s), 20)?;
+            let total: f64 = prof.iter().map(|p| p.1).sum();
+            println!(
+                "  PROFILE {dt} ({b},{s}): {} steps, sum {total:.1} us",
+                prof.len()
+            );
+            // The embedding, the first layer's steps and the pooling.
+            let per_layer = (prof.len() - 2) / 6;
+            for (name, us) in prof.iter().take(1 + per_layer).chain(prof.last()) {
+                println!("    {us:8.2} us  {name}");
+            }
+            rep.json
+                .push(serde_json::json!({"profile": format!("{dt} ({b},{s})"), "steps": prof}));
+        }
+        for (dt, b, s) in [
+            (DType::F16, 1usize, 16usize),
+            (DType::F16, 1, 128),
+            (DType::F16, 8, 64),
+            (DType::F16, 32, 128),
+            (DType::F16, 128, 128),
+            (DType::F16, 128, 256),
+            (DType::F32, 1, 16),
+            (DType::F32, 32, 128),
+            (DType::F32, 128, 128),
+        ] {
+            let p = bert_program(&mini, b, s);
+            let inputs: Vec<BatchRows> = (0..4)
+                .map(|_| {
+                    BatchRows::Tokens(
+                        (0..b)
+                            .map(|_| (0..s).map(|_| rng.range(1000, 30000) as u32).collect())
+                            .collect(),
+                    )
+                })
+                .collect();
+            latency(
+                &mut gpu,
+                &mut rep,
+                &format!("minilm-shaped {dt} ({b},{s})"),
+                &mini.weights,
+                dt,
+                &p,
+                &inputs,
+                if b * s > 4096 { iters / 4 } else { iters },
+            )?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        rep.check("run", false, e.to_string());
+    }
+    if let Some(path) = flag("--json") {
+        let _ = std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&rep.json).unwrap_or_default(),
+        );
+    }
+    println!(
+        "RESULT: {} ({} failures)",
+        if rep.fails.is_empty() { "PASS" } else { "FAIL" },
+        rep.fails.len()
+    );
+    for f in &rep.fails {
+        println!("  failed: {f}");
+    }
+    if gpu.fault().is_some() {
+        std::mem::forget(gpu);
+        std::process::exit(1);
+    }
+    std::process::exit(if rep.fails.is_empty() { 0 } else { 1 });
+}

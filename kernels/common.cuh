@@ -1,0 +1,94 @@
+// replayd kernels: shared prelude.
+//
+// Compiled at run time by NVRTC (no CUDA headers needed): the Rust side
+// concatenates this file and every kernels/*.cu file into one translation unit
+// and compiles it for the device's own architecture. Storage types are f32,
+// f16 and bf16; all arithmetic is f32.
+
+typedef unsigned short u16;
+
+// Half-precision storage types (bit patterns only; math happens in f32).
+struct __align__(2) f16_t { u16 bits; };
+struct __align__(2) bf16_t { u16 bits; };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(f16_t x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+__device__ __forceinline__ float to_f32(bf16_t x) {
+    return __uint_as_float(((unsigned)x.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ f16_t from_f32<f16_t>(float x) {
+    f16_t r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+template <> __device__ __forceinline__ bf16_t from_f32<bf16_t>(float x) {
+    // Round to nearest even; NaN stays a (quiet) NaN.
+    unsigned u = __float_as_uint(x);
+    bf16_t r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (u16)((u >> 16) | 0x0040u);
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+        r.bits = (u16)(u >> 16);
+    }
+    return r;
+}
+
+#define NEG_INF_F (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block; every thread gets the total. blockDim.x must be a
+// multiple of 32. `sh` holds at least 32 floats; safe to call repeatedly.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // a previous call may still be reading sh
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    float t = lane < nwarps ? sh[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+// Activation codes (must match `Activation` on the Rust side, see exec.rs).
+#define ACT_IDENTITY 0
+#define ACT_RELU 1
+#define ACT_GELU 2
+#define ACT_GELU_TANH 3
+#define ACT_TANH 4
+#define ACT_SIGMOID 5
+#define ACT_SILU 6
+
+__device__ __forceinline__ float apply_act(float x, int act) {
+    switch (act) {
+    case ACT_RELU: return fmaxf(x, 0.0f);
+    case ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+    case ACT_GELU_TANH: {
+        const float c = 0.79788456080286536f;  // sqrt(2/pi)
+        return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+    }
+    case ACT_TANH: return tanhf(x);
+    case ACT_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case ACT_SILU: return x / (1.0f + expf(-x));
+    default: return x;
+    }
+}

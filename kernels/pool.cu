@@ -1,0 +1,107 @@
+// Sentence pooling + optional L2 normalisation, writing f32.
+//
+// x    : [batch*seq, hidden] (T), mask: i32 [batch, seq], out: f32 [batch, hidden]
+// mode : 0 = mean over tokens with mask != 0 (divided by max(sum(mask), 1e-9)),
+//        1 = cls (the first token), 2 = max over tokens with mask != 0
+//        (0 where a row has none, as the CPU backend does).
+// Then, if `normalize`, out[b] /= max(||out[b]||, 1e-12).
+//
+// One block of POOL_THREADS (8 warps) per batch row. Columns are processed in
+// chunks of 32*POOL_VPL: lane l of every warp owns columns l + 32*k of the
+// chunk, and warp w reduces the tokens s = w, w+8, ...; the 8 partial results
+// meet in shared memory. So a single row still uses 8 warps' worth of loads.
+
+#define POOL_THREADS 256
+#define POOL_WARPS (POOL_THREADS / 32)
+#define POOL_VPL 16
+#define POOL_CHUNK (32 * POOL_VPL)
+
+#define POOL_MEAN 0
+#define POOL_CLS 1
+#define POOL_MAX 2
+
+template <typename T>
+__device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __restrict__ mask,
+                                          float* __restrict__ out, int seq, int hidden, int mode, int normalize) {
+    __shared__ float part[POOL_WARPS][POOL_CHUNK];
+    __shared__ float sh[32];
+    const int b = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const T* xb = x + (size_t)b * seq * hidden;
+    const int* mb = mask + (size_t)b * seq;
+    float* ob = out + (size_t)b * hidden;
+
+    float cnt = 0.0f;
+    for (int s = tid; s < seq; s += POOL_THREADS) cnt += (float)mb[s];
+    cnt = block_sum(cnt, sh);
+
+    float sq = 0.0f;
+    if (mode == POOL_CLS) {
+        for (int c = tid; c < hidden; c += POOL_THREADS) {
+            const float v = to_f32(xb[c]);
+            ob[c] = v;
+            sq += v * v;
+        }
+    } else {
+        const bool is_max = mode == POOL_MAX;
+        const float init = is_max ? NEG_INF_F : 0.0f;
+        for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK) {
+            float acc[POOL_VPL];
+#pragma unroll
+            for (int k = 0; k < POOL_VPL; k++) acc[k] = init;
+            for (int s = warp; s < seq; s += POOL_WARPS) {
+                if (mb[s] == 0) continue;
+                const T* xr = xb + (size_t)s * hidden;
+#pragma unroll
+                for (int k = 0; k < POOL_VPL; k++) {
+                    const int c = c0 + lane + 32 * k;
+                    if (c < hidden) {
+                        const float v = to_f32(xr[c]);
+                        acc[k] = is_max ? fmaxf(acc[k], v) : acc[k] + v;
+                    }
+                }
+            }
+            __syncthreads();  // previous chunk's partials consumed
+#pragma unroll
+            for (int k = 0; k < POOL_VPL; k++) part[warp][lane + 32 * k] = acc[k];
+            __syncthreads();
+            for (int i = tid; i < POOL_CHUNK; i += POOL_THREADS) {
+                const int c = c0 + i;
+                if (c < hidden) {
+                    float v = part[0][i];
+#pragma unroll
+                    for (int w = 1; w < POOL_WARPS; w++) v = is_max ? fmaxf(v, part[w][i]) : v + part[w][i];
+                    if (is_max) {
+                        if (v == NEG_INF_F) v = 0.0f;
+                    } else {
+                        v = v / fmaxf(cnt, 1e-9f);
+                    }
+                    ob[c] = v;
+                    sq += v * v;
+                }
+            }
+        }
+    }
+    if (normalize) {
+        const float total = block_sum(sq, sh);
+        const float inv = 1.0f / fmaxf(sqrtf(total), 1e-12f);
+        // Each thread rescales exactly the columns it wrote above.
+        if (mode == POOL_CLS) {
+            for (int c = tid; c < hidden; c += POOL_THREADS) ob[c] *= inv;
+        } else {
+            for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK)
+                for (int i = tid; i < POOL_CHUNK; i += POOL_THREADS)
+                    if (c0 + i < hidden) ob[c0 + i] *= inv;
+        }
+    }
+}
+
+#define POOL_KERNEL(T, SUF)                                                                              \
+    extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                           \
+        pool_##SUF(const T* x, const int* mask, float* out, int seq, int hidden, int mode, int normalize) { \
+        pool_impl<T>(x, mask, out, seq, hidden, mode, normalize);                                        \
+    }
+
+POOL_KERNEL(float, f32)
+POOL_KERNEL(f16_t, f16)
+POOL_KERNEL(bf16_t, bf16)

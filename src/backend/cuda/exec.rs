@@ -1,0 +1,1769 @@
+//! From a [`Program`] to the kernel launches and matmuls that compute it.
+//!
+//! [`plan`] is pure host code (unit-tested without a GPU): it checks every op
+//! against its buffers and weights (so a malformed program is an error, never
+//! an out-of-bounds access on the device), decides the storage type of every
+//! buffer, lays the activations out in one arena, inserts the casts where the
+//! program mixes f32 inputs/outputs with f16/bf16 activations, and computes
+//! every launch configuration. [`resolve`] turns the symbolic locations into
+//! device addresses, and [`enqueue`] issues the steps on a stream — the same
+//! code for warm-up, capture and the eager path.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result as dres, sys as dsys, CudaStream};
+
+use super::error::DriverResultExt;
+use super::kernels::Kernels;
+use super::matmul::{split_activation, Epilogue, Matmul, MatmulPlan, MatmulShape, TuneArgs};
+use super::mem::{align_up, ALIGN};
+use crate::backend::BackendError;
+use crate::model::program::{BufId, BufKind, InputRole, Op, WeightId};
+use crate::model::{Activation, Pooling, Program, Weights};
+use crate::tensor::DType;
+
+/// Threads per block of the attention kernel (`ATT_THREADS` in attention.cu).
+pub const ATT_THREADS: u32 = 128;
+/// Queries per attention block (`ATT_QT`).
+pub const ATT_QT: usize = 32;
+/// Keys per shared-memory chunk (`ATT_KC`).
+pub const ATT_KC: usize = 64;
+/// Threads per tensor-core attention block (`TC_THREADS` in attention_tc.cu).
+pub const TC_THREADS: u32 = 128;
+/// Queries per tensor-core attention block (`TC_QT`).
+pub const TC_QT: usize = 64;
+/// Threads per pooling block (`POOL_THREADS` in pool.cu).
+pub const POOL_THREADS: u32 = 256;
+/// Values each LayerNorm thread keeps in registers (`LN_VPT` in layernorm.cu).
+pub const LN_VPT: usize = 8;
+/// Most rows of the skinny matmul (`SK_MAXM` in skinny.cu).
+pub const SK_MAXM: usize = 16;
+/// Output columns per skinny warp (`SK_COLS`).
+pub const SK_COLS: usize = 4;
+/// Warps per skinny block, splitting K (`SK_WARPS`).
+pub const SK_WARPS: usize = 4;
+/// Largest weight matrix (bytes) the skinny kernel takes. Measured on an H200:
+/// it wins for the MLP's small layers (batch 8: 21 µs replay+sync against 52
+/// µs through cuBLASLt) but loses for MiniLM's (384..1536 wide: 297 µs at
+/// (1, 16) against 179-181 µs for (2, 16) and (1, 32) through cuBLASLt).
+pub const SKINNY_MAX_WEIGHT_BYTES: usize = 192 << 10;
+/// Largest number of fused (counter-using) ops in one plan.
+pub const MAX_COUNTERS: usize = 1024;
+/// Block size of the element-wise kernel.
+pub const EW_THREADS: u32 = 256;
+/// Grid cap of the element-wise kernel (it loops over the rest).
+pub const EW_MAX_BLOCKS: u32 = 8192;
+
+/// Storage type of a program buffer on the device.
+pub fn buffer_dtype(kind: BufKind, compute: DType) -> DType {
+    match kind {
+        BufKind::Input(InputRole::Features) => DType::F32,
+        BufKind::Input(_) => DType::I32,
+        BufKind::Activation => compute,
+        BufKind::Output => DType::F32,
+    }
+}
+
+/// Kernel-name suffix of a storage type.
+pub fn suffix(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I32 => "i32",
+        DType::U32 => "u32",
+    }
+}
+
+/// The activation code the kernels use (`ACT_*` in common.cuh).
+pub fn act_code(a: Activation) -> i32 {
+    match a {
+        Activation::Identity => 0,
+        Activation::Relu => 1,
+        Activation::Gelu => 2,
+        Activation::GeluTanh => 3,
+        Activation::Tanh => 4,
+        Activation::Sigmoid => 5,
+        Activation::Silu => 6,
+    }
+}
+
+/// The pooling code (`POOL_*` in pool.cu).
+pub fn pool_code(p: Pooling) -> i32 {
+    match p {
+        Pooling::Mean => 0,
+        Pooling::Cls => 1,
+        Pooling::Max => 2,
+    }
+}
+
+/// Block size of the LayerNorm kernels for a row of `hidden` values: about 4
+/// values per thread, a multiple of 32, and at most [`LN_VPT`] per thread.
+pub fn ln_threads(hidden: usize) -> Result<u32, BackendError> {
+    let threads = align_up(hidden.div_ceil(4), 32).clamp(32, 1024);
+    if hidden == 0 || hidden > threads * LN_VPT {
+        return Err(BackendError::Unsupported(format!(
+            "LayerNorm over {hidden} values (at most {} supported)",
+            1024 * LN_VPT
+        )));
+    }
+    Ok(threads as u32)
+}
+
+/// Grid of the element-wise kernel for `n` elements.
+pub fn ew_blocks(n: usize) -> u32 {
+    (n.div_ceil(EW_THREADS as usize) as u32).clamp(1, EW_MAX_BLOCKS)
+}
+
+/// The attention kernel's head-size class (the `d<N>` suffix).
+pub fn attention_dmax(head_dim: usize) -> Option<usize> {
+    super::kernels::ATTENTION_DMAX
+        .iter()
+        .copied()
+        .find(|&d| head_dim <= d && head_dim > 0)
+}
+
+/// Dynamic shared memory of the attention kernel, in bytes.
+pub fn attention_smem_bytes(seq: usize, dmax: usize) -> usize {
+    4 * (ATT_QT * (dmax + 1) + ATT_KC * (dmax + 1) + ATT_QT * (seq | 1))
+}
+
+/// Whether a Linear of `m` rows, `n` outputs and `k` inputs in `t` uses the
+/// skinny kernel: few rows, 16-byte vectors along k, and its `n × k` weight is small enough for it to
+/// beat cuBLASLt (see [`SKINNY_MAX_WEIGHT_BYTES`]).
+pub fn skinny_fits(m: usize, n: usize, k: usize, t: DType) -> bool {
+    let vec = 16 / t.size().max(1);
+    (1..=SK_MAXM).contains(&m)
+        && k > 0
+        && k.is_multiple_of(vec)
+        && k <= i32::MAX as usize
+        && n.saturating_mul(k).saturating_mul(t.size()) <= SKINNY_MAX_WEIGHT_BYTES
+}
+
+/// Buffers an op reads.
+pub fn op_reads(op: &Op) -> Vec<BufId> {
+    match *op {
+        Op::EmbedLayerNorm {
+            ids, token_types, ..
+        } => vec![ids, token_types],
+        Op::Linear { x, .. } => vec![x],
+        Op::AddLayerNorm { x, residual, .. } => vec![x, residual],
+        Op::Attention { qkv, mask, .. } => vec![qkv, mask],
+        Op::Pool { x, mask, .. } => vec![x, mask],
+    }
+}
+
+/// The buffer an op writes.
+pub fn op_writes(op: &Op) -> BufId {
+    match *op {
+        Op::EmbedLayerNorm { out, .. }
+        | Op::Linear { out, .. }
+        | Op::AddLayerNorm { out, .. }
+        | Op::Attention { out, .. }
+        | Op::Pool { out, .. } => out,
+    }
+}
+
+/// True when `buf` is not read by `ops[from..]` before being overwritten.
+pub fn dead_after(ops: &[Op], from: usize, buf: BufId) -> bool {
+    for op in ops.iter().skip(from) {
+        if op_reads(op).contains(&buf) {
+            return false;
+        }
+        if op_writes(op) == buf {
+            return true;
+        }
+    }
+    true
+}
+
+/// Where a device address comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loc {
+    Weight(WeightId),
+    /// Byte offset into the static input block.
+    Input(usize),
+    /// Byte offset into the output buffer.
+    Output(usize),
+    /// Byte offset into the activation arena.
+    Arena(usize),
+    /// Index of a u32 counter (zero between kernels) for last-block reductions.
+    Counter(usize),
+}
+
+/// A kernel argument.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    Ptr(Loc),
+    Null,
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// One thing to enqueue.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    Kernel {
+        name: String,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Vec<Arg>,
+    },
+    Matmul {
+        shape: MatmulShape,
+        w: Loc,
+        x: Loc,
+        out: Loc,
+        bias: Option<Loc>,
+    },
+}
+
+/// A program input in the static input block (same layout in pinned memory).
+#[derive(Clone, Debug, PartialEq)]
+pub struct InputSlot {
+    pub buf: BufId,
+    pub role: InputRole,
+    pub elems: usize,
+    /// Byte offset in the input block.
+    pub offset: usize,
+}
+
+/// Everything needed to run one program on the device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub compute: DType,
+    pub batch: usize,
+    pub seq: usize,
+    pub steps: Vec<Step>,
+    pub inputs: Vec<InputSlot>,
+    /// Bytes of the static input block.
+    pub input_bytes: usize,
+    /// f32 elements of the output, `batch · output_dim`.
+    pub output_elems: usize,
+    pub output_dim: usize,
+    /// Activation bytes (the program's activation buffers).
+    pub activation_bytes: usize,
+    /// Activations plus cast scratch: the arena this plan needs.
+    pub arena_bytes: usize,
+    /// Counters the plan's fused kernels use (see [`Loc::Counter`]).
+    pub counters: usize,
+}
+
+impl Plan {
+    pub fn kernel_count(&self) -> usize {
+        self.steps
+            .iter()
+            .filter(|s| matches!(s, Step::Kernel { .. }))
+            .count()
+    }
+
+    pub fn matmul_count(&self) -> usize {
+        self.steps
+            .iter()
+            .filter(|s| matches!(s, Step::Matmul { .. }))
+            .count()
+    }
+}
+
+/// Device limits the planner needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest dynamic shared memory a block may use (after opt-in).
+    pub max_dyn_smem: usize,
+    /// Use the tensor-core attention kernel where it applies.
+    pub tc_attention: bool,
+    /// Use the skinny matmul kernel (and its LayerNorm fusion) for few rows.
+    pub skinny: bool,
+}
+
+impl Limits {
+    /// All kernels enabled, with this shared-memory limit.
+    pub const fn new(max_dyn_smem: usize) -> Limits {
+        Limits {
+            max_dyn_smem,
+            tc_attention: true,
+            skinny: true,
+        }
+    }
+
+    /// Applies `REPLAYD_CUDA_DISABLE` (comma-separated: `tc_attention`,
+    /// `skinny`), a switch for debugging and for falling back should one of
+    /// the specialised kernels misbehave on some device.
+    pub fn with_disabled(mut self, list: &str) -> Limits {
+        for item in list.split(',').map(str::trim) {
+            match item {
+                "tc_attention" => self.tc_attention = false,
+                "skinny" => self.skinny = false,
+                _ => {}
+            }
+        }
+        self
+    }
+}
+
+/// A cast still to run after an op: (from, from type, to, to type).
+type PendingCast = Option<(Loc, DType, Loc, DType)>;
+
+struct Planner<'a> {
+    program: &'a Program,
+    weights: &'a Weights,
+    compute: DType,
+    tf32: bool,
+    limits: Limits,
+    locs: HashMap<BufId, Loc>,
+    arena: usize,
+    counters: usize,
+    steps: Vec<Step>,
+}
+
+fn other(msg: String) -> BackendError {
+    BackendError::Other(format!("invalid program: {msg}"))
+}
+
+impl<'a> Planner<'a> {
+    fn dtype(&self, b: BufId) -> DType {
+        buffer_dtype(self.program.buffer(b).kind, self.compute)
+    }
+
+    fn check_buf(&self, b: BufId, elems: usize, what: &str) -> Result<(), BackendError> {
+        let decl = self
+            .program
+            .buffers
+            .get(b.0)
+            .ok_or_else(|| other(format!("{what}: buffer {} does not exist", b.0)))?;
+        if decl.elems < elems {
+            return Err(other(format!(
+                "{what}: buffer {:?} has {} elements, the op needs {elems}",
+                decl.name, decl.elems
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_int(&self, b: BufId, elems: usize, what: &str) -> Result<Loc, BackendError> {
+        self.check_buf(b, elems, what)?;
+        if self.dtype(b) != DType::I32 {
+            return Err(other(format!(
+                "{what}: buffer {} must be an integer input",
+                b.0
+            )));
+        }
+        Ok(self.locs[&b])
+    }
+
+    fn weight(&self, w: WeightId, shape: &[usize], what: &str) -> Result<(), BackendError> {
+        if w.0 >= self.weights.len() {
+            return Err(other(format!("{what}: weight {} does not exist", w.0)));
+        }
+        let t = self.weights.get(w);
+        if t.shape != shape {
+            return Err(other(format!(
+                "{what}: weight {:?} has shape {:?}, expected {shape:?}",
+                t.name, t.shape
+            )));
+        }
+        Ok(())
+    }
+
+    /// Rows of a 2-D weight whose rows are `width` wide.
+    fn table_rows(&self, w: WeightId, width: usize, what: &str) -> Result<usize, BackendError> {
+        if w.0 >= self.weights.len() {
+            return Err(other(format!("{what}: weight {} does not exist", w.0)));
+        }
+        let t = self.weights.get(w);
+        match t.shape.as_slice() {
+            [rows, cols] if *cols == width && *rows > 0 => Ok(*rows),
+            s => Err(other(format!(
+                "{what}: weight {:?} has shape {s:?}, expected [_, {width}]",
+                t.name
+            ))),
+        }
+    }
+
+    fn scratch(&mut self, elems: usize, dtype: DType) -> Loc {
+        let off = self.arena;
+        self.arena += align_up(elems * dtype.size(), ALIGN);
+        Loc::Arena(off)
+    }
+
+    fn kernel(
+        &mut self,
+        name: String,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: usize,
+        args: Vec<Arg>,
+    ) {
+        self.steps.push(Step::Kernel {
+            name,
+            grid,
+            block: (block, 1, 1),
+            smem: smem as u32,
+            args,
+        });
+    }
+
+    fn cast(
+        &mut self,
+        from: Loc,
+        from_t: DType,
+        to: Loc,
+        to_t: DType,
+        elems: usize,
+        act: Activation,
+    ) -> Result<(), BackendError> {
+        let n = i32::try_from(elems)
+            .map_err(|_| BackendError::Unsupported(format!("{elems} elements")))?;
+        self.kernel(
+            format!("bias_act_{}_{}", suffix(from_t), suffix(to_t)),
+            (ew_blocks(elems), 1, 1),
+            EW_THREADS,
+            0,
+            vec![
+                Arg::Ptr(from),
+                Arg::Null,
+                Arg::Ptr(to),
+                Arg::I32(n),
+                Arg::I32(1),
+                Arg::I32(act_code(act)),
+            ],
+        );
+        Ok(())
+    }
+
+    /// The location of float buffer `b` read as `want`: itself, or a scratch
+    /// copy converted before the op.
+    fn float_in(
+        &mut self,
+        b: BufId,
+        elems: usize,
+        want: DType,
+        what: &str,
+    ) -> Result<Loc, BackendError> {
+        self.check_buf(b, elems, what)?;
+        let have = self.dtype(b);
+        if !have.is_float() {
+            return Err(other(format!("{what}: buffer {} must hold floats", b.0)));
+        }
+        if have == want {
+            return Ok(self.locs[&b]);
+        }
+        let s = self.scratch(elems, want);
+        self.cast(self.locs[&b], have, s, want, elems, Activation::Identity)?;
+        Ok(s)
+    }
+
+    /// Where an op producing `native` values should write float buffer `b`:
+    /// `b` itself, or scratch plus a cast to run after the op.
+    fn float_out(
+        &mut self,
+        b: BufId,
+        elems: usize,
+        native: DType,
+        what: &str,
+    ) -> Result<(Loc, PendingCast), BackendError> {
+        self.check_buf(b, elems, what)?;
+        let have = self.dtype(b);
+        if !have.is_float() {
+            return Err(other(format!("{what}: buffer {} must hold floats", b.0)));
+        }
+        if have == native {
+            return Ok((self.locs[&b], None));
+        }
+        let s = self.scratch(elems, native);
+        Ok((s, Some((s, native, self.locs[&b], have))))
+    }
+
+    fn finish_out(&mut self, pending: PendingCast, elems: usize) -> Result<(), BackendError> {
+        if let Some((from, ft, to, tt)) = pending {
+            self.cast(from, ft, to, tt, elems, Activation::Identity)?;
+        }
+        Ok(())
+    }
+
+    /// A Linear with few rows through the skinny kernel, fused with the
+    /// AddLayerNorm after it when that reads only this output (which is then
+    /// never materialised). Returns the ops consumed.
+    #[allow(clippy::too_many_arguments)]
+    fn skinny(
+        &mut self,
+        idx: usize,
+        w: WeightId,
+        bias: Option<WeightId>,
+        act: Activation,
+        x_l: Loc,
+        out: BufId,
+        out_t: DType,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<usize, BackendError> {
+        let t = self.compute;
+        let grid = (n.div_ceil(SK_COLS) as u32, 1, 1);
+        let block = (32 * SK_WARPS) as u32;
+        let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        if let Some(Op::AddLayerNorm {
+            x: ln_x,
+            residual,
+            gamma,
+            beta,
+            eps,
+            out: ln_out,
+            rows,
+            hidden,
+        }) = self.program.ops.get(idx + 1).cloned()
+        {
+            let fusable = act == Activation::Identity
+                && ln_x == out
+                && ln_out != out
+                && rows == m
+                && hidden == n
+                && self.program.buffer(out).kind == BufKind::Activation
+                && self.dtype(residual) == t
+                && self.dtype(ln_out) == t
+                && dead_after(&self.program.ops, idx + 2, out);
+            if fusable {
+                let what = format!("ops {idx}-{} (Linear + AddLayerNorm)", idx + 1);
+                self.weight(gamma, &[hidden], &what)?;
+                self.weight(beta, &[hidden], &what)?;
+                self.check_buf(residual, m * n, &what)?;
+                self.check_buf(ln_out, m * n, &what)?;
+                let tmp = self.scratch(m * n, DType::F32);
+                let counter = Loc::Counter(self.counters);
+                self.counters += 1;
+                self.kernel(
+                    format!("skinny_{0}_{0}", suffix(t)),
+                    grid,
+                    block,
+                    0,
+                    vec![
+                        Arg::Ptr(x_l),
+                        Arg::Ptr(Loc::Weight(w)),
+                        bias_arg,
+                        Arg::Ptr(self.locs[&ln_out]),
+                        Arg::I32(m as i32),
+                        Arg::I32(n as i32),
+                        Arg::I32(k as i32),
+                        Arg::I32(0),
+                        Arg::I32(1),
+                        Arg::Ptr(self.locs[&residual]),
+                        Arg::Ptr(tmp),
+                        Arg::Ptr(Loc::Weight(gamma)),
+                        Arg::Ptr(Loc::Weight(beta)),
+                        Arg::F32(eps),
+                        Arg::Ptr(counter),
+                    ],
+                );
+                return Ok(2);
+            }
+        }
+        self.kernel(
+            format!("skinny_{}_{}", suffix(t), suffix(out_t)),
+            grid,
+            block,
+            0,
+            vec![
+                Arg::Ptr(x_l),
+                Arg::Ptr(Loc::Weight(w)),
+                bias_arg,
+                Arg::Ptr(self.locs[&out]),
+                Arg::I32(m as i32),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(act_code(act)),
+                Arg::I32(0),
+                Arg::Null,
+                Arg::Null,
+                Arg::Null,
+                Arg::Null,
+                Arg::F32(0.0),
+                Arg::Null,
+            ],
+        );
+        Ok(1)
+    }
+
+    /// Plans op `idx` (and possibly the one after it, when fused); returns
+    /// how many ops it consumed.
+    fn op(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
+        let t = self.compute;
+        let ts = suffix(t);
+        match *op {
+            Op::EmbedLayerNorm {
+                ids,
+                token_types,
+                word,
+                position,
+                token_type,
+                gamma,
+                beta,
+                eps,
+                out,
+                batch,
+                seq,
+                hidden,
+            } => {
+                let what = format!("op {idx} (EmbedLayerNorm)");
+                let rows = batch * seq;
+                let ids_l = self.check_int(ids, rows, &what)?;
+                let types_l = self.check_int(token_types, rows, &what)?;
+                let vocab = self.table_rows(word, hidden, &what)?;
+                let npos = self.table_rows(position, hidden, &what)?;
+                let ntypes = self.table_rows(token_type, hidden, &what)?;
+                self.weight(gamma, &[hidden], &what)?;
+                self.weight(beta, &[hidden], &what)?;
+                let threads = ln_threads(hidden)?;
+                let (dst, pending) = self.float_out(out, rows * hidden, t, &what)?;
+                self.kernel(
+                    format!("embed_ln_{ts}"),
+                    (rows as u32, 1, 1),
+                    threads,
+                    0,
+                    vec![
+                        Arg::Ptr(ids_l),
+                        Arg::Ptr(types_l),
+                        Arg::Ptr(Loc::Weight(word)),
+                        Arg::Ptr(Loc::Weight(position)),
+                        Arg::Ptr(Loc::Weight(token_type)),
+                        Arg::Ptr(Loc::Weight(gamma)),
+                        Arg::Ptr(Loc::Weight(beta)),
+                        Arg::F32(eps),
+                        Arg::Ptr(dst),
+                        Arg::I32(seq as i32),
+                        Arg::I32(hidden as i32),
+                        Arg::I32(vocab as i32),
+                        Arg::I32(npos as i32),
+                        Arg::I32(ntypes as i32),
+                    ],
+                );
+                self.finish_out(pending, rows * hidden)?;
+                Ok(1)
+            }
+            Op::Linear {
+                x,
+                w,
+                bias,
+                act,
+                out,
+                m,
+                n,
+                k,
+            } => {
+                let what = format!("op {idx} (Linear)");
+                self.weight(w, &[n, k], &what)?;
+                if let Some(b) = bias {
+                    self.weight(b, &[n], &what)?;
+                }
+                if m == 0 || n == 0 || k == 0 {
+                    return Err(other(format!("{what}: empty shape {m}x{n}x{k}")));
+                }
+                let x_l = self.float_in(x, m * k, t, &what)?;
+                self.check_buf(out, m * n, &what)?;
+                let out_t = self.dtype(out);
+                if self.limits.skinny
+                    && skinny_fits(m, n, k, t)
+                    && (out_t == t || out_t == DType::F32)
+                {
+                    return self.skinny(idx, w, bias, act, x_l, out, out_t, m, n, k);
+                }
+                let (epilogue, post) = split_activation(act, bias.is_some());
+                let shape = MatmulShape {
+                    dtype: t,
+                    m,
+                    n,
+                    k,
+                    epilogue,
+                    tf32: self.tf32 && t == DType::F32,
+                };
+                if out_t == t {
+                    let o = self.locs[&out];
+                    self.steps.push(Step::Matmul {
+                        shape,
+                        w: Loc::Weight(w),
+                        x: x_l,
+                        out: o,
+                        bias: bias.map(Loc::Weight),
+                    });
+                    if let Some(a) = post {
+                        self.cast(o, t, o, t, m * n, a)?;
+                    }
+                } else {
+                    if !out_t.is_float() {
+                        return Err(other(format!("{what}: output buffer must hold floats")));
+                    }
+                    let tmp = self.scratch(m * n, t);
+                    self.steps.push(Step::Matmul {
+                        shape,
+                        w: Loc::Weight(w),
+                        x: x_l,
+                        out: tmp,
+                        bias: bias.map(Loc::Weight),
+                    });
+                    let o = self.locs[&out];
+                    self.cast(
+                        tmp,
+                        t,
+                        o,
+                        out_t,
+                        m * n,
+                        post.unwrap_or(Activation::Identity),
+                    )?;
+                }
+                Ok(1)
+            }
+            Op::AddLayerNorm {
+                x,
+                residual,
+                gamma,
+                beta,
+                eps,
+                out,
+                rows,
+                hidden,
+            } => {
+                let what = format!("op {idx} (AddLayerNorm)");
+                if out == x {
+                    return Err(other(format!("{what}: out must not alias x")));
+                }
+                self.weight(gamma, &[hidden], &what)?;
+                self.weight(beta, &[hidden], &what)?;
+                let threads = ln_threads(hidden)?;
+                let elems = rows * hidden;
+                let x_l = self.float_in(x, elems, t, &what)?;
+                let r_l = self.float_in(residual, elems, t, &what)?;
+                let (dst, pending) = self.float_out(out, elems, t, &what)?;
+                self.kernel(
+                    format!("add_ln_{ts}"),
+                    (rows as u32, 1, 1),
+                    threads,
+                    0,
+                    vec![
+                        Arg::Ptr(x_l),
+                        Arg::Ptr(r_l),
+                        Arg::Ptr(Loc::Weight(gamma)),
+                        Arg::Ptr(Loc::Weight(beta)),
+                        Arg::F32(eps),
+                        Arg::Ptr(dst),
+                        Arg::I32(hidden as i32),
+                    ],
+                );
+                self.finish_out(pending, elems)?;
+                Ok(1)
+            }
+            Op::Attention {
+                qkv,
+                mask,
+                out,
+                batch,
+                seq,
+                heads,
+                head_dim,
+            } => {
+                let what = format!("op {idx} (Attention)");
+                let dmax = attention_dmax(head_dim).ok_or_else(|| {
+                    BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
+                })?;
+                if batch == 0 || seq == 0 || heads == 0 {
+                    return Err(other(format!("{what}: empty shape")));
+                }
+                if batch > 65535 || heads > 65535 {
+                    return Err(BackendError::Unsupported(format!(
+                        "{what}: batch {batch} x heads {heads}"
+                    )));
+                }
+                let rows = batch * seq;
+                let hd = heads * head_dim;
+                let tensor_cores = self.limits.tc_attention
+                    && matches!(t, DType::F16 | DType::BF16)
+                    && super::kernels::ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
+                let smem = if tensor_cores {
+                    0
+                } else {
+                    attention_smem_bytes(seq, dmax)
+                };
+                if smem > self.limits.max_dyn_smem {
+                    return Err(BackendError::Unsupported(format!(
+                        "{what}: sequence length {seq} needs {smem} bytes of shared memory, the device allows {}",
+                        self.limits.max_dyn_smem
+                    )));
+                }
+                let mask_l = self.check_int(mask, rows, &what)?;
+                let q_l = self.float_in(qkv, rows * 3 * hd, t, &what)?;
+                let (dst, pending) = self.float_out(out, rows * hd, t, &what)?;
+                if tensor_cores {
+                    self.kernel(
+                        format!("attention_tc_{ts}_d{head_dim}"),
+                        (seq.div_ceil(TC_QT) as u32, heads as u32, batch as u32),
+                        TC_THREADS,
+                        0,
+                        vec![
+                            Arg::Ptr(q_l),
+                            Arg::Ptr(mask_l),
+                            Arg::Ptr(dst),
+                            Arg::I32(seq as i32),
+                            Arg::I32(heads as i32),
+                            Arg::F32(1.0 / (head_dim as f32).sqrt()),
+                        ],
+                    );
+                } else {
+                    self.kernel(
+                        format!("attention_{ts}_d{dmax}"),
+                        (seq.div_ceil(ATT_QT) as u32, heads as u32, batch as u32),
+                        ATT_THREADS,
+                        smem,
+                        vec![
+                            Arg::Ptr(q_l),
+                            Arg::Ptr(mask_l),
+                            Arg::Ptr(dst),
+                            Arg::I32(seq as i32),
+                            Arg::I32(heads as i32),
+                            Arg::I32(head_dim as i32),
+                            Arg::F32(1.0 / (head_dim as f32).sqrt()),
+                        ],
+                    );
+                }
+                self.finish_out(pending, rows * hd)?;
+                Ok(1)
+            }
+            Op::Pool {
+                x,
+                mask,
+                out,
+                batch,
+                seq,
+                hidden,
+                mode,
+                normalize,
+            } => {
+                let what = format!("op {idx} (Pool)");
+                if batch == 0 || seq == 0 || hidden == 0 {
+                    return Err(other(format!("{what}: empty shape")));
+                }
+                let mask_l = self.check_int(mask, batch * seq, &what)?;
+                let x_l = self.float_in(x, batch * seq * hidden, t, &what)?;
+                let (dst, pending) = self.float_out(out, batch * hidden, DType::F32, &what)?;
+                self.kernel(
+                    format!("pool_{ts}"),
+                    (batch as u32, 1, 1),
+                    POOL_THREADS,
+                    0,
+                    vec![
+                        Arg::Ptr(x_l),
+                        Arg::Ptr(mask_l),
+                        Arg::Ptr(dst),
+                        Arg::I32(seq as i32),
+                        Arg::I32(hidden as i32),
+                        Arg::I32(pool_code(mode)),
+                        Arg::I32(normalize as i32),
+                    ],
+                );
+                self.finish_out(pending, batch * hidden)?;
+                Ok(1)
+            }
+        }
+    }
+}
+
+/// Plans `program` for compute type `compute`.
+pub fn plan(
+    program: &Program,
+    weights: &Weights,
+    compute: DType,
+    tf32: bool,
+    limits: Limits,
+) -> Result<Plan, BackendError> {
+    if !compute.is_float() {
+        return Err(BackendError::Unsupported(format!(
+            "compute dtype {compute}"
+        )));
+    }
+    let out_decl = program
+        .buffers
+        .get(program.output.0)
+        .ok_or_else(|| other("the output buffer does not exist".into()))?;
+    if out_decl.kind != BufKind::Output {
+        return Err(other("the program's output is not an Output buffer".into()));
+    }
+    let output_elems = program.batch * program.output_dim;
+    if out_decl.elems != output_elems {
+        return Err(other(format!(
+            "output buffer has {} elements, batch {} x output_dim {} = {output_elems}",
+            out_decl.elems, program.batch, program.output_dim
+        )));
+    }
+    let mut locs = HashMap::new();
+    let mut inputs = Vec::new();
+    let mut input_bytes = 0usize;
+    for &id in &program.inputs {
+        let decl = program
+            .buffers
+            .get(id.0)
+            .ok_or_else(|| other(format!("input buffer {} does not exist", id.0)))?;
+        let BufKind::Input(role) = decl.kind else {
+            return Err(other(format!(
+                "buffer {:?} is listed as an input",
+                decl.name
+            )));
+        };
+        let per_row = if role == InputRole::Features {
+            1
+        } else {
+            program.seq
+        };
+        if program.batch == 0 || decl.elems == 0 || decl.elems % (program.batch * per_row) != 0 {
+            return Err(other(format!(
+                "input {:?} has {} elements, not a multiple of batch {} x seq {per_row}",
+                decl.name, decl.elems, program.batch
+            )));
+        }
+        locs.insert(id, Loc::Input(input_bytes));
+        inputs.push(InputSlot {
+            buf: id,
+            role,
+            elems: decl.elems,
+            offset: input_bytes,
+        });
+        input_bytes += align_up(decl.elems * 4, ALIGN);
+    }
+    let mut arena = 0usize;
+    for (i, decl) in program.buffers.iter().enumerate() {
+        match decl.kind {
+            BufKind::Activation => {
+                locs.insert(BufId(i), Loc::Arena(arena));
+                arena += align_up(decl.elems * compute.size(), ALIGN);
+            }
+            BufKind::Output => {
+                if BufId(i) != program.output {
+                    return Err(other(format!("second output buffer {:?}", decl.name)));
+                }
+                locs.insert(BufId(i), Loc::Output(0));
+            }
+            BufKind::Input(_) => {
+                if !locs.contains_key(&BufId(i)) {
+                    return Err(other(format!(
+                        "input buffer {:?} is not in the input list",
+                        decl.name
+                    )));
+                }
+            }
+        }
+    }
+    let activation_bytes = arena;
+    let mut p = Planner {
+        program,
+        weights,
+        compute,
+        tf32,
+        limits,
+        locs,
+        arena,
+        counters: 0,
+        steps: Vec::new(),
+    };
+    let mut i = 0;
+    while i < program.ops.len() {
+        i += p.op(i, &program.ops[i])?;
+    }
+    if p.counters > MAX_COUNTERS {
+        return Err(BackendError::Unsupported(format!(
+            "{} fused ops in one program (at most {MAX_COUNTERS})",
+            p.counters
+        )));
+    }
+    Ok(Plan {
+        compute,
+        batch: program.batch,
+        seq: program.seq,
+        steps: p.steps,
+        inputs,
+        input_bytes,
+        output_elems,
+        output_dim: program.output_dim,
+        activation_bytes,
+        arena_bytes: p.arena.max(ALIGN),
+        counters: p.counters,
+    })
+}
+
+/// Base addresses for resolving [`Loc`]s.
+pub struct Bases<'a> {
+    pub weights: &'a [u64],
+    pub inputs: u64,
+    pub output: u64,
+    pub arena: u64,
+    /// [`MAX_COUNTERS`] zeroed u32s owned by the stream that runs the plan.
+    pub counters: u64,
+}
+
+impl Bases<'_> {
+    fn addr(&self, l: Loc) -> u64 {
+        match l {
+            Loc::Weight(w) => self.weights[w.0],
+            Loc::Input(o) => self.inputs + o as u64,
+            Loc::Output(o) => self.output + o as u64,
+            Loc::Arena(o) => self.arena + o as u64,
+            Loc::Counter(i) => self.counters + 4 * i as u64,
+        }
+    }
+}
+
+/// A kernel argument with its value.
+#[derive(Clone, Copy, Debug)]
+pub enum RArg {
+    U64(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// A step with device addresses, ready to enqueue.
+pub enum Resolved {
+    Kernel {
+        name: String,
+        func: dsys::CUfunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        smem: u32,
+        args: Vec<RArg>,
+    },
+    Matmul {
+        plan: Arc<MatmulPlan>,
+        w: u64,
+        x: u64,
+        out: u64,
+    },
+}
+
+/// Resolves a plan's steps against base addresses; matmul plans come from
+/// (and are cached in) `matmul`.
+///
+/// With `tune` (the stream's workspace address and the stream, outside any
+/// capture), matmul algorithms are chosen by timing on the plan's buffers.
+pub fn resolve(
+    plan: &Plan,
+    bases: &Bases<'_>,
+    kernels: &Kernels,
+    matmul: &mut Matmul,
+    workspace_bytes: usize,
+    tune: Option<(u64, &CudaStream)>,
+) -> Result<Vec<Resolved>, BackendError> {
+    let mut out_steps = Vec::with_capacity(plan.steps.len());
+    for s in &plan.steps {
+        let step = match s {
+            Step::Kernel {
+                name,
+                grid,
+                block,
+                smem,
+                args,
+            } => {
+                let f = kernels
+                    .get(name)
+                    .ok_or_else(|| BackendError::Other(format!("kernel {name} is not loaded")))?;
+                Resolved::Kernel {
+                    name: name.clone(),
+                    func: f.cu_function(),
+                    grid: *grid,
+                    block: *block,
+                    smem: *smem,
+                    args: args
+                        .iter()
+                        .map(|a| match *a {
+                            Arg::Ptr(l) => RArg::U64(bases.addr(l)),
+                            Arg::Null => RArg::U64(0),
+                            Arg::I32(v) => RArg::I32(v),
+                            Arg::I64(v) => RArg::I64(v),
+                            Arg::F32(v) => RArg::F32(v),
+                        })
+                        .collect(),
+                }
+            }
+            Step::Matmul {
+                shape,
+                w,
+                x,
+                out,
+                bias,
+            } => {
+                let bias_addr = bias.map(|b| bases.addr(b));
+                let tune_args = tune.map(|(ws, stream)| TuneArgs {
+                    w: bases.addr(*w),
+                    x: bases.addr(*x),
+                    d: bases.addr(*out),
+                    workspace: ws,
+                    stream: stream.cu_stream(),
+                });
+                match matmul.plan(*shape, bias_addr, workspace_bytes, tune_args) {
+                    Ok(p) => Resolved::Matmul {
+                        plan: p,
+                        w: bases.addr(*w),
+                        x: bases.addr(*x),
+                        out: bases.addr(*out),
+                    },
+                    // No algorithm for this epilogue: plain matmul, then bias
+                    // and activation in our element-wise kernel.
+                    Err(BackendError::Unsupported(why)) if shape.epilogue != Epilogue::None => {
+                        tracing::debug!(
+                            target: "replayd::cuda",
+                            "cuBLASLt epilogue {:?} unavailable for {}x{}x{} ({why}); using a separate kernel",
+                            shape.epilogue,
+                            shape.m,
+                            shape.n,
+                            shape.k
+                        );
+                        let plain = MatmulShape {
+                            epilogue: Epilogue::None,
+                            ..*shape
+                        };
+                        out_steps.push(Resolved::Matmul {
+                            plan: matmul.plan(plain, None, workspace_bytes, tune_args)?,
+                            w: bases.addr(*w),
+                            x: bases.addr(*x),
+                            out: bases.addr(*out),
+                        });
+                        let name = format!("bias_act_{0}_{0}", suffix(shape.dtype));
+                        let f = kernels.get(&name).ok_or_else(|| {
+                            BackendError::Other(format!("kernel {name} is not loaded"))
+                        })?;
+                        let n = shape.m * shape.n;
+                        let o = bases.addr(*out);
+                        Resolved::Kernel {
+                            name,
+                            func: f.cu_function(),
+                            grid: (ew_blocks(n), 1, 1),
+                            block: (EW_THREADS, 1, 1),
+                            smem: 0,
+                            args: vec![
+                                RArg::U64(o),
+                                RArg::U64(bias_addr.unwrap_or(0)),
+                                RArg::U64(o),
+                                RArg::I32(n as i32),
+                                RArg::I32(shape.n as i32),
+                                RArg::I32(act_code(shape.epilogue.activation())),
+                            ],
+                        }
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        out_steps.push(step);
+    }
+    Ok(out_steps)
+}
+
+/// Enqueues resolved steps on `stream` (no synchronisation). The caller has
+/// made the context current on this thread.
+pub fn enqueue(
+    steps: &[Resolved],
+    matmul: &Matmul,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: &CudaStream,
+) -> Result<(), BackendError> {
+    for s in steps {
+        enqueue_one(s, matmul, workspace, workspace_bytes, stream.cu_stream())?;
+    }
+    Ok(())
+}
+
+fn enqueue_one(
+    s: &Resolved,
+    matmul: &Matmul,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: dsys::CUstream,
+) -> Result<(), BackendError> {
+    match s {
+        Resolved::Kernel {
+            func,
+            grid,
+            block,
+            smem,
+            args,
+            ..
+        } => {
+            let mut ptrs: Vec<*mut c_void> = args
+                .iter()
+                .map(|a| match a {
+                    RArg::U64(v) => v as *const u64 as *mut c_void,
+                    RArg::I32(v) => v as *const i32 as *mut c_void,
+                    RArg::I64(v) => v as *const i64 as *mut c_void,
+                    RArg::F32(v) => v as *const f32 as *mut c_void,
+                })
+                .collect();
+            // SAFETY: the planner checked every buffer extent against the
+            // kernel's shape arguments; the argument list matches the
+            // kernel's signature (see the `*_KERNEL` macros in kernels/).
+            unsafe { dres::launch_kernel(*func, *grid, *block, *smem, stream, &mut ptrs) }
+                .cu("kernel launch")
+        }
+        Resolved::Matmul { plan, w, x, out } => {
+            // SAFETY: extents checked by the planner; the workspace belongs to this stream.
+            unsafe { matmul.run(plan, *w, *x, *out, workspace, workspace_bytes, stream) }
+        }
+    }
+}
+
+/// A short name for a step (profiles, logs).
+pub fn label(s: &Resolved) -> String {
+    match s {
+        Resolved::Kernel { name, grid, .. } => {
+            format!("{name} grid {}x{}x{}", grid.0, grid.1, grid.2)
+        }
+        Resolved::Matmul { plan, .. } => {
+            let sh = plan.shape;
+            format!(
+                "cublasLt {} m{} n{} k{} {:?}",
+                suffix(sh.dtype),
+                sh.m,
+                sh.n,
+                sh.k,
+                sh.epilogue
+            )
+        }
+    }
+}
+
+/// Runs the steps `reps` times with an event after every step and returns
+/// each step's mean GPU time in microseconds (steps queued back to back, so
+/// the time between events is the step's own).
+pub fn profile(
+    steps: &[Resolved],
+    matmul: &Matmul,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: &CudaStream,
+    reps: usize,
+) -> Result<Vec<(String, f64)>, BackendError> {
+    let cs = stream.cu_stream();
+    let ev = super::timing::Events::new(steps.len() + 1).cu("cuEventCreate")?;
+    let mut total = vec![0f64; steps.len()];
+    // One untimed pass first.
+    enqueue(steps, matmul, workspace, workspace_bytes, stream)?;
+    for _ in 0..reps.max(1) {
+        // SAFETY: `cs` is the live stream borrowed above.
+        unsafe { ev.record(0, cs) }.cu("cuEventRecord")?;
+        for (i, s) in steps.iter().enumerate() {
+            enqueue_one(s, matmul, workspace, workspace_bytes, cs)?;
+            // SAFETY: as above.
+            unsafe { ev.record(i + 1, cs) }.cu("cuEventRecord")?;
+        }
+        for (i, t) in total.iter_mut().enumerate() {
+            *t += ev.elapsed_ms(i, i + 1).cu("cuEventElapsedTime")? as f64 * 1e3;
+        }
+    }
+    Ok(steps
+        .iter()
+        .zip(total)
+        .map(|(s, t)| (label(s), t / reps.max(1) as f64))
+        .collect())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::model::program::ProgramBuilder;
+
+    const LIMITS: Limits = Limits::new(227 * 1024);
+
+    fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
+        let mut w = Weights::new();
+        let w1 = w.push("0.weight", vec![256, 128], vec![0.0; 256 * 128]);
+        let b1 = w.push("0.bias", vec![256], vec![0.0; 256]);
+        let w2 = w.push("2.weight", vec![10, 256], vec![0.0; 2560]);
+        let b2 = w.push("2.bias", vec![10], vec![0.0; 10]);
+        let mut b = ProgramBuilder::new();
+        let x = b.input("x", InputRole::Features, batch * 128);
+        let h = b.activation("h", batch * 256);
+        let y = b.output("y", batch * 10);
+        b.push(Op::Linear {
+            x,
+            w: w1,
+            bias: Some(b1),
+            act,
+            out: h,
+            m: batch,
+            n: 256,
+            k: 128,
+        });
+        b.push(Op::Linear {
+            x: h,
+            w: w2,
+            bias: Some(b2),
+            act: Activation::Identity,
+            out: y,
+            m: batch,
+            n: 10,
+            k: 256,
+        });
+        (b.finish(batch, 1, y, 10), w)
+    }
+
+    /// A one-layer BERT-shaped program (MiniLM sizes) for planner tests.
+    pub(crate) fn tiny_bert(batch: usize, seq: usize) -> (Program, Weights) {
+        bert_dims(batch, seq, 384, 12, 1536)
+    }
+
+    /// A one-layer BERT-shaped program of the given widths.
+    pub(crate) fn bert_dims(
+        batch: usize,
+        seq: usize,
+        hidden: usize,
+        heads: usize,
+        inter: usize,
+    ) -> (Program, Weights) {
+        let (hd, vocab) = (hidden / heads, 100);
+        let mut w = Weights::new();
+        let z = |n: usize| vec![0.0f32; n];
+        let word = w.push("word", vec![vocab, hidden], z(vocab * hidden));
+        let pos = w.push("pos", vec![512, hidden], z(512 * hidden));
+        let tt = w.push("tt", vec![2, hidden], z(2 * hidden));
+        let g = w.push("g", vec![hidden], z(hidden));
+        let be = w.push("b", vec![hidden], z(hidden));
+        let wqkv = w.push("qkv", vec![3 * hidden, hidden], z(3 * hidden * hidden));
+        let bqkv = w.push("qkv.b", vec![3 * hidden], z(3 * hidden));
+        let wo = w.push("o", vec![hidden, hidden], z(hidden * hidden));
+        let bo = w.push("o.b", vec![hidden], z(hidden));
+        let wi = w.push("i", vec![inter, hidden], z(inter * hidden));
+        let bi = w.push("i.b", vec![inter], z(inter));
+        let wo2 = w.push("o2", vec![hidden, inter], z(inter * hidden));
+        let bo2 = w.push("o2.b", vec![hidden], z(hidden));
+        let rows = batch * seq;
+        let mut b = ProgramBuilder::new();
+        let ids = b.input("ids", InputRole::TokenIds, rows);
+        let mask = b.input("mask", InputRole::AttentionMask, rows);
+        let types = b.input("types", InputRole::TokenTypeIds, rows);
+        let h = b.activation("h", rows * hidden);
+        let qkv = b.activation("qkv", rows * 3 * hidden);
+        let ctx = b.activation("ctx", rows * hidden);
+        let t = b.activation("t", rows * inter);
+        let out = b.output("out", batch * hidden);
+        b.push(Op::EmbedLayerNorm {
+            ids,
+            token_types: types,
+            word,
+            position: pos,
+            token_type: tt,
+            gamma: g,
+            beta: be,
+            eps: 1e-12,
+            out: h,
+            batch,
+            seq,
+            hidden,
+        });
+        b.push(Op::Linear {
+            x: h,
+            w: wqkv,
+            bias: Some(bqkv),
+            act: Activation::Identity,
+            out: qkv,
+            m: rows,
+            n: 3 * hidden,
+            k: hidden,
+        });
+        b.push(Op::Attention {
+            qkv,
+            mask,
+            out: ctx,
+            batch,
+            seq,
+            heads,
+            head_dim: hd,
+        });
+        b.push(Op::Linear {
+            x: ctx,
+            w: wo,
+            bias: Some(bo),
+            act: Activation::Identity,
+            out: qkv,
+            m: rows,
+            n: hidden,
+            k: hidden,
+        });
+        b.push(Op::AddLayerNorm {
+            x: qkv,
+            residual: h,
+            gamma: g,
+            beta: be,
+            eps: 1e-12,
+            out: h,
+            rows,
+            hidden,
+        });
+        b.push(Op::Linear {
+            x: h,
+            w: wi,
+            bias: Some(bi),
+            act: Activation::Gelu,
+            out: t,
+            m: rows,
+            n: inter,
+            k: hidden,
+        });
+        b.push(Op::Linear {
+            x: t,
+            w: wo2,
+            bias: Some(bo2),
+            act: Activation::Identity,
+            out: qkv,
+            m: rows,
+            n: hidden,
+            k: inter,
+        });
+        b.push(Op::AddLayerNorm {
+            x: qkv,
+            residual: h,
+            gamma: g,
+            beta: be,
+            eps: 1e-12,
+            out: h,
+            rows,
+            hidden,
+        });
+        b.push(Op::Pool {
+            x: h,
+            mask,
+            out,
+            batch,
+            seq,
+            hidden,
+            mode: Pooling::Mean,
+            normalize: true,
+        });
+        (b.finish(batch, seq, out, hidden), w)
+    }
+
+    #[test]
+    fn launch_arithmetic() {
+        assert_eq!(ln_threads(384).unwrap(), 96);
+        assert_eq!(ln_threads(768).unwrap(), 192);
+        assert_eq!(ln_threads(1).unwrap(), 32);
+        assert_eq!(ln_threads(8192).unwrap(), 1024);
+        assert!(ln_threads(8193).is_err());
+        assert!(ln_threads(0).is_err());
+        for h in [1, 31, 100, 384, 1000, 4096, 8192] {
+            let t = ln_threads(h).unwrap() as usize;
+            assert_eq!(t % 32, 0);
+            assert!(h <= t * LN_VPT);
+        }
+        assert_eq!(ew_blocks(1), 1);
+        assert_eq!(ew_blocks(256), 1);
+        assert_eq!(ew_blocks(257), 2);
+        assert_eq!(ew_blocks(1 << 30), EW_MAX_BLOCKS);
+        assert_eq!(attention_dmax(32), Some(32));
+        assert_eq!(attention_dmax(33), Some(64));
+        assert_eq!(attention_dmax(64), Some(64));
+        assert_eq!(attention_dmax(80), Some(128));
+        assert_eq!(attention_dmax(129), None);
+        assert_eq!(attention_dmax(0), None);
+        // MiniLM at seq 256: under the default 48 KiB; seq 512 needs the opt-in.
+        assert!(attention_smem_bytes(256, 32) <= 48 * 1024);
+        assert!(attention_smem_bytes(512, 32) > 48 * 1024);
+        assert!(attention_smem_bytes(512, 128) < 227 * 1024);
+        assert_eq!(
+            attention_smem_bytes(16, 32),
+            4 * (32 * 33 + 64 * 33 + 32 * 17)
+        );
+    }
+
+    #[test]
+    fn mlp_f32_is_two_fused_matmuls() {
+        let (p, w) = mlp(32, Activation::Relu);
+        let plan = plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        assert_eq!(plan.matmul_count(), 2);
+        assert_eq!(plan.kernel_count(), 0, "{:?}", plan.steps);
+        assert_eq!(plan.inputs.len(), 1);
+        assert_eq!(plan.input_bytes, align_up(32 * 128 * 4, ALIGN));
+        assert_eq!(plan.output_elems, 320);
+        assert_eq!(plan.arena_bytes, 32 * 256 * 4);
+        match &plan.steps[0] {
+            Step::Matmul {
+                shape,
+                x,
+                out,
+                bias,
+                ..
+            } => {
+                assert_eq!(shape.epilogue, super::super::matmul::Epilogue::ReluBias);
+                assert_eq!((shape.m, shape.n, shape.k), (32, 256, 128));
+                assert!(!shape.tf32);
+                assert_eq!(*x, Loc::Input(0));
+                assert_eq!(*out, Loc::Arena(0));
+                assert!(bias.is_some());
+            }
+            s => panic!("{s:?}"),
+        }
+        match &plan.steps[1] {
+            Step::Matmul { out, .. } => assert_eq!(*out, Loc::Output(0)),
+            s => panic!("{s:?}"),
+        }
+        let tf = super::plan(&p, &w, DType::F32, true, LIMITS).unwrap();
+        assert!(matches!(&tf.steps[0], Step::Matmul { shape, .. } if shape.tf32));
+    }
+
+    #[test]
+    fn mlp_f16_casts_input_and_output() {
+        let (p, w) = mlp(20, Activation::Gelu);
+        let plan = plan(&p, &w, DType::F16, true, LIMITS).unwrap();
+        let names: Vec<String> = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, .. } => name.clone(),
+                Step::Matmul { shape, .. } => format!("mm{:?}", shape.epilogue),
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                "bias_act_f32_f16", // input f32 -> f16
+                "mmBias",           // exact GELU is not fused ...
+                "bias_act_f16_f16", // ... but applied in place
+                "mmBias",           // last layer into f16 scratch
+                "bias_act_f16_f32", // ... converted into the f32 output
+            ]
+        );
+        // tf32 never applies to f16.
+        assert!(plan
+            .steps
+            .iter()
+            .all(|s| !matches!(s, Step::Matmul { shape, .. } if shape.tf32)));
+        assert!(plan.arena_bytes > plan.activation_bytes);
+    }
+
+    #[test]
+    fn small_batches_use_the_skinny_kernel() {
+        let (p, w) = mlp(8, Activation::Relu);
+        let plan = plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        let names: Vec<String> = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, grid, .. } => format!("{name} {}", grid.0),
+                Step::Matmul { .. } => "mm".into(),
+            })
+            .collect();
+        // 256 columns / 4 per block; the last layer writes the f32 output directly.
+        assert_eq!(names, vec!["skinny_f32_f32 64", "skinny_f32_f32 3"]);
+        match &plan.steps[0] {
+            Step::Kernel { args, .. } => {
+                assert_eq!(args[4], Arg::I32(8)); // M
+                assert_eq!(args[7], Arg::I32(act_code(Activation::Relu)));
+                assert_eq!(args[8], Arg::I32(0)); // mode: activation
+            }
+            s => panic!("{s:?}"),
+        }
+        let plan = super::plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let names: Vec<&str> = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, .. } => name.as_str(),
+                Step::Matmul { .. } => "mm",
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec!["bias_act_f32_f16", "skinny_f16_f16", "skinny_f16_f32"]
+        );
+        assert_eq!(plan.counters, 0);
+        // More rows than the kernel handles, or unaligned k: cuBLASLt.
+        assert!(skinny_fits(16, 64, 384, DType::F16) && !skinny_fits(17, 64, 384, DType::F16));
+        assert!(!skinny_fits(4, 8, 12, DType::F16) && skinny_fits(4, 8, 12, DType::F32));
+        assert!(!skinny_fits(4, 8, 10, DType::F32) && !skinny_fits(0, 8, 8, DType::F32));
+        // The MLP's 128 -> 256 layer in f32 qualifies; MiniLM's 384 x 384 in f16 does not.
+        assert!(skinny_fits(8, 256, 128, DType::F32));
+        assert!(!skinny_fits(1, 384, 384, DType::F16));
+    }
+
+    #[test]
+    fn small_bert_fuses_linear_and_layernorm() {
+        // MiniLM's widths go through cuBLASLt even at 16 rows ...
+        let (p, w) = tiny_bert(1, 16);
+        let plan16 = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        assert_eq!(plan16.matmul_count(), 4);
+        assert_eq!(plan16.counters, 0);
+        // ... a narrower encoder through the skinny kernel, fused with its LayerNorms.
+        let (p, w) = bert_dims(1, 16, 64, 2, 256);
+        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let names: Vec<String> = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, args, .. } if name.starts_with("skinny") => {
+                    format!("{name} mode {:?}", args[8])
+                }
+                Step::Kernel { name, .. } => name.clone(),
+                Step::Matmul { .. } => "mm".into(),
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                "embed_ln_f16",
+                "skinny_f16_f16 mode I32(0)", // QKV
+                "attention_tc_f16_d32",
+                "skinny_f16_f16 mode I32(1)", // O + add + LN
+                "skinny_f16_f16 mode I32(0)", // FFN1 + exact GELU
+                "skinny_f16_f16 mode I32(1)", // FFN2 + add + LN
+                "pool_f16",
+            ]
+        );
+        assert_eq!(plan.counters, 2);
+        // The fused kernels write the LayerNorm output (h) and read h as the residual.
+        let h = Loc::Arena(0);
+        for s in &plan.steps {
+            if let Step::Kernel { name, args, .. } = s {
+                if name.starts_with("skinny") && args[8] == Arg::I32(1) {
+                    assert_eq!(args[3], Arg::Ptr(h));
+                    assert_eq!(args[9], Arg::Ptr(h));
+                    assert!(matches!(args[14], Arg::Ptr(Loc::Counter(_))));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn kernels_can_be_switched_off() {
+        let l = LIMITS.with_disabled("skinny, tc_attention,unknown");
+        assert!(!l.skinny && !l.tc_attention);
+        let (p, w) = tiny_bert(1, 16);
+        let plan = plan(&p, &w, DType::F16, false, l).unwrap();
+        assert_eq!(plan.matmul_count(), 4);
+        assert!(plan
+            .steps
+            .iter()
+            .any(|s| matches!(s, Step::Kernel { name, .. } if name == "attention_f16_d32")));
+        assert_eq!(LIMITS.with_disabled(""), LIMITS);
+    }
+
+    #[test]
+    fn liveness() {
+        let (p, _) = tiny_bert(1, 16);
+        // qkv (buffer 4) is overwritten by the next layer's / read by attention.
+        let qkv = BufId(4);
+        assert!(!dead_after(&p.ops, 2, qkv)); // attention reads it
+        assert!(dead_after(&p.ops, 8, qkv)); // nothing after the last LN reads it
+        assert!(dead_after(&p.ops, 5, qkv)); // FFN2 overwrites it
+    }
+
+    #[test]
+    fn bert_layer_plan() {
+        let (p, w) = tiny_bert(2, 16);
+        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        assert_eq!(plan.matmul_count(), 4);
+        // embed, attention, 2 add-LN, GELU, pool
+        assert_eq!(plan.kernel_count(), 6);
+        assert_eq!(
+            plan.inputs.iter().map(|i| i.role).collect::<Vec<_>>(),
+            vec![
+                InputRole::TokenIds,
+                InputRole::AttentionMask,
+                InputRole::TokenTypeIds
+            ]
+        );
+        let att = plan
+            .steps
+            .iter()
+            .find_map(|s| match s {
+                Step::Kernel {
+                    name, grid, smem, ..
+                } if name.starts_with("attention") => Some((name.clone(), *grid, *smem)),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(att.0, "attention_tc_f16_d32");
+        assert_eq!(att.1, (1, 12, 2));
+        assert_eq!(att.2, 0);
+        // f32 keeps the CUDA-core kernel, with dynamic shared memory.
+        let plan32 = super::plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        assert!(plan32
+            .steps
+            .iter()
+            .any(|s| matches!(s, Step::Kernel { name, smem, .. }
+            if name == "attention_f32_d32" && *smem as usize == attention_smem_bytes(16, 32))));
+        match plan.steps.last().unwrap() {
+            Step::Kernel { name, args, .. } => {
+                assert_eq!(name, "pool_f16");
+                assert_eq!(args[2], Arg::Ptr(Loc::Output(0)));
+                assert_eq!(args[5], Arg::I32(0));
+                assert_eq!(args[6], Arg::I32(1));
+            }
+            s => panic!("{s:?}"),
+        }
+    }
+
+    #[test]
+    fn malformed_programs_are_errors() {
+        let (mut p, w) = mlp(2, Activation::Relu);
+        if let Op::Linear { k, .. } = &mut p.ops[0] {
+            *k = 129;
+        }
+        let e = plan(&p, &w, DType::F32, false, LIMITS).unwrap_err();
+        assert!(e.to_string().contains("shape"), "{e}");
+
+        let (mut p, w) = mlp(2, Activation::Relu);
+        p.buffers[1].elems = 10; // activation too small
+        assert!(plan(&p, &w, DType::F32, false, LIMITS).is_err());
+
+        let (p, w) = tiny_bert(1, 600);
+        let e = plan(&p, &w, DType::F32, false, Limits::new(48 * 1024)).unwrap_err();
+        assert!(matches!(e, BackendError::Unsupported(_)), "{e:?}");
+
+        let (mut p, w) = tiny_bert(1, 16);
+        if let Op::Attention { mask, qkv, .. } = &mut p.ops[2] {
+            *mask = *qkv; // a float buffer as the mask
+        }
+        assert!(plan(&p, &w, DType::F32, false, LIMITS).is_err());
+        assert!(plan(&p, &w, DType::I32, false, LIMITS).is_err());
+    }
+
+    #[test]
+    fn codes_match_kernels() {
+        let common = include_str!("../../../kernels/common.cuh");
+        for (a, name) in [
+            (Activation::Identity, "ACT_IDENTITY"),
+            (Activation::Relu, "ACT_RELU"),
+            (Activation::Gelu, "ACT_GELU"),
+            (Activation::GeluTanh, "ACT_GELU_TANH"),
+            (Activation::Tanh, "ACT_TANH"),
+            (Activation::Sigmoid, "ACT_SIGMOID"),
+            (Activation::Silu, "ACT_SILU"),
+        ] {
+            assert!(
+                common.contains(&format!("#define {name} {}\n", act_code(a))),
+                "{name}"
+            );
+        }
+        let pool = include_str!("../../../kernels/pool.cu");
+        assert!(pool.contains(&format!("#define POOL_THREADS {POOL_THREADS}\n")));
+        for (m, name) in [
+            (Pooling::Mean, "POOL_MEAN"),
+            (Pooling::Cls, "POOL_CLS"),
+            (Pooling::Max, "POOL_MAX"),
+        ] {
+            assert!(
+                pool.contains(&format!("#define {name} {}\n", pool_code(m))),
+                "{name}"
+            );
+        }
+        let att = include_str!("../../../kernels/attention.cu");
+        assert!(att.contains(&format!("#define ATT_QT {ATT_QT}\n")));
+        assert!(att.contains(&format!("#define ATT_KC {ATT_KC}\n")));
+        assert!(att.contains(&format!("#define ATT_THREADS {ATT_THREADS}\n")));
+        let tc = include_str!("../../../kernels/attention_tc.cu");
+        assert!(tc.contains("#define TC_WARPS 4\n") && TC_THREADS == 128 && TC_QT == 64);
+        let sk = include_str!("../../../kernels/skinny.cu");
+        assert!(sk.contains(&format!("#define SK_MAXM {SK_MAXM}\n")));
+        assert!(sk.contains(&format!("#define SK_COLS {SK_COLS}\n")));
+        assert!(sk.contains(&format!("#define SK_WARPS {SK_WARPS}\n")));
+        let ln = include_str!("../../../kernels/layernorm.cu");
+        assert!(ln.contains(&format!("#define LN_VPT {LN_VPT}\n")));
+    }
+}

@@ -1,0 +1,510 @@
+//! A captured graph with its static buffers, the shared activation arena, and
+//! the pinned staging slots that let batches overlap.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+
+use super::error::DriverResultExt;
+use super::exec::Plan;
+use super::mem::{align_up, DeviceBuf, PinnedBuf};
+use crate::backend::BackendError;
+use crate::model::batch::{BatchRows, PackTarget};
+use crate::model::InputRole;
+
+/// An activation arena shared by all graphs of one model (only one graph
+/// replays at a time on the worker's stream, so they may share it).
+pub struct Arena {
+    pub buf: DeviceBuf,
+    /// Graphs currently using it.
+    users: AtomicUsize,
+}
+
+impl Arena {
+    pub fn new(buf: DeviceBuf) -> Arc<Arena> {
+        Arc::new(Arena {
+            buf,
+            users: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.buf.bytes()
+    }
+
+    pub fn users(&self) -> usize {
+        self.users.load(Ordering::Relaxed)
+    }
+}
+
+/// Checks that `rows` fit a program of this plan's shape, so packing can
+/// never panic. Errors are [`BackendError::InvalidBatch`].
+pub fn validate_rows(plan: &Plan, rows: &BatchRows) -> Result<(), BackendError> {
+    let bad = |m: String| Err(BackendError::InvalidBatch(m));
+    let n = rows.rows();
+    if n == 0 {
+        return bad("empty batch".into());
+    }
+    if n > plan.batch {
+        return bad(format!("{n} rows for a graph of batch {}", plan.batch));
+    }
+    for slot in &plan.inputs {
+        match (slot.role, rows) {
+            (InputRole::Features, BatchRows::Features { features, data }) => {
+                let want = slot.elems / plan.batch;
+                if *features != want {
+                    return bad(format!("rows of {features} features for a model of {want}"));
+                }
+                if data.len() != n * features {
+                    return bad(format!(
+                        "{} values are not {n} rows of {features}",
+                        data.len()
+                    ));
+                }
+            }
+            (InputRole::Features, BatchRows::Tokens(_)) => {
+                return bad("token rows for a feature model".into());
+            }
+            (_, BatchRows::Features { .. }) => {
+                return bad("feature rows for a token model".into());
+            }
+            (_, BatchRows::Tokens(seqs)) => {
+                if slot.elems != plan.batch * plan.seq {
+                    return bad(format!(
+                        "input of {} elements for {}x{}",
+                        slot.elems, plan.batch, plan.seq
+                    ));
+                }
+                if let Some(longest) = seqs.iter().map(Vec::len).max() {
+                    if longest > plan.seq {
+                        return bad(format!(
+                            "a sequence of {longest} tokens for a graph of seq {}",
+                            plan.seq
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Packs `rows` into a host buffer laid out like the plan's input block.
+///
+/// # Safety
+/// `base` must point at `plan.input_bytes` writable bytes, 4-byte aligned,
+/// that no copy is reading; `rows` must have passed [`validate_rows`].
+pub unsafe fn pack_inputs(plan: &Plan, rows: &BatchRows, base: *mut u8) {
+    for slot in &plan.inputs {
+        let p = base.add(slot.offset);
+        if slot.role == InputRole::Features {
+            let dst = std::slice::from_raw_parts_mut(p as *mut f32, slot.elems);
+            rows.pack(slot.role, plan.seq, PackTarget::F32(dst));
+        } else {
+            let dst = std::slice::from_raw_parts_mut(p as *mut i32, slot.elems);
+            rows.pack(slot.role, plan.seq, PackTarget::I32(dst));
+        }
+    }
+}
+
+/// One in-flight batch's pinned memory: `[input block | output]`.
+pub struct Slot {
+    pinned: PinnedBuf,
+    out_offset: usize,
+    out_elems: usize,
+    pub event: CudaEvent,
+    busy: AtomicBool,
+}
+
+impl Slot {
+    fn new(ctx: &Arc<CudaContext>, plan: &Plan) -> Result<Arc<Slot>, BackendError> {
+        let out_offset = align_up(plan.input_bytes, 64);
+        let pinned = PinnedBuf::alloc(ctx, out_offset + plan.output_elems * 4)
+            .cu("cuMemHostAlloc (staging)")?;
+        let event = ctx.new_event(None).cu("cuEventCreate")?;
+        Ok(Arc::new(Slot {
+            pinned,
+            out_offset,
+            out_elems: plan.output_elems,
+            event,
+            busy: AtomicBool::new(false),
+        }))
+    }
+
+    pub fn input_ptr(&self) -> *mut u8 {
+        self.pinned.as_ptr()
+    }
+
+    /// The first `n` output values.
+    ///
+    /// # Safety
+    /// The copy into the slot must have completed (its event synchronised).
+    pub unsafe fn output(&self, n: usize) -> &[f32] {
+        let n = n.min(self.out_elems);
+        std::slice::from_raw_parts(self.pinned.as_ptr().add(self.out_offset) as *const f32, n)
+    }
+
+    pub fn output_ptr(&self) -> *mut f32 {
+        // SAFETY: in bounds by construction.
+        unsafe { self.pinned.as_ptr().add(self.out_offset) as *mut f32 }
+    }
+
+    pub fn release(&self) {
+        self.busy.store(false, Ordering::Release);
+    }
+
+    pub fn pinned_bytes(&self) -> usize {
+        self.pinned.bytes()
+    }
+}
+
+/// A launched batch (see [`super::CudaBackend`]'s `launch`/`collect`).
+pub struct CudaPending {
+    pub(crate) slot: Arc<Slot>,
+    pub(crate) values: usize,
+    pub(crate) collected: bool,
+}
+
+impl CudaPending {
+    /// Output values this batch returns (`rows · output_dim`).
+    pub fn len(&self) -> usize {
+        self.values
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values == 0
+    }
+}
+
+impl Drop for CudaPending {
+    fn drop(&mut self) {
+        if !self.collected {
+            // Abandoned: the slot may be reused. Its copies are ordered on the
+            // stream before any later batch's, and later batches re-pack the
+            // whole input block, so only the abandoned batch's data is affected.
+            self.slot.release();
+        }
+    }
+}
+
+/// Node counts of a graph by type, e.g. `{"kernel": 40, "memset": 1}`.
+pub fn node_counts(
+    graph: &cudarc::driver::CudaGraph,
+) -> Result<BTreeMap<&'static str, usize>, BackendError> {
+    let graph = graph.cu_graph();
+    let mut n: usize = 0;
+    // SAFETY: a live graph; first call sizes the array.
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
+        .result()
+        .cu("cuGraphGetNodes")?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    let mut n2 = n;
+    // SAFETY: `nodes` holds `n` entries.
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n2) }
+        .result()
+        .cu("cuGraphGetNodes")?;
+    let mut counts = BTreeMap::new();
+    for node in nodes.iter().take(n2) {
+        // Read as u32: an enum value from a newer driver must not become UB.
+        let mut t: u32 = u32::MAX;
+        // SAFETY: writes one CUgraphNodeType (a u32 enum).
+        let _ = unsafe {
+            sys::cuGraphNodeGetType(*node, &mut t as *mut u32 as *mut sys::CUgraphNodeType)
+        };
+        *counts.entry(node_type_name(t)).or_insert(0) += 1;
+    }
+    Ok(counts)
+}
+
+/// The name of a `CUgraphNodeType` value.
+pub fn node_type_name(t: u32) -> &'static str {
+    match t {
+        0 => "kernel",
+        1 => "memcpy",
+        2 => "memset",
+        3 => "host",
+        4 => "child_graph",
+        5 => "empty",
+        6 => "wait_event",
+        7 => "event_record",
+        8 => "ext_semaphore_signal",
+        9 => "ext_semaphore_wait",
+        10 => "MEM_ALLOC",
+        11 => "MEM_FREE",
+        12 => "batch_mem_op",
+        13 => "conditional",
+        _ => "other",
+    }
+}
+
+/// `"42 nodes [kernel:41 memset:1]"`.
+pub fn describe_nodes(counts: &BTreeMap<&'static str, usize>) -> String {
+    let total: usize = counts.values().sum();
+    let parts: Vec<String> = counts.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+    format!("{total} nodes [{}]", parts.join(" "))
+}
+
+/// Device memory of one graph, for metrics and the backend check.
+///
+/// The activation arena is shared by all graphs of a model. The graph whose
+/// capture allocated it (the first, largest one; or one that had to grow it)
+/// is charged for all of it, the graphs that reuse it for none, so the totals
+/// of a model's graphs add up to the memory really used and each graph's
+/// figure is fixed at capture.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct GraphMemory {
+    /// The graph's own static input and output buffers.
+    pub static_bytes: u64,
+    /// Size of the activation arena it uses.
+    pub arena_bytes: u64,
+    /// Bytes of the arena this graph's program needs.
+    pub arena_used_bytes: u64,
+    /// Bytes of the arena charged to this graph (all of it, or 0).
+    pub arena_charged_bytes: u64,
+    /// Graphs sharing the arena now.
+    pub arena_users: u64,
+    /// `static_bytes + arena_charged_bytes` (what `graph_memory_bytes` reports).
+    pub total_bytes: u64,
+    /// Pinned host memory of its staging slots.
+    pub pinned_host_bytes: u64,
+}
+
+/// A captured program: the graph, its static buffers and staging slots.
+/// Field order is drop order: the executable graph goes first.
+pub struct CapturedGraph {
+    pub(crate) exec: cudarc::driver::CudaGraph,
+    pub(crate) plan: Plan,
+    pub(crate) inputs: DeviceBuf,
+    pub(crate) output: DeviceBuf,
+    pub(crate) arena: Arc<Arena>,
+    /// Arena bytes charged to this graph (see [`GraphMemory`]).
+    pub(crate) arena_charge: u64,
+    pub(crate) slots: Vec<Arc<Slot>>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) ctx: Arc<CudaContext>,
+    /// e.g. `"42 nodes [kernel:41 memset:1]"`.
+    pub nodes: String,
+    pub node_counts: BTreeMap<&'static str, usize>,
+}
+
+impl CapturedGraph {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        exec: cudarc::driver::CudaGraph,
+        plan: Plan,
+        inputs: DeviceBuf,
+        output: DeviceBuf,
+        arena: Arc<Arena>,
+        arena_charge: u64,
+        stream: Arc<CudaStream>,
+        ctx: Arc<CudaContext>,
+        node_counts: BTreeMap<&'static str, usize>,
+    ) -> CapturedGraph {
+        arena.users.fetch_add(1, Ordering::Relaxed);
+        CapturedGraph {
+            exec,
+            plan,
+            inputs,
+            output,
+            arena,
+            arena_charge,
+            slots: Vec::new(),
+            stream,
+            ctx,
+            nodes: describe_nodes(&node_counts),
+            node_counts,
+        }
+    }
+
+    pub fn batch(&self) -> usize {
+        self.plan.batch
+    }
+
+    pub fn seq(&self) -> usize {
+        self.plan.seq
+    }
+
+    pub fn output_dim(&self) -> usize {
+        self.plan.output_dim
+    }
+
+    /// A free staging slot, allocating another when all are in flight.
+    pub(crate) fn take_slot(&mut self) -> Result<Arc<Slot>, BackendError> {
+        for s in &self.slots {
+            if s.busy
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Ok(s.clone());
+            }
+        }
+        let s = Slot::new(&self.ctx, &self.plan)?;
+        s.busy.store(true, Ordering::Release);
+        self.slots.push(s.clone());
+        Ok(s)
+    }
+
+    /// Ensures at least `n` staging slots exist (allocated before serving).
+    pub(crate) fn reserve_slots(&mut self, n: usize) -> Result<(), BackendError> {
+        while self.slots.len() < n {
+            self.slots.push(Slot::new(&self.ctx, &self.plan)?);
+        }
+        Ok(())
+    }
+
+    pub fn memory(&self) -> GraphMemory {
+        let static_bytes = (self.inputs.bytes() + self.output.bytes()) as u64;
+        GraphMemory {
+            static_bytes,
+            arena_bytes: self.arena.bytes() as u64,
+            arena_used_bytes: self.plan.arena_bytes as u64,
+            arena_charged_bytes: self.arena_charge,
+            arena_users: self.arena.users() as u64,
+            total_bytes: static_bytes + self.arena_charge,
+            pinned_host_bytes: self.slots.iter().map(|s| s.pinned_bytes() as u64).sum(),
+        }
+    }
+}
+
+impl Drop for CapturedGraph {
+    fn drop(&mut self) {
+        self.arena.users.fetch_sub(1, Ordering::Relaxed);
+        // Let in-flight replays finish before their buffers are freed. Errors
+        // (a faulted device) are ignored: nothing here may panic.
+        let _ = self.stream.synchronize();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::exec::{plan, Limits};
+    use super::*;
+    use crate::model::program::{Op, ProgramBuilder};
+    use crate::model::{Activation, Weights};
+    use crate::tensor::DType;
+
+    fn feature_plan(batch: usize) -> Plan {
+        let mut w = Weights::new();
+        let w1 = w.push("w", vec![3, 4], vec![0.0; 12]);
+        let mut b = ProgramBuilder::new();
+        let x = b.input("x", InputRole::Features, batch * 4);
+        let y = b.output("y", batch * 3);
+        b.push(Op::Linear {
+            x,
+            w: w1,
+            bias: None,
+            act: Activation::Identity,
+            out: y,
+            m: batch,
+            n: 3,
+            k: 4,
+        });
+        plan(
+            &b.finish(batch, 1, y, 3),
+            &w,
+            DType::F32,
+            false,
+            Limits::new(48 << 10),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn batches_are_validated_before_packing() {
+        let p = feature_plan(4);
+        let ok = BatchRows::Features {
+            features: 4,
+            data: vec![1.0; 8],
+        };
+        validate_rows(&p, &ok).unwrap();
+        let cases = [
+            BatchRows::Features {
+                features: 4,
+                data: vec![],
+            },
+            BatchRows::Features {
+                features: 4,
+                data: vec![1.0; 20],
+            },
+            BatchRows::Features {
+                features: 5,
+                data: vec![1.0; 10],
+            },
+            BatchRows::Features {
+                features: 4,
+                data: vec![1.0; 7],
+            },
+            BatchRows::Tokens(vec![vec![1, 2]]),
+        ];
+        for c in cases {
+            assert!(
+                matches!(validate_rows(&p, &c), Err(BackendError::InvalidBatch(_))),
+                "{c:?}"
+            );
+        }
+        let mut buf = vec![7u8; p.input_bytes];
+        unsafe { pack_inputs(&p, &ok, buf.as_mut_ptr()) };
+        let vals: Vec<f32> = buf[..64]
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(&vals[..8], &[1.0; 8]);
+        assert_eq!(&vals[8..16], &[0.0; 8]);
+    }
+
+    #[test]
+    fn token_batches_are_validated() {
+        let (prog, w) = super::super::exec::tests::tiny_bert(2, 8);
+        let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
+        validate_rows(
+            &p,
+            &BatchRows::Tokens(vec![vec![101, 5, 102], vec![101, 102]]),
+        )
+        .unwrap();
+        for c in [
+            BatchRows::Tokens(vec![vec![1; 9]]),
+            BatchRows::Tokens(vec![vec![1]; 3]),
+            BatchRows::Tokens(vec![]),
+            BatchRows::Features {
+                features: 4,
+                data: vec![0.0; 4],
+            },
+        ] {
+            assert!(
+                matches!(validate_rows(&p, &c), Err(BackendError::InvalidBatch(_))),
+                "{c:?}"
+            );
+        }
+        let rows = BatchRows::Tokens(vec![vec![101, 5, 102], vec![101, 102]]);
+        let mut buf = vec![0xffu8; p.input_bytes];
+        unsafe { pack_inputs(&p, &rows, buf.as_mut_ptr()) };
+        let ints = |slot: usize| -> Vec<i32> {
+            let s = &p.inputs[slot];
+            buf[s.offset..s.offset + s.elems * 4]
+                .chunks(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        assert_eq!(
+            ints(0),
+            vec![101, 5, 102, 0, 0, 0, 0, 0, 101, 102, 0, 0, 0, 0, 0, 0]
+        );
+        assert_eq!(
+            ints(1),
+            vec![1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
+        );
+        assert_eq!(ints(2), vec![0; 16]);
+    }
+
+    #[test]
+    fn node_names() {
+        let mut c = BTreeMap::new();
+        c.insert(node_type_name(0), 3);
+        c.insert(node_type_name(2), 1);
+        assert_eq!(describe_nodes(&c), "4 nodes [kernel:3 memset:1]");
+        assert_eq!(node_type_name(10), "MEM_ALLOC");
+        assert_eq!(node_type_name(77), "other");
+    }
+}

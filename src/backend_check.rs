@@ -1,0 +1,1113 @@
+//! `replayd backend-check`: every model and bucket of a config, captured on a
+//! CUDA device and checked against the CPU backend, with replay latency.
+//!
+//! For each model (in config order) and each (batch, seq) bucket of its grid
+//! (captured largest first, as the worker does):
+//!
+//! 1. capture the graph on the GPU (capture time, graph memory, node counts);
+//! 2. replay it on random inputs (random feature rows for MLPs; random token
+//!    ids with random lengths within the bucket for BERT models), and compare
+//!    a few of the rows with the CPU backend's eager run of the same rows
+//!    (MLP: max error relative to the largest reference value; BERT: minimum
+//!    cosine similarity);
+//! 3. time launch → collect of a full batch, one at a time (median, p90, p99),
+//!    and the throughput with two batches in flight.
+//!
+//! Then each model runs once on the eager path at a shape no bucket has
+//! (larger than the largest bucket where the model allows), also against the
+//! CPU. A table goes to stdout, everything to the JSON file. The command
+//! fails (after writing the JSON) when any comparison fails.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context};
+use serde::Serialize;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::{CapturedGraph, CudaBackend, CudaOptions, GraphMemory};
+use crate::backend::{Backend, DeviceInfo};
+use crate::config::{Config, ModelConfig, ModelKind};
+use crate::model::{BatchRows, InputSpec, Model};
+use crate::tensor::DType;
+
+/// Arguments of `replayd backend-check`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct BackendCheckArgs {
+    /// The daemon's config file (models, buckets, dtype, devices).
+    #[arg(long, short = 'c', default_value = "config/replayd.toml")]
+    pub config: PathBuf,
+    /// CUDA device ordinal to check.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Write the results as JSON here.
+    #[arg(long, short = 'o')]
+    pub out: Option<PathBuf>,
+    /// Timed launch→collect round trips per bucket.
+    #[arg(long, default_value_t = 200)]
+    pub iters: usize,
+    /// Untimed round trips per bucket before timing.
+    #[arg(long, default_value_t = 20)]
+    pub warmup: usize,
+    /// Rows per bucket compared with the CPU backend (spread over the batch).
+    #[arg(long, default_value_t = 4)]
+    pub check_rows: usize,
+    /// Threads of the CPU reference backend (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    pub cpu_threads: usize,
+    /// Only these models (comma-separated names; default all).
+    #[arg(long, value_delimiter = ',')]
+    pub models: Vec<String>,
+    /// Only these batch buckets (comma-separated; default the config's).
+    #[arg(long, value_delimiter = ',')]
+    pub batches: Vec<usize>,
+    /// Only these seq buckets (comma-separated; default the config's).
+    #[arg(long, value_delimiter = ',')]
+    pub seqs: Vec<usize>,
+    /// Skip the eager-path check.
+    #[arg(long)]
+    pub no_eager: bool,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0x5eed)]
+    pub seed: u64,
+    /// Reference outputs for a model, `NAME=FILE.jsonl` (repeatable): lines of
+    /// `{"ids": [...], "embedding": [...]}` (BERT; e.g. sentence-transformers
+    /// embeddings of real texts) or `{"input": [[...]], "output": [[...]]}`
+    /// (MLP batches), run through the captured graphs (eager beyond the
+    /// largest seq bucket) and compared.
+    #[arg(long = "reference", value_parser = parse_reference)]
+    pub references: Vec<(String, PathBuf)>,
+}
+
+fn parse_reference(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), PathBuf::from(path)))
+        }
+        _ => Err(format!("expected NAME=FILE, got {s:?}")),
+    }
+}
+
+/// Distribution of round-trip times, in microseconds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Latency {
+    pub iters: usize,
+    pub min_us: f64,
+    pub median_us: f64,
+    pub p90_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+}
+
+impl Latency {
+    pub fn from_samples(mut v: Vec<f64>) -> Latency {
+        if v.is_empty() {
+            return Latency::default();
+        }
+        v.sort_by(|a, b| a.total_cmp(b));
+        let q = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+        Latency {
+            iters: v.len(),
+            min_us: v[0],
+            median_us: q(0.5),
+            p90_us: q(0.9),
+            p99_us: q(0.99),
+            max_us: v[v.len() - 1],
+        }
+    }
+}
+
+/// A comparison with the CPU backend.
+#[derive(Clone, Debug, Serialize)]
+pub struct Check {
+    /// `"max_rel_err"` (MLP) or `"min_cosine"` (BERT).
+    pub metric: &'static str,
+    pub value: f64,
+    pub threshold: f64,
+    pub pass: bool,
+    pub rows: usize,
+    /// Largest element-wise |gpu − cpu|.
+    pub max_abs_err: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BucketResult {
+    pub batch: usize,
+    pub seq: usize,
+    pub capture_ms: f64,
+    pub graph_memory_bytes: u64,
+    pub memory: GraphMemory,
+    pub nodes: String,
+    pub check: Option<Check>,
+    pub latency: Latency,
+    /// Rows per second with two batches in flight.
+    pub throughput_rows_per_s: f64,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct EagerResult {
+    pub batch: usize,
+    pub seq: usize,
+    pub gpu_ms: f64,
+    pub check: Option<Check>,
+    pub error: Option<String>,
+}
+
+/// Agreement with stored reference outputs.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReferenceResult {
+    pub path: PathBuf,
+    /// Texts (BERT) or rows (MLP) compared.
+    pub items: usize,
+    /// Of those, run on the eager path (longer than every seq bucket).
+    pub eager_items: usize,
+    pub check: Option<Check>,
+    /// Mean cosine (BERT) over all items.
+    pub mean_cosine: Option<f64>,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelResult {
+    pub name: String,
+    pub kind: ModelKind,
+    pub dtype: DType,
+    pub allow_tf32: bool,
+    pub weights_bytes: u64,
+    pub upload_ms: f64,
+    pub buckets: Vec<BucketResult>,
+    pub eager: Option<EagerResult>,
+    pub reference: Option<ReferenceResult>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub device: DeviceInfo,
+    pub kernels: String,
+    pub init_ms: f64,
+    pub workspace_bytes: u64,
+    pub cpu_threads: usize,
+    pub models: Vec<ModelResult>,
+    pub failures: Vec<String>,
+    pub pass: bool,
+}
+
+/// xorshift64* (deterministic inputs without a dependency).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// Uniform in [lo, hi] (inclusive).
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// Random rows for a model: `n` feature rows, or `n` token sequences of
+/// random lengths in `[min(2, seq), seq]` (`[CLS]`-like first and
+/// `[SEP]`-like last ids when the vocabulary has them).
+fn random_rows(model: &Model, n: usize, seq: usize, rng: &mut Rng) -> BatchRows {
+    match &model.info.input {
+        InputSpec::Features { features } => BatchRows::Features {
+            features: *features,
+            data: (0..n * features).map(|_| rng.unit()).collect(),
+        },
+        InputSpec::Tokens { vocab_size, .. } => {
+            let vocab = (*vocab_size).max(1);
+            let lo = if vocab > 2000 { 1000 } else { 0 };
+            BatchRows::Tokens(
+                (0..n)
+                    .map(|_| {
+                        let len = rng.range(seq.min(2), seq);
+                        let mut ids: Vec<u32> =
+                            (0..len).map(|_| rng.range(lo, vocab - 1) as u32).collect();
+                        if vocab > 103 && len >= 2 {
+                            ids[0] = 101;
+                            ids[len - 1] = 102;
+                        }
+                        ids
+                    })
+                    .collect(),
+            )
+        }
+    }
+}
+
+/// Rows `idx` of a batch, as a batch of their own.
+fn subset(rows: &BatchRows, idx: &[usize]) -> BatchRows {
+    match rows {
+        BatchRows::Features { features, data } => BatchRows::Features {
+            features: *features,
+            data: idx
+                .iter()
+                .flat_map(|&i| data[i * features..(i + 1) * features].iter().copied())
+                .collect(),
+        },
+        BatchRows::Tokens(seqs) => {
+            BatchRows::Tokens(idx.iter().map(|&i| seqs[i].clone()).collect())
+        }
+    }
+}
+
+/// Up to `k` row indices of `n`, spread out (first and last included).
+fn spread(n: usize, k: usize) -> Vec<usize> {
+    if n == 0 || k == 0 {
+        return Vec::new();
+    }
+    if k >= n {
+        return (0..n).collect();
+    }
+    if k == 1 {
+        return vec![0];
+    }
+    let mut v: Vec<usize> = (0..k).map(|i| i * (n - 1) / (k - 1)).collect();
+    v.dedup();
+    v
+}
+
+/// Acceptance thresholds by model kind and dtype.
+fn threshold(kind: ModelKind, dtype: DType, tf32: bool) -> f64 {
+    match (kind, dtype) {
+        (ModelKind::Mlp, DType::F32) if tf32 => 5e-3,
+        (ModelKind::Mlp, DType::F32) => 1e-5,
+        (ModelKind::Mlp, DType::F16) => 1e-2,
+        (ModelKind::Mlp, _) => 5e-2,
+        (ModelKind::Bert, DType::F32) if tf32 => 0.999,
+        (ModelKind::Bert, DType::F32) => 0.9999,
+        (ModelKind::Bert, DType::F16) => 0.999,
+        (ModelKind::Bert, _) => 0.99,
+    }
+}
+
+/// Compares `gpu` with `cpu` (both `rows × dim`).
+pub fn compare(kind: ModelKind, gpu: &[f32], cpu: &[f32], dim: usize, threshold: f64) -> Check {
+    let rows = cpu.len().checked_div(dim).unwrap_or(0);
+    let max_abs_err = gpu
+        .iter()
+        .zip(cpu)
+        .map(|(g, c)| {
+            let d = (*g as f64 - *c as f64).abs();
+            if d.is_nan() {
+                f64::INFINITY
+            } else {
+                d
+            }
+        })
+        .fold(0.0, f64::max);
+    let length_ok = gpu.len() == cpu.len();
+    match kind {
+        ModelKind::Mlp => {
+            let scale = cpu
+                .iter()
+                .map(|c| (*c as f64).abs())
+                .fold(0.0, f64::max)
+                .max(1e-30);
+            let value = if length_ok {
+                max_abs_err / scale
+            } else {
+                f64::INFINITY
+            };
+            Check {
+                metric: "max_rel_err",
+                value,
+                threshold,
+                pass: value <= threshold,
+                rows,
+                max_abs_err,
+            }
+        }
+        ModelKind::Bert => {
+            let mut min_cos = if length_ok { 1.0f64 } else { f64::NEG_INFINITY };
+            for r in 0..rows.min(gpu.len() / dim.max(1)) {
+                let (g, c) = (&gpu[r * dim..(r + 1) * dim], &cpu[r * dim..(r + 1) * dim]);
+                let dot: f64 = g.iter().zip(c).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let ng: f64 = g.iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt();
+                let nc: f64 = c.iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt();
+                let cos = if ng == 0.0 && nc == 0.0 {
+                    1.0
+                } else {
+                    dot / (ng * nc).max(1e-30)
+                };
+                min_cos = min_cos.min(if cos.is_nan() { f64::NEG_INFINITY } else { cos });
+            }
+            Check {
+                metric: "min_cosine",
+                value: min_cos,
+                threshold,
+                pass: min_cos >= threshold,
+                rows,
+                max_abs_err,
+            }
+        }
+    }
+}
+
+/// The buckets of a model, largest first (as the worker captures them).
+fn buckets(mc: &ModelConfig, args: &BackendCheckArgs) -> Vec<(usize, usize)> {
+    let batches: Vec<usize> = mc
+        .batch_buckets
+        .iter()
+        .copied()
+        .filter(|b| args.batches.is_empty() || args.batches.contains(b))
+        .collect();
+    let seqs: Vec<usize> = match mc.kind {
+        ModelKind::Mlp => vec![1],
+        ModelKind::Bert => mc
+            .seq_buckets
+            .iter()
+            .copied()
+            .filter(|s| args.seqs.is_empty() || args.seqs.contains(s))
+            .collect(),
+    };
+    let mut v: Vec<(usize, usize)> = batches
+        .iter()
+        .flat_map(|&b| seqs.iter().map(move |&s| (b, s)))
+        .collect();
+    v.sort_by_key(|&(b, s)| std::cmp::Reverse((b * s, b, s)));
+    v
+}
+
+/// A shape the eager path must handle: past the largest bucket where allowed.
+fn eager_shape(mc: &ModelConfig, model: &Model) -> (usize, usize) {
+    let max_batch = mc.max_batch_bucket().max(1);
+    match &model.info.input {
+        InputSpec::Features { .. } => (max_batch + 3, 1),
+        InputSpec::Tokens { max_seq_len, .. } => {
+            let max_seq_bucket = mc.seq_buckets.iter().copied().max().unwrap_or(16);
+            let seq = if *max_seq_len > max_seq_bucket {
+                (*max_seq_len).min(max_seq_bucket * 2)
+            } else {
+                max_seq_bucket.saturating_sub(3).max(2)
+            };
+            (3, seq)
+        }
+    }
+}
+
+fn fmt_err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+struct Ctx<'a> {
+    gpu: &'a mut CudaBackend,
+    cpu: &'a mut CpuBackend,
+    args: &'a BackendCheckArgs,
+    rng: Rng,
+    failures: Vec<String>,
+}
+
+fn cpu_reference(
+    cpu: &mut CpuBackend,
+    model: &Model,
+    cpu_weights: &<CpuBackend as Backend>::Weights,
+    rows: &BatchRows,
+    seq: usize,
+) -> anyhow::Result<Vec<f32>> {
+    let program = model.program(rows.rows(), seq);
+    cpu.run_eager(model, cpu_weights, &program, rows)
+        .map_err(|e| anyhow!("CPU reference: {e}"))
+}
+
+fn check_bucket(
+    c: &mut Ctx<'_>,
+    mc: &ModelConfig,
+    model: &Model,
+    gw: &<CudaBackend as Backend>::Weights,
+    cw: &<CpuBackend as Backend>::Weights,
+    (batch, seq): (usize, usize),
+) -> (BucketResult, Option<CapturedGraph>) {
+    let mut res = BucketResult {
+        batch,
+        seq,
+        capture_ms: 0.0,
+        graph_memory_bytes: 0,
+        memory: GraphMemory::default(),
+        nodes: String::new(),
+        check: None,
+        latency: Latency::default(),
+        throughput_rows_per_s: 0.0,
+        error: None,
+    };
+    let program = model.program(batch, seq);
+    let t = Instant::now();
+    let mut graph = match c.gpu.capture(model, gw, &program) {
+        Ok(g) => g,
+        Err(e) => {
+            res.error = Some(format!("capture: {e}"));
+            return (res, None);
+        }
+    };
+    res.capture_ms = t.elapsed().as_secs_f64() * 1e3;
+    res.graph_memory_bytes = c.gpu.graph_memory_bytes(&graph);
+    res.memory = c.gpu.graph_memory(&graph);
+    res.nodes = graph.nodes.clone();
+    let prog_seq = program.seq;
+
+    // Correctness: a full random batch through the graph, a few rows on the CPU.
+    let rows = random_rows(model, batch, prog_seq, &mut c.rng);
+    let out = c
+        .gpu
+        .launch(&mut graph, &rows)
+        .and_then(|p| c.gpu.collect(p));
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => {
+            res.error = Some(format!("replay: {e}"));
+            return (res, Some(graph));
+        }
+    };
+    let dim = model.info.output_dim;
+    let idx = spread(batch, c.args.check_rows);
+    let gpu_rows: Vec<f32> = idx
+        .iter()
+        .flat_map(|&i| out[i * dim..(i + 1) * dim].iter().copied())
+        .collect();
+    match cpu_reference(c.cpu, model, cw, &subset(&rows, &idx), prog_seq) {
+        Ok(cpu_rows) => {
+            let th = threshold(mc.kind, mc.dtype, c.gpu.options().allow_tf32);
+            res.check = Some(compare(mc.kind, &gpu_rows, &cpu_rows, dim, th));
+        }
+        Err(e) => res.error = Some(fmt_err(e)),
+    }
+
+    // Latency: one batch at a time, launch → collect.
+    let inputs: Vec<BatchRows> = (0..4)
+        .map(|_| random_rows(model, batch, prog_seq, &mut c.rng))
+        .collect();
+    let mut samples = Vec::with_capacity(c.args.iters);
+    for i in 0..c.args.warmup + c.args.iters {
+        let t = Instant::now();
+        let r = c
+            .gpu
+            .launch(&mut graph, &inputs[i % inputs.len()])
+            .and_then(|p| c.gpu.collect(p));
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        if let Err(e) = r {
+            res.error = Some(format!("timed replay: {e}"));
+            return (res, Some(graph));
+        }
+        if i >= c.args.warmup {
+            samples.push(us);
+        }
+    }
+    res.latency = Latency::from_samples(samples);
+
+    // Throughput: two batches in flight.
+    let n = c.args.iters.max(2);
+    let t = Instant::now();
+    let mut pending = std::collections::VecDeque::new();
+    for i in 0..n {
+        match c.gpu.launch(&mut graph, &inputs[i % inputs.len()]) {
+            Ok(p) => pending.push_back(p),
+            Err(e) => {
+                res.error = Some(format!("pipelined replay: {e}"));
+                return (res, Some(graph));
+            }
+        }
+        if pending.len() >= 2 {
+            if let Some(p) = pending.pop_front() {
+                if let Err(e) = c.gpu.collect(p) {
+                    res.error = Some(format!("pipelined replay: {e}"));
+                    return (res, Some(graph));
+                }
+            }
+        }
+    }
+    while let Some(p) = pending.pop_front() {
+        if let Err(e) = c.gpu.collect(p) {
+            res.error = Some(format!("pipelined replay: {e}"));
+            return (res, Some(graph));
+        }
+    }
+    res.throughput_rows_per_s = (n * batch) as f64 / t.elapsed().as_secs_f64();
+    (res, Some(graph))
+}
+
+/// One reference item: token ids and embedding, or an MLP batch.
+enum RefItem {
+    Tokens(Vec<u32>, Vec<f32>),
+    Batch(Vec<Vec<f32>>, Vec<Vec<f32>>),
+}
+
+fn read_reference(path: &std::path::Path) -> anyhow::Result<Vec<RefItem>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let floats = |v: &serde_json::Value| -> Option<Vec<f32>> {
+        v.as_array()?
+            .iter()
+            .map(|x| x.as_f64().map(|f| f as f32))
+            .collect()
+    };
+    let mut items = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}:{}", path.display(), i + 1))?;
+        let bad = || {
+            anyhow!(
+                "{}:{}: expected ids+embedding or input+output",
+                path.display(),
+                i + 1
+            )
+        };
+        if let (Some(ids), Some(emb)) = (v.get("ids"), v.get("embedding")) {
+            let ids: Vec<u32> = ids
+                .as_array()
+                .ok_or_else(bad)?
+                .iter()
+                .map(|x| x.as_u64().map(|u| u as u32))
+                .collect::<Option<_>>()
+                .ok_or_else(bad)?;
+            items.push(RefItem::Tokens(ids, floats(emb).ok_or_else(bad)?));
+        } else if let (Some(inp), Some(out)) = (v.get("input"), v.get("output")) {
+            let rows = |x: &serde_json::Value| -> Option<Vec<Vec<f32>>> {
+                x.as_array()?.iter().map(floats).collect()
+            };
+            items.push(RefItem::Batch(
+                rows(inp).ok_or_else(bad)?,
+                rows(out).ok_or_else(bad)?,
+            ));
+        } else {
+            return Err(bad());
+        }
+    }
+    Ok(items)
+}
+
+/// Runs a reference file through the model's graphs (or the eager path).
+fn check_reference(
+    c: &mut Ctx<'_>,
+    mc: &ModelConfig,
+    model: &Model,
+    gw: &<CudaBackend as Backend>::Weights,
+    graphs: &mut [((usize, usize), CapturedGraph)],
+    path: &std::path::Path,
+) -> ReferenceResult {
+    let mut res = ReferenceResult {
+        path: path.to_path_buf(),
+        items: 0,
+        eager_items: 0,
+        check: None,
+        mean_cosine: None,
+        error: None,
+    };
+    let items = match read_reference(path) {
+        Ok(i) => i,
+        Err(e) => {
+            res.error = Some(e.to_string());
+            return res;
+        }
+    };
+    let dim = model.info.output_dim;
+    let th = threshold(mc.kind, mc.dtype, c.gpu.options().allow_tf32);
+    // The smallest captured graph that holds `n` rows of `len` tokens.
+    let pick = |graphs: &[((usize, usize), CapturedGraph)], n: usize, len: usize| {
+        graphs
+            .iter()
+            .enumerate()
+            .filter(|(_, ((b, s), _))| *b >= n && *s >= len)
+            .min_by_key(|(_, ((b, s), _))| (*s, *b))
+            .map(|(i, _)| i)
+    };
+    let mut gpu_all: Vec<f32> = Vec::new();
+    let mut ref_all: Vec<f32> = Vec::new();
+    let result: anyhow::Result<()> = (|| {
+        match mc.kind {
+            ModelKind::Bert => {
+                let mut texts: Vec<(Vec<u32>, Vec<f32>)> = Vec::new();
+                for it in items {
+                    if let RefItem::Tokens(ids, emb) = it {
+                        if emb.len() != dim {
+                            bail!("embedding of {} values for a model of {dim}", emb.len());
+                        }
+                        texts.push((ids, emb));
+                    }
+                }
+                let max_batch = graphs.iter().map(|((b, _), _)| *b).max().unwrap_or(1);
+                // Group by the seq bucket they fall into, keep the file order inside.
+                let mut order: Vec<usize> = (0..texts.len()).collect();
+                let seq_buckets: Vec<usize> = graphs.iter().map(|((_, s), _)| *s).collect();
+                let bucket_of =
+                    |len: usize| seq_buckets.iter().copied().filter(|s| *s >= len).min();
+                order.sort_by_key(|&i| bucket_of(texts[i].0.len()).unwrap_or(usize::MAX));
+                let mut out = vec![0f32; texts.len() * dim];
+                let mut i = 0;
+                while i < order.len() {
+                    let len0 = texts[order[i]].0.len();
+                    let bucket = bucket_of(len0);
+                    let mut j = i;
+                    while j < order.len()
+                        && j - i < max_batch
+                        && bucket_of(texts[order[j]].0.len()) == bucket
+                    {
+                        j += 1;
+                    }
+                    let chunk: Vec<usize> = order[i..j].to_vec();
+                    let longest = chunk.iter().map(|&k| texts[k].0.len()).max().unwrap_or(1);
+                    let rows =
+                        BatchRows::Tokens(chunk.iter().map(|&k| texts[k].0.clone()).collect());
+                    let values = match pick(graphs, chunk.len(), longest) {
+                        Some(g) => {
+                            let graph = &mut graphs[g].1;
+                            c.gpu.launch(graph, &rows).and_then(|p| c.gpu.collect(p))
+                        }
+                        None => {
+                            res.eager_items += chunk.len();
+                            let program = model.program(chunk.len(), longest);
+                            c.gpu.run_eager(model, gw, &program, &rows)
+                        }
+                    }
+                    .map_err(|e| anyhow!("{e}"))?;
+                    for (r, &k) in chunk.iter().enumerate() {
+                        out[k * dim..(k + 1) * dim]
+                            .copy_from_slice(&values[r * dim..(r + 1) * dim]);
+                    }
+                    i = j;
+                }
+                for (k, (_, emb)) in texts.iter().enumerate() {
+                    gpu_all.extend_from_slice(&out[k * dim..(k + 1) * dim]);
+                    ref_all.extend_from_slice(emb);
+                }
+                res.items = texts.len();
+            }
+            ModelKind::Mlp => {
+                for it in items {
+                    if let RefItem::Batch(inp, outp) = it {
+                        let n = inp.len();
+                        let features = inp.first().map(Vec::len).unwrap_or(0);
+                        let rows = BatchRows::Features {
+                            features,
+                            data: inp.concat(),
+                        };
+                        let values = match pick(graphs, n, 1) {
+                            Some(g) => {
+                                let graph = &mut graphs[g].1;
+                                c.gpu.launch(graph, &rows).and_then(|p| c.gpu.collect(p))
+                            }
+                            None => {
+                                res.eager_items += n;
+                                c.gpu.run_eager(model, gw, &model.program(n, 1), &rows)
+                            }
+                        }
+                        .map_err(|e| anyhow!("{e}"))?;
+                        gpu_all.extend_from_slice(&values);
+                        ref_all.extend(outp.concat());
+                        res.items += n;
+                    }
+                }
+            }
+        }
+        Ok(())
+    })();
+    match result {
+        Ok(()) => {
+            let check = compare(mc.kind, &gpu_all, &ref_all, dim, th);
+            if mc.kind == ModelKind::Bert && res.items > 0 {
+                let mut sum = 0.0;
+                for (g, r) in gpu_all.chunks(dim).zip(ref_all.chunks(dim)) {
+                    sum += compare(mc.kind, g, r, dim, th).value;
+                }
+                res.mean_cosine = Some(sum / res.items as f64);
+            }
+            res.check = Some(check);
+        }
+        Err(e) => res.error = Some(e.to_string()),
+    }
+    res
+}
+
+fn check_eager(
+    c: &mut Ctx<'_>,
+    mc: &ModelConfig,
+    model: &Model,
+    gw: &<CudaBackend as Backend>::Weights,
+    cw: &<CpuBackend as Backend>::Weights,
+) -> EagerResult {
+    let (batch, seq) = eager_shape(mc, model);
+    let mut res = EagerResult {
+        batch,
+        seq,
+        gpu_ms: 0.0,
+        check: None,
+        error: None,
+    };
+    let rows = random_rows(model, batch, seq, &mut c.rng);
+    let program = model.program(batch, seq);
+    // Once to warm up (plans, buffers), once timed.
+    let mut out = Err(anyhow!("not run"));
+    for _ in 0..2 {
+        let t = Instant::now();
+        out = c
+            .gpu
+            .run_eager(model, gw, &program, &rows)
+            .map_err(|e| anyhow!("{e}"));
+        res.gpu_ms = t.elapsed().as_secs_f64() * 1e3;
+        if out.is_err() {
+            break;
+        }
+    }
+    match out {
+        Ok(out) => match cpu_reference(c.cpu, model, cw, &rows, program.seq) {
+            Ok(cpu) => {
+                let th = threshold(mc.kind, mc.dtype, c.gpu.options().allow_tf32);
+                res.check = Some(compare(mc.kind, &out, &cpu, model.info.output_dim, th));
+            }
+            Err(e) => res.error = Some(fmt_err(e)),
+        },
+        Err(e) => res.error = Some(format!("eager: {e}")),
+    }
+    res
+}
+
+fn print_row(model: &str, dtype: DType, b: &BucketResult) {
+    let check = match &b.check {
+        Some(c) => format!(
+            "{} {:.3e} {}",
+            if c.metric == "min_cosine" {
+                "cos"
+            } else {
+                "rel"
+            },
+            if c.metric == "min_cosine" {
+                1.0 - c.value
+            } else {
+                c.value
+            },
+            if c.pass { "ok" } else { "FAIL" }
+        ),
+        None => "-".into(),
+    };
+    println!(
+        "{:<14} {:<5} {:>4}x{:<4} {:>9.1} {:>9.2} {:>6} {:<22} {:>9.1} {:>9.1} {:>9.1} {:>12.0}{}",
+        model,
+        dtype.as_str(),
+        b.batch,
+        b.seq,
+        b.capture_ms,
+        b.graph_memory_bytes as f64 / (1 << 20) as f64,
+        b.nodes.split(' ').next().unwrap_or(""),
+        check,
+        b.latency.median_us,
+        b.latency.p90_us,
+        b.latency.p99_us,
+        b.throughput_rows_per_s,
+        b.error
+            .as_ref()
+            .map(|e| format!("  ERROR {e}"))
+            .unwrap_or_default()
+    );
+}
+
+/// Runs the check; see the module docs.
+pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
+    let config =
+        Config::load(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
+    let t0 = Instant::now();
+    let options = CudaOptions::from_config(&config.devices);
+    let mut gpu = CudaBackend::new(args.gpu, options)
+        .map_err(|e| anyhow!("CUDA device {}: {e}", args.gpu))?;
+    let init_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let mut cpu = CpuBackend::new(0, args.cpu_threads);
+    let device = gpu.info();
+    let kernels = format!("{:?}", gpu.kernel_origin());
+    println!(
+        "device: {} (cuda:{}, sm_{:?}, {}), init {init_ms:.0} ms, kernels {kernels}",
+        device.name,
+        device.ordinal,
+        device.compute_capability,
+        device.pci_bus_id.clone().unwrap_or_default()
+    );
+    let workspace_bytes = gpu.workspace_bytes();
+    let mut ctx = Ctx {
+        gpu: &mut gpu,
+        cpu: &mut cpu,
+        args: &args,
+        rng: Rng::new(args.seed),
+        failures: Vec::new(),
+    };
+    let mut models = Vec::new();
+    println!(
+        "{:<14} {:<5} {:>9} {:>9} {:>9} {:>6} {:<22} {:>9} {:>9} {:>9} {:>12}",
+        "model",
+        "dtype",
+        "bucket",
+        "capt_ms",
+        "mem_MiB",
+        "nodes",
+        "check (1-cos | rel)",
+        "p50_us",
+        "p90_us",
+        "p99_us",
+        "rows/s"
+    );
+    for mc in &config.models {
+        if !args.models.is_empty() && !args.models.contains(&mc.name) {
+            continue;
+        }
+        let model = Model::load(mc).with_context(|| format!("loading model {}", mc.name))?;
+        let t = Instant::now();
+        let gw = ctx
+            .gpu
+            .upload(&model)
+            .map_err(|e| anyhow!("{}: upload to GPU: {e}", mc.name))?;
+        let upload_ms = t.elapsed().as_secs_f64() * 1e3;
+        let cw = ctx
+            .cpu
+            .upload(&model)
+            .map_err(|e| anyhow!("{}: upload to CPU: {e}", mc.name))?;
+        let mut mr = ModelResult {
+            name: mc.name.clone(),
+            kind: mc.kind,
+            dtype: mc.dtype,
+            allow_tf32: ctx.gpu.options().allow_tf32,
+            weights_bytes: gw.bytes(),
+            upload_ms,
+            buckets: Vec::new(),
+            eager: None,
+            reference: None,
+        };
+        let mut graphs: Vec<((usize, usize), CapturedGraph)> = Vec::new();
+        for shape in buckets(mc, &args) {
+            let (b, graph) = check_bucket(&mut ctx, mc, &model, &gw, &cw, shape);
+            if let Some(g) = graph {
+                graphs.push((shape, g));
+            }
+            print_row(&mc.name, mc.dtype, &b);
+            if let Some(e) = &b.error {
+                ctx.failures
+                    .push(format!("{} {}x{}: {e}", mc.name, b.batch, b.seq));
+            } else if let Some(c) = b.check.as_ref().filter(|c| !c.pass) {
+                ctx.failures.push(format!(
+                    "{} {}x{}: {} {} beyond {}",
+                    mc.name, b.batch, b.seq, c.metric, c.value, c.threshold
+                ));
+            }
+            let fatal = ctx.gpu.fault().is_some();
+            mr.buckets.push(b);
+            if fatal {
+                break;
+            }
+        }
+        if !args.no_eager && ctx.gpu.fault().is_none() {
+            let e = check_eager(&mut ctx, mc, &model, &gw, &cw);
+            println!(
+                "{:<14} eager {}x{}: {:.2} ms, {}",
+                mc.name,
+                e.batch,
+                e.seq,
+                e.gpu_ms,
+                match (&e.check, &e.error) {
+                    (_, Some(err)) => format!("ERROR {err}"),
+                    (Some(c), None) => format!(
+                        "{} {:.6} {}",
+                        c.metric,
+                        c.value,
+                        if c.pass { "ok" } else { "FAIL" }
+                    ),
+                    (None, None) => "-".into(),
+                }
+            );
+            if let Some(err) = &e.error {
+                ctx.failures.push(format!("{} eager: {err}", mc.name));
+            } else if let Some(c) = e.check.as_ref().filter(|c| !c.pass) {
+                ctx.failures
+                    .push(format!("{} eager: {} {}", mc.name, c.metric, c.value));
+            }
+            mr.eager = Some(e);
+        }
+        if let Some((_, path)) = args.references.iter().find(|(n, _)| *n == mc.name) {
+            if ctx.gpu.fault().is_none() {
+                let r = check_reference(&mut ctx, mc, &model, &gw, &mut graphs, path);
+                println!(
+                    "{:<14} reference {} ({} items, {} eager): {}",
+                    mc.name,
+                    path.display(),
+                    r.items,
+                    r.eager_items,
+                    match (&r.check, &r.error) {
+                        (_, Some(err)) => format!("ERROR {err}"),
+                        (Some(c), None) => format!(
+                            "{} {:.6}{} {}",
+                            c.metric,
+                            c.value,
+                            r.mean_cosine
+                                .map(|m| format!(" (mean {m:.6})"))
+                                .unwrap_or_default(),
+                            if c.pass { "ok" } else { "FAIL" }
+                        ),
+                        (None, None) => "-".into(),
+                    }
+                );
+                if let Some(err) = &r.error {
+                    ctx.failures.push(format!("{} reference: {err}", mc.name));
+                } else if let Some(c) = r.check.as_ref().filter(|c| !c.pass) {
+                    ctx.failures
+                        .push(format!("{} reference: {} {}", mc.name, c.metric, c.value));
+                }
+                mr.reference = Some(r);
+            }
+        }
+        if ctx.gpu.fault().is_some() {
+            // Never drop graphs of a poisoned device.
+            std::mem::forget(graphs);
+        } else {
+            drop(graphs);
+        }
+        models.push(mr);
+        if ctx.gpu.fault().is_some() {
+            break;
+        }
+    }
+    let failures = std::mem::take(&mut ctx.failures);
+    let report = Report {
+        device,
+        kernels,
+        init_ms,
+        workspace_bytes,
+        cpu_threads: cpu.threads(),
+        models,
+        pass: failures.is_empty(),
+        failures: failures.clone(),
+    };
+    if let Some(path) = &args.out {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(f) = gpu.fault() {
+        // The device is poisoned: do not run its destructors.
+        let msg = format!("device fault: {f}");
+        std::mem::forget(gpu);
+        bail!(msg);
+    }
+    if !failures.is_empty() {
+        bail!(
+            "{} check(s) failed:\n  {}",
+            failures.len(),
+            failures.join("\n  ")
+        );
+    }
+    println!("all checks passed");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_percentiles() {
+        let l = Latency::from_samples((1..=100).rev().map(|v| v as f64).collect());
+        assert_eq!(l.iters, 100);
+        assert_eq!(l.min_us, 1.0);
+        assert_eq!(l.max_us, 100.0);
+        assert!((l.median_us - 50.0).abs() <= 1.0);
+        assert!((l.p99_us - 99.0).abs() <= 1.0);
+        assert_eq!(Latency::from_samples(vec![]).iters, 0);
+    }
+
+    #[test]
+    fn comparisons() {
+        let c = compare(ModelKind::Mlp, &[1.0, 2.0], &[1.0, 2.0], 2, 1e-5);
+        assert!(c.pass && c.value == 0.0);
+        let c = compare(ModelKind::Mlp, &[1.0, 2.1], &[1.0, 2.0], 2, 1e-5);
+        assert!(!c.pass && (c.value - 0.05).abs() < 1e-6, "{c:?}");
+        let c = compare(ModelKind::Mlp, &[f32::NAN, 2.0], &[1.0, 2.0], 2, 1e-5);
+        assert!(!c.pass);
+        let c = compare(
+            ModelKind::Bert,
+            &[1.0, 0.0, 0.0, 2.0],
+            &[2.0, 0.0, 0.0, 1.0],
+            2,
+            0.999,
+        );
+        assert!(c.pass && c.rows == 2);
+        let c = compare(ModelKind::Bert, &[1.0, 0.0], &[0.0, 1.0], 2, 0.999);
+        assert!(!c.pass && c.value.abs() < 1e-12);
+        assert!(!compare(ModelKind::Bert, &[1.0], &[1.0, 0.0], 2, 0.9).pass);
+    }
+
+    #[test]
+    fn row_selection_and_subsets() {
+        assert_eq!(spread(1, 4), vec![0]);
+        assert_eq!(spread(8, 4), vec![0, 2, 4, 7]);
+        assert_eq!(spread(3, 4), vec![0, 1, 2]);
+        assert_eq!(spread(128, 2), vec![0, 127]);
+        let rows = BatchRows::Features {
+            features: 2,
+            data: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        };
+        assert_eq!(
+            subset(&rows, &[0, 2]),
+            BatchRows::Features {
+                features: 2,
+                data: vec![1.0, 2.0, 5.0, 6.0]
+            }
+        );
+        let rows = BatchRows::Tokens(vec![vec![1], vec![2, 3], vec![4]]);
+        assert_eq!(subset(&rows, &[1]), BatchRows::Tokens(vec![vec![2, 3]]));
+    }
+
+    #[test]
+    fn random_tokens_fit_the_bucket() {
+        let mut r = Rng::new(1);
+        for _ in 0..1000 {
+            let v = r.range(2, 16);
+            assert!((2..=16).contains(&v));
+            let u = r.unit();
+            assert!((-1.0..1.0).contains(&u));
+        }
+    }
+
+    #[test]
+    fn bucket_order_and_filters() {
+        let c = Config::parse(
+            "[[models]]\nname = \"m\"\nkind = \"bert\"\npath = \"x\"\nbatch_buckets = [1, 8]\nseq_buckets = [16, 128]\n",
+        )
+        .unwrap();
+        let mut args = BackendCheckArgs {
+            config: "x".into(),
+            gpu: 0,
+            out: None,
+            iters: 1,
+            warmup: 0,
+            check_rows: 1,
+            cpu_threads: 1,
+            models: vec![],
+            batches: vec![],
+            seqs: vec![],
+            no_eager: false,
+            seed: 1,
+            references: vec![],
+        };
+        assert_eq!(
+            parse_reference("m=a/b.jsonl"),
+            Ok(("m".into(), PathBuf::from("a/b.jsonl")))
+        );
+        assert!(parse_reference("m").is_err() && parse_reference("=x").is_err());
+        assert_eq!(
+            buckets(&c.models[0], &args),
+            vec![(8, 128), (8, 16), (1, 128), (1, 16)]
+        );
+        args.seqs = vec![16];
+        assert_eq!(buckets(&c.models[0], &args), vec![(8, 16), (1, 16)]);
+        assert!(threshold(ModelKind::Mlp, DType::F32, false) <= 1e-5);
+        assert!(threshold(ModelKind::Bert, DType::F16, false) >= 0.999);
+    }
+}

@@ -1,0 +1,142 @@
+//! CI check: every kernel in `kernels/` compiles with NVRTC for compute
+//! capability 9.0 (H100/H200), to CUBIN and to PTX, and declares exactly the
+//! `extern "C"` entry points the CUDA backend looks up. Needs no GPU and no
+//! CUDA toolkit, only NVRTC (`scripts/install-nvrtc.sh` puts the pinned wheel
+//! into `.nvrtc/`; `REPLAYD_NVRTC_DIR` or `LD_LIBRARY_PATH` may point
+//! elsewhere).
+//!
+//! Without NVRTC the test fails when `CI` is set, and is skipped with a message
+//! otherwise.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use replayd::backend::cuda::kernels::{self, KernelCache, Target};
+use replayd::backend::cuda::libs::{self, CudaLib};
+
+/// The NVRTC release whose CUDA version matches the GPU machines' driver (580 = CUDA 13.0).
+const EXPECTED_NVRTC: (i32, i32) = (13, 0);
+
+fn in_ci() -> bool {
+    std::env::var("CI")
+        .map(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("false"))
+        .unwrap_or(false)
+}
+
+/// Makes NVRTC loadable; `Err` says what was tried.
+fn find_nvrtc() -> Result<String, String> {
+    if CudaLib::Nvrtc.is_present() {
+        return Ok("the loader path".into());
+    }
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    if let Some(d) = std::env::var_os("REPLAYD_NVRTC_DIR") {
+        dirs.extend(std::env::split_paths(&d));
+    }
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    dirs.push(repo.join(".nvrtc/nvidia/cu13/lib"));
+    if let Some(d) = libs::preload_from(CudaLib::Nvrtc, &dirs) {
+        if CudaLib::Nvrtc.is_present() {
+            return Ok(d.display().to_string());
+        }
+    }
+    libs::ensure(CudaLib::Nvrtc)
+        .map(|_| "a standard CUDA location".into())
+        .map_err(|e| {
+            format!(
+                "NVRTC (libnvrtc.so.13) not found. Run `scripts/install-nvrtc.sh` (pip-installs \
+             nvidia-cuda-nvrtc=={}.{}.* into {}/.nvrtc) or set REPLAYD_NVRTC_DIR to a directory \
+             holding libnvrtc.so.13 and libnvrtc-builtins.so.13.0. Searched {dirs:?}; {e}",
+                EXPECTED_NVRTC.0,
+                EXPECTED_NVRTC.1,
+                repo.display()
+            )
+        })
+}
+
+#[test]
+fn kernels_compile_with_nvrtc_for_sm_90() {
+    let found = match find_nvrtc() {
+        Ok(w) => w,
+        Err(msg) if in_ci() => panic!("{msg}"),
+        Err(msg) => {
+            eprintln!("SKIPPED kernels_compile_with_nvrtc_for_sm_90: {msg}");
+            return;
+        }
+    };
+    let version = kernels::nvrtc_version().expect("nvrtcVersion");
+    eprintln!("NVRTC {}.{} from {found}", version.0, version.1);
+    assert_eq!(
+        version.0, EXPECTED_NVRTC.0,
+        "NVRTC major version {} (the GPU machines run CUDA {}.{})",
+        version.0, EXPECTED_NVRTC.0, EXPECTED_NVRTC.1
+    );
+    if version != EXPECTED_NVRTC {
+        eprintln!(
+            "warning: NVRTC {}.{} differs from the GPU driver's CUDA {}.{}",
+            version.0, version.1, EXPECTED_NVRTC.0, EXPECTED_NVRTC.1
+        );
+    }
+    let archs = kernels::supported_archs().expect("supported archs");
+    assert!(
+        archs.contains(&90),
+        "NVRTC does not support sm_90: {archs:?}"
+    );
+    assert_eq!(
+        kernels::choose_target((9, 0), &archs),
+        Ok(Target::Cubin(90))
+    );
+
+    let source = kernels::combined_source();
+    let expected: BTreeSet<String> = kernels::expected_entry_points().into_iter().collect();
+
+    // PTX: the exact set of entry points.
+    let t = Target::Ptx(90);
+    let (ptx, log) = kernels::compile(&source, &kernels::compile_options(t), t)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let text = String::from_utf8_lossy(&ptx);
+    assert!(
+        text.contains(".target sm_90"),
+        "PTX target: {}",
+        &text[..text.len().min(400)]
+    );
+    let entries: BTreeSet<String> = kernels::ptx_entry_points(&text).into_iter().collect();
+    assert_eq!(
+        entries, expected,
+        "PTX entry points differ from expected_entry_points()"
+    );
+    assert!(!log.contains("warning"), "NVRTC warnings:\n{log}");
+
+    // CUBIN for sm_90, as the backend builds it on an H100/H200.
+    let t = Target::Cubin(90);
+    let (cubin, _) = kernels::compile(&source, &kernels::compile_options(t), t)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(&cubin[..4], b"\x7fELF", "not an ELF CUBIN");
+    for name in &expected {
+        assert!(
+            kernels::cubin_has_symbol(&cubin, name),
+            "CUBIN lacks {name}"
+        );
+    }
+
+    // The disk cache with a real image: compiled once, then loaded.
+    let dir = tempfile::tempdir().unwrap();
+    let cache = KernelCache::new(dir.path());
+    let (img1, key, origin1) = kernels::build_image(t, Some(&cache)).unwrap();
+    assert!(
+        matches!(
+            origin1,
+            kernels::ImageOrigin::Compiled {
+                stored: Some(_),
+                ..
+            }
+        ),
+        "{origin1:?}"
+    );
+    let (img2, key2, origin2) = kernels::build_image(t, Some(&cache)).unwrap();
+    assert!(
+        matches!(origin2, kernels::ImageOrigin::Cache(_)),
+        "{origin2:?}"
+    );
+    assert_eq!(key, key2);
+    assert_eq!(img1, img2);
+}
