@@ -7,7 +7,7 @@ run: model
 
 # Everything CI runs: lint, then every test (needs the model and NVRTC).
 test: model nvrtc lint
-	. scripts/nvrtc-env.sh && cargo test --all-targets
+	cargo test --all-targets
 
 model:
 	scripts/fetch-model.sh

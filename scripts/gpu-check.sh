@@ -88,7 +88,7 @@ TOML
 if [ "$BACKEND" = cuda ]; then
   log "backend check"
   cp "$WORK/models.toml" "$WORK/check.toml"
-  if ! "$BIN/replayd" backend-check --config "$WORK/check.toml" --json "$OUT/backend_check.json" > "$OUT/backend_check.log" 2>&1; then
+  if ! "$BIN/replayd" backend-check --config "$WORK/check.toml" --out "$OUT/backend_check.json" --iters 300 > "$OUT/backend_check.log" 2>&1; then
     fail "backend check (see backend_check.log)"
   fi
   tail -60 "$OUT/backend_check.log"

@@ -108,7 +108,13 @@ pub struct DeviceState {
     stop_waiters: Vec<RpcReplyPort<()>>,
     fault_waiters: Vec<RpcReplyPort<Result<String, String>>>,
     socket_path: Option<PathBuf>,
+    /// When the last worker exited with a device fault: NVML reports the
+    /// same fault as an Xid a moment later, which must not kill its successor.
+    last_fault_exit: Option<std::time::Instant>,
 }
+
+/// Xid reports this soon after a device-fault exit are that fault's echo.
+const FAULT_ECHO_WINDOW: Duration = Duration::from_secs(10);
 
 pub struct DeviceActor;
 
@@ -136,6 +142,7 @@ impl Actor for DeviceActor {
             stop_waiters: Vec::new(),
             fault_waiters: Vec::new(),
             socket_path: None,
+            last_fault_exit: None,
         })
     }
 
@@ -162,9 +169,16 @@ impl Actor for DeviceActor {
             DeviceMsg::Run { batch, attempt } => state.run(&batch, attempt),
             DeviceMsg::InjectFault(port) => state.inject_fault(port),
             DeviceMsg::Kill { reason } => {
-                tracing::warn!(device = %state.args.label, "killing worker: {reason}");
-                state.set_error(reason);
-                state.kill_worker();
+                if state
+                    .last_fault_exit
+                    .is_some_and(|t| t.elapsed() < FAULT_ECHO_WINDOW)
+                {
+                    tracing::info!(device = %state.args.label, "ignoring {reason}: the worker already exited for a device fault");
+                } else {
+                    tracing::warn!(device = %state.args.label, "killing worker: {reason}");
+                    state.set_error(reason);
+                    state.kill_worker();
+                }
             }
             DeviceMsg::Stop(port) => state.stop(&myself, port),
             DeviceMsg::Spawn => state.spawn(&myself).await,
@@ -467,6 +481,7 @@ impl DeviceState {
             _ => "unknown exit".to_string(),
         };
         if code == Some(ipc::EXIT_DEVICE_FAULT) {
+            self.last_fault_exit = Some(std::time::Instant::now());
             self.args
                 .metrics
                 .update_device(self.args.metrics_index, |d| d.device_faults += 1);

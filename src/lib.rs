@@ -29,6 +29,7 @@ pub mod config;
 pub mod control;
 pub mod device;
 pub mod frontend;
+pub mod gpu_health;
 pub mod metrics;
 pub mod model;
 pub mod notify;

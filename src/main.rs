@@ -37,6 +37,9 @@ struct Cli {
 enum Command {
     /// Run the daemon (the default).
     Serve,
+    /// Capture every bucket on a CUDA device, compare it with the CPU
+    /// backend on random inputs, and time replays (for the GPU check).
+    BackendCheck(replayd::backend_check::BackendCheckArgs),
     /// Run one device's worker process (started by the daemon).
     #[command(hide = true)]
     Worker(replayd::worker::WorkerArgs),
@@ -52,6 +55,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Some(Command::Worker(args)) => std::process::exit(replayd::worker::run(args)),
+        Some(Command::BackendCheck(args)) => replayd::backend_check::run(args),
         Some(Command::Serve) | None => serve(cli.config, cli.ready_file),
     }
 }

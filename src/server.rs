@@ -222,6 +222,9 @@ pub async fn run(
     .context("cannot start the batcher")?;
 
     let model_names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
+    let uses_cuda = planned
+        .iter()
+        .any(|d| d.worker.backend == WorkerBackend::Cuda);
     let device_args: Vec<DeviceArgs> = planned
         .into_iter()
         .enumerate()
@@ -249,6 +252,14 @@ pub async fn run(
             fault_injection: config.devices.fault_injection,
         })
         .collect();
+    let gpu_slots: Vec<crate::gpu_health::GpuSlot> = device_args
+        .iter()
+        .map(|d| crate::gpu_health::GpuSlot {
+            slot: d.device,
+            metrics_index: d.metrics_index,
+            ordinal: d.worker.ordinal,
+        })
+        .collect();
     let (supervisor, supervisor_handle) = Actor::spawn(
         None,
         Supervisor,
@@ -260,6 +271,15 @@ pub async fn run(
     .await
     .context("cannot start the supervisor")?;
 
+    // NVML calls block (briefly): keep them off the async workers.
+    let _gpu_health = if uses_cuda {
+        let (m, s) = (metrics.clone(), supervisor.clone());
+        tokio::task::spawn_blocking(move || crate::gpu_health::start(gpu_slots, m, s))
+            .await
+            .ok()
+    } else {
+        None
+    };
     let frontend = Arc::new(Frontend::new(
         models,
         batcher.clone(),

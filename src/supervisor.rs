@@ -18,6 +18,8 @@ pub enum SupervisorMsg {
     Devices(RpcReplyPort<Vec<ActorRef<DeviceMsg>>>),
     /// Stop every worker (daemon shutdown); answers when all have exited.
     StopAll(RpcReplyPort<()>),
+    /// Kill these devices' workers (NVML reported their GPU unhealthy); they restart.
+    Kill { slots: Vec<usize>, reason: String },
 }
 
 pub struct SupervisorArgs {
@@ -90,6 +92,15 @@ impl Actor for Supervisor {
         match msg {
             SupervisorMsg::Devices(port) => {
                 let _ = port.send(state.children.clone());
+            }
+            SupervisorMsg::Kill { slots, reason } => {
+                for slot in slots {
+                    if let Some(child) = state.children.get(slot) {
+                        let _ = child.cast(DeviceMsg::Kill {
+                            reason: reason.clone(),
+                        });
+                    }
+                }
             }
             SupervisorMsg::StopAll(port) => {
                 state.stopping = true;
