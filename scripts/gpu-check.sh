@@ -21,7 +21,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 BACKEND=${GPU_CHECK_BACKEND:-cuda}
-BIN=${GPU_CHECK_BIN:-.carry/bin}
+BIN=${GPU_CHECK_BIN:-}
+if [ -z "$BIN" ]; then  # binaries staged by scripts/gpu-carry.sh
+  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xzf .carry/bin.tar.gz
+fi
 MODEL=${GPU_CHECK_MODEL:-.carry/minilm-f16}
 MLP=tests/data/mlp_seed.safetensors
 TEXTS=tests/data/minilm_set_a.jsonl
@@ -87,7 +90,8 @@ seq_buckets = [16, 32, 64, 128]
 TOML
 if [ "$BACKEND" = cuda ]; then
   log "backend check"
-  cp "$WORK/models.toml" "$WORK/check.toml"
+  # The default grid (seq up to 256) for the per-bucket check.
+  sed 's/seq_buckets = \[16, 32, 64, 128\]/seq_buckets = [16, 32, 64, 128, 256]/' "$WORK/models.toml" > "$WORK/check.toml"
   if ! "$BIN/replayd" backend-check --config "$WORK/check.toml" --out "$OUT/backend_check.json" --iters 300 > "$OUT/backend_check.log" 2>&1; then
     fail "backend check (see backend_check.log)"
   fi

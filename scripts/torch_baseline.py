@@ -72,13 +72,23 @@ texts = [json.loads(l)["text"] for l in open(texts_path)]
 
 
 def encoder(dtype):
-    m = AutoModel.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="eager")
+    try:
+        m = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    except TypeError:  # older transformers
+        m = AutoModel.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="eager")
     return m.to(dev).eval()
+
+
+def sentence_transformer(dtype):
+    try:
+        return SentenceTransformer(model_dir, device="cuda", model_kwargs={"dtype": dtype})
+    except TypeError:
+        return SentenceTransformer(model_dir, device="cuda", model_kwargs={"torch_dtype": dtype})
 
 
 for dtype, name in [(torch.float32, "f32"), (torch.float16, "f16")]:
     bert = encoder(dtype)
-    for b, s in [(1, 16), (32, 128)]:
+    for b, s in [(1, 16), (32, 128), (128, 128)]:
         ids = torch.randint(1000, 20000, (b, s), device=dev)
         mask = torch.ones(b, s, dtype=torch.long, device=dev)
 
@@ -96,13 +106,13 @@ for dtype, name in [(torch.float32, "f32"), (torch.float16, "f16")]:
 # --- Reference embeddings (f32) and sentence-transformers throughput.
 from sentence_transformers import SentenceTransformer  # noqa: E402
 
-st = SentenceTransformer(model_dir, device="cuda", model_kwargs={"torch_dtype": torch.float32})
+st = sentence_transformer(torch.float32)
 emb = st.encode(texts, batch_size=64, convert_to_numpy=True, normalize_embeddings=False)
 with open(f"{out_dir}/reference_f32.jsonl", "w") as f:
     for t, e in zip(texts, emb):
         f.write(json.dumps({"text": t, "embedding": [float(v) for v in e]}) + "\n")
 for dtype, name in [(torch.float32, "f32"), (torch.float16, "f16")]:
-    st = SentenceTransformer(model_dir, device="cuda", model_kwargs={"torch_dtype": dtype})
+    st = sentence_transformer(dtype)
     corpus = texts * 10
     st.encode(corpus[:256], batch_size=128)
     torch.cuda.synchronize()

@@ -135,6 +135,9 @@ pub struct DevicesConfig {
     pub cpu_threads: usize,
     /// Allow TF32 tensor cores for f32 models (faster, ~1e-3 relative error).
     pub allow_tf32: bool,
+    /// Pick cuBLASLt algorithms by timing them at capture (may be faster;
+    /// results then differ in the last bits between GPUs and restarts).
+    pub matmul_autotune: bool,
     /// Enable the `inject-fault` control command (tests only).
     pub fault_injection: bool,
     /// First delay before restarting a dead worker, in milliseconds (doubles up to the max).
@@ -154,6 +157,7 @@ impl Default for DevicesConfig {
             cpu_devices: 1,
             cpu_threads: 0,
             allow_tf32: false,
+            matmul_autotune: false,
             fault_injection: false,
             restart_backoff_ms: 100,
             restart_backoff_max_ms: 10_000,

@@ -111,6 +111,8 @@ pub struct DeviceState {
     /// When the last worker exited with a device fault: NVML reports the
     /// same fault as an Xid a moment later, which must not kill its successor.
     last_fault_exit: Option<std::time::Instant>,
+    /// The worker was killed because its GPU reported a fault (NVML).
+    killed_for_fault: bool,
 }
 
 /// Xid reports this soon after a device-fault exit are that fault's echo.
@@ -143,6 +145,7 @@ impl Actor for DeviceActor {
             fault_waiters: Vec::new(),
             socket_path: None,
             last_fault_exit: None,
+            killed_for_fault: false,
         })
     }
 
@@ -177,6 +180,7 @@ impl Actor for DeviceActor {
                 } else {
                     tracing::warn!(device = %state.args.label, "killing worker: {reason}");
                     state.set_error(reason);
+                    state.killed_for_fault = state.pid.is_some();
                     state.kill_worker();
                 }
             }
@@ -474,13 +478,16 @@ impl DeviceState {
         if let Some(path) = self.socket_path.take() {
             let _ = std::fs::remove_file(path);
         }
+        let device_fault =
+            code == Some(ipc::EXIT_DEVICE_FAULT) || std::mem::take(&mut self.killed_for_fault);
         let how = match (code, signal) {
             (Some(ipc::EXIT_DEVICE_FAULT), _) => "device fault".to_string(),
+            (None, Some(9)) if device_fault => "killed: its GPU reported a fault".to_string(),
             (Some(c), _) => format!("exit status {c}"),
             (None, Some(s)) => format!("signal {s}"),
             _ => "unknown exit".to_string(),
         };
-        if code == Some(ipc::EXIT_DEVICE_FAULT) {
+        if device_fault {
             self.last_fault_exit = Some(std::time::Instant::now());
             self.args
                 .metrics

@@ -11,6 +11,12 @@ use ractor::ActorRef;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Xids that report a fault of one application's context (13: engine
+/// exception, 31: MMU fault such as an illegal address, 43: stopped
+/// processing, 45: preemptive cleanup). The faulting worker sees a sticky
+/// error and exits by itself; the GPU and other processes on it are fine.
+const APPLICATION_XIDS: [u64; 4] = [13, 31, 43, 45];
+
 /// How often GPU samples are refreshed.
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 
@@ -61,6 +67,12 @@ pub fn start(
                 .filter(|(u, _)| *u == uuid)
                 .map(|(_, s)| *s)
                 .collect();
+            if let GpuEvent::CriticalXid(Some(x)) = event {
+                if APPLICATION_XIDS.contains(&x) {
+                    tracing::warn!("NVML: Xid {x} on {uuid} (an application fault; its worker restarts itself)");
+                    return;
+                }
+            }
             let reason = match event {
                 GpuEvent::CriticalXid(Some(x)) => format!("NVML: critical Xid {x} on {uuid}"),
                 GpuEvent::CriticalXid(None) => format!("NVML: critical Xid on {uuid}"),

@@ -65,10 +65,7 @@ pub fn run(args: WorkerArgs, config: Config, rx: Receiver<Command>, tx: Unbounde
             serve(backend, &args, &config, &rx, &link)
         }
         WorkerBackend::Cuda => {
-            let options = crate::backend::cuda::CudaOptions {
-                allow_tf32: config.devices.allow_tf32,
-                kernel_cache_dir: config.devices.kernel_cache_dir.clone(),
-            };
+            let options = crate::backend::cuda::CudaOptions::from_config(&config.devices);
             match crate::backend::cuda::CudaBackend::new(args.ordinal, options) {
                 Ok(backend) => serve(backend, &args, &config, &rx, &link),
                 Err(e) => link.die(

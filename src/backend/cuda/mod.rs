@@ -56,6 +56,10 @@ pub struct CudaOptions {
     /// Where compiled kernels are cached; `None`: the default
     /// ([`kernels::resolve_cache_dir`]).
     pub kernel_cache_dir: Option<PathBuf>,
+    /// Time cuBLASLt's candidate algorithms at capture and keep the fastest,
+    /// instead of taking its heuristic's first choice. Timing makes the
+    /// choice (and the last bits of results) vary between GPUs and restarts.
+    pub matmul_autotune: bool,
 }
 
 impl CudaOptions {
@@ -63,6 +67,7 @@ impl CudaOptions {
         CudaOptions {
             allow_tf32: devices.allow_tf32,
             kernel_cache_dir: devices.kernel_cache_dir.clone(),
+            matmul_autotune: devices.matmul_autotune,
         }
     }
 }
@@ -573,7 +578,9 @@ impl CudaBackend {
             &inner.kernels,
             &mut inner.matmul,
             ws.bytes(),
-            Some((ws.ptr(), &inner.stream)),
+            self.options
+                .matmul_autotune
+                .then_some((ws.ptr(), &inner.stream)),
         )?;
         ctx.bind_to_thread().cu("bind context")?;
         // Warm-up (module loading, cuBLASLt kernel selection), outside the capture.
