@@ -111,6 +111,8 @@ struct DeviceSlot {
     kind: DeviceKind,
     healthy: bool,
     inflight: usize,
+    /// Batches ever sent, to spread ties evenly over devices.
+    dispatched: u64,
 }
 
 type QueueKey = (Reverse<u8>, u64);
@@ -206,6 +208,7 @@ impl Scheduler {
             kind,
             healthy: false,
             inflight: 0,
+            dispatched: 0,
         });
         self.devices.len() - 1
     }
@@ -360,7 +363,7 @@ impl Scheduler {
                 break;
             };
             self.retries.pop_front();
-            self.devices[device].inflight += 1;
+            self.mark_dispatched(device);
             actions.push(Action::Redispatch { device, batch });
         }
         while let Some(device) = self.pick_device(DeviceKind::Eager) {
@@ -372,7 +375,7 @@ impl Scheduler {
             if let Some(deadline) = req.deadline {
                 self.deadlines.remove(&(deadline, req.id));
             }
-            self.devices[device].inflight += 1;
+            self.mark_dispatched(device);
             actions.push(Action::Dispatch {
                 device,
                 plan: BatchPlan {
@@ -389,7 +392,7 @@ impl Scheduler {
                 break;
             };
             let plan = self.take_batch(model, seq);
-            self.devices[device].inflight += 1;
+            self.mark_dispatched(device);
             actions.push(Action::Dispatch { device, plan });
         }
         actions
@@ -412,12 +415,20 @@ impl Scheduler {
         }
     }
 
+    fn mark_dispatched(&mut self, device: DeviceId) {
+        let slot = &mut self.devices[device];
+        slot.inflight += 1;
+        slot.dispatched += 1;
+    }
+
+    /// The healthy device of `kind` with room and the fewest batches in
+    /// flight; ties go to the one that has had the fewest batches overall.
     fn pick_device(&self, kind: DeviceKind) -> Option<DeviceId> {
         self.devices
             .iter()
             .enumerate()
             .filter(|(_, d)| d.kind == kind && d.healthy && d.inflight < self.config.max_inflight)
-            .min_by_key(|(i, d)| (d.inflight, *i))
+            .min_by_key(|(i, d)| (d.inflight, d.dispatched, *i))
             .map(|(i, _)| i)
     }
 
@@ -769,6 +780,25 @@ mod tests {
                 batch: 78
             }
         );
+    }
+
+    #[test]
+    fn idle_ties_are_spread_over_devices() {
+        let mut s = scheduler();
+        let a = s.add_device(DeviceKind::Graph);
+        let b = s.add_device(DeviceKind::Graph);
+        s.set_healthy(a, true);
+        s.set_healthy(b, true);
+        let t0 = Instant::now();
+        let mut used = Vec::new();
+        for id in 0..4 {
+            s.enqueue(req(id, 0, 1, 1, t0)).unwrap();
+            let out = dispatched(&s.poll(t0));
+            let device = out[0].0;
+            s.completed(device);
+            used.push(device);
+        }
+        assert_eq!(used, vec![a, b, a, b]);
     }
 
     #[test]
