@@ -29,8 +29,12 @@ dev = torch.device("cuda")
 results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
 
 
-def replay_latency(fn, iters=2000):
-    """Capture fn() in a CUDA graph; time replay + synchronize, per call."""
+def replay_latency(fn, iters=2000, static_input=None):
+    """Capture fn() in a CUDA graph; time replay + synchronize, per call.
+
+    With `static_input` (the GPU tensor fn reads), also time the round trip a
+    server makes: copy a pinned host batch in, replay, copy the output out to
+    pinned host memory, synchronize."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -43,18 +47,33 @@ def replay_latency(fn, iters=2000):
     for _ in range(50):
         g.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        g.replay()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    samples.sort()
-    return {
-        "p50_us": statistics.median(samples),
-        "p90_us": samples[int(0.9 * len(samples))],
-        "p99_us": samples[int(0.99 * len(samples))],
-    }, out
+
+    def timed(step):
+        samples = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t0) * 1e6)
+        samples.sort()
+        return {
+            "p50_us": statistics.median(samples),
+            "p90_us": samples[int(0.9 * len(samples))],
+            "p99_us": samples[int(0.99 * len(samples))],
+        }
+
+    result = timed(g.replay)
+    if static_input is not None:
+        host_in = static_input.detach().cpu().pin_memory()
+        host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+
+        def round_trip():
+            static_input.copy_(host_in, non_blocking=True)
+            g.replay()
+            host_out.copy_(out, non_blocking=True)
+
+        result["with_copies"] = timed(round_trip)
+    return result, out
 
 
 # --- MLP 128 -> 256 ReLU -> 10, f32, batch 8
@@ -64,7 +83,7 @@ mlp.load_state_dict(sd)
 mlp = mlp.to(dev).eval()
 x = torch.randn(8, 128, device=dev)
 with torch.no_grad():
-    results["mlp_f32_b8"], _ = replay_latency(lambda: mlp(x))
+    results["mlp_f32_b8"], _ = replay_latency(lambda: mlp(x), static_input=x)
 
 # --- MiniLM through transformers (what sentence-transformers runs), pooled.
 from transformers import AutoModel  # noqa: E402
@@ -94,16 +113,21 @@ for dtype, name in [(torch.float32, "f32"), (torch.float16, "f16")]:
         mask = torch.ones(b, s, dtype=torch.long, device=dev)
 
         def fwd():
-            # The mask is all ones: pass none, so transformers does no
-            # data-dependent mask processing (which would break capture).
-            h = bert(input_ids=ids).last_hidden_state
+            # BertModel.forward builds its attention mask with host-side
+            # work that cannot be captured (transformers 5), so run its own
+            # embedding and encoder-layer modules; the mask is all ones, so
+            # none is needed.
+            h = bert.embeddings(input_ids=ids)
+            for layer in bert.encoder.layer:
+                h = layer(h, attention_mask=None)
+                h = h[0] if isinstance(h, tuple) else h
             m = mask.unsqueeze(-1).to(h.dtype)
             e = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
             return torch.nn.functional.normalize(e.float(), dim=-1)
 
         try:
             with torch.no_grad():
-                r, _ = replay_latency(fwd, iters=1000)
+                r, _ = replay_latency(fwd, iters=1000, static_input=ids)
             r["rows_per_s"] = b / r["p50_us"] * 1e6
             results[f"minilm_{name}_{b}x{s}"] = r
         except Exception:
@@ -111,6 +135,29 @@ for dtype, name in [(torch.float32, "f32"), (torch.float16, "f16")]:
             results[f"minilm_{name}_{b}x{s}"] = {"error": traceback.format_exc(limit=2)}
     del bert
     torch.cuda.empty_cache()
+
+# --- Sanity: the captured forward above computes what sentence-transformers does.
+try:
+    from sentence_transformers import SentenceTransformer  # noqa: E402
+
+    bert = encoder(torch.float32)
+    st = sentence_transformer(torch.float32)
+    sample = texts[:16]
+    with torch.no_grad():
+        want = st.encode(sample, convert_to_tensor=True).float()
+        worst = 1.0
+        for t, w in zip(sample, want):
+            ids = st.tokenizer(t, return_tensors="pt", truncation=True, max_length=256)["input_ids"].to(dev)
+            h = bert.embeddings(input_ids=ids)
+            for layer in bert.encoder.layer:
+                h = layer(h, attention_mask=None)
+                h = h[0] if isinstance(h, tuple) else h
+            got = torch.nn.functional.normalize(h.mean(1).float(), dim=-1)[0]
+            worst = min(worst, torch.nn.functional.cosine_similarity(got, w, dim=0).item())
+    results["baseline_forward_vs_sentence_transformers_min_cosine"] = worst
+    del bert, st
+except Exception:
+    traceback.print_exc()
 
 # --- Reference embeddings (f32) and sentence-transformers throughput.
 from sentence_transformers import SentenceTransformer  # noqa: E402
