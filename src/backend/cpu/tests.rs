@@ -765,3 +765,89 @@ fn minilm_throughput_32x128() {
         );
     }
 }
+
+/// Steady-state throughput at (32, 128), for comparing changes by hand:
+/// `cargo test --release --lib minilm_throughput_32x128_steady -- --ignored --nocapture`
+/// (`REPLAYD_BENCH_ITERS` replays per case, default 10, after one warm-up).
+#[test]
+#[ignore = "benchmark, run by hand"]
+fn minilm_throughput_32x128_steady() {
+    let model = minilm();
+    let lines = minilm_reference();
+    let iters: usize = std::env::var("REPLAYD_BENCH_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let mut backend = CpuBackend::new(0, THREADS);
+    let weights = backend.upload(model).unwrap();
+    let mut graph = backend
+        .capture(model, &weights, &model.program(32, 128))
+        .unwrap();
+    let full = BatchRows::Tokens(vec![
+        lines[5].ids.iter().copied().cycle().take(128).collect();
+        32
+    ]);
+    let real = BatchRows::Tokens(
+        lines
+            .iter()
+            .skip(10)
+            .take(32)
+            .map(|l| l.ids.clone())
+            .collect(),
+    );
+    for (name, rows, trim) in [
+        ("128-token texts", &full, true),
+        ("reference texts, padded", &real, false),
+        ("reference texts", &real, true),
+    ] {
+        backend.set_trim_padding(trim);
+        let p = backend.launch(&mut graph, rows).unwrap();
+        backend.collect(p).unwrap();
+        let mut times: Vec<f64> = (0..iters)
+            .map(|_| {
+                let start = Instant::now();
+                let p = backend.launch(&mut graph, rows).unwrap();
+                backend.collect(p).unwrap();
+                start.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
+        eprintln!(
+            "bench minilm cpu ({THREADS} threads) (32, 128) {name}, trim {trim}: \
+             median {:.1} ms (min {:.1}, mean {:.1}, {iters} runs), {:.1} texts/s at the median",
+            median * 1e3,
+            times[0] * 1e3,
+            mean * 1e3,
+            32.0 / median
+        );
+    }
+}
+
+/// Memory of the default MiniLM grid captured in one backend, largest first:
+/// `cargo test --release --lib minilm_default_grid_memory -- --ignored --nocapture`.
+#[test]
+#[ignore = "measurement, run by hand"]
+fn minilm_default_grid_memory() {
+    let model = minilm();
+    let mut backend = CpuBackend::new(0, THREADS);
+    let weights = backend.upload(model).unwrap();
+    let mut graphs = Vec::new();
+    for &batch in [1, 2, 4, 8, 16, 32, 64, 128].iter().rev() {
+        for &seq in SEQ_BUCKETS.iter().rev() {
+            graphs.push(
+                backend
+                    .capture(model, &weights, &model.program(batch, seq))
+                    .unwrap(),
+            );
+        }
+    }
+    let reported: u64 = graphs.iter().map(|g| backend.graph_memory_bytes(g)).sum();
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    eprintln!(
+        "minilm default grid: {} graphs, sum of graph_memory_bytes {:.1} MiB",
+        graphs.len(),
+        mib(reported)
+    );
+}
