@@ -1046,10 +1046,17 @@ fn minilm_default_grid_memory() {
         }
     }
     let reported: u64 = graphs.iter().map(|g| backend.graph_memory_bytes(g)).sum();
+    let statics: u64 = graphs.iter().map(CpuGraph::static_bytes).sum();
+    let needed: u64 = graphs.iter().map(CpuGraph::arena_needed_bytes).sum();
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     eprintln!(
-        "minilm default grid: {} graphs, sum of graph_memory_bytes {:.1} MiB",
+        "minilm default grid: {} graphs, sum of graph_memory_bytes {:.1} MiB: \
+         static buffers {:.1} MiB + shared arena {:.1} MiB \
+         (the graphs' activations and scratch, each on its own, would be {:.1} MiB)",
         graphs.len(),
-        mib(reported)
+        mib(reported),
+        mib(statics),
+        mib(backend.arena_bytes()),
+        mib(needed)
     );
 }
