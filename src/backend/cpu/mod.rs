@@ -16,10 +16,10 @@
 //!   charges a graph its own static buffers plus the bytes by which its
 //!   capture grew the arena, so the figures of a backend's graphs add up to
 //!   the memory really held (the CUDA backend's rule).
-//! * By default a replay computes only the
-//!   batch's real rows and its longest sequence inside those buffers (padding
-//!   costs real work on a CPU, and skipping it cannot change a real row's
-//!   result); [`CpuBackend::set_trim_padding`] turns that off.
+//! * By default a replay computes only the batch's real rows and its longest
+//!   sequence inside those buffers (padding costs real work on a CPU, and
+//!   skipping it cannot change a real row's result);
+//!   [`CpuBackend::set_trim_padding`] turns that off.
 //! * Matrix products go through the `gemm` crate with
 //!   `Parallelism::Rayon(threads)`; every op runs inside this backend's own
 //!   rayon pool of `threads` threads (never the global pool), which gemm and
