@@ -970,17 +970,34 @@ fn minilm_throughput_32x128() {
 
 /// Steady-state throughput at (32, 128), for comparing changes by hand:
 /// `cargo test --release --lib minilm_throughput_32x128_steady -- --ignored --nocapture`
-/// (`REPLAYD_BENCH_ITERS` replays per case, default 10, after one warm-up).
+/// (`REPLAYD_BENCH_ITERS` replays per case, default 10, after one warm-up;
+/// `REPLAYD_BENCH_THREADS` threads, default 2). Besides wall time it prints
+/// the CPU time the process spent per replay (all threads), which is less
+/// sensitive to other load on a shared machine.
 #[test]
 #[ignore = "benchmark, run by hand"]
 fn minilm_throughput_32x128_steady() {
     let model = minilm();
     let lines = minilm_reference();
-    let iters: usize = std::env::var("REPLAYD_BENCH_ITERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(10);
-    let mut backend = CpuBackend::new(0, THREADS);
+    let env = |name: &str, default: usize| -> usize {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let iters = env("REPLAYD_BENCH_ITERS", 10).max(1);
+    let threads = env("REPLAYD_BENCH_THREADS", THREADS);
+    // On-CPU nanoseconds of every thread of this process (Linux; 0 elsewhere).
+    let cpu_ns = || -> u64 {
+        std::fs::read_dir("/proc/self/task")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|task| std::fs::read_to_string(task.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let mut backend = CpuBackend::new(0, threads);
     let weights = backend.upload(model).unwrap();
     let mut graph = backend
         .capture(model, &weights, &model.program(32, 128))
@@ -1005,24 +1022,29 @@ fn minilm_throughput_32x128_steady() {
         backend.set_trim_padding(trim);
         let p = backend.launch(&mut graph, rows).unwrap();
         backend.collect(p).unwrap();
-        let mut times: Vec<f64> = (0..iters)
+        let (mut times, mut cpu): (Vec<f64>, Vec<f64>) = (0..iters)
             .map(|_| {
-                let start = Instant::now();
+                let (start, cpu_start) = (Instant::now(), cpu_ns());
                 let p = backend.launch(&mut graph, rows).unwrap();
                 backend.collect(p).unwrap();
-                start.elapsed().as_secs_f64()
+                let wall = start.elapsed().as_secs_f64();
+                (wall, (cpu_ns() - cpu_start) as f64 * 1e-9)
             })
-            .collect();
+            .unzip();
         times.sort_by(f64::total_cmp);
+        cpu.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         let mean = times.iter().sum::<f64>() / times.len() as f64;
         eprintln!(
-            "bench minilm cpu ({THREADS} threads) (32, 128) {name}, trim {trim}: \
-             median {:.1} ms (min {:.1}, mean {:.1}, {iters} runs), {:.1} texts/s at the median",
+            "bench minilm cpu ({threads} threads) (32, 128) {name}, trim {trim}: \
+             median {:.1} ms (min {:.1}, mean {:.1}, {iters} runs), {:.1} texts/s at the median; \
+             cpu time median {:.1} ms (min {:.1})",
             median * 1e3,
             times[0] * 1e3,
             mean * 1e3,
-            32.0 / median
+            32.0 / median,
+            cpu[cpu.len() / 2] * 1e3,
+            cpu[0] * 1e3
         );
     }
 }
