@@ -2,13 +2,24 @@
 //!
 //! * Weights are kept as f32; for f16/bf16 models every weight is rounded
 //!   through that dtype at upload, and all arithmetic is f32.
-//! * "Capture" ([`Backend::capture`]) allocates every buffer of the program
-//!   once and resolves its ops into a replayable plan bound to those buffers
-//!   (see [`plan`]); a replay packs the batch into the static inputs and runs
-//!   the plan without allocating. By default a replay computes only the
-//!   batch's real rows and its longest sequence inside those buffers (padding
-//!   costs real work on a CPU, and skipping it cannot change a real row's
-//!   result); [`CpuBackend::set_trim_padding`] turns that off.
+//! * "Capture" ([`Backend::capture`]) allocates the program's static inputs
+//!   and output once and resolves its ops into a replayable plan bound to
+//!   those buffers (see [`plan`]); a replay packs the batch into the static
+//!   inputs and runs the plan without allocating.
+//! * Activations and attention's score scratch live in one arena owned by the
+//!   backend and shared by all its graphs, as the CUDA backend shares its
+//!   activation arena: a worker replays one graph at a time (the backend is
+//!   `&mut self`), so a grid of 40 buckets holds the activations of its
+//!   largest bucket once rather than of every bucket. Each plan lays its
+//!   activations out from the start of the arena; capture grows the arena
+//!   when a plan needs more (never shrinks it). [`Backend::graph_memory_bytes`]
+//!   charges a graph its own static buffers plus the bytes by which its
+//!   capture grew the arena, so the figures of a backend's graphs add up to
+//!   the memory really held (the CUDA backend's rule).
+//! * By default a replay computes only the batch's real rows and its longest
+//!   sequence inside those buffers (padding costs real work on a CPU, and
+//!   skipping it cannot change a real row's result);
+//!   [`CpuBackend::set_trim_padding`] turns that off.
 //! * Matrix products go through the `gemm` crate with
 //!   `Parallelism::Rayon(threads)`; every op runs inside this backend's own
 //!   rayon pool of `threads` threads (never the global pool), which gemm and
@@ -26,7 +37,7 @@ mod plan;
 #[cfg(test)]
 mod tests;
 
-use self::plan::Plan;
+use self::plan::{Arena, Plan};
 use super::{Backend, BackendError, DeviceInfo};
 use crate::model::{BatchRows, Model, Program};
 use crate::tensor::DType;
@@ -60,10 +71,13 @@ impl CpuWeights {
     }
 }
 
-/// A captured program: its static buffers and replay plan.
+/// A captured program: its static buffers and replay plan (its activations
+/// are in the backend's shared arena).
 #[derive(Debug)]
 pub struct CpuGraph {
     plan: Plan,
+    /// Bytes by which this graph's capture grew the backend's arena.
+    arena_charge: u64,
 }
 
 impl CpuGraph {
@@ -73,6 +87,17 @@ impl CpuGraph {
 
     pub fn seq(&self) -> usize {
         self.plan.seq
+    }
+
+    /// Bytes of the graph's own static buffers (inputs and output).
+    pub fn static_bytes(&self) -> u64 {
+        self.plan.static_bytes()
+    }
+
+    /// Bytes of the shared arena its program uses (activations and attention
+    /// scratch): what the graph would hold on its own without the arena.
+    pub fn arena_needed_bytes(&self) -> u64 {
+        self.plan.arena_needs().bytes()
     }
 }
 
@@ -91,6 +116,8 @@ pub struct CpuBackend {
     fault: Option<String>,
     /// Compute only the real rows and tokens of a batch (see [`CpuBackend::set_trim_padding`]).
     trim_padding: bool,
+    /// Activations and attention scratch shared by every graph.
+    arena: Arena,
 }
 
 impl std::fmt::Debug for CpuBackend {
@@ -100,6 +127,7 @@ impl std::fmt::Debug for CpuBackend {
             .field("threads", &self.threads)
             .field("fault", &self.fault)
             .field("trim_padding", &self.trim_padding)
+            .field("arena_bytes", &self.arena.bytes())
             .finish()
     }
 }
@@ -126,6 +154,7 @@ impl CpuBackend {
             pool,
             fault: None,
             trim_padding: true,
+            arena: Arena::default(),
         }
     }
 
@@ -146,19 +175,36 @@ impl CpuBackend {
         self.threads
     }
 
+    /// Bytes of the activation arena shared by this backend's graphs (the
+    /// largest need of any graph captured so far; 0 before the first).
+    pub fn arena_bytes(&self) -> u64 {
+        self.arena.bytes()
+    }
+
     fn check_fault(&self) -> Result<(), BackendError> {
         match &self.fault {
             Some(why) => Err(BackendError::DeviceFault(why.clone())),
             None => Ok(()),
         }
     }
+}
 
-    fn replay(&self, plan: &mut Plan, rows: &BatchRows) -> Result<Vec<f32>, BackendError> {
-        plan.validate(rows)?;
-        plan.pack(rows, self.trim_padding);
-        self.pool.install(|| plan.run());
-        Ok(plan.output_rows(rows.rows()).to_vec())
-    }
+/// Runs `plan` on `rows` in `pool`, with its activations in `arena`.
+///
+/// The arena already fits every graph captured by the same backend; it grows
+/// here only for a plan it has never seen (a graph of another backend).
+fn replay(
+    pool: &rayon::ThreadPool,
+    arena: &mut Arena,
+    trim_padding: bool,
+    plan: &mut Plan,
+    rows: &BatchRows,
+) -> Result<Vec<f32>, BackendError> {
+    plan.validate(rows)?;
+    arena.ensure(plan.arena_needs());
+    plan.pack(rows, trim_padding);
+    pool.install(|| plan.run(arena));
+    Ok(plan.output_rows(rows.rows()).to_vec())
 }
 
 /// Rounds `x` through `dtype` (identity for f32).
@@ -221,11 +267,17 @@ impl Backend for CpuBackend {
         // No warm-up run: there is no JIT or workspace to prime on the CPU,
         // and a full forward pass per bucket would slow start-up for nothing.
         let plan = Plan::new(program, weights, self.threads)?;
-        Ok(CpuGraph { plan })
+        let arena_charge = self.arena.ensure(plan.arena_needs());
+        Ok(CpuGraph { plan, arena_charge })
     }
 
+    /// The graph's own static buffers, plus the bytes by which its capture
+    /// grew the shared arena (all of it for the first, largest graph; 0 for
+    /// the graphs that fit in it), so that a backend's graphs add up to the
+    /// memory it holds. [`CpuGraph::arena_needed_bytes`] is the arena share
+    /// its program uses.
     fn graph_memory_bytes(&self, graph: &CpuGraph) -> u64 {
-        graph.plan.memory_bytes()
+        graph.static_bytes() + graph.arena_charge
     }
 
     fn launch(
@@ -234,7 +286,13 @@ impl Backend for CpuBackend {
         rows: &BatchRows,
     ) -> Result<CpuPending, BackendError> {
         self.check_fault()?;
-        let output = self.replay(&mut graph.plan, rows)?;
+        let output = replay(
+            &self.pool,
+            &mut self.arena,
+            self.trim_padding,
+            &mut graph.plan,
+            rows,
+        )?;
         Ok(CpuPending { output })
     }
 
@@ -252,7 +310,17 @@ impl Backend for CpuBackend {
     ) -> Result<Vec<f32>, BackendError> {
         self.check_fault()?;
         let mut plan = Plan::new(program, weights, self.threads)?;
-        self.replay(&mut plan, rows)
+        // Within the shared arena if it fits (no allocation beyond the
+        // plan's inputs and output); otherwise (a shape larger than every
+        // bucket) in an arena of its own, freed on return rather than kept
+        // for the life of the worker.
+        let mut own = Arena::default();
+        let arena = if self.arena.fits(plan.arena_needs()) {
+            &mut self.arena
+        } else {
+            &mut own
+        };
+        replay(&self.pool, arena, self.trim_padding, &mut plan, rows)
     }
 
     fn inject_fault(&mut self) -> Result<(), BackendError> {

@@ -1,11 +1,15 @@
-//! A captured program: every buffer allocated once, and the op list resolved
-//! and checked against those buffers and the weights, ready to replay.
+//! A captured program: its static buffers allocated once, and the op list
+//! resolved and checked against those buffers and the weights, ready to
+//! replay.
 //!
-//! [`Plan::new`] is the CPU backend's "capture": it allocates each buffer of
-//! the [`Program`] at its declared size, checks every op (buffer kinds and
-//! sizes, weight shapes, aliasing) so that replay cannot index out of bounds,
-//! and sizes attention's score scratch. [`Plan::validate`] checks a batch
-//! against the plan (rows, sequence lengths, token ids, feature width),
+//! [`Plan::new`] is the CPU backend's "capture": it allocates the program's
+//! own static buffers (inputs and output) at their declared sizes, lays its
+//! activation buffers out in an [`Arena`] shared by every plan of the backend
+//! (only one plan runs at a time), checks every op (buffer kinds and sizes,
+//! weight shapes, aliasing, no activation read before it is written) so that
+//! replay cannot index out of bounds or see another plan's data, and sizes
+//! attention's score scratch (also in the arena). [`Plan::validate`] checks a
+//! batch against the plan (rows, sequence lengths, token ids, feature width),
 //! [`Plan::pack`] writes it into the static inputs and [`Plan::run`] executes
 //! the steps over the same buffers every time, allocating nothing.
 
@@ -22,12 +26,6 @@ use crate::model::BatchRows;
 enum Buf {
     F32(Vec<f32>),
     I32(Vec<i32>),
-}
-
-impl Default for Buf {
-    fn default() -> Self {
-        Buf::F32(Vec::new())
-    }
 }
 
 impl Buf {
@@ -53,6 +51,167 @@ impl Buf {
         match self {
             Buf::F32(v) => v.len() * 4,
             Buf::I32(v) => v.len() * 4,
+        }
+    }
+}
+
+/// Where a program buffer lives.
+#[derive(Debug)]
+enum Slot {
+    /// The plan's own static buffer (inputs and the output).
+    Own(Buf),
+    /// `len` f32 elements at `offset` in the backend's [`Arena`] (activations).
+    Arena { offset: usize, len: usize },
+}
+
+/// Arena offsets are rounded up to this many f32 elements (a 64-byte cache line).
+const ARENA_ALIGN: usize = 16;
+
+/// What a plan needs of the [`Arena`], in f32 elements.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ArenaNeeds {
+    /// Its activation buffers, laid out one after another from offset 0.
+    pub activations: usize,
+    /// Attention's score scratch: `workers · seq²`.
+    pub scratch: usize,
+}
+
+impl ArenaNeeds {
+    pub(crate) fn bytes(self) -> u64 {
+        (self.activations + self.scratch) as u64 * 4
+    }
+}
+
+/// Activation memory shared by every plan of a backend: one plan runs at a
+/// time, and a plan never reads an activation it has not written in the same
+/// run (checked at capture), so plans may overwrite each other's.
+///
+/// It only grows (to the largest need of the plans run in it) and never
+/// shrinks.
+#[derive(Debug, Default)]
+pub(crate) struct Arena {
+    activations: Vec<f32>,
+    scratch: Vec<f32>,
+}
+
+impl Arena {
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> u64 {
+        (self.activations.len() + self.scratch.len()) as u64 * 4
+    }
+
+    /// Whether a plan with these needs can run without growing the arena.
+    pub(crate) fn fits(&self, needs: ArenaNeeds) -> bool {
+        self.activations.len() >= needs.activations && self.scratch.len() >= needs.scratch
+    }
+
+    /// Grows the arena to hold `needs`; returns the bytes it grew by (0 if it
+    /// already fits). The contents are not kept (nothing reads them).
+    pub(crate) fn ensure(&mut self, needs: ArenaNeeds) -> u64 {
+        let before = self.bytes();
+        for (v, need) in [
+            (&mut self.activations, needs.activations),
+            (&mut self.scratch, needs.scratch),
+        ] {
+            if v.len() < need {
+                // Free first: the old contents need not be copied, and the
+                // peak stays at the new size.
+                *v = Vec::new();
+                *v = vec![0.0; need];
+            }
+        }
+        self.bytes() - before
+    }
+}
+
+/// A slice with one range lent out mutably: the rest, readable.
+struct Rest<'a, T> {
+    before: &'a [T],
+    after: &'a [T],
+    /// The range lent out (`0..0` when nothing is).
+    lent: std::ops::Range<usize>,
+}
+
+impl<'a, T> Rest<'a, T> {
+    fn whole(all: &'a [T]) -> Self {
+        Rest {
+            before: &[],
+            after: all,
+            lent: 0..0,
+        }
+    }
+
+    /// Lends out `range` of `all` mutably; the rest stays readable.
+    fn split(all: &'a mut [T], range: std::ops::Range<usize>) -> (&'a mut [T], Self) {
+        let (before, rest) = all.split_at_mut(range.start);
+        let (lent, after) = rest.split_at_mut(range.len());
+        (
+            lent,
+            Rest {
+                before,
+                after,
+                lent: range,
+            },
+        )
+    }
+
+    /// `range`, which must not overlap the range lent out (capture checks
+    /// that no step reads the buffer it writes).
+    fn get(&self, range: std::ops::Range<usize>) -> &'a [T] {
+        if range.end <= self.lent.start {
+            &self.before[range]
+        } else {
+            assert!(
+                range.start >= self.lent.end,
+                "checked at capture: a step never reads the buffer it writes"
+            );
+            &self.after[range.start - self.lent.end..range.end - self.lent.end]
+        }
+    }
+}
+
+/// A plan's buffers while one step writes its output: every other buffer,
+/// readable.
+struct Reads<'a> {
+    slots: Rest<'a, Slot>,
+    arena: Rest<'a, f32>,
+}
+
+impl<'a> Reads<'a> {
+    /// Lends out buffer `out` (an f32 buffer) mutably, and the rest for reading.
+    fn split(slots: &'a mut [Slot], arena: &'a mut [f32], out: usize) -> (&'a mut [f32], Self) {
+        let at = match slots[out] {
+            Slot::Arena { offset, len } => Some(offset..offset + len),
+            Slot::Own(_) => None,
+        };
+        match at {
+            Some(range) => {
+                let (o, arena) = Rest::split(arena, range);
+                let slots = Rest::whole(slots);
+                (o, Reads { slots, arena })
+            }
+            None => {
+                let (o, slots) = Rest::split(slots, out..out + 1);
+                let Slot::Own(buf) = &mut o[0] else {
+                    unreachable!()
+                };
+                let arena = Rest::whole(arena);
+                (buf.f32_mut(), Reads { slots, arena })
+            }
+        }
+    }
+
+    fn f32(&self, index: usize) -> &'a [f32] {
+        match &self.slots.get(index..index + 1)[0] {
+            Slot::Own(buf) => buf.f32(),
+            Slot::Arena { offset, len } => self.arena.get(*offset..*offset + *len),
+        }
+    }
+
+    fn i32(&self, index: usize) -> &'a [i32] {
+        match &self.slots.get(index..index + 1)[0] {
+            Slot::Own(buf) => buf.i32(),
+            Slot::Arena { .. } => unreachable!("checked at capture: i32 buffer"),
         }
     }
 }
@@ -116,6 +275,21 @@ enum Step {
 }
 
 impl Step {
+    /// The buffers the step reads, and the one it writes.
+    fn buffers(self) -> ([Option<usize>; 2], usize) {
+        match self {
+            Step::Embed {
+                ids, types, out, ..
+            } => ([Some(ids), Some(types)], out),
+            Step::Linear { x, out, .. } => ([Some(x), None], out),
+            Step::AddNorm {
+                x, residual, out, ..
+            } => ([Some(x), Some(residual)], out),
+            Step::Attention { qkv, mask, out, .. } => ([Some(qkv), Some(mask)], out),
+            Step::Pool { x, mask, out, .. } => ([Some(x), Some(mask)], out),
+        }
+    }
+
     /// This step restricted to the first `active.0` rows of `active.1`
     /// tokens, for a program of `full.0` rows of `full.1` tokens; `None` if
     /// the step's shape is not one of the program's row counts (then the
@@ -260,21 +434,24 @@ enum InputKind {
     Tokens { vocab: usize },
 }
 
-/// A program bound to preallocated buffers.
+/// A program bound to preallocated buffers: its own static inputs and
+/// output, and its activations at fixed offsets of the backend's [`Arena`].
 #[derive(Debug)]
 pub(crate) struct Plan {
     pub batch: usize,
     pub seq: usize,
     pub output_dim: usize,
     weights: CpuWeights,
-    bufs: Vec<Buf>,
+    /// Every buffer of the program, by index.
+    slots: Vec<Slot>,
     steps: Vec<Step>,
     /// (role, buffer) of each input.
     inputs: Vec<(InputRole, usize)>,
     input_kind: InputKind,
     output: usize,
-    /// Attention scores: `workers · seq²` floats.
-    scratch: Vec<f32>,
+    /// What it needs of the arena (activations, and attention's
+    /// `workers · seq²` score scratch).
+    needs: ArenaNeeds,
     threads: usize,
     /// Whether every step can be restricted to the real rows and tokens
     /// (see [`Plan::run`]).
@@ -398,6 +575,9 @@ impl Plan {
         let mut steps = Vec::with_capacity(program.ops.len());
         let mut vocab = None;
         let mut max_attention_seq = 0;
+        // Activations live in the shared arena, where another plan may have
+        // left anything: each must be written before it is read.
+        let mut written = vec![false; program.buffers.len()];
         for (i, op) in program.ops.iter().enumerate() {
             let what = |name: &str| format!("op {i} ({name})");
             let step = match *op {
@@ -546,6 +726,17 @@ impl Plan {
                     }
                 }
             };
+            let (reads, out) = step.buffers();
+            for index in reads.into_iter().flatten() {
+                let decl = &program.buffers[index];
+                if decl.kind == BufKind::Activation && !written[index] {
+                    return Err(invalid_program(format!(
+                        "op {i} reads activation `{}` before any op writes it",
+                        decl.name
+                    )));
+                }
+            }
+            written[out] = true;
             steps.push(step);
         }
 
@@ -604,17 +795,31 @@ impl Plan {
             )));
         }
 
-        // Allocate every buffer once.
-        let bufs = program
+        // Allocate the static buffers once; lay the activations out in the arena.
+        let mut activations = 0;
+        let slots = program
             .buffers
             .iter()
             .map(|decl| match decl.kind {
-                BufKind::Input(role) if role.is_integer() => Buf::I32(vec![0; decl.elems]),
-                _ => Buf::F32(vec![0.0; decl.elems]),
+                BufKind::Input(role) if role.is_integer() => {
+                    Slot::Own(Buf::I32(vec![0; decl.elems]))
+                }
+                BufKind::Input(_) | BufKind::Output => Slot::Own(Buf::F32(vec![0.0; decl.elems])),
+                BufKind::Activation => {
+                    let offset = activations;
+                    activations += decl.elems.next_multiple_of(ARENA_ALIGN);
+                    Slot::Arena {
+                        offset,
+                        len: decl.elems,
+                    }
+                }
             })
             .collect();
         let workers = threads.max(1);
-        let scratch = vec![0.0; workers * max_attention_seq * max_attention_seq];
+        let needs = ArenaNeeds {
+            activations,
+            scratch: workers * max_attention_seq * max_attention_seq,
+        };
         let trimmable = steps
             .iter()
             .all(|s| s.active((batch, seq), (1, 1)).is_some());
@@ -623,21 +828,32 @@ impl Plan {
             seq,
             output_dim: program.output_dim,
             weights: weights.clone(),
-            bufs,
+            slots,
             steps,
             inputs,
             input_kind,
             output: program.output.0,
-            scratch,
+            needs,
             threads: workers,
             trimmable,
             active: (batch, seq),
         })
     }
 
-    /// Bytes of the static buffers (inputs, activations, output, scratch).
-    pub(crate) fn memory_bytes(&self) -> u64 {
-        (self.bufs.iter().map(Buf::bytes).sum::<usize>() + self.scratch.len() * 4) as u64
+    /// Bytes of the plan's own static buffers (inputs and output).
+    pub(crate) fn static_bytes(&self) -> u64 {
+        self.slots
+            .iter()
+            .map(|slot| match slot {
+                Slot::Own(buf) => buf.bytes() as u64,
+                Slot::Arena { .. } => 0,
+            })
+            .sum()
+    }
+
+    /// What the plan needs of the arena it runs in.
+    pub(crate) fn arena_needs(&self) -> ArenaNeeds {
+        self.needs
     }
 
     /// Checks that `rows` fits this plan; every later step relies on it.
@@ -714,7 +930,10 @@ impl Plan {
         };
         let (batch, seq) = self.active;
         for &(role, index) in &self.inputs {
-            match &mut self.bufs[index] {
+            let Slot::Own(buf) = &mut self.slots[index] else {
+                unreachable!("checked at capture: inputs are static buffers")
+            };
+            match buf {
                 Buf::F32(v) => {
                     let width = v.len() / self.batch;
                     rows.pack_features(&mut v[..batch * width]);
@@ -726,17 +945,27 @@ impl Plan {
 
     /// The real rows of the output after a run.
     pub(crate) fn output_rows(&self, rows: usize) -> &[f32] {
-        &self.bufs[self.output].f32()[..rows * self.output_dim]
+        let Slot::Own(buf) = &self.slots[self.output] else {
+            unreachable!("checked at capture: the output is a static buffer")
+        };
+        &buf.f32()[..rows * self.output_dim]
     }
 
-    /// Runs every step over the static buffers, at the shape the last
-    /// [`Plan::pack`] chose. Call inside the backend's pool.
-    pub(crate) fn run(&mut self) {
+    /// Runs every step over the static buffers and `arena`, at the shape the
+    /// last [`Plan::pack`] chose. Call inside the backend's pool, with an
+    /// arena that fits [`Plan::arena_needs`].
+    pub(crate) fn run(&mut self, arena: &mut Arena) {
+        assert!(
+            arena.fits(self.needs),
+            "the caller grows the arena to the plan's needs"
+        );
         let threads = self.threads;
         let weights = &self.weights.tensors;
         let wt = |i: usize| weights[i].data.as_slice();
         let full = (self.batch, self.seq);
         let active = self.active;
+        let slots = &mut self.slots;
+        let activations = &mut arena.activations[..];
         for i in 0..self.steps.len() {
             let step = if active == full {
                 self.steps[i]
@@ -745,6 +974,8 @@ impl Plan {
                     .active(full, active)
                     .expect("checked at capture: trimmable")
             };
+            let (_, out) = step.buffers();
+            let (o, bufs) = Reads::split(slots, activations, out);
             match step {
                 Step::Embed {
                     ids,
@@ -755,52 +986,34 @@ impl Plan {
                     gamma,
                     beta,
                     eps,
-                    out,
+                    out: _,
                     rows,
                     seq,
                     hidden,
-                } => {
-                    let mut o = std::mem::take(&mut self.bufs[out]);
-                    ops::embed_layer_norm(
-                        threads,
-                        &self.bufs[ids].i32()[..rows],
-                        &self.bufs[types].i32()[..rows],
-                        wt(word),
-                        wt(position),
-                        wt(token_type),
-                        wt(gamma),
-                        wt(beta),
-                        eps,
-                        o.f32_mut(),
-                        seq,
-                        hidden,
-                    );
-                    self.bufs[out] = o;
-                }
+                } => ops::embed_layer_norm(
+                    threads,
+                    &bufs.i32(ids)[..rows],
+                    &bufs.i32(types)[..rows],
+                    wt(word),
+                    wt(position),
+                    wt(token_type),
+                    wt(gamma),
+                    wt(beta),
+                    eps,
+                    o,
+                    seq,
+                    hidden,
+                ),
                 Step::Linear {
                     x,
                     w,
                     bias,
                     act,
-                    out,
+                    out: _,
                     m,
                     n,
                     k,
-                } => {
-                    let mut o = std::mem::take(&mut self.bufs[out]);
-                    ops::linear(
-                        threads,
-                        self.bufs[x].f32(),
-                        wt(w),
-                        bias.map(wt),
-                        act,
-                        o.f32_mut(),
-                        m,
-                        n,
-                        k,
-                    );
-                    self.bufs[out] = o;
-                }
+                } => ops::linear(threads, bufs.f32(x), wt(w), bias.map(wt), act, o, m, n, k),
                 Step::AddNorm {
                     x,
                     residual,
@@ -811,69 +1024,61 @@ impl Plan {
                     rows,
                     hidden,
                 } => {
-                    let mut o = std::mem::take(&mut self.bufs[out]);
                     if residual != out {
                         let n = rows * hidden;
-                        o.f32_mut()[..n].copy_from_slice(&self.bufs[residual].f32()[..n]);
+                        o[..n].copy_from_slice(&bufs.f32(residual)[..n]);
                     }
                     ops::add_layer_norm_in_place(
                         threads,
-                        self.bufs[x].f32(),
-                        o.f32_mut(),
+                        bufs.f32(x),
+                        o,
                         wt(gamma),
                         wt(beta),
                         eps,
                         rows,
                         hidden,
                     );
-                    self.bufs[out] = o;
                 }
                 Step::Attention {
                     qkv,
                     mask,
-                    out,
+                    out: _,
                     batch,
                     seq,
                     heads,
                     head_dim,
                 } => {
-                    let mut o = std::mem::take(&mut self.bufs[out]);
                     let scratch_len = threads * seq * seq;
                     ops::attention(
-                        self.bufs[qkv].f32(),
-                        self.bufs[mask].i32(),
-                        o.f32_mut(),
-                        &mut self.scratch[..scratch_len],
+                        bufs.f32(qkv),
+                        bufs.i32(mask),
+                        o,
+                        &mut arena.scratch[..scratch_len],
                         batch,
                         seq,
                         heads,
                         head_dim,
                     );
-                    self.bufs[out] = o;
                 }
                 Step::Pool {
                     x,
                     mask,
-                    out,
+                    out: _,
                     batch,
                     seq,
                     hidden,
                     mode,
                     normalize,
-                } => {
-                    let mut o = std::mem::take(&mut self.bufs[out]);
-                    ops::pool(
-                        self.bufs[x].f32(),
-                        self.bufs[mask].i32(),
-                        o.f32_mut(),
-                        batch,
-                        seq,
-                        hidden,
-                        mode,
-                        normalize,
-                    );
-                    self.bufs[out] = o;
-                }
+                } => ops::pool(
+                    bufs.f32(x),
+                    bufs.i32(mask),
+                    o,
+                    batch,
+                    seq,
+                    hidden,
+                    mode,
+                    normalize,
+                ),
             }
         }
     }

@@ -717,6 +717,208 @@ fn minilm_bad_token_batches_are_invalid() {
     );
 }
 
+/// One model's program and a batch for it.
+struct Case<'a> {
+    model: &'a Model,
+    program: crate::model::Program,
+    rows: BatchRows,
+}
+
+/// Captures `case` in a fresh backend and runs it once there.
+fn run_alone(case: &Case, trim: bool) -> Vec<f32> {
+    let mut backend = CpuBackend::new(0, THREADS);
+    backend.set_trim_padding(trim);
+    let weights = backend.upload(case.model).unwrap();
+    let mut graph = backend
+        .capture(case.model, &weights, &case.program)
+        .unwrap();
+    let p = backend.launch(&mut graph, &case.rows).unwrap();
+    backend.collect(p).unwrap()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Graphs of two models and several sizes share one activation arena: replayed
+/// alternately (each overwriting the others' activations) they give exactly
+/// what each gives captured alone, and the backend holds the largest graph's
+/// activations once instead of every graph's.
+#[test]
+fn graphs_of_two_models_share_one_arena() {
+    let bert = minilm();
+    let mlp = mlp_model();
+    let lines = minilm_reference();
+    let mut rng = StdRng::seed_from_u64(5);
+    let tokens = |batch: usize, seq: usize| {
+        BatchRows::Tokens(
+            lines
+                .iter()
+                .filter(|l| l.ids.len() <= seq)
+                .take(batch.max(2) - 1)
+                .map(|l| l.ids.clone())
+                .collect(),
+        )
+    };
+    let mut features = |batch: usize| {
+        let n = batch.max(2) - 1;
+        BatchRows::Features {
+            features: 128,
+            data: (0..n * 128)
+                .map(|_| rng.random_range(-3.0f32..3.0))
+                .collect(),
+        }
+    };
+    // Captured smallest first, mixed, so that the arena grows several times.
+    let mut cases = vec![
+        Case {
+            model: &mlp,
+            program: mlp.program(4, 1),
+            rows: features(4),
+        },
+        Case {
+            model: bert,
+            program: bert.program(2, 16),
+            rows: tokens(2, 16),
+        },
+        Case {
+            model: bert,
+            program: bert.program(8, 64),
+            rows: tokens(8, 64),
+        },
+        Case {
+            model: &mlp,
+            program: mlp.program(64, 1),
+            rows: features(64),
+        },
+        Case {
+            model: bert,
+            program: bert.program(4, 32),
+            rows: tokens(4, 32),
+        },
+        Case {
+            model: bert,
+            program: bert.program(8, 32),
+            rows: tokens(8, 32),
+        },
+        Case {
+            model: bert,
+            program: bert.program(4, 64),
+            rows: tokens(4, 64),
+        },
+    ];
+    // A full batch too, in the largest graph.
+    cases[2].rows = BatchRows::Tokens(
+        lines
+            .iter()
+            .filter(|l| l.ids.len() <= 64)
+            .skip(20)
+            .take(8)
+            .map(|l| l.ids.clone())
+            .collect(),
+    );
+
+    let mut backend = CpuBackend::new(0, THREADS);
+    assert_eq!(backend.arena_bytes(), 0);
+    let bert_weights = backend.upload(bert).unwrap();
+    let mlp_weights = backend.upload(&mlp).unwrap();
+    let mut graphs = Vec::new();
+    let mut grew = 0;
+    for case in &cases {
+        let weights = if std::ptr::eq(case.model, bert) {
+            &bert_weights
+        } else {
+            &mlp_weights
+        };
+        let before = backend.arena_bytes();
+        graphs.push(backend.capture(case.model, weights, &case.program).unwrap());
+        grew += usize::from(backend.arena_bytes() > before);
+    }
+    assert!(grew >= 3, "the arena grew {grew} times");
+
+    for trim in [true, false] {
+        let alone: Vec<Vec<f32>> = cases.iter().map(|c| run_alone(c, trim)).collect();
+        backend.set_trim_padding(trim);
+        // Twice round, in two orders: every graph runs right after others.
+        let order: Vec<usize> = (0..cases.len()).chain((0..cases.len()).rev()).collect();
+        for &i in &order {
+            let p = backend.launch(&mut graphs[i], &cases[i].rows).unwrap();
+            let got = backend.collect(p).unwrap();
+            assert_eq!(
+                bits(&got),
+                bits(&alone[i]),
+                "graph {i} ({}, {}), trim {trim}",
+                graphs[i].batch(),
+                graphs[i].seq()
+            );
+        }
+    }
+
+    // Memory: one arena, as large as the largest need, not the sum of them.
+    let needs: Vec<plan::ArenaNeeds> = graphs.iter().map(|g| g.plan.arena_needs()).collect();
+    let largest = needs.iter().map(|n| n.activations).max().unwrap()
+        + needs.iter().map(|n| n.scratch).max().unwrap();
+    assert_eq!(backend.arena_bytes(), largest as u64 * 4);
+    let needed: u64 = graphs.iter().map(CpuGraph::arena_needed_bytes).sum();
+    let statics: u64 = graphs.iter().map(CpuGraph::static_bytes).sum();
+    let reported: u64 = graphs.iter().map(|g| backend.graph_memory_bytes(g)).sum();
+    eprintln!(
+        "arena {} bytes for {} graphs needing {needed} bytes in all; static {statics} bytes",
+        backend.arena_bytes(),
+        graphs.len()
+    );
+    assert!(backend.arena_bytes() * 2 < needed);
+    // The graphs' figures add up to what the backend holds.
+    assert_eq!(reported, statics + backend.arena_bytes());
+    // The largest graph needs the whole arena's activations.
+    assert_eq!(
+        graphs[2].arena_needed_bytes(),
+        (needs[2].activations + needs[2].scratch) as u64 * 4
+    );
+    assert!(graphs[2].arena_needed_bytes() <= backend.arena_bytes());
+
+    // Eager runs: one that fits uses the arena, one larger than every graph
+    // uses memory of its own and leaves the arena as it was.
+    let arena = backend.arena_bytes();
+    backend.set_trim_padding(true);
+    for (batch, seq) in [(1, 16), (16, 64)] {
+        let case = Case {
+            model: bert,
+            program: bert.program(batch, seq),
+            rows: tokens(batch + 1, seq),
+        };
+        let got = backend
+            .run_eager(bert, &bert_weights, &case.program, &case.rows)
+            .unwrap();
+        assert_eq!(
+            bits(&got),
+            bits(&run_alone(&case, true)),
+            "eager ({batch}, {seq})"
+        );
+        assert_eq!(backend.arena_bytes(), arena, "eager ({batch}, {seq})");
+    }
+    // And the graphs still give the same results afterwards.
+    let p = backend.launch(&mut graphs[1], &cases[1].rows).unwrap();
+    assert_eq!(
+        bits(&backend.collect(p).unwrap()),
+        bits(&run_alone(&cases[1], true))
+    );
+}
+
+/// A program that reads an activation before writing it would see whatever
+/// another graph left in the shared arena: it is refused at capture.
+#[test]
+fn reading_an_unwritten_activation_is_refused_at_capture() {
+    let mlp = mlp_model();
+    let mut backend = CpuBackend::new(0, THREADS);
+    let weights = backend.upload(&mlp).unwrap();
+    let mut program = mlp.program(4, 1);
+    program.ops.reverse();
+    let err = backend.capture(&mlp, &weights, &program).err().unwrap();
+    assert!(err.to_string().contains("before any op writes it"), "{err}");
+    assert_eq!(backend.arena_bytes(), 0);
+}
+
 #[test]
 fn minilm_throughput_32x128() {
     let model = minilm();
@@ -764,4 +966,119 @@ fn minilm_throughput_32x128() {
             32.0 / secs
         );
     }
+}
+
+/// Steady-state throughput at (32, 128), for comparing changes by hand:
+/// `cargo test --release --lib minilm_throughput_32x128_steady -- --ignored --nocapture`
+/// (`REPLAYD_BENCH_ITERS` replays per case, default 10, after one warm-up;
+/// `REPLAYD_BENCH_THREADS` threads, default 2). Besides wall time it prints
+/// the CPU time the process spent per replay (all threads), which is less
+/// sensitive to other load on a shared machine.
+#[test]
+#[ignore = "benchmark, run by hand"]
+fn minilm_throughput_32x128_steady() {
+    let model = minilm();
+    let lines = minilm_reference();
+    let env = |name: &str, default: usize| -> usize {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let iters = env("REPLAYD_BENCH_ITERS", 10).max(1);
+    let threads = env("REPLAYD_BENCH_THREADS", THREADS);
+    // On-CPU nanoseconds of every thread of this process (Linux; 0 elsewhere).
+    let cpu_ns = || -> u64 {
+        std::fs::read_dir("/proc/self/task")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|task| std::fs::read_to_string(task.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let mut backend = CpuBackend::new(0, threads);
+    let weights = backend.upload(model).unwrap();
+    let mut graph = backend
+        .capture(model, &weights, &model.program(32, 128))
+        .unwrap();
+    let full = BatchRows::Tokens(vec![
+        lines[5].ids.iter().copied().cycle().take(128).collect();
+        32
+    ]);
+    let real = BatchRows::Tokens(
+        lines
+            .iter()
+            .skip(10)
+            .take(32)
+            .map(|l| l.ids.clone())
+            .collect(),
+    );
+    for (name, rows, trim) in [
+        ("128-token texts", &full, true),
+        ("reference texts, padded", &real, false),
+        ("reference texts", &real, true),
+    ] {
+        backend.set_trim_padding(trim);
+        let p = backend.launch(&mut graph, rows).unwrap();
+        backend.collect(p).unwrap();
+        let (mut times, mut cpu): (Vec<f64>, Vec<f64>) = (0..iters)
+            .map(|_| {
+                let (start, cpu_start) = (Instant::now(), cpu_ns());
+                let p = backend.launch(&mut graph, rows).unwrap();
+                backend.collect(p).unwrap();
+                let wall = start.elapsed().as_secs_f64();
+                (wall, (cpu_ns() - cpu_start) as f64 * 1e-9)
+            })
+            .unzip();
+        times.sort_by(f64::total_cmp);
+        cpu.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
+        eprintln!(
+            "bench minilm cpu ({threads} threads) (32, 128) {name}, trim {trim}: \
+             median {:.1} ms (min {:.1}, mean {:.1}, {iters} runs), {:.1} texts/s at the median; \
+             cpu time median {:.1} ms (min {:.1})",
+            median * 1e3,
+            times[0] * 1e3,
+            mean * 1e3,
+            32.0 / median,
+            cpu[cpu.len() / 2] * 1e3,
+            cpu[0] * 1e3
+        );
+    }
+}
+
+/// Memory of the default MiniLM grid captured in one backend, largest first:
+/// `cargo test --release --lib minilm_default_grid_memory -- --ignored --nocapture`.
+#[test]
+#[ignore = "measurement, run by hand"]
+fn minilm_default_grid_memory() {
+    let model = minilm();
+    let mut backend = CpuBackend::new(0, THREADS);
+    let weights = backend.upload(model).unwrap();
+    let mut graphs = Vec::new();
+    for &batch in [1, 2, 4, 8, 16, 32, 64, 128].iter().rev() {
+        for &seq in SEQ_BUCKETS.iter().rev() {
+            graphs.push(
+                backend
+                    .capture(model, &weights, &model.program(batch, seq))
+                    .unwrap(),
+            );
+        }
+    }
+    let reported: u64 = graphs.iter().map(|g| backend.graph_memory_bytes(g)).sum();
+    let statics: u64 = graphs.iter().map(CpuGraph::static_bytes).sum();
+    let needed: u64 = graphs.iter().map(CpuGraph::arena_needed_bytes).sum();
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    eprintln!(
+        "minilm default grid: {} graphs, sum of graph_memory_bytes {:.1} MiB: \
+         static buffers {:.1} MiB + shared arena {:.1} MiB \
+         (the graphs' activations and scratch, each on its own, would be {:.1} MiB)",
+        graphs.len(),
+        mib(reported),
+        mib(statics),
+        mib(backend.arena_bytes()),
+        mib(needed)
+    );
 }
