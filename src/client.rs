@@ -39,6 +39,18 @@ pub struct Response {
     pub output: Option<HostTensor>,
 }
 
+async fn connect_dealer(endpoint: &str) -> Result<zeromq::DealerSocket, ClientError> {
+    let mut socket = zeromq::DealerSocket::new();
+    socket
+        .connect(endpoint)
+        .await
+        .map_err(|e| ClientError::Connect {
+            endpoint: endpoint.to_string(),
+            message: e.to_string(),
+        })?;
+    Ok(socket)
+}
+
 type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Response>>>>;
 
 pub struct Client {
@@ -59,14 +71,7 @@ impl Drop for Client {
 
 impl Client {
     pub async fn connect(endpoint: &str) -> Result<Client, ClientError> {
-        let mut socket = zeromq::DealerSocket::new();
-        socket
-            .connect(endpoint)
-            .await
-            .map_err(|e| ClientError::Connect {
-                endpoint: endpoint.to_string(),
-                message: e.to_string(),
-            })?;
+        let socket = connect_dealer(endpoint).await?;
         let (send, mut recv) = socket.split();
         let waiters: Waiters = Arc::default();
         let w = waiters.clone();
@@ -171,14 +176,7 @@ pub struct RawClient {
 
 impl RawClient {
     pub async fn connect(endpoint: &str) -> Result<RawClient, ClientError> {
-        let mut socket = zeromq::DealerSocket::new();
-        socket
-            .connect(endpoint)
-            .await
-            .map_err(|e| ClientError::Connect {
-                endpoint: endpoint.to_string(),
-                message: e.to_string(),
-            })?;
+        let socket = connect_dealer(endpoint).await?;
         Ok(RawClient { socket })
     }
 

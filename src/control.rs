@@ -131,11 +131,7 @@ pub async fn run(socket: RouterSocket, control: Arc<Control>, shutdown: impl Fut
                 let control = control.clone();
                 let mut send = send.clone();
                 tokio::spawn(async move {
-                    let mut frames = msg.into_vec();
-                    let mut envelope = vec![frames.remove(0)];
-                    if frames.len() > 1 && frames[0].is_empty() {
-                        envelope.push(frames.remove(0));
-                    }
+                    let (mut envelope, frames) = crate::protocol::split_envelope(msg.into_vec());
                     let reply = match frames.as_slice() {
                         [frame] => control.handle(frame).await,
                         _ => json!({"ok": false, "error": "expected one JSON frame"}),

@@ -259,15 +259,9 @@ pub async fn run(
 }
 
 async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: ZmqMessage) {
-    let mut frames = msg.into_vec();
-    if frames.is_empty() {
+    let (mut envelope, frames) = crate::protocol::split_envelope(msg.into_vec());
+    if envelope.is_empty() {
         return;
-    }
-    // Envelope: the peer identity, and the empty delimiter REQ sockets put
-    // before the header (a lone empty frame is an empty message, not a delimiter).
-    let mut envelope = vec![frames.remove(0)];
-    if frames.len() > 1 && frames[0].is_empty() {
-        envelope.push(frames.remove(0));
     }
     let reply = frontend.handle(&frames).await;
     envelope.extend(encode_reply(&reply));

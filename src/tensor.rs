@@ -111,37 +111,26 @@ impl HostTensor {
     }
 
     pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Self {
-        assert_eq!(
-            element_count(&shape),
-            Some(values.len()),
-            "shape/values mismatch"
-        );
-        let mut bytes = Vec::with_capacity(values.len() * 4);
-        for v in values {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        Self {
-            dtype: DType::F32,
-            shape,
-            data: Bytes::from(bytes),
-        }
+        Self::from_le_words(DType::F32, shape, values.iter().map(|v| v.to_le_bytes()))
     }
 
     pub fn from_i32(shape: Vec<usize>, values: &[i32]) -> Self {
+        Self::from_le_words(DType::I32, shape, values.iter().map(|v| v.to_le_bytes()))
+    }
+
+    /// A tensor of 4-byte elements given as little-endian words.
+    fn from_le_words(
+        dtype: DType,
+        shape: Vec<usize>,
+        words: impl ExactSizeIterator<Item = [u8; 4]>,
+    ) -> Self {
         assert_eq!(
             element_count(&shape),
-            Some(values.len()),
+            Some(words.len()),
             "shape/values mismatch"
         );
-        let mut bytes = Vec::with_capacity(values.len() * 4);
-        for v in values {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        Self {
-            dtype: DType::I32,
-            shape,
-            data: Bytes::from(bytes),
-        }
+        let data = Bytes::from(words.flatten().collect::<Vec<u8>>());
+        Self { dtype, shape, data }
     }
 
     pub fn len(&self) -> usize {

@@ -564,3 +564,24 @@ fn invalid_config_names_the_key() {
     assert!(!status.success());
     assert!(log.contains("batching.max_queue"), "{log}");
 }
+
+/// `backend = "cuda"` on a machine without a usable GPU fails at start-up
+/// and says why; `auto` falls back to the CPU and says so in the log.
+#[test]
+fn cuda_backend_without_a_gpu_fails_clearly_and_auto_falls_back() {
+    if matches!(replayd::backend::cuda::cuda_device_count(), Ok(n) if n > 0) {
+        eprintln!("a GPU is present: nothing to check here");
+        return;
+    }
+    let cfg = mlp_config("").replace("backend = \"cpu\"", "backend = \"cuda\"");
+    let (status, log) = Daemon::start_failing(&cfg);
+    assert!(!status.success());
+    assert!(log.contains("devices.backend = \"cuda\""), "{log}");
+    let daemon = Daemon::start(&mlp_config("").replace("backend = \"cpu\"", "backend = \"auto\""));
+    assert!(
+        daemon.log().contains("using the CPU backend"),
+        "{}",
+        daemon.log()
+    );
+    assert_eq!(daemon.device("cpu:0")["state"], "ready");
+}

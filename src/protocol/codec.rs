@@ -369,6 +369,26 @@ mod tests {
     }
 
     #[test]
+    fn envelopes_keep_identity_and_req_delimiter() {
+        use crate::protocol::split_envelope;
+        let b = |s: &'static [u8]| Bytes::from_static(s);
+        assert_eq!(
+            split_envelope(vec![b(b"id"), b(b"h"), b(b"p")]),
+            (vec![b(b"id")], vec![b(b"h"), b(b"p")])
+        );
+        assert_eq!(
+            split_envelope(vec![b(b"id"), b(b""), b(b"h")]),
+            (vec![b(b"id"), b(b"")], vec![b(b"h")])
+        );
+        // A lone empty frame is an empty message, not a delimiter.
+        assert_eq!(
+            split_envelope(vec![b(b"id"), b(b"")]),
+            (vec![b(b"id")], vec![b(b"")])
+        );
+        assert_eq!(split_envelope(vec![]), (vec![], vec![]));
+    }
+
+    #[test]
     fn replies_round_trip() {
         let out = HostTensor::from_f32(vec![1, 2], &[0.5, -0.5]);
         let reply = Reply::Ok {

@@ -18,6 +18,20 @@ pub use codec::{decode_reply, decode_request, encode_reply, encode_request, Deco
 use crate::tensor::{DType, HostTensor};
 use serde::{Deserialize, Serialize};
 
+/// Splits a message received on a ROUTER socket into its envelope (the peer
+/// identity, and the empty delimiter REQ sockets put before the content) and
+/// its content. A lone empty frame after the identity is content (an empty
+/// message), not a delimiter. Replies go back as `envelope ++ reply`.
+pub fn split_envelope(mut frames: Vec<bytes::Bytes>) -> (Vec<bytes::Bytes>, Vec<bytes::Bytes>) {
+    let cut = match frames.len() {
+        0 => 0,
+        n if n > 2 && frames[1].is_empty() => 2,
+        _ => 1,
+    };
+    let content = frames.split_off(cut);
+    (frames, content)
+}
+
 /// The protocol version this daemon speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
 
