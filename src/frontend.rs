@@ -237,13 +237,27 @@ fn deadline(
     }
 }
 
-/// Serves the ROUTER socket until `shutdown` resolves.
+/// Counts live handler tasks (decremented when a task ends, however it ends).
+struct ActiveGuard(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// How long, after `shutdown`, handlers may take to send their last replies.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Serves the ROUTER socket until `shutdown` resolves, then waits (up to
+/// [`FLUSH_TIMEOUT`]) for the handlers still sending replies.
 pub async fn run(
     socket: RouterSocket,
     frontend: Arc<Frontend>,
     shutdown: impl Future<Output = ()>,
 ) {
     let (send, mut recv) = socket.split();
+    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -252,9 +266,18 @@ pub async fn run(
                 let Ok(msg) = msg else { continue };
                 let frontend = frontend.clone();
                 let send = send.clone();
-                tokio::spawn(async move { serve_message(frontend, send, msg).await });
+                active.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                let guard = ActiveGuard(active.clone());
+                tokio::spawn(async move {
+                    let _guard = guard;
+                    serve_message(frontend, send, msg).await
+                });
             }
         }
+    }
+    let deadline = Instant::now() + FLUSH_TIMEOUT;
+    while active.load(std::sync::atomic::Ordering::Acquire) > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 

@@ -337,8 +337,7 @@ pub async fn run(
             );
         }
     }
-    // Replies are sent by per-request tasks; give them a moment to flush.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Every request is answered; the frontend flushes the last replies and stops.
     let _ = stop_tx.send(true);
     let _ = frontend_task.await;
     let _ = control_task.await;
