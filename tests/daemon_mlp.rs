@@ -189,6 +189,14 @@ async fn oversize_request_runs_on_the_eager_path() {
     assert_eq!(bucket_sum(&stats, "requests"), 0);
 }
 
+/// Sends `signal` to each worker (SIGSTOP freezes one so work piles up on it).
+fn signal_all(pids: &[i32], signal: i32) {
+    for &p in pids {
+        // SAFETY: signalling a worker process of the daemon under test.
+        unsafe { libc::kill(p, signal) };
+    }
+}
+
 fn worker_pid(daemon: &Daemon, label: &str) -> i32 {
     daemon.device(label)["worker_pid"]
         .as_i64()
@@ -203,7 +211,7 @@ async fn killed_worker_loses_nothing_and_comes_back() {
     let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
     let victim = worker_pid(&daemon, "cpu:0");
     // Freeze the worker so that batches pile up on it, then kill it.
-    unsafe { libc::kill(victim, libc::SIGSTOP) };
+    signal_all(&[victim], libc::SIGSTOP);
 
     let client = Arc::new(daemon.client().await);
     let mut rng = Rng::new(7);
@@ -221,7 +229,7 @@ async fn killed_worker_loses_nothing_and_comes_back() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    unsafe { libc::kill(victim, libc::SIGKILL) };
+    signal_all(&[victim], libc::SIGKILL);
 
     let mut ids = std::collections::HashSet::new();
     for t in tasks {
@@ -440,9 +448,7 @@ async fn flood_beyond_the_queue_limit_is_overloaded() {
     let daemon = Daemon::start(&mlp_config("max_queue = 4\nmax_inflight_per_device = 1"));
     // Freeze both workers so the queue cannot drain.
     let pids = [worker_pid(&daemon, "cpu:0"), worker_pid(&daemon, "cpu:1")];
-    pids.iter().for_each(|&p| unsafe {
-        libc::kill(p, libc::SIGSTOP);
-    });
+    signal_all(&pids, libc::SIGSTOP);
     let client = Arc::new(daemon.client().await);
     let mut tasks = Vec::new();
     for _ in 0..200 {
@@ -463,9 +469,7 @@ async fn flood_beyond_the_queue_limit_is_overloaded() {
         overloaded >= 190,
         "only {overloaded} overloaded replies while frozen"
     );
-    pids.iter().for_each(|&p| unsafe {
-        libc::kill(p, libc::SIGCONT);
-    });
+    signal_all(&pids, libc::SIGCONT);
     let (mut ok, mut over) = (0, 0);
     for t in tasks {
         let r = t.await.unwrap();
@@ -489,9 +493,7 @@ async fn sigterm_answers_everything_accepted_before_exit() {
     let mut daemon = Daemon::start(&mlp_config(""));
     let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
     let pids = [worker_pid(&daemon, "cpu:0"), worker_pid(&daemon, "cpu:1")];
-    pids.iter().for_each(|&p| unsafe {
-        libc::kill(p, libc::SIGSTOP);
-    });
+    signal_all(&pids, libc::SIGSTOP);
     let client = Arc::new(daemon.client().await);
     let mut rng = Rng::new(3);
     let mut tasks = Vec::new();
@@ -521,9 +523,7 @@ async fn sigterm_answers_everything_accepted_before_exit() {
         .await
         .unwrap();
     assert_eq!(late.header.code, Some(ErrorCode::Unavailable));
-    pids.iter().for_each(|&p| unsafe {
-        libc::kill(p, libc::SIGCONT);
-    });
+    signal_all(&pids, libc::SIGCONT);
     for t in tasks {
         let (x, rows, r) = t.await.unwrap();
         assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
