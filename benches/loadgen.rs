@@ -12,7 +12,7 @@
 //! instead (MLP models).
 
 use clap::Parser;
-use replayd::client::Client;
+use replayd::protocol::client::Client;
 use replayd::protocol::{InputKind, Payload, RequestHeader, Status};
 use replayd::tensor::{DType, HostTensor};
 use serde_json::{json, Value};

@@ -5,7 +5,7 @@
 //! is checked in [`Config::validate`], so a typo fails at start-up with a
 //! message that names the key rather than being silently ignored.
 
-use crate::model::Pooling;
+use crate::model::{Activation, ModelKind, ModelSpec, Pooling};
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -188,15 +188,6 @@ impl Default for EagerConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ModelKind {
-    /// A BERT-family encoder from a Hugging Face folder.
-    Bert,
-    /// Linear → activation → Linear … from a safetensors `state_dict`.
-    Mlp,
-}
-
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
@@ -250,6 +241,20 @@ impl ModelConfig {
 
     pub fn max_batch_bucket(&self) -> usize {
         self.batch_buckets.iter().copied().max().unwrap_or(0)
+    }
+
+    /// What the model loader needs of this entry.
+    pub fn spec(&self) -> ModelSpec {
+        ModelSpec {
+            name: self.name.clone(),
+            kind: self.kind,
+            path: self.path.clone(),
+            dtype: self.dtype,
+            max_seq_len: self.max_seq_len,
+            activation: self.activation.clone(),
+            pooling: self.pooling,
+            normalize: self.normalize,
+        }
     }
 }
 
@@ -417,7 +422,7 @@ impl Config {
                         ));
                     }
                     if let Some(act) = &model.activation {
-                        if crate::model::Activation::parse(act).is_none() {
+                        if Activation::parse(act).is_none() {
                             return Err(invalid(
                                 key("activation"),
                                 format!("unknown activation {act:?} (relu, gelu, gelu_tanh, tanh, sigmoid, silu, identity)"),

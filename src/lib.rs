@@ -1,41 +1,40 @@
 //! replayd serves neural-network inference by replaying CUDA Graphs captured
 //! once per input-shape bucket.
 //!
-//! Layout (one module per concept):
+//! The crate follows the two processes of the design (see `DESIGN.md`):
 //!
-//! * [`config`] — the TOML configuration and its validation.
-//! * [`protocol`] — the client wire format (MessagePack header + raw frames).
-//! * [`frontend`] — the client-facing ZeroMQ ROUTER socket: decode, validate,
-//!   tokenize off the runtime, hand to the batcher, reply.
-//! * [`batcher`] — per-(model, seq bucket) queues and the dispatch rules
-//!   ([`batcher::queue`] is the pure state machine, the actor wraps it).
-//! * [`supervisor`] — spawns and restarts the device actors.
-//! * [`device`] — one actor per device, owning a worker process.
-//! * [`worker`] — the `replayd worker` process: a backend, its graph cache and
-//!   the IPC loop.
-//! * [`backend`] — the [`backend::Backend`] trait, with `cpu` and `cuda`.
-//! * [`model`] — model loading and the shape-fixed [`model::Program`]s.
-//! * [`tokenize`] — Hugging Face tokenizers on a thread pool.
-//! * [`metrics`] — counters and latency histograms behind `replayctl stats`.
-//! * [`control`] — the operator socket that `replayctl` talks to.
-//! * [`client`] — a Rust client for the wire protocol.
+//! * [`daemon`] — the main process: the client socket (frontend), the
+//!   tokenizer pool, the batcher, the supervisor and its device actors (one
+//!   per worker process), the control socket, metrics, GPU health and
+//!   systemd notification. It never touches a device: it imports neither
+//!   [`backend`] nor a CUDA context.
+//! * [`worker`] — the per-device process (`replayd worker`): the backend
+//!   thread with its graph cache, and the link to its device actor
+//!   ([`worker::link`] is the one place that wire is encoded and decoded).
+//! * [`backend`] — the [`backend::Backend`] trait with the `cpu` (the
+//!   numerical reference) and `cuda` backends; imported only by [`worker`]
+//!   and [`tools`].
+//! * [`model`] — model loading and the shape-fixed op [`model::Program`],
+//!   with its validation rules and the reference interpreter, shared by
+//!   every backend.
+//! * [`protocol`] — the client wire format (types, codec) and the Rust
+//!   [`protocol::client`].
+//! * [`gpu`] — host-side device discovery and NVML, used by both processes.
+//! * [`tools`] — `replayd backend-check` (a GPU against the CPU backend).
+//! * Shared by all: [`config`] (the TOML file), [`bucket`] (shape buckets),
+//!   [`tensor`] (dtypes and host tensors).
+//!
+//! Imports only point down this list's dependency order: `daemon` → `worker`
+//! (its link) → `model`/`protocol`/`gpu` → `config`/`bucket`/`tensor`;
+//! `worker` → `backend` → `model`. There are no cycles.
 
 pub mod backend;
-pub mod backend_check;
-pub mod batcher;
 pub mod bucket;
-pub mod client;
 pub mod config;
-pub mod control;
-pub mod device;
-pub mod frontend;
-pub mod gpu_health;
-pub mod metrics;
+pub mod daemon;
+pub mod gpu;
 pub mod model;
-pub mod notify;
 pub mod protocol;
-pub mod server;
-pub mod supervisor;
 pub mod tensor;
-pub mod tokenize;
+pub mod tools;
 pub mod worker;

@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use replayd::config::Config;
-use replayd::server::{self, ServerOptions};
+use replayd::daemon::server::{self, ServerOptions};
 use std::path::PathBuf;
 
 /// Serve neural-network inference by replaying CUDA Graphs captured per
@@ -39,7 +39,7 @@ enum Command {
     Serve,
     /// Capture every bucket on a CUDA device, compare it with the CPU
     /// backend on random inputs, and time replays (for the GPU check).
-    BackendCheck(replayd::backend_check::BackendCheckArgs),
+    BackendCheck(replayd::tools::backend_check::BackendCheckArgs),
     /// Run one device's worker process (started by the daemon).
     #[command(hide = true)]
     Worker(replayd::worker::WorkerArgs),
@@ -55,7 +55,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Some(Command::Worker(args)) => std::process::exit(replayd::worker::run(args)),
-        Some(Command::BackendCheck(args)) => replayd::backend_check::run(args),
+        Some(Command::BackendCheck(args)) => replayd::tools::backend_check::run(args),
         Some(Command::Serve) | None => serve(cli.config, cli.ready_file),
     }
 }
@@ -72,6 +72,7 @@ fn serve(config_path: PathBuf, ready_file: Option<PathBuf>) -> anyhow::Result<()
             config_path: std::fs::canonicalize(&config_path).unwrap_or(config_path),
             worker_exe,
             ready_file,
+            on_ready: None,
         };
         server::run(config, options, shutdown_signal()).await
     })

@@ -5,7 +5,7 @@ mod common;
 
 use bytes::Bytes;
 use common::{cosine, crate_dir, data, minilm_dir, Daemon, Rng};
-use replayd::client::{Client, RawClient};
+use replayd::protocol::client::{Client, RawClient};
 use replayd::protocol::{ErrorCode, InputKind, Payload, RequestHeader, Status};
 use replayd::tensor::DType;
 use serde_json::Value;
@@ -92,7 +92,7 @@ async fn reference_set_matches_sentence_transformers_in_every_grouping() {
 
     // Token ids, through the daemon's own tokenizer (ids requests echo nothing,
     // so check via the tokenizer the daemon loads).
-    let tokenizer = replayd::tokenize::TextTokenizer::load(&minilm_dir(), 256).unwrap();
+    let tokenizer = replayd::daemon::tokenize::TextTokenizer::load(&minilm_dir(), 256).unwrap();
     for (i, line) in lines.iter().enumerate() {
         let ids = tokenizer.encode(&[line.text.as_str()], true).unwrap();
         assert_eq!(ids[0], line.ids, "line {i}: {:?}", line.text);

@@ -5,7 +5,7 @@ mod common;
 
 use bytes::Bytes;
 use common::{data, rel_err, Daemon, MlpReference, Rng};
-use replayd::client::{Client, RawClient, Response};
+use replayd::protocol::client::{Client, RawClient, Response};
 use replayd::protocol::{ErrorCode, InputKind, RequestHeader, Status};
 use replayd::tensor::{DType, HostTensor};
 use serde_json::Value;
@@ -569,7 +569,7 @@ fn invalid_config_names_the_key() {
 /// and says why; `auto` falls back to the CPU and says so in the log.
 #[test]
 fn cuda_backend_without_a_gpu_fails_clearly_and_auto_falls_back() {
-    if matches!(replayd::backend::cuda::cuda_device_count(), Ok(n) if n > 0) {
+    if matches!(replayd::gpu::cuda_device_count(), Ok(n) if n > 0) {
         eprintln!("a GPU is present: nothing to check here");
         return;
     }

@@ -12,7 +12,7 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use replayd::backend::cuda::kernels::{self, KernelCache, Target};
-use replayd::backend::cuda::libs::{self, CudaLib};
+use replayd::gpu::libs::{self, CudaLib};
 
 /// The NVRTC release whose CUDA version matches the GPU machines' driver (580 = CUDA 13.0).
 const EXPECTED_NVRTC: (i32, i32) = (13, 0);

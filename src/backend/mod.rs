@@ -19,8 +19,8 @@
 pub mod cpu;
 pub mod cuda;
 
+pub use crate::gpu::DeviceInfo;
 use crate::model::{BatchRows, Model, Program};
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 /// What went wrong in a backend, and whether the device survives it.
@@ -51,21 +51,6 @@ impl BackendError {
     pub fn is_fatal(&self) -> bool {
         matches!(self, BackendError::DeviceFault(_))
     }
-}
-
-/// Static facts about the device a backend drives, reported to the daemon.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct DeviceInfo {
-    /// "cpu" or "cuda".
-    pub backend: String,
-    /// e.g. "NVIDIA H200" or "cpu (4 threads)".
-    pub name: String,
-    /// CUDA ordinal or CPU device number.
-    pub ordinal: usize,
-    pub pci_bus_id: Option<String>,
-    pub uuid: Option<String>,
-    pub compute_capability: Option<(u32, u32)>,
-    pub memory_total_bytes: Option<u64>,
 }
 
 /// One device's executor. See the module docs for the life cycle.

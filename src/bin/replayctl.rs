@@ -3,7 +3,7 @@
 use anyhow::{anyhow, bail, Context};
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
-use replayd::control::ControlRequest;
+use replayd::daemon::control::ControlRequest;
 use serde_json::Value;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -34,6 +34,14 @@ impl BatchRows {
         }
     }
 
+    /// Real tokens over all rows (rows, for feature rows).
+    pub fn tokens(&self) -> usize {
+        match self {
+            BatchRows::Features { .. } => self.rows(),
+            BatchRows::Tokens(seqs) => seqs.iter().map(Vec::len).sum(),
+        }
+    }
+
     /// Writes the f32 feature input of a `[batch, features]` program: real rows
     /// first, zeros after. `dst.len()` must be `batch · features`.
     pub fn pack_features(&self, dst: &mut [f32]) {

@@ -1,8 +1,8 @@
 //! The MLP: `Linear → activation → Linear → …` from a PyTorch `state_dict`.
 //!
-//! Source ([`ModelConfig::path`]): a `.safetensors` file, or a folder holding
+//! Source ([`ModelSpec::path`]): a `.safetensors` file, or a folder holding
 //! `model.safetensors` and an optional `config.json`
-//! (`{"model_type": "mlp", "activation": "relu"}`). [`ModelConfig::activation`]
+//! (`{"model_type": "mlp", "activation": "relu"}`). [`ModelSpec::activation`]
 //! overrides the folder's activation; the default is ReLU.
 //!
 //! The layers are the `nn.Sequential` keys `N.weight` (`[out, in]`) and
@@ -11,11 +11,12 @@
 //! (a `Sequential` inside a module) is accepted. The activation follows every
 //! layer but the last.
 
-use super::bert::read_json;
-use super::bert::safetensors_file::{read_header, Header, TensorFile};
+use super::files::read_json;
 use super::program::{Activation, InputRole, Op, ProgramBuilder, WeightId};
-use super::{Architecture, InputSpec, Model, ModelError, ModelInfo, Program, Weights};
-use crate::config::{ModelConfig, ModelKind};
+use super::safetensors_file::{read_header, Header, TensorFile};
+use super::{
+    Architecture, InputSpec, Model, ModelError, ModelInfo, ModelKind, ModelSpec, Program, Weights,
+};
 use std::path::PathBuf;
 
 /// One `nn.Linear` of the MLP.
@@ -91,7 +92,7 @@ struct Source {
     config: Option<PathBuf>,
 }
 
-fn source(config: &ModelConfig) -> Result<Source, ModelError> {
+fn source(config: &ModelSpec) -> Result<Source, ModelError> {
     let path = &config.path;
     if path.is_dir() {
         let weights = path.join("model.safetensors");
@@ -120,7 +121,7 @@ fn source(config: &ModelConfig) -> Result<Source, ModelError> {
 }
 
 /// The activation: the model config's override, else the folder's config.json, else ReLU.
-fn activation(config: &ModelConfig, source: &Source) -> Result<Activation, ModelError> {
+fn activation(config: &ModelSpec, source: &Source) -> Result<Activation, ModelError> {
     let from_file = match &source.config {
         Some(path) => {
             let json = read_json(path)?;
@@ -252,7 +253,7 @@ fn layers(header: &Header) -> Result<Vec<LayerKeys>, ModelError> {
     Ok(out)
 }
 
-fn info(config: &ModelConfig, layers: &[LayerKeys]) -> ModelInfo {
+fn info(config: &ModelSpec, layers: &[LayerKeys]) -> ModelInfo {
     ModelInfo {
         name: config.name.clone(),
         kind: ModelKind::Mlp,
@@ -266,7 +267,7 @@ fn info(config: &ModelConfig, layers: &[LayerKeys]) -> ModelInfo {
 }
 
 /// Loads the MLP's weights (converted to f32).
-pub fn load(config: &ModelConfig) -> Result<Model, ModelError> {
+pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let source = source(config)?;
     let activation = activation(config, &source)?;
     let file = TensorFile::open(&source.weights)?;
@@ -307,7 +308,7 @@ pub fn load(config: &ModelConfig) -> Result<Model, ModelError> {
 }
 
 /// Reads the config and the safetensors header only, and checks the layers.
-pub fn inspect(config: &ModelConfig) -> Result<ModelInfo, ModelError> {
+pub fn inspect(config: &ModelSpec) -> Result<ModelInfo, ModelError> {
     let source = source(config)?;
     activation(config, &source)?;
     let header = read_header(&source.weights)?;

@@ -8,6 +8,11 @@
 //! * [`program`]: the shape-fixed op list that backends capture.
 //! * [`batch`]: the rows of one batch and how they are padded into a program's
 //!   static inputs.
+//! * [`files`], [`safetensors_file`]: reading JSON and safetensors files, with
+//!   errors that name the file.
+//!
+//! What to load comes in a [`ModelSpec`] (the daemon's config builds one per
+//! `[[models]]` entry); nothing here reads the daemon's configuration.
 //!
 //! The main process only needs [`ModelInfo`] (from [`inspect`], which reads
 //! configs and safetensors headers but no weight data); worker processes call
@@ -15,19 +20,51 @@
 
 pub mod batch;
 pub mod bert;
+pub mod files;
 pub mod mlp;
 pub mod program;
+pub mod safetensors_file;
 pub mod weights;
 
 pub use batch::BatchRows;
 pub use program::{Activation, InputRole, Pooling, Program};
 pub use weights::Weights;
 
-use crate::config::{ModelConfig, ModelKind};
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use thiserror::Error;
+
+/// The families of model replayd serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// A BERT-family encoder from a Hugging Face folder.
+    Bert,
+    /// Linear → activation → Linear … from a safetensors `state_dict`.
+    Mlp,
+}
+
+/// What to load, and the settings that override the model's own files.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    /// The name clients use in requests.
+    pub name: String,
+    pub kind: ModelKind,
+    /// BERT: the model folder. MLP: a `.safetensors` file, or a folder with
+    /// `model.safetensors` and an optional `config.json` naming the activation.
+    pub path: PathBuf,
+    /// Compute dtype on the device.
+    pub dtype: DType,
+    /// Longest input in tokens (BERT); default: the folder's.
+    pub max_seq_len: Option<usize>,
+    /// MLP activation between linear layers (overrides the folder's).
+    pub activation: Option<String>,
+    /// Sentence pooling (BERT; overrides the folder's).
+    pub pooling: Option<Pooling>,
+    /// L2-normalise embeddings (overrides the folder's modules.json).
+    pub normalize: Option<bool>,
+}
 
 /// Why a model could not be loaded. Always names the file and the problem.
 #[derive(Debug, Error)]
@@ -98,10 +135,10 @@ pub struct Model {
 
 impl Model {
     /// Loads config and weights. Errors name the file and what is wrong.
-    pub fn load(config: &ModelConfig) -> Result<Model, ModelError> {
-        match config.kind {
-            ModelKind::Mlp => mlp::load(config),
-            ModelKind::Bert => bert::load(config),
+    pub fn load(spec: &ModelSpec) -> Result<Model, ModelError> {
+        match spec.kind {
+            ModelKind::Mlp => mlp::load(spec),
+            ModelKind::Bert => bert::load(spec),
         }
     }
 
@@ -118,9 +155,9 @@ impl Model {
 /// Reads a model's configs, tokenizer presence and safetensors header (names,
 /// dtypes, shapes) without loading weight data, and checks that the model can
 /// be served. The daemon calls this at start-up so a bad folder fails fast.
-pub fn inspect(config: &ModelConfig) -> Result<ModelInfo, ModelError> {
-    match config.kind {
-        ModelKind::Mlp => mlp::inspect(config),
-        ModelKind::Bert => bert::inspect(config),
+pub fn inspect(spec: &ModelSpec) -> Result<ModelInfo, ModelError> {
+    match spec.kind {
+        ModelKind::Mlp => mlp::inspect(spec),
+        ModelKind::Bert => bert::inspect(spec),
     }
 }

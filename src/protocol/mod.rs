@@ -10,7 +10,9 @@
 //! * [`RequestHeader`] / [`ReplyHeader`]: the header frames.
 //! * [`decode_request`] / [`encode_reply`]: frames ⇄ values, with every
 //!   malformation mapped to an [`ErrorCode`] and a message that says what is wrong.
+//! * [`client`]: a Rust client speaking this protocol.
 
+pub mod client;
 mod codec;
 
 pub use codec::{decode_reply, decode_request, encode_reply, encode_request, DecodeLimits};

@@ -7,11 +7,12 @@
 //! host prepares the next batch. At most [`MAX_PIPELINE`] are in flight.
 
 use super::graph_cache::GraphCache;
-use super::ipc::{self, FromWorker, RowsLayout, ToWorker};
+use super::link::{self, FromWorker, RowsLayout, ToWorker, WorkerError};
 use super::{WorkerArgs, WorkerBackend};
+use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, BackendError};
 use crate::bucket::BucketGrid;
-use crate::config::Config;
+use crate::config::{Config, DevicesConfig};
 use crate::model::Model;
 use bytes::Bytes;
 use std::collections::VecDeque;
@@ -35,13 +36,13 @@ pub enum Outgoing {
     Exit(i32),
 }
 
-struct Link {
+struct Outbox {
     tx: UnboundedSender<Outgoing>,
 }
 
-impl Link {
+impl Outbox {
     fn send(&self, msg: &FromWorker, data: Option<Bytes>) {
-        let _ = self.tx.send(Outgoing::Message(ipc::encode(msg, data)));
+        let _ = self.tx.send(Outgoing::Message(link::encode(msg, data)));
     }
 
     /// Reports a fatal error and stops this thread without dropping the
@@ -58,25 +59,46 @@ impl Link {
 
 /// Entry point of the backend thread.
 pub fn run(args: WorkerArgs, config: Config, rx: Receiver<Command>, tx: UnboundedSender<Outgoing>) {
-    let link = Link { tx };
+    let outbox = Outbox { tx };
     match args.backend {
         WorkerBackend::Cpu => {
             let backend = crate::backend::cpu::CpuBackend::new(args.ordinal, args.threads.max(1));
-            serve(backend, &args, &config, &rx, &link)
+            serve(backend, &args, &config, &rx, &outbox)
         }
         WorkerBackend::Cuda => {
-            let options = crate::backend::cuda::CudaOptions::from_config(&config.devices);
-            match crate::backend::cuda::CudaBackend::new(args.ordinal, options) {
-                Ok(backend) => serve(backend, &args, &config, &rx, &link),
-                Err(e) => link.die(
+            match CudaBackend::new(args.ordinal, cuda_options(&config.devices)) {
+                Ok(backend) => serve(backend, &args, &config, &rx, &outbox),
+                Err(e) => outbox.die(
                     format!("cuda:{}: {e}", args.ordinal),
                     if e.is_fatal() {
-                        ipc::EXIT_DEVICE_FAULT
+                        link::EXIT_DEVICE_FAULT
                     } else {
-                        ipc::EXIT_STARTUP_FAILED
+                        link::EXIT_STARTUP_FAILED
                     },
                 ),
             }
+        }
+    }
+}
+
+/// The CUDA backend's options from `[devices]` (also used by the tools,
+/// which run backends as a worker does).
+pub fn cuda_options(devices: &DevicesConfig) -> CudaOptions {
+    CudaOptions {
+        allow_tf32: devices.allow_tf32,
+        kernel_cache_dir: devices.kernel_cache_dir.clone(),
+        matmul_autotune: devices.matmul_autotune,
+    }
+}
+
+impl From<BackendError> for WorkerError {
+    fn from(e: BackendError) -> Self {
+        match e {
+            BackendError::DeviceFault(m) => WorkerError::DeviceFault(m),
+            BackendError::OutOfMemory(m) => WorkerError::OutOfMemory(m),
+            BackendError::Unsupported(m) => WorkerError::Unsupported(m),
+            BackendError::InvalidBatch(m) => WorkerError::InvalidBatch(m),
+            BackendError::Other(m) => WorkerError::Other(m),
         }
     }
 }
@@ -95,25 +117,25 @@ fn serve<B: Backend>(
     args: &WorkerArgs,
     config: &Config,
     rx: &Receiver<Command>,
-    link: &Link,
+    outbox: &Outbox,
 ) {
     let started = Instant::now();
     let startup_code = |e: &BackendError| {
         if e.is_fatal() {
-            ipc::EXIT_DEVICE_FAULT
+            link::EXIT_DEVICE_FAULT
         } else {
-            ipc::EXIT_STARTUP_FAILED
+            link::EXIT_STARTUP_FAILED
         }
     };
     let mut models = Vec::new();
     for model_config in &config.models {
-        let model = match Model::load(model_config) {
+        let model = match Model::load(&model_config.spec()) {
             Ok(m) => m,
-            Err(e) => link.die(e.to_string(), ipc::EXIT_STARTUP_FAILED),
+            Err(e) => outbox.die(e.to_string(), link::EXIT_STARTUP_FAILED),
         };
         let weights = match backend.upload(&model) {
             Ok(w) => w,
-            Err(e) => link.die(
+            Err(e) => outbox.die(
                 format!("uploading model {}: {e}", model.info.name),
                 startup_code(&e),
             ),
@@ -126,14 +148,14 @@ fn serve<B: Backend>(
         for (index, (model, weights, grid)) in models.iter().enumerate() {
             match cache.capture_model(&mut backend, index, model, weights, grid) {
                 Ok(reports) => graphs.extend(reports),
-                Err(e) => link.die(
+                Err(e) => outbox.die(
                     format!("capturing model {}: {e}", model.info.name),
                     startup_code(&e),
                 ),
             }
         }
     }
-    link.send(
+    outbox.send(
         &FromWorker::Ready {
             info: backend.info(),
             graphs,
@@ -153,7 +175,7 @@ fn serve<B: Backend>(
             match rx.try_recv() {
                 Ok(c) => c,
                 Err(TryRecvError::Empty) => {
-                    collect_oldest(&mut backend, &mut inflight, link);
+                    collect_oldest(&mut backend, &mut inflight, outbox);
                     continue;
                 }
                 Err(TryRecvError::Disconnected) => return,
@@ -167,25 +189,24 @@ fn serve<B: Backend>(
                 bucket,
                 layout,
             } => {
-                let fail = |message: String| {
-                    link.send(
+                let fail = |error: WorkerError| {
+                    outbox.send(
                         &FromWorker::Failed {
                             batch,
                             attempt,
-                            message,
-                            fatal: false,
+                            error,
                         },
                         None,
                     )
                 };
                 let Some((m, weights, _)) = models.get(model) else {
-                    fail(format!("no model {model}"));
+                    fail(WorkerError::InvalidBatch(format!("no model {model}")));
                     continue;
                 };
-                let rows = match ipc::rows_from_frames(&layout, &command.data) {
+                let rows = match link::rows_from_frames(&layout, &command.data) {
                     Ok(r) => r,
                     Err(e) => {
-                        fail(e);
+                        fail(WorkerError::InvalidBatch(e));
                         continue;
                     }
                 };
@@ -194,7 +215,9 @@ fn serve<B: Backend>(
                 match bucket {
                     Some(bucket) => {
                         let Some(cached) = cache.get_mut(model, bucket) else {
-                            fail(format!("no graph captured for bucket {bucket}"));
+                            fail(WorkerError::InvalidBatch(format!(
+                                "no graph captured for bucket {bucket}"
+                            )));
                             continue;
                         };
                         let t0 = Instant::now();
@@ -210,10 +233,10 @@ fn serve<B: Backend>(
                                     pending,
                                 });
                                 if inflight.len() >= MAX_PIPELINE {
-                                    collect_oldest(&mut backend, &mut inflight, link);
+                                    collect_oldest(&mut backend, &mut inflight, outbox);
                                 }
                             }
-                            Err(e) => report_error(link, batch, attempt, e),
+                            Err(e) => report_error(outbox, batch, attempt, e),
                         }
                     }
                     None => {
@@ -225,9 +248,9 @@ fn serve<B: Backend>(
                         let program = m.program(n, seq);
                         match backend.run_eager(m, weights, &program, &rows) {
                             Ok(out) => {
-                                send_done(link, batch, attempt, n, output_dim, t0, &out, false)
+                                send_done(outbox, batch, attempt, n, output_dim, t0, &out, false)
                             }
-                            Err(e) => report_error(link, batch, attempt, e),
+                            Err(e) => report_error(outbox, batch, attempt, e),
                         }
                     }
                 }
@@ -238,13 +261,13 @@ fn serve<B: Backend>(
                     Err(e) => (false, e.to_string()),
                 };
                 tracing::warn!("inject-fault: {message}");
-                link.send(&FromWorker::FaultInjected { ok, message }, None);
+                outbox.send(&FromWorker::FaultInjected { ok, message }, None);
             }
             ToWorker::Shutdown => {
                 while !inflight.is_empty() {
-                    collect_oldest(&mut backend, &mut inflight, link);
+                    collect_oldest(&mut backend, &mut inflight, outbox);
                 }
-                let _ = link.tx.send(Outgoing::Exit(0));
+                let _ = outbox.tx.send(Outgoing::Exit(0));
                 return;
             }
         }
@@ -254,14 +277,14 @@ fn serve<B: Backend>(
 fn collect_oldest<B: Backend>(
     backend: &mut B,
     inflight: &mut VecDeque<InFlight<B::Pending>>,
-    link: &Link,
+    outbox: &Outbox,
 ) {
     let Some(job) = inflight.pop_front() else {
         return;
     };
     match backend.collect(job.pending) {
         Ok(out) => send_done(
-            link,
+            outbox,
             job.batch,
             job.attempt,
             job.rows,
@@ -270,13 +293,13 @@ fn collect_oldest<B: Backend>(
             &out,
             true,
         ),
-        Err(e) => report_error(link, job.batch, job.attempt, e),
+        Err(e) => report_error(outbox, job.batch, job.attempt, e),
     }
 }
 
 #[allow(clippy::too_many_arguments)]
 fn send_done(
-    link: &Link,
+    outbox: &Outbox,
     batch: u64,
     attempt: u32,
     rows: usize,
@@ -287,7 +310,7 @@ fn send_done(
 ) {
     if out.len() != rows * output_dim {
         report_error(
-            link,
+            outbox,
             batch,
             attempt,
             BackendError::Other(format!(
@@ -297,7 +320,7 @@ fn send_done(
         );
         return;
     }
-    link.send(
+    outbox.send(
         &FromWorker::Done {
             batch,
             attempt,
@@ -311,18 +334,17 @@ fn send_done(
 }
 
 /// Reports a failed batch; on a device fault, also exits the worker.
-fn report_error(link: &Link, batch: u64, attempt: u32, error: BackendError) {
-    let fatal = error.is_fatal();
-    link.send(
+fn report_error(outbox: &Outbox, batch: u64, attempt: u32, error: BackendError) {
+    let error = WorkerError::from(error);
+    outbox.send(
         &FromWorker::Failed {
             batch,
             attempt,
-            message: error.to_string(),
-            fatal,
+            error: error.clone(),
         },
         None,
     );
-    if fatal {
-        link.die(error.to_string(), ipc::EXIT_DEVICE_FAULT);
+    if error.is_fatal() {
+        outbox.die(error.to_string(), link::EXIT_DEVICE_FAULT);
     }
 }

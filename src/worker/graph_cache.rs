@@ -8,7 +8,7 @@
 //! everything; [`GraphCache::invalidate`] drops a model's graphs so they can
 //! be captured again (e.g. after a reload).
 
-use super::ipc::GraphReport;
+use super::link::GraphReport;
 use crate::backend::{Backend, BackendError};
 use crate::bucket::{Bucket, BucketGrid};
 use crate::model::Model;

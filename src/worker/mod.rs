@@ -1,18 +1,19 @@
 //! The `replayd worker` process: one per device (and one per eager worker).
 //!
-//! * [`ipc`] — the messages it exchanges with its device actor.
+//! * [`link`] — the messages it exchanges with its device actor (the one
+//!   place that wire is encoded and decoded).
 //! * [`graph_cache`] — the captured graphs, per (model, bucket).
 //! * [`executor`] — the backend thread: loads models, captures, runs batches.
 //!
 //! The process has two threads that matter: the async I/O thread (the ZeroMQ
 //! socket to the daemon) and the backend thread, which owns the device (CUDA
 //! graphs are not `Send`). They talk through channels. A device fault makes
-//! the worker report it and exit with [`ipc::EXIT_DEVICE_FAULT`]: only a new
+//! the worker report it and exit with [`link::EXIT_DEVICE_FAULT`]: only a new
 //! process recovers a poisoned GPU.
 
 pub mod executor;
 pub mod graph_cache;
-pub mod ipc;
+pub mod link;
 
 use crate::config::Config;
 use bytes::Bytes;
@@ -56,7 +57,7 @@ pub fn run(args: WorkerArgs) -> i32 {
         Ok(c) => c,
         Err(e) => {
             eprintln!("replayd worker: {e}");
-            return ipc::EXIT_STARTUP_FAILED;
+            return link::EXIT_STARTUP_FAILED;
         }
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -70,7 +71,7 @@ async fn serve(args: WorkerArgs, config: Config) -> i32 {
     let mut socket = zeromq::DealerSocket::new();
     if let Err(e) = socket.connect(&args.endpoint).await {
         eprintln!("replayd worker: cannot connect to {}: {e}", args.endpoint);
-        return ipc::EXIT_STARTUP_FAILED;
+        return link::EXIT_STARTUP_FAILED;
     }
     let (mut send, mut recv) = socket.split();
     let (to_backend, from_io) = std::sync::mpsc::channel::<executor::Command>();
@@ -90,7 +91,7 @@ async fn serve(args: WorkerArgs, config: Config) -> i32 {
                         break 0;
                     }
                 };
-                match ipc::decode::<ipc::ToWorker>(&frames) {
+                match link::decode::<link::ToWorker>(&frames) {
                     Ok((msg, data)) => {
                         let data = data.to_vec();
                         if to_backend.send(executor::Command { msg, data }).is_err() {

@@ -5,7 +5,7 @@
 
 #![allow(dead_code)]
 
-use replayd::client::Client;
+use replayd::protocol::client::Client;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};

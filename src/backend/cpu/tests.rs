@@ -4,8 +4,8 @@
 //! fault injection.
 
 use super::*;
-use crate::config::{ModelConfig, ModelKind};
 use crate::model::{Architecture, InputRole};
+use crate::model::{ModelKind, ModelSpec};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use serde::Deserialize;
@@ -31,14 +31,12 @@ fn model_dir() -> PathBuf {
     dir
 }
 
-pub(crate) fn model_config(kind: ModelKind, path: &Path) -> ModelConfig {
-    ModelConfig {
+pub(crate) fn model_config(kind: ModelKind, path: &Path) -> ModelSpec {
+    ModelSpec {
         name: "test".into(),
         kind,
         path: path.to_path_buf(),
         dtype: DType::F32,
-        batch_buckets: vec![1, 2, 4, 8, 16, 32],
-        seq_buckets: vec![16, 32, 64, 128, 256],
         max_seq_len: None,
         activation: None,
         pooling: None,

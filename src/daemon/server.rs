@@ -6,18 +6,19 @@
 //! accepted request is answered — or the grace period ends, and whatever is
 //! left is answered `unavailable` — the workers are stopped and `run` returns.
 
-use crate::backend::cuda::cuda_device_count;
-use crate::batcher::queue::{DeviceKind, SchedulerConfig};
-use crate::batcher::{BatcherActor, BatcherArgs, BatcherMsg, ModelSlot};
+use super::batcher::queue::SchedulerConfig;
+use super::batcher::{BatcherActor, BatcherArgs, ModelSlot};
+use super::control::Control;
+use super::device::{DeviceArgs, WorkerCommand};
+use super::frontend::{Frontend, ServedModel};
+use super::messages::{BatcherMsg, DeviceKind, DeviceStatus, SupervisorMsg};
+use super::metrics::{DeviceStats, Metrics};
+use super::supervisor::{Supervisor, SupervisorArgs};
+use super::tokenize::{TextTokenizer, TokenizerPool};
 use crate::bucket::BucketGrid;
 use crate::config::{BackendKind, Config, GpuSelection};
-use crate::control::Control;
-use crate::device::{DeviceArgs, WorkerCommand};
-use crate::frontend::{Frontend, ServedModel};
-use crate::metrics::{DeviceStats, Metrics};
+use crate::gpu::cuda_device_count;
 use crate::protocol::DecodeLimits;
-use crate::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
-use crate::tokenize::{TextTokenizer, TokenizerPool};
 use crate::worker::WorkerBackend;
 use anyhow::{bail, Context};
 use ractor::Actor;
@@ -25,6 +26,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::{oneshot, watch};
 use zeromq::Socket;
 
 pub struct ServerOptions {
@@ -34,6 +36,16 @@ pub struct ServerOptions {
     pub worker_exe: PathBuf,
     /// Written (JSON: endpoints and pid) once every device is ready.
     pub ready_file: Option<PathBuf>,
+    /// Told the bound endpoints once every device is ready (for a caller
+    /// that runs the daemon in process, e.g. a test binding port 0).
+    pub on_ready: Option<oneshot::Sender<Endpoints>>,
+}
+
+/// The addresses the daemon bound (port 0 resolved).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoints {
+    pub endpoint: String,
+    pub control_endpoint: String,
 }
 
 /// A device to start: its label and how to run its worker.
@@ -145,7 +157,7 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
         .models
         .iter()
         .map(|mc| {
-            let info = crate::model::inspect(mc)
+            let info = crate::model::inspect(&mc.spec())
                 .with_context(|| format!("cannot serve model {:?}", mc.name))?;
             let tokenizer = match (&info.input, &info.tokenizer_path) {
                 (crate::model::InputSpec::Tokens { max_seq_len, .. }, Some(path)) => {
@@ -225,20 +237,29 @@ pub async fn run(
     let uses_cuda = planned
         .iter()
         .any(|d| d.worker.backend == WorkerBackend::Cuda);
+    let mut statuses = Vec::with_capacity(planned.len());
     let device_args: Vec<DeviceArgs> = planned
         .into_iter()
         .enumerate()
-        .map(|(slot, d)| DeviceArgs {
+        .map(|(slot, d)| {
+            let (status, status_rx) = watch::channel(DeviceStatus::Starting);
+            statuses.push(status_rx.clone());
+            (slot, d, Arc::new(status), status_rx)
+        })
+        .map(|(slot, d, status, status_rx)| DeviceArgs {
             device: slot,
-            metrics_index: metrics.add_device(DeviceStats {
-                label: d.label.clone(),
-                role: match d.kind {
-                    DeviceKind::Graph => "graph".into(),
-                    DeviceKind::Eager => "eager".into(),
+            metrics_index: metrics.add_device(
+                DeviceStats {
+                    label: d.label.clone(),
+                    role: match d.kind {
+                        DeviceKind::Graph => "graph".into(),
+                        DeviceKind::Eager => "eager".into(),
+                    },
+                    ..Default::default()
                 },
-                state: "starting".into(),
-                ..Default::default()
-            }),
+                status_rx,
+            ),
+            status,
             label: d.label,
             worker: d.worker,
             runtime_dir: config.server.runtime_dir.clone(),
@@ -252,9 +273,9 @@ pub async fn run(
             fault_injection: config.devices.fault_injection,
         })
         .collect();
-    let gpu_slots: Vec<crate::gpu_health::GpuSlot> = device_args
+    let gpu_slots: Vec<super::gpu_health::GpuSlot> = device_args
         .iter()
-        .map(|d| crate::gpu_health::GpuSlot {
+        .map(|d| super::gpu_health::GpuSlot {
             slot: d.device,
             metrics_index: d.metrics_index,
             ordinal: d.worker.ordinal,
@@ -274,7 +295,7 @@ pub async fn run(
     // NVML calls block (briefly): keep them off the async workers.
     let _gpu_health = if uses_cuda {
         let (m, s) = (metrics.clone(), supervisor.clone());
-        tokio::task::spawn_blocking(move || crate::gpu_health::start(gpu_slots, m, s))
+        tokio::task::spawn_blocking(move || super::gpu_health::start(gpu_slots, m, s))
             .await
             .ok()
     } else {
@@ -293,7 +314,7 @@ pub async fn run(
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let frontend_task = tokio::spawn(crate::frontend::run(
+    let frontend_task = tokio::spawn(super::frontend::run(
         client_socket,
         frontend,
         stopped(stop_rx.clone()),
@@ -302,24 +323,24 @@ pub async fn run(
         metrics: metrics.clone(),
         supervisor: supervisor.clone(),
     });
-    let control_task = tokio::spawn(crate::control::run(
+    let control_task = tokio::spawn(super::control::run(
         control_socket,
         control,
         stopped(stop_rx.clone()),
     ));
     let ready_task = tokio::spawn(announce_ready(
-        metrics.clone(),
+        statuses,
         options.ready_file.clone(),
-        serde_json::json!({
-            "endpoint": endpoint.to_string(),
-            "control_endpoint": control_endpoint.to_string(),
-            "pid": std::process::id(),
-        }),
+        options.on_ready,
+        Endpoints {
+            endpoint: endpoint.to_string(),
+            control_endpoint: control_endpoint.to_string(),
+        },
     ));
 
     shutdown.await;
     tracing::info!("shutting down: draining queued and in-flight requests");
-    crate::notify::notify("STOPPING=1");
+    super::notify::notify("STOPPING=1");
     ready_task.abort();
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
     let started = Instant::now();
@@ -352,23 +373,35 @@ pub async fn run(
     Ok(())
 }
 
-/// Waits until every device is ready, then writes the ready file.
+/// Waits until every device is ready at once, then tells systemd, writes the
+/// ready file and tells `on_ready`.
 async fn announce_ready(
-    metrics: Arc<Metrics>,
+    mut statuses: Vec<watch::Receiver<DeviceStatus>>,
     ready_file: Option<PathBuf>,
-    info: serde_json::Value,
+    on_ready: Option<oneshot::Sender<Endpoints>>,
+    endpoints: Endpoints,
 ) {
     let started = Instant::now();
     loop {
-        let devices = metrics.devices();
-        if devices.iter().all(|d| d.state == "ready") {
+        if statuses
+            .iter_mut()
+            .all(|s| *s.borrow_and_update() == DeviceStatus::Ready)
+        {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let changes = statuses.iter_mut().map(|s| Box::pin(s.changed()));
+        if futures::future::select_all(changes).await.0.is_err() {
+            return; // a device actor's channel closed: shutting down
+        }
     }
     tracing::info!("all devices ready after {:?}", started.elapsed());
-    crate::notify::notify("READY=1");
+    super::notify::notify("READY=1");
     if let Some(path) = ready_file {
+        let info = serde_json::json!({
+            "endpoint": endpoints.endpoint,
+            "control_endpoint": endpoints.control_endpoint,
+            "pid": std::process::id(),
+        });
         let tmp = path.with_extension("tmp");
         if std::fs::write(&tmp, info.to_string())
             .and_then(|_| std::fs::rename(&tmp, &path))
@@ -376,5 +409,8 @@ async fn announce_ready(
         {
             tracing::error!("cannot write the ready file {}", path.display());
         }
+    }
+    if let Some(tx) = on_ready {
+        let _ = tx.send(endpoints);
     }
 }

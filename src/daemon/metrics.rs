@@ -5,14 +5,15 @@
 //! and the device actors. Updates take a short mutex: they happen once per
 //! request or batch, never per row.
 
+use super::messages::DeviceStatus;
 use crate::bucket::Bucket;
 use crate::protocol::ErrorCode;
-use crate::worker::ipc::GraphReport;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::Instant;
+use tokio::sync::watch;
 
 /// Why a request took the eager path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -45,8 +46,8 @@ pub struct DeviceStats {
     pub label: String,
     /// "graph" or "eager".
     pub role: String,
-    /// starting | ready | down | stopped.
-    pub state: String,
+    /// Read from the device actor's status channel when the stats are taken.
+    pub state: DeviceStatus,
     pub name: String,
     pub worker_pid: Option<u32>,
     /// Worker processes started after the first.
@@ -90,6 +91,7 @@ struct Inner {
     queue_depth: BTreeMap<String, u64>,
     eager_queue_depth: u64,
     devices: Vec<DeviceStats>,
+    statuses: Vec<watch::Receiver<DeviceStatus>>,
     latency: Latencies,
 }
 
@@ -124,6 +126,7 @@ impl Metrics {
                 queue_depth: BTreeMap::new(),
                 eager_queue_depth: 0,
                 devices: Vec::new(),
+                statuses: Vec::new(),
                 latency: Latencies {
                     total: histogram(),
                     queued: histogram(),
@@ -184,10 +187,12 @@ impl Metrics {
         self.lock().eager_queue_depth = depth;
     }
 
-    /// Registers a device slot; returns its index for [`Self::update_device`].
-    pub fn add_device(&self, stats: DeviceStats) -> usize {
+    /// Registers a device slot and the channel its status is published on;
+    /// returns its index for [`Self::update_device`].
+    pub fn add_device(&self, stats: DeviceStats, status: watch::Receiver<DeviceStatus>) -> usize {
         let mut m = self.lock();
         m.devices.push(stats);
+        m.statuses.push(status);
         m.devices.len() - 1
     }
 
@@ -197,19 +202,15 @@ impl Metrics {
         }
     }
 
+    /// Every device slot, with its current status.
     pub fn devices(&self) -> Vec<DeviceStats> {
-        self.lock().devices.clone()
-    }
-
-    /// Graph reports of a worker, with model names resolved.
-    pub fn graph_stats(reports: &[GraphReport], model_names: &[String]) -> Vec<GraphStats> {
-        reports
+        let m = self.lock();
+        m.devices
             .iter()
-            .map(|g| GraphStats {
-                model: model_names.get(g.model).cloned().unwrap_or_default(),
-                bucket: g.bucket.to_string(),
-                capture_us: g.capture_us,
-                memory_bytes: g.memory_bytes,
+            .zip(&m.statuses)
+            .map(|(d, status)| DeviceStats {
+                state: *status.borrow(),
+                ..d.clone()
             })
             .collect()
     }
@@ -252,6 +253,10 @@ impl Metrics {
             .map(|c| (c.as_str(), m.errors.get(c).copied().unwrap_or(0)))
             .collect();
         let eager_total: u64 = m.eager_requests.values().sum();
+        let mut devices = m.devices.clone();
+        for (d, status) in devices.iter_mut().zip(&m.statuses) {
+            d.state = *status.borrow();
+        }
         serde_json::json!({
             "uptime_s": self.started.elapsed().as_secs_f64(),
             "requests": {
@@ -275,7 +280,7 @@ impl Metrics {
                 "queued": pct(&m.latency.queued),
                 "compute": pct(&m.latency.compute),
             },
-            "devices": m.devices,
+            "devices": devices,
         })
     }
 }

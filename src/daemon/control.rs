@@ -3,9 +3,8 @@
 //! `{"cmd": "health" | "stats" | "inject_fault", "device": "cuda:0"}` →
 //! `{"ok": true, "result": …}` or `{"ok": false, "error": "…"}`.
 
-use crate::device::DeviceMsg;
-use crate::metrics::Metrics;
-use crate::supervisor::SupervisorMsg;
+use super::messages::{DeviceMsg, DeviceStatus, SupervisorMsg};
+use super::metrics::Metrics;
 use bytes::Bytes;
 use ractor::ActorRef;
 use serde::{Deserialize, Serialize};
@@ -96,8 +95,14 @@ impl<T> CallResultExt<T> for ractor::rpc::CallResult<T> {
 /// while none is ready yet but some are starting, else `down`.
 pub fn health(metrics: &Metrics) -> Value {
     let devices = metrics.devices();
-    let ready = devices.iter().filter(|d| d.state == "ready").count();
-    let starting = devices.iter().filter(|d| d.state == "starting").count();
+    let ready = devices
+        .iter()
+        .filter(|d| d.state == DeviceStatus::Ready)
+        .count();
+    let starting = devices
+        .iter()
+        .filter(|d| d.state == DeviceStatus::Starting)
+        .count();
     let status = if ready == devices.len() && ready > 0 {
         "ok"
     } else if ready > 0 {

@@ -25,9 +25,11 @@ use anyhow::{anyhow, bail, Context};
 use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::{CapturedGraph, CudaBackend, CudaOptions, GraphMemory};
-use crate::backend::{Backend, DeviceInfo};
-use crate::config::{Config, ModelConfig, ModelKind};
+use crate::backend::cuda::{CapturedGraph, CudaBackend, GraphMemory};
+use crate::backend::Backend;
+use crate::config::{Config, ModelConfig};
+use crate::gpu::DeviceInfo;
+use crate::model::ModelKind;
 use crate::model::{BatchRows, InputSpec, Model};
 use crate::tensor::DType;
 
@@ -819,7 +821,7 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
     let config =
         Config::load(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
     let t0 = Instant::now();
-    let options = CudaOptions::from_config(&config.devices);
+    let options = crate::worker::executor::cuda_options(&config.devices);
     let mut gpu = CudaBackend::new(args.gpu, options)
         .map_err(|e| anyhow!("CUDA device {}: {e}", args.gpu))?;
     let init_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -860,7 +862,8 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
         if !args.models.is_empty() && !args.models.contains(&mc.name) {
             continue;
         }
-        let model = Model::load(mc).with_context(|| format!("loading model {}", mc.name))?;
+        let model =
+            Model::load(&mc.spec()).with_context(|| format!("loading model {}", mc.name))?;
         let t = Instant::now();
         let gw = ctx
             .gpu

@@ -1,5 +1,5 @@
-//! BERT-family encoders from a Hugging Face folder, with sentence-transformers
-//! pooling and normalisation.
+//! Reading a BERT-family encoder from a Hugging Face folder, with
+//! sentence-transformers pooling and normalisation.
 //!
 //! The folder holds:
 //!
@@ -20,7 +20,7 @@
 //!   `1_Pooling/config.json`; mean, cls or max) and
 //!   `sentence_bert_config.json` (`max_seq_length`, the default longest input).
 //!
-//! [`ModelConfig`]'s `pooling`, `normalize` and `max_seq_len` override the
+//! [`ModelSpec`]'s `pooling`, `normalize` and `max_seq_len` override the
 //! folder; `max_seq_len` may not exceed `max_position_embeddings`.
 //!
 //! [`inspect`] reads the JSON files and the safetensors header only (no
@@ -28,212 +28,15 @@
 //! the same checks and then reads the weights, fusing each layer's query, key
 //! and value projections into one `[3·hidden, hidden]` weight.
 
-pub(crate) mod safetensors_file;
-
-use self::safetensors_file::{read_header, Header, TensorFile};
-use super::program::{Activation, InputRole, Op, Pooling, ProgramBuilder, WeightId};
-use super::{Architecture, InputSpec, Model, ModelError, ModelInfo, Program, Weights};
-use crate::config::{ModelConfig, ModelKind};
+use super::{BertArch, BertEmbeddings, BertLayer};
+use crate::model::files::read_json;
+use crate::model::program::{Activation, Pooling, WeightId};
+use crate::model::safetensors_file::{read_header, Header, TensorFile};
+use crate::model::{
+    Architecture, InputSpec, Model, ModelError, ModelInfo, ModelKind, ModelSpec, Weights,
+};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-
-/// Weight ids of the embedding block.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BertEmbeddings {
-    /// `[vocab_size, hidden]`
-    pub word: WeightId,
-    /// `[max_position_embeddings, hidden]`
-    pub position: WeightId,
-    /// `[type_vocab_size, hidden]`
-    pub token_type: WeightId,
-    pub norm_gamma: WeightId,
-    pub norm_beta: WeightId,
-}
-
-/// Weight ids of one encoder layer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BertLayer {
-    /// Query, key and value weights stacked: `[3·hidden, hidden]`.
-    pub qkv_weight: WeightId,
-    /// `[3·hidden]`
-    pub qkv_bias: WeightId,
-    /// `attention.output.dense`: `[hidden, hidden]`, `[hidden]`.
-    pub attention_output_weight: WeightId,
-    pub attention_output_bias: WeightId,
-    /// `attention.output.LayerNorm`.
-    pub attention_norm_gamma: WeightId,
-    pub attention_norm_beta: WeightId,
-    /// `intermediate.dense`: `[intermediate, hidden]`, `[intermediate]`.
-    pub intermediate_weight: WeightId,
-    pub intermediate_bias: WeightId,
-    /// `output.dense`: `[hidden, intermediate]`, `[hidden]`.
-    pub output_weight: WeightId,
-    pub output_bias: WeightId,
-    /// `output.LayerNorm`.
-    pub output_norm_gamma: WeightId,
-    pub output_norm_beta: WeightId,
-}
-
-/// A loaded BERT encoder, with weight ids.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BertArch {
-    pub hidden: usize,
-    pub heads: usize,
-    pub head_dim: usize,
-    pub intermediate: usize,
-    pub hidden_act: Activation,
-    pub layer_norm_eps: f32,
-    pub vocab_size: usize,
-    pub max_position_embeddings: usize,
-    pub type_vocab_size: usize,
-    /// Longest input in tokens, special tokens included.
-    pub max_seq_len: usize,
-    pub pooling: Pooling,
-    pub normalize: bool,
-    pub embeddings: BertEmbeddings,
-    pub layers: Vec<BertLayer>,
-}
-
-impl BertArch {
-    /// The encoder at `batch` rows of `seq` tokens:
-    ///
-    /// EmbedLayerNorm → per layer: Linear(qkv) → Attention →
-    /// Linear(attention.output.dense) → AddLayerNorm → Linear(intermediate,
-    /// hidden_act) → Linear(output.dense) → AddLayerNorm → … → Pool.
-    ///
-    /// Five activation buffers serve every layer: the residual stream
-    /// `hidden` (updated in place by AddLayerNorm), `qkv`, `context`, `proj`
-    /// (the two dense outputs before their residual add) and `intermediate`.
-    ///
-    /// `seq` must not exceed `max_position_embeddings` (backends reject such
-    /// a program when they resolve the embedding op).
-    pub fn program(&self, batch: usize, seq: usize) -> Program {
-        let rows = batch * seq;
-        let h = self.hidden;
-        let mut b = ProgramBuilder::new();
-        let ids = b.input("input_ids", InputRole::TokenIds, rows);
-        let mask = b.input("attention_mask", InputRole::AttentionMask, rows);
-        let types = b.input("token_type_ids", InputRole::TokenTypeIds, rows);
-        let hidden = b.activation("hidden", rows * h);
-        let qkv = b.activation("qkv", rows * 3 * h);
-        let context = b.activation("context", rows * h);
-        let proj = b.activation("proj", rows * h);
-        let inter = b.activation("intermediate", rows * self.intermediate);
-        let output = b.output("embedding", batch * h);
-        let e = &self.embeddings;
-        b.push(Op::EmbedLayerNorm {
-            ids,
-            token_types: types,
-            word: e.word,
-            position: e.position,
-            token_type: e.token_type,
-            gamma: e.norm_gamma,
-            beta: e.norm_beta,
-            eps: self.layer_norm_eps,
-            out: hidden,
-            batch,
-            seq,
-            hidden: h,
-        });
-        for layer in &self.layers {
-            let linear = |x, w, bias, act, out, n, k| Op::Linear {
-                x,
-                w,
-                bias: Some(bias),
-                act,
-                out,
-                m: rows,
-                n,
-                k,
-            };
-            let add_norm = |gamma, beta| Op::AddLayerNorm {
-                x: proj,
-                residual: hidden,
-                gamma,
-                beta,
-                eps: self.layer_norm_eps,
-                out: hidden,
-                rows,
-                hidden: h,
-            };
-            let id = Activation::Identity;
-            b.push(linear(
-                hidden,
-                layer.qkv_weight,
-                layer.qkv_bias,
-                id,
-                qkv,
-                3 * h,
-                h,
-            ));
-            b.push(Op::Attention {
-                qkv,
-                mask,
-                out: context,
-                batch,
-                seq,
-                heads: self.heads,
-                head_dim: self.head_dim,
-            });
-            b.push(linear(
-                context,
-                layer.attention_output_weight,
-                layer.attention_output_bias,
-                id,
-                proj,
-                h,
-                h,
-            ));
-            b.push(add_norm(
-                layer.attention_norm_gamma,
-                layer.attention_norm_beta,
-            ));
-            b.push(linear(
-                hidden,
-                layer.intermediate_weight,
-                layer.intermediate_bias,
-                self.hidden_act,
-                inter,
-                self.intermediate,
-                h,
-            ));
-            b.push(linear(
-                inter,
-                layer.output_weight,
-                layer.output_bias,
-                id,
-                proj,
-                h,
-                self.intermediate,
-            ));
-            b.push(add_norm(layer.output_norm_gamma, layer.output_norm_beta));
-        }
-        b.push(Op::Pool {
-            x: hidden,
-            mask,
-            out: output,
-            batch,
-            seq,
-            hidden: h,
-            mode: self.pooling,
-            normalize: self.normalize,
-        });
-        b.finish(batch, seq, output, h)
-    }
-}
-
-/// Reads and parses a JSON file; errors name the file.
-pub(crate) fn read_json(path: &Path) -> Result<Value, ModelError> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::NotFound {
-            ModelError::file(path, "missing file")
-        } else {
-            ModelError::file(path, format!("cannot read: {e}"))
-        }
-    })?;
-    serde_json::from_str(&text)
-        .map_err(|e| ModelError::file(path, format!("unparseable JSON: {e}")))
-}
 
 /// The hyper-parameters from `config.json`.
 #[derive(Clone, Debug, PartialEq)]
@@ -396,7 +199,7 @@ struct Folder {
     weights: PathBuf,
 }
 
-fn describe(model: &ModelConfig) -> Result<Folder, ModelError> {
+fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
     let dir = &model.path;
     if !dir.is_dir() {
         return Err(ModelError::file(
@@ -643,7 +446,7 @@ fn tensor_names(header: &Header, c: &BertConfig) -> Result<TensorNames, ModelErr
     })
 }
 
-fn info(model: &ModelConfig, folder: &Folder) -> ModelInfo {
+fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
     ModelInfo {
         name: model.name.clone(),
         kind: ModelKind::Bert,
@@ -658,7 +461,7 @@ fn info(model: &ModelConfig, folder: &Folder) -> ModelInfo {
 }
 
 /// Loads the configs and the weights (converted to f32; q/k/v fused).
-pub fn load(config: &ModelConfig) -> Result<Model, ModelError> {
+pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let folder = describe(config)?;
     let file = TensorFile::open(&folder.weights)?;
     let names = tensor_names(&file.header, &folder.config)?;
@@ -741,7 +544,7 @@ pub fn load(config: &ModelConfig) -> Result<Model, ModelError> {
 
 /// Reads the configs and the safetensors header (no weight data), checks
 /// every tensor's presence and shape, and that the tokenizer exists.
-pub fn inspect(config: &ModelConfig) -> Result<ModelInfo, ModelError> {
+pub fn inspect(config: &ModelSpec) -> Result<ModelInfo, ModelError> {
     let folder = describe(config)?;
     let header = read_header(&folder.weights)?;
     tensor_names(&header, &folder.config)?;
@@ -764,14 +567,12 @@ mod tests {
         dir
     }
 
-    fn config(path: &Path) -> ModelConfig {
-        ModelConfig {
+    fn config(path: &Path) -> ModelSpec {
+        ModelSpec {
             name: "minilm".into(),
             kind: ModelKind::Bert,
             path: path.to_path_buf(),
             dtype: DType::F32,
-            batch_buckets: vec![1, 8],
-            seq_buckets: vec![16, 128],
             max_seq_len: None,
             activation: None,
             pooling: None,

@@ -8,10 +8,11 @@
 //! and start a new generation after a back-off that doubles up to a limit.
 //! Events from an older generation are ignored.
 
-use crate::batcher::queue::DeviceId;
-use crate::batcher::{Batch, BatcherMsg, RequestInput};
-use crate::metrics::Metrics;
-use crate::worker::ipc::{self, FromWorker, RowsLayout, ToWorker};
+use super::messages::{
+    Batch, BatchOutput, BatcherMsg, DeviceId, DeviceMsg, DeviceStatus, StatusSender, WorkerEvent,
+};
+use super::metrics::{GraphStats, Metrics};
+use crate::worker::link::{self, FromWorker, GraphReport, ToWorker};
 use crate::worker::WorkerBackend;
 use bytes::Bytes;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -43,6 +44,8 @@ pub struct DeviceArgs {
     pub runtime_dir: PathBuf,
     pub batcher: ActorRef<BatcherMsg>,
     pub metrics: Arc<Metrics>,
+    /// Where this slot's [`DeviceStatus`] is published.
+    pub status: StatusSender,
     pub model_names: Vec<String>,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
@@ -51,54 +54,10 @@ pub struct DeviceArgs {
     pub fault_injection: bool,
 }
 
-pub enum DeviceMsg {
-    /// Run a batch on this device's worker.
-    Run { batch: Arc<Batch>, attempt: u32 },
-    /// Make the worker corrupt its device (tests); answers the worker's reply.
-    InjectFault(RpcReplyPort<Result<String, String>>),
-    /// Kill the worker now (e.g. NVML reported a critical Xid); it restarts.
-    Kill { reason: String },
-    /// Stop the worker for good (daemon shutdown); answers once it exited.
-    Stop(RpcReplyPort<()>),
-    /// Start a new worker generation.
-    Spawn,
-    /// Something happened to worker generation `generation`.
-    Worker { generation: u64, event: WorkerEvent },
-}
-
-pub enum WorkerEvent {
-    Message(Vec<Bytes>),
-    Exited {
-        code: Option<i32>,
-        signal: Option<i32>,
-    },
-    StartTimeout,
-    StopTimeout,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Status {
-    Starting,
-    Ready,
-    Down,
-    Stopped,
-}
-
-impl Status {
-    fn as_str(self) -> &'static str {
-        match self {
-            Status::Starting => "starting",
-            Status::Ready => "ready",
-            Status::Down => "down",
-            Status::Stopped => "stopped",
-        }
-    }
-}
-
 pub struct DeviceState {
     args: DeviceArgs,
     generation: u64,
-    status: Status,
+    status: DeviceStatus,
     pid: Option<u32>,
     outbox: Option<mpsc::UnboundedSender<Vec<Bytes>>>,
     io_task: Option<tokio::task::JoinHandle<()>>,
@@ -135,7 +94,7 @@ impl Actor for DeviceActor {
             backoff: args.backoff_initial,
             args,
             generation: 0,
-            status: Status::Down,
+            status: DeviceStatus::Down,
             pid: None,
             outbox: None,
             io_task: None,
@@ -201,15 +160,13 @@ impl DeviceState {
         &self.args.label
     }
 
-    fn set_status(&mut self, status: Status) {
+    fn set_status(&mut self, status: DeviceStatus) {
         self.status = status;
+        self.args.status.send_replace(status);
         let pid = self.pid;
         self.args
             .metrics
-            .update_device(self.args.metrics_index, |d| {
-                d.state = status.as_str().to_string();
-                d.worker_pid = pid;
-            });
+            .update_device(self.args.metrics_index, |d| d.worker_pid = pid);
     }
 
     fn set_error(&self, error: String) {
@@ -219,7 +176,7 @@ impl DeviceState {
     }
 
     async fn spawn(&mut self, myself: &ActorRef<DeviceMsg>) {
-        if self.stopping || matches!(self.status, Status::Starting | Status::Ready) {
+        if self.stopping || matches!(self.status, DeviceStatus::Starting | DeviceStatus::Ready) {
             return;
         }
         self.generation += 1;
@@ -277,7 +234,7 @@ impl DeviceState {
         };
         self.pid = child.id();
         tracing::info!(device = %self.label(), pid = ?self.pid, generation, "worker started");
-        self.set_status(Status::Starting);
+        self.set_status(DeviceStatus::Starting);
 
         let (outbox, mut outgoing) = mpsc::unbounded_channel::<Vec<Bytes>>();
         self.outbox = Some(outbox);
@@ -332,7 +289,7 @@ impl DeviceState {
     fn start_failed(&mut self, myself: &ActorRef<DeviceMsg>, error: String) {
         tracing::error!(device = %self.label(), "{error}");
         self.set_error(error);
-        self.set_status(Status::Down);
+        self.set_status(DeviceStatus::Down);
         self.schedule_restart(myself);
     }
 
@@ -347,7 +304,7 @@ impl DeviceState {
             WorkerEvent::Message(frames) => self.worker_message(&frames),
             WorkerEvent::Exited { code, signal } => self.worker_exited(myself, code, signal),
             WorkerEvent::StartTimeout => {
-                if self.status == Status::Starting {
+                if self.status == DeviceStatus::Starting {
                     self.set_error(format!(
                         "worker did not become ready within {:?}",
                         self.args.start_timeout
@@ -364,7 +321,7 @@ impl DeviceState {
     }
 
     fn worker_message(&mut self, frames: &[Bytes]) {
-        let (msg, data) = match ipc::decode::<FromWorker>(frames) {
+        let (msg, data) = match link::decode::<FromWorker>(frames) {
             Ok(m) => m,
             Err(e) => {
                 tracing::error!(device = %self.label(), "{e}");
@@ -386,7 +343,7 @@ impl DeviceState {
                     "worker ready"
                 );
                 self.backoff = self.args.backoff_initial;
-                let graph_stats = Metrics::graph_stats(&graphs, &self.args.model_names);
+                let graph_stats = graph_stats(&graphs, &self.args.model_names);
                 self.args
                     .metrics
                     .update_device(self.args.metrics_index, |d| {
@@ -394,9 +351,9 @@ impl DeviceState {
                         d.graphs = graph_stats;
                         d.startup_ms = Some(startup_ms);
                     });
-                self.set_status(Status::Ready);
+                self.set_status(DeviceStatus::Ready);
                 if self.stopping {
-                    self.send(ipc::encode(&ToWorker::Shutdown, []));
+                    self.send(link::encode(&ToWorker::Shutdown, []));
                 } else {
                     let _ = self.args.batcher.cast(BatcherMsg::DeviceUp { device });
                 }
@@ -419,31 +376,32 @@ impl DeviceState {
                             d.eager_runs += 1;
                         }
                     });
-                let output = data.first().cloned().unwrap_or_default();
+                let output = BatchOutput {
+                    data: data.first().cloned().unwrap_or_default(),
+                    output_dim,
+                    compute_us,
+                };
                 let _ = self.args.batcher.cast(BatcherMsg::BatchDone {
                     device,
                     batch,
                     attempt,
                     output,
-                    output_dim,
-                    compute_us,
                 });
             }
             FromWorker::Failed {
                 batch,
                 attempt,
-                message,
-                fatal,
+                error,
             } => {
-                if fatal {
+                if error.is_fatal() {
                     // The worker exits next; the batch is re-dispatched then.
-                    self.set_error(message);
+                    self.set_error(error.to_string());
                 } else {
                     let _ = self.args.batcher.cast(BatcherMsg::BatchFailed {
                         device,
                         batch,
                         attempt,
-                        message,
+                        error,
                     });
                 }
             }
@@ -479,9 +437,9 @@ impl DeviceState {
             let _ = std::fs::remove_file(path);
         }
         let device_fault =
-            code == Some(ipc::EXIT_DEVICE_FAULT) || std::mem::take(&mut self.killed_for_fault);
+            code == Some(link::EXIT_DEVICE_FAULT) || std::mem::take(&mut self.killed_for_fault);
         let how = match (code, signal) {
-            (Some(ipc::EXIT_DEVICE_FAULT), _) => "device fault".to_string(),
+            (Some(link::EXIT_DEVICE_FAULT), _) => "device fault".to_string(),
             (None, Some(9)) if device_fault => "killed: its GPU reported a fault".to_string(),
             (Some(c), _) => format!("exit status {c}"),
             (None, Some(s)) => format!("signal {s}"),
@@ -502,17 +460,17 @@ impl DeviceState {
         });
         if self.stopping {
             tracing::info!(device = %self.label(), "worker stopped ({how})");
-            self.set_status(Status::Stopped);
+            self.set_status(DeviceStatus::Stopped);
             for port in self.stop_waiters.drain(..) {
                 let _ = port.send(());
             }
             return;
         }
         tracing::warn!(device = %self.label(), state = was.as_str(), "worker exited ({how}); restarting");
-        if was == Status::Ready {
+        if was == DeviceStatus::Ready {
             self.set_error(format!("worker exited ({how})"));
         }
-        self.set_status(Status::Down);
+        self.set_status(DeviceStatus::Down);
         self.schedule_restart(myself);
     }
 
@@ -521,11 +479,17 @@ impl DeviceState {
     }
 
     fn run(&mut self, batch: &Batch, attempt: u32) {
-        if self.status != Status::Ready {
+        if self.status != DeviceStatus::Ready {
             // The batcher re-dispatches it when it processes our DeviceDown.
             return;
         }
-        self.send(encode_run(batch, attempt));
+        self.send(link::encode_run(
+            batch.id,
+            attempt,
+            batch.model,
+            batch.bucket,
+            batch.parts.iter().map(|(_, rows)| rows.as_ref()),
+        ));
     }
 
     fn inject_fault(&mut self, port: RpcReplyPort<Result<String, String>>) {
@@ -535,7 +499,7 @@ impl DeviceState {
             ));
             return;
         }
-        if self.status != Status::Ready {
+        if self.status != DeviceStatus::Ready {
             let _ = port.send(Err(format!(
                 "device {} is {}, not ready",
                 self.label(),
@@ -544,19 +508,19 @@ impl DeviceState {
             return;
         }
         self.fault_waiters.push(port);
-        self.send(ipc::encode(&ToWorker::InjectFault, []));
+        self.send(link::encode(&ToWorker::InjectFault, []));
     }
 
     fn stop(&mut self, myself: &ActorRef<DeviceMsg>, port: RpcReplyPort<()>) {
         self.stopping = true;
         if self.pid.is_none() {
-            self.set_status(Status::Stopped);
+            self.set_status(DeviceStatus::Stopped);
             let _ = port.send(());
             return;
         }
         self.stop_waiters.push(port);
-        if self.status == Status::Ready {
-            self.send(ipc::encode(&ToWorker::Shutdown, []));
+        if self.status == DeviceStatus::Ready {
+            self.send(link::encode(&ToWorker::Shutdown, []));
         }
         let generation = self.generation;
         myself.send_after(self.args.stop_timeout, move || DeviceMsg::Worker {
@@ -575,45 +539,15 @@ impl DeviceState {
     }
 }
 
-/// Encodes a batch as a `Run` message: rows go in data frames, zero-copy
-/// for feature tensors.
-pub fn encode_run(batch: &Batch, attempt: u32) -> Vec<Bytes> {
-    let features = batch.parts.first().map(|(_, input)| match input.as_ref() {
-        RequestInput::Features { rows, data } => Some(data.len() / 4 / (*rows).max(1)),
-        RequestInput::Tokens(_) => None,
-    });
-    let (layout, data): (RowsLayout, Vec<Bytes>) =
-        match features.flatten() {
-            Some(features) => (
-                RowsLayout::Features { features },
-                batch
-                    .parts
-                    .iter()
-                    .map(|(_, input)| match input.as_ref() {
-                        RequestInput::Features { data, .. } => data.clone(),
-                        RequestInput::Tokens(_) => Bytes::new(),
-                    })
-                    .collect(),
-            ),
-            None => {
-                let (lens, frame) =
-                    ipc::tokens_frame(batch.parts.iter().flat_map(
-                        |(_, input)| match input.as_ref() {
-                            RequestInput::Tokens(seqs) => seqs.iter(),
-                            RequestInput::Features { .. } => [].iter(),
-                        },
-                    ));
-                (RowsLayout::Tokens { lens }, vec![frame])
-            }
-        };
-    ipc::encode(
-        &ToWorker::Run {
-            batch: batch.id,
-            attempt,
-            model: batch.model,
-            bucket: batch.bucket,
-            layout,
-        },
-        data,
-    )
+/// A worker's graph reports, with model names resolved, for the stats.
+fn graph_stats(reports: &[GraphReport], model_names: &[String]) -> Vec<GraphStats> {
+    reports
+        .iter()
+        .map(|g| GraphStats {
+            model: model_names.get(g.model).cloned().unwrap_or_default(),
+            bucket: g.bucket.to_string(),
+            capture_us: g.capture_us,
+            memory_bytes: g.memory_bytes,
+        })
+        .collect()
 }

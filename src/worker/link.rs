@@ -1,16 +1,21 @@
-//! Messages between a device actor (daemon side) and its worker process, over
-//! a ZeroMQ DEALER pair on an `ipc://` socket.
+//! The worker link: messages between a device actor (daemon side) and its
+//! worker process, over a ZeroMQ DEALER pair on an `ipc://` socket. This file
+//! is the one place that wire is encoded and decoded.
 //!
 //! Each message is a MessagePack header frame followed by raw data frames
 //! (row data never goes through MessagePack): a `Run` carries its rows, a
-//! `Done` its output.
+//! `Done` its output. A failed batch comes back as a typed [`WorkerError`],
+//! which [`WorkerError::code`] maps to the protocol's error codes.
 
-use crate::backend::DeviceInfo;
-use crate::batcher::queue::BatchId;
 use crate::bucket::Bucket;
+use crate::gpu::DeviceInfo;
 use crate::model::BatchRows;
+use crate::protocol::ErrorCode;
 use bytes::Bytes;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+/// The daemon's id of a batch (opaque to the worker, echoed in replies).
+pub type BatchId = u64;
 
 /// Exit status of a worker whose device faulted (sticky CUDA error): the
 /// daemon restarts it and counts a device fault.
@@ -71,17 +76,103 @@ pub enum FromWorker {
         /// True when a captured graph ran it, false for the eager path.
         replayed: bool,
     },
-    /// A batch failed. When `fatal`, the worker exits right after (device fault).
+    /// A batch failed. When the error is fatal, the worker exits right
+    /// after (device fault) and the batch is re-dispatched.
     Failed {
         batch: BatchId,
         attempt: u32,
-        message: String,
-        fatal: bool,
+        error: WorkerError,
     },
     /// Answer to `InjectFault`.
     FaultInjected { ok: bool, message: String },
     /// The worker is exiting because it could not start or its device failed.
     Fatal { message: String },
+}
+
+/// Why a worker could not run a batch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum WorkerError {
+    /// The device is unusable in this process; the worker exits and its
+    /// batches are re-dispatched.
+    #[error("device fault: {0}")]
+    DeviceFault(String),
+    /// Device memory ran out for this batch (e.g. a large eager run).
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    /// The backend cannot run this (missing library, unsupported shape).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// The batch does not fit what it was sent to (shape, ids, model).
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
+    /// Anything else; the device is fine.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl WorkerError {
+    /// True when the worker exits after reporting it.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, WorkerError::DeviceFault(_))
+    }
+
+    /// The protocol error code a client gets for this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            // The batch was checked against the model by the frontend; a
+            // mismatch the worker finds is still the request's.
+            WorkerError::InvalidBatch(_) => ErrorCode::BadRequest,
+            // Transient: the same request may fit later.
+            WorkerError::OutOfMemory(_) => ErrorCode::Overloaded,
+            WorkerError::DeviceFault(_) | WorkerError::Unsupported(_) | WorkerError::Other(_) => {
+                ErrorCode::Internal
+            }
+        }
+    }
+}
+
+/// Encodes a `Run`: the header, then the rows of every part in order
+/// (one frame per part for features, zero-copy of nothing but cheap; one
+/// frame of all ids for tokens).
+pub fn encode_run<'a>(
+    batch: BatchId,
+    attempt: u32,
+    model: usize,
+    bucket: Option<Bucket>,
+    parts: impl IntoIterator<Item = &'a BatchRows>,
+) -> Vec<Bytes> {
+    let parts: Vec<&BatchRows> = parts.into_iter().collect();
+    let (layout, data) = match parts.first() {
+        Some(BatchRows::Features { features, .. }) => (
+            RowsLayout::Features {
+                features: *features,
+            },
+            parts
+                .iter()
+                .map(|p| match p {
+                    BatchRows::Features { data, .. } => crate::tensor::f32s_to_le(data),
+                    BatchRows::Tokens(_) => Bytes::new(),
+                })
+                .collect(),
+        ),
+        _ => {
+            let (lens, frame) = tokens_frame(parts.iter().flat_map(|p| match p {
+                BatchRows::Tokens(seqs) => seqs.iter(),
+                BatchRows::Features { .. } => [].iter(),
+            }));
+            (RowsLayout::Tokens { lens }, vec![frame])
+        }
+    };
+    encode(
+        &ToWorker::Run {
+            batch,
+            attempt,
+            model,
+            bucket,
+            layout,
+        },
+        data,
+    )
 }
 
 /// Encodes a header and its data frames into one multipart message.
@@ -144,7 +235,7 @@ pub fn rows_from_frames(layout: &RowsLayout, data: &[Bytes]) -> Result<BatchRows
 }
 
 /// Encodes token sequences as one frame (see [`RowsLayout::Tokens`]).
-pub fn tokens_frame<'a>(seqs: impl IntoIterator<Item = &'a Vec<u32>>) -> (Vec<u32>, Bytes) {
+fn tokens_frame<'a>(seqs: impl IntoIterator<Item = &'a Vec<u32>>) -> (Vec<u32>, Bytes) {
     let mut lens = Vec::new();
     let mut bytes = Vec::new();
     for seq in seqs {

@@ -10,6 +10,15 @@
 //!
 //! Activation buffers are reused across layers (the builder ping-pongs a
 //! handful of them), so a program's memory does not grow with depth.
+//!
+//! * [`validate`]: the IR's rules, checked once before a backend captures a
+//!   program, and the check of a batch against it.
+//! * [`reference`]: a plain f64 interpreter, the yardstick for both backends.
+
+pub mod reference;
+pub mod validate;
+
+pub use validate::{BatchError, ProgramError, ProgramFacts, ProgramInput};
 
 use serde::{Deserialize, Serialize};
 

@@ -8,19 +8,10 @@
 //! batcher in its place. Worker *processes* are restarted by their device
 //! actor; this layer only guards against bugs in the actors themselves.
 
-use crate::batcher::BatcherMsg;
-use crate::device::{DeviceActor, DeviceArgs, DeviceMsg};
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use super::device::{DeviceActor, DeviceArgs};
+use super::messages::{BatcherMsg, DeviceMsg, SupervisorMsg};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
 use std::time::Duration;
-
-pub enum SupervisorMsg {
-    /// The device actors, by device slot.
-    Devices(RpcReplyPort<Vec<ActorRef<DeviceMsg>>>),
-    /// Stop every worker (daemon shutdown); answers when all have exited.
-    StopAll(RpcReplyPort<()>),
-    /// Kill these devices' workers (NVML reported their GPU unhealthy); they restart.
-    Kill { slots: Vec<usize>, reason: String },
-}
 
 pub struct SupervisorArgs {
     pub devices: Vec<DeviceArgs>,

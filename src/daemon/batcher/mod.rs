@@ -12,12 +12,13 @@
 
 pub mod queue;
 
-use crate::bucket::{Bucket, BucketGrid};
-use crate::device::DeviceMsg;
-use crate::metrics::{EagerReason, Metrics};
+use super::messages::{Batch, BatchOutput, BatcherMsg, DeviceMsg, Submission};
+use super::metrics::{EagerReason, Metrics};
+use crate::bucket::BucketGrid;
+use crate::model::BatchRows;
 use crate::protocol::{ErrorCode, Reply};
 use crate::tensor::{DType, HostTensor};
-use bytes::Bytes;
+use crate::worker::link::WorkerError;
 use queue::{
     Action, BatchId, BatchPlan, DeviceId, DeviceKind, QueuedRequest, Rejection, RequestId,
     Scheduler, SchedulerConfig,
@@ -27,106 +28,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
-
-/// A request's input rows, as validated by the frontend.
-#[derive(Clone, Debug, PartialEq)]
-pub enum RequestInput {
-    /// Little-endian f32 rows of the model's feature width (zero-copy from the wire).
-    Features { rows: usize, data: Bytes },
-    /// Token-id sequences, special tokens included.
-    Tokens(Vec<Vec<u32>>),
-}
-
-impl RequestInput {
-    pub fn rows(&self) -> usize {
-        match self {
-            RequestInput::Features { rows, .. } => *rows,
-            RequestInput::Tokens(seqs) => seqs.len(),
-        }
-    }
-
-    /// Longest sequence (1 for features).
-    pub fn len(&self) -> usize {
-        match self {
-            RequestInput::Features { .. } => 1,
-            RequestInput::Tokens(seqs) => seqs.iter().map(Vec::len).max().unwrap_or(0),
-        }
-    }
-
-    /// Real tokens over all rows (rows for features).
-    pub fn tokens(&self) -> usize {
-        match self {
-            RequestInput::Features { rows, .. } => *rows,
-            RequestInput::Tokens(seqs) => seqs.iter().map(Vec::len).sum(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.rows() == 0
-    }
-}
-
-/// A request handed from the frontend to the batcher.
-pub struct Submission {
-    pub model: usize,
-    pub client_id: u64,
-    pub input: RequestInput,
-    pub priority: u8,
-    pub received: Instant,
-    pub deadline: Option<Instant>,
-    pub output_dtype: DType,
-    pub reply: oneshot::Sender<Reply>,
-}
-
-/// A formed batch: requests in row order, the bucket it is padded into
-/// (`None`: eager, exact shape).
-#[derive(Debug)]
-pub struct Batch {
-    pub id: BatchId,
-    pub model: usize,
-    pub bucket: Option<Bucket>,
-    pub parts: Vec<(RequestId, Arc<RequestInput>)>,
-    pub rows: usize,
-}
-
-pub enum BatcherMsg {
-    Submit(Submission),
-    /// A timer fired: expire deadlines, dispatch aged queues.
-    Tick,
-    AttachDevice {
-        device: DeviceId,
-        actor: ActorRef<DeviceMsg>,
-    },
-    /// The device's worker captured every graph and takes work.
-    DeviceUp {
-        device: DeviceId,
-    },
-    /// The device's worker is gone; re-dispatch what it held.
-    DeviceDown {
-        device: DeviceId,
-        reason: String,
-    },
-    BatchDone {
-        device: DeviceId,
-        batch: BatchId,
-        attempt: u32,
-        output: Bytes,
-        output_dim: usize,
-        compute_us: u64,
-    },
-    BatchFailed {
-        device: DeviceId,
-        batch: BatchId,
-        attempt: u32,
-        message: String,
-    },
-    /// Stop accepting, dispatch everything queued; answer when no request is left.
-    Drain(RpcReplyPort<()>),
-    /// Answer every request still held with `unavailable` (end of the grace period).
-    Abort(RpcReplyPort<usize>),
-    /// Requests accepted and not yet answered.
-    Outstanding(RpcReplyPort<usize>),
-}
 
 /// What the batcher needs to know about each model.
 #[derive(Clone, Debug)]
@@ -146,7 +47,7 @@ pub struct BatcherArgs {
 
 struct Pending {
     client_id: u64,
-    input: Arc<RequestInput>,
+    input: Arc<BatchRows>,
     received: Instant,
     dispatched: Option<Instant>,
     output_dtype: DType,
@@ -234,15 +135,13 @@ impl Actor for BatcherActor {
                 batch,
                 attempt,
                 output,
-                output_dim,
-                compute_us,
-            } => state.batch_done(device, batch, attempt, output, output_dim, compute_us),
+            } => state.batch_done(device, batch, attempt, output),
             BatcherMsg::BatchFailed {
                 device,
                 batch,
                 attempt,
-                message,
-            } => state.batch_failed(device, batch, attempt, &message),
+                error,
+            } => state.batch_failed(device, batch, attempt, &error),
             BatcherMsg::Drain(port) => {
                 state.scheduler.start_draining();
                 state.drain_waiters.push(port);
@@ -273,7 +172,7 @@ impl BatcherState {
         let slot = &self.models[model];
         let id = self.next_request;
         self.next_request += 1;
-        let (rows, len) = (sub.input.rows(), sub.input.len());
+        let (rows, len) = (sub.input.rows(), sub.input.max_len());
         let queued = QueuedRequest {
             id,
             model,
@@ -412,15 +311,12 @@ impl BatcherState {
         }
     }
 
-    fn batch_done(
-        &mut self,
-        device: DeviceId,
-        batch: BatchId,
-        attempt: u32,
-        output: Bytes,
-        output_dim: usize,
-        compute_us: u64,
-    ) {
+    fn batch_done(&mut self, device: DeviceId, batch: BatchId, attempt: u32, output: BatchOutput) {
+        let BatchOutput {
+            data: output,
+            output_dim,
+            compute_us,
+        } = output;
         let Some(f) = self.inflight.get(&batch) else {
             return;
         };
@@ -490,7 +386,13 @@ impl BatcherState {
         }
     }
 
-    fn batch_failed(&mut self, device: DeviceId, batch: BatchId, attempt: u32, message: &str) {
+    fn batch_failed(
+        &mut self,
+        device: DeviceId,
+        batch: BatchId,
+        attempt: u32,
+        error: &WorkerError,
+    ) {
         let Some(f) = self.inflight.get(&batch) else {
             return;
         };
@@ -499,10 +401,10 @@ impl BatcherState {
         }
         let f = self.inflight.remove(&batch).expect("present");
         self.scheduler.completed(device);
-        tracing::error!(batch, device = %self.device_labels[device], "batch failed: {message}");
-        let msg = format!("the worker failed to run the batch: {message}");
+        tracing::error!(batch, device = %self.device_labels[device], "batch failed: {error}");
+        let msg = format!("the worker failed to run the batch: {error}");
         for (rid, _) in &f.batch.parts {
-            self.fail(*rid, ErrorCode::Internal, &msg);
+            self.fail(*rid, error.code(), &msg);
         }
     }
 

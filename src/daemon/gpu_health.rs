@@ -4,9 +4,9 @@
 //! ECC error on its GPU (the worker restarts and re-captures; its batches are
 //! re-dispatched). Without NVML this is a no-op with a warning.
 
-use crate::backend::cuda::nvml::{self, GpuEvent, GpuInfo, XidWatcher};
-use crate::metrics::Metrics;
-use crate::supervisor::SupervisorMsg;
+use super::messages::SupervisorMsg;
+use super::metrics::Metrics;
+use crate::gpu::nvml::{self, GpuEvent, GpuInfo, XidWatcher};
 use ractor::ActorRef;
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,14 +7,14 @@
 //! another. Replies to a client that stops reading are dropped after
 //! [`REPLY_SEND_TIMEOUT`] rather than held forever.
 
-use crate::batcher::{BatcherMsg, RequestInput, Submission};
-use crate::metrics::Metrics;
-use crate::model::{InputSpec, ModelInfo};
+use super::messages::{BatcherMsg, Submission};
+use super::metrics::Metrics;
+use super::tokenize::{TokenizeError, TokenizerPool};
+use crate::model::{BatchRows, InputSpec, ModelInfo};
 use crate::protocol::{
     decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply, Request,
 };
 use crate::tensor::DType;
-use crate::tokenize::{TokenizeError, TokenizerPool};
 use bytes::Bytes;
 use ractor::ActorRef;
 use std::collections::HashMap;
@@ -132,9 +132,9 @@ impl Frontend {
                         t.shape[0], self.limits.max_items
                     )));
                 }
-                RequestInput::Features {
-                    rows: t.shape[0],
-                    data: t.data,
+                BatchRows::Features {
+                    features: *features,
+                    data: crate::tensor::f32s_from_le(&t.data),
                 }
             }
             (InputSpec::Features { .. }, _) => {
@@ -152,7 +152,7 @@ impl Frontend {
                     ProtocolError::new(id, ErrorCode::Internal, "model has no tokenizer")
                 })?;
                 match pool.encode(texts, header.truncate).await {
-                    Ok(ids) => RequestInput::Tokens(ids),
+                    Ok(ids) => BatchRows::Tokens(ids),
                     Err(TokenizeError::TooLong { index, tokens, max }) => {
                         return Err(ProtocolError::new(
                             id,
@@ -190,7 +190,7 @@ impl Frontend {
                         )));
                     }
                 }
-                RequestInput::Tokens(seqs)
+                BatchRows::Tokens(seqs)
             }
         };
         let deadline = deadline(header.timeout_us, header.deadline_unix_us, received);

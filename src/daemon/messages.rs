@@ -1,0 +1,176 @@
+//! The map of the daemon's messages: what travels between the frontend, the
+//! batcher, the device actors and the supervisor, and the one enum that says
+//! what state a device is in.
+//!
+//! A request's route (see [`super`]): the frontend builds a [`Submission`]
+//! and sends [`BatcherMsg::Submit`]; the batcher forms a [`Batch`] and sends
+//! [`DeviceMsg::Run`] to a device actor; the device actor forwards it to its
+//! worker process and answers the batcher with [`BatcherMsg::BatchDone`] or
+//! [`BatcherMsg::BatchFailed`], or with [`BatcherMsg::DeviceDown`] when the
+//! worker dies (the batcher then re-dispatches what that device held). The
+//! batcher answers the request on the [`Submission::reply`] channel, exactly
+//! once.
+//!
+//! Every report from a device carries the batch's `attempt` and the device
+//! it ran on, so the batcher can ignore a stale report from an attempt it has
+//! already re-dispatched.
+
+use crate::bucket::Bucket;
+use crate::model::BatchRows;
+use crate::protocol::Reply;
+use crate::tensor::DType;
+use crate::worker::link::WorkerError;
+use bytes::Bytes;
+use ractor::{ActorRef, RpcReplyPort};
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{oneshot, watch};
+
+pub use super::batcher::queue::{BatchId, DeviceId, DeviceKind, RequestId};
+
+/// A request handed from the frontend to the batcher: its rows are validated
+/// against the model (shapes, vocabulary, lengths).
+pub struct Submission {
+    /// Index of the model in the config.
+    pub model: usize,
+    /// The client's id, echoed in the reply.
+    pub client_id: u64,
+    pub input: BatchRows,
+    pub priority: u8,
+    pub received: Instant,
+    pub deadline: Option<Instant>,
+    pub output_dtype: DType,
+    pub reply: oneshot::Sender<Reply>,
+}
+
+/// A formed batch: requests in row order, and the bucket it is padded into
+/// (`None`: the eager path, exact shape).
+#[derive(Debug)]
+pub struct Batch {
+    pub id: BatchId,
+    pub model: usize,
+    pub bucket: Option<Bucket>,
+    pub parts: Vec<(RequestId, Arc<BatchRows>)>,
+    /// Real rows over all parts.
+    pub rows: usize,
+}
+
+/// What a finished batch brings back from the worker.
+#[derive(Debug)]
+pub struct BatchOutput {
+    /// `rows · output_dim` little-endian f32, in the batch's row order.
+    pub data: Bytes,
+    pub output_dim: usize,
+    /// Microseconds the worker spent on it (copy in, replay, copy out).
+    pub compute_us: u64,
+}
+
+/// Messages to the batcher actor.
+pub enum BatcherMsg {
+    Submit(Submission),
+    /// A timer fired: expire deadlines, dispatch aged queues.
+    Tick,
+    /// A (new) device actor serves this device slot.
+    AttachDevice {
+        device: DeviceId,
+        actor: ActorRef<DeviceMsg>,
+    },
+    /// The device's worker captured every graph and takes work.
+    DeviceUp {
+        device: DeviceId,
+    },
+    /// The device's worker is gone; re-dispatch what it held.
+    DeviceDown {
+        device: DeviceId,
+        reason: String,
+    },
+    BatchDone {
+        device: DeviceId,
+        batch: BatchId,
+        attempt: u32,
+        output: BatchOutput,
+    },
+    /// The worker could not run the batch (the worker lives on).
+    BatchFailed {
+        device: DeviceId,
+        batch: BatchId,
+        attempt: u32,
+        error: WorkerError,
+    },
+    /// Stop accepting, dispatch everything queued; answer when no request is left.
+    Drain(RpcReplyPort<()>),
+    /// Answer every request still held with `unavailable` (end of the grace period).
+    Abort(RpcReplyPort<usize>),
+    /// Requests accepted and not yet answered.
+    Outstanding(RpcReplyPort<usize>),
+}
+
+/// Messages to a device actor.
+pub enum DeviceMsg {
+    /// Run a batch on this device's worker.
+    Run { batch: Arc<Batch>, attempt: u32 },
+    /// Make the worker corrupt its device (tests); answers the worker's reply.
+    InjectFault(RpcReplyPort<Result<String, String>>),
+    /// Kill the worker now (e.g. NVML reported a critical Xid); it restarts.
+    Kill { reason: String },
+    /// Stop the worker for good (daemon shutdown); answers once it exited.
+    Stop(RpcReplyPort<()>),
+    /// Start a new worker generation.
+    Spawn,
+    /// Something happened to worker generation `generation`.
+    Worker { generation: u64, event: WorkerEvent },
+}
+
+/// What a device actor hears about its worker process.
+pub enum WorkerEvent {
+    /// A message on the worker link.
+    Message(Vec<Bytes>),
+    Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    StartTimeout,
+    StopTimeout,
+}
+
+/// Messages to the supervisor.
+pub enum SupervisorMsg {
+    /// The device actors, by device slot.
+    Devices(RpcReplyPort<Vec<ActorRef<DeviceMsg>>>),
+    /// Stop every worker (daemon shutdown); answers when all have exited.
+    StopAll(RpcReplyPort<()>),
+    /// Kill these devices' workers (NVML reported their GPU unhealthy); they restart.
+    Kill { slots: Vec<usize>, reason: String },
+}
+
+/// The state of one device slot, as its device actor publishes it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceStatus {
+    /// A worker process is starting: loading models, capturing graphs.
+    #[default]
+    Starting,
+    /// The worker captured every graph and takes batches.
+    Ready,
+    /// No worker: it exited or could not start; a restart is scheduled.
+    Down,
+    /// Stopped for good (daemon shutdown).
+    Stopped,
+}
+
+impl DeviceStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceStatus::Starting => "starting",
+            DeviceStatus::Ready => "ready",
+            DeviceStatus::Down => "down",
+            DeviceStatus::Stopped => "stopped",
+        }
+    }
+}
+
+/// Where a device actor publishes its [`DeviceStatus`]; the server, the
+/// metrics and the control socket hold receivers. It outlives any one device
+/// actor (the supervisor's replacement publishes on the same channel).
+pub type StatusSender = Arc<watch::Sender<DeviceStatus>>;

@@ -1,0 +1,33 @@
+//! The daemon process: everything between the client socket and the worker
+//! processes. It never touches a device itself (a fault in any CUDA context
+//! poisons the whole process), so it does not import [`crate::backend`].
+//!
+//! The route of a request, and the module that owns each step:
+//!
+//! 1. [`frontend`] receives it on the client ROUTER socket, decodes and
+//!    validates it, tokenizes texts ([`tokenize`]) and submits it.
+//! 2. [`batcher`] (an actor around the [`batcher::queue`] state machine)
+//!    queues it, forms batches and sends each to a device actor; it holds the
+//!    request's reply channel, so every accepted request gets exactly one
+//!    reply.
+//! 3. [`device`] (one actor per worker process) forwards the batch over the
+//!    worker link ([`crate::worker::link`]) and reports the result or the
+//!    worker's death back to the batcher, which replies or re-dispatches.
+//! 4. [`supervisor`] starts the device actors and replaces one that fails.
+//!
+//! [`messages`] is the map of every message between these actors. Beside
+//! the route: [`control`] (the `replayctl` socket), [`metrics`] (counters
+//! and histograms), [`gpu_health`] (NVML samples and Xid watching),
+//! [`notify`] (systemd), and [`server`], which starts and stops it all.
+
+pub mod batcher;
+pub mod control;
+pub mod device;
+pub mod frontend;
+pub mod gpu_health;
+pub mod messages;
+pub mod metrics;
+pub mod notify;
+pub mod server;
+pub mod supervisor;
+pub mod tokenize;

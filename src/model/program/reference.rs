@@ -1,0 +1,231 @@
+//! The reference interpreter of the op IR: every op written as plainly as
+//! possible, in f64, with no buffer reuse tricks. It is slow and obviously
+//! right; the CPU backend's tests and the CUDA self-test compare against it.
+//! It expects a program that passed [`Program::validate`] and rows that
+//! passed [`super::ProgramFacts::check_rows`].
+
+use super::{Activation, BufKind, InputRole, Op, Pooling, Program, WeightId};
+use crate::model::batch::PackTarget;
+use crate::model::{BatchRows, Weights};
+use crate::tensor::DType;
+
+/// `v` as a device storing `dtype` holds it.
+fn round(v: f32, dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => half::f16::from_f32(v).to_f64(),
+        DType::BF16 => half::bf16::from_f32(v).to_f64(),
+        _ => v as f64,
+    }
+}
+
+/// Runs `program` on `rows` in f64: weights rounded to `dtype` as a device
+/// stores them, every activation kept in f64. Returns the output rows that
+/// belong to real inputs (`rows.rows() · output_dim` values).
+pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32> {
+    let mut bufs: Vec<Vec<f64>> = p.buffers.iter().map(|d| vec![0.0; d.elems]).collect();
+    for &id in &p.inputs {
+        let d = p.buffer(id);
+        let BufKind::Input(role) = d.kind else {
+            unreachable!()
+        };
+        if role == InputRole::Features {
+            let mut v = vec![0f32; d.elems];
+            rows.pack(role, p.seq, PackTarget::F32(&mut v));
+            bufs[id.0] = v.iter().map(|x| *x as f64).collect();
+        } else {
+            let mut v = vec![0i32; d.elems];
+            rows.pack(role, p.seq, PackTarget::I32(&mut v));
+            bufs[id.0] = v.iter().map(|x| *x as f64).collect();
+        }
+    }
+    let wt =
+        |id: WeightId| -> Vec<f64> { w.get(id).data.iter().map(|v| round(*v, dtype)).collect() };
+    let ln = |v: &mut [f64], g: &[f64], b: &[f64], eps: f32| {
+        let n = v.len() as f64;
+        let mean = v.iter().sum::<f64>() / n;
+        let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+        let r = 1.0 / (var + eps as f64).sqrt();
+        for (i, x) in v.iter_mut().enumerate() {
+            *x = (*x - mean) * r * g[i] + b[i];
+        }
+    };
+    let act = |a: Activation, x: f64| -> f64 {
+        match a {
+            Activation::Gelu => 0.5 * x * (1.0 + super::erf_f64(x / std::f64::consts::SQRT_2)),
+            Activation::GeluTanh => {
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+            }
+            Activation::Relu => x.max(0.0),
+            Activation::Tanh => x.tanh(),
+            Activation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+            Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::Identity => x,
+        }
+    };
+    for op in &p.ops {
+        match *op {
+            Op::EmbedLayerNorm {
+                ids,
+                token_types,
+                word,
+                position,
+                token_type,
+                gamma,
+                beta,
+                eps,
+                out,
+                batch,
+                seq,
+                hidden,
+            } => {
+                let (wd, pd, td, g, b) =
+                    (wt(word), wt(position), wt(token_type), wt(gamma), wt(beta));
+                for r in 0..batch * seq {
+                    let id = bufs[ids.0][r] as usize;
+                    let tt = bufs[token_types.0][r] as usize;
+                    let mut v: Vec<f64> = (0..hidden)
+                        .map(|c| {
+                            wd[id * hidden + c] + pd[(r % seq) * hidden + c] + td[tt * hidden + c]
+                        })
+                        .collect();
+                    ln(&mut v, &g, &b, eps);
+                    bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::Linear {
+                x,
+                w: wid,
+                bias,
+                act: a,
+                out,
+                m,
+                n,
+                k,
+            } => {
+                let wm = wt(wid);
+                let bv = bias.map(wt);
+                let xs = bufs[x.0].clone();
+                for i in 0..m {
+                    for j in 0..n {
+                        let mut acc = 0.0;
+                        for l in 0..k {
+                            acc += xs[i * k + l] * wm[j * k + l];
+                        }
+                        if let Some(b) = &bv {
+                            acc += b[j];
+                        }
+                        bufs[out.0][i * n + j] = act(a, acc);
+                    }
+                }
+            }
+            Op::AddLayerNorm {
+                x,
+                residual,
+                gamma,
+                beta,
+                eps,
+                out,
+                rows,
+                hidden,
+            } => {
+                let (g, b) = (wt(gamma), wt(beta));
+                for r in 0..rows {
+                    let mut v: Vec<f64> = (0..hidden)
+                        .map(|c| bufs[x.0][r * hidden + c] + bufs[residual.0][r * hidden + c])
+                        .collect();
+                    ln(&mut v, &g, &b, eps);
+                    bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::Attention {
+                qkv,
+                mask,
+                out,
+                batch,
+                seq,
+                heads,
+                head_dim,
+            } => {
+                let hd = heads * head_dim;
+                let q = bufs[qkv.0].clone();
+                let mk = bufs[mask.0].clone();
+                let scale = 1.0 / (head_dim as f64).sqrt();
+                for b in 0..batch {
+                    for h in 0..heads {
+                        for i in 0..seq {
+                            let qrow = &q[(b * seq + i) * 3 * hd + h * head_dim..][..head_dim];
+                            let scores: Vec<f64> = (0..seq)
+                                .map(|j| {
+                                    if mk[b * seq + j] == 0.0 {
+                                        f64::NEG_INFINITY
+                                    } else {
+                                        let krow = &q[(b * seq + j) * 3 * hd + hd + h * head_dim..]
+                                            [..head_dim];
+                                        qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
+                                            * scale
+                                    }
+                                })
+                                .collect();
+                            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                            let o =
+                                &mut bufs[out.0][(b * seq + i) * hd + h * head_dim..][..head_dim];
+                            o.fill(0.0);
+                            if m == f64::NEG_INFINITY {
+                                continue;
+                            }
+                            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                            let sum: f64 = e.iter().sum();
+                            for j in 0..seq {
+                                let vrow = &q[(b * seq + j) * 3 * hd + 2 * hd + h * head_dim..]
+                                    [..head_dim];
+                                for d in 0..head_dim {
+                                    o[d] += e[j] / sum * vrow[d];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            Op::Pool {
+                x,
+                mask,
+                out,
+                batch,
+                seq,
+                hidden,
+                mode,
+                normalize,
+            } => {
+                for b in 0..batch {
+                    let mut v = vec![0.0f64; hidden];
+                    let cnt: f64 = (0..seq).map(|s| bufs[mask.0][b * seq + s]).sum();
+                    for (c, vc) in v.iter_mut().enumerate() {
+                        let xs = |s: usize| bufs[x.0][(b * seq + s) * hidden + c];
+                        let valid = |s: usize| bufs[mask.0][b * seq + s] != 0.0;
+                        *vc = match mode {
+                            Pooling::Cls => xs(0),
+                            Pooling::Mean => {
+                                (0..seq).filter(|&s| valid(s)).map(xs).sum::<f64>() / cnt.max(1e-9)
+                            }
+                            Pooling::Max => (0..seq)
+                                .filter(|&s| valid(s))
+                                .map(xs)
+                                .fold(f64::NEG_INFINITY, f64::max)
+                                .max(-1e9),
+                        };
+                    }
+                    if normalize {
+                        let n = v.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
+                        v.iter_mut().for_each(|a| *a /= n);
+                    }
+                    bufs[out.0][b * hidden..(b + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+        }
+    }
+    bufs[p.output.0][..rows.rows() * p.output_dim]
+        .iter()
+        .map(|v| *v as f32)
+        .collect()
+}
