@@ -237,27 +237,21 @@ fn deadline(
     }
 }
 
-/// Counts live handler tasks (decremented when a task ends, however it ends).
-struct ActiveGuard(Arc<std::sync::atomic::AtomicUsize>);
-
-impl Drop for ActiveGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-    }
-}
-
 /// How long, after `shutdown`, handlers may take to send their last replies.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Serves the ROUTER socket until `shutdown` resolves, then waits (up to
 /// [`FLUSH_TIMEOUT`]) for the handlers still sending replies.
+///
+/// Each handler task holds a clone of `done`; when the last one ends (however
+/// it ends) the channel closes, which is how shutdown knows they are all done.
 pub async fn run(
     socket: RouterSocket,
     frontend: Arc<Frontend>,
     shutdown: impl Future<Output = ()>,
 ) {
     let (send, mut recv) = socket.split();
-    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (done, mut all_done) = tokio::sync::mpsc::channel::<()>(1);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -266,19 +260,16 @@ pub async fn run(
                 let Ok(msg) = msg else { continue };
                 let frontend = frontend.clone();
                 let send = send.clone();
-                active.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                let guard = ActiveGuard(active.clone());
+                let done = done.clone();
                 tokio::spawn(async move {
-                    let _guard = guard;
-                    serve_message(frontend, send, msg).await
+                    serve_message(frontend, send, msg).await;
+                    drop(done);
                 });
             }
         }
     }
-    let deadline = Instant::now() + FLUSH_TIMEOUT;
-    while active.load(std::sync::atomic::Ordering::Acquire) > 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    drop(done);
+    let _ = tokio::time::timeout(FLUSH_TIMEOUT, all_done.recv()).await;
 }
 
 async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: ZmqMessage) {

@@ -27,7 +27,7 @@ pub mod safetensors_file;
 pub mod weights;
 
 pub use batch::BatchRows;
-pub use program::{Activation, InputRole, Pooling, Program};
+pub use program::{Activation, InputRole, Pooling, Program, ProgramFacts};
 pub use weights::Weights;
 
 use crate::tensor::DType;

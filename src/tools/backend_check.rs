@@ -444,6 +444,10 @@ fn check_bucket(
         error: None,
     };
     let program = model.program(batch, seq);
+    if let Err(e) = program.validate(&model.weights) {
+        res.error = Some(format!("capture: {e}"));
+        return (res, None);
+    }
     let t = Instant::now();
     let mut graph = match c.gpu.capture(model, gw, &program) {
         Ok(g) => g,
@@ -751,6 +755,10 @@ fn check_eager(
     };
     let rows = random_rows(model, batch, seq, &mut c.rng);
     let program = model.program(batch, seq);
+    if let Err(e) = program.validate(&model.weights) {
+        res.error = Some(format!("eager: {e}"));
+        return res;
+    }
     // Once to warm up (plans, buffers), once timed.
     let mut out = Err(anyhow!("not run"));
     for _ in 0..2 {

@@ -220,6 +220,10 @@ fn serve<B: Backend>(
                             )));
                             continue;
                         };
+                        if let Err(e) = cached.facts.check_rows(&rows) {
+                            fail(WorkerError::InvalidBatch(e.to_string()));
+                            continue;
+                        }
                         let t0 = Instant::now();
                         match backend.launch(&mut cached.graph, &rows) {
                             Ok(pending) => {
@@ -246,6 +250,18 @@ fn serve<B: Backend>(
                             RowsLayout::Tokens { .. } => rows.max_len(),
                         };
                         let program = m.program(n, seq);
+                        let checked = program
+                            .validate(&m.weights)
+                            .map_err(|e| WorkerError::Unsupported(e.to_string()))
+                            .and_then(|facts| {
+                                facts
+                                    .check_rows(&rows)
+                                    .map_err(|e| WorkerError::InvalidBatch(e.to_string()))
+                            });
+                        if let Err(e) = checked {
+                            fail(e);
+                            continue;
+                        }
                         match backend.run_eager(m, weights, &program, &rows) {
                             Ok(out) => {
                                 send_done(outbox, batch, attempt, n, output_dim, t0, &out, false)

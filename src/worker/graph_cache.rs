@@ -4,6 +4,9 @@
 //! Graphs are captured at start-up, largest bucket first (so the first
 //! capture sizes any memory pool the backend shares between graphs), and
 //! looked up by exact bucket: a batch never runs on a graph of another shape.
+//! Every program is validated ([`crate::model::Program::validate`]) before
+//! a backend captures it, and each graph keeps what validation learned, so
+//! the executor checks every batch against it before a replay.
 //! A new worker process starts with an empty cache and re-captures
 //! everything; [`GraphCache::invalidate`] drops a model's graphs so they can
 //! be captured again (e.g. after a reload).
@@ -11,12 +14,14 @@
 use super::link::GraphReport;
 use crate::backend::{Backend, BackendError};
 use crate::bucket::{Bucket, BucketGrid};
-use crate::model::Model;
+use crate::model::{Model, ProgramFacts};
 use std::collections::HashMap;
 use std::time::Instant;
 
 pub struct CachedGraph<G> {
     pub graph: G,
+    /// What the graph's program accepts (see [`ProgramFacts::check_rows`]).
+    pub facts: ProgramFacts,
     pub capture_us: u64,
     pub memory_bytes: u64,
     pub replays: u64,
@@ -51,6 +56,9 @@ impl<B: Backend> GraphCache<B> {
         let mut reports = Vec::new();
         for bucket in grid.largest_first() {
             let program = model.program(bucket.batch, bucket.seq);
+            let facts = program
+                .validate(&model.weights)
+                .map_err(|e| BackendError::Other(e.to_string()))?;
             let started = Instant::now();
             let graph = backend.capture(model, weights, &program)?;
             let capture_us = started.elapsed().as_micros() as u64;
@@ -66,6 +74,7 @@ impl<B: Backend> GraphCache<B> {
                 (index, bucket),
                 CachedGraph {
                     graph,
+                    facts,
                     capture_us,
                     memory_bytes,
                     replays: 0,

@@ -32,12 +32,14 @@
 //!   every later call that touches the "device" returns
 //!   [`BackendError::DeviceFault`].
 
+mod arena;
 mod ops;
 mod plan;
 #[cfg(test)]
 mod tests;
 
-use self::plan::{Arena, Plan};
+use self::arena::Arena;
+use self::plan::Plan;
 use super::{Backend, BackendError, DeviceInfo};
 use crate::model::{BatchRows, Model, Program};
 use crate::tensor::DType;
@@ -200,7 +202,6 @@ fn replay(
     plan: &mut Plan,
     rows: &BatchRows,
 ) -> Result<Vec<f32>, BackendError> {
-    plan.validate(rows)?;
     arena.ensure(plan.arena_needs());
     plan.pack(rows, trim_padding);
     pool.install(|| plan.run(arena));
@@ -266,7 +267,7 @@ impl Backend for CpuBackend {
         self.check_fault()?;
         // No warm-up run: there is no JIT or workspace to prime on the CPU,
         // and a full forward pass per bucket would slow start-up for nothing.
-        let plan = Plan::new(program, weights, self.threads)?;
+        let plan = Plan::new(program, weights, self.threads);
         let arena_charge = self.arena.ensure(plan.arena_needs());
         Ok(CpuGraph { plan, arena_charge })
     }
@@ -309,7 +310,7 @@ impl Backend for CpuBackend {
         rows: &BatchRows,
     ) -> Result<Vec<f32>, BackendError> {
         self.check_fault()?;
-        let mut plan = Plan::new(program, weights, self.threads)?;
+        let mut plan = Plan::new(program, weights, self.threads);
         // Within the shared arena if it fits (no allocation beyond the
         // plan's inputs and output); otherwise (a shape larger than every
         // bucket) in an arena of its own, freed on return rather than kept

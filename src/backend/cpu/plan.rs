@@ -1,24 +1,21 @@
 //! A captured program: its static buffers allocated once, and the op list
-//! resolved and checked against those buffers and the weights, ready to
-//! replay.
+//! bound to those buffers and the weights, ready to replay.
 //!
 //! [`Plan::new`] is the CPU backend's "capture": it allocates the program's
 //! own static buffers (inputs and output) at their declared sizes, lays its
 //! activation buffers out in an [`Arena`] shared by every plan of the backend
-//! (only one plan runs at a time), checks every op (buffer kinds and sizes,
-//! weight shapes, aliasing, no activation read before it is written) so that
-//! replay cannot index out of bounds or see another plan's data, and sizes
-//! attention's score scratch (also in the arena). [`Plan::validate`] checks a
-//! batch against the plan (rows, sequence lengths, token ids, feature width),
-//! [`Plan::pack`] writes it into the static inputs and [`Plan::run`] executes
-//! the steps over the same buffers every time, allocating nothing.
+//! (only one plan runs at a time), and sizes attention's score scratch (also
+//! in the arena). The program has passed
+//! [`Program::validate`](crate::model::Program::validate), so every index is
+//! in bounds and no step reads what it writes. [`Plan::pack`] writes a batch
+//! (checked by [`ProgramFacts::check_rows`](crate::model::ProgramFacts::check_rows))
+//! into the static inputs and [`Plan::run`] executes the steps over the same
+//! buffers every time, allocating nothing.
 
+use super::arena::{Arena, ArenaNeeds, ARENA_ALIGN};
 use super::ops;
 use super::CpuWeights;
-use crate::backend::BackendError;
-use crate::model::program::{
-    Activation, BufId, BufKind, InputRole, Op, Pooling, Program, WeightId,
-};
+use crate::model::program::{Activation, BufKind, InputRole, Op, Pooling, Program};
 use crate::model::BatchRows;
 
 /// A static buffer: integer inputs are i32, everything else f32.
@@ -62,66 +59,6 @@ enum Slot {
     Own(Buf),
     /// `len` f32 elements at `offset` in the backend's [`Arena`] (activations).
     Arena { offset: usize, len: usize },
-}
-
-/// Arena offsets are rounded up to this many f32 elements (a 64-byte cache line).
-const ARENA_ALIGN: usize = 16;
-
-/// What a plan needs of the [`Arena`], in f32 elements.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct ArenaNeeds {
-    /// Its activation buffers, laid out one after another from offset 0.
-    pub activations: usize,
-    /// Attention's score scratch: `workers · seq²`.
-    pub scratch: usize,
-}
-
-impl ArenaNeeds {
-    pub(crate) fn bytes(self) -> u64 {
-        (self.activations + self.scratch) as u64 * 4
-    }
-}
-
-/// Activation memory shared by every plan of a backend: one plan runs at a
-/// time, and a plan never reads an activation it has not written in the same
-/// run (checked at capture), so plans may overwrite each other's.
-///
-/// It only grows (to the largest need of the plans run in it) and never
-/// shrinks.
-#[derive(Debug, Default)]
-pub(crate) struct Arena {
-    activations: Vec<f32>,
-    scratch: Vec<f32>,
-}
-
-impl Arena {
-    /// Bytes held.
-    pub(crate) fn bytes(&self) -> u64 {
-        (self.activations.len() + self.scratch.len()) as u64 * 4
-    }
-
-    /// Whether a plan with these needs can run without growing the arena.
-    pub(crate) fn fits(&self, needs: ArenaNeeds) -> bool {
-        self.activations.len() >= needs.activations && self.scratch.len() >= needs.scratch
-    }
-
-    /// Grows the arena to hold `needs`; returns the bytes it grew by (0 if it
-    /// already fits). The contents are not kept (nothing reads them).
-    pub(crate) fn ensure(&mut self, needs: ArenaNeeds) -> u64 {
-        let before = self.bytes();
-        for (v, need) in [
-            (&mut self.activations, needs.activations),
-            (&mut self.scratch, needs.scratch),
-        ] {
-            if v.len() < need {
-                // Free first: the old contents need not be copied, and the
-                // peak stays at the new size.
-                *v = Vec::new();
-                *v = vec![0.0; need];
-            }
-        }
-        self.bytes() - before
-    }
 }
 
 /// A slice with one range lent out mutably: the rest, readable.
@@ -425,15 +362,6 @@ impl Step {
     }
 }
 
-/// What the inputs of a plan accept.
-#[derive(Clone, Copy, Debug)]
-enum InputKind {
-    /// f32 rows of this width.
-    Features(usize),
-    /// Token ids below this vocabulary size (the word embedding's rows).
-    Tokens { vocab: usize },
-}
-
 /// A program bound to preallocated buffers: its own static inputs and
 /// output, and its activations at fixed offsets of the backend's [`Arena`].
 #[derive(Debug)]
@@ -447,7 +375,6 @@ pub(crate) struct Plan {
     steps: Vec<Step>,
     /// (role, buffer) of each input.
     inputs: Vec<(InputRole, usize)>,
-    input_kind: InputKind,
     output: usize,
     /// What it needs of the arena (activations, and attention's
     /// `workers · seq²` score scratch).
@@ -460,127 +387,18 @@ pub(crate) struct Plan {
     active: (usize, usize),
 }
 
-fn invalid_program(message: impl Into<String>) -> BackendError {
-    BackendError::Other(format!("invalid program: {}", message.into()))
-}
-
-/// Checks buffer/weight references of a program against its declarations.
-struct Checker<'a> {
-    program: &'a Program,
-    weights: &'a CpuWeights,
-}
-
-impl Checker<'_> {
-    fn buf(
-        &self,
-        id: BufId,
-        what: &str,
-        need: usize,
-        integer: bool,
-    ) -> Result<usize, BackendError> {
-        let decl = self.program.buffers.get(id.0).ok_or_else(|| {
-            invalid_program(format!(
-                "{what} refers to buffer {} which is not declared",
-                id.0
-            ))
-        })?;
-        let is_integer = matches!(decl.kind, BufKind::Input(role) if role.is_integer());
-        if is_integer != integer {
-            return Err(invalid_program(format!(
-                "{what} needs an {} buffer, `{}` is {:?}",
-                if integer { "i32" } else { "f32" },
-                decl.name,
-                decl.kind
-            )));
-        }
-        if decl.elems < need {
-            return Err(invalid_program(format!(
-                "{what} needs {need} elements, `{}` has {}",
-                decl.name, decl.elems
-            )));
-        }
-        Ok(id.0)
-    }
-
-    /// An f32 buffer an op writes (not an input).
-    fn out(&self, id: BufId, what: &str, need: usize) -> Result<usize, BackendError> {
-        let index = self.buf(id, what, need, false)?;
-        if matches!(self.program.buffers[index].kind, BufKind::Input(_)) {
-            return Err(invalid_program(format!("{what} writes an input buffer")));
-        }
-        Ok(index)
-    }
-
-    fn weight(&self, id: WeightId, what: &str, shape: &[usize]) -> Result<usize, BackendError> {
-        let t = self.weights.tensors.get(id.0).ok_or_else(|| {
-            invalid_program(format!(
-                "{what} refers to weight {} which does not exist",
-                id.0
-            ))
-        })?;
-        let elems: usize = shape.iter().product();
-        if t.data.len() != elems {
-            return Err(invalid_program(format!(
-                "{what}: weight `{}` has shape {:?}, the op needs {shape:?}",
-                t.name, t.shape
-            )));
-        }
-        Ok(id.0)
-    }
-
-    /// A weight whose rows are indexed (embedding tables): `[rows ≥ min_rows, width]`.
-    fn table(
-        &self,
-        id: WeightId,
-        what: &str,
-        min_rows: usize,
-        width: usize,
-    ) -> Result<(usize, usize), BackendError> {
-        let t = self.weights.tensors.get(id.0).ok_or_else(|| {
-            invalid_program(format!(
-                "{what} refers to weight {} which does not exist",
-                id.0
-            ))
-        })?;
-        let rows = t.data.len().checked_div(width).unwrap_or(0);
-        if t.shape.len() != 2 || t.shape[1] != width || rows < min_rows {
-            return Err(invalid_program(format!(
-                "{what}: weight `{}` has shape {:?}, the op needs [≥{min_rows}, {width}]",
-                t.name, t.shape
-            )));
-        }
-        Ok((id.0, rows))
-    }
-}
-
-fn positive(what: &str, dims: &[usize]) -> Result<(), BackendError> {
-    if dims.contains(&0) {
-        return Err(invalid_program(format!(
-            "{what} has a zero dimension {dims:?}"
-        )));
-    }
-    Ok(())
-}
-
 impl Plan {
-    /// Allocates the program's buffers and resolves its ops ("capture").
-    pub(crate) fn new(
-        program: &Program,
-        weights: &CpuWeights,
-        threads: usize,
-    ) -> Result<Plan, BackendError> {
-        let c = Checker { program, weights };
+    /// Allocates the program's buffers and binds its ops to them
+    /// ("capture"). `program` must have passed
+    /// [`Program::validate`](crate::model::Program::validate) against the
+    /// weights `weights` were uploaded from.
+    pub(crate) fn new(program: &Program, weights: &CpuWeights, threads: usize) -> Plan {
         let (batch, seq) = (program.batch, program.seq);
-        positive("the program", &[batch, seq])?;
-        let mut steps = Vec::with_capacity(program.ops.len());
-        let mut vocab = None;
         let mut max_attention_seq = 0;
-        // Activations live in the shared arena, where another plan may have
-        // left anything: each must be written before it is read.
-        let mut written = vec![false; program.buffers.len()];
-        for (i, op) in program.ops.iter().enumerate() {
-            let what = |name: &str| format!("op {i} ({name})");
-            let step = match *op {
+        let steps = program
+            .ops
+            .iter()
+            .map(|op| match *op {
                 Op::EmbedLayerNorm {
                     ids,
                     token_types,
@@ -594,59 +412,39 @@ impl Plan {
                     batch,
                     seq,
                     hidden,
-                } => {
-                    let w = what("EmbedLayerNorm");
-                    positive(&w, &[batch, seq, hidden])?;
-                    let rows = batch * seq;
-                    let (word, vocab_rows) = c.table(word, &w, 1, hidden)?;
-                    vocab = Some(vocab_rows);
-                    // Token types are all 0 (the packer writes zeros).
-                    Step::Embed {
-                        ids: c.buf(ids, &w, rows, true)?,
-                        types: c.buf(token_types, &w, rows, true)?,
-                        word,
-                        position: c
-                            .table(position, &format!("{w} position table"), seq, hidden)?
-                            .0,
-                        token_type: c.table(token_type, &w, 1, hidden)?.0,
-                        gamma: c.weight(gamma, &w, &[hidden])?,
-                        beta: c.weight(beta, &w, &[hidden])?,
-                        eps,
-                        out: c.out(out, &w, rows * hidden)?,
-                        rows,
-                        seq,
-                        hidden,
-                    }
-                }
+                } => Step::Embed {
+                    ids: ids.0,
+                    types: token_types.0,
+                    word: word.0,
+                    position: position.0,
+                    token_type: token_type.0,
+                    gamma: gamma.0,
+                    beta: beta.0,
+                    eps,
+                    out: out.0,
+                    rows: batch * seq,
+                    seq,
+                    hidden,
+                },
                 Op::Linear {
                     x,
-                    w: weight,
+                    w,
                     bias,
                     act,
                     out,
                     m,
                     n,
                     k,
-                } => {
-                    let w = what("Linear");
-                    positive(&w, &[m, n, k])?;
-                    let step = Step::Linear {
-                        x: c.buf(x, &w, m * k, false)?,
-                        w: c.weight(weight, &w, &[n, k])?,
-                        bias: bias.map(|b| c.weight(b, &w, &[n])).transpose()?,
-                        act,
-                        out: c.out(out, &w, m * n)?,
-                        m,
-                        n,
-                        k,
-                    };
-                    if x == out {
-                        return Err(invalid_program(format!(
-                            "{w} reads and writes the same buffer"
-                        )));
-                    }
-                    step
-                }
+                } => Step::Linear {
+                    x: x.0,
+                    w: w.0,
+                    bias: bias.map(|b| b.0),
+                    act,
+                    out: out.0,
+                    m,
+                    n,
+                    k,
+                },
                 Op::AddLayerNorm {
                     x,
                     residual,
@@ -656,23 +454,16 @@ impl Plan {
                     out,
                     rows,
                     hidden,
-                } => {
-                    let w = what("AddLayerNorm");
-                    positive(&w, &[rows, hidden])?;
-                    if x == out {
-                        return Err(invalid_program(format!("{w}: out aliases x")));
-                    }
-                    Step::AddNorm {
-                        x: c.buf(x, &w, rows * hidden, false)?,
-                        residual: c.buf(residual, &w, rows * hidden, false)?,
-                        gamma: c.weight(gamma, &w, &[hidden])?,
-                        beta: c.weight(beta, &w, &[hidden])?,
-                        eps,
-                        out: c.out(out, &w, rows * hidden)?,
-                        rows,
-                        hidden,
-                    }
-                }
+                } => Step::AddNorm {
+                    x: x.0,
+                    residual: residual.0,
+                    gamma: gamma.0,
+                    beta: beta.0,
+                    eps,
+                    out: out.0,
+                    rows,
+                    hidden,
+                },
                 Op::Attention {
                     qkv,
                     mask,
@@ -682,17 +473,11 @@ impl Plan {
                     heads,
                     head_dim,
                 } => {
-                    let w = what("Attention");
-                    positive(&w, &[batch, seq, heads, head_dim])?;
-                    if qkv == out {
-                        return Err(invalid_program(format!("{w}: out aliases qkv")));
-                    }
-                    let rows = batch * seq;
                     max_attention_seq = max_attention_seq.max(seq);
                     Step::Attention {
-                        qkv: c.buf(qkv, &w, rows * 3 * heads * head_dim, false)?,
-                        mask: c.buf(mask, &w, rows, true)?,
-                        out: c.out(out, &w, rows * heads * head_dim)?,
+                        qkv: qkv.0,
+                        mask: mask.0,
+                        out: out.0,
                         batch,
                         seq,
                         heads,
@@ -708,92 +493,26 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
-                } => {
-                    let w = what("Pool");
-                    positive(&w, &[batch, seq, hidden])?;
-                    if x == out {
-                        return Err(invalid_program(format!("{w}: out aliases x")));
-                    }
-                    Step::Pool {
-                        x: c.buf(x, &w, batch * seq * hidden, false)?,
-                        mask: c.buf(mask, &w, batch * seq, true)?,
-                        out: c.out(out, &w, batch * hidden)?,
-                        batch,
-                        seq,
-                        hidden,
-                        mode,
-                        normalize,
-                    }
-                }
-            };
-            let (reads, out) = step.buffers();
-            for index in reads.into_iter().flatten() {
-                let decl = &program.buffers[index];
-                if decl.kind == BufKind::Activation && !written[index] {
-                    return Err(invalid_program(format!(
-                        "op {i} reads activation `{}` before any op writes it",
-                        decl.name
-                    )));
-                }
-            }
-            written[out] = true;
-            steps.push(step);
-        }
-
-        // Inputs and the output.
-        let mut inputs = Vec::with_capacity(program.inputs.len());
-        let mut features = None;
-        for &id in &program.inputs {
-            let decl = program
-                .buffers
-                .get(id.0)
-                .ok_or_else(|| invalid_program(format!("input buffer {} is not declared", id.0)))?;
-            let BufKind::Input(role) = decl.kind else {
-                return Err(invalid_program(format!(
-                    "`{}` is listed as an input but is {:?}",
-                    decl.name, decl.kind
-                )));
-            };
-            if role == InputRole::Features {
-                if decl.elems == 0 || decl.elems % batch != 0 {
-                    return Err(invalid_program(format!(
-                        "feature input `{}` has {} elements, not a multiple of batch {batch}",
-                        decl.name, decl.elems
-                    )));
-                }
-                features = Some(decl.elems / batch);
-            } else if decl.elems != batch * seq {
-                return Err(invalid_program(format!(
-                    "token input `{}` has {} elements, expected batch·seq = {}",
-                    decl.name,
-                    decl.elems,
-                    batch * seq
-                )));
-            }
-            inputs.push((role, id.0));
-        }
-        let input_kind = match (features, vocab) {
-            (Some(width), None) => InputKind::Features(width),
-            (None, Some(vocab)) if inputs.iter().any(|(r, _)| *r == InputRole::TokenIds) => {
-                InputKind::Tokens { vocab }
-            }
-            _ => {
-                return Err(invalid_program(
-                    "expected either one feature input, or token inputs read by an embedding",
-                ))
-            }
-        };
-        let out_decl = program
-            .buffers
-            .get(program.output.0)
-            .ok_or_else(|| invalid_program("the output buffer is not declared"))?;
-        if out_decl.kind != BufKind::Output || out_decl.elems < batch * program.output_dim {
-            return Err(invalid_program(format!(
-                "output `{}` must be an Output buffer of at least batch·output_dim = {} elements",
-                out_decl.name,
-                batch * program.output_dim
-            )));
-        }
+                } => Step::Pool {
+                    x: x.0,
+                    mask: mask.0,
+                    out: out.0,
+                    batch,
+                    seq,
+                    hidden,
+                    mode,
+                    normalize,
+                },
+            })
+            .collect::<Vec<Step>>();
+        let inputs = program
+            .inputs
+            .iter()
+            .map(|&id| match program.buffer(id).kind {
+                BufKind::Input(role) => (role, id.0),
+                kind => unreachable!("validated: inputs are Input buffers, not {kind:?}"),
+            })
+            .collect();
 
         // Allocate the static buffers once; lay the activations out in the arena.
         let mut activations = 0;
@@ -823,7 +542,7 @@ impl Plan {
         let trimmable = steps
             .iter()
             .all(|s| s.active((batch, seq), (1, 1)).is_some());
-        Ok(Plan {
+        Plan {
             batch,
             seq,
             output_dim: program.output_dim,
@@ -831,13 +550,12 @@ impl Plan {
             slots,
             steps,
             inputs,
-            input_kind,
             output: program.output.0,
             needs,
             threads: workers,
             trimmable,
             active: (batch, seq),
-        })
+        }
     }
 
     /// Bytes of the plan's own static buffers (inputs and output).
@@ -854,59 +572,6 @@ impl Plan {
     /// What the plan needs of the arena it runs in.
     pub(crate) fn arena_needs(&self) -> ArenaNeeds {
         self.needs
-    }
-
-    /// Checks that `rows` fits this plan; every later step relies on it.
-    pub(crate) fn validate(&self, rows: &BatchRows) -> Result<(), BackendError> {
-        let invalid = |m: String| Err(BackendError::InvalidBatch(m));
-        let n = rows.rows();
-        if n == 0 {
-            return invalid("the batch has no rows".into());
-        }
-        if n > self.batch {
-            return invalid(format!(
-                "{n} rows do not fit the graph's batch of {}",
-                self.batch
-            ));
-        }
-        match (rows, self.input_kind) {
-            (BatchRows::Features { features, data }, InputKind::Features(width)) => {
-                if *features != width {
-                    return invalid(format!(
-                        "rows have {features} features, the model takes {width}"
-                    ));
-                }
-                if data.len() != n * width {
-                    return invalid(format!(
-                        "{} feature values are not whole rows of {width}",
-                        data.len()
-                    ));
-                }
-            }
-            (BatchRows::Tokens(seqs), InputKind::Tokens { vocab }) => {
-                for (i, ids) in seqs.iter().enumerate() {
-                    if ids.len() > self.seq {
-                        return invalid(format!(
-                            "row {i} has {} tokens, more than the graph's seq of {}",
-                            ids.len(),
-                            self.seq
-                        ));
-                    }
-                    if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
-                        return invalid(format!(
-                            "row {i} has token id {id}, outside the vocabulary of {vocab}"
-                        ));
-                    }
-                }
-            }
-            (BatchRows::Features { .. }, InputKind::Tokens { .. }) => {
-                return invalid("feature rows sent to a token model".into());
-            }
-            (BatchRows::Tokens(_), InputKind::Features(_)) => {
-                return invalid("token rows sent to a feature model".into());
-            }
-        }
-        Ok(())
     }
 
     /// Writes a validated batch into the static inputs.

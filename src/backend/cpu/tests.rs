@@ -355,14 +355,16 @@ fn mlp_errors_name_the_file_and_tensor() {
     assert!(msg.contains("config.json") && msg.contains("mish"), "{msg}");
 }
 
+/// Bad batches never reach a backend: the program's facts refuse them (the
+/// worker checks every batch before a replay), and the graph works after.
 #[test]
 fn bad_batches_are_invalid_not_panics() {
     let model = mlp_model();
     let mut backend = CpuBackend::new(0, THREADS);
     let weights = backend.upload(&model).unwrap();
-    let mut graph = backend
-        .capture(&model, &weights, &model.program(4, 1))
-        .unwrap();
+    let program = model.program(4, 1);
+    let facts = program.validate(&model.weights).unwrap();
+    let mut graph = backend.capture(&model, &weights, &program).unwrap();
     let bad = [
         BatchRows::Features {
             features: 128,
@@ -383,14 +385,10 @@ fn bad_batches_are_invalid_not_panics() {
         BatchRows::Tokens(vec![vec![101, 102]]),
     ];
     for rows in &bad {
-        let err = backend.launch(&mut graph, rows).unwrap_err();
-        assert!(
-            matches!(err, BackendError::InvalidBatch(_)),
-            "{rows:?}: {err:?}"
-        );
-        assert!(!err.is_fatal());
+        let err = facts.check_rows(rows).unwrap_err();
+        assert!(!err.to_string().is_empty(), "{rows:?}");
     }
-    // The graph still works afterwards.
+    // The graph works.
     let ok = BatchRows::Features {
         features: 128,
         data: vec![0.5; 4 * 128],
@@ -676,9 +674,9 @@ fn minilm_bad_token_batches_are_invalid() {
     let model = minilm();
     let mut backend = CpuBackend::new(0, THREADS);
     let weights = backend.upload(model).unwrap();
-    let mut graph = backend
-        .capture(model, &weights, &model.program(2, 16))
-        .unwrap();
+    let program = model.program(2, 16);
+    let facts = program.validate(&model.weights).unwrap();
+    let mut graph = backend.capture(model, &weights, &program).unwrap();
     let bad = [
         BatchRows::Tokens(vec![vec![101, 102]; 3]),
         BatchRows::Tokens(vec![vec![101; 17]]),
@@ -690,8 +688,7 @@ fn minilm_bad_token_batches_are_invalid() {
         },
     ];
     for rows in &bad {
-        let err = backend.launch(&mut graph, rows).unwrap_err();
-        assert!(matches!(err, BackendError::InvalidBatch(_)), "{err:?}");
+        assert!(facts.check_rows(rows).is_err(), "{rows:?}");
     }
     // Empty sequences are not an error: no token to pool gives zeros.
     for trim in [true, false] {
@@ -703,9 +700,9 @@ fn minilm_bad_token_batches_are_invalid() {
         assert!(out[..384].iter().all(|&v| v == 0.0));
         assert!((out[384..].iter().map(|v| v * v).sum::<f32>() - 1.0).abs() < 1e-5);
     }
-    // Programs the model cannot run are refused at capture, not at replay.
+    // Programs the model cannot run are refused before capture, not at replay.
     let too_long = model.program(1, 513);
-    assert!(backend.capture(model, &weights, &too_long).is_err());
+    assert!(too_long.validate(&model.weights).is_err());
     assert_eq!(
         model
             .program(2, 16)
@@ -853,7 +850,7 @@ fn graphs_of_two_models_share_one_arena() {
     }
 
     // Memory: one arena, as large as the largest need, not the sum of them.
-    let needs: Vec<plan::ArenaNeeds> = graphs.iter().map(|g| g.plan.arena_needs()).collect();
+    let needs: Vec<arena::ArenaNeeds> = graphs.iter().map(|g| g.plan.arena_needs()).collect();
     let largest = needs.iter().map(|n| n.activations).max().unwrap()
         + needs.iter().map(|n| n.scratch).max().unwrap();
     assert_eq!(backend.arena_bytes(), largest as u64 * 4);
@@ -904,17 +901,14 @@ fn graphs_of_two_models_share_one_arena() {
 }
 
 /// A program that reads an activation before writing it would see whatever
-/// another graph left in the shared arena: it is refused at capture.
+/// another graph left in the shared arena: validation refuses it.
 #[test]
 fn reading_an_unwritten_activation_is_refused_at_capture() {
     let mlp = mlp_model();
-    let mut backend = CpuBackend::new(0, THREADS);
-    let weights = backend.upload(&mlp).unwrap();
     let mut program = mlp.program(4, 1);
     program.ops.reverse();
-    let err = backend.capture(&mlp, &weights, &program).err().unwrap();
+    let err = program.validate(&mlp.weights).unwrap_err();
     assert!(err.to_string().contains("before any op writes it"), "{err}");
-    assert_eq!(backend.arena_bytes(), 0);
 }
 
 #[test]

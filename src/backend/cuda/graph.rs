@@ -8,8 +8,8 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
 use super::error::DriverResultExt;
-use super::exec::Plan;
 use super::mem::{align_up, DeviceBuf, PinnedBuf};
+use super::plan::Plan;
 use crate::backend::BackendError;
 use crate::model::batch::{BatchRows, PackTarget};
 use crate::model::InputRole;
@@ -39,63 +39,12 @@ impl Arena {
     }
 }
 
-/// Checks that `rows` fit a program of this plan's shape, so packing can
-/// never panic. Errors are [`BackendError::InvalidBatch`].
-pub fn validate_rows(plan: &Plan, rows: &BatchRows) -> Result<(), BackendError> {
-    let bad = |m: String| Err(BackendError::InvalidBatch(m));
-    let n = rows.rows();
-    if n == 0 {
-        return bad("empty batch".into());
-    }
-    if n > plan.batch {
-        return bad(format!("{n} rows for a graph of batch {}", plan.batch));
-    }
-    for slot in &plan.inputs {
-        match (slot.role, rows) {
-            (InputRole::Features, BatchRows::Features { features, data }) => {
-                let want = slot.elems / plan.batch;
-                if *features != want {
-                    return bad(format!("rows of {features} features for a model of {want}"));
-                }
-                if data.len() != n * features {
-                    return bad(format!(
-                        "{} values are not {n} rows of {features}",
-                        data.len()
-                    ));
-                }
-            }
-            (InputRole::Features, BatchRows::Tokens(_)) => {
-                return bad("token rows for a feature model".into());
-            }
-            (_, BatchRows::Features { .. }) => {
-                return bad("feature rows for a token model".into());
-            }
-            (_, BatchRows::Tokens(seqs)) => {
-                if slot.elems != plan.batch * plan.seq {
-                    return bad(format!(
-                        "input of {} elements for {}x{}",
-                        slot.elems, plan.batch, plan.seq
-                    ));
-                }
-                if let Some(longest) = seqs.iter().map(Vec::len).max() {
-                    if longest > plan.seq {
-                        return bad(format!(
-                            "a sequence of {longest} tokens for a graph of seq {}",
-                            plan.seq
-                        ));
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Packs `rows` into a host buffer laid out like the plan's input block.
 ///
 /// # Safety
 /// `base` must point at `plan.input_bytes` writable bytes, 4-byte aligned,
-/// that no copy is reading; `rows` must have passed [`validate_rows`].
+/// that no copy is reading; `rows` must have passed
+/// [`ProgramFacts::check_rows`](crate::model::ProgramFacts::check_rows).
 pub unsafe fn pack_inputs(plan: &Plan, rows: &BatchRows, base: *mut u8) {
     for slot in &plan.inputs {
         let p = base.add(slot.offset);
@@ -379,7 +328,7 @@ impl Drop for CapturedGraph {
 
 #[cfg(test)]
 mod tests {
-    use super::super::exec::{plan, Limits};
+    use super::super::plan::{plan, Limits};
     use super::*;
     use crate::model::program::{Op, ProgramBuilder};
     use crate::model::{Activation, Weights};
@@ -412,38 +361,12 @@ mod tests {
     }
 
     #[test]
-    fn batches_are_validated_before_packing() {
+    fn feature_rows_pack_padded_with_zeros() {
         let p = feature_plan(4);
         let ok = BatchRows::Features {
             features: 4,
             data: vec![1.0; 8],
         };
-        validate_rows(&p, &ok).unwrap();
-        let cases = [
-            BatchRows::Features {
-                features: 4,
-                data: vec![],
-            },
-            BatchRows::Features {
-                features: 4,
-                data: vec![1.0; 20],
-            },
-            BatchRows::Features {
-                features: 5,
-                data: vec![1.0; 10],
-            },
-            BatchRows::Features {
-                features: 4,
-                data: vec![1.0; 7],
-            },
-            BatchRows::Tokens(vec![vec![1, 2]]),
-        ];
-        for c in cases {
-            assert!(
-                matches!(validate_rows(&p, &c), Err(BackendError::InvalidBatch(_))),
-                "{c:?}"
-            );
-        }
         let mut buf = vec![7u8; p.input_bytes];
         unsafe { pack_inputs(&p, &ok, buf.as_mut_ptr()) };
         let vals: Vec<f32> = buf[..64]
@@ -455,28 +378,9 @@ mod tests {
     }
 
     #[test]
-    fn token_batches_are_validated() {
-        let (prog, w) = super::super::exec::tests::tiny_bert(2, 8);
+    fn token_rows_pack_ids_mask_and_types() {
+        let (prog, w) = super::super::plan::tests::tiny_bert(2, 8);
         let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
-        validate_rows(
-            &p,
-            &BatchRows::Tokens(vec![vec![101, 5, 102], vec![101, 102]]),
-        )
-        .unwrap();
-        for c in [
-            BatchRows::Tokens(vec![vec![1; 9]]),
-            BatchRows::Tokens(vec![vec![1]; 3]),
-            BatchRows::Tokens(vec![]),
-            BatchRows::Features {
-                features: 4,
-                data: vec![0.0; 4],
-            },
-        ] {
-            assert!(
-                matches!(validate_rows(&p, &c), Err(BackendError::InvalidBatch(_))),
-                "{c:?}"
-            );
-        }
         let rows = BatchRows::Tokens(vec![vec![101, 5, 102], vec![101, 102]]);
         let mut buf = vec![0xffu8; p.input_bytes];
         unsafe { pack_inputs(&p, &rows, buf.as_mut_ptr()) };

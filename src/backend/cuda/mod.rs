@@ -3,7 +3,9 @@
 //!
 //! * [`kernels`]: NVRTC compile for the device's architecture + disk cache.
 //! * [`matmul`]: cuBLASLt plans, our own workspace (no allocation in captures).
-//! * [`exec`]: [`Program`] → launch plan (pure, tested without a GPU) → enqueue.
+//! * [`plan`]: [`Program`] → launch plan (pure, tested without a GPU);
+//!   [`resolve`]: the plan's locations → device addresses;
+//!   [`launch`]: enqueue resolved steps (warm-up, capture, eager), profile.
 //! * [`graph`]: captured graphs, the shared activation arena, pinned staging.
 //! * [`error`]: CUDA/cuBLASLt errors → [`BackendError`] (sticky → `DeviceFault`).
 //!
@@ -18,11 +20,13 @@
 //! the worker is expected to exit.
 
 pub mod error;
-pub mod exec;
 pub mod graph;
 pub mod kernels;
+pub mod launch;
 pub mod matmul;
 pub mod mem;
+pub mod plan;
+pub mod resolve;
 pub mod timing;
 
 use std::mem::ManuallyDrop;
@@ -33,12 +37,13 @@ use std::time::Instant;
 use cudarc::driver::{result as dres, sys, CudaContext, CudaStream};
 
 use self::error::{driver_error, DriverResultExt};
-use self::exec::{Bases, Limits, Plan};
 use self::graph::{Arena, Slot};
 pub use self::graph::{CapturedGraph, CudaPending, GraphMemory};
 use self::kernels::{ImageOrigin, Kernels};
 use self::matmul::Matmul;
 use self::mem::{align_up, DeviceBuf};
+use self::plan::{Limits, Plan};
+use self::resolve::Bases;
 use crate::backend::{Backend, BackendError};
 use crate::gpu::libs::{self, CudaLib};
 use crate::gpu::{cuda_device_count, format_uuid, DeviceInfo};
@@ -245,7 +250,7 @@ impl CudaBackend {
         let matmul = Matmul::new()?;
         let workspace =
             DeviceBuf::zeroed(&ctx, matmul::workspace_bytes_for(cc.0)).cu("cuBLASLt workspace")?;
-        let counters = DeviceBuf::zeroed(&ctx, exec::MAX_COUNTERS * 4).cu("kernel counters")?;
+        let counters = DeviceBuf::zeroed(&ctx, plan::MAX_COUNTERS * 4).cu("kernel counters")?;
         let max_dyn = max_dyn_smem(&kernels, optin);
         let info = DeviceInfo {
             backend: "cuda".into(),
@@ -367,7 +372,7 @@ impl CudaBackend {
     ) -> Result<Vec<(String, f64)>, BackendError> {
         self.alive()?;
         let r = (|| {
-            let plan = exec::plan(
+            let plan = plan::plan(
                 program,
                 host,
                 weights.dtype,
@@ -388,7 +393,7 @@ impl CudaBackend {
             };
             let ws = &inner.workspace;
             ctx.bind_to_thread().cu("bind context")?;
-            let steps = exec::resolve(
+            let steps = resolve::resolve(
                 &plan,
                 &bases,
                 &inner.kernels,
@@ -396,7 +401,7 @@ impl CudaBackend {
                 ws.bytes(),
                 Some((ws.ptr(), &inner.stream)),
             )?;
-            let r = exec::profile(
+            let r = launch::profile(
                 &steps,
                 &inner.matmul,
                 ws.ptr(),
@@ -484,7 +489,7 @@ impl CudaBackend {
         weights: &CudaWeights,
         program: &Program,
     ) -> Result<CapturedGraph, BackendError> {
-        let plan = exec::plan(
+        let plan = plan::plan(
             program,
             host,
             weights.dtype,
@@ -506,7 +511,7 @@ impl CudaBackend {
         };
         let ws = &inner.workspace;
         ctx.bind_to_thread().cu("bind context")?;
-        let steps = exec::resolve(
+        let steps = resolve::resolve(
             &plan,
             &bases,
             &inner.kernels,
@@ -518,7 +523,7 @@ impl CudaBackend {
         )?;
         ctx.bind_to_thread().cu("bind context")?;
         // Warm-up (module loading, cuBLASLt kernel selection), outside the capture.
-        exec::enqueue(&steps, &inner.matmul, ws.ptr(), ws.bytes(), &inner.stream)?;
+        launch::enqueue(&steps, &inner.matmul, ws.ptr(), ws.bytes(), &inner.stream)?;
         inner.stream.synchronize().cu("warm-up")?;
 
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
@@ -526,7 +531,7 @@ impl CudaBackend {
             .stream
             .begin_capture(mode)
             .cu("cuStreamBeginCapture")?;
-        let body = exec::enqueue(&steps, &inner.matmul, ws.ptr(), ws.bytes(), &inner.stream);
+        let body = launch::enqueue(&steps, &inner.matmul, ws.ptr(), ws.bytes(), &inner.stream);
         // Always end the capture, so the stream is usable whatever happened.
         let end = inner.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         body?;
@@ -575,7 +580,6 @@ impl CudaBackend {
         graph: &mut CapturedGraph,
         rows: &BatchRows,
     ) -> Result<CudaPending, BackendError> {
-        graph::validate_rows(&graph.plan, rows)?;
         if !Arc::ptr_eq(&graph.stream, &self.inner.stream) {
             return Err(BackendError::InvalidBatch(
                 "graph belongs to another backend".into(),
@@ -625,14 +629,13 @@ impl CudaBackend {
         program: &Program,
         rows: &BatchRows,
     ) -> Result<Vec<f32>, BackendError> {
-        let plan: Plan = exec::plan(
+        let plan: Plan = plan::plan(
             program,
             host,
             weights.dtype,
             self.options.allow_tf32,
             self.limits,
         )?;
-        graph::validate_rows(&plan, rows)?;
         let inner = &mut *self.inner;
         let ctx = inner.ctx.clone();
         let grow =
@@ -662,7 +665,7 @@ impl CudaBackend {
         )?;
         if inner.eager.counters.is_none() {
             inner.eager.counters =
-                Some(DeviceBuf::zeroed(&ctx, exec::MAX_COUNTERS * 4).cu("eager counters")?);
+                Some(DeviceBuf::zeroed(&ctx, plan::MAX_COUNTERS * 4).cu("eager counters")?);
         }
         let counters = inner.eager.counters.as_ref().map(|b| b.ptr()).unwrap_or(0);
         let bases = Bases {
@@ -673,7 +676,7 @@ impl CudaBackend {
             counters,
         };
         ctx.bind_to_thread().cu("bind context")?;
-        let steps = exec::resolve(
+        let steps = resolve::resolve(
             &plan,
             &bases,
             &inner.kernels,
@@ -691,7 +694,7 @@ impl CudaBackend {
         let mut out = vec![0f32; values];
         // SAFETY: pageable copies (staged by the driver); sizes match the buffers.
         unsafe { dres::memcpy_htod_async(io, &host, cs) }.cu("copy inputs (eager)")?;
-        exec::enqueue(&steps, &inner.matmul, ws, ws_bytes, s)?;
+        launch::enqueue(&steps, &inner.matmul, ws, ws_bytes, s)?;
         // SAFETY: as above.
         unsafe { dres::memcpy_dtoh_async(&mut out, io + out_off as u64, cs) }
             .cu("copy output (eager)")?;

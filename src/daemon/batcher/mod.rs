@@ -9,8 +9,13 @@
 //!   channel, so every accepted request gets exactly one reply.
 //!
 //! Handlers only move data between maps and channels; nothing here blocks.
+//! [`tests`](self) drives the actor against fake device actors: outputs split
+//! by request, stale attempts ignored, re-dispatch after a worker dies,
+//! failure after `max_attempts`, abort answering everything.
 
 pub mod queue;
+#[cfg(test)]
+mod tests;
 
 use super::messages::{Batch, BatchOutput, BatcherMsg, DeviceMsg, Submission};
 use super::metrics::{EagerReason, Metrics};

@@ -258,11 +258,11 @@ impl Program {
                 ..
             } => {
                 c.positive(&[m, n, k])?;
-                c.buf(x, m * k, false)?;
                 c.weight(w, &[n, k])?;
                 if let Some(b) = bias {
                     c.weight(b, &[n])?;
                 }
+                c.buf(x, m * k, false)?;
                 c.out(out, m * n)?;
                 c.distinct(x, out, "reads and writes the same buffer")
             }
@@ -453,5 +453,279 @@ impl ProgramFacts {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::program::{Activation, Pooling, ProgramBuilder};
+
+    /// `x[batch, 4] → Linear(3) → y`.
+    fn linear(batch: usize) -> (Program, Weights) {
+        let mut w = Weights::new();
+        let w1 = w.push("w", vec![3, 4], vec![0.0; 12]);
+        let mut b = ProgramBuilder::new();
+        let x = b.input("x", InputRole::Features, batch * 4);
+        let y = b.output("y", batch * 3);
+        b.push(Op::Linear {
+            x,
+            w: w1,
+            bias: None,
+            act: Activation::Identity,
+            out: y,
+            m: batch,
+            n: 3,
+            k: 4,
+        });
+        (b.finish(batch, 1, y, 3), w)
+    }
+
+    /// Embedding → qkv → attention → pool, hidden 8, 2 heads, vocab 10,
+    /// a position table of 16.
+    fn encoder(batch: usize, seq: usize) -> (Program, Weights) {
+        let (h, vocab) = (8, 10);
+        let mut w = Weights::new();
+        let z = |n: usize| vec![0.0f32; n];
+        let word = w.push("word", vec![vocab, h], z(vocab * h));
+        let pos = w.push("pos", vec![16, h], z(16 * h));
+        let tt = w.push("tt", vec![2, h], z(2 * h));
+        let g = w.push("g", vec![h], z(h));
+        let be = w.push("b", vec![h], z(h));
+        let wqkv = w.push("qkv", vec![3 * h, h], z(3 * h * h));
+        let rows = batch * seq;
+        let mut b = ProgramBuilder::new();
+        let ids = b.input("ids", InputRole::TokenIds, rows);
+        let mask = b.input("mask", InputRole::AttentionMask, rows);
+        let types = b.input("types", InputRole::TokenTypeIds, rows);
+        let hid = b.activation("h", rows * h);
+        let qkv = b.activation("qkv", rows * 3 * h);
+        let ctx = b.activation("ctx", rows * h);
+        let out = b.output("out", batch * h);
+        b.push(Op::EmbedLayerNorm {
+            ids,
+            token_types: types,
+            word,
+            position: pos,
+            token_type: tt,
+            gamma: g,
+            beta: be,
+            eps: 1e-12,
+            out: hid,
+            batch,
+            seq,
+            hidden: h,
+        });
+        b.push(Op::Linear {
+            x: hid,
+            w: wqkv,
+            bias: None,
+            act: Activation::Identity,
+            out: qkv,
+            m: rows,
+            n: 3 * h,
+            k: h,
+        });
+        b.push(Op::Attention {
+            qkv,
+            mask,
+            out: ctx,
+            batch,
+            seq,
+            heads: 2,
+            head_dim: 4,
+        });
+        b.push(Op::AddLayerNorm {
+            x: ctx,
+            residual: hid,
+            gamma: g,
+            beta: be,
+            eps: 1e-12,
+            out: hid,
+            rows,
+            hidden: h,
+        });
+        b.push(Op::Pool {
+            x: hid,
+            mask,
+            out,
+            batch,
+            seq,
+            hidden: h,
+            mode: Pooling::Mean,
+            normalize: true,
+        });
+        (b.finish(batch, seq, out, h), w)
+    }
+
+    fn error(p: &Program, w: &Weights) -> String {
+        p.validate(w).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn well_formed_programs_give_their_facts() {
+        let (p, w) = linear(4);
+        let f = p.validate(&w).unwrap();
+        assert_eq!(f.input, ProgramInput::Features { width: 4 });
+        assert_eq!((f.batch, f.seq), (4, 1));
+        let (p, w) = encoder(2, 8);
+        assert_eq!(
+            p.validate(&w).unwrap().input,
+            ProgramInput::Tokens { vocab: 10 }
+        );
+    }
+
+    #[test]
+    fn every_op_that_reads_what_it_writes_is_refused() {
+        let (mut p, w) = linear(2);
+        let Op::Linear { x, out, .. } = &mut p.ops[0] else {
+            unreachable!()
+        };
+        *out = *x;
+        assert!(
+            error(&p, &w).contains("writes an input"),
+            "{}",
+            error(&p, &w)
+        );
+
+        let (base, w) = encoder(1, 4);
+        // Attention's out = qkv.
+        let mut p = base.clone();
+        if let Op::Attention { qkv, out, .. } = &mut p.ops[2] {
+            *out = *qkv;
+        }
+        assert!(error(&p, &w).contains("out aliases qkv"));
+        // AddLayerNorm's out = x (out = residual is allowed: the base does it).
+        let mut p = base.clone();
+        if let Op::AddLayerNorm { x, out, .. } = &mut p.ops[3] {
+            *out = *x;
+        }
+        assert!(error(&p, &w).contains("out aliases x"));
+        // Linear's out = x, on activations.
+        let mut p = base.clone();
+        if let Op::Linear { x, out, .. } = &mut p.ops[1] {
+            *x = *out;
+        }
+        assert!(error(&p, &w).contains("reads and writes the same buffer"));
+        // Pool's out = x is refused (x is an activation, out must differ).
+        let mut p = base;
+        if let Op::Pool { x, out, .. } = &mut p.ops[4] {
+            *out = *x;
+        }
+        assert!(error(&p, &w).contains("out aliases x"));
+    }
+
+    #[test]
+    fn shapes_kinds_and_tables_are_checked() {
+        // The position table must hold `seq` rows (16 here).
+        let (p, w) = encoder(1, 17);
+        assert!(error(&p, &w).contains("pos"), "{}", error(&p, &w));
+        encoder(1, 16).0.validate(&encoder(1, 16).1).unwrap();
+        // A float buffer as the mask.
+        let (mut p, w) = encoder(1, 4);
+        if let Op::Attention { mask, qkv, .. } = &mut p.ops[2] {
+            *mask = *qkv;
+        }
+        assert!(error(&p, &w).contains("needs an i32 buffer"));
+        // Zero dimensions.
+        let (mut p, w) = linear(2);
+        if let Op::Linear { n, .. } = &mut p.ops[0] {
+            *n = 0;
+        }
+        assert!(error(&p, &w).contains("zero dimension"));
+        // An output of the wrong size, a second output, an unlisted input.
+        let (mut p, w) = linear(2);
+        p.output_dim = 4;
+        assert!(error(&p, &w).contains("output"));
+        let (mut p, w) = linear(2);
+        p.buffers.push(super::super::BufferDecl {
+            name: "y2".into(),
+            kind: BufKind::Output,
+            elems: 6,
+        });
+        assert!(error(&p, &w).contains("second output"));
+        let (mut p, w) = linear(2);
+        p.inputs.clear();
+        assert!(error(&p, &w).contains("not in the input list"));
+        // Reading an activation nothing wrote.
+        let (mut p, w) = encoder(1, 4);
+        p.ops.remove(1);
+        assert!(error(&p, &w).contains("before any op writes it"));
+    }
+
+    #[test]
+    fn batches_are_checked_against_the_program() {
+        let (p, w) = linear(4);
+        let f = p.validate(&w).unwrap();
+        let ok = BatchRows::Features {
+            features: 4,
+            data: vec![1.0; 8],
+        };
+        f.check_rows(&ok).unwrap();
+        for c in [
+            BatchRows::Features {
+                features: 4,
+                data: vec![],
+            },
+            BatchRows::Features {
+                features: 4,
+                data: vec![1.0; 20],
+            },
+            BatchRows::Features {
+                features: 5,
+                data: vec![1.0; 10],
+            },
+            BatchRows::Features {
+                features: 4,
+                data: vec![1.0; 7],
+            },
+            BatchRows::Tokens(vec![vec![1, 2]]),
+        ] {
+            assert!(f.check_rows(&c).is_err(), "{c:?}");
+        }
+        let (p, w) = encoder(2, 8);
+        let f = p.validate(&w).unwrap();
+        f.check_rows(&BatchRows::Tokens(vec![vec![1, 5, 2], vec![1, 2]]))
+            .unwrap();
+        // Empty sequences are allowed (they pool to zeros).
+        f.check_rows(&BatchRows::Tokens(vec![vec![], vec![1]]))
+            .unwrap();
+        for c in [
+            BatchRows::Tokens(vec![vec![1; 9]]),
+            BatchRows::Tokens(vec![vec![1]; 3]),
+            BatchRows::Tokens(vec![]),
+            BatchRows::Tokens(vec![vec![1, 10]]),
+            BatchRows::Tokens(vec![vec![u32::MAX]]),
+            BatchRows::Features {
+                features: 4,
+                data: vec![0.0; 4],
+            },
+        ] {
+            assert!(f.check_rows(&c).is_err(), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn the_reference_interpreter_runs_a_validated_program() {
+        let (p, _) = linear(2);
+        let mut w = Weights::new();
+        w.push("w", vec![3, 4], (0..12).map(|i| i as f32).collect());
+        p.validate(&w).unwrap();
+        let rows = BatchRows::Features {
+            features: 4,
+            data: vec![1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0],
+        };
+        let out = super::super::reference::run(&p, &w, crate::tensor::DType::F32, &rows);
+        // Row 0 picks column 0 of each output row; row 1 sums columns 1 and 2.
+        assert_eq!(out, vec![0.0, 4.0, 8.0, 3.0, 11.0, 19.0]);
+        let (p, w) = encoder(1, 4);
+        p.validate(&w).unwrap();
+        let out = super::super::reference::run(
+            &p,
+            &w,
+            crate::tensor::DType::F32,
+            &BatchRows::Tokens(vec![vec![1, 2, 3]]),
+        );
+        assert_eq!(out.len(), 8);
     }
 }

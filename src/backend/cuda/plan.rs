@@ -1,28 +1,26 @@
-//! From a [`Program`] to the kernel launches and matmuls that compute it.
+//! From a [`Program`] to the kernel launches and matmuls that compute it:
+//! the plan (pure host code, unit-tested without a GPU). [`super::resolve`]
+//! turns a plan's symbolic locations into device addresses and
+//! [`super::launch`] issues the steps on a stream.
 //!
-//! [`plan`] is pure host code (unit-tested without a GPU): it checks every op
-//! against its buffers and weights (so a malformed program is an error, never
-//! an out-of-bounds access on the device), decides the storage type of every
+//! [`plan`] is pure host code (unit-tested without a GPU). It takes a program
+//! that passed [`Program::validate`] (so every buffer, weight and shape is as
+//! the ops say; what is left to refuse here is what this device cannot run,
+//! as [`BackendError::Unsupported`]), decides the storage type of every
 //! buffer, lays the activations out in one arena, inserts the casts where the
 //! program mixes f32 inputs/outputs with f16/bf16 activations, and computes
 //! every launch configuration. [`resolve`] turns the symbolic locations into
 //! device addresses, and [`enqueue`] issues the steps on a stream — the same
 //! code for warm-up, capture and the eager path.
 
-use std::collections::HashMap;
-use std::ffi::c_void;
-use std::sync::Arc;
-
-use cudarc::driver::{result as dres, sys as dsys, CudaStream};
-
-use super::error::DriverResultExt;
-use super::kernels::Kernels;
-use super::matmul::{split_activation, Epilogue, Matmul, MatmulPlan, MatmulShape, TuneArgs};
+use super::matmul::{split_activation, MatmulShape};
 use super::mem::{align_up, ALIGN};
 use crate::backend::BackendError;
+use crate::model::program::validate::op_buffers;
 use crate::model::program::{BufId, BufKind, InputRole, Op, WeightId};
 use crate::model::{Activation, Pooling, Program, Weights};
 use crate::tensor::DType;
+use std::collections::HashMap;
 
 /// Threads per block of the attention kernel (`ATT_THREADS` in attention.cu).
 pub const ATT_THREADS: u32 = 128;
@@ -142,37 +140,14 @@ pub fn skinny_fits(m: usize, n: usize, k: usize, t: DType) -> bool {
         && n.saturating_mul(k).saturating_mul(t.size()) <= SKINNY_MAX_WEIGHT_BYTES
 }
 
-/// Buffers an op reads.
-pub fn op_reads(op: &Op) -> Vec<BufId> {
-    match *op {
-        Op::EmbedLayerNorm {
-            ids, token_types, ..
-        } => vec![ids, token_types],
-        Op::Linear { x, .. } => vec![x],
-        Op::AddLayerNorm { x, residual, .. } => vec![x, residual],
-        Op::Attention { qkv, mask, .. } => vec![qkv, mask],
-        Op::Pool { x, mask, .. } => vec![x, mask],
-    }
-}
-
-/// The buffer an op writes.
-pub fn op_writes(op: &Op) -> BufId {
-    match *op {
-        Op::EmbedLayerNorm { out, .. }
-        | Op::Linear { out, .. }
-        | Op::AddLayerNorm { out, .. }
-        | Op::Attention { out, .. }
-        | Op::Pool { out, .. } => out,
-    }
-}
-
 /// True when `buf` is not read by `ops[from..]` before being overwritten.
 pub fn dead_after(ops: &[Op], from: usize, buf: BufId) -> bool {
     for op in ops.iter().skip(from) {
-        if op_reads(op).contains(&buf) {
+        let (reads, writes) = op_buffers(op);
+        if reads.contains(&buf) {
             return false;
         }
-        if op_writes(op) == buf {
+        if writes == buf {
             return true;
         }
     }
@@ -320,68 +295,21 @@ struct Planner<'a> {
     steps: Vec<Step>,
 }
 
-fn other(msg: String) -> BackendError {
-    BackendError::Other(format!("invalid program: {msg}"))
-}
-
 impl<'a> Planner<'a> {
     fn dtype(&self, b: BufId) -> DType {
         buffer_dtype(self.program.buffer(b).kind, self.compute)
     }
 
-    fn check_buf(&self, b: BufId, elems: usize, what: &str) -> Result<(), BackendError> {
-        let decl = self
-            .program
-            .buffers
-            .get(b.0)
-            .ok_or_else(|| other(format!("{what}: buffer {} does not exist", b.0)))?;
-        if decl.elems < elems {
-            return Err(other(format!(
-                "{what}: buffer {:?} has {} elements, the op needs {elems}",
-                decl.name, decl.elems
-            )));
-        }
-        Ok(())
+    /// The location of an integer input (validated: ids, types and masks
+    /// are integer inputs).
+    fn int_loc(&self, b: BufId) -> Loc {
+        debug_assert_eq!(self.dtype(b), DType::I32);
+        self.locs[&b]
     }
 
-    fn check_int(&self, b: BufId, elems: usize, what: &str) -> Result<Loc, BackendError> {
-        self.check_buf(b, elems, what)?;
-        if self.dtype(b) != DType::I32 {
-            return Err(other(format!(
-                "{what}: buffer {} must be an integer input",
-                b.0
-            )));
-        }
-        Ok(self.locs[&b])
-    }
-
-    fn weight(&self, w: WeightId, shape: &[usize], what: &str) -> Result<(), BackendError> {
-        if w.0 >= self.weights.len() {
-            return Err(other(format!("{what}: weight {} does not exist", w.0)));
-        }
-        let t = self.weights.get(w);
-        if t.shape != shape {
-            return Err(other(format!(
-                "{what}: weight {:?} has shape {:?}, expected {shape:?}",
-                t.name, t.shape
-            )));
-        }
-        Ok(())
-    }
-
-    /// Rows of a 2-D weight whose rows are `width` wide.
-    fn table_rows(&self, w: WeightId, width: usize, what: &str) -> Result<usize, BackendError> {
-        if w.0 >= self.weights.len() {
-            return Err(other(format!("{what}: weight {} does not exist", w.0)));
-        }
-        let t = self.weights.get(w);
-        match t.shape.as_slice() {
-            [rows, cols] if *cols == width && *rows > 0 => Ok(*rows),
-            s => Err(other(format!(
-                "{what}: weight {:?} has shape {s:?}, expected [_, {width}]",
-                t.name
-            ))),
-        }
+    /// Rows of a 2-D weight (validated: `[rows, width]`).
+    fn rows_of(&self, w: WeightId) -> usize {
+        self.weights.get(w).shape[0]
     }
 
     fn scratch(&mut self, elems: usize, dtype: DType) -> Loc {
@@ -437,18 +365,9 @@ impl<'a> Planner<'a> {
 
     /// The location of float buffer `b` read as `want`: itself, or a scratch
     /// copy converted before the op.
-    fn float_in(
-        &mut self,
-        b: BufId,
-        elems: usize,
-        want: DType,
-        what: &str,
-    ) -> Result<Loc, BackendError> {
-        self.check_buf(b, elems, what)?;
+    fn float_in(&mut self, b: BufId, elems: usize, want: DType) -> Result<Loc, BackendError> {
         let have = self.dtype(b);
-        if !have.is_float() {
-            return Err(other(format!("{what}: buffer {} must hold floats", b.0)));
-        }
+        debug_assert!(have.is_float(), "validated: a float operand");
         if have == want {
             return Ok(self.locs[&b]);
         }
@@ -459,23 +378,14 @@ impl<'a> Planner<'a> {
 
     /// Where an op producing `native` values should write float buffer `b`:
     /// `b` itself, or scratch plus a cast to run after the op.
-    fn float_out(
-        &mut self,
-        b: BufId,
-        elems: usize,
-        native: DType,
-        what: &str,
-    ) -> Result<(Loc, PendingCast), BackendError> {
-        self.check_buf(b, elems, what)?;
+    fn float_out(&mut self, b: BufId, elems: usize, native: DType) -> (Loc, PendingCast) {
         let have = self.dtype(b);
-        if !have.is_float() {
-            return Err(other(format!("{what}: buffer {} must hold floats", b.0)));
-        }
+        debug_assert!(have.is_float(), "validated: a float operand");
         if have == native {
-            return Ok((self.locs[&b], None));
+            return (self.locs[&b], None);
         }
         let s = self.scratch(elems, native);
-        Ok((s, Some((s, native, self.locs[&b], have))))
+        (s, Some((s, native, self.locs[&b], have)))
     }
 
     fn finish_out(&mut self, pending: PendingCast, elems: usize) -> Result<(), BackendError> {
@@ -527,11 +437,6 @@ impl<'a> Planner<'a> {
                 && self.dtype(ln_out) == t
                 && dead_after(&self.program.ops, idx + 2, out);
             if fusable {
-                let what = format!("ops {idx}-{} (Linear + AddLayerNorm)", idx + 1);
-                self.weight(gamma, &[hidden], &what)?;
-                self.weight(beta, &[hidden], &what)?;
-                self.check_buf(residual, m * n, &what)?;
-                self.check_buf(ln_out, m * n, &what)?;
                 let tmp = self.scratch(m * n, DType::F32);
                 let counter = Loc::Counter(self.counters);
                 self.counters += 1;
@@ -607,17 +512,14 @@ impl<'a> Planner<'a> {
                 seq,
                 hidden,
             } => {
-                let what = format!("op {idx} (EmbedLayerNorm)");
                 let rows = batch * seq;
-                let ids_l = self.check_int(ids, rows, &what)?;
-                let types_l = self.check_int(token_types, rows, &what)?;
-                let vocab = self.table_rows(word, hidden, &what)?;
-                let npos = self.table_rows(position, hidden, &what)?;
-                let ntypes = self.table_rows(token_type, hidden, &what)?;
-                self.weight(gamma, &[hidden], &what)?;
-                self.weight(beta, &[hidden], &what)?;
+                let ids_l = self.int_loc(ids);
+                let types_l = self.int_loc(token_types);
+                let vocab = self.rows_of(word);
+                let npos = self.rows_of(position);
+                let ntypes = self.rows_of(token_type);
                 let threads = ln_threads(hidden)?;
-                let (dst, pending) = self.float_out(out, rows * hidden, t, &what)?;
+                let (dst, pending) = self.float_out(out, rows * hidden, t);
                 self.kernel(
                     format!("embed_ln_{ts}"),
                     (rows as u32, 1, 1),
@@ -653,16 +555,7 @@ impl<'a> Planner<'a> {
                 n,
                 k,
             } => {
-                let what = format!("op {idx} (Linear)");
-                self.weight(w, &[n, k], &what)?;
-                if let Some(b) = bias {
-                    self.weight(b, &[n], &what)?;
-                }
-                if m == 0 || n == 0 || k == 0 {
-                    return Err(other(format!("{what}: empty shape {m}x{n}x{k}")));
-                }
-                let x_l = self.float_in(x, m * k, t, &what)?;
-                self.check_buf(out, m * n, &what)?;
+                let x_l = self.float_in(x, m * k, t)?;
                 let out_t = self.dtype(out);
                 if self.limits.skinny
                     && skinny_fits(m, n, k, t)
@@ -692,9 +585,6 @@ impl<'a> Planner<'a> {
                         self.cast(o, t, o, t, m * n, a)?;
                     }
                 } else {
-                    if !out_t.is_float() {
-                        return Err(other(format!("{what}: output buffer must hold floats")));
-                    }
                     let tmp = self.scratch(m * n, t);
                     self.steps.push(Step::Matmul {
                         shape,
@@ -725,17 +615,11 @@ impl<'a> Planner<'a> {
                 rows,
                 hidden,
             } => {
-                let what = format!("op {idx} (AddLayerNorm)");
-                if out == x {
-                    return Err(other(format!("{what}: out must not alias x")));
-                }
-                self.weight(gamma, &[hidden], &what)?;
-                self.weight(beta, &[hidden], &what)?;
                 let threads = ln_threads(hidden)?;
                 let elems = rows * hidden;
-                let x_l = self.float_in(x, elems, t, &what)?;
-                let r_l = self.float_in(residual, elems, t, &what)?;
-                let (dst, pending) = self.float_out(out, elems, t, &what)?;
+                let x_l = self.float_in(x, elems, t)?;
+                let r_l = self.float_in(residual, elems, t)?;
+                let (dst, pending) = self.float_out(out, elems, t);
                 self.kernel(
                     format!("add_ln_{ts}"),
                     (rows as u32, 1, 1),
@@ -767,9 +651,6 @@ impl<'a> Planner<'a> {
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
                     BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
                 })?;
-                if batch == 0 || seq == 0 || heads == 0 {
-                    return Err(other(format!("{what}: empty shape")));
-                }
                 if batch > 65535 || heads > 65535 {
                     return Err(BackendError::Unsupported(format!(
                         "{what}: batch {batch} x heads {heads}"
@@ -791,9 +672,9 @@ impl<'a> Planner<'a> {
                         self.limits.max_dyn_smem
                     )));
                 }
-                let mask_l = self.check_int(mask, rows, &what)?;
-                let q_l = self.float_in(qkv, rows * 3 * hd, t, &what)?;
-                let (dst, pending) = self.float_out(out, rows * hd, t, &what)?;
+                let mask_l = self.int_loc(mask);
+                let q_l = self.float_in(qkv, rows * 3 * hd, t)?;
+                let (dst, pending) = self.float_out(out, rows * hd, t);
                 if tensor_cores {
                     self.kernel(
                         format!("attention_tc_{ts}_d{head_dim}"),
@@ -839,13 +720,9 @@ impl<'a> Planner<'a> {
                 mode,
                 normalize,
             } => {
-                let what = format!("op {idx} (Pool)");
-                if batch == 0 || seq == 0 || hidden == 0 {
-                    return Err(other(format!("{what}: empty shape")));
-                }
-                let mask_l = self.check_int(mask, batch * seq, &what)?;
-                let x_l = self.float_in(x, batch * seq * hidden, t, &what)?;
-                let (dst, pending) = self.float_out(out, batch * hidden, DType::F32, &what)?;
+                let mask_l = self.int_loc(mask);
+                let x_l = self.float_in(x, batch * seq * hidden, t)?;
+                let (dst, pending) = self.float_out(out, batch * hidden, DType::F32);
                 self.kernel(
                     format!("pool_{ts}"),
                     (batch as u32, 1, 1),
@@ -881,45 +758,17 @@ pub fn plan(
             "compute dtype {compute}"
         )));
     }
-    let out_decl = program
-        .buffers
-        .get(program.output.0)
-        .ok_or_else(|| other("the output buffer does not exist".into()))?;
-    if out_decl.kind != BufKind::Output {
-        return Err(other("the program's output is not an Output buffer".into()));
-    }
+    // The program has passed `Program::validate`: buffers, inputs and the
+    // one output are as declared.
     let output_elems = program.batch * program.output_dim;
-    if out_decl.elems != output_elems {
-        return Err(other(format!(
-            "output buffer has {} elements, batch {} x output_dim {} = {output_elems}",
-            out_decl.elems, program.batch, program.output_dim
-        )));
-    }
     let mut locs = HashMap::new();
     let mut inputs = Vec::new();
     let mut input_bytes = 0usize;
     for &id in &program.inputs {
-        let decl = program
-            .buffers
-            .get(id.0)
-            .ok_or_else(|| other(format!("input buffer {} does not exist", id.0)))?;
+        let decl = program.buffer(id);
         let BufKind::Input(role) = decl.kind else {
-            return Err(other(format!(
-                "buffer {:?} is listed as an input",
-                decl.name
-            )));
+            unreachable!("validated: inputs are Input buffers")
         };
-        let per_row = if role == InputRole::Features {
-            1
-        } else {
-            program.seq
-        };
-        if program.batch == 0 || decl.elems == 0 || decl.elems % (program.batch * per_row) != 0 {
-            return Err(other(format!(
-                "input {:?} has {} elements, not a multiple of batch {} x seq {per_row}",
-                decl.name, decl.elems, program.batch
-            )));
-        }
         locs.insert(id, Loc::Input(input_bytes));
         inputs.push(InputSlot {
             buf: id,
@@ -937,19 +786,9 @@ pub fn plan(
                 arena += align_up(decl.elems * compute.size(), ALIGN);
             }
             BufKind::Output => {
-                if BufId(i) != program.output {
-                    return Err(other(format!("second output buffer {:?}", decl.name)));
-                }
                 locs.insert(BufId(i), Loc::Output(0));
             }
-            BufKind::Input(_) => {
-                if !locs.contains_key(&BufId(i)) {
-                    return Err(other(format!(
-                        "input buffer {:?} is not in the input list",
-                        decl.name
-                    )));
-                }
-            }
+            BufKind::Input(_) => {}
         }
     }
     let activation_bytes = arena;
@@ -987,281 +826,6 @@ pub fn plan(
         arena_bytes: p.arena.max(ALIGN),
         counters: p.counters,
     })
-}
-
-/// Base addresses for resolving [`Loc`]s.
-pub struct Bases<'a> {
-    pub weights: &'a [u64],
-    pub inputs: u64,
-    pub output: u64,
-    pub arena: u64,
-    /// [`MAX_COUNTERS`] zeroed u32s owned by the stream that runs the plan.
-    pub counters: u64,
-}
-
-impl Bases<'_> {
-    fn addr(&self, l: Loc) -> u64 {
-        match l {
-            Loc::Weight(w) => self.weights[w.0],
-            Loc::Input(o) => self.inputs + o as u64,
-            Loc::Output(o) => self.output + o as u64,
-            Loc::Arena(o) => self.arena + o as u64,
-            Loc::Counter(i) => self.counters + 4 * i as u64,
-        }
-    }
-}
-
-/// A kernel argument with its value.
-#[derive(Clone, Copy, Debug)]
-pub enum RArg {
-    U64(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
-/// A step with device addresses, ready to enqueue.
-pub enum Resolved {
-    Kernel {
-        name: String,
-        func: dsys::CUfunction,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        smem: u32,
-        args: Vec<RArg>,
-    },
-    Matmul {
-        plan: Arc<MatmulPlan>,
-        w: u64,
-        x: u64,
-        out: u64,
-    },
-}
-
-/// Resolves a plan's steps against base addresses; matmul plans come from
-/// (and are cached in) `matmul`.
-///
-/// With `tune` (the stream's workspace address and the stream, outside any
-/// capture), matmul algorithms are chosen by timing on the plan's buffers.
-pub fn resolve(
-    plan: &Plan,
-    bases: &Bases<'_>,
-    kernels: &Kernels,
-    matmul: &mut Matmul,
-    workspace_bytes: usize,
-    tune: Option<(u64, &CudaStream)>,
-) -> Result<Vec<Resolved>, BackendError> {
-    let mut out_steps = Vec::with_capacity(plan.steps.len());
-    for s in &plan.steps {
-        let step = match s {
-            Step::Kernel {
-                name,
-                grid,
-                block,
-                smem,
-                args,
-            } => {
-                let f = kernels
-                    .get(name)
-                    .ok_or_else(|| BackendError::Other(format!("kernel {name} is not loaded")))?;
-                Resolved::Kernel {
-                    name: name.clone(),
-                    func: f.cu_function(),
-                    grid: *grid,
-                    block: *block,
-                    smem: *smem,
-                    args: args
-                        .iter()
-                        .map(|a| match *a {
-                            Arg::Ptr(l) => RArg::U64(bases.addr(l)),
-                            Arg::Null => RArg::U64(0),
-                            Arg::I32(v) => RArg::I32(v),
-                            Arg::I64(v) => RArg::I64(v),
-                            Arg::F32(v) => RArg::F32(v),
-                        })
-                        .collect(),
-                }
-            }
-            Step::Matmul {
-                shape,
-                w,
-                x,
-                out,
-                bias,
-            } => {
-                let bias_addr = bias.map(|b| bases.addr(b));
-                let tune_args = tune.map(|(ws, stream)| TuneArgs {
-                    w: bases.addr(*w),
-                    x: bases.addr(*x),
-                    d: bases.addr(*out),
-                    workspace: ws,
-                    stream: stream.cu_stream(),
-                });
-                match matmul.plan(*shape, bias_addr, workspace_bytes, tune_args) {
-                    Ok(p) => Resolved::Matmul {
-                        plan: p,
-                        w: bases.addr(*w),
-                        x: bases.addr(*x),
-                        out: bases.addr(*out),
-                    },
-                    // No algorithm for this epilogue: plain matmul, then bias
-                    // and activation in our element-wise kernel.
-                    Err(BackendError::Unsupported(why)) if shape.epilogue != Epilogue::None => {
-                        tracing::debug!(
-                            target: "replayd::cuda",
-                            "cuBLASLt epilogue {:?} unavailable for {}x{}x{} ({why}); using a separate kernel",
-                            shape.epilogue,
-                            shape.m,
-                            shape.n,
-                            shape.k
-                        );
-                        let plain = MatmulShape {
-                            epilogue: Epilogue::None,
-                            ..*shape
-                        };
-                        out_steps.push(Resolved::Matmul {
-                            plan: matmul.plan(plain, None, workspace_bytes, tune_args)?,
-                            w: bases.addr(*w),
-                            x: bases.addr(*x),
-                            out: bases.addr(*out),
-                        });
-                        let name = format!("bias_act_{0}_{0}", suffix(shape.dtype));
-                        let f = kernels.get(&name).ok_or_else(|| {
-                            BackendError::Other(format!("kernel {name} is not loaded"))
-                        })?;
-                        let n = shape.m * shape.n;
-                        let o = bases.addr(*out);
-                        Resolved::Kernel {
-                            name,
-                            func: f.cu_function(),
-                            grid: (ew_blocks(n), 1, 1),
-                            block: (EW_THREADS, 1, 1),
-                            smem: 0,
-                            args: vec![
-                                RArg::U64(o),
-                                RArg::U64(bias_addr.unwrap_or(0)),
-                                RArg::U64(o),
-                                RArg::I32(n as i32),
-                                RArg::I32(shape.n as i32),
-                                RArg::I32(act_code(shape.epilogue.activation())),
-                            ],
-                        }
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-        };
-        out_steps.push(step);
-    }
-    Ok(out_steps)
-}
-
-/// Enqueues resolved steps on `stream` (no synchronisation). The caller has
-/// made the context current on this thread.
-pub fn enqueue(
-    steps: &[Resolved],
-    matmul: &Matmul,
-    workspace: u64,
-    workspace_bytes: usize,
-    stream: &CudaStream,
-) -> Result<(), BackendError> {
-    for s in steps {
-        enqueue_one(s, matmul, workspace, workspace_bytes, stream.cu_stream())?;
-    }
-    Ok(())
-}
-
-fn enqueue_one(
-    s: &Resolved,
-    matmul: &Matmul,
-    workspace: u64,
-    workspace_bytes: usize,
-    stream: dsys::CUstream,
-) -> Result<(), BackendError> {
-    match s {
-        Resolved::Kernel {
-            func,
-            grid,
-            block,
-            smem,
-            args,
-            ..
-        } => {
-            let mut ptrs: Vec<*mut c_void> = args
-                .iter()
-                .map(|a| match a {
-                    RArg::U64(v) => v as *const u64 as *mut c_void,
-                    RArg::I32(v) => v as *const i32 as *mut c_void,
-                    RArg::I64(v) => v as *const i64 as *mut c_void,
-                    RArg::F32(v) => v as *const f32 as *mut c_void,
-                })
-                .collect();
-            // SAFETY: the planner checked every buffer extent against the
-            // kernel's shape arguments; the argument list matches the
-            // kernel's signature (see the `*_KERNEL` macros in kernels/).
-            unsafe { dres::launch_kernel(*func, *grid, *block, *smem, stream, &mut ptrs) }
-                .cu("kernel launch")
-        }
-        Resolved::Matmul { plan, w, x, out } => {
-            // SAFETY: extents checked by the planner; the workspace belongs to this stream.
-            unsafe { matmul.run(plan, *w, *x, *out, workspace, workspace_bytes, stream) }
-        }
-    }
-}
-
-/// A short name for a step (profiles, logs).
-pub fn label(s: &Resolved) -> String {
-    match s {
-        Resolved::Kernel { name, grid, .. } => {
-            format!("{name} grid {}x{}x{}", grid.0, grid.1, grid.2)
-        }
-        Resolved::Matmul { plan, .. } => {
-            let sh = plan.shape;
-            format!(
-                "cublasLt {} m{} n{} k{} {:?}",
-                suffix(sh.dtype),
-                sh.m,
-                sh.n,
-                sh.k,
-                sh.epilogue
-            )
-        }
-    }
-}
-
-/// Runs the steps `reps` times with an event after every step and returns
-/// each step's mean GPU time in microseconds (steps queued back to back, so
-/// the time between events is the step's own).
-pub fn profile(
-    steps: &[Resolved],
-    matmul: &Matmul,
-    workspace: u64,
-    workspace_bytes: usize,
-    stream: &CudaStream,
-    reps: usize,
-) -> Result<Vec<(String, f64)>, BackendError> {
-    let cs = stream.cu_stream();
-    let ev = super::timing::Events::new(steps.len() + 1).cu("cuEventCreate")?;
-    let mut total = vec![0f64; steps.len()];
-    // One untimed pass first.
-    enqueue(steps, matmul, workspace, workspace_bytes, stream)?;
-    for _ in 0..reps.max(1) {
-        // SAFETY: `cs` is the live stream borrowed above.
-        unsafe { ev.record(0, cs) }.cu("cuEventRecord")?;
-        for (i, s) in steps.iter().enumerate() {
-            enqueue_one(s, matmul, workspace, workspace_bytes, cs)?;
-            // SAFETY: as above.
-            unsafe { ev.record(i + 1, cs) }.cu("cuEventRecord")?;
-        }
-        for (i, t) in total.iter_mut().enumerate() {
-            *t += ev.elapsed_ms(i, i + 1).cu("cuEventElapsedTime")? as f64 * 1e3;
-        }
-    }
-    Ok(steps
-        .iter()
-        .zip(total)
-        .map(|(s, t)| (label(s), t / reps.max(1) as f64))
-        .collect())
 }
 
 #[cfg(test)]
@@ -1699,20 +1263,23 @@ pub(crate) mod tests {
         }
     }
 
+    /// Malformed programs are refused by validation before they reach the
+    /// planner; what the planner refuses is what the device cannot run.
     #[test]
     fn malformed_programs_are_errors() {
         let (mut p, w) = mlp(2, Activation::Relu);
         if let Op::Linear { k, .. } = &mut p.ops[0] {
             *k = 129;
         }
-        let e = plan(&p, &w, DType::F32, false, LIMITS).unwrap_err();
+        let e = p.validate(&w).unwrap_err();
         assert!(e.to_string().contains("shape"), "{e}");
 
         let (mut p, w) = mlp(2, Activation::Relu);
         p.buffers[1].elems = 10; // activation too small
-        assert!(plan(&p, &w, DType::F32, false, LIMITS).is_err());
+        assert!(p.validate(&w).is_err());
 
-        let (p, w) = tiny_bert(1, 600);
+        let (p, w) = tiny_bert(1, 500);
+        p.validate(&w).unwrap();
         let e = plan(&p, &w, DType::F32, false, Limits::new(48 * 1024)).unwrap_err();
         assert!(matches!(e, BackendError::Unsupported(_)), "{e:?}");
 
@@ -1720,7 +1287,8 @@ pub(crate) mod tests {
         if let Op::Attention { mask, qkv, .. } = &mut p.ops[2] {
             *mask = *qkv; // a float buffer as the mask
         }
-        assert!(plan(&p, &w, DType::F32, false, LIMITS).is_err());
+        assert!(p.validate(&w).is_err());
+        let (p, w) = tiny_bert(1, 16);
         assert!(plan(&p, &w, DType::I32, false, LIMITS).is_err());
     }
 
