@@ -21,3 +21,16 @@ build:
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
+
+# Install the binaries (from target/release; run `make build` first), the service
+# config, the systemd unit and its sysusers/tmpfiles files. DESTDIR stages it.
+PREFIX ?= /usr/local
+DESTDIR ?=
+.PHONY: install check-deploy
+install:
+	PREFIX="$(PREFIX)" DESTDIR="$(DESTDIR)" scripts/install.sh
+
+# Check the deployment files: systemd-analyze verify and security (exposure at most
+# 3.5), sysusers/tmpfiles, and every Kubernetes manifest against its schema.
+check-deploy:
+	scripts/check-deploy.sh
