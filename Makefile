@@ -1,5 +1,5 @@
 # The README's two commands are `make run` and `make test`.
-.PHONY: run test model nvrtc build lint
+.PHONY: run test model nvrtc build lint python-test
 
 # Start the daemon on the default config (CUDA where a GPU is present, else CPU).
 run: model
@@ -21,3 +21,8 @@ build:
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
+
+# The Python client's tests (clients/python) against the daemon binary
+# ($REPLAYD_BIN, else target/debug/replayd, else target/release/replayd).
+python-test: model
+	scripts/python-tests.sh
