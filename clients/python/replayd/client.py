@@ -258,14 +258,8 @@ class Client(_ClientBase):
         if not ready:
             return
         core = self._core
-        for mon, ep in self._mons.items():
-            if mon in ready:
-                while True:
-                    try:
-                        frames = mon.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_event(ep, _sockets.event_of(frames))
+        # Replies first: those a dying connection delivered before it closed
+        # settle their requests instead of being re-sent.
         for sock, ep in self._socks.items():
             if sock in ready:
                 for _ in range(100_000):
@@ -274,6 +268,14 @@ class Client(_ClientBase):
                     except zmq.Again:
                         break
                     core.on_reply(ep, frames, time.monotonic())
+        for mon, ep in self._mons.items():
+            if mon in ready:
+                while True:
+                    try:
+                        frames = mon.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_event(ep, _sockets.event_of(frames))
 
     def _on_event(self, ep: Endpoint, event: int) -> None:
         now = time.monotonic()
