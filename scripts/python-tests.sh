@@ -14,7 +14,12 @@ venv="$repo/.venv"
 
 if [ ! -x "$venv/bin/python" ]; then
   echo "python-tests: creating $venv" >&2
-  "$python" -m venv "$venv"
+  if ! "$python" -m venv "$venv"; then
+    # e.g. Debian's python3 without python3-venv: use virtualenv from PyPI
+    rm -rf "$venv"
+    "$python" -m pip install --quiet --disable-pip-version-check --user virtualenv
+    "$python" -m virtualenv --quiet "$venv"
+  fi
 fi
 vpy="$venv/bin/python"
 pipq=("$vpy" -m pip --disable-pip-version-check --quiet)
@@ -29,7 +34,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sum" ] || ! "$vpy" -c 'import r
   echo "$sum" >"$stamp"
 fi
 
-PYTHON="$python" scripts/fetch-model.sh
+PYTHON="$vpy" scripts/fetch-model.sh
 
 if [ -z "${REPLAYD_BIN:-}" ]; then
   for b in target/debug/replayd target/release/replayd; do

@@ -10,6 +10,8 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -39,6 +41,16 @@ def replayd_bin() -> Path:
         "no replayd binary: build it (cargo build) or set REPLAYD_BIN=/path/to/replayd",
         returncode=2,
     )
+
+
+def _die_with_parent() -> None:  # runs in the child, before exec
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except Exception:
+        pass
 
 
 def free_port() -> int:
@@ -117,6 +129,9 @@ workers = 1
         self.starts = 0
 
     def start(self, timeout: float = 120.0) -> "Daemon":
+        # Daemons get SIGKILL when the thread that started them ends (so that a
+        # crashed test run leaves none behind): start them from the main thread.
+        assert threading.current_thread() is threading.main_thread(), "start daemons on the main thread"
         assert self.proc is None or self.proc.poll() is not None, "already running"
         if self.ready_file.exists():
             self.ready_file.unlink()
@@ -130,6 +145,7 @@ workers = 1
             stdout=subprocess.DEVNULL,
             stderr=log,
             env={**os.environ, "REPLAYD_LOG": "info"},
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         log.close()
         end = time.monotonic() + timeout

@@ -55,22 +55,26 @@ def wait_until(cond, timeout=30.0, what="condition"):
 
 
 def in_background(fn):
-    errors = []
+    """Runs fn in a thread; returns join(), which gives fn's result or raises
+    its exception. (Daemons are started on the main thread only: see
+    conftest.Daemon.start.)"""
+    out = {}
 
     def run():
         try:
-            fn()
-        except BaseException as e:  # reported by join()
-            errors.append(e)
+            out["value"] = fn()
+        except BaseException as e:  # re-raised by join()
+            out["error"] = e
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
 
     def join(timeout=120):
         t.join(timeout)
-        assert not t.is_alive(), "background action hung"
-        if errors:
-            raise errors[0]
+        assert not t.is_alive(), "background call hung"
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
 
     return join
 
@@ -111,16 +115,12 @@ def test_sigkill_and_restart_under_a_connected_client(fixed, minilm_set, mlp_ref
         ep = c._core.endpoints[0]
         texts, want = short_texts(minilm_set, 160)
         base = ep.replies
-
-        def kill_and_restart():
-            wait_until(lambda: ep.replies >= base + 3, what="first replies")
-            fixed.kill()  # SIGKILL with requests in flight
-            time.sleep(0.3)
-            fixed.start()  # same port
-
-        join = in_background(kill_and_restart)
-        got = c.embed(texts, batch_size=2)  # 80 requests, pipelined
-        join()
+        call = in_background(lambda: c.embed(texts, batch_size=2))  # 80 requests, pipelined
+        wait_until(lambda: ep.replies >= base + 3, what="first replies")
+        fixed.kill()  # SIGKILL with requests in flight
+        time.sleep(0.3)
+        fixed.start()  # on the same port
+        got = call()
         assert cosines(got, want).min() >= 0.9999  # nothing lost, nothing mixed up
         st = c.stats()[0]
         assert st["disconnects"] >= 1 and st["lost"] >= 1, st
@@ -136,56 +136,52 @@ def test_in_flight_requests_fail_clearly_without_retries(fixed, mlp_reference):
         assert_mlp(c.infer(MLP, x), x, mlp_reference)
         ep = c._core.endpoints[0]
         base = ep.sent
-
-        def kill():
-            wait_until(lambda: ep.sent > base, what="a request sent")
-            fixed.kill()
-
-        join = in_background(kill)
         t = time.monotonic()
+        call = in_background(lambda: c.embed(["word " * 200] * 64, batch_size=64))  # one slow eager request
+        wait_until(lambda: ep.sent > base, what="a request sent")
+        fixed.kill()
         with pytest.raises(ConnectionLost) as e:
-            c.embed(["word " * 200] * 64, batch_size=64)  # one slow eager request
+            call()
         assert time.monotonic() - t < 30
-        join()
         assert "dropped" in e.value.message and "1 attempts" in e.value.message
         # while it is down, calls give up at their timeout
         t = time.monotonic()
         with pytest.raises(NoHealthyEndpoint):
             c.infer(MLP, x, timeout=0.5)
         assert time.monotonic() - t < 5
-        # a call made while it is down succeeds once it is back within the timeout
-        join = in_background(lambda: (time.sleep(0.3), fixed.start()))
-        assert_mlp(c.infer(MLP, x, timeout=60), x, mlp_reference)
-        join()
+        # a call made while it is down succeeds once it is back within its timeout
+        call = in_background(lambda: c.infer(MLP, x, timeout=60))
+        time.sleep(0.3)
+        fixed.start()
+        assert_mlp(call(), x, mlp_reference)
 
 
 def test_async_client_survives_a_restart(fixed, mlp_reference):
-    x = rows(600, 4)
+    x = rows(3000, 4)  # more than max_in_flight: requests still going out when it dies
+    shared = {}
+    started = threading.Event()
 
     async def main():
         async with AsyncClient(f"tcp://127.0.0.1:{fixed.port}", timeout=90) as ac:
             assert (await ac.infer(MLP, x[:2])).shape == (2, 10)
-            ep = ac._core.endpoints[0]
-            base = ep.replies
-            loop = asyncio.get_running_loop()
-
-            async def kill_and_restart():
-                while ep.replies < base + 20:
-                    await asyncio.sleep(0.001)
-                fixed.kill()
-                await asyncio.sleep(0.2)
-                await loop.run_in_executor(None, fixed.start)
-
-            # 600 concurrent calls of 1 row, each in 2-row requests... plus the killer
-            calls = [ac.infer(MLP, x[i : i + 1]) for i in range(600)]
-            out = await asyncio.gather(kill_and_restart(), *calls)
+            shared["ep"] = ac._core.endpoints[0]
+            shared["base"] = shared["ep"].replies
+            started.set()
+            out = await asyncio.gather(*(ac.infer(MLP, x[i : i + 1]) for i in range(len(x))))
             after = await ac.infer(MLP, x[:5])
-            return np.concatenate(out[1:]), ac.stats()[0], after
+            return np.concatenate(out), ac.stats()[0], after
 
-    got, st, after = asyncio.run(main())
+    call = in_background(lambda: asyncio.run(main()))
+    assert started.wait(30)
+    ep = shared["ep"]
+    wait_until(lambda: ep.replies >= shared["base"] + 20, what="first replies")
+    freeze_then_kill(fixed)
+    time.sleep(0.2)
+    fixed.start()
+    got, st, after = call()
     assert_mlp(got, x, mlp_reference)
     assert_mlp(after, x[:5], mlp_reference)
-    assert st["disconnects"] >= 1, st
+    assert st["disconnects"] >= 1 and st["lost"] >= 1, st
 
 
 # ------------------------------------------------------------ two daemons
