@@ -5,7 +5,7 @@ differs between them."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -222,10 +222,7 @@ class _ClientBase:
         deadline: Optional[float],
         output_dtype: str,
     ) -> _Prepared:
-        if isinstance(sequences, np.ndarray) and sequences.ndim == 2:
-            seqs = list(sequences)
-        else:
-            seqs = list(sequences)
+        seqs = list(sequences)  # a list of lists, of arrays, or a 2-D array
         fields = proto.base_fields(
             self._model(model), "ids", priority=priority, deadline=deadline, output_dtype=output_dtype
         )

@@ -26,11 +26,9 @@ from .errors import (
     ConnectionLost,
     DeadlineExceeded,
     NoHealthyEndpoint,
-    Overloaded,
     ProtocolError,
     ReplaydError,
     Timeout,
-    Unavailable,
     error_from_reply,
 )
 
@@ -191,15 +189,33 @@ class Core:
             return
         self._finish(call, error or ConnectionLost("the call was abandoned"))
 
+    def reset(self, error: BaseException) -> None:
+        """Fail every call and forget every connection (the sockets are being
+        replaced); counters are kept."""
+        self._abandon_all(error)
+        self.attempts.clear()
+        self.queue = []
+        self._queue_head = 0
+        self.delayed = []
+        self.deadlines = []
+        for ep in self.endpoints:
+            ep.connected = False
+            ep.suspect = False
+            ep.blocked_until = ep.paused_until = 0.0
+            ep.inflight.clear()
+
     def close(self) -> None:
         self.closed = True
+        self._abandon_all(ConnectionLost("the client was closed"))
+
+    def _abandon_all(self, error: BaseException) -> None:
         calls = {a.job.call for a in self.attempts.values()}
         calls.update(job.call for job in self._queued())
         calls.update(job.call for _, _, job in self.delayed)
         for _, _, call in self.deadlines:
             calls.add(call)
         for call in calls:
-            self.abandon(call, ConnectionLost("the client was closed"))
+            self.abandon(call, error)
 
     def _queued(self) -> List[Job]:
         return self.queue[self._queue_head :]

@@ -151,10 +151,5 @@ def assemble(
             raise ProtocolError(
                 f"requests of one call got outputs of shapes {list(first.shape)} and {list(arr.shape)}"
             )
-        if len(idx) == arr.shape[0] and idx and idx[-1] - idx[0] + 1 == len(idx) and idx == list(
-            range(idx[0], idx[-1] + 1)
-        ):
-            out[idx[0] : idx[-1] + 1] = arr
-        else:
-            out[np.asarray(idx, dtype=np.intp)] = arr
+        out[np.asarray(idx, dtype=np.intp)] = arr
     return out

@@ -26,8 +26,9 @@ class AsyncClient(_ClientBase):
     ``asyncio.gather``); they share one DEALER socket per endpoint, and their
     requests are pipelined and matched by id.
 
-    The client binds to the event loop of its first call; use it from that
-    loop only. Close it with ``await client.aclose()`` or ``async with``.
+    The client binds to the event loop of its first call; once that loop has
+    ended, a later loop gets new sockets. Close it with ``await
+    client.aclose()`` or ``async with``.
     """
 
     def __init__(
@@ -182,9 +183,14 @@ class AsyncClient(_ClientBase):
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not None:
-            if loop is not self._loop:
-                raise RuntimeError("this AsyncClient belongs to another event loop")
-            return
+            if loop is self._loop:
+                return
+            if not self._loop.is_closed() and self._loop.is_running():
+                raise RuntimeError("this AsyncClient is in use by another running event loop")
+            # The loop it was bound to is gone (e.g. a second asyncio.run()):
+            # start over on this one with new sockets.
+            self._drop_sockets()
+            self._core.reset(ConnectionLost("the event loop of these calls ended"))
         self._loop = loop
         ctx = self._ctx if self._ctx is not None else zmq.asyncio.Context.instance()
         self._ctx = ctx
@@ -281,7 +287,10 @@ class AsyncClient(_ClientBase):
     async def aclose(self) -> None:
         """Close the sockets; calls in progress fail with ConnectionLost."""
         tasks = self._close()
+        current = asyncio.get_running_loop()
         for t in tasks:
+            if t.get_loop() is not current:
+                continue
             try:
                 await t
             except BaseException:
@@ -296,12 +305,25 @@ class AsyncClient(_ClientBase):
             return []
         self._closed = True
         self._core.close()
+        return self._drop_sockets()
+
+    def _drop_sockets(self) -> List[asyncio.Task]:
         if self._timer is not None:
-            self._timer.cancel()
+            try:
+                self._timer.cancel()
+            except RuntimeError:  # its loop is closed
+                pass
             self._timer = None
+            self._timer_at = None
         tasks, self._tasks = self._tasks, []
+        live = []
         for t in tasks:
-            t.cancel()
+            try:
+                if not t.done():
+                    t.cancel()
+                    live.append(t)
+            except RuntimeError:  # its loop is closed
+                pass
         for ep, sock in list(self._socks.items()):
             try:
                 sock.disable_monitor()
@@ -312,7 +334,7 @@ class AsyncClient(_ClientBase):
             mon.close(linger=0)
         self._socks.clear()
         self._mons.clear()
-        return tasks
+        return live
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -94,3 +94,25 @@ def test_async_encode_and_embed(endpoint, minilm_set):
     assert cosines(b, want[sel[:5]]).min() >= 0.9999
     assert cosines(c, want[sel[:5]]).min() >= 0.9999
     assert d.shape == (384,) and cosines(d, want[sel[0]]) >= 0.9999
+
+
+def test_async_client_outlives_its_event_loop_and_cancellation(endpoint, mlp_io):
+    x, y = mlp_io[2]
+    ac = AsyncClient(endpoint, timeout=60)
+
+    async def once():
+        return await ac.infer(MLP, x)
+
+    async def cancelled():
+        # a call cancelled while in flight is abandoned; the client goes on
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ac.infer(MLP, np.tile(x, (200, 1)), batch_size=1), 0.0001)
+        return await ac.infer(MLP, x)
+
+    try:
+        assert rel_err(asyncio.run(once()), y) < 1e-5
+        # a second asyncio.run: new loop, new sockets
+        assert rel_err(asyncio.run(once()), y) < 1e-5
+        assert rel_err(asyncio.run(cancelled()), y) < 1e-5
+    finally:
+        ac.close()
