@@ -156,7 +156,8 @@ class Core:
         self.backoff_max = backoff_max
         self.unavailable_backoff = unavailable_backoff
         self.attempts: Dict[int, Attempt] = {}
-        self.queue: List[Job] = []  # a stack of jobs to send; see _push
+        # jobs waiting to be sent, oldest first; re-sends are put in front
+        self.queue: List[Job] = []
         self._queue_head = 0
         self.delayed: list = []  # heap of (not_before, seq, job)
         self.deadlines: list = []  # heap of (deadline, seq, call)
