@@ -1,13 +1,17 @@
 # The README's two commands are `make run` and `make test`.
-.PHONY: run test model nvrtc build lint
+.PHONY: run test model nvrtc build lint python-test install check-deploy
 
 # Start the daemon on the default config (CUDA where a GPU is present, else CPU).
 run: model
 	cargo run --release --bin replayd -- --config config/replayd.toml
 
-# Everything CI runs: lint, then every test (needs the model and NVRTC).
+# Everything CI runs: lint, every Rust test (needs the model and NVRTC), the
+# Python client's tests against the daemon cargo just built, and the
+# deployment files' checks.
 test: model nvrtc lint
 	cargo test --all-targets
+	scripts/python-tests.sh
+	scripts/check-deploy.sh
 
 model:
 	scripts/fetch-model.sh
@@ -22,11 +26,15 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
 
+# The Python client's tests (clients/python) against the daemon binary
+# ($REPLAYD_BIN, else target/debug/replayd, else target/release/replayd).
+python-test: model
+	scripts/python-tests.sh
+
 # Install the binaries (from target/release; run `make build` first), the service
 # config, the systemd unit and its sysusers/tmpfiles files. DESTDIR stages it.
 PREFIX ?= /usr/local
 DESTDIR ?=
-.PHONY: install check-deploy
 install:
 	PREFIX="$(PREFIX)" DESTDIR="$(DESTDIR)" scripts/install.sh
 
