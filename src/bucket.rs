@@ -1,33 +1,68 @@
-//! Shape buckets: the fixed (batch, seq) shapes graphs are captured for.
+//! Shape buckets: the fixed shapes graphs are captured for.
+//!
+//! A model is served either **padded** — a grid of (batch, seq) rectangles;
+//! a batch of rows is padded to the smallest rectangle that holds it — or
+//! **packed**: a ladder of token budgets; a batch's sequences are laid end
+//! to end in the smallest budget that holds their tokens, up to a number of
+//! sequences per graph, and only the tail of the budget is padding. MLPs
+//! (no sequence axis) are always padded with `seq = 1`.
 
-use crate::config::ModelConfig;
+use crate::config::{BatchingMode, ModelConfig};
 use serde::{Deserialize, Serialize};
 
-/// One captured shape. Models without a sequence axis use `seq = 1`.
+/// One captured shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Bucket {
-    pub batch: usize,
-    pub seq: usize,
+pub enum Bucket {
+    /// `batch` rows of `seq` tokens (`seq = 1` without a sequence axis).
+    Padded { batch: usize, seq: usize },
+    /// Up to `seqs` sequences laid end to end in `tokens` token slots.
+    Packed { tokens: usize, seqs: usize },
 }
 
 impl Bucket {
+    /// A padded (batch, seq) bucket.
     pub fn new(batch: usize, seq: usize) -> Self {
-        Self { batch, seq }
+        Bucket::Padded { batch, seq }
     }
 
-    /// Elements per input row-set: `batch · seq`.
+    /// A packed token-budget bucket.
+    pub fn packed(tokens: usize, seqs: usize) -> Self {
+        Bucket::Packed { tokens, seqs }
+    }
+
+    /// Token slots the graph computes: `batch · seq`, or the budget.
     pub fn tokens(self) -> usize {
-        self.batch * self.seq
+        match self {
+            Bucket::Padded { batch, seq } => batch * seq,
+            Bucket::Packed { tokens, .. } => tokens,
+        }
+    }
+
+    /// Output rows the graph holds: `batch`, or the most sequences.
+    pub fn rows(self) -> usize {
+        match self {
+            Bucket::Padded { batch, .. } => batch,
+            Bucket::Packed { seqs, .. } => seqs,
+        }
+    }
+
+    pub fn is_packed(self) -> bool {
+        matches!(self, Bucket::Packed { .. })
     }
 }
 
+/// `"8x16"` for padded buckets, `"512t"` for packed ones (the reply's
+/// `bucket` field and the stats use it).
 impl std::fmt::Display for Bucket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}x{}", self.batch, self.seq)
+        match self {
+            Bucket::Padded { batch, seq } => write!(f, "{batch}x{seq}"),
+            Bucket::Packed { tokens, .. } => write!(f, "{tokens}t"),
+        }
     }
 }
 
-/// A model's bucket grid: every batch size crossed with every seq length.
+/// A padded model's bucket grid: every batch size crossed with every seq length.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketGrid {
     batches: Vec<usize>,
@@ -95,6 +130,87 @@ impl BucketGrid {
     }
 }
 
+/// A packed model's ladder of token budgets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenGrid {
+    budgets: Vec<usize>,
+    max_seqs: usize,
+}
+
+impl TokenGrid {
+    /// `budgets` non-empty and strictly increasing; `max_seqs` ≥ 1 (the
+    /// config validator guarantees both).
+    pub fn new(budgets: Vec<usize>, max_seqs: usize) -> Self {
+        assert!(!budgets.is_empty() && max_seqs > 0, "empty token grid");
+        Self { budgets, max_seqs }
+    }
+
+    pub fn budgets(&self) -> &[usize] {
+        &self.budgets
+    }
+
+    /// The largest budget.
+    pub fn max_tokens(&self) -> usize {
+        *self.budgets.last().unwrap()
+    }
+
+    /// Most sequences in a graph of `tokens` slots: never more sequences
+    /// than tokens, never more than the configured cap.
+    pub fn seqs_for(&self, tokens: usize) -> usize {
+        tokens.min(self.max_seqs)
+    }
+
+    /// Most sequences in any one batch.
+    pub fn max_seqs(&self) -> usize {
+        self.seqs_for(self.max_tokens())
+    }
+
+    /// The smallest bucket holding `seqs` sequences of `tokens` tokens in all.
+    pub fn bucket_for(&self, tokens: usize, seqs: usize) -> Option<Bucket> {
+        self.budgets
+            .iter()
+            .copied()
+            .find(|&b| b >= tokens && self.seqs_for(b) >= seqs)
+            .map(|b| Bucket::packed(b, self.seqs_for(b)))
+    }
+
+    /// Every bucket, largest first (the capture order).
+    pub fn largest_first(&self) -> Vec<Bucket> {
+        self.budgets
+            .iter()
+            .rev()
+            .map(|&b| Bucket::packed(b, self.seqs_for(b)))
+            .collect()
+    }
+}
+
+/// A model's captured shapes: padded rectangles or packed token budgets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Grid {
+    Padded(BucketGrid),
+    Packed(TokenGrid),
+}
+
+impl Grid {
+    pub fn for_model(config: &ModelConfig) -> Self {
+        match config.batching_mode() {
+            BatchingMode::Padded => Grid::Padded(BucketGrid::for_model(config)),
+            BatchingMode::Packed => Grid::Packed(TokenGrid::new(
+                config.token_budgets.clone(),
+                config.max_seqs_per_batch,
+            )),
+        }
+    }
+
+    /// Every bucket, largest first (the capture order).
+    pub fn largest_first(&self) -> Vec<Bucket> {
+        match self {
+            Grid::Padded(g) => g.largest_first(),
+            Grid::Packed(g) => g.largest_first(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,5 +227,28 @@ mod tests {
         assert_eq!(order[0], Bucket::new(8, 64));
         assert_eq!(*order.last().unwrap(), Bucket::new(1, 16));
         assert_eq!(Bucket::new(8, 64).to_string(), "8x64");
+    }
+
+    #[test]
+    fn token_budgets_hold_tokens_and_sequences() {
+        let g = TokenGrid::new(vec![64, 256, 1024], 100);
+        assert_eq!(g.bucket_for(64, 3), Some(Bucket::packed(64, 64)));
+        assert_eq!(g.bucket_for(65, 3), Some(Bucket::packed(256, 100)));
+        assert_eq!(g.bucket_for(10, 101), None);
+        assert_eq!(g.bucket_for(1025, 1), None);
+        assert_eq!(g.max_seqs(), 100);
+        assert_eq!(
+            g.largest_first(),
+            vec![
+                Bucket::packed(1024, 100),
+                Bucket::packed(256, 100),
+                Bucket::packed(64, 64)
+            ]
+        );
+        let b = Bucket::packed(512, 64);
+        assert_eq!(
+            (b.to_string(), b.tokens(), b.rows()),
+            ("512t".into(), 512, 64)
+        );
     }
 }

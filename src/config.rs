@@ -203,9 +203,19 @@ pub struct ModelConfig {
     /// Batch sizes a graph is captured for.
     #[serde(default = "default_batch_buckets")]
     pub batch_buckets: Vec<usize>,
-    /// Sequence lengths a graph is captured for (BERT only).
+    /// Sequence lengths a graph is captured for (BERT, padded batching).
     #[serde(default = "default_seq_buckets")]
     pub seq_buckets: Vec<usize>,
+    /// `"padded"` or `"packed"` (BERT only; MLPs are always padded).
+    /// Default: padded.
+    #[serde(default)]
+    pub batching: Option<BatchingMode>,
+    /// Token budgets packed graphs are captured for (BERT, packed batching).
+    #[serde(default = "default_token_budgets")]
+    pub token_budgets: Vec<usize>,
+    /// Most sequences in one packed graph.
+    #[serde(default = "default_max_seqs_per_batch")]
+    pub max_seqs_per_batch: usize,
     /// Longest input in tokens (BERT); default: the folder's `max_seq_length`.
     #[serde(default)]
     pub max_seq_len: Option<usize>,
@@ -220,6 +230,16 @@ pub struct ModelConfig {
     pub normalize: Option<bool>,
 }
 
+/// How a model's requests are batched into graphs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BatchingMode {
+    /// (batch, seq) rectangles: every row padded to the bucket's seq.
+    Padded,
+    /// Token budgets: sequences end to end, no padding inside the graph.
+    Packed,
+}
+
 fn default_dtype() -> DType {
     DType::F32
 }
@@ -229,6 +249,12 @@ fn default_batch_buckets() -> Vec<usize> {
 fn default_seq_buckets() -> Vec<usize> {
     vec![16, 32, 64, 128, 256]
 }
+fn default_token_budgets() -> Vec<usize> {
+    vec![64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+}
+fn default_max_seqs_per_batch() -> usize {
+    256
+}
 
 impl ModelConfig {
     /// The seq buckets that apply to this model (none for MLPs).
@@ -236,6 +262,14 @@ impl ModelConfig {
         match self.kind {
             ModelKind::Bert => &self.seq_buckets,
             ModelKind::Mlp => &[],
+        }
+    }
+
+    /// How this model is batched (MLPs: always padded).
+    pub fn batching_mode(&self) -> BatchingMode {
+        match self.kind {
+            ModelKind::Mlp => BatchingMode::Padded,
+            ModelKind::Bert => self.batching.unwrap_or(BatchingMode::Padded),
         }
     }
 
@@ -405,6 +439,13 @@ impl Config {
             match model.kind {
                 ModelKind::Bert => {
                     check_grid(&key("seq_buckets"), &model.seq_buckets, 8192)?;
+                    check_grid(&key("token_budgets"), &model.token_budgets, 1 << 20)?;
+                    if model.max_seqs_per_batch == 0 || model.max_seqs_per_batch > 65536 {
+                        return Err(invalid(
+                            key("max_seqs_per_batch"),
+                            "must be between 1 and 65536",
+                        ));
+                    }
                     if model.activation.is_some() {
                         return Err(invalid(key("activation"), "applies to kind = \"mlp\" only"));
                     }
@@ -415,6 +456,12 @@ impl Config {
                     }
                 }
                 ModelKind::Mlp => {
+                    if model.batching == Some(BatchingMode::Packed) {
+                        return Err(invalid(
+                            key("batching"),
+                            "\"packed\" needs a sequence axis (kind = \"bert\"); MLPs are padded",
+                        ));
+                    }
                     if model.max_seq_len.is_some() || model.pooling.is_some() {
                         return Err(invalid(
                             key("max_seq_len"),

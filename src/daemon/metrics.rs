@@ -165,7 +165,7 @@ impl Metrics {
         c.requests += requests;
         c.batches += 1;
         c.rows += rows;
-        c.padded_rows += bucket.batch as u64 - rows;
+        c.padded_rows += bucket.rows() as u64 - rows;
         c.tokens += tokens;
         c.padded_tokens += bucket.tokens() as u64 - tokens;
     }
@@ -235,8 +235,11 @@ impl Metrics {
                 serde_json::json!({
                     "model": model,
                     "bucket": bucket.to_string(),
-                    "batch": bucket.batch,
-                    "seq": bucket.seq,
+                    "packed": bucket.is_packed(),
+                    // Padded: rows × tokens per row; packed: most sequences × token budget.
+                    "batch": bucket.rows(),
+                    "seq": match bucket { Bucket::Padded { seq, .. } => *seq, Bucket::Packed { .. } => 0 },
+                    "token_slots": bucket.tokens(),
                     "requests": c.requests,
                     "batches": c.batches,
                     "rows": c.rows,

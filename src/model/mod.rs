@@ -142,6 +142,20 @@ impl Model {
         }
     }
 
+    /// The forward pass captured for `bucket`.
+    ///
+    /// Packed buckets are not built yet (no config selects them until the
+    /// packed programs land); asking for one is a [`ModelError`].
+    pub fn program_for(&self, bucket: crate::bucket::Bucket) -> Result<Program, ModelError> {
+        match bucket {
+            crate::bucket::Bucket::Padded { batch, seq } => Ok(self.program(batch, seq)),
+            crate::bucket::Bucket::Packed { .. } => Err(ModelError::Invalid {
+                model: self.info.name.clone(),
+                message: format!("packed bucket {bucket} is not supported yet"),
+            }),
+        }
+    }
+
     /// The forward pass at `batch` rows and `seq` tokens per row (`seq` is
     /// ignored, and the program's `seq` is 1, for models without a sequence axis).
     pub fn program(&self, batch: usize, seq: usize) -> Program {

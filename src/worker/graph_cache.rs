@@ -55,7 +55,9 @@ impl<B: Backend> GraphCache<B> {
     ) -> Result<Vec<GraphReport>, BackendError> {
         let mut reports = Vec::new();
         for bucket in grid.largest_first() {
-            let program = model.program(bucket.batch, bucket.seq);
+            let program = model
+                .program_for(bucket)
+                .map_err(|e| BackendError::Unsupported(e.to_string()))?;
             let facts = program
                 .validate(&model.weights)
                 .map_err(|e| BackendError::Other(e.to_string()))?;
