@@ -50,6 +50,9 @@ pub struct ServerConfig {
     pub control_endpoint: String,
     /// Directory for the worker IPC sockets and other run-time files.
     pub runtime_dir: PathBuf,
+    /// A group whose members may also use the sockets in `runtime_dir`
+    /// (files 0660, directories 0770); default: owner only (0600/0700).
+    pub runtime_group: Option<String>,
     /// Largest request message accepted, in bytes (all frames together).
     pub max_request_bytes: usize,
     /// Most texts (or id sequences, or feature rows) in one request.
@@ -60,12 +63,26 @@ pub struct ServerConfig {
     pub shutdown_grace_ms: u64,
 }
 
+/// `$XDG_RUNTIME_DIR/replayd` (a per-user directory systemd creates 0700),
+/// else `$TMPDIR/replayd-<uid>`: never a name another user could have taken.
+fn default_runtime_dir() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("replayd"),
+        _ => {
+            // SAFETY: geteuid has no preconditions.
+            let uid = unsafe { libc::geteuid() };
+            std::env::temp_dir().join(format!("replayd-{uid}"))
+        }
+    }
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             endpoint: "tcp://127.0.0.1:5555".into(),
             control_endpoint: "tcp://127.0.0.1:5556".into(),
-            runtime_dir: std::env::temp_dir().join("replayd"),
+            runtime_dir: default_runtime_dir(),
+            runtime_group: None,
             max_request_bytes: 64 << 20,
             max_items_per_request: 1024,
             tokenizer_threads: 0,

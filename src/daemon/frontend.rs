@@ -11,6 +11,7 @@ use super::messages::{BatcherMsg, Submission};
 use super::metrics::Metrics;
 use super::tokenize::{TokenizeError, TokenizerPool};
 use crate::model::{BatchRows, InputSpec, ModelInfo};
+use crate::protocol::header::echo;
 use crate::protocol::{
     decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply, Request,
 };
@@ -104,8 +105,8 @@ impl Frontend {
                 id,
                 ErrorCode::UnknownModel,
                 format!(
-                    "no model named {:?} (served: {})",
-                    header.model,
+                    "no model named {} (served: {})",
+                    echo(&header.model),
                     names.join(", ")
                 ),
             )
@@ -132,9 +133,20 @@ impl Frontend {
                         t.shape[0], self.limits.max_items
                     )));
                 }
+                let data = crate::tensor::f32s_from_le(&t.data);
+                // PyTorch would propagate NaN/Inf; a graph's ReLU or pooling
+                // can turn them into a finite wrong answer, so refuse them.
+                if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+                    return Err(bad(format!(
+                        "input value {i} (row {}, column {}) is {}: inputs must be finite",
+                        i / features,
+                        i % features,
+                        data[i]
+                    )));
+                }
                 BatchRows::Features {
                     features: *features,
-                    data: crate::tensor::f32s_from_le(&t.data),
+                    data,
                 }
             }
             (InputSpec::Features { .. }, _) => {

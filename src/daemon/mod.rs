@@ -18,7 +18,8 @@
 //! [`messages`] is the map of every message between these actors. Beside
 //! the route: [`control`] (the `replayctl` socket), [`metrics`] (counters
 //! and histograms), [`gpu_health`] (NVML samples and Xid watching),
-//! [`notify`] (systemd), and [`server`], which starts and stops it all.
+//! [`notify`] (systemd), [`runtime_dir`] (owner-only sockets and files), and
+//! [`server`], which starts and stops it all.
 
 pub mod batcher;
 pub mod control;
@@ -28,6 +29,7 @@ pub mod gpu_health;
 pub mod messages;
 pub mod metrics;
 pub mod notify;
+pub mod runtime_dir;
 pub mod server;
 pub mod supervisor;
 pub mod tokenize;

@@ -179,12 +179,10 @@ pub async fn run(
     options: ServerOptions,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&config.server.runtime_dir).with_context(|| {
-        format!(
-            "cannot create server.runtime_dir {}",
-            config.server.runtime_dir.display()
-        )
-    })?;
+    super::runtime_dir::prepare(
+        &config.server.runtime_dir,
+        config.server.runtime_group.as_deref(),
+    )?;
     let models = load_models(&config)?;
     let planned = plan_devices(&config, &options)?;
     let metrics = Arc::new(Metrics::new());

@@ -10,10 +10,13 @@
 //! * [`RequestHeader`] / [`ReplyHeader`]: the header frames.
 //! * [`decode_request`] / [`encode_reply`]: frames ⇄ values, with every
 //!   malformation mapped to an [`ErrorCode`] and a message that says what is wrong.
+//! * [`header`]: the strict decoder of the request header (a map with string
+//!   keys, nothing laxer; every error names the key).
 //! * [`client`]: a Rust client speaking this protocol.
 
 pub mod client;
 mod codec;
+pub mod header;
 
 pub use codec::{decode_reply, decode_request, encode_reply, encode_request, DecodeLimits};
 
