@@ -57,6 +57,9 @@ pub struct ServerConfig {
     pub max_request_bytes: usize,
     /// Most texts (or id sequences, or feature rows) in one request.
     pub max_items_per_request: usize,
+    /// Bytes all admitted requests may hold together (payloads, token ids,
+    /// outputs awaiting send); beyond it requests get `overloaded` at once.
+    pub max_buffered_bytes: usize,
     /// Threads that tokenize texts, off the async runtime (0 = number of cores, at most 8).
     pub tokenizer_threads: usize,
     /// Time to finish queued and in-flight work after SIGTERM/SIGINT, in milliseconds.
@@ -85,6 +88,7 @@ impl Default for ServerConfig {
             runtime_group: None,
             max_request_bytes: 64 << 20,
             max_items_per_request: 1024,
+            max_buffered_bytes: 1 << 30,
             tokenizer_threads: 0,
             shutdown_grace_ms: 30_000,
         }
@@ -351,6 +355,12 @@ impl Config {
         }
         if self.server.max_request_bytes < 1024 {
             return Err(invalid("server.max_request_bytes", "must be at least 1024"));
+        }
+        if self.server.max_buffered_bytes < self.server.max_request_bytes {
+            return Err(invalid(
+                "server.max_buffered_bytes",
+                "must be at least server.max_request_bytes",
+            ));
         }
         if self.server.max_items_per_request == 0 {
             return Err(invalid(

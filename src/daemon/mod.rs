@@ -4,8 +4,9 @@
 //!
 //! The route of a request, and the module that owns each step:
 //!
-//! 1. [`frontend`] receives it on the client ROUTER socket, decodes and
-//!    validates it, tokenizes texts ([`tokenize`]) and submits it.
+//! 1. [`frontend`] receives it on the client ROUTER socket, decodes it,
+//!    admits or refuses it at once ([`admission`]: per-model and memory
+//!    bounds), validates it, tokenizes texts ([`tokenize`]) and submits it.
 //! 2. [`batcher`] (an actor around the [`batcher::queue`] state machine)
 //!    queues it, forms batches and sends each to a device actor; it holds the
 //!    request's reply channel, so every accepted request gets exactly one
@@ -21,6 +22,7 @@
 //! [`notify`] (systemd), [`runtime_dir`] (owner-only sockets and files), and
 //! [`server`], which starts and stops it all.
 
+pub mod admission;
 pub mod batcher;
 pub mod control;
 pub mod device;

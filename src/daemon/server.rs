@@ -299,6 +299,11 @@ pub async fn run(
     } else {
         None
     };
+    let admission = super::admission::Admission::new(
+        models.len(),
+        config.batching.max_queue,
+        config.server.max_buffered_bytes,
+    );
     let frontend = Arc::new(Frontend::new(
         models,
         batcher.clone(),
@@ -307,6 +312,7 @@ pub async fn run(
             max_bytes: config.server.max_request_bytes,
             max_items: config.server.max_items_per_request,
         },
+        admission,
     ));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
