@@ -166,6 +166,11 @@ pub struct DevicesConfig {
     pub restart_backoff_max_ms: u64,
     /// How long a worker may take to start and capture every graph, in milliseconds.
     pub start_timeout_ms: u64,
+    /// How long a ready worker may stay silent, beyond what the batches it
+    /// holds should take, before it counts as hung and is killed, in ms.
+    pub hang_timeout_ms: u64,
+    /// How often a worker's backend thread says it is alive, in milliseconds.
+    pub heartbeat_ms: u64,
     /// Where NVRTC-compiled kernels are cached (by source hash and architecture).
     pub kernel_cache_dir: Option<PathBuf>,
 }
@@ -183,6 +188,8 @@ impl Default for DevicesConfig {
             restart_backoff_ms: 100,
             restart_backoff_max_ms: 10_000,
             start_timeout_ms: 300_000,
+            hang_timeout_ms: 2_000,
+            heartbeat_ms: 100,
             kernel_cache_dir: None,
         }
     }
@@ -414,6 +421,18 @@ impl Config {
             return Err(invalid(
                 "devices.restart_backoff_max_ms",
                 "must be at least devices.restart_backoff_ms, which must be positive",
+            ));
+        }
+        if self.devices.heartbeat_ms == 0 || self.devices.heartbeat_ms > 10_000 {
+            return Err(invalid(
+                "devices.heartbeat_ms",
+                "must be between 1 and 10000",
+            ));
+        }
+        if self.devices.hang_timeout_ms < 2 * self.devices.heartbeat_ms {
+            return Err(invalid(
+                "devices.hang_timeout_ms",
+                "must be at least twice devices.heartbeat_ms",
             ));
         }
         if self.devices.start_timeout_ms < 1000 {

@@ -328,6 +328,95 @@ async fn injected_fault_under_load_is_recovered() {
     );
 }
 
+/// 300 requests of random sizes, each checked against the reference.
+async fn serve_checked(daemon: &Daemon, seed: u64, n: usize) {
+    let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
+    let client = Arc::new(daemon.client().await);
+    let mut rng = Rng::new(seed);
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let rows = rng.range(1, 17);
+        let x = random_rows(&mut rng, rows);
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = client
+                .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+                .await
+                .unwrap();
+            (x, rows, r)
+        }));
+    }
+    let mut ids = std::collections::HashSet::new();
+    for t in tasks {
+        let (x, rows, r) = t.await.unwrap();
+        assert!(ids.insert(r.header.id), "two replies for {}", r.header.id);
+        assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
+    }
+}
+
+fn watchdog_config() -> String {
+    mlp_config("").replace(
+        "restart_backoff_ms = 50",
+        "restart_backoff_ms = 50\nhang_timeout_ms = 500\nheartbeat_ms = 50",
+    )
+}
+
+/// A device that stops making progress (an injected hang: the next batch
+/// never finishes, the worker process stays alive) is found by the
+/// watchdog; its batches run elsewhere and it restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hung_device_is_found_by_the_watchdog_and_loses_nothing() {
+    let daemon = Daemon::start(&watchdog_config());
+    let out = daemon.ctl(&["inject-fault", "--device", "cpu:0", "--kind", "hang"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let started = std::time::Instant::now();
+    serve_checked(&daemon, 11, 300).await;
+    let stats = daemon.wait_for("cpu:0 to be found hung and come back", T, |s| {
+        s["devices"].as_array().unwrap().iter().any(|d| {
+            d["label"] == "cpu:0" && d["state"] == "ready" && d["hangs"] == 1 && d["restarts"] == 1
+        })
+    });
+    let dev = daemon.device("cpu:0");
+    assert!(
+        dev["last_error"].as_str().unwrap().contains("hung"),
+        "{dev}"
+    );
+    assert_eq!(stats["requests"]["errors"]["internal"], 0);
+    println!(
+        "hang injected: all 300 requests answered, cpu:0 back after {:?}",
+        started.elapsed()
+    );
+}
+
+/// A stopped worker (SIGSTOP) holding batches is found within the
+/// watchdog's bound; every request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stopped_worker_is_found_by_the_watchdog() {
+    let daemon = Daemon::start(&watchdog_config());
+    let victim = worker_pid(&daemon, "cpu:1");
+    signal_all(&[victim], libc::SIGSTOP);
+    let stopped = std::time::Instant::now();
+    serve_checked(&daemon, 12, 200).await;
+    daemon.wait_for("cpu:1 to be found hung", T, |s| {
+        s["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["label"] == "cpu:1" && d["hangs"] == 1)
+    });
+    println!(
+        "SIGSTOP'd worker found and every request answered after {:?}",
+        stopped.elapsed()
+    );
+    let health = daemon.ctl(&["health", "--json"]);
+    assert!(health.status.success() || !health.stdout.is_empty());
+    assert_ne!(worker_pid(&daemon, "cpu:1"), victim);
+}
+
 fn header_frame(h: &RequestHeader) -> Bytes {
     Bytes::from(rmp_serde::to_vec_named(h).unwrap())
 }

@@ -44,12 +44,22 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Make a device's worker corrupt its device (needs devices.fault_injection = true).
+    /// Make a device's worker break its device (needs devices.fault_injection = true).
     InjectFault {
         /// Device label (e.g. cuda:0, cpu:1) or number.
         #[arg(long)]
         device: String,
+        /// corrupt: a sticky error (the worker exits); hang: the device stops
+        /// making progress (the watchdog must find it).
+        #[arg(long, value_enum, default_value = "corrupt")]
+        kind: FaultArg,
     },
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum FaultArg {
+    Corrupt,
+    Hang,
 }
 
 fn main() {
@@ -72,14 +82,20 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Health { .. } => ControlRequest {
             cmd: "health".into(),
             device: None,
+            kind: None,
         },
         Command::Stats { .. } => ControlRequest {
             cmd: "stats".into(),
             device: None,
+            kind: None,
         },
-        Command::InjectFault { device } => ControlRequest {
+        Command::InjectFault { device, kind } => ControlRequest {
             cmd: "inject_fault".into(),
             device: Some(device.clone()),
+            kind: Some(match kind {
+                FaultArg::Corrupt => replayd::worker::link::FaultKind::Corrupt,
+                FaultArg::Hang => replayd::worker::link::FaultKind::Hang,
+            }),
         },
     };
     let runtime = tokio::runtime::Builder::new_current_thread()

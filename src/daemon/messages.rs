@@ -19,7 +19,7 @@ use crate::bucket::Bucket;
 use crate::model::BatchRows;
 use crate::protocol::Reply;
 use crate::tensor::DType;
-use crate::worker::link::WorkerError;
+use crate::worker::link::{FaultKind, WorkerError};
 use bytes::Bytes;
 use ractor::{ActorRef, RpcReplyPort};
 use serde::Serialize;
@@ -110,8 +110,8 @@ pub enum BatcherMsg {
 pub enum DeviceMsg {
     /// Run a batch on this device's worker.
     Run { batch: Arc<Batch>, attempt: u32 },
-    /// Make the worker corrupt its device (tests); answers the worker's reply.
-    InjectFault(RpcReplyPort<Result<String, String>>),
+    /// Make the worker break its device (tests); answers the worker's reply.
+    InjectFault(FaultKind, RpcReplyPort<Result<String, String>>),
     /// Kill the worker now (e.g. NVML reported a critical Xid); it restarts.
     Kill { reason: String },
     /// Stop the worker for good (daemon shutdown); answers once it exited.
@@ -132,6 +132,8 @@ pub enum WorkerEvent {
     },
     StartTimeout,
     StopTimeout,
+    /// Time to ask the watchdog whether the worker is stuck.
+    WatchdogTick,
 }
 
 /// Messages to the supervisor.

@@ -54,6 +54,8 @@ pub struct DeviceStats {
     pub restarts: u64,
     /// Worker exits caused by a device fault.
     pub device_faults: u64,
+    /// Workers killed because the watchdog found them stuck.
+    pub hangs: u64,
     pub last_error: Option<String>,
     pub startup_ms: Option<u64>,
     pub graphs: Vec<GraphStats>,

@@ -19,7 +19,8 @@
 //! [`messages`] is the map of every message between these actors. Beside
 //! the route: [`control`] (the `replayctl` socket), [`metrics`] (counters
 //! and histograms), [`gpu_health`] (NVML samples and Xid watching),
-//! [`notify`] (systemd), [`runtime_dir`] (owner-only sockets and files), and
+//! [`notify`] (systemd), [`watchdog`] (when a quiet worker counts as hung),
+//! [`runtime_dir`] (owner-only sockets and files), and
 //! [`server`], which starts and stops it all.
 
 pub mod admission;
@@ -35,3 +36,4 @@ pub mod runtime_dir;
 pub mod server;
 pub mod supervisor;
 pub mod tokenize;
+pub mod watchdog;

@@ -244,31 +244,42 @@ pub async fn run(
             statuses.push(status_rx.clone());
             (slot, d, Arc::new(status), status_rx)
         })
-        .map(|(slot, d, status, status_rx)| DeviceArgs {
-            device: slot,
-            metrics_index: metrics.add_device(
-                DeviceStats {
-                    label: d.label.clone(),
-                    role: match d.kind {
-                        DeviceKind::Graph => "graph".into(),
-                        DeviceKind::Eager => "eager".into(),
+        .map(|(slot, d, status, status_rx)| {
+            // Generous first guesses, replaced by what each model's batches
+            // take once one has finished.
+            let cold_us_per_token = match d.worker.backend {
+                WorkerBackend::Cpu => 2000.0 / d.worker.threads.max(1) as f64,
+                WorkerBackend::Cuda => 20.0,
+            };
+            DeviceArgs {
+                device: slot,
+                metrics_index: metrics.add_device(
+                    DeviceStats {
+                        label: d.label.clone(),
+                        role: match d.kind {
+                            DeviceKind::Graph => "graph".into(),
+                            DeviceKind::Eager => "eager".into(),
+                        },
+                        ..Default::default()
                     },
-                    ..Default::default()
-                },
-                status_rx,
-            ),
-            status,
-            label: d.label,
-            worker: d.worker,
-            runtime_dir: config.server.runtime_dir.clone(),
-            batcher: batcher.clone(),
-            metrics: metrics.clone(),
-            model_names: model_names.clone(),
-            backoff_initial: Duration::from_millis(config.devices.restart_backoff_ms),
-            backoff_max: Duration::from_millis(config.devices.restart_backoff_max_ms),
-            start_timeout: Duration::from_millis(config.devices.start_timeout_ms),
-            stop_timeout: Duration::from_secs(10),
-            fault_injection: config.devices.fault_injection,
+                    status_rx,
+                ),
+                status,
+                label: d.label,
+                worker: d.worker,
+                runtime_dir: config.server.runtime_dir.clone(),
+                batcher: batcher.clone(),
+                metrics: metrics.clone(),
+                model_names: model_names.clone(),
+                backoff_initial: Duration::from_millis(config.devices.restart_backoff_ms),
+                backoff_max: Duration::from_millis(config.devices.restart_backoff_max_ms),
+                start_timeout: Duration::from_millis(config.devices.start_timeout_ms),
+                stop_timeout: Duration::from_secs(10),
+                fault_injection: config.devices.fault_injection,
+                hang_timeout: Duration::from_millis(config.devices.hang_timeout_ms),
+                heartbeat: Duration::from_millis(config.devices.heartbeat_ms),
+                cold_us_per_token,
+            }
         })
         .collect();
     let gpu_slots: Vec<super::gpu_health::GpuSlot> = device_args

@@ -36,7 +36,8 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
         return Err(bad(0, "empty message: expected a header frame"));
     };
     let total: usize = frames.iter().map(Bytes::len).sum();
-    let header = decode_header(head).map_err(|e| bad(e.id, e.message))?;
+    let header =
+        decode_header(head).map_err(|e| bad(e.id, format!("malformed header: {}", e.message)))?;
     let id = header.id;
     if !SUPPORTED_VERSIONS.contains(&header.v) {
         let supported: Vec<String> = SUPPORTED_VERSIONS.iter().map(u32::to_string).collect();
