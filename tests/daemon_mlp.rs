@@ -166,9 +166,11 @@ async fn thousand_requests_from_many_clients_are_correct_and_counted() {
     }
 }
 
-/// A request with more rows than the largest batch bucket runs eagerly.
+/// A request with more rows than the largest batch bucket is split over
+/// graph batches (never sent to the eager worker for its size), and its
+/// reply has every row in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversize_request_runs_on_the_eager_path() {
+async fn oversize_request_is_split_over_graph_batches() {
     let daemon = Daemon::start(&mlp_config(""));
     let reference = MlpReference::load(&data("mlp_seed.safetensors"));
     let client = daemon.client().await;
@@ -179,14 +181,21 @@ async fn oversize_request_runs_on_the_eager_path() {
         .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
         .await
         .unwrap();
-    assert_eq!(r.header.bucket.as_deref(), Some("eager"));
-    assert_eq!(r.header.device.as_deref(), Some("eager:0"));
-    let err = rel_err(&output_of(&r), &reference.forward(&x, rows));
+    let out = output_of(&r);
+    assert_eq!(r.output.as_ref().unwrap().shape, vec![rows, 10]);
+    // The largest shape it ran in; 32 + 32 + 32 + 4 rows at least.
+    assert_eq!(r.header.bucket.as_deref(), Some("32x1"));
+    assert!(r.header.batches.unwrap() >= 4, "{:?}", r.header);
+    assert!(r.header.device.as_deref().unwrap().starts_with("cpu:"));
+    let err = rel_err(&out, &reference.forward(&x, rows));
     assert!(err < 1e-5, "rel err {err}");
     let stats = daemon.stats();
-    assert_eq!(stats["eager"]["requests"], 1);
-    assert_eq!(stats["eager"]["by_reason"]["batch_too_large"], 1);
-    assert_eq!(bucket_sum(&stats, "requests"), 0);
+    assert_eq!(stats["eager"]["requests"], 0);
+    assert_eq!(stats["eager"]["sequences"], 0);
+    assert_eq!(daemon.device("eager:0")["batches"], 0);
+    assert_eq!(bucket_sum(&stats, "requests"), 1);
+    assert_eq!(bucket_sum(&stats, "rows"), rows as u64);
+    assert_eq!(stats["requests"]["split"], 1);
 }
 
 /// Sends `signal` to each worker (SIGSTOP freezes one so work piles up on it).
