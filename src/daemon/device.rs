@@ -526,7 +526,7 @@ impl DeviceState {
             attempt,
             batch.model,
             batch.bucket,
-            batch.parts.iter().map(|(_, rows)| rows.as_ref()),
+            batch.parts.iter().map(|p| p.rows.as_ref()),
         ));
     }
 

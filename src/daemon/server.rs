@@ -12,10 +12,10 @@ use super::control::Control;
 use super::device::{DeviceArgs, WorkerCommand};
 use super::frontend::{Frontend, ServedModel};
 use super::messages::{BatcherMsg, DeviceKind, DeviceStatus, SupervisorMsg};
-use super::metrics::{DeviceStats, Metrics};
+use super::metrics::{DeviceStats, Metrics, ModelStats};
 use super::supervisor::{Supervisor, SupervisorArgs};
 use super::tokenize::{TextTokenizer, TokenizerPool};
-use crate::bucket::BucketGrid;
+use crate::bucket::Grid;
 use crate::config::{BackendKind, Config, GpuSelection};
 use crate::gpu::cuda_device_count;
 use crate::protocol::DecodeLimits;
@@ -173,6 +173,25 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
         .collect()
 }
 
+/// How a model is batched, for the start-up log and the stats.
+fn model_stats(slot: &ModelSlot) -> ModelStats {
+    let (batching, grid) = match &slot.grid {
+        Grid::Padded(g) => (
+            "padded",
+            serde_json::json!({"batch_buckets": g.batches(), "seq_buckets": g.seqs()}),
+        ),
+        Grid::Packed(g) => (
+            "packed",
+            serde_json::json!({"token_budgets": g.budgets(), "max_seqs_per_batch": g.max_seqs()}),
+        ),
+    };
+    ModelStats {
+        name: slot.name.clone(),
+        batching: batching.into(),
+        grid,
+    }
+}
+
 /// Runs the daemon until `shutdown` resolves, then drains and stops.
 pub async fn run(
     config: Config,
@@ -209,9 +228,14 @@ pub async fn run(
         .iter()
         .map(|mc| ModelSlot {
             name: mc.name.clone(),
-            grid: BucketGrid::for_model(mc),
+            grid: Grid::for_model(mc),
         })
         .collect();
+    let model_stats: Vec<ModelStats> = model_slots.iter().map(model_stats).collect();
+    for m in &model_stats {
+        tracing::info!(model = %m.name, batching = %m.batching, grid = %m.grid, "batching");
+    }
+    metrics.set_models(model_stats);
     let (batcher, batcher_handle) = Actor::spawn(
         None,
         BatcherActor,

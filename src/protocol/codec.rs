@@ -165,6 +165,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
             queued_us,
             compute_us,
             total_us,
+            batches,
         } => (
             ReplyHeader {
                 v: PROTOCOL_VERSION,
@@ -176,6 +177,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 shape: Some(output.shape.iter().map(|&d| d as u64).collect()),
                 bucket: Some(bucket.clone()),
                 device: Some(device.clone()),
+                batches: Some(*batches),
                 queued_us: *queued_us,
                 compute_us: *compute_us,
                 total_us: *total_us,
@@ -193,6 +195,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 shape: None,
                 bucket: None,
                 device: None,
+                batches: None,
                 queued_us: 0,
                 compute_us: 0,
                 total_us: 0,
@@ -385,12 +388,14 @@ mod tests {
             queued_us: 10,
             compute_us: 20,
             total_us: 40,
+            batches: 2,
         };
         let (h, t) = decode_reply(&encode_reply(&reply)).unwrap();
         assert_eq!(
             (h.id, h.status, h.bucket.as_deref()),
             (3, Status::Ok, Some("8x16"))
         );
+        assert_eq!(h.batches, Some(2));
         assert_eq!(t.unwrap(), out);
         let (h, t) =
             decode_reply(&encode_reply(&Reply::error(4, ErrorCode::TooLong, "long"))).unwrap();
