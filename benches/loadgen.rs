@@ -202,6 +202,7 @@ async fn daemon_stats(endpoint: &str) -> Result<Value, String> {
     let request = replayd::daemon::control::ControlRequest {
         cmd: "stats".into(),
         device: None,
+        kind: None,
     };
     let frame = bytes::Bytes::from(serde_json::to_vec(&request).unwrap());
     socket

@@ -517,7 +517,7 @@ impl DeviceState {
         }
         let token_slots = match batch.bucket {
             Some(bucket) => bucket.tokens(),
-            None => batch.parts.iter().map(|(_, rows)| rows.tokens()).sum(),
+            None => batch.tokens,
         };
         self.watchdog
             .sent(batch.id, attempt, batch.model, token_slots);
