@@ -38,4 +38,5 @@ pub mod server;
 pub mod supervisor;
 pub mod tensor;
 pub mod tokenize;
+pub mod transport;
 pub mod worker;
