@@ -2,9 +2,7 @@
 //! main socket, its monitor and, for a CURVE server, the ZAP handler) and
 //! moves messages between them and the tokio channels of the public halves.
 
-use super::{
-    bump, Budget, Received, Security, TransportError, TransportLimits, TransportStats,
-};
+use super::{bump, Budget, Received, Security, TransportError, TransportLimits, TransportStats};
 use bytes::Bytes;
 use std::collections::HashSet;
 use std::os::fd::{AsRawFd, RawFd};
@@ -162,7 +160,9 @@ fn setup(
             allowed_clients, ..
         } => {
             if !zmq::has("curve").unwrap_or(false) {
-                return Err(TransportError::Setup("libzmq was built without CURVE".into()));
+                return Err(TransportError::Setup(
+                    "libzmq was built without CURVE".into(),
+                ));
             }
             let zap = context.socket(zmq::REP).map_err(setup_err("ZAP socket"))?;
             zap.set_linger(0).map_err(setup_err("ZMQ_LINGER"))?;
@@ -237,7 +237,9 @@ fn setup(
     );
     s.monitor(&monitor_endpoint, MONITORED)
         .map_err(setup_err("zmq_socket_monitor"))?;
-    let monitor = context.socket(zmq::PAIR).map_err(setup_err("monitor socket"))?;
+    let monitor = context
+        .socket(zmq::PAIR)
+        .map_err(setup_err("monitor socket"))?;
     monitor.set_linger(0).map_err(setup_err("ZMQ_LINGER"))?;
     monitor
         .connect(&monitor_endpoint)
@@ -556,8 +558,7 @@ impl Driver {
             // version, request id, domain, address, routing id, mechanism, credentials…
             let ok = request.len() >= 7
                 && request[5] == b"CURVE"
-                && <[u8; 32]>::try_from(&request[6][..])
-                    .is_ok_and(|key| allowed.contains(&key));
+                && <[u8; 32]>::try_from(&request[6][..]).is_ok_and(|key| allowed.contains(&key));
             let request_id = request.get(1).cloned().unwrap_or_default();
             let (code, text): (&[u8], &[u8]) = if ok {
                 (b"200", b"OK")

@@ -150,7 +150,8 @@ impl CurveKeyPair {
     pub fn from_secret(secret: [u8; 32]) -> Result<Self, TransportError> {
         let z85 = z85_encode(&secret);
         let public = zmq::z85_decode(
-            &curve_public(&z85).map_err(|e| TransportError::Setup(format!("bad secret key: {e}")))?,
+            &curve_public(&z85)
+                .map_err(|e| TransportError::Setup(format!("bad secret key: {e}")))?,
         )
         .map_err(|e| TransportError::Setup(e.to_string()))?;
         Ok(Self {
@@ -551,7 +552,12 @@ impl Dealer {
         limits: &TransportLimits,
         security: &Security,
     ) -> Result<Dealer, TransportError> {
-        Self::start(driver::Attach::Connect(endpoint.to_string()), limits, security).await
+        Self::start(
+            driver::Attach::Connect(endpoint.to_string()),
+            limits,
+            security,
+        )
+        .await
     }
 
     /// Binds a DEALER at `endpoint` (the daemon's end of the worker link).
@@ -570,8 +576,13 @@ impl Dealer {
         limits: &TransportLimits,
         security: &Security,
     ) -> Result<Dealer, TransportError> {
-        let (endpoint, inbox, outbox, stats) =
-            driver::start(driver::Kind::Dealer, attach, limits.clone(), security.clone()).await?;
+        let (endpoint, inbox, outbox, stats) = driver::start(
+            driver::Kind::Dealer,
+            attach,
+            limits.clone(),
+            security.clone(),
+        )
+        .await?;
         Ok(Dealer {
             endpoint,
             receiver: DealerReceiver {

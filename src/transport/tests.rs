@@ -147,8 +147,11 @@ async fn a_thousand_pipelined_requests_come_back_matched() {
             tokio::spawn(async move {
                 let id = u32::from_le_bytes(m.frames[0][..4].try_into().unwrap());
                 tokio::time::sleep(Duration::from_micros(u64::from(id % 7) * 100)).await;
-                tx.send(&m.peer, vec![m.frames[0].clone(), Bytes::from(vec![1u8; 1536])])
-                    .unwrap();
+                tx.send(
+                    &m.peer,
+                    vec![m.frames[0].clone(), Bytes::from(vec![1u8; 1536])],
+                )
+                .unwrap();
             });
         }
     });
@@ -299,15 +302,18 @@ async fn frames_and_messages_over_the_limits_are_refused() {
         .unwrap()
         .split();
     // A frame over max_frame_bytes: rejected, answered by the application.
-    tx.send(vec![b(b"h"), Bytes::from(vec![0u8; 1001])]).unwrap();
+    tx.send(vec![b(b"h"), Bytes::from(vec![0u8; 1001])])
+        .unwrap();
     let m = timeout(WAIT, rx.recv()).await.unwrap().unwrap();
     assert_eq!(m.frames[0], b(b"rejected"));
     // Too many frames: rejected.
-    tx.send(vec![b(b"1"), b(b"2"), b(b"3"), b(b"4"), b(b"5")]).unwrap();
+    tx.send(vec![b(b"1"), b(b"2"), b(b"3"), b(b"4"), b(b"5")])
+        .unwrap();
     let m = timeout(WAIT, rx.recv()).await.unwrap().unwrap();
     assert_eq!(m.frames[0], b(b"rejected"));
     // Within the limits: served.
-    tx.send(vec![b(b"1"), Bytes::from(vec![0u8; 1000])]).unwrap();
+    tx.send(vec![b(b"1"), Bytes::from(vec![0u8; 1000])])
+        .unwrap();
     let m = timeout(WAIT, rx.recv()).await.unwrap().unwrap();
     assert_eq!(m.frames[0], b(b"re"));
     assert_eq!(stats.snapshot().rejected_messages, 2);
@@ -315,7 +321,9 @@ async fn frames_and_messages_over_the_limits_are_refused() {
     // read; nothing comes back.
     let before = stats.snapshot().disconnects;
     tx.send(vec![Bytes::from(vec![0u8; 2 << 20])]).unwrap();
-    assert!(timeout(Duration::from_millis(500), rx.recv()).await.is_err());
+    assert!(timeout(Duration::from_millis(500), rx.recv())
+        .await
+        .is_err());
     eventually(&stats, |s| s.disconnects > before).await;
 }
 
@@ -340,7 +348,10 @@ async fn a_half_open_connection_is_closed_after_the_handshake_timeout() {
     .await
     .unwrap();
     assert!(closed);
-    assert!(after >= Duration::from_millis(250), "closed after {after:?}");
+    assert!(
+        after >= Duration::from_millis(250),
+        "closed after {after:?}"
+    );
     assert!(after < Duration::from_secs(3), "closed after {after:?}");
     let s = eventually(&stats, |s| s.handshake_failures >= 1).await;
     assert_eq!(s.connections_accepted, 1, "{s:?}");
@@ -389,7 +400,11 @@ async fn replies_to_a_peer_that_never_reads_are_dropped_and_counted_without_dela
     tx.send(&fast.peer, vec![b(b"answer")]).unwrap();
     let m = timeout(WAIT, frx.recv()).await.unwrap().unwrap();
     assert_eq!(m.frames, vec![b(b"answer")]);
-    assert!(start.elapsed() < Duration::from_millis(500), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        start.elapsed()
+    );
     let s = stats.snapshot();
     assert!(s.dropped_sends > 1000, "{s:?}");
     assert_eq!(s.dropped_sends + s.messages_sent, 2001, "{s:?}");
@@ -427,14 +442,18 @@ async fn curve_lets_allowed_clients_in_and_refuses_the_others() {
         .unwrap()
         .split();
     tx.send(vec![b(b"let me in")]).unwrap();
-    assert!(timeout(Duration::from_millis(700), rx.recv()).await.is_err());
+    assert!(timeout(Duration::from_millis(700), rx.recv())
+        .await
+        .is_err());
     // A client without CURVE at all.
     let (mut rx, tx) = Dealer::connect(&endpoint, &limits, &Security::None)
         .await
         .unwrap()
         .split();
     tx.send(vec![b(b"let me in")]).unwrap();
-    assert!(timeout(Duration::from_millis(700), rx.recv()).await.is_err());
+    assert!(timeout(Duration::from_millis(700), rx.recv())
+        .await
+        .is_err());
     // Monitor events arrive asynchronously; give them a moment under load.
     let s = eventually(&stats, |s| s.auth_failures >= 1 && s.protocol_failures >= 1).await;
     assert_eq!(s.messages_received, 1, "{s:?}");
@@ -477,7 +496,9 @@ async fn max_buffered_bytes_pauses_reading_until_permits_are_released() {
     for _ in 0..3 {
         held.push(timeout(WAIT, rx.recv()).await.unwrap().unwrap());
     }
-    assert!(timeout(Duration::from_millis(300), rx.recv()).await.is_err());
+    assert!(timeout(Duration::from_millis(300), rx.recv())
+        .await
+        .is_err());
     assert_eq!(stats.snapshot().reads_paused, 1);
     drop(held);
     for _ in 0..7 {
@@ -508,7 +529,11 @@ fn opening_and_closing_a_thousand_sockets_leaks_no_fds_or_threads() {
     rt.block_on(async {
         let limits = TransportLimits::default();
         // Warm up the runtime's own threads.
-        drop(Router::bind("tcp://127.0.0.1:0", &limits, &Security::None).await.unwrap());
+        drop(
+            Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
+                .await
+                .unwrap(),
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
         let fds_before = count_fds();
         let threads_before = count_threads();
@@ -536,7 +561,10 @@ fn opening_and_closing_a_thousand_sockets_leaks_no_fds_or_threads() {
         }
         let (fds, threads) = (count_fds(), count_threads());
         assert!(fds <= fds_before + 20, "fds {fds_before} -> {fds}");
-        assert!(threads <= threads_before + 8, "threads {threads_before} -> {threads}");
+        assert!(
+            threads <= threads_before + 8,
+            "threads {threads_before} -> {threads}"
+        );
     });
 }
 
@@ -549,25 +577,55 @@ fn opening_and_closing_a_thousand_sockets_leaks_no_fds_or_threads() {
 #[ignore]
 fn host_path_benchmark() {
     let rt = tokio::runtime::Runtime::new().unwrap();
+    // REPLAYD_BENCH_SERVE=endpoint: only serve it (for a client in another
+    // process), for REPLAYD_BENCH_SECS seconds.
+    if let Ok(endpoint) = std::env::var("REPLAYD_BENCH_SERVE") {
+        let secs: u64 = std::env::var("REPLAYD_BENCH_SECS").map_or(60, |s| s.parse().unwrap());
+        // REPLAYD_BENCH_CURVE_SECRET=<Z85> and REPLAYD_BENCH_CURVE_ALLOW=<Z85>,…
+        // serve with CURVE (to try pyzmq clients against it).
+        let security = match std::env::var("REPLAYD_BENCH_CURVE_SECRET") {
+            Ok(secret) => Security::CurveServer {
+                keys: CurveKeyPair::from_secret(z85_decode(&secret).unwrap()).unwrap(),
+                allowed_clients: std::env::var("REPLAYD_BENCH_CURVE_ALLOW")
+                    .unwrap_or_default()
+                    .split(',')
+                    .filter(|k| !k.is_empty())
+                    .map(|k| z85_decode(k).unwrap())
+                    .collect(),
+            },
+            Err(_) => Security::None,
+        };
+        rt.block_on(async {
+            let router = Router::bind(&endpoint, &TransportLimits::default(), &security)
+                .await
+                .unwrap();
+            serve_bench(router);
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+        });
+        return;
+    }
     rt.block_on(async {
         let dir = tempfile::tempdir().unwrap();
         let ipc = format!("ipc://{}/bench.sock", dir.path().display());
-        for endpoint in ["tcp://127.0.0.1:0", ipc.as_str()] {
+        // REPLAYD_BENCH_CONNECT=endpoint: only the client side, against a
+        // server in another process.
+        let external = std::env::var("REPLAYD_BENCH_CONNECT").ok();
+        let endpoints = match &external {
+            Some(e) => vec![e.as_str()],
+            None => vec!["tcp://127.0.0.1:0", ipc.as_str()],
+        };
+        for endpoint in endpoints {
             let limits = TransportLimits::default();
-            let router = Router::bind(endpoint, &limits, &Security::None).await.unwrap();
-            let endpoint = router.endpoint().to_string();
-            let (mut rx, tx) = router.split();
-            tokio::spawn(async move {
-                while let Ok(m) = rx.recv().await {
-                    let tx = tx.clone();
-                    tokio::spawn(async move {
-                        let mut header = m.frames[0].to_vec();
-                        header.resize(150, b'h');
-                        let reply = vec![Bytes::from(header), Bytes::from(vec![7u8; 1536])];
-                        let _ = tx.send(&m.peer, reply);
-                    });
-                }
-            });
+            let endpoint = if external.is_some() {
+                endpoint.to_string()
+            } else {
+                let router = Router::bind(endpoint, &limits, &Security::None)
+                    .await
+                    .unwrap();
+                let endpoint = router.endpoint().to_string();
+                serve_bench(router);
+                endpoint
+            };
             let request = || vec![Bytes::from(vec![b'r'; 120]), Bytes::from(vec![b'a'; 60])];
             // Latency: one request at a time.
             let (mut crx, ctx) = Dealer::connect(&endpoint, &limits, &Security::None)
@@ -621,7 +679,32 @@ fn host_path_benchmark() {
             for t in tasks {
                 total += t.await.unwrap();
             }
-            println!("{endpoint}: throughput {:.0} messages/s", total as f64 / 5.0);
+            println!(
+                "{endpoint}: throughput {:.0} messages/s",
+                total as f64 / 5.0
+            );
+        }
+    });
+}
+
+/// The benchmark's server: each message to its own task, which replies.
+fn serve_bench(router: Router) {
+    let (mut rx, tx) = router.split();
+    tokio::spawn(async move {
+        while let Ok(m) = rx.recv().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                // A REQ peer's delimiter goes back in front of the reply.
+                let req = m.frames.first().is_some_and(|f| f.is_empty());
+                let mut header = m.frames[usize::from(req)].to_vec();
+                header.resize(150, b'h');
+                let mut reply = Vec::with_capacity(3);
+                if req {
+                    reply.push(Bytes::new());
+                }
+                reply.extend([Bytes::from(header), Bytes::from(vec![7u8; 1536])]);
+                let _ = tx.send(&m.peer, reply);
+            });
         }
     });
 }
