@@ -162,8 +162,8 @@ impl CurveKeyPair {
 }
 
 fn curve_public(secret_z85: &str) -> Result<String, String> {
-    // zmq_curve_public is not wrapped by the zmq crate; derive the key by a
-    // CURVE handshake-free route: libsodium's scalarmult through libzmq.
+    // The zmq crate does not wrap zmq_curve_public (libzmq derives the
+    // public key with libsodium's crypto_scalarmult_base); call it directly.
     let secret = std::ffi::CString::new(secret_z85).map_err(|e| e.to_string())?;
     let mut public = [0 as std::os::raw::c_char; 41];
     extern "C" {
