@@ -107,7 +107,10 @@ pub struct TransportLimits {
 impl Default for TransportLimits {
     fn default() -> Self {
         Self {
-            max_message_bytes: 64 << 20,
+            // The protocol's default max_request_bytes (64 MiB) plus room for
+            // the 64-byte-per-frame accounting of up to 1,100 frames and the
+            // header.
+            max_message_bytes: 65 << 20,
             max_frame_bytes: 64 << 20,
             max_frames: 1100,
             recv_hwm: 1000,
