@@ -192,29 +192,12 @@ struct Tally {
 
 /// The daemon's stats, over its control socket.
 async fn daemon_stats(endpoint: &str) -> Result<Value, String> {
-    use zeromq::{Socket, SocketRecv, SocketSend};
-    let mut socket = zeromq::DealerSocket::new();
-    let timeout = Duration::from_secs(10);
-    tokio::time::timeout(timeout, socket.connect(endpoint))
-        .await
-        .map_err(|_| format!("cannot connect to {endpoint}: timed out"))?
-        .map_err(|e| format!("cannot connect to {endpoint}: {e}"))?;
     let request = replayd::daemon::control::ControlRequest {
         cmd: "stats".into(),
         device: None,
         kind: None,
     };
-    let frame = bytes::Bytes::from(serde_json::to_vec(&request).unwrap());
-    socket
-        .send(zeromq::ZmqMessage::from(frame))
-        .await
-        .map_err(|e| e.to_string())?;
-    let reply = tokio::time::timeout(timeout, socket.recv())
-        .await
-        .map_err(|_| format!("no stats from {endpoint}"))?
-        .map_err(|e| e.to_string())?;
-    let frame = reply.into_vec().pop().ok_or("empty answer")?;
-    let v: Value = serde_json::from_slice(&frame).map_err(|e| e.to_string())?;
+    let v = replayd::daemon::control::request(endpoint, &request, Duration::from_secs(10)).await?;
     if v["ok"] != Value::Bool(true) {
         return Err(format!("stats refused: {}", v["error"]));
     }

@@ -62,6 +62,26 @@ pub struct ServerConfig {
     pub max_buffered_bytes: usize,
     /// Threads that tokenize texts, off the async runtime (0 = number of cores, at most 8).
     pub tokenizer_threads: usize,
+    /// Replies queued for one client that is not reading; past it they are
+    /// dropped (and counted), so a stalled client holds no more memory.
+    pub send_hwm: usize,
+    /// Requests libzmq queues from one client before it stops reading that
+    /// connection (TCP back-pressure; nothing is lost).
+    pub recv_hwm: usize,
+    /// Time a new connection has to complete the ZMTP handshake, in ms.
+    pub handshake_timeout_ms: u64,
+    /// ZMTP heartbeat interval towards clients, in ms (0 = off); a client
+    /// silent for three intervals is disconnected.
+    pub client_heartbeat_ms: u64,
+    /// CURVE: a file holding the daemon's secret key (40 Z85 characters).
+    /// With `curve_allowed_clients_file`, clients must authenticate and
+    /// everything on the client socket is encrypted.
+    pub curve_secret_key_file: Option<PathBuf>,
+    /// CURVE: a file of allowed client public keys, one Z85 key per line
+    /// (`#` comments allowed).
+    pub curve_allowed_clients_file: Option<PathBuf>,
+    /// Serve clients on a non-loopback TCP address without CURVE.
+    pub allow_unauthenticated: bool,
     /// Time to finish queued and in-flight work after SIGTERM/SIGINT, in milliseconds.
     pub shutdown_grace_ms: u64,
 }
@@ -90,6 +110,13 @@ impl Default for ServerConfig {
             max_items_per_request: 1024,
             max_buffered_bytes: 1 << 30,
             tokenizer_threads: 0,
+            send_hwm: 1000,
+            recv_hwm: 64,
+            handshake_timeout_ms: 10_000,
+            client_heartbeat_ms: 10_000,
+            curve_secret_key_file: None,
+            curve_allowed_clients_file: None,
+            allow_unauthenticated: false,
             shutdown_grace_ms: 30_000,
         }
     }
@@ -363,6 +390,44 @@ impl Config {
         if self.server.max_request_bytes < 1024 {
             return Err(invalid("server.max_request_bytes", "must be at least 1024"));
         }
+        if self.server.send_hwm == 0 || self.server.recv_hwm == 0 {
+            return Err(invalid(
+                "server.send_hwm",
+                "server.send_hwm and server.recv_hwm must be at least 1",
+            ));
+        }
+        if self.server.handshake_timeout_ms < 100 {
+            return Err(invalid(
+                "server.handshake_timeout_ms",
+                "must be at least 100",
+            ));
+        }
+        if self.server.curve_secret_key_file.is_some()
+            != self.server.curve_allowed_clients_file.is_some()
+        {
+            return Err(invalid(
+                "server.curve_secret_key_file",
+                "CURVE needs both server.curve_secret_key_file and server.curve_allowed_clients_file",
+            ));
+        }
+        if self.server.curve_secret_key_file.is_none()
+            && !self.server.allow_unauthenticated
+            && !is_local_endpoint(&self.server.endpoint)
+        {
+            return Err(invalid(
+                "server.endpoint",
+                format!(
+                    "{} accepts clients from other hosts without authentication; configure CURVE (server.curve_secret_key_file and server.curve_allowed_clients_file) or set server.allow_unauthenticated = true",
+                    self.server.endpoint
+                ),
+            ));
+        }
+        if !is_local_endpoint(&self.server.control_endpoint) {
+            return Err(invalid(
+                "server.control_endpoint",
+                "the control socket (drain, restart, reload, fault injection) must be ipc:// or a loopback tcp:// address",
+            ));
+        }
         if self.server.max_buffered_bytes < self.server.max_request_bytes {
             return Err(invalid(
                 "server.max_buffered_bytes",
@@ -533,6 +598,23 @@ impl Config {
     }
 }
 
+/// True for `ipc://` and for TCP on a loopback address (127.0.0.0/8, ::1,
+/// localhost): reachable from this host only.
+pub fn is_local_endpoint(endpoint: &str) -> bool {
+    if endpoint.starts_with("ipc://") {
+        return true;
+    }
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return false;
+    };
+    let host = rest.rsplit_once(':').map_or(rest, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 fn check_endpoint(key: &str, endpoint: &str) -> Result<(), ConfigError> {
     let ok = endpoint
         .strip_prefix("tcp://")
@@ -617,6 +699,15 @@ path = "mlp.safetensors"
             ("[devices]\nbackend = \"tpu\"\n", "backend"),
             ("[devices]\ngpus = \"some\"\n", "devices.gpus"),
             ("[server]\nendpoint = \"http://x\"\n", "server.endpoint"),
+            (
+                "[server]\nendpoint = \"tcp://0.0.0.0:5555\"\n",
+                "without authentication",
+            ),
+            (
+                "[server]\ncontrol_endpoint = \"tcp://10.0.0.1:5556\"\n",
+                "server.control_endpoint",
+            ),
+            ("[server]\nsend_hwm = 0\n", "server.send_hwm"),
         ];
         for (prefix, key) in cases {
             let err = Config::parse(&format!("{prefix}{MINIMAL}")).unwrap_err();

@@ -20,6 +20,8 @@
 //! * [`protocol`] — the client wire format (types, codec) and the Rust
 //!   [`protocol::client`].
 //! * [`gpu`] — host-side device discovery and NVML, used by both processes.
+//! * [`transport`] — the ZeroMQ sockets (libzmq) with their limits and
+//!   CURVE authentication, for every socket of both processes and the client.
 //! * [`tools`] — `replayd backend-check` (a GPU against the CPU backend).
 //! * `fuzz` (hidden) — the entry points of the fuzz targets in `fuzz/`.
 //! * Shared by all: [`config`] (the TOML file), [`bucket`] (shape buckets),
@@ -40,4 +42,5 @@ pub mod model;
 pub mod protocol;
 pub mod tensor;
 pub mod tools;
+pub mod transport;
 pub mod worker;

@@ -1,13 +1,11 @@
 //! `replayctl`: inspect and operate a running replayd. See `replayctl --help`.
 
-use anyhow::{anyhow, bail, Context};
-use bytes::Bytes;
+use anyhow::{anyhow, bail};
 use clap::{Parser, Subcommand};
 use replayd::daemon::control::ControlRequest;
 use serde_json::Value;
 use std::path::PathBuf;
 use std::time::Duration;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 /// Operator CLI for replayd: health, per-bucket statistics, fault injection.
 #[derive(Parser, Debug)]
@@ -153,21 +151,9 @@ async fn call(
     request: &ControlRequest,
     timeout: Duration,
 ) -> anyhow::Result<Value> {
-    let mut socket = zeromq::DealerSocket::new();
-    tokio::time::timeout(timeout, socket.connect(endpoint))
+    replayd::daemon::control::request(endpoint, request, timeout)
         .await
-        .map_err(|_| anyhow!("cannot connect to {endpoint}: timed out"))?
-        .with_context(|| format!("cannot connect to {endpoint}"))?;
-    let frame = Bytes::from(serde_json::to_vec(request)?);
-    socket.send(ZmqMessage::from(frame)).await?;
-    let reply = tokio::time::timeout(timeout, socket.recv())
-        .await
-        .map_err(|_| anyhow!("no answer from {endpoint} within {timeout:?}"))??;
-    let frame = reply
-        .into_vec()
-        .pop()
-        .ok_or_else(|| anyhow!("empty answer"))?;
-    serde_json::from_slice(&frame).context("malformed answer")
+        .map_err(|e| anyhow!(e))
 }
 
 fn print_stats(s: &Value) {

@@ -6,6 +6,7 @@
 
 use super::messages::{DeviceMsg, DeviceStatus, SupervisorMsg};
 use super::metrics::Metrics;
+use crate::transport::{Dealer, Router, Security, TransportError, TransportLimits};
 use crate::worker::link::FaultKind;
 use bytes::Bytes;
 use ractor::ActorRef;
@@ -14,7 +15,6 @@ use serde_json::{json, Value};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use zeromq::{RouterSocket, SocketRecv, SocketSend, ZmqMessage};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -138,27 +138,81 @@ pub fn health(metrics: &Metrics) -> Value {
     })
 }
 
+/// Sends one command to a daemon's control socket and returns its answer
+/// (`{"ok": …, "result"|"error": …}`), for `replayctl` and tools. Fails
+/// plainly when nothing answers within `timeout` (a stopped daemon, a wrong
+/// endpoint, a socket this user may not open).
+pub async fn request(
+    endpoint: &str,
+    request: &ControlRequest,
+    timeout: Duration,
+) -> Result<Value, String> {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        match std::fs::metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return Err(format!("cannot open {endpoint}: permission denied"))
+            }
+            Err(_) => {
+                return Err(format!(
+                    "no control socket at {path}: is the daemon running (and is this its runtime directory)?"
+                ))
+            }
+            Ok(_) => {}
+        }
+    }
+    let limits = TransportLimits {
+        max_message_bytes: 64 << 20,
+        heartbeat: None,
+        ..TransportLimits::default()
+    };
+    let socket = Dealer::connect(endpoint, &limits, &Security::None)
+        .await
+        .map_err(|e| format!("cannot connect to {endpoint}: {e}"))?;
+    let (mut recv, send) = socket.split();
+    let frame = Bytes::from(serde_json::to_vec(request).map_err(|e| e.to_string())?);
+    send.send(vec![frame]).map_err(|e| e.to_string())?;
+    let reply = tokio::time::timeout(timeout, recv.recv())
+        .await
+        .map_err(|_| {
+            format!("no answer from {endpoint} within {timeout:?}: is the daemon running there?")
+        })?
+        .map_err(|e| e.to_string())?;
+    let frame = reply.frames.last().ok_or("empty answer")?;
+    serde_json::from_slice(frame).map_err(|e| format!("malformed answer: {e}"))
+}
+
 /// Serves the control socket until `shutdown` resolves.
-pub async fn run(socket: RouterSocket, control: Arc<Control>, shutdown: impl Future<Output = ()>) {
-    let (send, mut recv) = socket.split();
+pub async fn run(socket: Router, control: Arc<Control>, shutdown: impl Future<Output = ()>) {
+    let (mut recv, send) = socket.split();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
             msg = recv.recv() => {
-                let Ok(msg) = msg else { continue };
+                let incoming = match msg {
+                    Ok(m) => m,
+                    Err(TransportError::Closed) => break,
+                    Err(TransportError::Rejected { peer, reason }) => {
+                        let reply = json!({"ok": false, "error": format!("message refused: {reason}")});
+                        let _ = send.send(&peer, vec![Bytes::from(reply.to_string())]);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::error!("control socket: {e}");
+                        continue;
+                    }
+                };
                 let control = control.clone();
-                let mut send = send.clone();
+                let send = send.clone();
                 tokio::spawn(async move {
-                    let (mut envelope, frames) = crate::protocol::split_envelope(msg.into_vec());
-                    let reply = match frames.as_slice() {
+                    let (delimiter, frames) = crate::protocol::split_delimiter(&incoming.frames);
+                    let reply = match frames {
                         [frame] => control.handle(frame).await,
                         _ => json!({"ok": false, "error": "expected one JSON frame"}),
                     };
-                    envelope.push(Bytes::from(reply.to_string()));
-                    if let Ok(m) = ZmqMessage::try_from(envelope) {
-                        let _ = tokio::time::timeout(Duration::from_secs(5), send.send(m)).await;
-                    }
+                    let mut out: Vec<Bytes> = delimiter.into_iter().collect();
+                    out.push(Bytes::from(reply.to_string()));
+                    let _ = send.send(&incoming.peer, out);
                 });
             }
         }

@@ -13,6 +13,7 @@ use super::messages::{
 };
 use super::metrics::{GraphStats, Metrics};
 use super::watchdog::Watchdog;
+use crate::transport::{Dealer, DealerSender, Security};
 use crate::worker::link::{self, FaultKind, FromWorker, GraphReport, ToWorker};
 use crate::worker::WorkerBackend;
 use bytes::Bytes;
@@ -20,8 +21,6 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
-use zeromq::{Socket, SocketRecv, SocketSend};
 
 /// How to start this device's worker process.
 #[derive(Clone, Debug)]
@@ -68,7 +67,7 @@ pub struct DeviceState {
     generation: u64,
     status: DeviceStatus,
     pid: Option<u32>,
-    outbox: Option<mpsc::UnboundedSender<Vec<Bytes>>>,
+    outbox: Option<DealerSender>,
     io_task: Option<tokio::task::JoinHandle<()>>,
     backoff: Duration,
     started_once: bool,
@@ -217,11 +216,14 @@ impl DeviceState {
         ));
         let _ = std::fs::remove_file(&path);
         let endpoint = format!("ipc://{}", path.display());
-        let mut socket = zeromq::DealerSocket::new();
-        if let Err(e) = socket.bind(&endpoint).await {
-            self.start_failed(myself, format!("cannot bind {endpoint}: {e}"));
-            return;
-        }
+        let socket = match Dealer::bind(&endpoint, &link::transport_limits(), &Security::None).await
+        {
+            Ok(s) => s,
+            Err(e) => {
+                self.start_failed(myself, format!("cannot bind {endpoint}: {e}"));
+                return;
+            }
+        };
         self.socket_path = Some(path);
         let w = &self.args.worker;
         let mut cmd = tokio::process::Command::new(&w.exe);
@@ -258,32 +260,14 @@ impl DeviceState {
         tracing::info!(device = %self.label(), pid = ?self.pid, generation, "worker started");
         self.set_status(DeviceStatus::Starting);
 
-        let (outbox, mut outgoing) = mpsc::unbounded_channel::<Vec<Bytes>>();
-        self.outbox = Some(outbox);
-        let (mut send, mut recv) = socket.split();
+        let (mut recv, send) = socket.split();
+        self.outbox = Some(send);
         let me = myself.clone();
         self.io_task = Some(tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    incoming = recv.recv() => match incoming {
-                        Ok(m) => {
-                            let event = WorkerEvent::Message(m.into_vec());
-                            if me.cast(DeviceMsg::Worker { generation, event }).is_err() {
-                                break;
-                            }
-                        }
-                        Err(_) => break,
-                    },
-                    out = outgoing.recv() => match out {
-                        Some(frames) => {
-                            if let Ok(m) = zeromq::ZmqMessage::try_from(frames) {
-                                if send.send(m).await.is_err() {
-                                    break;
-                                }
-                            }
-                        }
-                        None => break,
-                    },
+            while let Ok(m) = recv.recv().await {
+                let event = WorkerEvent::Message(m.frames);
+                if me.cast(DeviceMsg::Worker { generation, event }).is_err() {
+                    break;
                 }
             }
         }));

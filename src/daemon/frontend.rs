@@ -3,9 +3,10 @@
 //! to the batcher and sends each reply back to the peer that asked.
 //!
 //! Every message is handled in its own task, so a request waiting for
-//! tokenization, for its batch or for a slow client's socket never delays
-//! another. Replies to a client that stops reading are dropped after
-//! [`REPLY_SEND_TIMEOUT`] rather than held forever.
+//! tokenization or for its batch never delays another. Sending a reply never
+//! waits: the transport queues at most `server.send_hwm` unsent replies per
+//! client and drops (and counts) the rest, so a client that stops reading
+//! cannot hold the daemon's memory or delay other clients.
 
 use super::admission::{Admission, Refusal, Ticket};
 use super::messages::{BatcherMsg, Submission};
@@ -17,6 +18,7 @@ use crate::protocol::{
     decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply, Request,
 };
 use crate::tensor::DType;
+use crate::transport::{Incoming, Router, RouterSender, TransportError};
 use bytes::Bytes;
 use ractor::ActorRef;
 use std::collections::HashMap;
@@ -24,10 +26,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
-use zeromq::{RouterSendHalf, RouterSocket, SocketRecv, SocketSend, ZmqMessage};
-
-/// How long a reply may wait for a client that is not reading.
-pub const REPLY_SEND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A served model, as the frontend sees it.
 pub struct ServedModel {
@@ -306,81 +304,58 @@ fn deadline(
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Serves the ROUTER socket until `shutdown` resolves, then waits (up to
-/// [`FLUSH_TIMEOUT`]) for the handlers still sending replies.
+/// [`FLUSH_TIMEOUT`]) for the handlers still answering.
 ///
 /// Each handler task holds a clone of `done`; when the last one ends (however
 /// it ends) the channel closes, which is how shutdown knows they are all done.
-pub async fn run(
-    socket: RouterSocket,
-    frontend: Arc<Frontend>,
-    shutdown: impl Future<Output = ()>,
-) {
-    let (send, mut recv) = socket.split();
+pub async fn run(socket: Router, frontend: Arc<Frontend>, shutdown: impl Future<Output = ()>) {
+    let (mut recv, send) = socket.split();
     let (done, mut all_done) = tokio::sync::mpsc::channel::<()>(1);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
-            msg = recv.recv() => {
-                let Ok(msg) = msg else { continue };
-                let frontend = frontend.clone();
-                let send = send.clone();
-                let done = done.clone();
-                tokio::spawn(async move {
-                    serve_message(frontend, send, msg).await;
-                    drop(done);
-                });
-            }
+            msg = recv.recv() => match msg {
+                Ok(incoming) => {
+                    let frontend = frontend.clone();
+                    let send = send.clone();
+                    let done = done.clone();
+                    tokio::spawn(async move {
+                        serve_message(frontend, send, incoming).await;
+                        drop(done);
+                    });
+                }
+                // Too many frames or a frame over the limit: answered, so the
+                // client knows (its id is unknown: the header is not read).
+                Err(TransportError::Rejected { peer, reason }) => {
+                    frontend.metrics.error(ErrorCode::BadRequest);
+                    let reply = Reply::error(0, ErrorCode::BadRequest, format!("message refused: {reason}"));
+                    let _ = send.send(&peer, encode_reply(&reply));
+                }
+                Err(TransportError::Closed) => break,
+                Err(e) => tracing::error!("client socket: {e}"),
+            },
         }
     }
     drop(done);
     let _ = tokio::time::timeout(FLUSH_TIMEOUT, all_done.recv()).await;
 }
 
-async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: ZmqMessage) {
-    let (mut envelope, frames) = crate::protocol::split_envelope(msg.into_vec());
-    if envelope.is_empty() {
-        return;
-    }
-    let (reply, ticket) = frontend.handle(&frames).await;
-    envelope.extend(encode_reply(&reply));
-    let Ok(out) = ZmqMessage::try_from(envelope) else {
-        return;
-    };
-    match tokio::time::timeout(REPLY_SEND_TIMEOUT, send.send(out)).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::debug!("reply to a departed client dropped: {e}"),
-        Err(_) => tracing::warn!(
-            "reply dropped: the client did not read it within {REPLY_SEND_TIMEOUT:?}"
-        ),
-    }
+async fn serve_message(frontend: Arc<Frontend>, send: RouterSender, incoming: Incoming) {
+    let Incoming {
+        peer,
+        frames,
+        permit,
+    } = incoming;
+    // A REQ client's empty delimiter is echoed before the reply.
+    let (delimiter, frames) = crate::protocol::split_delimiter(&frames);
+    let (reply, ticket) = frontend.handle(frames).await;
+    let mut out: Vec<Bytes> = delimiter.into_iter().collect();
+    out.extend(encode_reply(&reply));
+    // Never waits: past the client's high-water mark the reply is dropped
+    // and counted by the transport.
+    let _ = send.send(&peer, out);
     // The request's bytes are given back once the socket has its reply.
     drop(ticket);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_earlier_deadline_wins_and_past_ones_are_now() {
-        let now = Instant::now();
-        assert_eq!(deadline(None, None, now), None);
-        assert_eq!(
-            deadline(Some(500), None, now),
-            Some(now + Duration::from_micros(500))
-        );
-        // An absolute deadline in the past is "already passed": the receipt time.
-        assert_eq!(deadline(None, Some(1), now), Some(now));
-        assert_eq!(deadline(Some(10_000_000), Some(1), now), Some(now));
-        let in_a_minute = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_micros() as u64
-            + 60_000_000;
-        let d = deadline(Some(1000), Some(in_a_minute), now).unwrap();
-        assert_eq!(d, now + Duration::from_micros(1000));
-        let d = deadline(None, Some(in_a_minute), now).unwrap();
-        assert!(d > now + Duration::from_secs(59) && d <= now + Duration::from_secs(61));
-    }
+    drop(permit);
 }

@@ -8,9 +8,11 @@
 use super::messages::DeviceStatus;
 use crate::bucket::Bucket;
 use crate::protocol::ErrorCode;
+use crate::transport::TransportStats;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
 use tokio::sync::watch;
@@ -124,6 +126,7 @@ struct Inner {
     eager_queue_depth: u64,
     devices: Vec<DeviceStats>,
     statuses: Vec<watch::Receiver<DeviceStatus>>,
+    transports: Vec<(&'static str, Arc<TransportStats>)>,
     latency: Latencies,
 }
 
@@ -162,6 +165,7 @@ impl Metrics {
                 eager_queue_depth: 0,
                 devices: Vec::new(),
                 statuses: Vec::new(),
+                transports: Vec::new(),
                 latency: Latencies {
                     total: histogram(),
                     queued: histogram(),
@@ -261,6 +265,11 @@ impl Metrics {
         if let Some(d) = self.lock().devices.get_mut(index) {
             f(d);
         }
+    }
+
+    /// Adds a socket whose counters the stats report under `transport.<name>`.
+    pub fn set_transport(&self, name: &'static str, stats: Arc<TransportStats>) {
+        self.lock().transports.push((name, stats));
     }
 
     /// Every device slot, with its current status.
@@ -390,6 +399,11 @@ impl Metrics {
                 "compute": pct(&m.latency.compute),
             },
             "devices": devices,
+            "transport": m
+                .transports
+                .iter()
+                .map(|(name, t)| (name.to_string(), serde_json::to_value(t.snapshot()).unwrap_or_default()))
+                .collect::<serde_json::Map<_, _>>(),
         })
     }
 }

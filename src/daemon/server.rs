@@ -19,6 +19,7 @@ use crate::bucket::Grid;
 use crate::config::{BackendKind, Config, GpuSelection};
 use crate::gpu::cuda_device_count;
 use crate::protocol::DecodeLimits;
+use crate::transport::{z85_decode, z85_encode, CurveKeyPair, Router, Security, TransportLimits};
 use crate::worker::WorkerBackend;
 use anyhow::{bail, Context};
 use ractor::Actor;
@@ -27,7 +28,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, watch};
-use zeromq::Socket;
 
 pub struct ServerOptions {
     /// The config file, passed on to worker processes.
@@ -192,6 +192,91 @@ fn model_stats(slot: &ModelSlot) -> ModelStats {
     }
 }
 
+/// The client socket's limits: whole requests up to `max_request_bytes`
+/// (with the transport's per-frame accounting), as many frames as items plus
+/// the header and a REQ delimiter, the configured queues and handshake.
+pub fn client_limits(config: &Config) -> TransportLimits {
+    let s = &config.server;
+    let max_frames = s.max_items_per_request + 2;
+    TransportLimits {
+        max_message_bytes: (s.max_request_bytes + 64 * max_frames + 4096).min(u32::MAX as usize),
+        max_frame_bytes: s.max_request_bytes,
+        max_frames,
+        recv_hwm: s.recv_hwm,
+        send_hwm: s.send_hwm,
+        handshake_timeout: Duration::from_millis(s.handshake_timeout_ms),
+        max_buffered_bytes: s.max_buffered_bytes,
+        queue_messages: 4096,
+        heartbeat: (s.client_heartbeat_ms > 0)
+            .then(|| Duration::from_millis(s.client_heartbeat_ms)),
+    }
+}
+
+/// The control socket takes small JSON commands only.
+fn control_limits(config: &Config) -> TransportLimits {
+    TransportLimits {
+        max_message_bytes: 64 << 10,
+        max_frame_bytes: 32 << 10,
+        max_frames: 2,
+        recv_hwm: 16,
+        send_hwm: 64,
+        handshake_timeout: Duration::from_millis(config.server.handshake_timeout_ms),
+        max_buffered_bytes: 1 << 20,
+        queue_messages: 64,
+        heartbeat: None,
+    }
+}
+
+/// CURVE for the client socket when the config names the key files.
+fn client_security(config: &Config) -> anyhow::Result<Security> {
+    let (Some(secret), Some(clients)) = (
+        &config.server.curve_secret_key_file,
+        &config.server.curve_allowed_clients_file,
+    ) else {
+        return Ok(Security::None);
+    };
+    let read = |path: &std::path::Path, key: &str| {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("server.{key}: cannot read {}", path.display()))
+    };
+    let secret_text = read(secret, "curve_secret_key_file")?;
+    let keys = z85_decode(secret_text.trim())
+        .and_then(CurveKeyPair::from_secret)
+        .with_context(|| format!("server.curve_secret_key_file {}", secret.display()))?;
+    let mut allowed = Vec::new();
+    for (n, line) in read(clients, "curve_allowed_clients_file")?
+        .lines()
+        .enumerate()
+    {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        allowed.push(z85_decode(line).with_context(|| {
+            format!(
+                "server.curve_allowed_clients_file {} line {}",
+                clients.display(),
+                n + 1
+            )
+        })?);
+    }
+    if allowed.is_empty() {
+        anyhow::bail!(
+            "server.curve_allowed_clients_file {} lists no client key: nobody could connect",
+            clients.display()
+        );
+    }
+    tracing::info!(
+        public_key = %z85_encode(&keys.public),
+        clients = allowed.len(),
+        "CURVE on the client socket"
+    );
+    Ok(Security::CurveServer {
+        keys,
+        allowed_clients: allowed,
+    })
+}
+
 /// Runs the daemon until `shutdown` resolves, then drains and stops.
 pub async fn run(
     config: Config,
@@ -206,22 +291,32 @@ pub async fn run(
     let planned = plan_devices(&config, &options)?;
     let metrics = Arc::new(Metrics::new());
 
-    let mut client_socket = zeromq::RouterSocket::new();
-    let endpoint = client_socket
-        .bind(&config.server.endpoint)
+    let security = client_security(&config)?;
+    let client_socket = Router::bind(&config.server.endpoint, &client_limits(&config), &security)
         .await
         .with_context(|| format!("cannot bind server.endpoint {}", config.server.endpoint))?;
-    let mut control_socket = zeromq::RouterSocket::new();
-    let control_endpoint = control_socket
-        .bind(&config.server.control_endpoint)
-        .await
-        .with_context(|| {
-            format!(
-                "cannot bind server.control_endpoint {}",
-                config.server.control_endpoint
-            )
-        })?;
-    tracing::info!(%endpoint, %control_endpoint, "listening");
+    let endpoint = client_socket.endpoint().to_string();
+    let control_socket = Router::bind(
+        &config.server.control_endpoint,
+        &control_limits(&config),
+        &Security::None,
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "cannot bind server.control_endpoint {}",
+            config.server.control_endpoint
+        )
+    })?;
+    let control_endpoint = control_socket.endpoint().to_string();
+    metrics.set_transport("client", client_socket.stats());
+    metrics.set_transport("control", control_socket.stats());
+    tracing::info!(
+        %endpoint,
+        %control_endpoint,
+        curve = matches!(security, Security::CurveServer { .. }),
+        "listening"
+    );
 
     let model_slots: Vec<ModelSlot> = config
         .models

@@ -9,6 +9,7 @@ use crate::protocol::{
     decode_reply, encode_request, InputKind, Payload, ReplyHeader, RequestHeader,
 };
 use crate::tensor::{DType, HostTensor};
+use crate::transport::{Dealer, DealerReceiver, DealerSender, Security, TransportLimits};
 use bytes::Bytes;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +17,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use thiserror::Error;
 use tokio::sync::oneshot;
-use zeromq::{DealerSendHalf, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 #[derive(Debug, Error)]
 pub enum ClientError {
@@ -39,22 +39,30 @@ pub struct Response {
     pub output: Option<HostTensor>,
 }
 
-async fn connect_dealer(endpoint: &str) -> Result<zeromq::DealerSocket, ClientError> {
-    let mut socket = zeromq::DealerSocket::new();
-    socket
-        .connect(endpoint)
+/// A client's socket limits: replies as large as the daemon may send.
+pub fn client_limits() -> TransportLimits {
+    TransportLimits {
+        max_message_bytes: u32::MAX as usize,
+        max_frame_bytes: 1 << 31,
+        max_frames: 4,
+        heartbeat: None,
+        ..TransportLimits::default()
+    }
+}
+
+async fn connect_dealer(endpoint: &str) -> Result<Dealer, ClientError> {
+    Dealer::connect(endpoint, &client_limits(), &Security::None)
         .await
         .map_err(|e| ClientError::Connect {
             endpoint: endpoint.to_string(),
             message: e.to_string(),
-        })?;
-    Ok(socket)
+        })
 }
 
 type Waiters = Arc<Mutex<HashMap<u64, oneshot::Sender<Response>>>>;
 
 pub struct Client {
-    send: tokio::sync::Mutex<DealerSendHalf>,
+    send: DealerSender,
     waiters: Waiters,
     /// Replies whose id matched no outstanding request (duplicates, or
     /// replies after a timeout).
@@ -72,14 +80,14 @@ impl Drop for Client {
 impl Client {
     pub async fn connect(endpoint: &str) -> Result<Client, ClientError> {
         let socket = connect_dealer(endpoint).await?;
-        let (send, mut recv) = socket.split();
+        let (mut recv, send) = socket.split();
         let waiters: Waiters = Arc::default();
         let w = waiters.clone();
         let stray = Arc::new(AtomicU64::new(0));
         let stray_count = stray.clone();
         let reader = tokio::spawn(async move {
             while let Ok(msg) = recv.recv().await {
-                let frames = msg.into_vec();
+                let frames = msg.frames;
                 let Ok((header, output)) = decode_reply(&frames) else {
                     continue;
                 };
@@ -96,7 +104,7 @@ impl Client {
             w.lock().unwrap().clear();
         });
         Ok(Client {
-            send: tokio::sync::Mutex::new(send),
+            send,
             waiters,
             stray,
             next_id: AtomicU64::new(1),
@@ -125,8 +133,7 @@ impl Client {
         let (tx, rx) = oneshot::channel();
         self.waiters.lock().unwrap().insert(header.id, tx);
         let frames = encode_request(header, payload);
-        let msg = ZmqMessage::try_from(frames).map_err(|e| ClientError::Socket(e.to_string()))?;
-        if let Err(e) = self.send.lock().await.send(msg).await {
+        if let Err(e) = self.send.send(frames) {
             self.waiters.lock().unwrap().remove(&header.id);
             return Err(ClientError::Socket(e.to_string()));
         }
@@ -171,26 +178,25 @@ impl Client {
 
 /// Sends raw frames and receives raw replies, one at a time.
 pub struct RawClient {
-    socket: zeromq::DealerSocket,
+    send: DealerSender,
+    recv: DealerReceiver,
 }
 
 impl RawClient {
     pub async fn connect(endpoint: &str) -> Result<RawClient, ClientError> {
-        let socket = connect_dealer(endpoint).await?;
-        Ok(RawClient { socket })
+        let (recv, send) = connect_dealer(endpoint).await?.split();
+        Ok(RawClient { send, recv })
     }
 
     pub async fn send(&mut self, frames: Vec<Bytes>) -> Result<(), ClientError> {
-        let msg = ZmqMessage::try_from(frames).map_err(|e| ClientError::Socket(e.to_string()))?;
-        self.socket
-            .send(msg)
-            .await
+        self.send
+            .send(frames)
             .map_err(|e| ClientError::Socket(e.to_string()))
     }
 
     pub async fn recv(&mut self, timeout: Duration) -> Result<Vec<Bytes>, ClientError> {
-        match tokio::time::timeout(timeout, self.socket.recv()).await {
-            Ok(Ok(m)) => Ok(m.into_vec()),
+        match tokio::time::timeout(timeout, self.recv.recv()).await {
+            Ok(Ok(m)) => Ok(m.frames),
             Ok(Err(e)) => Err(ClientError::Socket(e.to_string())),
             Err(_) => Err(ClientError::Timeout(timeout)),
         }

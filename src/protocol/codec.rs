@@ -358,23 +358,17 @@ mod tests {
     }
 
     #[test]
-    fn envelopes_keep_identity_and_req_delimiter() {
-        use crate::protocol::split_envelope;
+    fn req_delimiters_are_split_off_and_lone_empty_frames_are_messages() {
+        use crate::protocol::split_delimiter;
         let b = |s: &'static [u8]| Bytes::from_static(s);
-        assert_eq!(
-            split_envelope(vec![b(b"id"), b(b"h"), b(b"p")]),
-            (vec![b(b"id")], vec![b(b"h"), b(b"p")])
-        );
-        assert_eq!(
-            split_envelope(vec![b(b"id"), b(b""), b(b"h")]),
-            (vec![b(b"id"), b(b"")], vec![b(b"h")])
-        );
+        let plain = [b(b"h"), b(b"p")];
+        assert_eq!(split_delimiter(&plain), (None, &plain[..]));
+        let req = [b(b""), b(b"h")];
+        assert_eq!(split_delimiter(&req), (Some(b(b"")), &req[1..]));
         // A lone empty frame is an empty message, not a delimiter.
-        assert_eq!(
-            split_envelope(vec![b(b"id"), b(b"")]),
-            (vec![b(b"id")], vec![b(b"")])
-        );
-        assert_eq!(split_envelope(vec![]), (vec![], vec![]));
+        let empty = [b(b"")];
+        assert_eq!(split_delimiter(&empty), (None, &empty[..]));
+        assert_eq!(split_delimiter(&[]), (None, &[][..]));
     }
 
     #[test]

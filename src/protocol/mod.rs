@@ -23,18 +23,15 @@ pub use codec::{decode_reply, decode_request, encode_reply, encode_request, Deco
 use crate::tensor::{DType, HostTensor};
 use serde::{Deserialize, Serialize};
 
-/// Splits a message received on a ROUTER socket into its envelope (the peer
-/// identity, and the empty delimiter REQ sockets put before the content) and
-/// its content. A lone empty frame after the identity is content (an empty
-/// message), not a delimiter. Replies go back as `envelope ++ reply`.
-pub fn split_envelope(mut frames: Vec<bytes::Bytes>) -> (Vec<bytes::Bytes>, Vec<bytes::Bytes>) {
-    let cut = match frames.len() {
-        0 => 0,
-        n if n > 2 && frames[1].is_empty() => 2,
-        _ => 1,
-    };
-    let content = frames.split_off(cut);
-    (frames, content)
+/// Splits the frames a ROUTER received from one peer (its identity already
+/// removed) into the empty delimiter a REQ socket puts first, if any, and the
+/// message. A lone empty frame is the message (an empty one), not a
+/// delimiter. Replies go back as `delimiter ++ reply`.
+pub fn split_delimiter(frames: &[bytes::Bytes]) -> (Option<bytes::Bytes>, &[bytes::Bytes]) {
+    match frames.split_first() {
+        Some((first, rest)) if first.is_empty() && !rest.is_empty() => (Some(first.clone()), rest),
+        _ => (None, frames),
+    }
 }
 
 /// The protocol version this daemon speaks.

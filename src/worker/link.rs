@@ -14,6 +14,19 @@ use crate::protocol::ErrorCode;
 use bytes::Bytes;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
+/// The link's socket limits (both ends): large batches (many parts, big
+/// outputs) from a trusted peer in an owner-only directory; the worker's own
+/// heartbeats stand in for ZMTP's.
+pub fn transport_limits() -> crate::transport::TransportLimits {
+    crate::transport::TransportLimits {
+        max_message_bytes: u32::MAX as usize,
+        max_frame_bytes: 1 << 31,
+        max_frames: 1 << 20,
+        heartbeat: None,
+        ..Default::default()
+    }
+}
+
 /// The daemon's id of a batch (opaque to the worker, echoed in replies).
 pub type BatchId = u64;
 

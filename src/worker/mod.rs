@@ -16,9 +16,9 @@ pub mod graph_cache;
 pub mod link;
 
 use crate::config::Config;
+use crate::transport::{Dealer, Security};
 use bytes::Bytes;
 use std::path::PathBuf;
-use zeromq::{Socket, SocketRecv, SocketSend};
 
 /// Which backend a worker drives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -71,12 +71,15 @@ pub fn run(args: WorkerArgs) -> i32 {
 }
 
 async fn serve(args: WorkerArgs, config: Config) -> i32 {
-    let mut socket = zeromq::DealerSocket::new();
-    if let Err(e) = socket.connect(&args.endpoint).await {
-        eprintln!("replayd worker: cannot connect to {}: {e}", args.endpoint);
-        return link::EXIT_STARTUP_FAILED;
-    }
-    let (mut send, mut recv) = socket.split();
+    let socket =
+        match Dealer::connect(&args.endpoint, &link::transport_limits(), &Security::None).await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("replayd worker: cannot connect to {}: {e}", args.endpoint);
+                return link::EXIT_STARTUP_FAILED;
+            }
+        };
+    let (mut recv, send) = socket.split();
     let (to_backend, from_io) = std::sync::mpsc::channel::<executor::Command>();
     let (to_io, mut from_backend) = tokio::sync::mpsc::unbounded_channel::<executor::Outgoing>();
     let backend_thread = std::thread::Builder::new()
@@ -88,7 +91,7 @@ async fn serve(args: WorkerArgs, config: Config) -> i32 {
         tokio::select! {
             incoming = recv.recv() => {
                 let frames: Vec<Bytes> = match incoming {
-                    Ok(m) => m.into_vec(),
+                    Ok(m) => m.frames,
                     Err(e) => {
                         eprintln!("replayd worker: daemon socket closed: {e}");
                         break 0;
@@ -106,10 +109,8 @@ async fn serve(args: WorkerArgs, config: Config) -> i32 {
             }
             outgoing = from_backend.recv() => match outgoing {
                 Some(executor::Outgoing::Message(frames)) => {
-                    if let Ok(msg) = zeromq::ZmqMessage::try_from(frames) {
-                        if send.send(msg).await.is_err() {
-                            break 0;
-                        }
+                    if send.send(frames).is_err() {
+                        break 0;
                     }
                 }
                 Some(executor::Outgoing::Exit(code)) => break code,
@@ -121,6 +122,12 @@ async fn serve(args: WorkerArgs, config: Config) -> i32 {
     if exit_code == 0 {
         let _ = backend_thread.join();
     }
+    // Sends only queue: give the socket's driver a moment to hand the last
+    // messages (a fatal error's reason) to libzmq, which flushes them as the
+    // socket closes.
+    drop(send);
+    drop(recv);
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     // After a device fault, exit without running the backend's destructors:
     // some of them panic on a poisoned context.
     exit_code

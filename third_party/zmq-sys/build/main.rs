@@ -1,0 +1,135 @@
+//! Builds libzmq 4.3.5 from zeromq-src with CURVE (libsodium from
+//! libsodium-sys-stable, compiled from its bundled source) and then replaces
+//! one object of the static library with a patched build of
+//! `src/v2_decoder.cpp` (see `patch_v2_decoder`). Needs only a C/C++ compiler,
+//! `make` and `ar`; no cmake, no system libzmq or libsodium.
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build/main.rs");
+    println!("cargo:rerun-if-env-changed=PROFILE");
+
+    // Exported by libsodium-sys-stable's build script (`links = "sodium"`).
+    let sodium_lib = env::var("DEP_SODIUM_LIB").expect("DEP_SODIUM_LIB from libsodium-sys-stable");
+    let sodium_include =
+        env::var("DEP_SODIUM_INCLUDE").expect("DEP_SODIUM_INCLUDE from libsodium-sys-stable");
+    // libzmq's own sources warn a lot; cc would repeat every warning as a
+    // cargo warning because this crate is a path dependency.
+    for var in ["CFLAGS", "CXXFLAGS"] {
+        let mut flags = env::var(var).unwrap_or_default();
+        flags.push_str(" -w");
+        env::set_var(var, flags.trim_start());
+    }
+    zeromq_src::Build::new()
+        .with_libsodium(Some(zeromq_src::LibLocation::new(
+            &sodium_lib,
+            &sodium_include,
+        )))
+        .build();
+
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+    patch_v2_decoder(&out, Path::new(&sodium_include));
+}
+
+const HPP_FROM: &str = "    const bool _zero_copy;\n";
+// The new field sits in the padding between `_zero_copy` and the int64
+// `_max_msg_size`, so sizeof(v2_decoder_t) and every other field's offset are
+// unchanged for the translation units compiled against the original header
+// (they only `new` the class and call it through its vtable).
+const HPP_TO: &str = "    const bool _zero_copy;\n    uint32_t _msg_sum; // replayd: bytes of the multipart message so far\n";
+const CTOR_FROM: &str = "    _zero_copy (zero_copy_),\n";
+const CTOR_TO: &str = "    _zero_copy (zero_copy_),\n    _msg_sum (0),\n";
+const SIZE_FROM: &str = "    //  Message size must fit into size_t data type.\n";
+const SIZE_TO: &str = r#"    //  replayd patch: ZMQ_MAXMSGSIZE also bounds the whole multipart message,
+    //  counted as the sum over its frames of (frame size + 64), the 64 being
+    //  what each queued frame (a msg_t) costs however small it is. Checked
+    //  here, on the frame header, before anything is allocated for the body.
+    //  Without it a peer can send one endless multipart message of tiny
+    //  frames: no frame is over the limit, and no high-water mark applies
+    //  until the message completes, so the receiver's memory grows without
+    //  bound. Only applied for limits below 4 GiB (the sum is 32-bit).
+    if (_max_msg_size >= 0 && _max_msg_size <= 0xffffffffLL
+        && !(_msg_flags & msg_t::command)) {
+        const uint64_t sum = static_cast<uint64_t> (_msg_sum) + msg_size_ + 64;
+        if (unlikely (sum > static_cast<uint64_t> (_max_msg_size))) {
+            errno = EMSGSIZE;
+            return -1;
+        }
+        _msg_sum = (_msg_flags & msg_t::more) ? static_cast<uint32_t> (sum) : 0;
+    }
+
+    //  Message size must fit into size_t data type.
+"#;
+
+fn replace_once(text: &str, from: &str, to: &str, file: &str) -> String {
+    assert_eq!(
+        text.matches(from).count(),
+        1,
+        "libzmq patch: {from:?} not found exactly once in {file}"
+    );
+    text.replacen(from, to, 1)
+}
+
+fn patch_v2_decoder(out: &Path, sodium_include: &Path) {
+    // zeromq-src copied libzmq's sources to OUT_DIR/source after compiling.
+    let src = out.join("source/src");
+    let patched = out.join("patched");
+    fs::create_dir_all(&patched).unwrap();
+    let hpp = fs::read_to_string(src.join("v2_decoder.hpp")).unwrap();
+    let hpp = replace_once(&hpp, HPP_FROM, HPP_TO, "v2_decoder.hpp");
+    fs::write(patched.join("v2_decoder.hpp"), hpp).unwrap();
+    let cpp = fs::read_to_string(src.join("v2_decoder.cpp")).unwrap();
+    let cpp = replace_once(&cpp, CTOR_FROM, CTOR_TO, "v2_decoder.cpp");
+    let cpp = replace_once(&cpp, SIZE_FROM, SIZE_TO, "v2_decoder.cpp");
+    fs::write(patched.join("v2_decoder.cpp"), cpp).unwrap();
+
+    // The same defines zeromq-src uses on Linux (none of them changes the
+    // layout of anything v2_decoder.cpp touches).
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .warnings(false)
+        .include(&patched) // patched v2_decoder.hpp first
+        .include(&src)
+        .include(out.join("source/include"))
+        .include(out) // the empty platform.hpp zeromq-src wrote
+        .include(sodium_include)
+        .define("ZMQ_BUILD_TESTS", "OFF")
+        .define("ZMQ_USE_CV_IMPL_STL11", "1")
+        .define("ZMQ_STATIC", "1")
+        .define("ZMQ_USE_BUILTIN_SHA1", "1")
+        .define("ZMQ_HAVE_WS", "1")
+        .define("ZMQ_USE_LIBSODIUM", "1")
+        .define("ZMQ_HAVE_CURVE", "1")
+        .define("ZMQ_HAVE_LINUX", "1")
+        .define("ZMQ_IOTHREAD_POLLER_USE_EPOLL", "1")
+        .define("ZMQ_POLL_BASED_ON_POLL", "1")
+        .define("ZMQ_HAVE_IPC", "1")
+        .define("HAVE_STRNLEN", "1")
+        .define("ZMQ_HAVE_UIO", "1")
+        .define("ZMQ_HAVE_STRUCT_SOCKADDR_UN", "1")
+        .file(patched.join("v2_decoder.cpp"));
+    let objects = build.compile_intermediates();
+    assert_eq!(objects.len(), 1);
+
+    // Swap the object inside libzmq.a.
+    let lib = out.join("lib/libzmq.a");
+    let members = Command::new("ar").arg("t").arg(&lib).output().expect("run ar");
+    assert!(members.status.success(), "ar t failed");
+    let members = String::from_utf8_lossy(&members.stdout);
+    let old: Vec<&str> = members
+        .lines()
+        .filter(|m| m.ends_with("v2_decoder.o"))
+        .collect();
+    assert_eq!(old.len(), 1, "v2_decoder.o in libzmq.a: {old:?}");
+    let ok = Command::new("ar").arg("d").arg(&lib).arg(old[0]).status().unwrap();
+    assert!(ok.success(), "ar d failed");
+    let new_obj = out.join("replayd-v2_decoder.o");
+    fs::copy(&objects[0], &new_obj).unwrap();
+    let ok = Command::new("ar").arg("rs").arg(&lib).arg(&new_obj).status().unwrap();
+    assert!(ok.success(), "ar rs failed");
+}
