@@ -741,6 +741,11 @@ impl<'a> Planner<'a> {
                 self.finish_out(pending, batch * hidden)?;
                 Ok(1)
             }
+            Op::PackedEmbedLayerNorm { .. }
+            | Op::PackedAttention { .. }
+            | Op::PackedPool { .. } => Err(BackendError::Unsupported(format!(
+                "op {idx}: packed programs are not planned for CUDA yet"
+            ))),
         }
     }
 }
