@@ -9,7 +9,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
 use super::error::DriverResultExt;
 use super::mem::{align_up, DeviceBuf, PinnedBuf};
-use super::plan::Plan;
+use super::plan::{write_tile_table, Plan, TILE_ENTRY};
 use crate::backend::BackendError;
 use crate::model::batch::{BatchRows, PackTarget};
 use crate::model::InputRole;
@@ -39,7 +39,10 @@ impl Arena {
     }
 }
 
-/// Packs `rows` into a host buffer laid out like the plan's input block.
+/// Packs `rows` into a host buffer laid out like the plan's input block:
+/// padded rows, or for a packed plan its sequences end to end
+/// ([`BatchRows::pack_packed`]) and the varlen attention's tile tables
+/// ([`write_tile_table`]), so one copy moves everything a replay reads.
 ///
 /// # Safety
 /// `base` must point at `plan.input_bytes` writable bytes, 4-byte aligned,
@@ -50,11 +53,27 @@ pub unsafe fn pack_inputs(plan: &Plan, rows: &BatchRows, base: *mut u8) {
         let p = base.add(slot.offset);
         if slot.role == InputRole::Features {
             let dst = std::slice::from_raw_parts_mut(p as *mut f32, slot.elems);
-            rows.pack(slot.role, plan.seq, PackTarget::F32(dst));
+            rows.pack_input(plan.layout, slot.role, plan.seq, PackTarget::F32(dst));
         } else {
             let dst = std::slice::from_raw_parts_mut(p as *mut i32, slot.elems);
-            rows.pack(slot.role, plan.seq, PackTarget::I32(dst));
+            rows.pack_input(plan.layout, slot.role, plan.seq, PackTarget::I32(dst));
         }
+    }
+    if plan.tile_tables.is_empty() {
+        return;
+    }
+    let (crate::model::program::Layout::Packed { tokens }, BatchRows::Tokens(seqs)) =
+        (plan.layout, rows)
+    else {
+        unreachable!("tile tables belong to packed plans of token rows")
+    };
+    let mut order = Vec::with_capacity(seqs.len());
+    for t in &plan.tile_tables {
+        let dst = std::slice::from_raw_parts_mut(
+            base.add(t.offset) as *mut i32,
+            t.max_tiles * TILE_ENTRY,
+        );
+        write_tile_table(seqs.iter().map(Vec::len), tokens, t.qt, dst, &mut order);
     }
 }
 
@@ -400,6 +419,45 @@ mod tests {
             vec![1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
         );
         assert_eq!(ints(2), vec![0; 16]);
+    }
+
+    #[test]
+    fn packed_rows_pack_sequences_offsets_and_tiles() {
+        let (prog, w) = super::super::plan::tests::packed_bert_dims(16, 4, 16, 384, 12, 1536);
+        let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
+        let pack = |buf: &mut Vec<u8>, rows: &BatchRows| {
+            unsafe { pack_inputs(&p, rows, buf.as_mut_ptr()) };
+        };
+        let mut buf = vec![0xffu8; p.input_bytes];
+        let ints = |buf: &[u8], offset: usize, n: usize| -> Vec<i32> {
+            buf[offset..offset + n * 4]
+                .chunks(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        pack(
+            &mut buf,
+            &BatchRows::Tokens(vec![vec![101, 5, 102], vec![], vec![101, 102]]),
+        );
+        let slot = |i: usize| ints(&buf, p.inputs[i].offset, p.inputs[i].elems);
+        let tail = vec![0; 11];
+        assert_eq!(slot(0), [&[101, 5, 102, 101, 102][..], &tail].concat());
+        assert_eq!(slot(1), vec![0; 16]);
+        assert_eq!(slot(2), [&[0, 1, 2, 0, 1][..], &tail].concat());
+        assert_eq!(slot(3), vec![0, 3, 3, 5, 5]);
+        // The tile table: the 3-token sequence, the 2-token one, the tail, unused.
+        let t = &p.tile_tables[0];
+        assert_eq!(t.qt, 64);
+        assert_eq!(t.max_tiles, 5);
+        let table = ints(&buf, t.offset, t.max_tiles * TILE_ENTRY);
+        assert_eq!(&table[..12], &[0, 3, 0, 3, 3, 2, 3, 2, 5, 11, 5, 0]);
+        assert!(table[12..].iter().all(|&v| v == 0));
+        // The next batch in the same staging buffer rewrites every entry.
+        pack(&mut buf, &BatchRows::Tokens(vec![vec![7; 16]]));
+        let table = ints(&buf, t.offset, t.max_tiles * TILE_ENTRY);
+        assert_eq!(&table[..4], &[0, 16, 0, 16]);
+        assert!(table[4..].iter().all(|&v| v == 0));
+        assert_eq!(ints(&buf, p.inputs[3].offset, 5), vec![0, 16, 16, 16, 16]);
     }
 
     #[test]

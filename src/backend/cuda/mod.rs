@@ -370,6 +370,20 @@ impl CudaBackend {
         program: &Program,
         reps: usize,
     ) -> Result<Vec<(String, f64)>, BackendError> {
+        self.profile_program_on(host, weights, program, None, reps)
+    }
+
+    /// [`CudaBackend::profile_program`] with `rows` packed into the inputs
+    /// (a packed program's kernels take their work from its inputs: on zeros
+    /// its varlen attention has nothing to do).
+    pub fn profile_program_on(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+        rows: Option<&BatchRows>,
+        reps: usize,
+    ) -> Result<Vec<(String, f64)>, BackendError> {
         self.alive()?;
         let r = (|| {
             let plan = plan::plan(
@@ -393,6 +407,16 @@ impl CudaBackend {
             };
             let ws = &inner.workspace;
             ctx.bind_to_thread().cu("bind context")?;
+            if let Some(rows) = rows {
+                let mut staged = vec![0u32; plan.input_bytes.div_ceil(4)];
+                // SAFETY: `staged` holds input_bytes, 4-byte aligned; the
+                // caller checked `rows` against the program.
+                unsafe { graph::pack_inputs(&plan, rows, staged.as_mut_ptr() as *mut u8) };
+                // SAFETY: pageable copy into `io`, which holds input_bytes first.
+                unsafe { dres::memcpy_htod_async(io.ptr(), &staged, inner.stream.cu_stream()) }
+                    .cu("copy profile inputs")?;
+                inner.stream.synchronize().cu("copy profile inputs")?;
+            }
             let steps = resolve::resolve(
                 &plan,
                 &bases,
