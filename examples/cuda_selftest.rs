@@ -7,7 +7,7 @@
 //! its own process) fault injection.
 //!
 //! Usage (GPU machine):
-//!   cuda_selftest [--gpu 0] [--iters 500] [--json out.json]
+//!   cuda_selftest [--gpu 0] [--iters 500] [--json out.json] [--packed-only]
 //!   cuda_selftest --fault [--gpu 0]
 //!
 //! Exit status: 0 all pass, 1 a failure, 2 no usable GPU.
@@ -707,6 +707,9 @@ fn main() {
     if args.iter().any(|a| a == "--fault") {
         std::process::exit(fault_test(ord));
     }
+    // Only the packed checks, profiles and latencies (with the padded
+    // MiniLM-shaped ones to compare with): what a packed-batching change needs.
+    let packed_only = args.iter().any(|a| a == "--packed-only");
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .try_init();
@@ -743,78 +746,6 @@ fn main() {
     };
     let mut rng = Rng(0x1234_5678);
     let result = (|| -> Result<(), BackendError> {
-        println!("== MLP");
-        let m = mlp(
-            &[128, 256, 10],
-            &[Activation::Relu, Activation::Identity],
-            &[true, true],
-            &mut rng,
-        );
-        for b in [1usize, 8, 13] {
-            let p = mlp_program(&m, b);
-            let rows = feature_rows(if b == 13 { 13 } else { b.max(1) }, 128, &mut rng);
-            run_case(
-                &mut gpu,
-                &mut rep,
-                &format!("mlp128-256-10 f32 b{b}"),
-                &m.weights,
-                DType::F32,
-                &p,
-                &rows,
-                false,
-                1e-5,
-                false,
-            )?;
-        }
-        // Padded batch (fewer rows than the bucket).
-        let p = mlp_program(&m, 8);
-        let rows = feature_rows(3, 128, &mut rng);
-        run_case(
-            &mut gpu,
-            &mut rep,
-            "mlp f32 3 rows in b8",
-            &m.weights,
-            DType::F32,
-            &p,
-            &rows,
-            false,
-            1e-5,
-            false,
-        )?;
-        let acts = [
-            Activation::Gelu,
-            Activation::GeluTanh,
-            Activation::Tanh,
-            Activation::Sigmoid,
-            Activation::Silu,
-            Activation::Relu,
-            Activation::Identity,
-        ];
-        for (i, &a) in acts.iter().enumerate() {
-            for (dt, th) in [(DType::F32, 1e-5), (DType::F16, 1e-2), (DType::BF16, 5e-2)] {
-                let m = mlp(
-                    &[64, 96, 48, 7],
-                    &[a, acts[(i + 3) % 7], Activation::Identity],
-                    &[i % 2 == 0, true, i % 3 != 0],
-                    &mut rng,
-                );
-                let p = mlp_program(&m, 5);
-                let rows = feature_rows(5, 64, &mut rng);
-                run_case(
-                    &mut gpu,
-                    &mut rep,
-                    &format!("mlp {a:?} {dt}"),
-                    &m.weights,
-                    dt,
-                    &p,
-                    &rows,
-                    false,
-                    th,
-                    false,
-                )?;
-            }
-        }
-        println!("== BERT-shaped");
         let base = BertDims {
             hidden: 384,
             heads: 12,
@@ -825,100 +756,173 @@ fn main() {
             normalize: true,
             act: Activation::Gelu,
         };
-        let cases: Vec<(BertDims, Vec<(usize, usize, usize)>)> = vec![
-            (
-                base,
-                vec![
-                    (1, 16, 1),
-                    (2, 8, 2),
-                    (3, 5, 3),
-                    (4, 100, 3),
-                    (2, 256, 2),
-                    (2, 64, 2),
-                ],
-            ),
-            (
-                BertDims {
-                    hidden: 256,
-                    heads: 4,
-                    pooling: Pooling::Cls,
-                    normalize: false,
-                    inter: 512,
-                    ..base
-                },
-                vec![(3, 70, 3)],
-            ),
-            (
-                BertDims {
-                    hidden: 192,
-                    heads: 4,
-                    pooling: Pooling::Max,
-                    inter: 384,
-                    act: Activation::GeluTanh,
-                    ..base
-                },
-                vec![(2, 33, 2)],
-            ),
-            (
-                BertDims {
-                    hidden: 256,
-                    heads: 2,
-                    pooling: Pooling::Mean,
-                    inter: 512,
-                    ..base
-                },
-                vec![(2, 130, 2)],
-            ),
-            (
-                BertDims {
-                    hidden: 100,
-                    heads: 5,
-                    pooling: Pooling::Mean,
-                    inter: 200,
-                    ..base
-                },
-                vec![(3, 20, 2)],
-            ),
-        ];
-        for (d, shapes) in cases {
-            let m = bert(d, &mut rng);
-            for (b, s, n) in shapes {
-                for (dt, th) in [
-                    (DType::F32, 0.99999),
-                    (DType::F16, 0.999),
-                    (DType::BF16, 0.99),
-                ] {
-                    let p = bert_program(&m, b, s);
-                    let rows = token_rows(n, s, d.vocab, &mut rng);
-                    let name = format!(
-                        "bert h{} nh{} {:?} b{b} s{s} ({n} rows) {dt}",
-                        d.hidden, d.heads, d.pooling
-                    );
-                    run_case(
-                        &mut gpu, &mut rep, &name, &m.weights, dt, &p, &rows, true, th, false,
-                    )?;
-                }
+        if !packed_only {
+            println!("== MLP");
+            let m = mlp(
+                &[128, 256, 10],
+                &[Activation::Relu, Activation::Identity],
+                &[true, true],
+                &mut rng,
+            );
+            for b in [1usize, 8, 13] {
+                let p = mlp_program(&m, b);
+                let rows = feature_rows(if b == 13 { 13 } else { b.max(1) }, 128, &mut rng);
+                run_case(
+                    &mut gpu,
+                    &mut rep,
+                    &format!("mlp128-256-10 f32 b{b}"),
+                    &m.weights,
+                    DType::F32,
+                    &p,
+                    &rows,
+                    false,
+                    1e-5,
+                    false,
+                )?;
             }
-        }
-        // Long sequence through the eager path (attention smem opt-in).
-        let m = bert(BertDims { layers: 1, ..base }, &mut rng);
-        for dt in [DType::F32, DType::F16] {
-            let p = bert_program(&m, 2, 512);
-            let rows = token_rows(2, 512, base.vocab, &mut rng);
+            // Padded batch (fewer rows than the bucket).
+            let p = mlp_program(&m, 8);
+            let rows = feature_rows(3, 128, &mut rng);
             run_case(
                 &mut gpu,
                 &mut rep,
-                &format!("bert s512 eager {dt}"),
+                "mlp f32 3 rows in b8",
                 &m.weights,
-                dt,
+                DType::F32,
                 &p,
                 &rows,
-                true,
-                if dt == DType::F32 { 0.99999 } else { 0.999 },
-                true,
+                false,
+                1e-5,
+                false,
             )?;
+            let acts = [
+                Activation::Gelu,
+                Activation::GeluTanh,
+                Activation::Tanh,
+                Activation::Sigmoid,
+                Activation::Silu,
+                Activation::Relu,
+                Activation::Identity,
+            ];
+            for (i, &a) in acts.iter().enumerate() {
+                for (dt, th) in [(DType::F32, 1e-5), (DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+                    let m = mlp(
+                        &[64, 96, 48, 7],
+                        &[a, acts[(i + 3) % 7], Activation::Identity],
+                        &[i % 2 == 0, true, i % 3 != 0],
+                        &mut rng,
+                    );
+                    let p = mlp_program(&m, 5);
+                    let rows = feature_rows(5, 64, &mut rng);
+                    run_case(
+                        &mut gpu,
+                        &mut rep,
+                        &format!("mlp {a:?} {dt}"),
+                        &m.weights,
+                        dt,
+                        &p,
+                        &rows,
+                        false,
+                        th,
+                        false,
+                    )?;
+                }
+            }
+            println!("== BERT-shaped");
+            let cases: Vec<(BertDims, Vec<(usize, usize, usize)>)> = vec![
+                (
+                    base,
+                    vec![
+                        (1, 16, 1),
+                        (2, 8, 2),
+                        (3, 5, 3),
+                        (4, 100, 3),
+                        (2, 256, 2),
+                        (2, 64, 2),
+                    ],
+                ),
+                (
+                    BertDims {
+                        hidden: 256,
+                        heads: 4,
+                        pooling: Pooling::Cls,
+                        normalize: false,
+                        inter: 512,
+                        ..base
+                    },
+                    vec![(3, 70, 3)],
+                ),
+                (
+                    BertDims {
+                        hidden: 192,
+                        heads: 4,
+                        pooling: Pooling::Max,
+                        inter: 384,
+                        act: Activation::GeluTanh,
+                        ..base
+                    },
+                    vec![(2, 33, 2)],
+                ),
+                (
+                    BertDims {
+                        hidden: 256,
+                        heads: 2,
+                        pooling: Pooling::Mean,
+                        inter: 512,
+                        ..base
+                    },
+                    vec![(2, 130, 2)],
+                ),
+                (
+                    BertDims {
+                        hidden: 100,
+                        heads: 5,
+                        pooling: Pooling::Mean,
+                        inter: 200,
+                        ..base
+                    },
+                    vec![(3, 20, 2)],
+                ),
+            ];
+            for (d, shapes) in cases {
+                let m = bert(d, &mut rng);
+                for (b, s, n) in shapes {
+                    for (dt, th) in [
+                        (DType::F32, 0.99999),
+                        (DType::F16, 0.999),
+                        (DType::BF16, 0.99),
+                    ] {
+                        let p = bert_program(&m, b, s);
+                        let rows = token_rows(n, s, d.vocab, &mut rng);
+                        let name = format!(
+                            "bert h{} nh{} {:?} b{b} s{s} ({n} rows) {dt}",
+                            d.hidden, d.heads, d.pooling
+                        );
+                        run_case(
+                            &mut gpu, &mut rep, &name, &m.weights, dt, &p, &rows, true, th, false,
+                        )?;
+                    }
+                }
+            }
+            // Long sequence through the eager path (attention smem opt-in).
+            let m = bert(BertDims { layers: 1, ..base }, &mut rng);
+            for dt in [DType::F32, DType::F16] {
+                let p = bert_program(&m, 2, 512);
+                let rows = token_rows(2, 512, base.vocab, &mut rng);
+                run_case(
+                    &mut gpu,
+                    &mut rep,
+                    &format!("bert s512 eager {dt}"),
+                    &m.weights,
+                    dt,
+                    &p,
+                    &rows,
+                    true,
+                    if dt == DType::F32 { 0.99999 } else { 0.999 },
+                    true,
+                )?;
+            }
         }
-
         println!("== packed BERT-shaped (varlen attention, per-sequence pooling)");
         // Head sizes 32, 64, 128 (tensor cores in f16/bf16), 20 and 48 (CUDA
         // cores); f32 always on CUDA cores.
@@ -1031,25 +1035,28 @@ fn main() {
         )?;
 
         println!("== latency (launch -> collect, one at a time; then 2 in flight)");
-        let m = mlp(
-            &[128, 256, 10],
-            &[Activation::Relu, Activation::Identity],
-            &[true, true],
-            &mut rng,
-        );
-        for b in [1usize, 8, 128] {
-            let p = mlp_program(&m, b);
-            let inputs: Vec<BatchRows> = (0..4).map(|_| feature_rows(b, 128, &mut rng)).collect();
-            latency(
-                &mut gpu,
-                &mut rep,
-                &format!("mlp f32 b{b}"),
-                &m.weights,
-                DType::F32,
-                &p,
-                &inputs,
-                iters,
-            )?;
+        if !packed_only {
+            let m = mlp(
+                &[128, 256, 10],
+                &[Activation::Relu, Activation::Identity],
+                &[true, true],
+                &mut rng,
+            );
+            for b in [1usize, 8, 128] {
+                let p = mlp_program(&m, b);
+                let inputs: Vec<BatchRows> =
+                    (0..4).map(|_| feature_rows(b, 128, &mut rng)).collect();
+                latency(
+                    &mut gpu,
+                    &mut rep,
+                    &format!("mlp f32 b{b}"),
+                    &m.weights,
+                    DType::F32,
+                    &p,
+                    &inputs,
+                    iters,
+                )?;
+            }
         }
         let mini = bert(
             BertDims {
@@ -1137,17 +1144,27 @@ fn main() {
                 if tokens > 4096 { iters / 4 } else { iters },
             )?;
         }
-        for (dt, b, s) in [
-            (DType::F16, 1usize, 16usize),
-            (DType::F16, 1, 128),
-            (DType::F16, 8, 64),
-            (DType::F16, 32, 128),
-            (DType::F16, 128, 128),
-            (DType::F16, 128, 256),
-            (DType::F32, 1, 16),
-            (DType::F32, 32, 128),
-            (DType::F32, 128, 128),
-        ] {
+        let padded_shapes: &[(DType, usize, usize)] = if packed_only {
+            &[
+                (DType::F16, 1, 16),
+                (DType::F16, 32, 64),
+                (DType::F16, 32, 128),
+                (DType::F16, 128, 128),
+            ]
+        } else {
+            &[
+                (DType::F16, 1usize, 16usize),
+                (DType::F16, 1, 128),
+                (DType::F16, 8, 64),
+                (DType::F16, 32, 128),
+                (DType::F16, 128, 128),
+                (DType::F16, 128, 256),
+                (DType::F32, 1, 16),
+                (DType::F32, 32, 128),
+                (DType::F32, 128, 128),
+            ]
+        };
+        for &(dt, b, s) in padded_shapes {
             let p = bert_program(&mini, b, s);
             let inputs: Vec<BatchRows> = (0..4)
                 .map(|_| {
