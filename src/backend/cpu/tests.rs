@@ -1556,3 +1556,49 @@ fn minilm_bad_packed_batches_are_invalid() {
     // MLPs have no packed programs.
     assert!(mlp_model().program_for(Bucket::packed(64, 4)).is_err());
 }
+
+/// Packed and padded graphs share one arena (activations and the attention
+/// scratch, which a packed graph sizes by its longest sequence): replayed
+/// alternately they give exactly what each gives captured alone.
+#[test]
+fn packed_and_padded_graphs_share_one_arena() {
+    let model = minilm();
+    let texts: Vec<Vec<u32>> = (0..5).map(|i| text_of_len(5 + 17 * i, 3 * i)).collect();
+    let cases = [
+        Case {
+            model,
+            program: model.program_for(Bucket::packed(512, 16)).unwrap(),
+            rows: BatchRows::Tokens(texts.clone()),
+        },
+        Case {
+            model,
+            program: model.program(4, 128),
+            rows: BatchRows::Tokens(texts[..4].to_vec()),
+        },
+        Case {
+            model,
+            program: model.program_for(Bucket::packed(64, 8)).unwrap(),
+            rows: BatchRows::Tokens(vec![texts[1].clone(), vec![], texts[0].clone()]),
+        },
+    ];
+    let alone: Vec<Vec<f32>> = cases.iter().map(|c| run_alone(c, true)).collect();
+    let mut backend = CpuBackend::new(0, THREADS);
+    let weights = backend.upload(model).unwrap();
+    let mut graphs: Vec<CpuGraph> = cases
+        .iter()
+        .map(|c| backend.capture(model, &weights, &c.program).unwrap())
+        .collect();
+    let needs: Vec<arena::ArenaNeeds> = graphs.iter().map(|g| g.plan.arena_needs()).collect();
+    // The packed 512-token graph's scratch: 2 workers × 256² scores.
+    assert_eq!(needs[0].scratch, THREADS * 256 * 256);
+    assert_eq!(
+        backend.arena_bytes(),
+        (needs.iter().map(|n| n.activations).max().unwrap()
+            + needs.iter().map(|n| n.scratch).max().unwrap()) as u64
+            * 4
+    );
+    for &i in &[0, 1, 2, 0, 2, 1, 0] {
+        let got = launch_once(&mut backend, &mut graphs[i], &cases[i].rows);
+        assert_eq!(bits(&got), bits(&alone[i]), "graph {i}");
+    }
+}
