@@ -1,5 +1,8 @@
 //! The CUDA backend: NVRTC-compiled kernels (`kernels/`), cuBLASLt matmuls
-//! with fused epilogues, and one CUDA graph per (batch, seq) bucket.
+//! with fused epilogues, and one CUDA graph per bucket: a padded (batch, seq)
+//! rectangle, or a packed token budget whose static inputs (ids, types,
+//! positions, `cu_seqlens` and the varlen attention's tile table, see
+//! [`plan`]) change contents per batch while the graph stays fixed.
 //!
 //! * [`kernels`]: NVRTC compile for the device's architecture + disk cache.
 //! * [`matmul`]: cuBLASLt plans, our own workspace (no allocation in captures).
