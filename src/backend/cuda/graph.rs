@@ -43,12 +43,19 @@ impl Arena {
 /// padded rows, or for a packed plan its sequences end to end
 /// ([`BatchRows::pack_packed`]) and the varlen attention's tile tables
 /// ([`write_tile_table`]), so one copy moves everything a replay reads.
+/// `order` is the tile table's sort scratch (a graph keeps one, so that its
+/// replays do not allocate).
 ///
 /// # Safety
 /// `base` must point at `plan.input_bytes` writable bytes, 4-byte aligned,
 /// that no copy is reading; `rows` must have passed
 /// [`ProgramFacts::check_rows`](crate::model::ProgramFacts::check_rows).
-pub unsafe fn pack_inputs(plan: &Plan, rows: &BatchRows, base: *mut u8) {
+pub unsafe fn pack_inputs(
+    plan: &Plan,
+    rows: &BatchRows,
+    base: *mut u8,
+    order: &mut Vec<(usize, usize)>,
+) {
     for slot in &plan.inputs {
         let p = base.add(slot.offset);
         if slot.role == InputRole::Features {
@@ -67,13 +74,12 @@ pub unsafe fn pack_inputs(plan: &Plan, rows: &BatchRows, base: *mut u8) {
     else {
         unreachable!("tile tables belong to packed plans of token rows")
     };
-    let mut order = Vec::with_capacity(seqs.len());
     for t in &plan.tile_tables {
         let dst = std::slice::from_raw_parts_mut(
             base.add(t.offset) as *mut i32,
             t.max_tiles * TILE_ENTRY,
         );
-        write_tile_table(seqs.iter().map(Vec::len), tokens, t.qt, dst, &mut order);
+        write_tile_table(seqs.iter().map(Vec::len), tokens, t.qt, dst, order);
     }
 }
 
@@ -250,6 +256,8 @@ pub struct CapturedGraph {
     /// Arena bytes charged to this graph (see [`GraphMemory`]).
     pub(crate) arena_charge: u64,
     pub(crate) slots: Vec<Arc<Slot>>,
+    /// Sort scratch of the tile tables (packed graphs), kept across replays.
+    pub(crate) tile_order: Vec<(usize, usize)>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) ctx: Arc<CudaContext>,
     /// e.g. `"42 nodes [kernel:41 memset:1]"`.
@@ -271,6 +279,11 @@ impl CapturedGraph {
         node_counts: BTreeMap<&'static str, usize>,
     ) -> CapturedGraph {
         arena.users.fetch_add(1, Ordering::Relaxed);
+        let tile_order = Vec::with_capacity(if plan.tile_tables.is_empty() {
+            0
+        } else {
+            plan.batch
+        });
         CapturedGraph {
             exec,
             plan,
@@ -279,6 +292,7 @@ impl CapturedGraph {
             arena,
             arena_charge,
             slots: Vec::new(),
+            tile_order,
             stream,
             ctx,
             nodes: describe_nodes(&node_counts),
@@ -387,7 +401,7 @@ mod tests {
             data: vec![1.0; 8],
         };
         let mut buf = vec![7u8; p.input_bytes];
-        unsafe { pack_inputs(&p, &ok, buf.as_mut_ptr()) };
+        unsafe { pack_inputs(&p, &ok, buf.as_mut_ptr(), &mut Vec::new()) };
         let vals: Vec<f32> = buf[..64]
             .chunks(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
@@ -402,7 +416,7 @@ mod tests {
         let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
         let rows = BatchRows::Tokens(vec![vec![101, 5, 102], vec![101, 102]]);
         let mut buf = vec![0xffu8; p.input_bytes];
-        unsafe { pack_inputs(&p, &rows, buf.as_mut_ptr()) };
+        unsafe { pack_inputs(&p, &rows, buf.as_mut_ptr(), &mut Vec::new()) };
         let ints = |slot: usize| -> Vec<i32> {
             let s = &p.inputs[slot];
             buf[s.offset..s.offset + s.elems * 4]
@@ -425,8 +439,9 @@ mod tests {
     fn packed_rows_pack_sequences_offsets_and_tiles() {
         let (prog, w) = super::super::plan::tests::packed_bert_dims(16, 4, 16, 384, 12, 1536);
         let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
-        let pack = |buf: &mut Vec<u8>, rows: &BatchRows| {
-            unsafe { pack_inputs(&p, rows, buf.as_mut_ptr()) };
+        let mut order = Vec::new();
+        let mut pack = |buf: &mut Vec<u8>, rows: &BatchRows| {
+            unsafe { pack_inputs(&p, rows, buf.as_mut_ptr(), &mut order) };
         };
         let mut buf = vec![0xffu8; p.input_bytes];
         let ints = |buf: &[u8], offset: usize, n: usize| -> Vec<i32> {

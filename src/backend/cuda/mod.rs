@@ -414,7 +414,9 @@ impl CudaBackend {
                 let mut staged = vec![0u32; plan.input_bytes.div_ceil(4)];
                 // SAFETY: `staged` holds input_bytes, 4-byte aligned; the
                 // caller checked `rows` against the program.
-                unsafe { graph::pack_inputs(&plan, rows, staged.as_mut_ptr() as *mut u8) };
+                unsafe {
+                    graph::pack_inputs(&plan, rows, staged.as_mut_ptr() as *mut u8, &mut Vec::new())
+                };
                 // SAFETY: pageable copy into `io`, which holds input_bytes first.
                 unsafe { dres::memcpy_htod_async(io.ptr(), &staged, inner.stream.cu_stream()) }
                     .cu("copy profile inputs")?;
@@ -614,10 +616,11 @@ impl CudaBackend {
         }
         let slot: Arc<Slot> = graph.take_slot()?;
         let plan = &graph.plan;
+        let order = &mut graph.tile_order;
         let values = rows.rows() * plan.output_dim;
         let result = (|| {
             // SAFETY: the slot is ours (taken above): no copy reads or writes it.
-            unsafe { graph::pack_inputs(plan, rows, slot.input_ptr()) };
+            unsafe { graph::pack_inputs(plan, rows, slot.input_ptr(), order) };
             let s = &self.inner.stream;
             let cs = s.cu_stream();
             self.inner.ctx.bind_to_thread().cu("bind context")?;
@@ -713,7 +716,7 @@ impl CudaBackend {
         )?;
         let mut host = vec![0u32; plan.input_bytes.div_ceil(4)];
         // SAFETY: `host` holds input_bytes, 4-byte aligned; rows validated.
-        unsafe { graph::pack_inputs(&plan, rows, host.as_mut_ptr() as *mut u8) };
+        unsafe { graph::pack_inputs(&plan, rows, host.as_mut_ptr() as *mut u8, &mut Vec::new()) };
         let s = &inner.eager_stream;
         let cs = s.cu_stream();
         ctx.bind_to_thread().cu("bind context")?;
