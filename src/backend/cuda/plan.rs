@@ -194,8 +194,9 @@ pub fn write_tile_table(
         start += len;
     }
     assert!(start <= tokens, "{start} tokens in a budget of {tokens}");
-    // Longest first; equal lengths in batch order (a stable sort).
-    order.sort_by_key(|&(len, _)| std::cmp::Reverse(len));
+    // Longest first; equal lengths in batch order (the start breaks ties, so
+    // an unstable sort, which does not allocate, gives the same order).
+    order.sort_unstable_by_key(|&(len, start)| (std::cmp::Reverse(len), start));
     let mut entries = dst.chunks_exact_mut(TILE_ENTRY);
     let mut push = |q_start: usize, q_count: usize, kv_start: usize, kv_len: usize| {
         let e = entries
