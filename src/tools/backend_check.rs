@@ -1130,6 +1130,44 @@ fn check_packed_bucket(
     (res, Some(graph))
 }
 
+/// Groups sequences of lengths `lens`, in order, into batches for packed
+/// graphs of the given (bucket, longest sequence) shapes, as a packed
+/// batcher does: each batch takes as many of the next sequences as the
+/// largest graph holds, and runs in the smallest graph that holds it
+/// (`Some(index into shapes)`); a sequence no graph holds runs alone on the
+/// eager path (`None`).
+fn packed_batches(
+    lens: &[usize],
+    shapes: &[(Bucket, usize)],
+) -> Vec<(std::ops::Range<usize>, Option<usize>)> {
+    let pick = |tokens: usize, n: usize, longest: usize| {
+        shapes
+            .iter()
+            .enumerate()
+            .filter(|(_, (b, ml))| b.tokens() >= tokens && b.rows() >= n && *ml >= longest)
+            .min_by_key(|(_, (b, _))| b.tokens())
+            .map(|(i, _)| i)
+    };
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lens.len() {
+        let (mut j, mut tokens, mut longest) = (i, 0, 0);
+        while j < lens.len() && pick(tokens + lens[j], j + 1 - i, longest.max(lens[j])).is_some() {
+            tokens += lens[j];
+            longest = longest.max(lens[j]);
+            j += 1;
+        }
+        if j == i {
+            out.push((i..i + 1, None));
+            i += 1;
+        } else {
+            out.push((i..j, pick(tokens, j - i, longest)));
+            i = j;
+        }
+    }
+    out
+}
+
 /// The reference texts through a packed model's graphs, batched as the
 /// daemon does: texts in file order into the smallest budget that holds
 /// them (eager when a text is longer than every budget allows).
@@ -1165,55 +1203,35 @@ fn check_reference_packed(
             _ => None,
         })
         .collect();
-    // Smallest captured graph holding `n` sequences of `tokens` tokens, the
-    // longest `longest`.
     let max_len_of = |b: Bucket| match model.program_for(b) {
         Ok(p) => p.seq,
         Err(_) => 0,
     };
-    let lens: Vec<(Bucket, usize)> = graphs.iter().map(|(b, _)| (*b, max_len_of(*b))).collect();
-    let pick = |tokens: usize, n: usize, longest: usize| {
-        lens.iter()
-            .enumerate()
-            .filter(|(_, (b, ml))| b.tokens() >= tokens && b.rows() >= n && *ml >= longest)
-            .min_by_key(|(_, (b, _))| b.tokens())
-            .map(|(i, _)| i)
-    };
+    let shapes: Vec<(Bucket, usize)> = graphs.iter().map(|(b, _)| (*b, max_len_of(*b))).collect();
+    let lens: Vec<usize> = texts.iter().map(|t| t.0.len()).collect();
+    let batches = packed_batches(&lens, &shapes);
     let mut gpu_all: Vec<f32> = Vec::new();
     let mut ref_all: Vec<f32> = Vec::new();
     let result: anyhow::Result<()> = (|| {
-        let mut i = 0;
-        while i < texts.len() {
-            let mut j = i;
-            let (mut tokens, mut longest) = (0, 0);
-            while j < texts.len() {
-                let l = texts[j].0.len();
-                if pick(tokens + l, j + 1 - i, longest.max(l)).is_none() {
-                    break;
+        for (range, graph) in batches {
+            let rows =
+                BatchRows::Tokens(texts[range.clone()].iter().map(|t| t.0.clone()).collect());
+            let values = match graph {
+                Some(g) => {
+                    let graph = &mut graphs[g].1;
+                    c.gpu.launch(graph, &rows).and_then(|p| c.gpu.collect(p))
                 }
-                tokens += l;
-                longest = longest.max(l);
-                j += 1;
-            }
-            let values = if j == i {
-                // Longer than every budget allows: the packed eager path.
-                j = i + 1;
-                res.eager_items += 1;
-                let rows = BatchRows::Tokens(vec![texts[i].0.clone()]);
-                let program = model.eager_program(&rows, true);
-                c.gpu.run_eager(model, gw, &program, &rows)
-            } else {
-                let rows = BatchRows::Tokens(texts[i..j].iter().map(|t| t.0.clone()).collect());
-                let g = pick(tokens, j - i, longest).expect("checked above");
-                let graph = &mut graphs[g].1;
-                c.gpu.launch(graph, &rows).and_then(|p| c.gpu.collect(p))
+                None => {
+                    res.eager_items += rows.rows();
+                    let program = model.eager_program(&rows, true);
+                    c.gpu.run_eager(model, gw, &program, &rows)
+                }
             }
             .map_err(|e| anyhow!("{e}"))?;
             gpu_all.extend_from_slice(&values);
-            for t in &texts[i..j] {
+            for t in &texts[range] {
                 ref_all.extend_from_slice(&t.1);
             }
-            i = j;
         }
         res.items = texts.len();
         Ok(())
@@ -1624,6 +1642,37 @@ mod tests {
             packed_buckets(&c.models[0], &args),
             vec![Bucket::packed(64, 64)]
         );
+    }
+
+    #[test]
+    fn reference_texts_are_batched_into_the_smallest_holding_graph() {
+        let shapes = [(Bucket::packed(256, 4), 256), (Bucket::packed(64, 64), 64)];
+        let lens = [10, 20, 30, 300, 5, 100, 100, 60, 1, 1, 1, 1, 1];
+        let b = packed_batches(&lens, &shapes);
+        assert_eq!(
+            b,
+            vec![
+                (0..3, Some(1)),   // 60 tokens: the 64-token graph
+                (3..4, None),      // longer than any graph allows: eager
+                (4..7, Some(0)),   // 205 tokens; with the 60 it would be 265
+                (7..12, Some(1)),  // 64 tokens exactly
+                (12..13, Some(1)), // the rest
+            ]
+        );
+        // Every text in exactly one batch, in order; every graph batch fits.
+        let mut next = 0;
+        for (r, g) in &b {
+            assert_eq!(r.start, next);
+            next = r.end;
+            if let Some(g) = g {
+                let (bucket, max_len) = shapes[*g];
+                let l = &lens[r.clone()];
+                assert!(l.iter().sum::<usize>() <= bucket.tokens() && l.len() <= bucket.rows());
+                assert!(l.iter().all(|&x| x <= max_len));
+            }
+        }
+        assert_eq!(next, lens.len());
+        assert!(packed_batches(&[], &shapes).is_empty());
     }
 
     /// The packed check's batches fit the bucket they are made for.
