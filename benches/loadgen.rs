@@ -8,8 +8,19 @@
 //! against it (`--min-cosine`). Exit status 1 if any check fails.
 //!
 //! Texts come from a JSONL file with a `text` field per line (e.g.
-//! tests/data/minilm_set_a.jsonl); `--features N` sends random f32 rows
-//! instead (MLP models).
+//! tests/data/minilm_set_a.jsonl, or the realistic corpus that
+//! `scripts/make-corpus.py` writes); `--features N` sends random f32 rows
+//! instead (MLP models). `--batch` texts go in each request.
+//!
+//! With `--control ENDPOINT` (the daemon's control socket) it also reads the
+//! daemon's stats before and after the run and reports, for this run alone,
+//! each bucket's real and computed tokens and padding waste, and the total:
+//!
+//! ```sh
+//! scripts/make-corpus.py /tmp/corpus.jsonl
+//! replayd-loadgen --model all-MiniLM-L6-v2 --texts /tmp/corpus.jsonl --batch 32 \
+//!     --concurrency 256 --duration 20 --control tcp://127.0.0.1:5556
+//! ```
 
 use clap::Parser;
 use replayd::protocol::client::Client;
@@ -65,6 +76,10 @@ struct Args {
     /// Eager replies are not compared (their shapes differ per request).
     #[arg(long)]
     identical: bool,
+    /// The daemon's control endpoint: report padding waste per bucket and
+    /// overall for this run, from its stats before and after.
+    #[arg(long)]
+    control: Option<String>,
     /// Write the report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -81,8 +96,16 @@ struct Corpus {
 fn load_corpus(path: &PathBuf) -> Corpus {
     let mut texts = Vec::new();
     let mut embeddings = Vec::new();
-    for line in std::fs::read_to_string(path).expect("read --texts").lines() {
-        let v: Value = serde_json::from_str(line).expect("JSONL");
+    for (n, line) in std::fs::read_to_string(path)
+        .expect("read --texts")
+        .lines()
+        .enumerate()
+    {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let v: Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("--texts line {}: not JSON: {e}", n + 1));
         texts.push(v["text"].as_str().expect("text field").to_string());
         embeddings.push(serde_json::from_value(v["embedding"].clone()).ok());
     }
@@ -163,6 +186,101 @@ struct Tally {
     min_cosine: f64,
     bad_cosine: u64,
     buckets: BTreeMap<String, u64>,
+    /// Replies whose rows ran in more than one batch.
+    split: u64,
+}
+
+/// The daemon's stats, over its control socket.
+async fn daemon_stats(endpoint: &str) -> Result<Value, String> {
+    use zeromq::{Socket, SocketRecv, SocketSend};
+    let mut socket = zeromq::DealerSocket::new();
+    let timeout = Duration::from_secs(10);
+    tokio::time::timeout(timeout, socket.connect(endpoint))
+        .await
+        .map_err(|_| format!("cannot connect to {endpoint}: timed out"))?
+        .map_err(|e| format!("cannot connect to {endpoint}: {e}"))?;
+    let request = replayd::daemon::control::ControlRequest {
+        cmd: "stats".into(),
+        device: None,
+        kind: None,
+    };
+    let frame = bytes::Bytes::from(serde_json::to_vec(&request).unwrap());
+    socket
+        .send(zeromq::ZmqMessage::from(frame))
+        .await
+        .map_err(|e| e.to_string())?;
+    let reply = tokio::time::timeout(timeout, socket.recv())
+        .await
+        .map_err(|_| format!("no stats from {endpoint}"))?
+        .map_err(|e| e.to_string())?;
+    let frame = reply.into_vec().pop().ok_or("empty answer")?;
+    let v: Value = serde_json::from_slice(&frame).map_err(|e| e.to_string())?;
+    if v["ok"] != Value::Bool(true) {
+        return Err(format!("stats refused: {}", v["error"]));
+    }
+    Ok(v["result"].clone())
+}
+
+/// Per bucket of `model`: (batches, rows, seq slots, tokens, computed tokens).
+fn bucket_totals(stats: &Value, model: &str) -> BTreeMap<String, [u64; 5]> {
+    let mut out = BTreeMap::new();
+    for b in stats["buckets"].as_array().into_iter().flatten() {
+        if b["model"] != model {
+            continue;
+        }
+        let get = |k: &str| b[k].as_u64().unwrap_or(0);
+        let tokens = get("tokens");
+        let rows = get("rows");
+        out.insert(
+            b["bucket"].as_str().unwrap_or("?").to_string(),
+            [
+                get("batches"),
+                rows,
+                rows + get("padded_rows"),
+                tokens,
+                tokens + get("padded_tokens"),
+            ],
+        );
+    }
+    out
+}
+
+/// What the run added to the daemon's bucket counters: padding waste per
+/// bucket and overall, and eager sequences.
+fn padding_report(before: &Value, after: &Value, model: &str) -> Value {
+    let (b0, b1) = (bucket_totals(before, model), bucket_totals(after, model));
+    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    let mut buckets = Vec::new();
+    let (mut tokens, mut computed) = (0, 0);
+    for (bucket, now) in &b1 {
+        let was = b0.get(bucket).copied().unwrap_or_default();
+        let d: Vec<u64> = now.iter().zip(was).map(|(a, b)| a - b).collect();
+        if d[0] == 0 {
+            continue;
+        }
+        tokens += d[3];
+        computed += d[4];
+        buckets.push(json!({
+            "bucket": bucket,
+            "batches": d[0],
+            "seqs": d[1],
+            "seqs_per_batch": ratio(d[1], d[0]),
+            "seq_fill": ratio(d[1], d[2]),
+            "tokens": d[3],
+            "computed_tokens": d[4],
+            "padding_waste": 1.0 - ratio(d[3], d[4]),
+        }));
+    }
+    let eager = |s: &Value| s["eager"]["sequences"].as_u64().unwrap_or(0);
+    json!({
+        "buckets": buckets,
+        "tokens": tokens,
+        "computed_tokens": computed,
+        "padding_waste": if computed == 0 { 0.0 } else { 1.0 - ratio(tokens, computed) },
+        "eager_sequences": eager(after).saturating_sub(eager(before)),
+        "batching": after["models"].as_array().into_iter().flatten()
+            .find(|m| m["name"] == model).map(|m| m["batching"].clone()).unwrap_or(Value::Null),
+    })
 }
 
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
@@ -196,6 +314,13 @@ async fn main() {
             None
         })
         .map(Duration::from_secs_f64);
+    let stats_before = match &args.control {
+        Some(endpoint) => Some(daemon_stats(endpoint).await.unwrap_or_else(|e| {
+            eprintln!("replayd-loadgen: --control: {e}");
+            std::process::exit(2)
+        })),
+        None => None,
+    };
     let started = Instant::now();
     let issued = Arc::new(AtomicU64::new(0));
     let tally = Arc::new(Mutex::new(Tally {
@@ -265,6 +390,9 @@ async fn main() {
                         t.ok += 1;
                         t.items += size as u64;
                         t.latencies_us.push(us);
+                        if r.header.batches.is_some_and(|b| b > 1) {
+                            t.split += 1;
+                        }
                         *t.buckets
                             .entry(r.header.bucket.clone().unwrap_or_default())
                             .or_default() += 1;
@@ -286,9 +414,12 @@ async fn main() {
                                 t.bad_mlp += 1;
                             }
                         }
-                        // Eager runs have request-specific shapes: not comparable.
-                        let eager = r.header.bucket.as_deref() == Some("eager");
-                        if let (true, false, Some(out)) = (args.identical, eager, &r.output) {
+                        // Eager runs have request-specific shapes: not comparable;
+                        // nor are the rows of a request split over batches of
+                        // different shapes (the reply names only the largest).
+                        let comparable = r.header.bucket.as_deref() != Some("eager")
+                            && r.header.batches.is_none_or(|b| b == 1);
+                        if let (true, true, Some(out)) = (args.identical, comparable, &r.output) {
                             let values = out.to_f32_vec().unwrap_or_default();
                             let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
                             let bucket = r.header.bucket.clone().unwrap_or_default();
@@ -345,6 +476,13 @@ async fn main() {
     // Let any duplicate reply arrive before counting strays.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let stray: u64 = clients.iter().map(|c| c.stray_replies()).sum();
+    let padding = match (&args.control, &stats_before) {
+        (Some(endpoint), Some(before)) => match daemon_stats(endpoint).await {
+            Ok(after) => padding_report(before, &after, &args.model),
+            Err(e) => json!({"error": e}),
+        },
+        _ => Value::Null,
+    };
     let mut t = tally.lock().unwrap();
     t.latencies_us.sort_unstable();
     let pct = |q: f64| -> u64 {
@@ -365,6 +503,8 @@ async fn main() {
         "elapsed_s": elapsed,
         "requests_per_s": t.ok as f64 / elapsed,
         "items_per_s": t.items as f64 / elapsed,
+        "texts_per_s": if corpus.is_some() { json!(t.items as f64 / elapsed) } else { Value::Null },
+        "split_replies": t.split,
         "latency_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0)},
         "min_cosine": if corpus.is_some() { json!(t.min_cosine) } else { Value::Null },
         "below_min_cosine": t.bad_cosine,
@@ -374,8 +514,38 @@ async fn main() {
         "devices": t.devices,
         "identical_check": if args.identical { json!({"max_abs_diff": t.max_device_diff, "differing_rows": t.nonidentical}) } else { Value::Null },
         "buckets": t.buckets,
+        "padding": padding,
     });
     println!("{report}");
+    eprintln!(
+        "{} ok, {} errors in {elapsed:.1} s: {:.0} {}/s; latency p50 {} µs, p99 {} µs, max {} µs",
+        t.ok,
+        errors,
+        t.items as f64 / elapsed,
+        if corpus.is_some() { "texts" } else { "rows" },
+        pct(0.5),
+        pct(0.99),
+        pct(1.0)
+    );
+    if let Some(buckets) = padding["buckets"].as_array() {
+        for b in buckets {
+            eprintln!(
+                "  {:>8}: {:>7} batches, {:>6.1} seqs/batch, {:>10} tokens of {:>10} computed, padding waste {:>5.1}%",
+                b["bucket"].as_str().unwrap_or("?"),
+                b["batches"],
+                b["seqs_per_batch"].as_f64().unwrap_or(0.0),
+                b["tokens"],
+                b["computed_tokens"],
+                100.0 * b["padding_waste"].as_f64().unwrap_or(0.0)
+            );
+        }
+        eprintln!(
+            "  overall ({} batching): padding waste {:.1}%, {} sequences eager",
+            padding["batching"].as_str().unwrap_or("?"),
+            100.0 * padding["padding_waste"].as_f64().unwrap_or(0.0),
+            padding["eager_sequences"]
+        );
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report).unwrap()).expect("write --json");
     }

@@ -50,14 +50,33 @@ pub struct ServerConfig {
     pub control_endpoint: String,
     /// Directory for the worker IPC sockets and other run-time files.
     pub runtime_dir: PathBuf,
+    /// A group whose members may also use the sockets in `runtime_dir`
+    /// (files 0660, directories 0770); default: owner only (0600/0700).
+    pub runtime_group: Option<String>,
     /// Largest request message accepted, in bytes (all frames together).
     pub max_request_bytes: usize,
     /// Most texts (or id sequences, or feature rows) in one request.
     pub max_items_per_request: usize,
+    /// Bytes all admitted requests may hold together (payloads, token ids,
+    /// outputs awaiting send); beyond it requests get `overloaded` at once.
+    pub max_buffered_bytes: usize,
     /// Threads that tokenize texts, off the async runtime (0 = number of cores, at most 8).
     pub tokenizer_threads: usize,
     /// Time to finish queued and in-flight work after SIGTERM/SIGINT, in milliseconds.
     pub shutdown_grace_ms: u64,
+}
+
+/// `$XDG_RUNTIME_DIR/replayd` (a per-user directory systemd creates 0700),
+/// else `$TMPDIR/replayd-<uid>`: never a name another user could have taken.
+fn default_runtime_dir() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("replayd"),
+        _ => {
+            // SAFETY: geteuid has no preconditions.
+            let uid = unsafe { libc::geteuid() };
+            std::env::temp_dir().join(format!("replayd-{uid}"))
+        }
+    }
 }
 
 impl Default for ServerConfig {
@@ -65,9 +84,11 @@ impl Default for ServerConfig {
         Self {
             endpoint: "tcp://127.0.0.1:5555".into(),
             control_endpoint: "tcp://127.0.0.1:5556".into(),
-            runtime_dir: std::env::temp_dir().join("replayd"),
+            runtime_dir: default_runtime_dir(),
+            runtime_group: None,
             max_request_bytes: 64 << 20,
             max_items_per_request: 1024,
+            max_buffered_bytes: 1 << 30,
             tokenizer_threads: 0,
             shutdown_grace_ms: 30_000,
         }
@@ -145,6 +166,11 @@ pub struct DevicesConfig {
     pub restart_backoff_max_ms: u64,
     /// How long a worker may take to start and capture every graph, in milliseconds.
     pub start_timeout_ms: u64,
+    /// How long a ready worker may stay silent, beyond what the batches it
+    /// holds should take, before it counts as hung and is killed, in ms.
+    pub hang_timeout_ms: u64,
+    /// How often a worker's backend thread says it is alive, in milliseconds.
+    pub heartbeat_ms: u64,
     /// Where NVRTC-compiled kernels are cached (by source hash and architecture).
     pub kernel_cache_dir: Option<PathBuf>,
 }
@@ -162,6 +188,8 @@ impl Default for DevicesConfig {
             restart_backoff_ms: 100,
             restart_backoff_max_ms: 10_000,
             start_timeout_ms: 300_000,
+            hang_timeout_ms: 2_000,
+            heartbeat_ms: 100,
             kernel_cache_dir: None,
         }
     }
@@ -335,6 +363,12 @@ impl Config {
         if self.server.max_request_bytes < 1024 {
             return Err(invalid("server.max_request_bytes", "must be at least 1024"));
         }
+        if self.server.max_buffered_bytes < self.server.max_request_bytes {
+            return Err(invalid(
+                "server.max_buffered_bytes",
+                "must be at least server.max_request_bytes",
+            ));
+        }
         if self.server.max_items_per_request == 0 {
             return Err(invalid(
                 "server.max_items_per_request",
@@ -387,6 +421,18 @@ impl Config {
             return Err(invalid(
                 "devices.restart_backoff_max_ms",
                 "must be at least devices.restart_backoff_ms, which must be positive",
+            ));
+        }
+        if self.devices.heartbeat_ms == 0 || self.devices.heartbeat_ms > 10_000 {
+            return Err(invalid(
+                "devices.heartbeat_ms",
+                "must be between 1 and 10000",
+            ));
+        }
+        if self.devices.hang_timeout_ms < 2 * self.devices.heartbeat_ms {
+            return Err(invalid(
+                "devices.hang_timeout_ms",
+                "must be at least twice devices.heartbeat_ms",
             ));
         }
         if self.devices.start_timeout_ms < 1000 {

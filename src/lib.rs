@@ -21,6 +21,7 @@
 //!   [`protocol::client`].
 //! * [`gpu`] — host-side device discovery and NVML, used by both processes.
 //! * [`tools`] — `replayd backend-check` (a GPU against the CPU backend).
+//! * `fuzz` (hidden) — the entry points of the fuzz targets in `fuzz/`.
 //! * Shared by all: [`config`] (the TOML file), [`bucket`] (shape buckets),
 //!   [`tensor`] (dtypes and host tensors).
 //!
@@ -32,6 +33,8 @@ pub mod backend;
 pub mod bucket;
 pub mod config;
 pub mod daemon;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod gpu;
 pub mod model;
 pub mod protocol;

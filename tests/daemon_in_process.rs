@@ -81,16 +81,22 @@ batch_buckets = [1, 4]
         let out = r.output.unwrap().to_f32_vec().unwrap();
         assert!(rel_err(&out, &reference.forward(&x, rows)) < 1e-5);
     }
-    // Larger than every bucket, with no eager worker: a clear error.
+    // Larger than every bucket, with no eager worker: split over graph
+    // batches (4 + 2 rows), not refused.
+    let x: Vec<f32> = (0..6 * 128).map(|i| (i % 13) as f32 / 13.0 - 0.5).collect();
     let r = client
         .infer(
             "mlp",
-            &HostTensor::from_f32(vec![6, 128], &[0.0; 768]),
+            &HostTensor::from_f32(vec![6, 128], &x),
             Duration::from_secs(30),
         )
         .await
         .unwrap();
-    assert_eq!(r.header.code, Some(replayd::protocol::ErrorCode::TooLong));
+    assert_eq!(r.header.status, Status::Ok, "{:?}", r.header);
+    assert_eq!(r.header.bucket.as_deref(), Some("4x1"));
+    assert_eq!(r.header.batches, Some(2));
+    let out = r.output.unwrap().to_f32_vec().unwrap();
+    assert!(rel_err(&out, &reference.forward(&x, 6)) < 1e-5);
     stop_tx.send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(60), daemon)
         .await

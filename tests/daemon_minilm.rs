@@ -37,7 +37,13 @@ fn reference() -> Vec<Line> {
 }
 
 /// Seq buckets stop at 128 so texts of 129..256 tokens take the eager path.
+/// Padded batching, whatever the default (these tests are about its buckets).
 fn config(extra: &str) -> String {
+    config_batched("batching = \"padded\"", extra)
+}
+
+/// The same daemon with `batching` lines of the caller's choosing.
+fn config_batched(batching: &str, extra: &str) -> String {
     format!(
         r#"
 [batching]
@@ -56,10 +62,40 @@ kind = "bert"
 path = "{}"
 batch_buckets = [1, 2, 4, 8, 16, 32]
 seq_buckets = [16, 32, 64, 128]
+{batching}
 {extra}
 "#,
         minilm_dir().display()
     )
+}
+
+/// Whether this build can capture packed MiniLM graphs (the backend half of
+/// padding-free batching); until it can, the tests written for packed
+/// batching run padded and check what holds in both modes.
+fn packed_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        let cfg = replayd::config::Config::parse(&config("")).unwrap();
+        let model = replayd::model::Model::load(&cfg.models[0].spec()).unwrap();
+        let ok = model
+            .program_for(replayd::bucket::Bucket::packed(64, 64))
+            .is_ok();
+        eprintln!("packed MiniLM programs available: {ok}");
+        ok
+    })
+}
+
+/// Packed batching when this build has it (small budgets, so that capture
+/// on the CPU is quick), padded otherwise.
+fn packed_or_padded() -> (bool, &'static str) {
+    if packed_available() {
+        (
+            true,
+            "batching = \"packed\"\ntoken_budgets = [64, 256, 1024]\nmax_seqs_per_batch = 256",
+        )
+    } else {
+        (false, "batching = \"padded\"")
+    }
 }
 
 async fn embed(client: &Client, texts: &[&str]) -> Vec<Vec<f32>> {
@@ -355,4 +391,116 @@ async fn fetch_script_fetches_a_model_that_then_serves() {
     let lines = reference();
     let e = embed(&client, &[&lines[3].text]).await;
     assert!(cosine(&e[0], &lines[3].embedding) >= 0.9999);
+}
+
+/// One request of 1,000 texts (more than 30 of the largest batch) runs in
+/// graph batches, not eagerly, and its reply has every embedding in request
+/// order. Packed when this build can capture packed graphs, else padded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thousand_texts_in_one_request_run_in_graph_batches_in_order() {
+    let lines = reference();
+    let (packed, batching) = packed_or_padded();
+    let daemon = Daemon::start(&config_batched(batching, ""));
+    let client = daemon.client().await;
+    // Short texts (at most 16 tokens) keep the 2-core CPU busy for seconds.
+    let short: Vec<&Line> = lines.iter().filter(|l| l.ids.len() <= 16).collect();
+    let picked: Vec<&Line> = (0..1000).map(|i| short[(i * 7) % short.len()]).collect();
+    let texts: Vec<&str> = picked.iter().map(|l| l.text.as_str()).collect();
+    let r = client.embed("minilm", &texts, DType::F32, T).await.unwrap();
+    assert_eq!(r.header.status, Status::Ok, "{:?}", r.header.message);
+    let batches = r.header.batches.unwrap() as usize;
+    // At most 32 texts (padded) or 1024 tokens (packed) per batch.
+    let tokens: usize = picked.iter().map(|l| l.ids.len()).sum();
+    let least = if packed {
+        tokens.div_ceil(1024)
+    } else {
+        1000usize.div_ceil(32)
+    };
+    assert!(batches >= least, "{batches} batches");
+    let bucket = r.header.bucket.clone().unwrap();
+    assert_ne!(bucket, "eager");
+    assert_eq!(bucket.ends_with('t'), packed, "{bucket}");
+    let out = r.output.unwrap();
+    assert_eq!(out.shape, vec![1000, 384]);
+    for (i, (row, line)) in out
+        .to_f32_vec()
+        .unwrap()
+        .chunks(384)
+        .zip(&picked)
+        .enumerate()
+    {
+        let c = cosine(row, &line.embedding);
+        assert!(c >= 0.9999, "row {i} ({:?}): cosine {c}", line.text);
+    }
+    let stats = daemon.stats();
+    assert_eq!(stats["eager"]["requests"], 0);
+    assert_eq!(stats["eager"]["sequences"], 0);
+    assert_eq!(daemon.device("eager:0")["batches"], 0);
+    let rows: u64 = stats["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["rows"].as_u64().unwrap())
+        .sum();
+    assert_eq!(rows, 1000);
+    assert_eq!(stats["requests"]["split"], 1);
+    assert_eq!(
+        stats["models"][0]["batching"],
+        if packed { "packed" } else { "padded" }
+    );
+    let waste = stats["padding"]["padding_waste"].as_f64().unwrap();
+    eprintln!("1000 texts: {batches} batches, padding waste {waste:.3}");
+    if packed {
+        assert!(waste < 0.1, "packed padding waste {waste}");
+    }
+}
+
+/// The texts of one request are not padded to its longest: each runs in the
+/// seq bucket that holds it (padded), and the reply names the largest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_text_of_a_request_runs_in_its_own_seq_bucket() {
+    let lines = reference();
+    let daemon = Daemon::start(&config(""));
+    let client = daemon.client().await;
+    let pick = |lo: usize, hi: usize| {
+        lines
+            .iter()
+            .find(|l| (lo..=hi).contains(&l.ids.len()))
+            .unwrap()
+    };
+    let chosen = [pick(3, 16), pick(33, 64), pick(17, 32), pick(4, 16)];
+    let texts: Vec<&str> = chosen.iter().map(|l| l.text.as_str()).collect();
+    let r = client.embed("minilm", &texts, DType::F32, T).await.unwrap();
+    assert_eq!(r.header.status, Status::Ok, "{:?}", r.header.message);
+    assert_eq!(r.header.bucket.as_deref(), Some("1x64"));
+    assert_eq!(r.header.batches, Some(3));
+    let out = r.output.unwrap().to_f32_vec().unwrap();
+    for (row, line) in out.chunks(384).zip(chosen) {
+        assert!(cosine(row, &line.embedding) >= 0.9999);
+    }
+    let stats = daemon.stats();
+    let mut used: Vec<(String, u64)> = stats["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["bucket"].as_str().unwrap().to_string(),
+                b["rows"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    used.sort();
+    assert_eq!(
+        used,
+        vec![("1x32".into(), 1), ("1x64".into(), 1), ("2x16".into(), 2)]
+    );
+    // Computed tokens: 2·16 + 32 + 64, not 4·64.
+    let computed: u64 = stats["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["computed_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(computed, 128);
 }

@@ -166,9 +166,11 @@ async fn thousand_requests_from_many_clients_are_correct_and_counted() {
     }
 }
 
-/// A request with more rows than the largest batch bucket runs eagerly.
+/// A request with more rows than the largest batch bucket is split over
+/// graph batches (never sent to the eager worker for its size), and its
+/// reply has every row in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversize_request_runs_on_the_eager_path() {
+async fn oversize_request_is_split_over_graph_batches() {
     let daemon = Daemon::start(&mlp_config(""));
     let reference = MlpReference::load(&data("mlp_seed.safetensors"));
     let client = daemon.client().await;
@@ -179,14 +181,21 @@ async fn oversize_request_runs_on_the_eager_path() {
         .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
         .await
         .unwrap();
-    assert_eq!(r.header.bucket.as_deref(), Some("eager"));
-    assert_eq!(r.header.device.as_deref(), Some("eager:0"));
-    let err = rel_err(&output_of(&r), &reference.forward(&x, rows));
+    let out = output_of(&r);
+    assert_eq!(r.output.as_ref().unwrap().shape, vec![rows, 10]);
+    // The largest shape it ran in; 32 + 32 + 32 + 4 rows at least.
+    assert_eq!(r.header.bucket.as_deref(), Some("32x1"));
+    assert!(r.header.batches.unwrap() >= 4, "{:?}", r.header);
+    assert!(r.header.device.as_deref().unwrap().starts_with("cpu:"));
+    let err = rel_err(&out, &reference.forward(&x, rows));
     assert!(err < 1e-5, "rel err {err}");
     let stats = daemon.stats();
-    assert_eq!(stats["eager"]["requests"], 1);
-    assert_eq!(stats["eager"]["by_reason"]["batch_too_large"], 1);
-    assert_eq!(bucket_sum(&stats, "requests"), 0);
+    assert_eq!(stats["eager"]["requests"], 0);
+    assert_eq!(stats["eager"]["sequences"], 0);
+    assert_eq!(daemon.device("eager:0")["batches"], 0);
+    assert_eq!(bucket_sum(&stats, "requests"), 1);
+    assert_eq!(bucket_sum(&stats, "rows"), rows as u64);
+    assert_eq!(stats["requests"]["split"], 1);
 }
 
 /// Sends `signal` to each worker (SIGSTOP freezes one so work piles up on it).
@@ -281,6 +290,113 @@ async fn killed_worker_loses_nothing_and_comes_back() {
     });
 }
 
+/// Requests larger than every bucket, split over batches on both devices,
+/// while the worker holding some of their batches is frozen and then killed:
+/// every request gets exactly one reply, with every row right and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_worker_mid_batch_answers_every_split_request_once() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
+    let victim = worker_pid(&daemon, "cpu:0");
+    signal_all(&[victim], libc::SIGSTOP);
+    let client = Arc::new(daemon.client().await);
+    let mut rng = Rng::new(17);
+    let mut tasks = Vec::new();
+    let mut rows_sent = 0;
+    for _ in 0..60 {
+        let rows = rng.range(20, 101);
+        rows_sent += rows;
+        let x = random_rows(&mut rng, rows);
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = client
+                .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+                .await
+                .unwrap();
+            (x, rows, r)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal_all(&[victim], libc::SIGKILL);
+    let mut ids = std::collections::HashSet::new();
+    let mut split = 0;
+    for t in tasks {
+        let (x, rows, r) = t.await.unwrap();
+        assert!(ids.insert(r.header.id), "two replies for {}", r.header.id);
+        let err = rel_err(&output_of(&r), &reference.forward(&x, rows));
+        assert!(err < 1e-5, "{rows} rows: rel err {err}");
+        split += u64::from(r.header.batches.unwrap() > 1);
+    }
+    assert_eq!(ids.len(), 60);
+    assert!(split > 0);
+    let stats = daemon.wait_for("cpu:0 to come back", Duration::from_secs(60), |s| {
+        s["devices"].as_array().unwrap().iter().any(|d| {
+            d["label"] == "cpu:0" && d["state"] == "ready" && d["restarts"].as_u64() == Some(1)
+        })
+    });
+    assert!(stats["retried_batches"].as_u64().unwrap() >= 1);
+    assert_eq!(stats["requests"]["errors"]["internal"], 0);
+    assert_eq!(stats["requests"]["ok"].as_u64().unwrap(), 60);
+    assert_eq!(stats["eager"]["requests"], 0);
+    // Rows of retried batches count once per completed batch.
+    assert_eq!(bucket_sum(&stats, "rows"), rows_sent as u64);
+    assert_eq!(client.stray_replies(), 0);
+}
+
+/// A request whose batch is stuck on a frozen worker is answered
+/// `deadline_exceeded` at its deadline, not when the batch comes back, and
+/// only once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deadline_passing_while_in_flight_is_answered_at_the_deadline() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let pids = [worker_pid(&daemon, "cpu:0"), worker_pid(&daemon, "cpu:1")];
+    signal_all(&pids, libc::SIGSTOP);
+    let client = daemon.client().await;
+    let x = [0.25f32; 3 * 128];
+    let mut h = RequestHeader::new(client.next_id(), "mlp", InputKind::Tensor);
+    h.dtype = Some(DType::F32);
+    h.shape = Some(vec![3, 128]);
+    h.timeout_us = Some(300_000);
+    let t0 = std::time::Instant::now();
+    let r = client
+        .request(
+            &h,
+            &replayd::protocol::Payload::Tensor(HostTensor::from_f32(vec![3, 128], &x)),
+            T,
+        )
+        .await
+        .unwrap();
+    let took = t0.elapsed();
+    assert_eq!(
+        r.header.code,
+        Some(ErrorCode::DeadlineExceeded),
+        "{:?}",
+        r.header
+    );
+    assert!(
+        r.header.message.as_deref().unwrap().contains("running"),
+        "{:?}",
+        r.header.message
+    );
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "answered after {took:?}"
+    );
+    // The batch comes back once the worker runs again: ignored.
+    signal_all(&pids, libc::SIGCONT);
+    let reference = MlpReference::load(&data("mlp_seed.safetensors"));
+    let r = client
+        .infer("mlp", &HostTensor::from_f32(vec![3, 128], &x), T)
+        .await
+        .unwrap();
+    assert!(rel_err(&output_of(&r), &reference.forward(&x, 3)) < 1e-5);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(client.stray_replies(), 0);
+    let stats = daemon.stats();
+    assert_eq!(stats["requests"]["errors"]["deadline_exceeded"], 1);
+    assert_eq!(stats["requests"]["ok"], 1);
+}
+
 /// An injected device fault makes the worker exit with the device-fault
 /// status; its batches are served anyway and it restarts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -326,6 +442,95 @@ async fn injected_fault_under_load_is_recovered() {
                 .any(|d| d["label"] == "cpu:1" && d["state"] == "ready" && d["device_faults"] == 1)
         },
     );
+}
+
+/// 300 requests of random sizes, each checked against the reference.
+async fn serve_checked(daemon: &Daemon, seed: u64, n: usize) {
+    let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
+    let client = Arc::new(daemon.client().await);
+    let mut rng = Rng::new(seed);
+    let mut tasks = Vec::new();
+    for _ in 0..n {
+        let rows = rng.range(1, 17);
+        let x = random_rows(&mut rng, rows);
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = client
+                .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+                .await
+                .unwrap();
+            (x, rows, r)
+        }));
+    }
+    let mut ids = std::collections::HashSet::new();
+    for t in tasks {
+        let (x, rows, r) = t.await.unwrap();
+        assert!(ids.insert(r.header.id), "two replies for {}", r.header.id);
+        assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
+    }
+}
+
+fn watchdog_config() -> String {
+    mlp_config("").replace(
+        "restart_backoff_ms = 50",
+        "restart_backoff_ms = 50\nhang_timeout_ms = 500\nheartbeat_ms = 50",
+    )
+}
+
+/// A device that stops making progress (an injected hang: the next batch
+/// never finishes, the worker process stays alive) is found by the
+/// watchdog; its batches run elsewhere and it restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hung_device_is_found_by_the_watchdog_and_loses_nothing() {
+    let daemon = Daemon::start(&watchdog_config());
+    let out = daemon.ctl(&["inject-fault", "--device", "cpu:0", "--kind", "hang"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let started = std::time::Instant::now();
+    serve_checked(&daemon, 11, 300).await;
+    let stats = daemon.wait_for("cpu:0 to be found hung and come back", T, |s| {
+        s["devices"].as_array().unwrap().iter().any(|d| {
+            d["label"] == "cpu:0" && d["state"] == "ready" && d["hangs"] == 1 && d["restarts"] == 1
+        })
+    });
+    let dev = daemon.device("cpu:0");
+    assert!(
+        dev["last_error"].as_str().unwrap().contains("hung"),
+        "{dev}"
+    );
+    assert_eq!(stats["requests"]["errors"]["internal"], 0);
+    println!(
+        "hang injected: all 300 requests answered, cpu:0 back after {:?}",
+        started.elapsed()
+    );
+}
+
+/// A stopped worker (SIGSTOP) holding batches is found within the
+/// watchdog's bound; every request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stopped_worker_is_found_by_the_watchdog() {
+    let daemon = Daemon::start(&watchdog_config());
+    let victim = worker_pid(&daemon, "cpu:1");
+    signal_all(&[victim], libc::SIGSTOP);
+    let stopped = std::time::Instant::now();
+    serve_checked(&daemon, 12, 200).await;
+    daemon.wait_for("cpu:1 to be found hung", T, |s| {
+        s["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["label"] == "cpu:1" && d["hangs"] == 1)
+    });
+    println!(
+        "SIGSTOP'd worker found and every request answered after {:?}",
+        stopped.elapsed()
+    );
+    let health = daemon.ctl(&["health", "--json"]);
+    assert!(health.status.success() || !health.stdout.is_empty());
+    assert_ne!(worker_pid(&daemon, "cpu:1"), victim);
 }
 
 fn header_frame(h: &RequestHeader) -> Bytes {

@@ -112,4 +112,13 @@ pub trait Backend {
             "fault injection is not available on this backend".into(),
         ))
     }
+
+    /// Makes the device stop making progress (fault-injection tests): the
+    /// next batch launched never finishes, and the process stays alive, as
+    /// with a hung GPU. Only a new process recovers.
+    fn inject_hang(&mut self) -> Result<(), BackendError> {
+        Err(BackendError::Unsupported(
+            "hang injection is not available on this backend".into(),
+        ))
+    }
 }

@@ -44,12 +44,22 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Make a device's worker corrupt its device (needs devices.fault_injection = true).
+    /// Make a device's worker break its device (needs devices.fault_injection = true).
     InjectFault {
         /// Device label (e.g. cuda:0, cpu:1) or number.
         #[arg(long)]
         device: String,
+        /// corrupt: a sticky error (the worker exits); hang: the device stops
+        /// making progress (the watchdog must find it).
+        #[arg(long, value_enum, default_value = "corrupt")]
+        kind: FaultArg,
     },
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum FaultArg {
+    Corrupt,
+    Hang,
 }
 
 fn main() {
@@ -72,14 +82,20 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Health { .. } => ControlRequest {
             cmd: "health".into(),
             device: None,
+            kind: None,
         },
         Command::Stats { .. } => ControlRequest {
             cmd: "stats".into(),
             device: None,
+            kind: None,
         },
-        Command::InjectFault { device } => ControlRequest {
+        Command::InjectFault { device, kind } => ControlRequest {
             cmd: "inject_fault".into(),
             device: Some(device.clone()),
+            kind: Some(match kind {
+                FaultArg::Corrupt => replayd::worker::link::FaultKind::Corrupt,
+                FaultArg::Hang => replayd::worker::link::FaultKind::Hang,
+            }),
         },
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -182,34 +198,75 @@ fn print_stats(s: &Value) {
         "latency (receipt → reply): p50 {} µs  p90 {} µs  p99 {} µs  max {} µs",
         lat["p50_us"], lat["p90_us"], lat["p99_us"], lat["max_us"]
     );
+    println!(
+        "requests split over several batches: {}",
+        req["split"].as_u64().unwrap_or(0)
+    );
+    println!();
+    for m in s["models"].as_array().into_iter().flatten() {
+        let p = &m["padding"];
+        println!(
+            "model {}: {} batching {}   tokens {} computed {}  padding waste {:.1}%",
+            m["name"].as_str().unwrap_or("?"),
+            m["batching"].as_str().unwrap_or("?"),
+            m["grid"],
+            p["tokens"],
+            p["computed_tokens"],
+            100.0 * p["padding_waste"].as_f64().unwrap_or(0.0),
+        );
+    }
+    let p = &s["padding"];
+    println!(
+        "all models: tokens {} computed {}  padding waste {:.1}%",
+        p["tokens"],
+        p["computed_tokens"],
+        100.0 * p["padding_waste"].as_f64().unwrap_or(0.0)
+    );
     println!();
     println!(
-        "{:<16} {:>9} {:>10} {:>9} {:>10} {:>9} {:>9}",
-        "model/bucket", "requests", "batches", "hit %", "rows", "row fill", "pad waste"
+        "{:<22} {:>8} {:>8} {:>8} {:>6} {:>9} {:>8} {:>8} {:>10} {:>10} {:>8} {:>8}",
+        "model/bucket",
+        "requests",
+        "parts",
+        "batches",
+        "hit %",
+        "seqs",
+        "seqs/b",
+        "seq fill",
+        "tokens",
+        "computed",
+        "tok fill",
+        "pad wst"
     );
     let buckets = s["buckets"].as_array().cloned().unwrap_or_default();
     let total_batches: u64 = buckets.iter().filter_map(|b| b["batches"].as_u64()).sum();
     for b in &buckets {
         let batches = b["batches"].as_u64().unwrap_or(0);
+        let pct = |k: &str| 100.0 * b[k].as_f64().unwrap_or(0.0);
         println!(
-            "{:<16} {:>9} {:>10} {:>8.1}% {:>10} {:>8.1}% {:>8.1}%",
+            "{:<22} {:>8} {:>8} {:>8} {:>5.1}% {:>9} {:>8.1} {:>7.1}% {:>10} {:>10} {:>7.1}% {:>7.1}%",
             format!(
                 "{}/{}",
                 b["model"].as_str().unwrap_or("?"),
                 b["bucket"].as_str().unwrap_or("?")
             ),
-            b["requests"],
+            b["requests"].as_u64().unwrap_or(0),
+            b["parts"].as_u64().unwrap_or(0),
             batches,
             100.0 * batches as f64 / total_batches.max(1) as f64,
-            b["rows"],
-            100.0 * b["row_fill"].as_f64().unwrap_or(0.0),
-            100.0 * b["padding_waste"].as_f64().unwrap_or(0.0),
+            b["rows"].as_u64().unwrap_or(0),
+            b["seqs_per_batch"].as_f64().unwrap_or(0.0),
+            pct("seq_fill"),
+            b["tokens"].as_u64().unwrap_or(0),
+            b["computed_tokens"].as_u64().unwrap_or(0),
+            pct("token_fill"),
+            pct("padding_waste"),
         );
     }
     let eager = &s["eager"];
     println!(
-        "eager requests: {}  {}",
-        eager["requests"], eager["by_reason"]
+        "eager: requests {} {}  batches {}  sequences {}",
+        eager["requests"], eager["by_reason"], eager["batches"], eager["sequences"]
     );
     println!("queue depth: {}", s["queue_depth"]);
     println!();

@@ -1,10 +1,12 @@
 //! The operator socket that `replayctl` talks to: a ZeroMQ ROUTER on
 //! `server.control_endpoint`. Requests and replies are single JSON frames:
-//! `{"cmd": "health" | "stats" | "inject_fault", "device": "cuda:0"}` →
+//! `{"cmd": "health" | "stats" | "inject_fault", "device": "cuda:0", "kind":
+//! "corrupt" | "hang"}` →
 //! `{"ok": true, "result": …}` or `{"ok": false, "error": "…"}`.
 
 use super::messages::{DeviceMsg, DeviceStatus, SupervisorMsg};
 use super::metrics::Metrics;
+use crate::worker::link::FaultKind;
 use bytes::Bytes;
 use ractor::ActorRef;
 use serde::{Deserialize, Serialize};
@@ -21,6 +23,9 @@ pub struct ControlRequest {
     /// A device label (`"cuda:0"`, `"cpu:1"`, `"eager:0"`) or slot number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
+    /// `inject_fault`: `"corrupt"` (default) or `"hang"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<FaultKind>,
 }
 
 pub struct Control {
@@ -39,7 +44,13 @@ impl Control {
         match request.cmd.as_str() {
             "health" => json!({"ok": true, "result": health(&self.metrics)}),
             "stats" => json!({"ok": true, "result": self.metrics.snapshot()}),
-            "inject_fault" => match self.inject_fault(request.device.as_deref()).await {
+            "inject_fault" => match self
+                .inject_fault(
+                    request.device.as_deref(),
+                    request.kind.unwrap_or(FaultKind::Corrupt),
+                )
+                .await
+            {
                 Ok(msg) => json!({"ok": true, "result": msg}),
                 Err(e) => json!({"ok": false, "error": e}),
             },
@@ -49,7 +60,7 @@ impl Control {
         }
     }
 
-    async fn inject_fault(&self, device: Option<&str>) -> Result<String, String> {
+    async fn inject_fault(&self, device: Option<&str>, kind: FaultKind) -> Result<String, String> {
         let device = device.ok_or("inject_fault needs a \"device\"")?;
         let labels: Vec<String> = self
             .metrics
@@ -70,7 +81,10 @@ impl Control {
             .into_result()?;
         let actor = actors.get(slot).ok_or("device actor missing")?;
         actor
-            .call(DeviceMsg::InjectFault, Some(Duration::from_secs(30)))
+            .call(
+                |port| DeviceMsg::InjectFault(kind, port),
+                Some(Duration::from_secs(30)),
+            )
             .await
             .map_err(|e| e.to_string())?
             .into_result()?

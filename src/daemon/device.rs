@@ -12,7 +12,8 @@ use super::messages::{
     Batch, BatchOutput, BatcherMsg, DeviceId, DeviceMsg, DeviceStatus, StatusSender, WorkerEvent,
 };
 use super::metrics::{GraphStats, Metrics};
-use crate::worker::link::{self, FromWorker, GraphReport, ToWorker};
+use super::watchdog::Watchdog;
+use crate::worker::link::{self, FaultKind, FromWorker, GraphReport, ToWorker};
 use crate::worker::WorkerBackend;
 use bytes::Bytes;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -52,6 +53,14 @@ pub struct DeviceArgs {
     pub start_timeout: Duration,
     pub stop_timeout: Duration,
     pub fault_injection: bool,
+    /// Silence after which an idle worker counts as hung (the watchdog adds
+    /// the expected time of what it holds).
+    pub hang_timeout: Duration,
+    /// How often the worker's backend thread says it is alive.
+    pub heartbeat: Duration,
+    /// The watchdog's guess of a batch's cost per token slot before any of
+    /// its model's batches finished here, in microseconds.
+    pub cold_us_per_token: f64,
 }
 
 pub struct DeviceState {
@@ -72,6 +81,9 @@ pub struct DeviceState {
     last_fault_exit: Option<std::time::Instant>,
     /// The worker was killed because its GPU reported a fault (NVML).
     killed_for_fault: bool,
+    /// The worker was killed because the watchdog found it stuck.
+    killed_for_hang: bool,
+    watchdog: Watchdog,
 }
 
 /// Xid reports this soon after a device-fault exit are that fault's echo.
@@ -90,7 +102,14 @@ impl Actor for DeviceActor {
         args: DeviceArgs,
     ) -> Result<DeviceState, ActorProcessingErr> {
         let _ = myself.cast(DeviceMsg::Spawn);
+        let watchdog = Watchdog::new(
+            args.hang_timeout,
+            args.cold_us_per_token,
+            std::time::Instant::now(),
+        );
         Ok(DeviceState {
+            watchdog,
+            killed_for_hang: false,
             backoff: args.backoff_initial,
             args,
             generation: 0,
@@ -129,7 +148,7 @@ impl Actor for DeviceActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             DeviceMsg::Run { batch, attempt } => state.run(&batch, attempt),
-            DeviceMsg::InjectFault(port) => state.inject_fault(port),
+            DeviceMsg::InjectFault(kind, port) => state.inject_fault(kind, port),
             DeviceMsg::Kill { reason } => {
                 if state
                     .last_fault_exit
@@ -220,6 +239,8 @@ impl DeviceState {
             .arg(w.ordinal.to_string())
             .arg("--threads")
             .arg(w.threads.to_string())
+            .arg("--heartbeat-ms")
+            .arg(self.args.heartbeat.as_millis().max(1).to_string())
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         if w.eager {
@@ -233,6 +254,7 @@ impl DeviceState {
             }
         };
         self.pid = child.id();
+        self.watchdog.reset(std::time::Instant::now());
         tracing::info!(device = %self.label(), pid = ?self.pid, generation, "worker started");
         self.set_status(DeviceStatus::Starting);
 
@@ -301,7 +323,7 @@ impl DeviceState {
 
     fn worker_event(&mut self, myself: &ActorRef<DeviceMsg>, event: WorkerEvent) {
         match event {
-            WorkerEvent::Message(frames) => self.worker_message(&frames),
+            WorkerEvent::Message(frames) => self.worker_message(myself, &frames),
             WorkerEvent::Exited { code, signal } => self.worker_exited(myself, code, signal),
             WorkerEvent::StartTimeout => {
                 if self.status == DeviceStatus::Starting {
@@ -317,10 +339,11 @@ impl DeviceState {
                     self.kill_worker();
                 }
             }
+            WorkerEvent::WatchdogTick => self.watchdog_tick(myself),
         }
     }
 
-    fn worker_message(&mut self, frames: &[Bytes]) {
+    fn worker_message(&mut self, myself: &ActorRef<DeviceMsg>, frames: &[Bytes]) {
         let (msg, data) = match link::decode::<FromWorker>(frames) {
             Ok(m) => m,
             Err(e) => {
@@ -328,6 +351,8 @@ impl DeviceState {
                 return;
             }
         };
+        let now = std::time::Instant::now();
+        self.watchdog.heard(now);
         let device = self.args.device;
         match msg {
             FromWorker::Ready {
@@ -356,6 +381,7 @@ impl DeviceState {
                     self.send(link::encode(&ToWorker::Shutdown, []));
                 } else {
                     let _ = self.args.batcher.cast(BatcherMsg::DeviceUp { device });
+                    self.schedule_watchdog(myself);
                 }
             }
             FromWorker::Done {
@@ -366,6 +392,8 @@ impl DeviceState {
                 compute_us,
                 replayed,
             } => {
+                self.watchdog
+                    .finished(batch, attempt, Some(compute_us), now);
                 self.args
                     .metrics
                     .update_device(self.args.metrics_index, |d| {
@@ -393,6 +421,7 @@ impl DeviceState {
                 attempt,
                 error,
             } => {
+                self.watchdog.finished(batch, attempt, None, now);
                 if error.is_fatal() {
                     // The worker exits next; the batch is re-dispatched then.
                     self.set_error(error.to_string());
@@ -405,6 +434,7 @@ impl DeviceState {
                     });
                 }
             }
+            FromWorker::Heartbeat => {}
             FromWorker::FaultInjected { ok, message } => {
                 for port in self.fault_waiters.drain(..) {
                     let _ = port.send(if ok {
@@ -436,10 +466,12 @@ impl DeviceState {
         if let Some(path) = self.socket_path.take() {
             let _ = std::fs::remove_file(path);
         }
+        let hung = std::mem::take(&mut self.killed_for_hang);
         let device_fault =
             code == Some(link::EXIT_DEVICE_FAULT) || std::mem::take(&mut self.killed_for_fault);
         let how = match (code, signal) {
             (Some(link::EXIT_DEVICE_FAULT), _) => "device fault".to_string(),
+            (None, Some(9)) if hung => "killed: it hung".to_string(),
             (None, Some(9)) if device_fault => "killed: its GPU reported a fault".to_string(),
             (Some(c), _) => format!("exit status {c}"),
             (None, Some(s)) => format!("signal {s}"),
@@ -483,16 +515,49 @@ impl DeviceState {
             // The batcher re-dispatches it when it processes our DeviceDown.
             return;
         }
+        let token_slots = match batch.bucket {
+            Some(bucket) => bucket.tokens(),
+            None => batch.parts.iter().map(|p| p.rows.tokens()).sum(),
+        };
+        self.watchdog
+            .sent(batch.id, attempt, batch.model, token_slots);
         self.send(link::encode_run(
             batch.id,
             attempt,
             batch.model,
             batch.bucket,
-            batch.parts.iter().map(|(_, rows)| rows.as_ref()),
+            batch.parts.iter().map(|p| p.rows.as_ref()),
         ));
     }
 
-    fn inject_fault(&mut self, port: RpcReplyPort<Result<String, String>>) {
+    fn schedule_watchdog(&self, myself: &ActorRef<DeviceMsg>) {
+        let generation = self.generation;
+        myself.send_after(self.args.heartbeat, move || DeviceMsg::Worker {
+            generation,
+            event: WorkerEvent::WatchdogTick,
+        });
+    }
+
+    /// Kills a ready worker the watchdog finds stuck; its exit re-dispatches
+    /// what it held and restarts it.
+    fn watchdog_tick(&mut self, myself: &ActorRef<DeviceMsg>) {
+        if self.status != DeviceStatus::Ready || self.stopping {
+            return;
+        }
+        if let Some(why) = self.watchdog.hung(std::time::Instant::now()) {
+            tracing::error!(device = %self.label(), "{why}; killing it");
+            self.set_error(why);
+            self.args
+                .metrics
+                .update_device(self.args.metrics_index, |d| d.hangs += 1);
+            self.killed_for_hang = true;
+            self.kill_worker();
+            return;
+        }
+        self.schedule_watchdog(myself);
+    }
+
+    fn inject_fault(&mut self, kind: FaultKind, port: RpcReplyPort<Result<String, String>>) {
         if !self.args.fault_injection {
             let _ = port.send(Err(
                 "fault injection is disabled (set devices.fault_injection = true)".into(),
@@ -508,7 +573,7 @@ impl DeviceState {
             return;
         }
         self.fault_waiters.push(port);
-        self.send(link::encode(&ToWorker::InjectFault, []));
+        self.send(link::encode(&ToWorker::InjectFault { kind }, []));
     }
 
     fn stop(&mut self, myself: &ActorRef<DeviceMsg>, port: RpcReplyPort<()>) {

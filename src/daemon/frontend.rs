@@ -7,10 +7,12 @@
 //! another. Replies to a client that stops reading are dropped after
 //! [`REPLY_SEND_TIMEOUT`] rather than held forever.
 
+use super::admission::{Admission, Refusal, Ticket};
 use super::messages::{BatcherMsg, Submission};
 use super::metrics::Metrics;
 use super::tokenize::{TokenizeError, TokenizerPool};
 use crate::model::{BatchRows, InputSpec, ModelInfo};
+use crate::protocol::header::echo;
 use crate::protocol::{
     decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply, Request,
 };
@@ -40,6 +42,26 @@ pub struct Frontend {
     batcher: ActorRef<BatcherMsg>,
     metrics: Arc<Metrics>,
     limits: DecodeLimits,
+    admission: Arc<Admission>,
+}
+
+/// The bytes a request will hold while admitted: its payload, a decoded
+/// copy (f32 rows or u32 ids, at most one id per byte of text plus the
+/// special tokens, at most the model's longest input), and its output.
+fn request_bytes(payload: &Payload, info: &ModelInfo) -> usize {
+    let out = payload.items() * info.output_dim * 4;
+    let max_len = match info.input {
+        InputSpec::Tokens { max_seq_len, .. } => max_seq_len,
+        InputSpec::Features { .. } => 0,
+    };
+    out + match payload {
+        Payload::Tensor(t) => 2 * t.data.len(),
+        Payload::Ids(seqs) => seqs.iter().map(|s| 8 * s.len()).sum(),
+        Payload::Texts(texts) => texts
+            .iter()
+            .map(|t| t.len() + 4 * (t.len() + 2).min(max_len))
+            .sum(),
+    }
 }
 
 impl Frontend {
@@ -48,6 +70,7 @@ impl Frontend {
         batcher: ActorRef<BatcherMsg>,
         metrics: Arc<Metrics>,
         limits: DecodeLimits,
+        admission: Arc<Admission>,
     ) -> Self {
         let by_name = models
             .iter()
@@ -60,17 +83,24 @@ impl Frontend {
             batcher,
             metrics,
             limits,
+            admission,
         }
     }
 
-    /// Decodes, validates and submits one request; resolves to its reply.
-    pub async fn handle(&self, frames: &[Bytes]) -> Reply {
+    /// Decodes, admits, validates and submits one request; resolves to its
+    /// reply and, for an admitted request, the ticket to drop once the reply
+    /// has been handed to the socket.
+    pub async fn handle(&self, frames: &[Bytes]) -> (Reply, Option<Ticket>) {
         let received = Instant::now();
         let request = match decode_request(frames, &self.limits) {
             Ok(r) => r,
-            Err(e) => return self.error(e),
+            Err(e) => return (self.error(e), None),
         };
-        match self.submit(request, received).await {
+        let (index, ticket) = match self.admit(&request) {
+            Ok(admitted) => admitted,
+            Err(e) => return (self.error(e), None),
+        };
+        let reply = match self.submit(index, request, received).await {
             Ok(rx) => rx.await.unwrap_or_else(|_| {
                 // The batcher dropped the request without answering: a bug or a
                 // shutdown past its grace period.
@@ -81,7 +111,43 @@ impl Frontend {
                 ))
             }),
             Err(e) => self.error(e),
-        }
+        };
+        (reply, Some(ticket))
+    }
+
+    /// Finds the model and takes the request's share of the admission
+    /// bounds, before anything waits (see [`super::admission`]).
+    fn admit(&self, request: &Request) -> Result<(usize, Ticket), ProtocolError> {
+        let header = &request.header;
+        let id = header.id;
+        let &index = self.by_name.get(&header.model).ok_or_else(|| {
+            let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+            names.sort_unstable();
+            ProtocolError::new(
+                id,
+                ErrorCode::UnknownModel,
+                format!(
+                    "no model named {} (served: {})",
+                    echo(&header.model),
+                    names.join(", ")
+                ),
+            )
+        })?;
+        let info = &self.models[index].info;
+        let bytes = request_bytes(&request.payload, info);
+        let ticket = self.admission.admit(index, bytes).map_err(|r| {
+            let message = match r {
+                Refusal::ModelFull { limit } => format!(
+                    "model {} has {limit} requests admitted and unanswered; retry later",
+                    info.name
+                ),
+                Refusal::MemoryFull { budget, needed } => format!(
+                    "the daemon holds its whole request budget ({budget} bytes, server.max_buffered_bytes); this request needs {needed}; retry later"
+                ),
+            };
+            ProtocolError::new(id, ErrorCode::Overloaded, message)
+        })?;
+        Ok((index, ticket))
     }
 
     fn error(&self, e: ProtocolError) -> Reply {
@@ -91,25 +157,13 @@ impl Frontend {
 
     async fn submit(
         &self,
+        index: usize,
         request: Request,
         received: Instant,
     ) -> Result<oneshot::Receiver<Reply>, ProtocolError> {
         let header = request.header;
         let id = header.id;
         let bad = |msg: String| ProtocolError::new(id, ErrorCode::BadRequest, msg);
-        let &index = self.by_name.get(&header.model).ok_or_else(|| {
-            let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
-            names.sort_unstable();
-            ProtocolError::new(
-                id,
-                ErrorCode::UnknownModel,
-                format!(
-                    "no model named {:?} (served: {})",
-                    header.model,
-                    names.join(", ")
-                ),
-            )
-        })?;
         let model = &self.models[index];
         let name = &model.info.name;
         let input = match (&model.info.input, request.payload) {
@@ -132,9 +186,20 @@ impl Frontend {
                         t.shape[0], self.limits.max_items
                     )));
                 }
+                let data = crate::tensor::f32s_from_le(&t.data);
+                // PyTorch would propagate NaN/Inf; a graph's ReLU or pooling
+                // can turn them into a finite wrong answer, so refuse them.
+                if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+                    return Err(bad(format!(
+                        "input value {i} (row {}, column {}) is {}: inputs must be finite",
+                        i / features,
+                        i % features,
+                        data[i]
+                    )));
+                }
                 BatchRows::Features {
                     features: *features,
-                    data: crate::tensor::f32s_from_le(&t.data),
+                    data,
                 }
             }
             (InputSpec::Features { .. }, _) => {
@@ -277,7 +342,7 @@ async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: Z
     if envelope.is_empty() {
         return;
     }
-    let reply = frontend.handle(&frames).await;
+    let (reply, ticket) = frontend.handle(&frames).await;
     envelope.extend(encode_reply(&reply));
     let Ok(out) = ZmqMessage::try_from(envelope) else {
         return;
@@ -289,6 +354,8 @@ async fn serve_message(frontend: Arc<Frontend>, mut send: RouterSendHalf, msg: Z
             "reply dropped: the client did not read it within {REPLY_SEND_TIMEOUT:?}"
         ),
     }
+    // The request's bytes are given back once the socket has its reply.
+    drop(ticket);
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use crate::bucket::Bucket;
 use crate::model::BatchRows;
 use crate::protocol::Reply;
 use crate::tensor::DType;
-use crate::worker::link::WorkerError;
+use crate::worker::link::{FaultKind, WorkerError};
 use bytes::Bytes;
 use ractor::{ActorRef, RpcReplyPort};
 use serde::Serialize;
@@ -44,16 +44,30 @@ pub struct Submission {
     pub reply: oneshot::Sender<Reply>,
 }
 
-/// A formed batch: requests in row order, and the bucket it is padded into
-/// (`None`: the eager path, exact shape).
+/// A formed batch: request parts in row order, and the bucket it runs in
+/// (`None`: the eager path, exact shape). A request's items may be spread
+/// over several batches; each part says which of its items it holds.
 #[derive(Debug)]
 pub struct Batch {
     pub id: BatchId,
     pub model: usize,
     pub bucket: Option<Bucket>,
-    pub parts: Vec<(RequestId, Arc<BatchRows>)>,
-    /// Real rows over all parts.
+    pub parts: Vec<BatchPart>,
+    /// Real rows (sequences) over all parts: the worker returns one output
+    /// row for each, in part order.
     pub rows: usize,
+    /// Real tokens over all parts (rows, for models without a sequence axis).
+    pub tokens: usize,
+}
+
+/// The items of one request that a batch holds.
+#[derive(Debug)]
+pub struct BatchPart {
+    pub request: RequestId,
+    /// Indices into the request's rows, increasing.
+    pub items: Vec<u32>,
+    /// Those rows (shared with the request when the part holds all of them).
+    pub rows: Arc<BatchRows>,
 }
 
 /// What a finished batch brings back from the worker.
@@ -110,8 +124,8 @@ pub enum BatcherMsg {
 pub enum DeviceMsg {
     /// Run a batch on this device's worker.
     Run { batch: Arc<Batch>, attempt: u32 },
-    /// Make the worker corrupt its device (tests); answers the worker's reply.
-    InjectFault(RpcReplyPort<Result<String, String>>),
+    /// Make the worker break its device (tests); answers the worker's reply.
+    InjectFault(FaultKind, RpcReplyPort<Result<String, String>>),
     /// Kill the worker now (e.g. NVML reported a critical Xid); it restarts.
     Kill { reason: String },
     /// Stop the worker for good (daemon shutdown); answers once it exited.
@@ -132,6 +146,8 @@ pub enum WorkerEvent {
     },
     StartTimeout,
     StopTimeout,
+    /// Time to ask the watchdog whether the worker is stuck.
+    WatchdogTick,
 }
 
 /// Messages to the supervisor.

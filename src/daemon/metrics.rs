@@ -15,29 +15,55 @@ use std::sync::Mutex;
 use std::time::Instant;
 use tokio::sync::watch;
 
-/// Why a request took the eager path.
+/// Why some of a request's items took the eager path. (A request is never
+/// sent eagerly for its number of items: it is split over graph batches.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum EagerReason {
-    /// More rows than the largest batch bucket.
-    BatchTooLarge,
-    /// More tokens than the largest seq bucket.
+    /// A sequence longer than the largest seq bucket (padded) or token
+    /// budget (packed).
     SeqTooLong,
 }
 
 /// Use of one (model, bucket), counted when its batches complete.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BucketCounters {
+    /// Replies whose `bucket` is this one (the largest shape that ran any
+    /// of the request's items), counted when the reply is sent.
     pub requests: u64,
+    /// Request parts run in this bucket: a request split over several
+    /// batches counts once in each.
+    pub parts: u64,
     pub batches: u64,
-    /// Rows that carried a real input.
+    /// Real rows (sequences) computed.
     pub rows: u64,
-    /// Rows of padding (bucket batch size minus real rows).
+    /// Sequence slots left empty: the bucket's rows (batch size, or most
+    /// sequences of a packed budget) minus real rows.
     pub padded_rows: u64,
     /// Real tokens (rows · 1 for models without a sequence axis).
     pub tokens: u64,
-    /// Padding tokens: bucket batch · seq minus real tokens.
+    /// Padding tokens: the bucket's token slots (batch · seq, or the
+    /// budget) minus real tokens.
     pub padded_tokens: u64,
+}
+
+/// How a model is batched, for the stats (set once at start-up).
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelStats {
+    pub name: String,
+    /// `"padded"` or `"packed"`.
+    pub batching: String,
+    /// Padded: `batch_buckets` and `seq_buckets`; packed: `token_budgets`
+    /// and `max_seqs_per_batch`.
+    pub grid: serde_json::Value,
+}
+
+/// Eager work, counted when eager batches complete.
+#[derive(Clone, Debug, Default)]
+struct EagerCounters {
+    batches: u64,
+    sequences: u64,
+    tokens: u64,
 }
 
 /// What a device actor reports about its device and worker.
@@ -54,6 +80,8 @@ pub struct DeviceStats {
     pub restarts: u64,
     /// Worker exits caused by a device fault.
     pub device_faults: u64,
+    /// Workers killed because the watchdog found them stuck.
+    pub hangs: u64,
     pub last_error: Option<String>,
     pub startup_ms: Option<u64>,
     pub graphs: Vec<GraphStats>,
@@ -86,6 +114,10 @@ struct Inner {
     buckets: BTreeMap<(String, Bucket), BucketCounters>,
     eager_requests: BTreeMap<EagerReason, u64>,
     eager_by_model: BTreeMap<String, u64>,
+    eager_work: EagerCounters,
+    /// Replies whose items ran in more than one batch.
+    split_requests: u64,
+    models: Vec<ModelStats>,
     errors: BTreeMap<ErrorCode, u64>,
     retried_batches: u64,
     queue_depth: BTreeMap<String, u64>,
@@ -121,6 +153,9 @@ impl Metrics {
                 buckets: BTreeMap::new(),
                 eager_requests: BTreeMap::new(),
                 eager_by_model: BTreeMap::new(),
+                eager_work: EagerCounters::default(),
+                split_requests: 0,
+                models: Vec::new(),
                 errors: BTreeMap::new(),
                 retried_batches: 0,
                 queue_depth: BTreeMap::new(),
@@ -158,11 +193,17 @@ impl Metrics {
         self.lock().retried_batches += 1;
     }
 
-    /// A bucketed batch completed: `tokens` counts real tokens over all rows.
-    pub fn bucket_batch(&self, model: &str, bucket: Bucket, requests: u64, rows: u64, tokens: u64) {
+    /// Says how each model is batched (start-up).
+    pub fn set_models(&self, models: Vec<ModelStats>) {
+        self.lock().models = models;
+    }
+
+    /// A bucketed batch completed: `parts` request parts, `rows` real rows,
+    /// `tokens` real tokens over all rows.
+    pub fn bucket_batch(&self, model: &str, bucket: Bucket, parts: u64, rows: u64, tokens: u64) {
         let mut m = self.lock();
         let c = m.buckets.entry((model.to_string(), bucket)).or_default();
-        c.requests += requests;
+        c.parts += parts;
         c.batches += 1;
         c.rows += rows;
         c.padded_rows += bucket.rows() as u64 - rows;
@@ -170,10 +211,30 @@ impl Metrics {
         c.padded_tokens += bucket.tokens() as u64 - tokens;
     }
 
-    /// A request was answered successfully.
-    pub fn reply_ok(&self, total_us: u64, queued_us: u64, compute_us: u64) {
+    /// A reply named `bucket` (the largest shape that ran its items).
+    pub fn bucket_request(&self, model: &str, bucket: Bucket) {
+        let mut m = self.lock();
+        m.buckets
+            .entry((model.to_string(), bucket))
+            .or_default()
+            .requests += 1;
+    }
+
+    /// An eager batch of `sequences` rows and `tokens` real tokens completed.
+    pub fn eager_batch(&self, sequences: u64, tokens: u64) {
+        let mut m = self.lock();
+        m.eager_work.batches += 1;
+        m.eager_work.sequences += sequences;
+        m.eager_work.tokens += tokens;
+    }
+
+    /// A request was answered successfully; its items ran in `batches` batches.
+    pub fn reply_ok(&self, total_us: u64, queued_us: u64, compute_us: u64, batches: u32) {
         let mut m = self.lock();
         m.replies_ok += 1;
+        if batches > 1 {
+            m.split_requests += 1;
+        }
         let _ = m.latency.total.record(total_us.max(1));
         let _ = m.latency.queued.record(queued_us.max(1));
         let _ = m.latency.compute.record(compute_us.max(1));
@@ -227,11 +288,40 @@ impl Metrics {
                 "max_us": h.max(),
             })
         };
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        // Per model and overall: real and computed tokens over every bucket.
+        let mut by_model: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for ((model, _), c) in &m.buckets {
+            let t = by_model.entry(model.as_str()).or_default();
+            t.0 += c.tokens;
+            t.1 += c.tokens + c.padded_tokens;
+        }
+        let padding = |(tokens, computed): (u64, u64)| {
+            serde_json::json!({
+                "tokens": tokens,
+                "computed_tokens": computed,
+                "padding_waste": ratio(computed - tokens, computed),
+            })
+        };
+        let overall = by_model
+            .values()
+            .fold((0, 0), |(a, b), (t, c)| (a + t, b + c));
+        let models: Vec<serde_json::Value> = m
+            .models
+            .iter()
+            .map(|ms| {
+                let mut v = serde_json::to_value(ms).expect("model stats serialise");
+                let t = by_model.get(ms.name.as_str()).copied().unwrap_or_default();
+                v["padding"] = padding(t);
+                v
+            })
+            .collect();
         let buckets: Vec<serde_json::Value> = m
             .buckets
             .iter()
             .map(|((model, bucket), c)| {
-                let slots = (c.rows + c.padded_rows).max(1);
+                let slots = c.rows + c.padded_rows;
+                let computed = c.tokens + c.padded_tokens;
                 serde_json::json!({
                     "model": model,
                     "bucket": bucket.to_string(),
@@ -241,13 +331,23 @@ impl Metrics {
                     "seq": match bucket { Bucket::Padded { seq, .. } => *seq, Bucket::Packed { .. } => 0 },
                     "token_slots": bucket.tokens(),
                     "requests": c.requests,
+                    "parts": c.parts,
                     "batches": c.batches,
                     "rows": c.rows,
                     "padded_rows": c.padded_rows,
+                    "seq_slots": slots,
                     "tokens": c.tokens,
                     "padded_tokens": c.padded_tokens,
-                    "padding_waste": c.padded_tokens as f64 / (c.tokens + c.padded_tokens).max(1) as f64,
-                    "row_fill": c.rows as f64 / slots as f64,
+                    "computed_tokens": computed,
+                    // 1 − real / computed tokens.
+                    "padding_waste": ratio(c.padded_tokens, computed),
+                    // Real sequences over the bucket's sequence slots.
+                    "row_fill": ratio(c.rows, slots),
+                    "seq_fill": ratio(c.rows, slots),
+                    // Real tokens over the token slots (the budget, when packed).
+                    "token_fill": ratio(c.tokens, computed),
+                    "seqs_per_batch": ratio(c.rows, c.batches),
+                    "tokens_per_batch": ratio(c.tokens, c.batches),
                 })
             })
             .collect();
@@ -265,11 +365,17 @@ impl Metrics {
             "requests": {
                 "accepted": m.requests_accepted,
                 "ok": m.replies_ok,
+                "split": m.split_requests,
                 "errors": errors,
             },
+            "models": models,
             "buckets": buckets,
+            "padding": padding(overall),
             "eager": {
                 "requests": eager_total,
+                "batches": m.eager_work.batches,
+                "sequences": m.eager_work.sequences,
+                "tokens": m.eager_work.tokens,
                 "by_reason": m.eager_requests,
                 "by_model": m.eager_by_model,
             },
@@ -297,17 +403,69 @@ mod tests {
         let m = Metrics::new();
         m.bucket_batch("mlp", Bucket::new(8, 1), 2, 5, 5);
         m.bucket_batch("mlp", Bucket::new(8, 1), 1, 8, 8);
+        m.bucket_request("mlp", Bucket::new(8, 1));
+        m.bucket_request("mlp", Bucket::new(8, 1));
         m.error(ErrorCode::Overloaded);
-        m.reply_ok(100, 10, 50);
+        m.reply_ok(100, 10, 50, 1);
+        m.reply_ok(100, 10, 50, 2);
         let s = m.snapshot();
         let b = &s["buckets"][0];
         assert_eq!(b["bucket"], "8x1");
-        assert_eq!(b["requests"], 3);
+        assert_eq!(
+            (b["requests"].as_u64(), b["parts"].as_u64()),
+            (Some(2), Some(3))
+        );
         assert_eq!(b["batches"], 2);
         assert_eq!(b["rows"], 13);
         assert_eq!(b["padded_rows"], 3);
+        assert_eq!(b["seq_slots"], 16);
+        assert_eq!(b["seqs_per_batch"], 6.5);
+        assert_eq!(s["requests"]["split"], 1);
         assert_eq!(s["requests"]["errors"]["overloaded"], 1);
         assert_eq!(s["requests"]["errors"]["internal"], 0);
-        assert_eq!(s["latency"]["total"]["count"], 1);
+        assert_eq!(s["latency"]["total"]["count"], 2);
+    }
+
+    #[test]
+    fn packed_buckets_count_token_fill_and_padding_per_model_and_overall() {
+        let m = Metrics::new();
+        m.set_models(vec![ModelStats {
+            name: "enc".into(),
+            batching: "packed".into(),
+            grid: serde_json::json!({"token_budgets": [64, 256], "max_seqs_per_batch": 16}),
+        }]);
+        // 3 sequences of 60 tokens in all, in the 64-token budget (16 slots).
+        m.bucket_batch("enc", Bucket::packed(64, 16), 2, 3, 60);
+        // 10 sequences, 200 tokens in the 256 budget.
+        m.bucket_batch("enc", Bucket::packed(256, 16), 1, 10, 200);
+        m.bucket_batch("mlp", Bucket::new(4, 1), 1, 3, 3);
+        m.eager_batch(2, 600);
+        let s = m.snapshot();
+        let b = s["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["bucket"] == "64t")
+            .unwrap()
+            .clone();
+        assert_eq!(b["packed"], true);
+        assert_eq!(
+            (b["tokens"].as_u64(), b["computed_tokens"].as_u64()),
+            (Some(60), Some(64))
+        );
+        assert_eq!(b["padding_waste"], 4.0 / 64.0);
+        assert_eq!(b["token_fill"], 60.0 / 64.0);
+        assert_eq!(b["seq_fill"], 3.0 / 16.0);
+        assert_eq!(b["seqs_per_batch"], 3.0);
+        let enc = &s["models"][0];
+        assert_eq!(enc["batching"], "packed");
+        assert_eq!(enc["grid"]["token_budgets"][1], 256);
+        assert_eq!(enc["padding"]["tokens"], 260);
+        assert_eq!(enc["padding"]["computed_tokens"], 320);
+        assert_eq!(s["padding"]["tokens"], 263);
+        assert_eq!(s["padding"]["computed_tokens"], 324);
+        assert_eq!(s["padding"]["padding_waste"], 61.0 / 324.0);
+        assert_eq!(s["eager"]["sequences"], 2);
+        assert_eq!(s["eager"]["batches"], 1);
     }
 }

@@ -4,8 +4,9 @@
 //!
 //! The route of a request, and the module that owns each step:
 //!
-//! 1. [`frontend`] receives it on the client ROUTER socket, decodes and
-//!    validates it, tokenizes texts ([`tokenize`]) and submits it.
+//! 1. [`frontend`] receives it on the client ROUTER socket, decodes it,
+//!    admits or refuses it at once ([`admission`]: per-model and memory
+//!    bounds), validates it, tokenizes texts ([`tokenize`]) and submits it.
 //! 2. [`batcher`] (an actor around the [`batcher::queue`] state machine)
 //!    queues it, forms batches and sends each to a device actor; it holds the
 //!    request's reply channel, so every accepted request gets exactly one
@@ -18,8 +19,11 @@
 //! [`messages`] is the map of every message between these actors. Beside
 //! the route: [`control`] (the `replayctl` socket), [`metrics`] (counters
 //! and histograms), [`gpu_health`] (NVML samples and Xid watching),
-//! [`notify`] (systemd), and [`server`], which starts and stops it all.
+//! [`notify`] (systemd), [`watchdog`] (when a quiet worker counts as hung),
+//! [`runtime_dir`] (owner-only sockets and files), and
+//! [`server`], which starts and stops it all.
 
+pub mod admission;
 pub mod batcher;
 pub mod control;
 pub mod device;
@@ -28,6 +32,8 @@ pub mod gpu_health;
 pub mod messages;
 pub mod metrics;
 pub mod notify;
+pub mod runtime_dir;
 pub mod server;
 pub mod supervisor;
 pub mod tokenize;
+pub mod watchdog;

@@ -12,10 +12,10 @@ use super::control::Control;
 use super::device::{DeviceArgs, WorkerCommand};
 use super::frontend::{Frontend, ServedModel};
 use super::messages::{BatcherMsg, DeviceKind, DeviceStatus, SupervisorMsg};
-use super::metrics::{DeviceStats, Metrics};
+use super::metrics::{DeviceStats, Metrics, ModelStats};
 use super::supervisor::{Supervisor, SupervisorArgs};
 use super::tokenize::{TextTokenizer, TokenizerPool};
-use crate::bucket::BucketGrid;
+use crate::bucket::Grid;
 use crate::config::{BackendKind, Config, GpuSelection};
 use crate::gpu::cuda_device_count;
 use crate::protocol::DecodeLimits;
@@ -173,18 +173,35 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
         .collect()
 }
 
+/// How a model is batched, for the start-up log and the stats.
+fn model_stats(slot: &ModelSlot) -> ModelStats {
+    let (batching, grid) = match &slot.grid {
+        Grid::Padded(g) => (
+            "padded",
+            serde_json::json!({"batch_buckets": g.batches(), "seq_buckets": g.seqs()}),
+        ),
+        Grid::Packed(g) => (
+            "packed",
+            serde_json::json!({"token_budgets": g.budgets(), "max_seqs_per_batch": g.max_seqs()}),
+        ),
+    };
+    ModelStats {
+        name: slot.name.clone(),
+        batching: batching.into(),
+        grid,
+    }
+}
+
 /// Runs the daemon until `shutdown` resolves, then drains and stops.
 pub async fn run(
     config: Config,
     options: ServerOptions,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&config.server.runtime_dir).with_context(|| {
-        format!(
-            "cannot create server.runtime_dir {}",
-            config.server.runtime_dir.display()
-        )
-    })?;
+    super::runtime_dir::prepare(
+        &config.server.runtime_dir,
+        config.server.runtime_group.as_deref(),
+    )?;
     let models = load_models(&config)?;
     let planned = plan_devices(&config, &options)?;
     let metrics = Arc::new(Metrics::new());
@@ -211,9 +228,14 @@ pub async fn run(
         .iter()
         .map(|mc| ModelSlot {
             name: mc.name.clone(),
-            grid: BucketGrid::for_model(mc),
+            grid: Grid::for_model(mc),
         })
         .collect();
+    let model_stats: Vec<ModelStats> = model_slots.iter().map(model_stats).collect();
+    for m in &model_stats {
+        tracing::info!(model = %m.name, batching = %m.batching, grid = %m.grid, "batching");
+    }
+    metrics.set_models(model_stats);
     let (batcher, batcher_handle) = Actor::spawn(
         None,
         BatcherActor,
@@ -246,31 +268,42 @@ pub async fn run(
             statuses.push(status_rx.clone());
             (slot, d, Arc::new(status), status_rx)
         })
-        .map(|(slot, d, status, status_rx)| DeviceArgs {
-            device: slot,
-            metrics_index: metrics.add_device(
-                DeviceStats {
-                    label: d.label.clone(),
-                    role: match d.kind {
-                        DeviceKind::Graph => "graph".into(),
-                        DeviceKind::Eager => "eager".into(),
+        .map(|(slot, d, status, status_rx)| {
+            // Generous first guesses, replaced by what each model's batches
+            // take once one has finished.
+            let cold_us_per_token = match d.worker.backend {
+                WorkerBackend::Cpu => 2000.0 / d.worker.threads.max(1) as f64,
+                WorkerBackend::Cuda => 20.0,
+            };
+            DeviceArgs {
+                device: slot,
+                metrics_index: metrics.add_device(
+                    DeviceStats {
+                        label: d.label.clone(),
+                        role: match d.kind {
+                            DeviceKind::Graph => "graph".into(),
+                            DeviceKind::Eager => "eager".into(),
+                        },
+                        ..Default::default()
                     },
-                    ..Default::default()
-                },
-                status_rx,
-            ),
-            status,
-            label: d.label,
-            worker: d.worker,
-            runtime_dir: config.server.runtime_dir.clone(),
-            batcher: batcher.clone(),
-            metrics: metrics.clone(),
-            model_names: model_names.clone(),
-            backoff_initial: Duration::from_millis(config.devices.restart_backoff_ms),
-            backoff_max: Duration::from_millis(config.devices.restart_backoff_max_ms),
-            start_timeout: Duration::from_millis(config.devices.start_timeout_ms),
-            stop_timeout: Duration::from_secs(10),
-            fault_injection: config.devices.fault_injection,
+                    status_rx,
+                ),
+                status,
+                label: d.label,
+                worker: d.worker,
+                runtime_dir: config.server.runtime_dir.clone(),
+                batcher: batcher.clone(),
+                metrics: metrics.clone(),
+                model_names: model_names.clone(),
+                backoff_initial: Duration::from_millis(config.devices.restart_backoff_ms),
+                backoff_max: Duration::from_millis(config.devices.restart_backoff_max_ms),
+                start_timeout: Duration::from_millis(config.devices.start_timeout_ms),
+                stop_timeout: Duration::from_secs(10),
+                fault_injection: config.devices.fault_injection,
+                hang_timeout: Duration::from_millis(config.devices.hang_timeout_ms),
+                heartbeat: Duration::from_millis(config.devices.heartbeat_ms),
+                cold_us_per_token,
+            }
         })
         .collect();
     let gpu_slots: Vec<super::gpu_health::GpuSlot> = device_args
@@ -301,6 +334,11 @@ pub async fn run(
     } else {
         None
     };
+    let admission = super::admission::Admission::new(
+        models.len(),
+        config.batching.max_queue,
+        config.server.max_buffered_bytes,
+    );
     let frontend = Arc::new(Frontend::new(
         models,
         batcher.clone(),
@@ -309,6 +347,7 @@ pub async fn run(
             max_bytes: config.server.max_request_bytes,
             max_items: config.server.max_items_per_request,
         },
+        admission,
     ));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {

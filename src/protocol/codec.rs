@@ -1,12 +1,12 @@
 //! Frames ⇄ protocol values.
 
+use super::header::{decode_header, SUPPORTED_VERSIONS};
 use super::{
     ErrorCode, InputKind, Payload, ProtocolError, Reply, ReplyHeader, Request, RequestHeader,
     Status, PROTOCOL_VERSION,
 };
 use crate::tensor::{element_count, DType, HostTensor};
 use bytes::Bytes;
-use serde::Deserialize;
 
 /// Size limits applied while decoding, before anything is allocated for a request.
 #[derive(Clone, Copy, Debug)]
@@ -36,31 +36,17 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
         return Err(bad(0, "empty message: expected a header frame"));
     };
     let total: usize = frames.iter().map(Bytes::len).sum();
-    let header: RequestHeader = match rmp_serde::from_slice(head) {
-        Ok(h) => h,
-        Err(e) => {
-            // Recover the id if the header is a map that has one, so the client
-            // can match the error to its request.
-            #[derive(Deserialize)]
-            struct IdOnly {
-                id: u64,
-            }
-            let id = rmp_serde::from_slice::<IdOnly>(head)
-                .map(|h| h.id)
-                .unwrap_or(0);
-            return Err(bad(
-                id,
-                format!("malformed header frame (expected a MessagePack map): {e}"),
-            ));
-        }
-    };
+    let header =
+        decode_header(head).map_err(|e| bad(e.id, format!("malformed header: {}", e.message)))?;
     let id = header.id;
-    if header.v != PROTOCOL_VERSION {
+    if !SUPPORTED_VERSIONS.contains(&header.v) {
+        let supported: Vec<String> = SUPPORTED_VERSIONS.iter().map(u32::to_string).collect();
         return Err(bad(
             id,
             format!(
-                "unsupported protocol version {} (this daemon speaks {PROTOCOL_VERSION})",
-                header.v
+                "unsupported protocol version {} (supported versions: {})",
+                header.v,
+                supported.join(", ")
             ),
         ));
     }
@@ -179,6 +165,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
             queued_us,
             compute_us,
             total_us,
+            batches,
         } => (
             ReplyHeader {
                 v: PROTOCOL_VERSION,
@@ -190,6 +177,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 shape: Some(output.shape.iter().map(|&d| d as u64).collect()),
                 bucket: Some(bucket.clone()),
                 device: Some(device.clone()),
+                batches: Some(*batches),
                 queued_us: *queued_us,
                 compute_us: *compute_us,
                 total_us: *total_us,
@@ -207,6 +195,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 shape: None,
                 bucket: None,
                 device: None,
+                batches: None,
                 queued_us: 0,
                 compute_us: 0,
                 total_us: 0,
@@ -399,12 +388,14 @@ mod tests {
             queued_us: 10,
             compute_us: 20,
             total_us: 40,
+            batches: 2,
         };
         let (h, t) = decode_reply(&encode_reply(&reply)).unwrap();
         assert_eq!(
             (h.id, h.status, h.bucket.as_deref()),
             (3, Status::Ok, Some("8x16"))
         );
+        assert_eq!(h.batches, Some(2));
         assert_eq!(t.unwrap(), out);
         let (h, t) =
             decode_reply(&encode_reply(&Reply::error(4, ErrorCode::TooLong, "long"))).unwrap();

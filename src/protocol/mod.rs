@@ -10,10 +10,13 @@
 //! * [`RequestHeader`] / [`ReplyHeader`]: the header frames.
 //! * [`decode_request`] / [`encode_reply`]: frames ⇄ values, with every
 //!   malformation mapped to an [`ErrorCode`] and a message that says what is wrong.
+//! * [`header`]: the strict decoder of the request header (a map with string
+//!   keys, nothing laxer; every error names the key).
 //! * [`client`]: a Rust client speaking this protocol.
 
 pub mod client;
 mod codec;
+pub mod header;
 
 pub use codec::{decode_reply, decode_request, encode_reply, encode_request, DecodeLimits};
 
@@ -207,16 +210,22 @@ pub struct ReplyHeader {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shape: Option<Vec<u64>>,
     /// The bucket the request ran in, `"<batch>x<seq>"` (seq 1 for models
-    /// without a sequence axis), or `"eager"`.
+    /// without a sequence axis), `"<tokens>t"` (a packed token budget), or
+    /// `"eager"`. When its rows ran in several batches: the largest of
+    /// their shapes (`"eager"` above every bucket).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bucket: Option<String>,
-    /// The device that ran it, e.g. `"cuda:0"` or `"cpu:1"`.
+    /// The device that ran it (the batch `bucket` names), e.g. `"cuda:0"`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
-    /// Microseconds from receipt until its batch was sent to a device.
+    /// How many batches its rows ran in (1 unless it was split).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batches: Option<u32>,
+    /// Microseconds from receipt until its (first) batch was sent to a device.
     #[serde(default)]
     pub queued_us: u64,
-    /// Microseconds the worker spent on its batch (copy in, replay, copy out).
+    /// Microseconds the workers spent on its batches (copy in, replay, copy
+    /// out), added up.
     #[serde(default)]
     pub compute_us: u64,
     /// Microseconds from receipt until the reply was sent.
@@ -235,6 +244,8 @@ pub enum Reply {
         queued_us: u64,
         compute_us: u64,
         total_us: u64,
+        /// Batches its rows ran in.
+        batches: u32,
     },
     Error {
         id: u64,

@@ -7,7 +7,7 @@
 //! host prepares the next batch. At most [`MAX_PIPELINE`] are in flight.
 
 use super::graph_cache::GraphCache;
-use super::link::{self, FromWorker, ToWorker, WorkerError};
+use super::link::{self, FaultKind, FromWorker, ToWorker, WorkerError};
 use super::{WorkerArgs, WorkerBackend};
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, BackendError};
@@ -16,8 +16,8 @@ use crate::config::{Config, DevicesConfig};
 use crate::model::Model;
 use bytes::Bytes;
 use std::collections::VecDeque;
-use std::sync::mpsc::{Receiver, TryRecvError};
-use std::time::Instant;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// Batches launched but not yet collected.
@@ -165,17 +165,28 @@ fn serve<B: Backend>(
     );
 
     let mut inflight: VecDeque<InFlight<B::Pending>> = VecDeque::new();
+    // The watchdog in the daemon hears this thread at least every
+    // heartbeat while it is idle or between batches; a thread stuck on its
+    // device (or a stopped process) goes silent.
+    let heartbeat = Duration::from_millis(args.heartbeat_ms.max(1));
+    let mut last_said = Instant::now();
     loop {
+        if last_said.elapsed() >= heartbeat {
+            outbox.send(&FromWorker::Heartbeat, None);
+            last_said = Instant::now();
+        }
         let command = if inflight.is_empty() {
-            match rx.recv() {
+            match rx.recv_timeout(heartbeat.saturating_sub(last_said.elapsed())) {
                 Ok(c) => c,
-                Err(_) => return,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return,
             }
         } else {
             match rx.try_recv() {
                 Ok(c) => c,
                 Err(TryRecvError::Empty) => {
                     collect_oldest(&mut backend, &mut inflight, outbox);
+                    last_said = Instant::now();
                     continue;
                 }
                 Err(TryRecvError::Disconnected) => return,
@@ -270,9 +281,13 @@ fn serve<B: Backend>(
                     }
                 }
             }
-            ToWorker::InjectFault => {
-                let (ok, message) = match backend.inject_fault() {
-                    Ok(()) => (true, "fault injected".to_string()),
+            ToWorker::InjectFault { kind } => {
+                let result = match kind {
+                    FaultKind::Corrupt => backend.inject_fault(),
+                    FaultKind::Hang => backend.inject_hang(),
+                };
+                let (ok, message) = match result {
+                    Ok(()) => (true, format!("{kind:?} fault injected").to_lowercase()),
                     Err(e) => (false, e.to_string()),
                 };
                 tracing::warn!("inject-fault: {message}");
@@ -393,6 +408,7 @@ mod tests {
                 ordinal: 0,
                 threads: 2,
                 eager: false,
+                heartbeat_ms: 100,
             };
             let (to, rx) = std::sync::mpsc::channel();
             let (tx, from) = tokio::sync::mpsc::unbounded_channel();
@@ -409,14 +425,19 @@ mod tests {
             self.to.send(Command { msg, data }).unwrap();
         }
 
+        /// The next message other than a heartbeat.
         fn recv(&mut self) -> (FromWorker, Vec<Bytes>) {
-            match self.from.blocking_recv() {
-                Some(Outgoing::Message(frames)) => {
-                    let (msg, data) = link::decode::<FromWorker>(&frames).unwrap();
-                    (msg, data.to_vec())
+            loop {
+                match self.from.blocking_recv() {
+                    Some(Outgoing::Message(frames)) => {
+                        let (msg, data) = link::decode::<FromWorker>(&frames).unwrap();
+                        if msg != FromWorker::Heartbeat {
+                            return (msg, data.to_vec());
+                        }
+                    }
+                    Some(Outgoing::Exit(code)) => panic!("worker exited with {code}"),
+                    None => panic!("worker gone"),
                 }
-                Some(Outgoing::Exit(code)) => panic!("worker exited with {code}"),
-                None => panic!("worker gone"),
             }
         }
 
@@ -462,7 +483,16 @@ mod tests {
 
         fn stop(mut self) {
             self.send(link::encode(&ToWorker::Shutdown, []));
-            assert!(matches!(self.from.blocking_recv(), Some(Outgoing::Exit(0))));
+            loop {
+                match self.from.blocking_recv() {
+                    Some(Outgoing::Exit(code)) => {
+                        assert_eq!(code, 0);
+                        break;
+                    }
+                    Some(Outgoing::Message(_)) => continue, // heartbeats
+                    None => panic!("worker gone without exiting"),
+                }
+            }
             self.thread.join().unwrap();
         }
     }

@@ -43,10 +43,21 @@ pub enum ToWorker {
         bucket: Option<Bucket>,
         layout: RowsLayout,
     },
-    /// Corrupt the device on purpose (only when the daemon enables fault injection).
-    InjectFault,
+    /// Break the device on purpose (only when the daemon enables fault injection).
+    InjectFault { kind: FaultKind },
     /// Finish what is in flight and exit 0.
     Shutdown,
+}
+
+/// What fault injection does to a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FaultKind {
+    /// A sticky error (an out-of-bounds write on a GPU): the worker exits.
+    Corrupt,
+    /// The device stops making progress (a kernel that spins forever on a
+    /// GPU): the next batch never finishes, and the watchdog must notice.
+    Hang,
 }
 
 /// One captured graph, as reported at start-up.
@@ -83,6 +94,9 @@ pub enum FromWorker {
         attempt: u32,
         error: WorkerError,
     },
+    /// The backend thread is alive and not stuck (sent every heartbeat
+    /// interval while it is idle or between batches).
+    Heartbeat,
     /// Answer to `InjectFault`.
     FaultInjected { ok: bool, message: String },
     /// The worker is exiting because it could not start or its device failed.

@@ -47,6 +47,9 @@ pub struct WorkerArgs {
     /// Run requests eagerly only: capture no graphs.
     #[arg(long)]
     pub eager: bool,
+    /// How often the backend thread says it is alive, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub heartbeat_ms: u64,
 }
 
 /// Runs a worker until the daemon tells it to stop or its device fails;

@@ -47,6 +47,11 @@ impl Daemon {
 
     /// Like [`Daemon::start`], with extra `[server]` keys.
     pub fn start_with(rest: &str, server_extra: &str) -> Daemon {
+        Self::start_full(rest, server_extra, None)
+    }
+
+    /// Like [`Daemon::start_with`], started under `umask` when given.
+    pub fn start_full(rest: &str, server_extra: &str, umask: Option<u32>) -> Daemon {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = format!(
             "[server]\nendpoint = \"tcp://127.0.0.1:0\"\ncontrol_endpoint = \"tcp://127.0.0.1:0\"\nruntime_dir = \"{}\"\n{server_extra}\n{rest}",
@@ -56,7 +61,18 @@ impl Daemon {
         std::fs::write(&config_path, config).unwrap();
         let ready = dir.path().join("ready.json");
         let log = std::fs::File::create(dir.path().join("replayd.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_replayd"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_replayd"));
+        if let Some(mask) = umask {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: umask is async-signal-safe; nothing else runs in the child yet.
+            unsafe {
+                command.pre_exec(move || {
+                    libc::umask(mask as libc::mode_t);
+                    Ok(())
+                });
+            }
+        }
+        let child = command
             .arg("--config")
             .arg(&config_path)
             .arg("--ready-file")

@@ -35,7 +35,8 @@
 //!   launches are therefore safe to collect in any order.
 //! * [`Backend::inject_fault`] poisons the backend like a sticky CUDA error:
 //!   every later call that touches the "device" returns
-//!   [`BackendError::DeviceFault`].
+//!   [`BackendError::DeviceFault`]; [`Backend::inject_hang`] makes the next
+//!   launch block its thread for good, like a hung GPU.
 
 mod arena;
 mod ops;
@@ -121,6 +122,8 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     /// Set by [`Backend::inject_fault`]: the "device" is unusable.
     fault: Option<String>,
+    /// Set by [`Backend::inject_hang`]: the next launch never returns.
+    hung: bool,
     /// Compute only the real rows and tokens of a batch (see [`CpuBackend::set_trim_padding`]).
     trim_padding: bool,
     /// Activations and attention scratch shared by every graph.
@@ -160,6 +163,7 @@ impl CpuBackend {
             threads,
             pool,
             fault: None,
+            hung: false,
             trim_padding: true,
             arena: Arena::default(),
         }
@@ -186,6 +190,16 @@ impl CpuBackend {
     /// largest need of any graph captured so far; 0 before the first).
     pub fn arena_bytes(&self) -> u64 {
         self.arena.bytes()
+    }
+
+    /// After [`Backend::inject_hang`] the "device" never finishes again:
+    /// the calling thread blocks for good, as on a hung GPU.
+    fn hang_if_hung(&self) {
+        if self.hung {
+            loop {
+                std::thread::park();
+            }
+        }
     }
 
     fn check_fault(&self) -> Result<(), BackendError> {
@@ -292,6 +306,7 @@ impl Backend for CpuBackend {
         rows: &BatchRows,
     ) -> Result<CpuPending, BackendError> {
         self.check_fault()?;
+        self.hang_if_hung();
         let output = replay(
             &self.pool,
             &mut self.arena,
@@ -327,6 +342,11 @@ impl Backend for CpuBackend {
             &mut own
         };
         replay(&self.pool, arena, self.trim_padding, &mut plan, rows)
+    }
+
+    fn inject_hang(&mut self) -> Result<(), BackendError> {
+        self.hung = true;
+        Ok(())
     }
 
     fn inject_fault(&mut self) -> Result<(), BackendError> {

@@ -112,6 +112,7 @@ pub fn expected_entry_points() -> Vec<String> {
         }
     }
     names.push("fault_oob_write".to_string());
+    names.push("fault_spin".to_string());
     names
 }
 

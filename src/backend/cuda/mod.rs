@@ -805,6 +805,29 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// Queues a kernel that never ends on the replay stream (fault
+    /// injection): every later batch waits behind it.
+    fn hang_inner(&mut self) -> Result<(), BackendError> {
+        let f = self
+            .inner
+            .kernels
+            .get("fault_spin")
+            .ok_or_else(|| BackendError::Other("spin kernel not loaded".into()))?
+            .cu_function();
+        // The first word of the kernel counters: zero between kernels, and
+        // nothing writes it while the spin kernel holds the stream.
+        let flag = self.inner.counters.ptr();
+        let mut args: Vec<*mut std::ffi::c_void> =
+            vec![&flag as *const u64 as *mut std::ffi::c_void];
+        self.inner.ctx.bind_to_thread().cu("bind context")?;
+        let s = &self.inner.stream;
+        // SAFETY: a kernel that reads one valid word forever (on purpose).
+        unsafe { dres::launch_kernel(f, (1, 1, 1), (1, 1, 1), 0, s.cu_stream(), &mut args) }
+            .cu("launch spin kernel")
+    }
+}
+
 impl Backend for CudaBackend {
     type Weights = CudaWeights;
     type Graph = CapturedGraph;
@@ -867,6 +890,10 @@ impl Backend for CudaBackend {
         rows: &BatchRows,
     ) -> Result<Vec<f32>, BackendError> {
         self.run_program_eager(&model.weights, weights, program, rows)
+    }
+
+    fn inject_hang(&mut self) -> Result<(), BackendError> {
+        self.hang_inner()
     }
 
     fn inject_fault(&mut self) -> Result<(), BackendError> {

@@ -1,29 +1,36 @@
 //! The batcher actor: owns every accepted request until it is answered.
 //!
-//! * [`queue`] — the scheduling state machine (queues, buckets, dispatch
-//!   rules, deadlines, retries), pure and unit-tested.
+//! * [`queue`] — the scheduling state machine (lanes, batch formation,
+//!   dispatch rules, fairness, deadlines, retries), pure and unit-tested.
 //! * This module — the actor around it: it accepts [`Submission`]s from the
 //!   frontend, turns the scheduler's actions into [`Batch`]es sent to device
-//!   actors, splits finished batches into replies, and re-dispatches the
-//!   batches of a device whose worker died. It holds each request's reply
-//!   channel, so every accepted request gets exactly one reply.
+//!   actors, puts each finished batch's rows back into their requests and
+//!   answers a request, in row order, once its last row is back; it
+//!   re-dispatches the batches of a device whose worker died, and answers
+//!   `deadline_exceeded` at a request's deadline even while some of its rows
+//!   are in flight (their rows are then ignored when they come back). It
+//!   holds each request's reply channel, so every accepted request gets
+//!   exactly one reply.
+//!
+//! A reply's `bucket` and `device` are those of the largest shape that ran
+//! any of its rows (`"eager"` above every bucket); `compute_us` adds up its
+//! batches' worker time, `queued_us` runs until its first batch was sent.
 //!
 //! Handlers only move data between maps and channels; nothing here blocks.
-//! [`tests`](self) drives the actor against fake device actors: outputs split
-//! by request, stale attempts ignored, re-dispatch after a worker dies,
-//! failure after `max_attempts`, abort answering everything.
+//! [`tests`](self) drives the actor against fake device actors.
 
 pub mod queue;
 #[cfg(test)]
 mod tests;
 
-use super::messages::{Batch, BatchOutput, BatcherMsg, DeviceMsg, Submission};
+use super::messages::{Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, Submission};
 use super::metrics::{EagerReason, Metrics};
-use crate::bucket::BucketGrid;
+use crate::bucket::{Bucket, Grid};
 use crate::model::BatchRows;
 use crate::protocol::{ErrorCode, Reply};
 use crate::tensor::{DType, HostTensor};
 use crate::worker::link::WorkerError;
+use bytes::Bytes;
 use queue::{
     Action, BatchId, BatchPlan, DeviceId, DeviceKind, QueuedRequest, Rejection, RequestId,
     Scheduler, SchedulerConfig,
@@ -38,7 +45,7 @@ use tokio::sync::oneshot;
 #[derive(Clone, Debug)]
 pub struct ModelSlot {
     pub name: String,
-    pub grid: BucketGrid,
+    pub grid: Grid,
 }
 
 pub struct BatcherArgs {
@@ -50,13 +57,90 @@ pub struct BatcherArgs {
     pub metrics: Arc<Metrics>,
 }
 
+/// The shape that ran some of a request's rows; the reply names the largest.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Shape {
+    /// Eager runs rank above every bucket (they hold what no bucket could).
+    eager: bool,
+    tokens: usize,
+    rows: usize,
+    bucket: Option<Bucket>,
+    device: DeviceId,
+}
+
+impl Shape {
+    fn of(bucket: Option<Bucket>, device: DeviceId) -> Self {
+        Shape {
+            eager: bucket.is_none(),
+            tokens: bucket.map_or(0, Bucket::tokens),
+            rows: bucket.map_or(0, Bucket::rows),
+            bucket,
+            device,
+        }
+    }
+}
+
 struct Pending {
+    model: usize,
     client_id: u64,
     input: Arc<BatchRows>,
     received: Instant,
+    /// When its first batch was sent.
     dispatched: Option<Instant>,
     output_dtype: DType,
     reply: oneshot::Sender<Reply>,
+    /// Rows not yet back from a device.
+    remaining: usize,
+    /// The output, once known: all of it from one batch, or assembled row
+    /// by row from several.
+    output: Output,
+    output_dim: usize,
+    compute_us: u64,
+    batches: u32,
+    shown: Option<Shape>,
+}
+
+enum Output {
+    None,
+    /// Every row, in order, from one batch (no copy).
+    Whole(Bytes),
+    /// `rows · output_dim` f32 being filled in from several batches.
+    Assembling(Vec<u8>),
+}
+
+impl Pending {
+    fn rows(&self) -> usize {
+        self.input.rows()
+    }
+
+    /// Takes a part's output rows (`data`: `items.len()` rows of `dim`).
+    /// Returns false when they do not fit what came before (a worker bug).
+    fn absorb(&mut self, items: &[u32], data: Bytes, dim: usize) -> bool {
+        let n = self.rows();
+        if matches!(self.output, Output::None) {
+            self.output_dim = dim;
+        } else if dim != self.output_dim {
+            return false;
+        }
+        let row_bytes = dim * 4;
+        if items.len() == n && self.remaining == n {
+            self.output = Output::Whole(data);
+        } else {
+            if let Output::None = self.output {
+                self.output = Output::Assembling(vec![0; n * row_bytes]);
+            }
+            let Output::Assembling(buf) = &mut self.output else {
+                return false; // a whole output already came: rows twice
+            };
+            for (k, &i) in items.iter().enumerate() {
+                let i = i as usize;
+                buf[i * row_bytes..(i + 1) * row_bytes]
+                    .copy_from_slice(&data[k * row_bytes..(k + 1) * row_bytes]);
+            }
+        }
+        self.remaining -= items.len();
+        true
+    }
 }
 
 struct Inflight {
@@ -171,22 +255,41 @@ impl Actor for BatcherActor {
     }
 }
 
+/// The rows of `items` (increasing indices) of `input`.
+fn select_rows(input: &BatchRows, items: &[u32]) -> BatchRows {
+    match input {
+        BatchRows::Features { features, data } => BatchRows::Features {
+            features: *features,
+            data: items
+                .iter()
+                .flat_map(|&i| {
+                    let i = i as usize;
+                    data[i * features..(i + 1) * features].iter().copied()
+                })
+                .collect(),
+        },
+        BatchRows::Tokens(seqs) => {
+            BatchRows::Tokens(items.iter().map(|&i| seqs[i as usize].clone()).collect())
+        }
+    }
+}
+
+/// Tokens of each row, as the scheduler counts them (1 per feature row).
+fn item_lens(input: &BatchRows) -> Vec<u32> {
+    match input {
+        BatchRows::Features { .. } => vec![1; input.rows()],
+        BatchRows::Tokens(seqs) => seqs.iter().map(|s| s.len() as u32).collect(),
+    }
+}
+
 impl BatcherState {
     fn submit(&mut self, sub: Submission) {
         let model = sub.model;
-        let slot = &self.models[model];
         let id = self.next_request;
         self.next_request += 1;
-        let (rows, len) = (sub.input.rows(), sub.input.max_len());
-        let queued = QueuedRequest {
-            id,
-            model,
-            rows,
-            len,
-            priority: sub.priority,
-            arrived: sub.received,
-            deadline: sub.deadline,
-        };
+        if sub.input.rows() == 0 {
+            return self.reject(sub, ErrorCode::BadRequest, "the request has no rows".into());
+        }
         if sub.deadline.is_some_and(|d| d <= Instant::now()) {
             return self.reject(
                 sub,
@@ -194,39 +297,48 @@ impl BatcherState {
                 "the deadline had passed on arrival".into(),
             );
         }
+        let queued = QueuedRequest {
+            id,
+            model,
+            lens: item_lens(&sub.input),
+            priority: sub.priority,
+            arrived: sub.received,
+            deadline: sub.deadline,
+        };
+        let name = self.models[model].name.clone();
         match self.scheduler.enqueue(queued) {
             Ok(placement) => {
                 self.metrics.request_accepted();
-                if placement == queue::Placement::Eager {
-                    let reason = if rows > slot.grid.max_batch() {
-                        EagerReason::BatchTooLarge
-                    } else {
-                        EagerReason::SeqTooLong
-                    };
-                    self.metrics.eager_request(&slot.name, reason);
+                if placement.eager > 0 {
+                    self.metrics.eager_request(&name, EagerReason::SeqTooLong);
                 }
+                let rows = sub.input.rows();
                 self.pending.insert(
                     id,
                     Pending {
+                        model,
                         client_id: sub.client_id,
                         input: Arc::new(sub.input),
                         received: sub.received,
                         dispatched: None,
                         output_dtype: sub.output_dtype,
                         reply: sub.reply,
+                        remaining: rows,
+                        output: Output::None,
+                        output_dim: 0,
+                        compute_us: 0,
+                        batches: 0,
+                        shown: None,
                     },
                 );
             }
             Err(Rejection::Overloaded { limit }) => {
-                let msg = format!(
-                    "model {} has {limit} requests queued; retry later",
-                    slot.name
-                );
+                let msg = format!("model {name} has {limit} requests queued; retry later");
                 self.reject(sub, ErrorCode::Overloaded, msg)
             }
-            Err(Rejection::TooLarge { rows, len, largest }) => {
+            Err(Rejection::TooLong { item, len, largest }) => {
                 let msg = format!(
-                    "{rows} rows of {len} tokens exceed the largest bucket {largest} and no eager worker is configured"
+                    "item {item} has {len} tokens, more than the largest bucket {largest} holds, and no eager worker is configured"
                 );
                 self.reject(sub, ErrorCode::TooLong, msg)
             }
@@ -243,8 +355,9 @@ impl BatcherState {
         let _ = sub.reply.send(Reply::error(sub.client_id, code, message));
     }
 
-    /// Answers a held request with an error.
+    /// Answers a held request with an error (once; later calls do nothing).
     fn fail(&mut self, id: RequestId, code: ErrorCode, message: &str) {
+        self.scheduler.finish(id);
         if let Some(p) = self.pending.remove(&id) {
             self.metrics.error(code);
             let _ = p.reply.send(Reply::error(p.client_id, code, message));
@@ -254,21 +367,36 @@ impl BatcherState {
     fn run_actions(&mut self, now: Instant) {
         for action in self.scheduler.poll(now) {
             match action {
-                Action::Expire(id) => self.fail(
-                    id,
+                Action::Expire {
+                    request,
+                    dispatched,
+                } => self.fail(
+                    request,
                     ErrorCode::DeadlineExceeded,
-                    "the deadline passed while the request was queued",
+                    if dispatched {
+                        "the deadline passed while the request was running"
+                    } else {
+                        "the deadline passed while the request was queued"
+                    },
                 ),
                 Action::Dispatch { device, plan } => self.dispatch(device, plan, now),
                 Action::Redispatch { device, batch } => {
-                    if let Some(f) = self.inflight.get_mut(&batch) {
+                    let live = self.inflight.get(&batch).is_some_and(|f| {
+                        f.batch
+                            .parts
+                            .iter()
+                            .any(|p| self.pending.contains_key(&p.request))
+                    });
+                    if live {
+                        let f = self.inflight.get_mut(&batch).expect("present");
                         f.device = device;
                         f.attempt += 1;
                         let (b, attempt) = (f.batch.clone(), f.attempt);
                         self.metrics.batch_retried();
                         self.send_to_device(device, b, attempt);
                     } else {
-                        // Its requests were answered meanwhile (e.g. aborted).
+                        // Its requests were answered meanwhile (expired, aborted).
+                        self.inflight.remove(&batch);
                         self.scheduler.completed(device);
                     }
                 }
@@ -279,21 +407,36 @@ impl BatcherState {
     fn dispatch(&mut self, device: DeviceId, plan: BatchPlan, now: Instant) {
         let id = self.next_batch;
         self.next_batch += 1;
-        let parts = plan
-            .requests
-            .iter()
-            .filter_map(|rid| {
-                let p = self.pending.get_mut(rid)?;
-                p.dispatched = Some(now);
-                Some((*rid, p.input.clone()))
+        let mut rows = 0;
+        let mut tokens = 0;
+        let parts: Vec<BatchPart> = plan
+            .parts
+            .into_iter()
+            .filter_map(|part| {
+                let p = self.pending.get_mut(&part.request)?;
+                p.dispatched.get_or_insert(now);
+                let rows_of = if part.items.len() == p.input.rows() {
+                    p.input.clone()
+                } else {
+                    Arc::new(select_rows(&p.input, &part.items))
+                };
+                rows += rows_of.rows();
+                tokens += rows_of.tokens();
+                Some(BatchPart {
+                    request: part.request,
+                    items: part.items,
+                    rows: rows_of,
+                })
             })
             .collect();
+        debug_assert_eq!(rows, plan.rows, "every planned request is pending");
         let batch = Arc::new(Batch {
             id,
             model: plan.model,
             bucket: plan.bucket,
             parts,
-            rows: plan.rows,
+            rows,
+            tokens,
         });
         self.inflight.insert(
             id,
@@ -331,7 +474,6 @@ impl BatcherState {
         let f = self.inflight.remove(&batch).expect("present");
         self.scheduler.completed(device);
         let b = &f.batch;
-        let model_name = self.models[b.model].name.clone();
         let row_bytes = output_dim * 4;
         if output.len() != b.rows * row_bytes {
             let msg = format!(
@@ -339,56 +481,105 @@ impl BatcherState {
                 output.len(),
                 b.rows
             );
-            for (rid, _) in &b.parts {
-                self.fail(*rid, ErrorCode::Internal, &msg);
+            for part in &b.parts {
+                self.fail(part.request, ErrorCode::Internal, &msg);
             }
             return;
         }
-        if let Some(bucket) = b.bucket {
-            let tokens: usize = b.parts.iter().map(|(_, i)| i.tokens()).sum();
-            self.metrics.bucket_batch(
+        let model_name = self.models[b.model].name.clone();
+        match b.bucket {
+            Some(bucket) => self.metrics.bucket_batch(
                 &model_name,
                 bucket,
                 b.parts.len() as u64,
                 b.rows as u64,
-                tokens as u64,
-            );
+                b.tokens as u64,
+            ),
+            None => self.metrics.eager_batch(b.rows as u64, b.tokens as u64),
         }
-        let bucket_label = b.bucket.map_or("eager".to_string(), |bk| bk.to_string());
-        let device_label = self.device_labels[device].clone();
-        let now = Instant::now();
+        let shape = Shape::of(b.bucket, device);
         let mut offset = 0;
-        for (rid, input) in &b.parts {
-            let rows = input.rows();
-            let slice = output.slice(offset * row_bytes..(offset + rows) * row_bytes);
-            offset += rows;
-            let Some(p) = self.pending.remove(rid) else {
+        let mut finished = Vec::new();
+        for part in &b.parts {
+            let n = part.items.len();
+            let slice = output.slice(offset * row_bytes..(offset + n) * row_bytes);
+            offset += n;
+            // Gone: answered already (deadline, failure elsewhere, abort).
+            let Some(p) = self.pending.get_mut(&part.request) else {
                 continue;
             };
-            let tensor = HostTensor {
-                dtype: DType::F32,
-                shape: vec![rows, output_dim],
-                data: slice,
-            };
-            let tensor = match p.output_dtype {
-                DType::F32 => tensor,
-                other => tensor.convert_float(other).unwrap_or(tensor),
-            };
-            let queued_us = p
-                .dispatched
-                .map_or(0, |d| d.duration_since(p.received).as_micros() as u64);
-            let total_us = now.duration_since(p.received).as_micros() as u64;
-            self.metrics.reply_ok(total_us, queued_us, compute_us);
-            let _ = p.reply.send(Reply::Ok {
-                id: p.client_id,
-                output: tensor,
-                bucket: bucket_label.clone(),
-                device: device_label.clone(),
-                queued_us,
-                compute_us,
-                total_us,
-            });
+            if !p.absorb(&part.items, slice, output_dim) {
+                finished.push((part.request, false));
+                continue;
+            }
+            p.compute_us += compute_us;
+            p.batches += 1;
+            if p.shown.as_ref().is_none_or(|s| shape > *s) {
+                p.shown = Some(shape.clone());
+            }
+            if p.remaining == 0 {
+                finished.push((part.request, true));
+            }
         }
+        for (id, ok) in finished {
+            if ok {
+                self.answer(id);
+            } else {
+                self.fail(
+                    id,
+                    ErrorCode::Internal,
+                    "the worker returned rows that do not match the request's others",
+                );
+            }
+        }
+    }
+
+    /// Sends the assembled reply of a request whose rows are all back.
+    fn answer(&mut self, id: RequestId) {
+        self.scheduler.finish(id);
+        let Some(p) = self.pending.remove(&id) else {
+            return;
+        };
+        let rows = p.rows();
+        let data = match p.output {
+            Output::Whole(b) => b,
+            Output::Assembling(v) => Bytes::from(v),
+            Output::None => Bytes::new(),
+        };
+        let tensor = HostTensor {
+            dtype: DType::F32,
+            shape: vec![rows, p.output_dim],
+            data,
+        };
+        let tensor = match p.output_dtype {
+            DType::F32 => tensor,
+            other => tensor.convert_float(other).unwrap_or(tensor),
+        };
+        let shown = p.shown.expect("a finished request ran somewhere");
+        let (bucket, device) = (
+            shown.bucket.map_or("eager".to_string(), |b| b.to_string()),
+            self.device_labels[shown.device].clone(),
+        );
+        if let Some(b) = shown.bucket {
+            self.metrics.bucket_request(&self.models[p.model].name, b);
+        }
+        let now = Instant::now();
+        let queued_us = p
+            .dispatched
+            .map_or(0, |d| d.duration_since(p.received).as_micros() as u64);
+        let total_us = now.duration_since(p.received).as_micros() as u64;
+        self.metrics
+            .reply_ok(total_us, queued_us, p.compute_us, p.batches);
+        let _ = p.reply.send(Reply::Ok {
+            id: p.client_id,
+            output: tensor,
+            bucket,
+            device,
+            queued_us,
+            compute_us: p.compute_us,
+            total_us,
+            batches: p.batches,
+        });
     }
 
     fn batch_failed(
@@ -408,20 +599,21 @@ impl BatcherState {
         self.scheduler.completed(device);
         tracing::error!(batch, device = %self.device_labels[device], "batch failed: {error}");
         let msg = format!("the worker failed to run the batch: {error}");
-        for (rid, _) in &f.batch.parts {
-            self.fail(*rid, error.code(), &msg);
+        for part in &f.batch.parts {
+            self.fail(part.request, error.code(), &msg);
         }
     }
 
     fn device_down(&mut self, device: DeviceId, reason: &str) {
         tracing::warn!(device = %self.device_labels[device], "device down: {reason}");
         self.scheduler.set_healthy(device, false);
-        let lost: Vec<BatchId> = self
+        let mut lost: Vec<BatchId> = self
             .inflight
             .iter()
             .filter(|(_, f)| f.device == device)
             .map(|(id, _)| *id)
             .collect();
+        lost.sort_unstable();
         for id in lost {
             let f = self.inflight.get_mut(&id).expect("present");
             // Park it on no device until the scheduler re-dispatches it.
@@ -432,8 +624,8 @@ impl BatcherState {
                     "the batch was lost with its worker {} times (last: {reason})",
                     f.attempt
                 );
-                for (rid, _) in &f.batch.parts {
-                    self.fail(*rid, ErrorCode::Internal, &msg);
+                for part in &f.batch.parts {
+                    self.fail(part.request, ErrorCode::Internal, &msg);
                 }
             } else {
                 self.scheduler.retry(id, self.device_kinds[device]);
@@ -445,7 +637,6 @@ impl BatcherState {
     fn abort_all(&mut self) -> usize {
         let ids: Vec<RequestId> = self.pending.keys().copied().collect();
         for id in &ids {
-            self.scheduler.remove(*id);
             self.fail(
                 *id,
                 ErrorCode::Unavailable,
@@ -457,14 +648,15 @@ impl BatcherState {
     }
 
     fn arm_timer(&mut self, myself: &ActorRef<BatcherMsg>) {
-        let Some(at) = self.scheduler.next_wakeup() else {
+        let now = Instant::now();
+        let Some(at) = self.scheduler.next_wakeup(now) else {
             return;
         };
         if self.timer_at.is_some_and(|t| t <= at) {
             return;
         }
         self.timer_at = Some(at);
-        let delay = at.saturating_duration_since(Instant::now()) + Duration::from_micros(1);
+        let delay = at.saturating_duration_since(now) + Duration::from_micros(1);
         myself.send_after(delay, || BatcherMsg::Tick);
     }
 

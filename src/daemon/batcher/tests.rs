@@ -3,6 +3,7 @@
 //! answers as a worker would (or does not).
 
 use super::*;
+use crate::bucket::{BucketGrid, TokenGrid};
 use crate::daemon::messages::BatchOutput;
 use crate::protocol::Reply;
 use ractor::ActorRef;
@@ -43,23 +44,53 @@ struct Harness {
     metrics: Arc<Metrics>,
 }
 
-/// A batcher over one MLP-like model (batch buckets 1, 2, 4; no seq axis)
-/// and `devices` fake graph devices, all up.
-async fn harness(devices: usize, max_attempts: u32) -> Harness {
+/// Model 0, "m": MLP-like (batch buckets 1, 2, 4; no seq axis; 2 features).
+const MLP: usize = 0;
+/// Model 1, "enc": packed (budgets 8, 16, 32 tokens; at most 4 sequences).
+const PACKED: usize = 1;
+/// Model 2, "pad": padded text (batch 1, 2, 4 × seq 8, 16).
+const PADDED: usize = 2;
+
+/// A batcher over the three models above, `devices` fake graph devices and
+/// `eager` fake eager devices, all up (graph devices first).
+async fn harness_with(devices: usize, eager: usize, max_attempts: u32) -> Harness {
+    harness_waiting(devices, eager, max_attempts, Duration::from_micros(100)).await
+}
+
+/// The same with a batching window of `max_wait` (long enough, where a test
+/// needs requests submitted one after the other to share a batch).
+async fn harness_waiting(
+    devices: usize,
+    eager: usize,
+    max_attempts: u32,
+    max_wait: Duration,
+) -> Harness {
     let metrics = Arc::new(Metrics::new());
+    let mut slots: Vec<(DeviceKind, String)> = (0..devices)
+        .map(|i| (DeviceKind::Graph, format!("fake:{i}")))
+        .collect();
+    slots.extend((0..eager).map(|i| (DeviceKind::Eager, format!("eager:{i}"))));
     let (batcher, _) = Actor::spawn(
         None,
         BatcherActor,
         BatcherArgs {
-            models: vec![ModelSlot {
-                name: "m".into(),
-                grid: BucketGrid::new(vec![1, 2, 4], vec![1]),
-            }],
-            devices: (0..devices)
-                .map(|i| (DeviceKind::Graph, format!("fake:{i}")))
-                .collect(),
+            models: vec![
+                ModelSlot {
+                    name: "m".into(),
+                    grid: Grid::Padded(BucketGrid::new(vec![1, 2, 4], vec![1])),
+                },
+                ModelSlot {
+                    name: "enc".into(),
+                    grid: Grid::Packed(TokenGrid::new(vec![8, 16, 32], 4)),
+                },
+                ModelSlot {
+                    name: "pad".into(),
+                    grid: Grid::Padded(BucketGrid::new(vec![1, 2, 4], vec![8, 16])),
+                },
+            ],
+            devices: slots,
             config: SchedulerConfig {
-                max_wait: Duration::from_micros(100),
+                max_wait,
                 max_queue: 64,
                 max_inflight: 2,
                 eager_max_queue: 4,
@@ -71,7 +102,7 @@ async fn harness(devices: usize, max_attempts: u32) -> Harness {
     .await
     .unwrap();
     let mut runs = Vec::new();
-    for device in 0..devices {
+    for device in 0..devices + eager {
         let (tx, rx) = mpsc::unbounded_channel();
         let (actor, _) = Actor::spawn(None, FakeDevice, tx).await.unwrap();
         batcher
@@ -87,19 +118,26 @@ async fn harness(devices: usize, max_attempts: u32) -> Harness {
     }
 }
 
-/// Submits a request of `rows` feature rows of width 2 (row `r` is
-/// `[tag + r, 0]`); returns its reply channel.
-fn submit(h: &Harness, client_id: u64, rows: usize, tag: f32) -> oneshot::Receiver<Reply> {
+async fn harness(devices: usize, max_attempts: u32) -> Harness {
+    harness_with(devices, 0, max_attempts).await
+}
+
+fn submit_input(
+    h: &Harness,
+    model: usize,
+    client_id: u64,
+    input: BatchRows,
+    deadline: Option<Instant>,
+) -> oneshot::Receiver<Reply> {
     let (tx, rx) = oneshot::channel();
-    let data = (0..rows).flat_map(|r| [tag + r as f32, 0.0]).collect();
     h.batcher
         .cast(BatcherMsg::Submit(Submission {
-            model: 0,
+            model,
             client_id,
-            input: BatchRows::Features { features: 2, data },
+            input,
             priority: 0,
             received: Instant::now(),
-            deadline: None,
+            deadline,
             output_dtype: DType::F32,
             reply: tx,
         }))
@@ -107,16 +145,41 @@ fn submit(h: &Harness, client_id: u64, rows: usize, tag: f32) -> oneshot::Receiv
     rx
 }
 
-/// What a worker would return: each row's first feature, doubled (output_dim 1).
+fn features(rows: usize, tag: f32) -> BatchRows {
+    let data = (0..rows).flat_map(|r| [tag + r as f32, 0.0]).collect();
+    BatchRows::Features { features: 2, data }
+}
+
+/// Submits a request of `rows` feature rows of width 2 (row `r` is
+/// `[tag + r, 0]`) to the MLP; returns its reply channel.
+fn submit(h: &Harness, client_id: u64, rows: usize, tag: f32) -> oneshot::Receiver<Reply> {
+    submit_input(h, MLP, client_id, features(rows, tag), None)
+}
+
+/// Token sequences whose first id is `tag + i` and whose lengths are `lens`.
+fn texts(lens: &[usize], tag: u32) -> BatchRows {
+    BatchRows::Tokens(
+        lens.iter()
+            .enumerate()
+            .map(|(i, &l)| (0..l as u32).map(|k| tag + i as u32 + k * 1000).collect())
+            .collect(),
+    )
+}
+
+/// What a worker would return: each row's first feature (or first token
+/// id), doubled (output_dim 1).
 fn output_for(batch: &Batch) -> BatchOutput {
     let values: Vec<f32> = batch
         .parts
         .iter()
-        .flat_map(|(_, rows)| match rows.as_ref() {
+        .flat_map(|part| match part.rows.as_ref() {
             BatchRows::Features { data, .. } => {
                 data.chunks(2).map(|r| 2.0 * r[0]).collect::<Vec<_>>()
             }
-            BatchRows::Tokens(_) => unreachable!(),
+            BatchRows::Tokens(seqs) => seqs
+                .iter()
+                .map(|s| 2.0 * s.first().copied().unwrap_or(0) as f32)
+                .collect(),
         })
         .collect();
     BatchOutput {
@@ -156,6 +219,24 @@ async fn reply(rx: oneshot::Receiver<Reply>) -> Reply {
         .expect("the batcher answers")
 }
 
+async fn outstanding(h: &Harness) -> usize {
+    h.batcher
+        .call(BatcherMsg::Outstanding, Some(Duration::from_secs(5)))
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+fn bucket_stats(h: &Harness, label: &str) -> serde_json::Value {
+    h.metrics.snapshot()["buckets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["bucket"] == label)
+        .cloned()
+        .unwrap_or_else(|| panic!("no bucket {label}"))
+}
+
 #[tokio::test]
 async fn outputs_are_split_by_request_in_row_order() {
     let mut h = harness(1, 3).await;
@@ -181,6 +262,136 @@ async fn outputs_are_split_by_request_in_row_order() {
     assert_eq!(sent, 3);
     let stats = h.metrics.snapshot();
     assert_eq!(stats["requests"]["ok"], 3);
+}
+
+#[tokio::test]
+async fn a_request_larger_than_every_bucket_is_split_and_reassembled_in_order() {
+    let mut h = harness(1, 3).await;
+    let r = submit(&h, 5, 10, 100.0);
+    // 4 + 4 rows at once (the device holds two batches), the last 2 after.
+    let (b1, a1) = next_run(&mut h.runs[0]).await;
+    let (b2, a2) = next_run(&mut h.runs[0]).await;
+    assert_eq!(b1.bucket, Some(Bucket::new(4, 1)));
+    assert_eq!(b1.parts[0].items, vec![0, 1, 2, 3]);
+    assert_eq!(b2.parts[0].items, vec![4, 5, 6, 7]);
+    // Finish them out of order.
+    h.batcher.cast(done(0, &b2, a2)).unwrap();
+    let (b3, a3) = next_run(&mut h.runs[0]).await;
+    assert_eq!(
+        (b3.bucket, b3.parts[0].items.clone()),
+        (Some(Bucket::new(2, 1)), vec![8, 9])
+    );
+    h.batcher.cast(done(0, &b3, a3)).unwrap();
+    h.batcher.cast(done(0, &b1, a1)).unwrap();
+    match reply(r).await {
+        Reply::Ok {
+            id,
+            output,
+            bucket,
+            batches,
+            compute_us,
+            ..
+        } => {
+            assert_eq!(id, 5);
+            assert_eq!(output.shape, vec![10, 1]);
+            let want: Vec<f32> = (0..10).map(|i| 2.0 * (100 + i) as f32).collect();
+            assert_eq!(crate::tensor::f32s_from_le(&output.data), want);
+            // The largest shape it ran in, and all its batches' time.
+            assert_eq!((bucket.as_str(), batches, compute_us), ("4x1", 3, 21));
+        }
+        e => panic!("{e:?}"),
+    }
+    let stats = h.metrics.snapshot();
+    assert_eq!(stats["requests"]["split"], 1);
+    assert_eq!(stats["eager"]["requests"], 0);
+    let b4 = bucket_stats(&h, "4x1");
+    assert_eq!(
+        (b4["requests"].as_u64(), b4["parts"].as_u64()),
+        (Some(1), Some(2))
+    );
+    let b2 = bucket_stats(&h, "2x1");
+    assert_eq!(
+        (b2["requests"].as_u64(), b2["parts"].as_u64()),
+        (Some(0), Some(1))
+    );
+    assert_eq!(outstanding(&h).await, 0);
+}
+
+#[tokio::test]
+async fn packed_batches_fill_the_smallest_budget_and_replies_keep_order() {
+    let mut h = harness(1, 3).await;
+    // Budget 32, at most 4 sequences: 10 + 10 + 10 fit; the fourth 10 and
+    // the two 3s do not fit the 2 tokens left, and go next, in budget 16.
+    let r = submit_input(&h, PACKED, 8, texts(&[10, 10, 10, 10, 3, 3], 1), None);
+    let (b1, a1) = next_run(&mut h.runs[0]).await;
+    assert_eq!(b1.bucket, Some(Bucket::packed(32, 4)));
+    assert_eq!((b1.rows, b1.tokens), (3, 30));
+    assert_eq!(b1.parts[0].items, vec![0, 1, 2]);
+    h.batcher.cast(done(0, &b1, a1)).unwrap();
+    let (b2, a2) = next_run(&mut h.runs[0]).await;
+    assert_eq!(b2.bucket, Some(Bucket::packed(16, 4)));
+    assert_eq!((b2.rows, b2.tokens), (3, 16));
+    h.batcher.cast(done(0, &b2, a2)).unwrap();
+    match reply(r).await {
+        Reply::Ok {
+            output,
+            bucket,
+            batches,
+            ..
+        } => {
+            let want: Vec<f32> = (1..=6).map(|i| 2.0 * i as f32).collect();
+            assert_eq!(crate::tensor::f32s_from_le(&output.data), want);
+            assert_eq!((bucket.as_str(), batches), ("32t", 2));
+        }
+        e => panic!("{e:?}"),
+    }
+    let b = bucket_stats(&h, "32t");
+    assert_eq!(
+        (b["tokens"].as_u64(), b["computed_tokens"].as_u64()),
+        (Some(30), Some(32))
+    );
+    assert_eq!(b["seq_fill"], 0.75);
+}
+
+#[tokio::test]
+async fn texts_too_long_for_every_graph_run_eagerly_beside_the_rest() {
+    let mut h = harness_with(1, 1, 3).await;
+    // Seq buckets 8 and 16: the 30-token text goes to the eager worker, the
+    // others to graphs in their own seq buckets.
+    let r = submit_input(&h, PADDED, 3, texts(&[5, 30, 12], 10), None);
+    let (e, ea) = next_run(&mut h.runs[1]).await;
+    assert_eq!((e.bucket, e.parts[0].items.clone()), (None, vec![1]));
+    let (g1, a1) = next_run(&mut h.runs[0]).await;
+    let (g2, a2) = next_run(&mut h.runs[0]).await;
+    let mut graph_buckets = vec![g1.bucket.unwrap(), g2.bucket.unwrap()];
+    graph_buckets.sort();
+    assert_eq!(graph_buckets, vec![Bucket::new(1, 8), Bucket::new(1, 16)]);
+    h.batcher.cast(done(0, &g1, a1)).unwrap();
+    h.batcher.cast(done(0, &g2, a2)).unwrap();
+    h.batcher.cast(done(1, &e, ea)).unwrap();
+    match reply(r).await {
+        Reply::Ok {
+            output,
+            bucket,
+            device,
+            batches,
+            ..
+        } => {
+            assert_eq!(
+                crate::tensor::f32s_from_le(&output.data),
+                vec![20.0, 22.0, 24.0]
+            );
+            assert_eq!(
+                (bucket.as_str(), device.as_str(), batches),
+                ("eager", "eager:0", 3)
+            );
+        }
+        e => panic!("{e:?}"),
+    }
+    let stats = h.metrics.snapshot();
+    assert_eq!(stats["eager"]["requests"], 1);
+    assert_eq!(stats["eager"]["sequences"], 1);
+    assert_eq!(stats["eager"]["by_reason"]["seq_too_long"], 1);
 }
 
 #[tokio::test]
@@ -213,6 +424,52 @@ async fn a_stale_report_from_an_old_attempt_is_ignored() {
     h.batcher.cast(done(1, &again, attempt2)).unwrap();
     assert_eq!(ok_values(reply(r).await), vec![10.0]);
     assert_eq!(h.metrics.snapshot()["retried_batches"], 1);
+}
+
+#[tokio::test]
+async fn retried_batches_holding_parts_of_several_requests_answer_each_once() {
+    let mut h = harness_waiting(1, 0, 3, Duration::from_millis(30)).await;
+    let ra = submit(&h, 1, 1, 10.0);
+    let (b1, _) = next_run(&mut h.runs[0]).await;
+    // The device is busy: B (3 rows) waits, C (3 rows) makes a full batch of
+    // all of B and C's first row; C's other two rows wait.
+    let rb = submit(&h, 2, 3, 20.0);
+    let rc = submit(&h, 3, 3, 30.0);
+    let (b2, _) = next_run(&mut h.runs[0]).await;
+    assert_eq!(b2.parts.len(), 2);
+    assert_eq!(
+        (b2.parts[0].items.clone(), b2.parts[1].items.clone()),
+        (vec![0, 1, 2], vec![0])
+    );
+    // The worker dies holding both batches and comes back.
+    h.batcher
+        .cast(BatcherMsg::DeviceDown {
+            device: 0,
+            reason: "killed".into(),
+        })
+        .unwrap();
+    h.batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
+    let mut again = HashMap::new();
+    for _ in 0..2 {
+        let (b, a) = next_run(&mut h.runs[0]).await;
+        assert_eq!(a, 2);
+        again.insert(b.id, b);
+    }
+    assert!(again.contains_key(&b1.id) && again.contains_key(&b2.id));
+    // The dead worker's last words about attempt 1 change nothing.
+    h.batcher.cast(done(0, &b2, 1)).unwrap();
+    h.batcher.cast(done(0, &again[&b2.id], 2)).unwrap();
+    assert_eq!(ok_values(reply(rb).await), vec![40.0, 42.0, 44.0]);
+    let (b3, a3) = next_run(&mut h.runs[0]).await;
+    assert_eq!(b3.parts[0].items, vec![1, 2]);
+    h.batcher.cast(done(0, &b3, a3)).unwrap();
+    h.batcher.cast(done(0, &again[&b1.id], 2)).unwrap();
+    assert_eq!(ok_values(reply(rc).await), vec![60.0, 62.0, 64.0]);
+    assert_eq!(ok_values(reply(ra).await), vec![20.0]);
+    let stats = h.metrics.snapshot();
+    assert_eq!(stats["retried_batches"], 2);
+    assert_eq!(stats["requests"]["ok"], 3);
+    assert_eq!(outstanding(&h).await, 0);
 }
 
 #[tokio::test]
@@ -263,6 +520,105 @@ async fn a_batch_lost_max_attempts_times_fails_its_requests() {
 }
 
 #[tokio::test]
+async fn a_deadline_is_answered_at_the_deadline_while_the_batch_is_in_flight() {
+    let mut h = harness_waiting(1, 0, 3, Duration::from_millis(30)).await;
+    let rx = submit(&h, 1, 1, 1.0);
+    let (b1, a1) = next_run(&mut h.runs[0]).await;
+    // Y (with a deadline) and Z (without) go out together.
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_millis(150);
+    let ry = submit_input(&h, MLP, 2, features(1, 10.0), Some(deadline));
+    let rz = submit(&h, 3, 1, 20.0);
+    let (b2, a2) = next_run(&mut h.runs[0]).await;
+    assert_eq!(b2.parts.len(), 2);
+    // The worker is slow: nothing comes back before the deadline.
+    match reply(ry).await {
+        Reply::Error { id, code, message } => {
+            assert_eq!((id, code), (2, ErrorCode::DeadlineExceeded));
+            assert!(message.contains("running"), "{message}");
+        }
+        ok => panic!("{ok:?}"),
+    }
+    let at = t0.elapsed();
+    assert!(
+        at >= Duration::from_millis(150) && at < Duration::from_millis(650),
+        "answered after {at:?}"
+    );
+    // When the batch does come back, Z is answered and Y's row ignored.
+    h.batcher.cast(done(0, &b2, a2)).unwrap();
+    h.batcher.cast(done(0, &b1, a1)).unwrap();
+    assert_eq!(ok_values(reply(rz).await), vec![40.0]);
+    assert_eq!(ok_values(reply(rx).await), vec![2.0]);
+    let stats = h.metrics.snapshot();
+    assert_eq!(stats["requests"]["errors"]["deadline_exceeded"], 1);
+    assert_eq!(stats["requests"]["ok"], 2);
+    assert_eq!(outstanding(&h).await, 0);
+}
+
+#[tokio::test]
+async fn a_split_request_past_its_deadline_gets_one_reply_and_its_rest_never_runs() {
+    let mut h = harness(1, 3).await;
+    let t0 = Instant::now();
+    let r = submit_input(
+        &h,
+        MLP,
+        4,
+        features(10, 0.0),
+        Some(t0 + Duration::from_millis(150)),
+    );
+    // Two batches of 4 in flight; 2 rows still queued behind them.
+    let (b1, a1) = next_run(&mut h.runs[0]).await;
+    let (b2, a2) = next_run(&mut h.runs[0]).await;
+    assert_eq!(reply(r).await.code(), Some(ErrorCode::DeadlineExceeded));
+    assert!(t0.elapsed() >= Duration::from_millis(150));
+    // Its batches come back late: no second reply, and its queued rows were
+    // dropped, so nothing more is sent.
+    h.batcher.cast(done(0, &b1, a1)).unwrap();
+    h.batcher.cast(done(0, &b2, a2)).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(h.runs[0].try_recv().is_err(), "the dropped rows ran");
+    let stats = h.metrics.snapshot();
+    assert_eq!(stats["requests"]["errors"]["deadline_exceeded"], 1);
+    assert_eq!(stats["requests"]["ok"], 0);
+    assert_eq!(outstanding(&h).await, 0);
+    // The batcher still serves.
+    let r = submit(&h, 5, 1, 3.0);
+    let (b, a) = next_run(&mut h.runs[0]).await;
+    h.batcher.cast(done(0, &b, a)).unwrap();
+    assert_eq!(ok_values(reply(r).await), vec![6.0]);
+}
+
+#[tokio::test]
+async fn a_retry_of_a_batch_whose_requests_all_expired_is_not_sent() {
+    let mut h = harness(1, 3).await;
+    let t0 = Instant::now();
+    let r = submit_input(
+        &h,
+        MLP,
+        1,
+        features(1, 0.0),
+        Some(t0 + Duration::from_millis(50)),
+    );
+    let _ = next_run(&mut h.runs[0]).await;
+    assert_eq!(reply(r).await.code(), Some(ErrorCode::DeadlineExceeded));
+    h.batcher
+        .cast(BatcherMsg::DeviceDown {
+            device: 0,
+            reason: "killed".into(),
+        })
+        .unwrap();
+    h.batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(h.runs[0].try_recv().is_err(), "nothing left to retry");
+    assert_eq!(h.metrics.snapshot()["retried_batches"], 0);
+    // The device slot was freed: new work still goes out.
+    let r = submit(&h, 2, 1, 1.0);
+    let (b, a) = next_run(&mut h.runs[0]).await;
+    h.batcher.cast(done(0, &b, a)).unwrap();
+    assert_eq!(ok_values(reply(r).await), vec![2.0]);
+}
+
+#[tokio::test]
 async fn a_failed_batch_answers_with_the_workers_error_code() {
     let mut h = harness(1, 3).await;
     let r = submit(&h, 4, 1, 1.0);
@@ -295,13 +651,7 @@ async fn abort_answers_everything_still_held() {
     for r in replies {
         assert_eq!(reply(r).await.code(), Some(ErrorCode::Unavailable));
     }
-    let left = h
-        .batcher
-        .call(BatcherMsg::Outstanding, Some(Duration::from_secs(5)))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(left, 0);
+    assert_eq!(outstanding(&h).await, 0);
 }
 
 #[tokio::test]

@@ -1,0 +1,154 @@
+//! Admission: whether a decoded request is taken at all, decided at once,
+//! before it waits for anything (tokenization included).
+//!
+//! Two bounds, both held by a [`Ticket`] from admission until the request's
+//! reply has been handed to the socket:
+//!
+//! * per model, the requests admitted and not yet answered
+//!   (`batching.max_queue`): a flood on one model fills only its own gate,
+//!   so another model's requests are still admitted;
+//! * for the whole daemon, the bytes those requests hold or will hold —
+//!   their payload, their token ids, their outputs (`server.max_buffered_bytes`):
+//!   overload answers `overloaded` instead of growing the process.
+//!
+//! Both are lock-free counters; admitting or refusing takes well under a
+//! microsecond.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Why a request was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The model already has `limit` requests admitted and unanswered.
+    ModelFull { limit: usize },
+    /// Admitting it would hold more than `budget` bytes in all.
+    MemoryFull { budget: usize, needed: usize },
+}
+
+struct Gate {
+    admitted: AtomicUsize,
+    limit: usize,
+}
+
+/// The daemon's admission counters.
+pub struct Admission {
+    gates: Vec<Gate>,
+    bytes: AtomicUsize,
+    budget: usize,
+    refused: AtomicU64,
+}
+
+impl Admission {
+    /// One gate of `per_model_limit` per model; `budget` bytes in all.
+    pub fn new(models: usize, per_model_limit: usize, budget: usize) -> Arc<Admission> {
+        Arc::new(Admission {
+            gates: (0..models)
+                .map(|_| Gate {
+                    admitted: AtomicUsize::new(0),
+                    limit: per_model_limit,
+                })
+                .collect(),
+            bytes: AtomicUsize::new(0),
+            budget,
+            refused: AtomicU64::new(0),
+        })
+    }
+
+    /// Admits a request to `model` that will hold about `bytes`, or says why not.
+    pub fn admit(self: &Arc<Self>, model: usize, bytes: usize) -> Result<Ticket, Refusal> {
+        let gate = &self.gates[model];
+        if gate.admitted.fetch_add(1, Ordering::AcqRel) >= gate.limit {
+            gate.admitted.fetch_sub(1, Ordering::AcqRel);
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(Refusal::ModelFull { limit: gate.limit });
+        }
+        let before = self.bytes.fetch_add(bytes, Ordering::AcqRel);
+        // A request larger than the whole budget is still admitted when
+        // nothing else is held, so a configured budget never makes a valid
+        // request impossible.
+        if before > 0 && before + bytes > self.budget {
+            self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+            gate.admitted.fetch_sub(1, Ordering::AcqRel);
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(Refusal::MemoryFull {
+                budget: self.budget,
+                needed: bytes,
+            });
+        }
+        Ok(Ticket {
+            admission: self.clone(),
+            model,
+            bytes,
+        })
+    }
+
+    /// Bytes held by admitted requests now.
+    pub fn held_bytes(&self) -> usize {
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    /// Requests admitted and unanswered for `model` now.
+    pub fn admitted(&self, model: usize) -> usize {
+        self.gates[model].admitted.load(Ordering::Acquire)
+    }
+
+    /// Requests refused since start.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+}
+
+/// An admitted request's share of the bounds, given back on drop.
+pub struct Ticket {
+    admission: Arc<Admission>,
+    model: usize,
+    bytes: usize,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.admission.bytes.fetch_sub(self.bytes, Ordering::AcqRel);
+        self.admission.gates[self.model]
+            .admitted
+            .fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gates_are_per_model_and_tickets_give_back() {
+        let a = Admission::new(2, 2, 1000);
+        let t1 = a.admit(0, 10).unwrap();
+        let _t2 = a.admit(0, 10).unwrap();
+        assert_eq!(a.admit(0, 10).err(), Some(Refusal::ModelFull { limit: 2 }));
+        // Model 1 is unaffected by model 0's full gate.
+        let t3 = a.admit(1, 10).unwrap();
+        assert_eq!((a.admitted(0), a.held_bytes()), (2, 30));
+        drop(t1);
+        assert!(a.admit(0, 10).is_ok());
+        drop(t3);
+        assert_eq!(a.refused(), 1);
+    }
+
+    #[test]
+    fn the_byte_budget_bounds_everything_held() {
+        let a = Admission::new(1, 100, 100);
+        let big = a.admit(0, 150).unwrap(); // alone: admitted
+        assert_eq!(
+            a.admit(0, 1).err(),
+            Some(Refusal::MemoryFull {
+                budget: 100,
+                needed: 1
+            })
+        );
+        drop(big);
+        let _a = a.admit(0, 60).unwrap();
+        assert!(a.admit(0, 50).is_err());
+        let _b = a.admit(0, 40).unwrap();
+        assert_eq!(a.held_bytes(), 100);
+    }
+}
