@@ -572,16 +572,14 @@ impl CudaBackend {
         if counts.contains_key("MEM_ALLOC") || counts.contains_key("MEM_FREE") {
             tracing::warn!(
                 target: "replayd::cuda",
-                "graph ({}, {}) contains allocation nodes: {summary}",
-                plan.batch,
-                plan.seq
+                "graph {} contains allocation nodes: {summary}",
+                plan.label()
             );
         } else {
             tracing::debug!(
                 target: "replayd::cuda",
-                "captured graph ({}, {}) of {} steps: {summary}",
-                plan.batch,
-                plan.seq,
+                "captured graph {} of {} steps: {summary}",
+                plan.label(),
                 plan.steps.len()
             );
         }

@@ -329,6 +329,16 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// `"(8, 16)"`, or for a packed plan `"1024t (256 seqs of at most 256)"`.
+    pub fn label(&self) -> String {
+        match self.layout {
+            Layout::Padded => format!("({}, {})", self.batch, self.seq),
+            Layout::Packed { tokens } => {
+                format!("{tokens}t ({} seqs of at most {})", self.batch, self.seq)
+            }
+        }
+    }
+
     pub fn kernel_count(&self) -> usize {
         self.steps
             .iter()
@@ -1650,6 +1660,7 @@ pub(crate) mod tests {
         let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
         assert_eq!(plan.layout, Layout::Packed { tokens: 1024 });
         assert_eq!((plan.batch, plan.seq), (32, 256));
+        assert_eq!(plan.label(), "1024t (32 seqs of at most 256)");
         assert_eq!(
             names(&plan),
             vec![
