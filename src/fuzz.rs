@@ -74,7 +74,9 @@ pub fn tokenizer_text(tokenizer: &crate::daemon::tokenize::TextTokenizer, data: 
         Ok(ids) => {
             assert_eq!(ids.len(), 1);
             assert!(ids[0].len() <= max, "truncation holds");
-            assert!(ids[0].iter().all(|&id| (id as usize) < tokenizer.vocab_size()));
+            assert!(ids[0]
+                .iter()
+                .all(|&id| (id as usize) < tokenizer.vocab_size()));
         }
         Err(e) => panic!("truncating encode failed: {e}"),
     }
@@ -110,21 +112,36 @@ mod tests {
         t.dtype = Some(DType::F32);
         t.shape = Some(vec![1, 2]);
         let tensor = Payload::Tensor(HostTensor::from_f32(vec![1, 2], &[0.5, -1.0]));
-        out.push(("protocol_decode", "tensor".into(), pack(&encode_request(&t, &tensor))));
+        out.push((
+            "protocol_decode",
+            "tensor".into(),
+            pack(&encode_request(&t, &tensor)),
+        ));
         let texts = Payload::Texts(vec!["a sentence".into(), String::new()]);
         let mut h = RequestHeader::new(2, "minilm", InputKind::Texts);
         h.priority = 3;
         h.timeout_us = Some(1000);
-        out.push(("protocol_decode", "texts".into(), pack(&encode_request(&h, &texts))));
+        out.push((
+            "protocol_decode",
+            "texts".into(),
+            pack(&encode_request(&h, &texts)),
+        ));
         let ids = Payload::Ids(vec![vec![101, 7592, 102]]);
         let h = RequestHeader::new(3, "minilm", InputKind::Ids);
-        out.push(("protocol_decode", "ids".into(), pack(&encode_request(&h, &ids))));
+        out.push((
+            "protocol_decode",
+            "ids".into(),
+            pack(&encode_request(&h, &ids)),
+        ));
         let run = crate::worker::link::encode_run(
             5,
             1,
             0,
             Some(crate::bucket::Bucket::new(2, 16)),
-            [&crate::model::BatchRows::Tokens(vec![vec![101, 102], vec![101, 5, 102]])],
+            [&crate::model::BatchRows::Tokens(vec![
+                vec![101, 102],
+                vec![101, 5, 102],
+            ])],
         );
         out.push(("link_decode", "run_tokens".into(), pack(&run)));
         let done = crate::worker::link::encode(
@@ -137,7 +154,11 @@ mod tests {
             "default".into(),
             include_bytes!("../config/replayd.toml").to_vec(),
         ));
-        out.push(("tokenizer_front", "text".into(), "Replay the graph, not the kernels. é 漢字 🙂".into()));
+        out.push((
+            "tokenizer_front",
+            "text".into(),
+            "Replay the graph, not the kernels. é 漢字 🙂".into(),
+        ));
         out
     }
 
