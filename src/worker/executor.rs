@@ -580,7 +580,7 @@ mod tests {
     /// its graphs.
     #[test]
     fn a_padded_worker_serves_its_grid_and_eager_runs() {
-        let mut w = Worker::start("batch_buckets = [2]\nseq_buckets = [16]");
+        let mut w = Worker::start("batching = \"padded\"\nbatch_buckets = [2]\nseq_buckets = [16]");
         let (FromWorker::Ready { graphs, .. }, _) = w.recv() else {
             panic!("not ready")
         };
