@@ -514,8 +514,9 @@ mod tests {
         let mut w = Worker::start(
             "batching = \"packed\"\ntoken_budgets = [32, 128]\nmax_seqs_per_batch = 6",
         );
-        let (FromWorker::Ready { graphs, .. }, _) = w.recv() else {
-            panic!("not ready")
+        let graphs = match w.recv() {
+            (FromWorker::Ready { graphs, .. }, _) => graphs,
+            (other, _) => panic!("not ready: {other:?}"),
         };
         let buckets: Vec<Bucket> = graphs.iter().map(|g| g.bucket).collect();
         assert_eq!(buckets, vec![Bucket::packed(128, 6), Bucket::packed(32, 6)]);
@@ -581,8 +582,9 @@ mod tests {
     #[test]
     fn a_padded_worker_serves_its_grid_and_eager_runs() {
         let mut w = Worker::start("batching = \"padded\"\nbatch_buckets = [2]\nseq_buckets = [16]");
-        let (FromWorker::Ready { graphs, .. }, _) = w.recv() else {
-            panic!("not ready")
+        let graphs = match w.recv() {
+            (FromWorker::Ready { graphs, .. }, _) => graphs,
+            (other, _) => panic!("not ready: {other:?}"),
         };
         assert_eq!(graphs.len(), 1);
         assert_eq!(graphs[0].bucket, Bucket::new(2, 16));
