@@ -1,10 +1,13 @@
 //! CUDA backend self-test on synthetic models (no model files needed): every
 //! kernel and the graph/eager paths against an f64 reference interpreter of
-//! the Program IR, replay latency on a MiniLM-shaped model, NVML, and (with
-//! `--fault`, in its own process) fault injection.
+//! the Program IR (padded and packed programs: the varlen attention for every
+//! head-size class, on tensor cores and CUDA cores, packed graphs replayed
+//! with batches of changing shapes), replay latency and per-step GPU time on
+//! a MiniLM-shaped model (padded and packed), NVML, and (with `--fault`, in
+//! its own process) fault injection.
 //!
 //! Usage (GPU machine):
-//!   cuda_selftest [--gpu 0] [--iters 500] [--json out.json]
+//!   cuda_selftest [--gpu 0] [--iters 500] [--json out.json] [--packed-only]
 //!   cuda_selftest --fault [--gpu 0]
 //!
 //! Exit status: 0 all pass, 1 a failure, 2 no usable GPU.
@@ -16,7 +19,7 @@ use std::time::Instant;
 use replayd::backend::cuda::{CudaBackend, CudaOptions};
 use replayd::backend::{Backend, BackendError};
 use replayd::gpu::{self, nvml};
-use replayd::model::program::{InputRole, Op, ProgramBuilder, WeightId};
+use replayd::model::program::{BufId, InputRole, Op, ProgramBuilder, WeightId};
 use replayd::model::{Activation, BatchRows, Pooling, Program, Weights};
 use replayd::tensor::DType;
 
@@ -182,6 +185,41 @@ fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
         seq,
         hidden: h,
     });
+    bert_layers(&mut b, m, rows, [hid, qkv, ctx, inter], |qkv, ctx| {
+        Op::Attention {
+            qkv,
+            mask,
+            out: ctx,
+            batch,
+            seq,
+            heads: d.heads,
+            head_dim: h / d.heads,
+        }
+    });
+    b.push(Op::Pool {
+        x: hid,
+        mask,
+        out,
+        batch,
+        seq,
+        hidden: h,
+        mode: d.pooling,
+        normalize: d.normalize,
+    });
+    b.finish(batch, seq, out, h)
+}
+
+/// The encoder layers of `m` over `rows` token rows, with `attention`
+/// building each layer's attention op (padded or packed).
+fn bert_layers(
+    b: &mut ProgramBuilder,
+    m: &Bert,
+    rows: usize,
+    [hid, qkv, ctx, inter]: [BufId; 4],
+    attention: impl Fn(BufId, BufId) -> Op,
+) {
+    let d = m.d;
+    let h = d.hidden;
     for l in &m.layers {
         let [wq, bq, wo, bo, g1, b1, wi, bi, wo2, bo2, g2, b2] = *l;
         b.push(Op::Linear {
@@ -194,15 +232,7 @@ fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
             n: 3 * h,
             k: h,
         });
-        b.push(Op::Attention {
-            qkv,
-            mask,
-            out: ctx,
-            batch,
-            seq,
-            heads: d.heads,
-            head_dim: h / d.heads,
-        });
+        b.push(attention(qkv, ctx));
         b.push(Op::Linear {
             x: ctx,
             w: wo,
@@ -254,17 +284,155 @@ fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
             hidden: h,
         });
     }
-    b.push(Op::Pool {
+}
+
+/// The packed twin of [`bert_program`]: `tokens` slots, at most `seqs`
+/// sequences of at most `max_len` tokens.
+fn packed_bert_program(m: &Bert, tokens: usize, seqs: usize, max_len: usize) -> Program {
+    let d = m.d;
+    let h = d.hidden;
+    let mut b = ProgramBuilder::new();
+    let ids = b.input("ids", InputRole::TokenIds, tokens);
+    let types = b.input("types", InputRole::TokenTypeIds, tokens);
+    let positions = b.input("positions", InputRole::Positions, tokens);
+    let offsets = b.input("offsets", InputRole::SeqOffsets, seqs + 1);
+    let hid = b.activation("h", tokens * h);
+    let qkv = b.activation("qkv", tokens * 3 * h);
+    let ctx = b.activation("ctx", tokens * h);
+    let inter = b.activation("inter", tokens * d.inter);
+    let out = b.output("out", seqs * h);
+    let [word, pos, tt, g, be] = m.emb;
+    b.push(Op::PackedEmbedLayerNorm {
+        ids,
+        token_types: types,
+        positions,
+        word,
+        position: pos,
+        token_type: tt,
+        gamma: g,
+        beta: be,
+        eps: 1e-12,
+        out: hid,
+        tokens,
+        max_seq_len: max_len,
+        hidden: h,
+    });
+    bert_layers(&mut b, m, tokens, [hid, qkv, ctx, inter], |qkv, ctx| {
+        Op::PackedAttention {
+            qkv,
+            offsets,
+            out: ctx,
+            tokens,
+            seqs,
+            max_seq_len: max_len,
+            heads: d.heads,
+            head_dim: h / d.heads,
+        }
+    });
+    b.push(Op::PackedPool {
         x: hid,
-        mask,
+        offsets,
         out,
-        batch,
-        seq,
+        tokens,
+        seqs,
         hidden: h,
         mode: d.pooling,
         normalize: d.normalize,
     });
-    b.finish(batch, seq, out, h)
+    b.finish_packed(tokens, seqs, max_len, out, h)
+}
+
+/// Sequences of the given lengths with random ids.
+fn packed_rows(lens: &[usize], vocab: usize, rng: &mut Rng) -> BatchRows {
+    BatchRows::Tokens(
+        lens.iter()
+            .map(|&l| (0..l).map(|_| rng.range(0, vocab - 1) as u32).collect())
+            .collect(),
+    )
+}
+
+/// Random lengths in `1..=max_len` filling `tokens` exactly (or `seqs` sequences).
+fn fill_lens(tokens: usize, seqs: usize, max_len: usize, rng: &mut Rng) -> Vec<usize> {
+    let mut lens = Vec::new();
+    let mut left = tokens;
+    while left > 0 && lens.len() < seqs {
+        let l = rng.range(1, max_len).min(left);
+        lens.push(l);
+        left -= l;
+    }
+    lens
+}
+
+/// One packed graph, captured once, replayed with batches of different
+/// shapes one after another (the static buffers' contents change, the graph
+/// does not), each against the reference; then the eager path on the last.
+#[allow(clippy::too_many_arguments)]
+fn run_packed_sequence(
+    gpu: &mut CudaBackend,
+    rep: &mut Report,
+    name: &str,
+    w: &Weights,
+    dtype: DType,
+    prog: &Program,
+    batches: &[BatchRows],
+    threshold: f64,
+) -> Result<(), BackendError> {
+    let gw = gpu.upload_weights(w, dtype)?;
+    let dim = prog.output_dim;
+    let t = Instant::now();
+    let mut g = match gpu.capture_program(w, &gw, prog) {
+        Ok(g) => g,
+        Err(e) => {
+            rep.check(&format!("{name} capture"), false, e.to_string());
+            return Ok(());
+        }
+    };
+    let cap = t.elapsed().as_secs_f64() * 1e3;
+    let facts = prog
+        .validate(w)
+        .map_err(|e| BackendError::Other(e.to_string()))?;
+    let mut last_ref: Vec<f32> = Vec::new();
+    for (i, rows) in batches.iter().enumerate() {
+        facts
+            .check_rows(rows)
+            .map_err(|e| BackendError::Other(e.to_string()))?;
+        let refv = replayd::model::program::reference::run(prog, w, dtype, rows);
+        let out = gpu.launch(&mut g, rows).and_then(|p| gpu.collect(p))?;
+        let (rel, cos) = diff(&out, &refv, dim);
+        let lens: Vec<usize> = match rows {
+            BatchRows::Tokens(s) => s.iter().map(Vec::len).collect(),
+            BatchRows::Features { .. } => Vec::new(),
+        };
+        let shown = if lens.len() > 8 {
+            format!("{} seqs, {} tokens", lens.len(), lens.iter().sum::<usize>())
+        } else {
+            format!("{lens:?}")
+        };
+        rep.check(
+            &format!("{name} graph batch {i} {shown}"),
+            cos >= threshold,
+            format!(
+                "min cos {cos:.7} (>= {threshold}), rel {rel:.2e}; capture {cap:.1} ms, {}",
+                g.nodes
+            ),
+        );
+        last_ref = refv;
+    }
+    if let Some(rows) = batches.last() {
+        let refv = last_ref;
+        match gpu.run_program_eager(w, &gw, prog, rows) {
+            Ok(out) => {
+                let (rel, cos) = diff(&out, &refv, dim);
+                rep.check(
+                    &format!("{name} eager"),
+                    cos >= threshold,
+                    format!("min cos {cos:.7} (>= {threshold}), rel {rel:.2e}"),
+                );
+            }
+            Err(e) => rep.check(&format!("{name} eager"), false, e.to_string()),
+        }
+    }
+    Ok(())
 }
 
 fn token_rows(n: usize, seq: usize, vocab: usize, rng: &mut Rng) -> BatchRows {
@@ -440,13 +608,15 @@ fn latency(
     let per = t.elapsed().as_secs_f64() * 1e6 / n as f64;
     let mem = g.memory();
     println!(
-        "  LAT {name}: launch->collect p50 {p50:.1} us, p90 {p90:.1}, p99 {p99:.1}, min {min:.1}; pipelined {per:.1} us/batch ({:.0} rows/s); {}; mem {:.1} MiB",
-        prog.batch as f64 * 1e6 / per,
+        "  LAT {name}: launch->collect p50 {p50:.1} us, p90 {p90:.1}, p99 {p99:.1}, min {min:.1}; pipelined {per:.1} us/batch ({:.0} rows/s, {:.0} tokens/s); {}; mem {:.1} MiB",
+        inputs[0].rows() as f64 * 1e6 / per,
+        inputs[0].tokens() as f64 * 1e6 / per,
         g.nodes,
         mem.total_bytes as f64 / 1048576.0
     );
     rep.json.push(serde_json::json!({"latency": name, "p50_us": p50, "p90_us": p90, "p99_us": p99, "min_us": min,
-        "pipelined_us_per_batch": per, "rows_per_s": prog.batch as f64 * 1e6 / per, "nodes": g.nodes, "memory": mem}));
+        "pipelined_us_per_batch": per, "rows_per_s": inputs[0].rows() as f64 * 1e6 / per,
+        "tokens_per_s": inputs[0].tokens() as f64 * 1e6 / per, "nodes": g.nodes, "memory": mem}));
     Ok(())
 }
 
@@ -537,6 +707,9 @@ fn main() {
     if args.iter().any(|a| a == "--fault") {
         std::process::exit(fault_test(ord));
     }
+    // Only the packed checks, profiles and latencies (with the padded
+    // MiniLM-shaped ones to compare with): what a packed-batching change needs.
+    let packed_only = args.iter().any(|a| a == "--packed-only");
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .try_init();
@@ -573,78 +746,6 @@ fn main() {
     };
     let mut rng = Rng(0x1234_5678);
     let result = (|| -> Result<(), BackendError> {
-        println!("== MLP");
-        let m = mlp(
-            &[128, 256, 10],
-            &[Activation::Relu, Activation::Identity],
-            &[true, true],
-            &mut rng,
-        );
-        for b in [1usize, 8, 13] {
-            let p = mlp_program(&m, b);
-            let rows = feature_rows(if b == 13 { 13 } else { b.max(1) }, 128, &mut rng);
-            run_case(
-                &mut gpu,
-                &mut rep,
-                &format!("mlp128-256-10 f32 b{b}"),
-                &m.weights,
-                DType::F32,
-                &p,
-                &rows,
-                false,
-                1e-5,
-                false,
-            )?;
-        }
-        // Padded batch (fewer rows than the bucket).
-        let p = mlp_program(&m, 8);
-        let rows = feature_rows(3, 128, &mut rng);
-        run_case(
-            &mut gpu,
-            &mut rep,
-            "mlp f32 3 rows in b8",
-            &m.weights,
-            DType::F32,
-            &p,
-            &rows,
-            false,
-            1e-5,
-            false,
-        )?;
-        let acts = [
-            Activation::Gelu,
-            Activation::GeluTanh,
-            Activation::Tanh,
-            Activation::Sigmoid,
-            Activation::Silu,
-            Activation::Relu,
-            Activation::Identity,
-        ];
-        for (i, &a) in acts.iter().enumerate() {
-            for (dt, th) in [(DType::F32, 1e-5), (DType::F16, 1e-2), (DType::BF16, 5e-2)] {
-                let m = mlp(
-                    &[64, 96, 48, 7],
-                    &[a, acts[(i + 3) % 7], Activation::Identity],
-                    &[i % 2 == 0, true, i % 3 != 0],
-                    &mut rng,
-                );
-                let p = mlp_program(&m, 5);
-                let rows = feature_rows(5, 64, &mut rng);
-                run_case(
-                    &mut gpu,
-                    &mut rep,
-                    &format!("mlp {a:?} {dt}"),
-                    &m.weights,
-                    dt,
-                    &p,
-                    &rows,
-                    false,
-                    th,
-                    false,
-                )?;
-            }
-        }
-        println!("== BERT-shaped");
         let base = BertDims {
             hidden: 384,
             heads: 12,
@@ -655,18 +756,183 @@ fn main() {
             normalize: true,
             act: Activation::Gelu,
         };
-        let cases: Vec<(BertDims, Vec<(usize, usize, usize)>)> = vec![
-            (
-                base,
-                vec![
-                    (1, 16, 1),
-                    (2, 8, 2),
-                    (3, 5, 3),
-                    (4, 100, 3),
-                    (2, 256, 2),
-                    (2, 64, 2),
-                ],
-            ),
+        if !packed_only {
+            println!("== MLP");
+            let m = mlp(
+                &[128, 256, 10],
+                &[Activation::Relu, Activation::Identity],
+                &[true, true],
+                &mut rng,
+            );
+            for b in [1usize, 8, 13] {
+                let p = mlp_program(&m, b);
+                let rows = feature_rows(if b == 13 { 13 } else { b.max(1) }, 128, &mut rng);
+                run_case(
+                    &mut gpu,
+                    &mut rep,
+                    &format!("mlp128-256-10 f32 b{b}"),
+                    &m.weights,
+                    DType::F32,
+                    &p,
+                    &rows,
+                    false,
+                    1e-5,
+                    false,
+                )?;
+            }
+            // Padded batch (fewer rows than the bucket).
+            let p = mlp_program(&m, 8);
+            let rows = feature_rows(3, 128, &mut rng);
+            run_case(
+                &mut gpu,
+                &mut rep,
+                "mlp f32 3 rows in b8",
+                &m.weights,
+                DType::F32,
+                &p,
+                &rows,
+                false,
+                1e-5,
+                false,
+            )?;
+            let acts = [
+                Activation::Gelu,
+                Activation::GeluTanh,
+                Activation::Tanh,
+                Activation::Sigmoid,
+                Activation::Silu,
+                Activation::Relu,
+                Activation::Identity,
+            ];
+            for (i, &a) in acts.iter().enumerate() {
+                for (dt, th) in [(DType::F32, 1e-5), (DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+                    let m = mlp(
+                        &[64, 96, 48, 7],
+                        &[a, acts[(i + 3) % 7], Activation::Identity],
+                        &[i % 2 == 0, true, i % 3 != 0],
+                        &mut rng,
+                    );
+                    let p = mlp_program(&m, 5);
+                    let rows = feature_rows(5, 64, &mut rng);
+                    run_case(
+                        &mut gpu,
+                        &mut rep,
+                        &format!("mlp {a:?} {dt}"),
+                        &m.weights,
+                        dt,
+                        &p,
+                        &rows,
+                        false,
+                        th,
+                        false,
+                    )?;
+                }
+            }
+            println!("== BERT-shaped");
+            let cases: Vec<(BertDims, Vec<(usize, usize, usize)>)> = vec![
+                (
+                    base,
+                    vec![
+                        (1, 16, 1),
+                        (2, 8, 2),
+                        (3, 5, 3),
+                        (4, 100, 3),
+                        (2, 256, 2),
+                        (2, 64, 2),
+                    ],
+                ),
+                (
+                    BertDims {
+                        hidden: 256,
+                        heads: 4,
+                        pooling: Pooling::Cls,
+                        normalize: false,
+                        inter: 512,
+                        ..base
+                    },
+                    vec![(3, 70, 3)],
+                ),
+                (
+                    BertDims {
+                        hidden: 192,
+                        heads: 4,
+                        pooling: Pooling::Max,
+                        inter: 384,
+                        act: Activation::GeluTanh,
+                        ..base
+                    },
+                    vec![(2, 33, 2)],
+                ),
+                (
+                    BertDims {
+                        hidden: 256,
+                        heads: 2,
+                        pooling: Pooling::Mean,
+                        inter: 512,
+                        ..base
+                    },
+                    vec![(2, 130, 2)],
+                ),
+                (
+                    BertDims {
+                        hidden: 100,
+                        heads: 5,
+                        pooling: Pooling::Mean,
+                        inter: 200,
+                        ..base
+                    },
+                    vec![(3, 20, 2)],
+                ),
+            ];
+            for (d, shapes) in cases {
+                let m = bert(d, &mut rng);
+                for (b, s, n) in shapes {
+                    for (dt, th) in [
+                        (DType::F32, 0.99999),
+                        (DType::F16, 0.999),
+                        (DType::BF16, 0.99),
+                    ] {
+                        let p = bert_program(&m, b, s);
+                        let rows = token_rows(n, s, d.vocab, &mut rng);
+                        let name = format!(
+                            "bert h{} nh{} {:?} b{b} s{s} ({n} rows) {dt}",
+                            d.hidden, d.heads, d.pooling
+                        );
+                        run_case(
+                            &mut gpu, &mut rep, &name, &m.weights, dt, &p, &rows, true, th, false,
+                        )?;
+                    }
+                }
+            }
+            // Long sequence through the eager path (attention smem opt-in).
+            let m = bert(BertDims { layers: 1, ..base }, &mut rng);
+            for dt in [DType::F32, DType::F16] {
+                let p = bert_program(&m, 2, 512);
+                let rows = token_rows(2, 512, base.vocab, &mut rng);
+                run_case(
+                    &mut gpu,
+                    &mut rep,
+                    &format!("bert s512 eager {dt}"),
+                    &m.weights,
+                    dt,
+                    &p,
+                    &rows,
+                    true,
+                    if dt == DType::F32 { 0.99999 } else { 0.999 },
+                    true,
+                )?;
+            }
+        }
+        println!("== packed BERT-shaped (varlen attention, per-sequence pooling)");
+        // Head sizes 32, 64, 128 (tensor cores in f16/bf16), 20 and 48 (CUDA
+        // cores); f32 always on CUDA cores.
+        // Each with budgets (slots, sequences, longest) chosen to keep the f64
+        // reference (whose cost grows with the slots) short: small budgets,
+        // unused sequence slots, and sequences of 130 and 256 tokens (several
+        // key blocks of either kernel).
+        let (small, mid, long) = ((64usize, 64usize, 64usize), (300, 12, 130), (512, 4, 256));
+        let packed_dims = [
+            (base, vec![small, mid]),
             (
                 BertDims {
                     hidden: 256,
@@ -676,7 +942,26 @@ fn main() {
                     inter: 512,
                     ..base
                 },
-                vec![(3, 70, 3)],
+                vec![small, long],
+            ),
+            (
+                BertDims {
+                    hidden: 256,
+                    heads: 2,
+                    pooling: Pooling::Max,
+                    inter: 512,
+                    ..base
+                },
+                vec![mid, long],
+            ),
+            (
+                BertDims {
+                    hidden: 100,
+                    heads: 5,
+                    inter: 200,
+                    ..base
+                },
+                vec![small, long],
             ),
             (
                 BertDims {
@@ -687,88 +972,91 @@ fn main() {
                     act: Activation::GeluTanh,
                     ..base
                 },
-                vec![(2, 33, 2)],
-            ),
-            (
-                BertDims {
-                    hidden: 256,
-                    heads: 2,
-                    pooling: Pooling::Mean,
-                    inter: 512,
-                    ..base
-                },
-                vec![(2, 130, 2)],
-            ),
-            (
-                BertDims {
-                    hidden: 100,
-                    heads: 5,
-                    pooling: Pooling::Mean,
-                    inter: 200,
-                    ..base
-                },
-                vec![(3, 20, 2)],
+                vec![mid],
             ),
         ];
-        for (d, shapes) in cases {
+        for (d, budgets) in packed_dims {
             let m = bert(d, &mut rng);
-            for (b, s, n) in shapes {
+            for (tokens, seqs, max_len) in budgets {
+                // A random fill, one short text, the longest text with empty
+                // ones, as many one-token texts as the graph holds, another fill.
+                let mut batches = vec![
+                    packed_rows(
+                        &fill_lens(tokens, seqs, max_len, &mut rng),
+                        d.vocab,
+                        &mut rng,
+                    ),
+                    packed_rows(&[16.min(max_len)], d.vocab, &mut rng),
+                    packed_rows(&[max_len, 0, 1], d.vocab, &mut rng),
+                    packed_rows(&vec![1; seqs.min(tokens)], d.vocab, &mut rng),
+                    packed_rows(
+                        &fill_lens(tokens - 7, seqs - 1, max_len, &mut rng),
+                        d.vocab,
+                        &mut rng,
+                    ),
+                ];
+                if tokens <= 64 {
+                    // Only empty sequences: nothing but tail tiles.
+                    batches.insert(4, packed_rows(&[0, 0], d.vocab, &mut rng));
+                }
                 for (dt, th) in [
                     (DType::F32, 0.99999),
                     (DType::F16, 0.999),
                     (DType::BF16, 0.99),
                 ] {
-                    let p = bert_program(&m, b, s);
-                    let rows = token_rows(n, s, d.vocab, &mut rng);
+                    let p = packed_bert_program(&m, tokens, seqs, max_len);
                     let name = format!(
-                        "bert h{} nh{} {:?} b{b} s{s} ({n} rows) {dt}",
+                        "packed h{} nh{} {:?} {tokens}t/{seqs}s/<={max_len} {dt}",
                         d.hidden, d.heads, d.pooling
                     );
-                    run_case(
-                        &mut gpu, &mut rep, &name, &m.weights, dt, &p, &rows, true, th, false,
+                    run_packed_sequence(
+                        &mut gpu, &mut rep, &name, &m.weights, dt, &p, &batches, th,
                     )?;
                 }
             }
         }
-        // Long sequence through the eager path (attention smem opt-in).
-        let m = bert(BertDims { layers: 1, ..base }, &mut rng);
-        for dt in [DType::F32, DType::F16] {
-            let p = bert_program(&m, 2, 512);
-            let rows = token_rows(2, 512, base.vocab, &mut rng);
-            run_case(
-                &mut gpu,
-                &mut rep,
-                &format!("bert s512 eager {dt}"),
-                &m.weights,
-                dt,
-                &p,
-                &rows,
-                true,
-                if dt == DType::F32 { 0.99999 } else { 0.999 },
-                true,
-            )?;
-        }
+        // A MiniLM-sized budget of 1024 slots, f16, on tensor cores.
+        let m = bert(base, &mut rng);
+        let p = packed_bert_program(&m, 1024, 256, 256);
+        let batches = vec![packed_rows(
+            &fill_lens(1024, 256, 60, &mut rng),
+            base.vocab,
+            &mut rng,
+        )];
+        run_packed_sequence(
+            &mut gpu,
+            &mut rep,
+            "packed h384 1024t/256s f16",
+            &m.weights,
+            DType::F16,
+            &p,
+            &batches,
+            0.999,
+        )?;
 
         println!("== latency (launch -> collect, one at a time; then 2 in flight)");
-        let m = mlp(
-            &[128, 256, 10],
-            &[Activation::Relu, Activation::Identity],
-            &[true, true],
-            &mut rng,
-        );
-        for b in [1usize, 8, 128] {
-            let p = mlp_program(&m, b);
-            let inputs: Vec<BatchRows> = (0..4).map(|_| feature_rows(b, 128, &mut rng)).collect();
-            latency(
-                &mut gpu,
-                &mut rep,
-                &format!("mlp f32 b{b}"),
-                &m.weights,
-                DType::F32,
-                &p,
-                &inputs,
-                iters,
-            )?;
+        if !packed_only {
+            let m = mlp(
+                &[128, 256, 10],
+                &[Activation::Relu, Activation::Identity],
+                &[true, true],
+                &mut rng,
+            );
+            for b in [1usize, 8, 128] {
+                let p = mlp_program(&m, b);
+                let inputs: Vec<BatchRows> =
+                    (0..4).map(|_| feature_rows(b, 128, &mut rng)).collect();
+                latency(
+                    &mut gpu,
+                    &mut rep,
+                    &format!("mlp f32 b{b}"),
+                    &m.weights,
+                    DType::F32,
+                    &p,
+                    &inputs,
+                    iters,
+                )?;
+            }
         }
         let mini = bert(
             BertDims {
@@ -800,17 +1088,83 @@ fn main() {
             rep.json
                 .push(serde_json::json!({"profile": format!("{dt} ({b},{s})"), "steps": prof}));
         }
-        for (dt, b, s) in [
-            (DType::F16, 1usize, 16usize),
-            (DType::F16, 1, 128),
-            (DType::F16, 8, 64),
-            (DType::F16, 32, 128),
-            (DType::F16, 128, 128),
-            (DType::F16, 128, 256),
-            (DType::F32, 1, 16),
-            (DType::F32, 32, 128),
-            (DType::F32, 128, 128),
-        ] {
+        // Packed MiniLM-shaped graphs on the batches the notes predict for
+        // (kernels/NOTES.md): one 16-token text in a 64-token budget; 32
+        // texts of ~27 tokens in 1,024; a full 16,384-token budget of 256
+        // texts. Per-step GPU time (with the batch in the inputs), then latency.
+        let packed_shapes: [(DType, usize, usize, Vec<usize>); 4] = [
+            (DType::F16, 64, 64, vec![16]),
+            (DType::F16, 1024, 256, {
+                let mut r = Rng(27);
+                (0..32).map(|_| r.range(8, 46)).collect()
+            }),
+            (DType::F16, 16384, 256, vec![64; 256]),
+            (DType::F32, 1024, 256, vec![27; 32]),
+        ];
+        for (dt, tokens, seqs, lens) in &packed_shapes {
+            let (dt, tokens, seqs) = (*dt, *tokens, *seqs);
+            let p = packed_bert_program(&mini, tokens, seqs, 256.min(tokens));
+            let rows = packed_rows(lens, 30522, &mut rng);
+            let gw = gpu.upload_weights(&mini.weights, dt)?;
+            let prof = gpu.profile_program_on(&mini.weights, &gw, &p, Some(&rows), 20)?;
+            let total: f64 = prof.iter().map(|p| p.1).sum();
+            let attention: f64 = prof
+                .iter()
+                .filter(|(n, _)| n.starts_with("attention"))
+                .map(|p| p.1)
+                .sum();
+            println!(
+                "  PROFILE packed {dt} {tokens}t ({} seqs, {} tokens): {} steps, sum {total:.1} us, attention {attention:.1} us",
+                lens.len(),
+                lens.iter().sum::<usize>(),
+                prof.len()
+            );
+            let per_layer = (prof.len() - 2) / 6;
+            for (name, us) in prof.iter().take(1 + per_layer).chain(prof.last()) {
+                println!("    {us:8.2} us  {name}");
+            }
+            rep.json.push(serde_json::json!({
+                "profile": format!("packed {dt} {tokens}t {} seqs {} tokens", lens.len(), lens.iter().sum::<usize>()),
+                "steps": prof
+            }));
+            let inputs: Vec<BatchRows> =
+                (0..4).map(|_| packed_rows(lens, 30522, &mut rng)).collect();
+            latency(
+                &mut gpu,
+                &mut rep,
+                &format!(
+                    "minilm-shaped packed {dt} {tokens}t ({} seqs, {} tokens)",
+                    lens.len(),
+                    lens.iter().sum::<usize>()
+                ),
+                &mini.weights,
+                dt,
+                &p,
+                &inputs,
+                if tokens > 4096 { iters / 4 } else { iters },
+            )?;
+        }
+        let padded_shapes: &[(DType, usize, usize)] = if packed_only {
+            &[
+                (DType::F16, 1, 16),
+                (DType::F16, 32, 64),
+                (DType::F16, 32, 128),
+                (DType::F16, 128, 128),
+            ]
+        } else {
+            &[
+                (DType::F16, 1usize, 16usize),
+                (DType::F16, 1, 128),
+                (DType::F16, 8, 64),
+                (DType::F16, 32, 128),
+                (DType::F16, 128, 128),
+                (DType::F16, 128, 256),
+                (DType::F32, 1, 16),
+                (DType::F32, 32, 128),
+                (DType::F32, 128, 128),
+            ]
+        };
+        for &(dt, b, s) in padded_shapes {
             let p = bert_program(&mini, b, s);
             let inputs: Vec<BatchRows> = (0..4)
                 .map(|_| {

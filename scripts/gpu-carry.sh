@@ -7,14 +7,15 @@
 # .carry/ is git-ignored; pass it to the device tool's `carry`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --bins
+cargo build --release --bins --example cuda_selftest
 # Compressed: the carry limit is 64 MiB and the model takes 45.
 rm -rf .carry/bin .carry/bin.tar.gz
 mkdir -p .carry/stage
 for b in replayd replayctl replayd-loadgen; do
   strip -o ".carry/stage/$b" "target/release/$b"
 done
-tar -C .carry/stage -czf .carry/bin.tar.gz replayd replayctl replayd-loadgen
+strip -o .carry/stage/cuda_selftest target/release/examples/cuda_selftest
+tar -C .carry/stage -czf .carry/bin.tar.gz replayd replayctl replayd-loadgen cuda_selftest
 rm -rf .carry/stage
 git rev-parse --short HEAD > .carry/COMMIT
 git diff --quiet HEAD || echo "+uncommitted" >> .carry/COMMIT

@@ -92,10 +92,36 @@ if [ "$BACKEND" = cuda ]; then
   log "backend check"
   # The default grid (seq up to 256) for the per-bucket check.
   sed 's/seq_buckets = \[16, 32, 64, 128\]/seq_buckets = [16, 32, 64, 128, 256]/' "$WORK/models.toml" > "$WORK/check.toml"
-  if ! "$BIN/replayd" backend-check --config "$WORK/check.toml" --out "$OUT/backend_check.json" --iters 300 > "$OUT/backend_check.log" 2>&1; then
+  # Packed batching: every token budget of the default ladder, in each compute
+  # dtype, against the CPU backend (and the f16 one through the references).
+  for dt in f16 bf16 f32; do
+    cat >> "$WORK/check.toml" <<TOML
+
+[[models]]
+name = "minilm-$dt-packed"
+kind = "bert"
+path = "$MODEL"
+dtype = "$dt"
+batching = "packed"
+token_budgets = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+max_seqs_per_batch = 256
+TOML
+  done
+  if ! "$BIN/replayd" backend-check --config "$WORK/check.toml" --out "$OUT/backend_check.json" --iters 300 \
+      --profile --reference "minilm-f16-packed=$REF_F32" > "$OUT/backend_check.log" 2>&1; then
     fail "backend check (see backend_check.log)"
   fi
   tail -60 "$OUT/backend_check.log"
+  # The packed kernels on synthetic encoders of every head-size class (the
+  # backend check covers MiniLM's 32) against the f64 interpreter, and the
+  # packed per-step profiles (kernels/NOTES.md lists what to read there).
+  if [ -x "$BIN/cuda_selftest" ]; then
+    log "cuda_selftest --packed-only"
+    if ! "$BIN/cuda_selftest" --packed-only --iters 200 --json "$OUT/cuda_selftest_packed.json" > "$OUT/cuda_selftest_packed.log" 2>&1; then
+      fail "cuda_selftest --packed-only (see cuda_selftest_packed.log)"
+    fi
+    grep -E "FAIL|PROFILE|LAT|RESULT" "$OUT/cuda_selftest_packed.log" | tail -40
+  fi
 fi
 
 # --- 3. the daemon
@@ -253,9 +279,10 @@ if bc:
             lat = b.get("latency") or {}
             v = c.get('value', float('nan'))
             shown = f"{v:.7f}" if c.get('metric') == 'min_cosine' else f"{v:.2e}"
-            print(f"| {m['name']} | {b['batch']}x{b['seq']} | {c.get('metric','?')} {shown} "
+            print(f"| {m['name']} | {b.get('bucket') or str(b['batch']) + 'x' + str(b['seq'])} | {c.get('metric','?')} {shown} "
                   f"{'ok' if c.get('pass') else 'FAIL'} | {b.get('capture_ms', 0):.2f} | {b.get('nodes','')} | "
-                  f"{lat.get('median_us', 0):.1f} | {lat.get('p99_us', 0):.1f} | {b.get('throughput_rows_per_s', 0):.0f} |")
+                  f"{lat.get('median_us', 0):.1f} | {lat.get('p99_us', 0):.1f} | {b.get('throughput_rows_per_s', 0):.0f}"
+                  + (f" ({b['throughput_tokens_per_s']:.0f} tokens/s)" if b.get('tokens') else "") + " |")
             ok &= bool(c.get("pass"))
         e = m.get("eager") or {}
         if e:
@@ -269,7 +296,7 @@ if bc:
         for m in bc["models"]:
             if m["name"] == model:
                 for b in m["buckets"]:
-                    if (b["batch"], b["seq"]) == (batch, seq):
+                    if not b.get("tokens") and (b["batch"], b["seq"]) == (batch, seq):
                         return b["latency"]["median_us"]
     print("## Side by side with PyTorch's own CUDA-graph replay (same call, same GPU)\n")
     print("PyTorch: torch.cuda.CUDAGraph of the same model (MiniLM: the transformers BertModel modules + mean "

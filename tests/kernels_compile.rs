@@ -1,6 +1,8 @@
 //! CI check: every kernel in `kernels/` compiles with NVRTC for compute
 //! capability 9.0 (H100/H200), to CUBIN and to PTX, and declares exactly the
-//! `extern "C"` entry points the CUDA backend looks up. Needs no GPU and no
+//! `extern "C"` entry points the CUDA backend looks up (the packed-batch
+//! kernels among them: `embed_ln_packed_*`, `pool_packed_*`,
+//! `attention_varlen[_tc]_*`). Needs no GPU and no
 //! CUDA toolkit, only NVRTC (`scripts/install-nvrtc.sh` puts the pinned wheel
 //! into `.nvrtc/`; `REPLAYD_NVRTC_DIR` or `LD_LIBRARY_PATH` may point
 //! elsewhere).
@@ -88,6 +90,12 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
 
     let source = kernels::combined_source();
     let expected: BTreeSet<String> = kernels::expected_entry_points().into_iter().collect();
+    // The packed-batch kernels are part of the one translation unit.
+    for file in ["embed_packed.cu", "pool_packed.cu", "attention_varlen.cu"] {
+        assert!(source.contains(&format!("#line 1 \"{file}\"")), "{file}");
+    }
+    let packed = kernels::packed_entry_points();
+    assert!(packed.iter().all(|n| expected.contains(n)), "{packed:?}");
 
     // PTX: the exact set of entry points.
     let t = Target::Ptx(90);

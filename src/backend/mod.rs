@@ -81,9 +81,10 @@ pub trait Backend {
     /// any pool), in bytes.
     fn graph_memory_bytes(&self, graph: &Self::Graph) -> u64;
 
-    /// Packs `rows` (at most the graph's batch, each at most its seq) into the
-    /// graph's static inputs, padding the rest, and starts the replay and the
-    /// copy of the output to the host. Must not wait for the device.
+    /// Packs `rows` (at most the graph's batch, each at most its seq; for a
+    /// packed graph at most its sequences and token budget, end to end) into
+    /// the graph's static inputs, padding the rest, and starts the replay and
+    /// the copy of the output to the host. Must not wait for the device.
     fn launch(
         &mut self,
         graph: &mut Self::Graph,
@@ -91,7 +92,8 @@ pub trait Backend {
     ) -> Result<Self::Pending, BackendError>;
 
     /// Waits for a launched batch and returns the output rows that belong to
-    /// real inputs: `rows.len() · output_dim` f32 values, row-major.
+    /// real inputs: `rows.len() · output_dim` f32 values, row-major (one row
+    /// per sequence, in order, for a packed graph).
     fn collect(&mut self, pending: Self::Pending) -> Result<Vec<f32>, BackendError>;
 
     /// Runs `program` once at its exact shape, without capture (the eager path).

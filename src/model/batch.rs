@@ -1,6 +1,9 @@
-//! The rows of one batch, and how they are padded into a program's static inputs.
+//! The rows of one batch, and how they are written into a program's static
+//! inputs: padded to a (batch, seq) rectangle ([`BatchRows::pack_tokens`]),
+//! or packed end to end into a token budget ([`BatchRows::pack_packed`];
+//! the layout is described in [`crate::model::program`]).
 
-use super::program::InputRole;
+use super::program::{InputRole, Layout};
 use serde::{Deserialize, Serialize};
 
 /// The real rows of a batch, in order, before padding to a bucket.
@@ -81,12 +84,75 @@ impl BatchRows {
         }
     }
 
+    /// Writes one i32 input of a packed program, sequences end to end:
+    ///
+    /// * `TokenIds`: the ids, then 0 in the tail; `TokenTypeIds`: all 0;
+    ///   `Positions`: `0 .. len` for each sequence, then 0 (`dst.len()` is the
+    ///   token budget, at least [`BatchRows::tokens`]);
+    /// * `SeqOffsets`: the cumulative lengths `[0, l0, l0 + l1, …]`, the total
+    ///   repeated in every slot after the last sequence (`dst.len()` is the
+    ///   most sequences + 1, more than [`BatchRows::rows`]).
+    pub fn pack_packed(&self, role: InputRole, dst: &mut [i32]) {
+        let BatchRows::Tokens(seqs) = self else {
+            panic!("feature rows packed into a packed token input")
+        };
+        match role {
+            InputRole::SeqOffsets => {
+                assert!(
+                    seqs.len() < dst.len(),
+                    "more sequences than the program holds"
+                );
+                let mut total = 0i32;
+                dst[0] = 0;
+                for (slot, ids) in dst[1..].iter_mut().zip(seqs) {
+                    total += ids.len() as i32;
+                    *slot = total;
+                }
+                dst[seqs.len() + 1..].fill(total);
+            }
+            InputRole::TokenIds | InputRole::TokenTypeIds | InputRole::Positions => {
+                let total = self.tokens();
+                assert!(total <= dst.len(), "batch larger than the token budget");
+                dst[total..].fill(0);
+                if role == InputRole::TokenTypeIds {
+                    dst[..total].fill(0);
+                    return;
+                }
+                let mut at = 0;
+                for ids in seqs {
+                    let out = &mut dst[at..at + ids.len()];
+                    if role == InputRole::TokenIds {
+                        out.iter_mut().zip(ids).for_each(|(o, &id)| *o = id as i32);
+                    } else {
+                        out.iter_mut().enumerate().for_each(|(p, o)| *o = p as i32);
+                    }
+                    at += ids.len();
+                }
+            }
+            InputRole::Features | InputRole::AttentionMask => {
+                panic!("input {role:?} in a packed program")
+            }
+        }
+    }
+
     /// Packs whichever input `role` names; `dst_f32`/`dst_i32` is used by type.
     pub fn pack(&self, role: InputRole, seq: usize, dst: PackTarget<'_>) {
         match (role, dst) {
             (InputRole::Features, PackTarget::F32(d)) => self.pack_features(d),
             (role, PackTarget::I32(d)) if role.is_integer() => self.pack_tokens(role, seq, d),
             (role, _) => panic!("input {role:?} packed into the wrong element type"),
+        }
+    }
+
+    /// Packs input `role` of a program of `layout` (padded rows of `seq`
+    /// slots, or packed).
+    pub fn pack_input(&self, layout: Layout, role: InputRole, seq: usize, dst: PackTarget<'_>) {
+        match (layout, dst) {
+            (Layout::Padded, dst) => self.pack(role, seq, dst),
+            (Layout::Packed { .. }, PackTarget::I32(d)) => self.pack_packed(role, d),
+            (Layout::Packed { .. }, PackTarget::F32(_)) => {
+                panic!("input {role:?} of a packed program is not f32")
+            }
         }
     }
 }
@@ -115,6 +181,49 @@ mod tests {
         assert_eq!(types, vec![0; 12]);
         assert_eq!(rows.rows(), 2);
         assert_eq!(rows.max_len(), 3);
+    }
+
+    #[test]
+    fn sequences_pack_end_to_end() {
+        // 3, 1, 0 and 2 tokens in 8 slots of at most 5 sequences.
+        let rows = BatchRows::Tokens(vec![vec![101, 7, 102], vec![5], vec![], vec![101, 102]]);
+        let pack = |role, n| {
+            let mut v = vec![-9; n];
+            rows.pack_packed(role, &mut v);
+            v
+        };
+        assert_eq!(
+            pack(InputRole::TokenIds, 8),
+            vec![101, 7, 102, 5, 101, 102, 0, 0]
+        );
+        assert_eq!(pack(InputRole::Positions, 8), vec![0, 1, 2, 0, 0, 1, 0, 0]);
+        assert_eq!(pack(InputRole::TokenTypeIds, 8), vec![0; 8]);
+        assert_eq!(pack(InputRole::SeqOffsets, 6), vec![0, 3, 4, 4, 6, 6]);
+        // A budget filled exactly, and as many sequences as the program holds.
+        assert_eq!(pack(InputRole::TokenIds, 6), vec![101, 7, 102, 5, 101, 102]);
+        assert_eq!(pack(InputRole::SeqOffsets, 5), vec![0, 3, 4, 4, 6]);
+        let mut v = vec![-9; 8];
+        rows.pack_input(
+            Layout::Packed { tokens: 8 },
+            InputRole::Positions,
+            3,
+            PackTarget::I32(&mut v),
+        );
+        assert_eq!(v, pack(InputRole::Positions, 8));
+    }
+
+    #[test]
+    #[should_panic(expected = "token budget")]
+    fn packing_more_tokens_than_the_budget_panics() {
+        let rows = BatchRows::Tokens(vec![vec![1; 5], vec![2; 4]]);
+        rows.pack_packed(InputRole::TokenIds, &mut [0; 8]);
+    }
+
+    #[test]
+    #[should_panic(expected = "more sequences")]
+    fn packing_more_sequences_than_the_program_holds_panics() {
+        let rows = BatchRows::Tokens(vec![vec![1], vec![2]]);
+        rows.pack_packed(InputRole::SeqOffsets, &mut [0; 2]);
     }
 
     #[test]

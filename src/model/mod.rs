@@ -142,17 +142,40 @@ impl Model {
         }
     }
 
-    /// The forward pass captured for `bucket`.
-    ///
-    /// Packed buckets are not built yet (no config selects them until the
-    /// packed programs land); asking for one is a [`ModelError`].
+    /// The forward pass captured for `bucket`: a padded (batch, seq)
+    /// program, or for [`Bucket::Packed`](crate::bucket::Bucket::Packed)
+    /// `{ tokens, seqs }` a packed program of `tokens` slots and `seqs`
+    /// output rows accepting sequences of up to `min(max_seq_len, tokens)`
+    /// tokens ([`bert::BertArch::packed_program`]). Models without a
+    /// sequence axis have no packed programs (a [`ModelError`]).
     pub fn program_for(&self, bucket: crate::bucket::Bucket) -> Result<Program, ModelError> {
-        match bucket {
-            crate::bucket::Bucket::Padded { batch, seq } => Ok(self.program(batch, seq)),
-            crate::bucket::Bucket::Packed { .. } => Err(ModelError::Invalid {
-                model: self.info.name.clone(),
-                message: format!("packed bucket {bucket} is not supported yet"),
-            }),
+        match (bucket, &self.arch) {
+            (crate::bucket::Bucket::Padded { batch, seq }, _) => Ok(self.program(batch, seq)),
+            (crate::bucket::Bucket::Packed { tokens, seqs }, Architecture::Bert(arch)) => {
+                Ok(arch.packed_program(tokens, seqs))
+            }
+            (crate::bucket::Bucket::Packed { .. }, Architecture::Mlp(_)) => {
+                Err(ModelError::Invalid {
+                    model: self.info.name.clone(),
+                    message: format!("packed bucket {bucket} for a model without a sequence axis"),
+                })
+            }
+        }
+    }
+
+    /// The program of the eager path for `rows`, at the batch's exact shape:
+    /// with `packed` (and a sequence axis), a packed program of exactly the
+    /// batch's tokens and sequences, accepting its longest sequence;
+    /// otherwise `rows` rows padded to the longest sequence.
+    pub fn eager_program(&self, rows: &BatchRows, packed: bool) -> Program {
+        let n = rows.rows().max(1);
+        match (&self.arch, rows) {
+            (Architecture::Bert(arch), BatchRows::Tokens(_)) if packed => {
+                let tokens = rows.tokens().max(1);
+                arch.packed_program_upto(tokens, n, rows.max_len().clamp(1, tokens))
+            }
+            (_, BatchRows::Tokens(_)) => self.program(n, rows.max_len().max(1)),
+            (_, BatchRows::Features { .. }) => self.program(n, 1),
         }
     }
 

@@ -13,9 +13,25 @@
 //! 3. time launch → collect of a full batch, one at a time (median, p90, p99),
 //!    and the throughput with two batches in flight.
 //!
+//! Models with `batching = "packed"` are checked per token budget instead
+//! (largest first, as the worker captures them):
+//!
+//! 1. capture the packed graph (`Bucket::Packed { tokens, seqs }`);
+//! 2. replay it on several batches and compare every output row with the CPU
+//!    backend running the same packed program on the same rows (minimum
+//!    cosine; rows of empty sequences must be zero on both): `fill`, random
+//!    sequences of random lengths (mostly short, some up to the longest the
+//!    budget allows) filling the budget exactly; `one`, a single 16-token
+//!    sequence (a nearly empty budget); `many`, as many sequences as the
+//!    graph holds; `long+empty`, one sequence of the longest length and
+//!    empty sequences;
+//! 3. time launch → collect of `fill` batches (median, p90, p99) and the
+//!    throughput with two in flight, in real tokens/s and sequences/s.
+//!
 //! Then each model runs once on the eager path at a shape no bucket has
-//! (larger than the largest bucket where the model allows), also against the
-//! CPU. A table goes to stdout, everything to the JSON file. The command
+//! (larger than the largest bucket where the model allows; for a packed
+//! model, the packed program at a batch's exact token count), also against
+//! the CPU. A table goes to stdout, everything to the JSON file. The command
 //! fails (after writing the JSON) when any comparison fails.
 
 use std::path::PathBuf;
@@ -27,7 +43,8 @@ use serde::Serialize;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{CapturedGraph, CudaBackend, GraphMemory};
 use crate::backend::Backend;
-use crate::config::{Config, ModelConfig};
+use crate::bucket::{Bucket, Grid};
+use crate::config::{BatchingMode, Config, ModelConfig};
 use crate::gpu::DeviceInfo;
 use crate::model::ModelKind;
 use crate::model::{BatchRows, InputSpec, Model};
@@ -66,9 +83,17 @@ pub struct BackendCheckArgs {
     /// Only these seq buckets (comma-separated; default the config's).
     #[arg(long, value_delimiter = ',')]
     pub seqs: Vec<usize>,
+    /// Only these token budgets of packed models (comma-separated; default
+    /// the config's).
+    #[arg(long, value_delimiter = ',')]
+    pub budgets: Vec<usize>,
     /// Skip the eager-path check.
     #[arg(long)]
     pub no_eager: bool,
+    /// Packed buckets: also time every step of one `fill` batch (GPU time per
+    /// kernel and matmul, outside the graph) and print the attention's share.
+    #[arg(long)]
+    pub profile: bool,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0x5eed)]
     pub seed: u64,
@@ -132,10 +157,35 @@ pub struct Check {
     pub max_abs_err: f64,
 }
 
+/// One batch shape replayed in a packed graph and compared with the CPU.
+#[derive(Clone, Debug, Serialize)]
+pub struct PackedCase {
+    /// `fill`, `one`, `many` or `long+empty`.
+    pub name: &'static str,
+    pub seqs: usize,
+    /// Real tokens of the batch (all sequences).
+    pub tokens: usize,
+    pub check: Check,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct BucketResult {
+    /// `"8x16"` or, packed, `"1024t"`.
+    pub bucket: String,
+    /// Rows, or (packed) the most sequences.
     pub batch: usize,
+    /// Tokens per row, or (packed) the longest sequence.
     pub seq: usize,
+    /// Packed buckets: the token budget.
+    pub tokens: Option<usize>,
+    /// Packed buckets: the batches compared with the CPU (`check` is the worst).
+    pub cases: Vec<PackedCase>,
+    /// Packed buckets: real tokens and sequences per second with two batches
+    /// in flight (random `fill` batches).
+    pub throughput_tokens_per_s: f64,
+    pub throughput_seqs_per_s: f64,
+    /// With `--profile` (packed buckets): (step, mean GPU µs) of one `fill` batch.
+    pub profile: Vec<(String, f64)>,
     pub capture_ms: f64,
     pub graph_memory_bytes: u64,
     pub memory: GraphMemory,
@@ -432,8 +482,14 @@ fn check_bucket(
     (batch, seq): (usize, usize),
 ) -> (BucketResult, Option<CapturedGraph>) {
     let mut res = BucketResult {
+        bucket: Bucket::new(batch, seq).to_string(),
         batch,
         seq,
+        tokens: None,
+        cases: Vec::new(),
+        throughput_tokens_per_s: 0.0,
+        throughput_seqs_per_s: 0.0,
+        profile: Vec::new(),
         capture_ms: 0.0,
         graph_memory_bytes: 0,
         memory: GraphMemory::default(),
@@ -754,7 +810,12 @@ fn check_eager(
         error: None,
     };
     let rows = random_rows(model, batch, seq, &mut c.rng);
-    let program = model.program(batch, seq);
+    // Packed models run the packed program at the batch's exact token count.
+    let program = if mc.batching_mode() == BatchingMode::Packed {
+        model.eager_program(&rows, true)
+    } else {
+        model.program(batch, seq)
+    };
     if let Err(e) = program.validate(&model.weights) {
         res.error = Some(format!("eager: {e}"));
         return res;
@@ -772,8 +833,15 @@ fn check_eager(
             break;
         }
     }
+    let cpu = if program.is_packed() {
+        c.cpu
+            .run_eager(model, cw, &program, &rows)
+            .map_err(|e| anyhow!("CPU reference: {e}"))
+    } else {
+        cpu_reference(c.cpu, model, cw, &rows, program.seq)
+    };
     match out {
-        Ok(out) => match cpu_reference(c.cpu, model, cw, &rows, program.seq) {
+        Ok(out) => match cpu {
             Ok(cpu) => {
                 let th = threshold(mc.kind, mc.dtype, c.gpu.options().allow_tf32);
                 res.check = Some(compare(mc.kind, &out, &cpu, model.info.output_dim, th));
@@ -781,6 +849,407 @@ fn check_eager(
             Err(e) => res.error = Some(fmt_err(e)),
         },
         Err(e) => res.error = Some(format!("eager: {e}")),
+    }
+    res
+}
+
+/// The packed buckets of a model, largest first (as the worker captures them).
+fn packed_buckets(mc: &ModelConfig, args: &BackendCheckArgs) -> Vec<Bucket> {
+    Grid::for_model(mc)
+        .largest_first()
+        .into_iter()
+        .filter(|b| args.budgets.is_empty() || args.budgets.contains(&b.tokens()))
+        .collect()
+}
+
+/// A random token sequence of `len` ids (`[CLS]`/`[SEP]`-like ends when the
+/// vocabulary has them).
+fn random_ids(vocab: usize, len: usize, rng: &mut Rng) -> Vec<u32> {
+    let vocab = vocab.max(1);
+    let lo = if vocab > 2000 { 1000 } else { 0 };
+    let mut ids: Vec<u32> = (0..len).map(|_| rng.range(lo, vocab - 1) as u32).collect();
+    if vocab > 103 && len >= 2 {
+        ids[0] = 101;
+        ids[len - 1] = 102;
+    }
+    ids
+}
+
+/// The batch shapes a packed graph is checked on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PackedShape {
+    /// Random lengths filling the budget exactly (or up to its sequences):
+    /// three in four up to 64 tokens, the rest up to the longest allowed.
+    Fill,
+    /// One sequence of 16 tokens (fewer if the budget is smaller).
+    One,
+    /// As many sequences as the graph holds, equally long.
+    Many,
+    /// One sequence of the longest length, and empty sequences.
+    LongAndEmpty,
+}
+
+impl PackedShape {
+    fn name(self) -> &'static str {
+        match self {
+            PackedShape::Fill => "fill",
+            PackedShape::One => "one",
+            PackedShape::Many => "many",
+            PackedShape::LongAndEmpty => "long+empty",
+        }
+    }
+
+    /// Sequence lengths of this shape for a budget of `tokens` slots, at most
+    /// `seqs` sequences of at most `max_len` tokens.
+    fn lens(self, tokens: usize, seqs: usize, max_len: usize, rng: &mut Rng) -> Vec<usize> {
+        match self {
+            PackedShape::Fill => {
+                let mut lens = Vec::new();
+                let mut left = tokens;
+                while left > 0 && lens.len() < seqs {
+                    let hi = if rng.range(0, 3) < 3 {
+                        max_len.min(64)
+                    } else {
+                        max_len
+                    };
+                    let len = rng.range(1, hi.max(1)).min(left);
+                    lens.push(len);
+                    left -= len;
+                }
+                lens
+            }
+            PackedShape::One => vec![16.min(max_len)],
+            PackedShape::Many => vec![(tokens / seqs).clamp(1, max_len); seqs],
+            PackedShape::LongAndEmpty => {
+                let mut lens = vec![max_len];
+                lens.extend(std::iter::repeat_n(0, (seqs - 1).min(2)));
+                if seqs >= 4 {
+                    lens.insert(1, 0);
+                }
+                lens.truncate(seqs);
+                lens
+            }
+        }
+    }
+}
+
+fn packed_rows(model: &Model, lens: &[usize], rng: &mut Rng) -> BatchRows {
+    let vocab = match &model.info.input {
+        InputSpec::Tokens { vocab_size, .. } => *vocab_size,
+        InputSpec::Features { .. } => 1,
+    };
+    BatchRows::Tokens(lens.iter().map(|&l| random_ids(vocab, l, rng)).collect())
+}
+
+/// Captures one packed bucket, compares its batches with the CPU backend
+/// running the same packed program, and times it (see the module docs).
+fn check_packed_bucket(
+    c: &mut Ctx<'_>,
+    mc: &ModelConfig,
+    model: &Model,
+    gw: &<CudaBackend as Backend>::Weights,
+    cw: &<CpuBackend as Backend>::Weights,
+    bucket: Bucket,
+) -> (BucketResult, Option<CapturedGraph>) {
+    let Bucket::Packed { tokens, seqs } = bucket else {
+        unreachable!("a packed bucket")
+    };
+    let mut res = BucketResult {
+        bucket: bucket.to_string(),
+        batch: seqs,
+        seq: 0,
+        tokens: Some(tokens),
+        cases: Vec::new(),
+        throughput_tokens_per_s: 0.0,
+        throughput_seqs_per_s: 0.0,
+        profile: Vec::new(),
+        capture_ms: 0.0,
+        graph_memory_bytes: 0,
+        memory: GraphMemory::default(),
+        nodes: String::new(),
+        check: None,
+        latency: Latency::default(),
+        throughput_rows_per_s: 0.0,
+        error: None,
+    };
+    let program = match model.program_for(bucket) {
+        Ok(p) => p,
+        Err(e) => {
+            res.error = Some(format!("program: {e}"));
+            return (res, None);
+        }
+    };
+    let facts = match program.validate(&model.weights) {
+        Ok(f) => f,
+        Err(e) => {
+            res.error = Some(format!("capture: {e}"));
+            return (res, None);
+        }
+    };
+    let max_len = program.seq;
+    res.seq = max_len;
+    let t = Instant::now();
+    let mut graph = match c.gpu.capture(model, gw, &program) {
+        Ok(g) => g,
+        Err(e) => {
+            res.error = Some(format!("capture: {e}"));
+            return (res, None);
+        }
+    };
+    res.capture_ms = t.elapsed().as_secs_f64() * 1e3;
+    res.graph_memory_bytes = c.gpu.graph_memory_bytes(&graph);
+    res.memory = c.gpu.graph_memory(&graph);
+    res.nodes = graph.nodes.clone();
+
+    // Correctness: every row of each shape against the CPU's packed program.
+    let dim = model.info.output_dim;
+    let th = threshold(mc.kind, mc.dtype, c.gpu.options().allow_tf32);
+    for shape in [
+        PackedShape::Fill,
+        PackedShape::One,
+        PackedShape::Many,
+        PackedShape::LongAndEmpty,
+    ] {
+        let lens = shape.lens(tokens, seqs, max_len, &mut c.rng);
+        let rows = packed_rows(model, &lens, &mut c.rng);
+        if let Err(e) = facts.check_rows(&rows) {
+            res.error = Some(format!("{}: {e}", shape.name()));
+            return (res, Some(graph));
+        }
+        let gpu = c
+            .gpu
+            .launch(&mut graph, &rows)
+            .and_then(|p| c.gpu.collect(p));
+        let gpu = match gpu {
+            Ok(o) => o,
+            Err(e) => {
+                res.error = Some(format!("replay ({}): {e}", shape.name()));
+                return (res, Some(graph));
+            }
+        };
+        let cpu = match c.cpu.run_eager(model, cw, &program, &rows) {
+            Ok(o) => o,
+            Err(e) => {
+                res.error = Some(format!("CPU reference ({}): {e}", shape.name()));
+                return (res, Some(graph));
+            }
+        };
+        let check = compare(mc.kind, &gpu, &cpu, dim, th);
+        let worse = res
+            .check
+            .as_ref()
+            .is_none_or(|w| check.value < w.value || !check.pass);
+        if worse {
+            res.check = Some(check.clone());
+        }
+        res.cases.push(PackedCase {
+            name: shape.name(),
+            seqs: lens.len(),
+            tokens: lens.iter().sum(),
+            check,
+        });
+    }
+
+    // Latency and throughput on random fills.
+    let inputs: Vec<BatchRows> = (0..4)
+        .map(|_| {
+            let lens = PackedShape::Fill.lens(tokens, seqs, max_len, &mut c.rng);
+            packed_rows(model, &lens, &mut c.rng)
+        })
+        .collect();
+    let mut samples = Vec::with_capacity(c.args.iters);
+    for i in 0..c.args.warmup + c.args.iters {
+        let t = Instant::now();
+        let r = c
+            .gpu
+            .launch(&mut graph, &inputs[i % inputs.len()])
+            .and_then(|p| c.gpu.collect(p));
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        if let Err(e) = r {
+            res.error = Some(format!("timed replay: {e}"));
+            return (res, Some(graph));
+        }
+        if i >= c.args.warmup {
+            samples.push(us);
+        }
+    }
+    res.latency = Latency::from_samples(samples);
+    let n = c.args.iters.max(2);
+    let (mut real_tokens, mut real_seqs) = (0usize, 0usize);
+    let t = Instant::now();
+    let mut pending = std::collections::VecDeque::new();
+    for i in 0..n {
+        let rows = &inputs[i % inputs.len()];
+        real_tokens += rows.tokens();
+        real_seqs += rows.rows();
+        match c.gpu.launch(&mut graph, rows) {
+            Ok(p) => pending.push_back(p),
+            Err(e) => {
+                res.error = Some(format!("pipelined replay: {e}"));
+                return (res, Some(graph));
+            }
+        }
+        while pending.len() >= 2 || (i + 1 == n && !pending.is_empty()) {
+            let Some(p) = pending.pop_front() else { break };
+            if let Err(e) = c.gpu.collect(p) {
+                res.error = Some(format!("pipelined replay: {e}"));
+                return (res, Some(graph));
+            }
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    if c.args.profile {
+        match c
+            .gpu
+            .profile_program_on(&model.weights, gw, &program, Some(&inputs[0]), 20)
+        {
+            Ok(p) => {
+                let total: f64 = p.iter().map(|(_, us)| us).sum();
+                let attention: f64 = p
+                    .iter()
+                    .filter(|(n, _)| n.starts_with("attention"))
+                    .map(|(_, us)| us)
+                    .sum();
+                println!(
+                    "    profile {}: {total:.1} µs of GPU time per batch, attention {attention:.1} µs ({} tokens, {} seqs)",
+                    res.bucket,
+                    inputs[0].tokens(),
+                    inputs[0].rows()
+                );
+                res.profile = p;
+            }
+            Err(e) => {
+                res.error = Some(format!("profile: {e}"));
+                return (res, Some(graph));
+            }
+        }
+    }
+    res.throughput_rows_per_s = real_seqs as f64 / secs;
+    res.throughput_seqs_per_s = real_seqs as f64 / secs;
+    res.throughput_tokens_per_s = real_tokens as f64 / secs;
+    (res, Some(graph))
+}
+
+/// Groups sequences of lengths `lens`, in order, into batches for packed
+/// graphs of the given (bucket, longest sequence) shapes, as a packed
+/// batcher does: each batch takes as many of the next sequences as the
+/// largest graph holds, and runs in the smallest graph that holds it
+/// (`Some(index into shapes)`); a sequence no graph holds runs alone on the
+/// eager path (`None`).
+fn packed_batches(
+    lens: &[usize],
+    shapes: &[(Bucket, usize)],
+) -> Vec<(std::ops::Range<usize>, Option<usize>)> {
+    let pick = |tokens: usize, n: usize, longest: usize| {
+        shapes
+            .iter()
+            .enumerate()
+            .filter(|(_, (b, ml))| b.tokens() >= tokens && b.rows() >= n && *ml >= longest)
+            .min_by_key(|(_, (b, _))| b.tokens())
+            .map(|(i, _)| i)
+    };
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lens.len() {
+        let (mut j, mut tokens, mut longest) = (i, 0, 0);
+        while j < lens.len() && pick(tokens + lens[j], j + 1 - i, longest.max(lens[j])).is_some() {
+            tokens += lens[j];
+            longest = longest.max(lens[j]);
+            j += 1;
+        }
+        if j == i {
+            out.push((i..i + 1, None));
+            i += 1;
+        } else {
+            out.push((i..j, pick(tokens, j - i, longest)));
+            i = j;
+        }
+    }
+    out
+}
+
+/// The reference texts through a packed model's graphs, batched as the
+/// daemon does: texts in file order into the smallest budget that holds
+/// them (eager when a text is longer than every budget allows).
+fn check_reference_packed(
+    c: &mut Ctx<'_>,
+    mc: &ModelConfig,
+    model: &Model,
+    gw: &<CudaBackend as Backend>::Weights,
+    graphs: &mut [(Bucket, CapturedGraph)],
+    path: &std::path::Path,
+) -> ReferenceResult {
+    let mut res = ReferenceResult {
+        path: path.to_path_buf(),
+        items: 0,
+        eager_items: 0,
+        check: None,
+        mean_cosine: None,
+        error: None,
+    };
+    let items = match read_reference(path) {
+        Ok(i) => i,
+        Err(e) => {
+            res.error = Some(e.to_string());
+            return res;
+        }
+    };
+    let dim = model.info.output_dim;
+    let th = threshold(mc.kind, mc.dtype, c.gpu.options().allow_tf32);
+    let texts: Vec<(Vec<u32>, Vec<f32>)> = items
+        .into_iter()
+        .filter_map(|it| match it {
+            RefItem::Tokens(ids, emb) if emb.len() == dim => Some((ids, emb)),
+            _ => None,
+        })
+        .collect();
+    let max_len_of = |b: Bucket| match model.program_for(b) {
+        Ok(p) => p.seq,
+        Err(_) => 0,
+    };
+    let shapes: Vec<(Bucket, usize)> = graphs.iter().map(|(b, _)| (*b, max_len_of(*b))).collect();
+    let lens: Vec<usize> = texts.iter().map(|t| t.0.len()).collect();
+    let batches = packed_batches(&lens, &shapes);
+    let mut gpu_all: Vec<f32> = Vec::new();
+    let mut ref_all: Vec<f32> = Vec::new();
+    let result: anyhow::Result<()> = (|| {
+        for (range, graph) in batches {
+            let rows =
+                BatchRows::Tokens(texts[range.clone()].iter().map(|t| t.0.clone()).collect());
+            let values = match graph {
+                Some(g) => {
+                    let graph = &mut graphs[g].1;
+                    c.gpu.launch(graph, &rows).and_then(|p| c.gpu.collect(p))
+                }
+                None => {
+                    res.eager_items += rows.rows();
+                    let program = model.eager_program(&rows, true);
+                    c.gpu.run_eager(model, gw, &program, &rows)
+                }
+            }
+            .map_err(|e| anyhow!("{e}"))?;
+            gpu_all.extend_from_slice(&values);
+            for t in &texts[range] {
+                ref_all.extend_from_slice(&t.1);
+            }
+        }
+        res.items = texts.len();
+        Ok(())
+    })();
+    match result {
+        Ok(()) => {
+            let check = compare(mc.kind, &gpu_all, &ref_all, dim, th);
+            if res.items > 0 {
+                let sum: f64 = gpu_all
+                    .chunks(dim)
+                    .zip(ref_all.chunks(dim))
+                    .map(|(g, r)| compare(mc.kind, g, r, dim, th).value)
+                    .sum();
+                res.mean_cosine = Some(sum / res.items as f64);
+            }
+            res.check = Some(check);
+        }
+        Err(e) => res.error = Some(e.to_string()),
     }
     res
 }
@@ -803,12 +1272,19 @@ fn print_row(model: &str, dtype: DType, b: &BucketResult) {
         ),
         None => "-".into(),
     };
+    let packed = if b.tokens.is_some() {
+        format!(
+            "  ({} seqs max; {:.0} tokens/s, {:.0} seqs/s)",
+            b.batch, b.throughput_tokens_per_s, b.throughput_seqs_per_s
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "{:<14} {:<5} {:>4}x{:<4} {:>9.1} {:>9.2} {:>6} {:<22} {:>9.1} {:>9.1} {:>9.1} {:>12.0}{}",
+        "{:<14} {:<5} {:>9} {:>9.1} {:>9.2} {:>6} {:<22} {:>9.1} {:>9.1} {:>9.1} {:>12.0}{packed}{}",
         model,
         dtype.as_str(),
-        b.batch,
-        b.seq,
+        b.bucket,
         b.capture_ms,
         b.graph_memory_bytes as f64 / (1 << 20) as f64,
         b.nodes.split(' ').next().unwrap_or(""),
@@ -894,19 +1370,38 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
             reference: None,
         };
         let mut graphs: Vec<((usize, usize), CapturedGraph)> = Vec::new();
-        for shape in buckets(mc, &args) {
-            let (b, graph) = check_bucket(&mut ctx, mc, &model, &gw, &cw, shape);
-            if let Some(g) = graph {
-                graphs.push((shape, g));
-            }
+        let mut packed_graphs: Vec<(Bucket, CapturedGraph)> = Vec::new();
+        let shapes: Vec<Bucket> = match mc.batching_mode() {
+            BatchingMode::Padded => buckets(mc, &args)
+                .into_iter()
+                .map(|(b, s)| Bucket::new(b, s))
+                .collect(),
+            BatchingMode::Packed => packed_buckets(mc, &args),
+        };
+        for bucket in shapes {
+            let b = match bucket {
+                Bucket::Padded { batch, seq } => {
+                    let (b, graph) = check_bucket(&mut ctx, mc, &model, &gw, &cw, (batch, seq));
+                    if let Some(g) = graph {
+                        graphs.push(((batch, seq), g));
+                    }
+                    b
+                }
+                Bucket::Packed { .. } => {
+                    let (b, graph) = check_packed_bucket(&mut ctx, mc, &model, &gw, &cw, bucket);
+                    if let Some(g) = graph {
+                        packed_graphs.push((bucket, g));
+                    }
+                    b
+                }
+            };
             print_row(&mc.name, mc.dtype, &b);
             if let Some(e) = &b.error {
-                ctx.failures
-                    .push(format!("{} {}x{}: {e}", mc.name, b.batch, b.seq));
+                ctx.failures.push(format!("{} {}: {e}", mc.name, b.bucket));
             } else if let Some(c) = b.check.as_ref().filter(|c| !c.pass) {
                 ctx.failures.push(format!(
-                    "{} {}x{}: {} {} beyond {}",
-                    mc.name, b.batch, b.seq, c.metric, c.value, c.threshold
+                    "{} {}: {} {} beyond {}",
+                    mc.name, b.bucket, c.metric, c.value, c.threshold
                 ));
             }
             let fatal = ctx.gpu.fault().is_some();
@@ -944,7 +1439,11 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
         }
         if let Some((_, path)) = args.references.iter().find(|(n, _)| *n == mc.name) {
             if ctx.gpu.fault().is_none() {
-                let r = check_reference(&mut ctx, mc, &model, &gw, &mut graphs, path);
+                let r = if mc.batching_mode() == BatchingMode::Packed {
+                    check_reference_packed(&mut ctx, mc, &model, &gw, &mut packed_graphs, path)
+                } else {
+                    check_reference(&mut ctx, mc, &model, &gw, &mut graphs, path)
+                };
                 println!(
                     "{:<14} reference {} ({} items, {} eager): {}",
                     mc.name,
@@ -977,8 +1476,10 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
         if ctx.gpu.fault().is_some() {
             // Never drop graphs of a poisoned device.
             std::mem::forget(graphs);
+            std::mem::forget(packed_graphs);
         } else {
             drop(graphs);
+            drop(packed_graphs);
         }
         models.push(mr);
         if ctx.gpu.fault().is_some() {
@@ -1103,7 +1604,9 @@ mod tests {
             models: vec![],
             batches: vec![],
             seqs: vec![],
+            budgets: vec![],
             no_eager: false,
+            profile: false,
             seed: 1,
             references: vec![],
         };
@@ -1120,5 +1623,91 @@ mod tests {
         assert_eq!(buckets(&c.models[0], &args), vec![(8, 16), (1, 16)]);
         assert!(threshold(ModelKind::Mlp, DType::F32, false) <= 1e-5);
         assert!(threshold(ModelKind::Bert, DType::F16, false) >= 0.999);
+        // Packed models: their budgets, largest first, filtered.
+        let c = Config::parse(
+            "[[models]]\nname = \"m\"\nkind = \"bert\"\npath = \"x\"\nbatching = \"packed\"\ntoken_budgets = [64, 512, 4096]\nmax_seqs_per_batch = 100\n",
+        )
+        .unwrap();
+        args.seqs = vec![];
+        assert_eq!(
+            packed_buckets(&c.models[0], &args),
+            vec![
+                Bucket::packed(4096, 100),
+                Bucket::packed(512, 100),
+                Bucket::packed(64, 64)
+            ]
+        );
+        args.budgets = vec![64];
+        assert_eq!(
+            packed_buckets(&c.models[0], &args),
+            vec![Bucket::packed(64, 64)]
+        );
+    }
+
+    #[test]
+    fn reference_texts_are_batched_into_the_smallest_holding_graph() {
+        let shapes = [(Bucket::packed(256, 4), 256), (Bucket::packed(64, 64), 64)];
+        let lens = [10, 20, 30, 300, 5, 100, 100, 60, 1, 1, 1, 1, 1];
+        let b = packed_batches(&lens, &shapes);
+        assert_eq!(
+            b,
+            vec![
+                (0..3, Some(1)),   // 60 tokens: the 64-token graph
+                (3..4, None),      // longer than any graph allows: eager
+                (4..7, Some(0)),   // 205 tokens; with the 60 it would be 265
+                (7..12, Some(1)),  // 64 tokens exactly
+                (12..13, Some(1)), // the rest
+            ]
+        );
+        // Every text in exactly one batch, in order; every graph batch fits.
+        let mut next = 0;
+        for (r, g) in &b {
+            assert_eq!(r.start, next);
+            next = r.end;
+            if let Some(g) = g {
+                let (bucket, max_len) = shapes[*g];
+                let l = &lens[r.clone()];
+                assert!(l.iter().sum::<usize>() <= bucket.tokens() && l.len() <= bucket.rows());
+                assert!(l.iter().all(|&x| x <= max_len));
+            }
+        }
+        assert_eq!(next, lens.len());
+        assert!(packed_batches(&[], &shapes).is_empty());
+    }
+
+    /// The packed check's batches fit the bucket they are made for.
+    #[test]
+    fn packed_shapes_fit_their_budget() {
+        let mut rng = Rng::new(3);
+        for (tokens, seqs, max_len) in [
+            (64, 64, 64),
+            (1024, 256, 256),
+            (16384, 256, 256),
+            (16, 4, 16),
+        ] {
+            for shape in [
+                PackedShape::Fill,
+                PackedShape::One,
+                PackedShape::Many,
+                PackedShape::LongAndEmpty,
+            ] {
+                for _ in 0..50 {
+                    let lens = shape.lens(tokens, seqs, max_len, &mut rng);
+                    let total: usize = lens.iter().sum();
+                    assert!(!lens.is_empty() && lens.len() <= seqs, "{shape:?} {lens:?}");
+                    assert!(total <= tokens && lens.iter().all(|&l| l <= max_len));
+                    match shape {
+                        // Filled exactly unless the sequences ran out first.
+                        PackedShape::Fill => assert!(total == tokens || lens.len() == seqs),
+                        PackedShape::Many => assert_eq!(lens.len(), seqs),
+                        PackedShape::LongAndEmpty => {
+                            assert_eq!(lens[0], max_len);
+                            assert!(seqs < 2 || lens[1..].iter().all(|&l| l == 0));
+                        }
+                        PackedShape::One => assert_eq!(lens, vec![16.min(max_len)]),
+                    }
+                }
+            }
+        }
     }
 }

@@ -7,11 +7,11 @@
 //! host prepares the next batch. At most [`MAX_PIPELINE`] are in flight.
 
 use super::graph_cache::GraphCache;
-use super::link::{self, FaultKind, FromWorker, RowsLayout, ToWorker, WorkerError};
+use super::link::{self, FaultKind, FromWorker, ToWorker, WorkerError};
 use super::{WorkerArgs, WorkerBackend};
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, BackendError};
-use crate::bucket::BucketGrid;
+use crate::bucket::Grid;
 use crate::config::{Config, DevicesConfig};
 use crate::model::Model;
 use bytes::Bytes;
@@ -140,7 +140,7 @@ fn serve<B: Backend>(
                 startup_code(&e),
             ),
         };
-        models.push((model, weights, BucketGrid::for_model(model_config)));
+        models.push((model, weights, Grid::for_model(model_config)));
     }
     let mut cache: GraphCache<B> = GraphCache::new();
     let mut graphs = Vec::new();
@@ -210,7 +210,7 @@ fn serve<B: Backend>(
                         None,
                     )
                 };
-                let Some((m, weights, _)) = models.get(model) else {
+                let Some((m, weights, grid)) = models.get(model) else {
                     fail(WorkerError::InvalidBatch(format!("no model {model}")));
                     continue;
                 };
@@ -256,11 +256,10 @@ fn serve<B: Backend>(
                     }
                     None => {
                         let t0 = Instant::now();
-                        let seq = match layout {
-                            RowsLayout::Features { .. } => 1,
-                            RowsLayout::Tokens { .. } => rows.max_len(),
-                        };
-                        let program = m.program(n, seq);
+                        // At the batch's exact shape: for a packed model a
+                        // packed program of exactly its tokens.
+                        let packed = matches!(grid, Grid::Packed(_));
+                        let program = m.eager_program(&rows, packed);
                         let checked = program
                             .validate(&m.weights)
                             .map_err(|e| WorkerError::Unsupported(e.to_string()))
@@ -377,5 +376,223 @@ fn report_error(outbox: &Outbox, batch: u64, attempt: u32, error: BackendError) 
     );
     if error.is_fatal() {
         outbox.die(error.to_string(), link::EXIT_DEVICE_FAULT);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::Bucket;
+    use crate::model::BatchRows;
+    use std::path::PathBuf;
+
+    struct Worker {
+        to: std::sync::mpsc::Sender<Command>,
+        from: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
+        thread: std::thread::JoinHandle<()>,
+    }
+
+    impl Worker {
+        /// A CPU worker serving all-MiniLM-L6-v2 with the config's `extra` keys.
+        fn start(extra: &str) -> Worker {
+            let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2");
+            let config = Config::parse(&format!(
+                "[[models]]\nname = \"minilm\"\nkind = \"bert\"\npath = \"{}\"\n{extra}\n",
+                dir.display()
+            ))
+            .unwrap();
+            let args = WorkerArgs {
+                config: PathBuf::from("unused.toml"),
+                endpoint: String::new(),
+                backend: WorkerBackend::Cpu,
+                ordinal: 0,
+                threads: 2,
+                eager: false,
+                heartbeat_ms: 100,
+            };
+            let (to, rx) = std::sync::mpsc::channel();
+            let (tx, from) = tokio::sync::mpsc::unbounded_channel();
+            let thread = std::thread::spawn(move || {
+                let backend = crate::backend::cpu::CpuBackend::new(0, args.threads);
+                serve(backend, &args, &config, &rx, &Outbox { tx })
+            });
+            Worker { to, from, thread }
+        }
+
+        fn send(&self, frames: Vec<Bytes>) {
+            let (msg, data) = link::decode::<ToWorker>(&frames).unwrap();
+            let data = data.to_vec();
+            self.to.send(Command { msg, data }).unwrap();
+        }
+
+        /// The next message other than a heartbeat.
+        fn recv(&mut self) -> (FromWorker, Vec<Bytes>) {
+            loop {
+                match self.from.blocking_recv() {
+                    Some(Outgoing::Message(frames)) => {
+                        let (msg, data) = link::decode::<FromWorker>(&frames).unwrap();
+                        if msg != FromWorker::Heartbeat {
+                            return (msg, data.to_vec());
+                        }
+                    }
+                    Some(Outgoing::Exit(code)) => panic!("worker exited with {code}"),
+                    None => panic!("worker gone"),
+                }
+            }
+        }
+
+        /// Runs `rows` in `bucket` (None: eager); the output values, or the error.
+        fn run(
+            &mut self,
+            batch: u64,
+            bucket: Option<Bucket>,
+            rows: &BatchRows,
+        ) -> Result<(Vec<f32>, bool), WorkerError> {
+            self.send(link::encode_run(batch, 0, 0, bucket, [rows]));
+            match self.recv() {
+                (
+                    FromWorker::Done {
+                        batch: b,
+                        rows: n,
+                        output_dim,
+                        replayed,
+                        ..
+                    },
+                    data,
+                ) => {
+                    assert_eq!((b, n, output_dim), (batch, rows.rows(), 384));
+                    let values: Vec<f32> = data[0]
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect();
+                    assert_eq!(values.len(), n * 384);
+                    Ok((values, replayed))
+                }
+                (
+                    FromWorker::Failed {
+                        batch: b, error, ..
+                    },
+                    _,
+                ) => {
+                    assert_eq!(b, batch);
+                    Err(error)
+                }
+                (other, _) => panic!("unexpected {other:?}"),
+            }
+        }
+
+        fn stop(mut self) {
+            self.send(link::encode(&ToWorker::Shutdown, []));
+            loop {
+                match self.from.blocking_recv() {
+                    Some(Outgoing::Exit(code)) => {
+                        assert_eq!(code, 0);
+                        break;
+                    }
+                    Some(Outgoing::Message(_)) => continue, // heartbeats
+                    None => panic!("worker gone without exiting"),
+                }
+            }
+            self.thread.join().unwrap();
+        }
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// A packed model's worker captures its token budgets, runs packed
+    /// batches in them (one output row per sequence, in order) and eager
+    /// batches as packed programs of their exact size, and refuses batches
+    /// that do not fit the bucket they were sent to.
+    #[test]
+    fn a_packed_worker_serves_packed_buckets_and_packed_eager_runs() {
+        let mut w = Worker::start(
+            "batching = \"packed\"\ntoken_budgets = [32, 128]\nmax_seqs_per_batch = 6",
+        );
+        let graphs = match w.recv() {
+            (FromWorker::Ready { graphs, .. }, _) => graphs,
+            (other, _) => panic!("not ready: {other:?}"),
+        };
+        let buckets: Vec<Bucket> = graphs.iter().map(|g| g.bucket).collect();
+        assert_eq!(buckets, vec![Bucket::packed(128, 6), Bucket::packed(32, 6)]);
+        let texts = BatchRows::Tokens(vec![
+            vec![101, 7592, 2088, 102],
+            vec![],
+            vec![101, 2023, 2003, 1037, 3231, 1012, 102],
+            vec![101, 102],
+        ]);
+        let (small, replayed) = w.run(1, Some(Bucket::packed(32, 6)), &texts).unwrap();
+        assert!(replayed);
+        assert!(small[384..768].iter().all(|&v| v == 0.0), "empty sequence");
+        let (large, _) = w.run(2, Some(Bucket::packed(128, 6)), &texts).unwrap();
+        assert!(max_diff(&small, &large) < 1e-5);
+        // Eager: the packed program at the batch's exact shape.
+        let (eager, replayed) = w.run(3, None, &texts).unwrap();
+        assert!(!replayed);
+        assert!(max_diff(&eager, &small) < 1e-5);
+        // Each sequence alone gives its row of the batch.
+        for i in [0usize, 2, 3] {
+            let alone = BatchRows::Tokens(vec![texts_of(&texts)[i].clone()]);
+            let (one, _) = w
+                .run(10 + i as u64, Some(Bucket::packed(32, 6)), &alone)
+                .unwrap();
+            assert!(
+                max_diff(&one, &small[i * 384..(i + 1) * 384]) < 1e-5,
+                "row {i}"
+            );
+        }
+        // Too many tokens or sequences for the bucket; a bucket never captured.
+        let long = BatchRows::Tokens(vec![vec![101; 20], vec![101; 13]]);
+        let err = w.run(20, Some(Bucket::packed(32, 6)), &long).unwrap_err();
+        assert!(
+            matches!(&err, WorkerError::InvalidBatch(m) if m.contains("budget of 32")),
+            "{err:?}"
+        );
+        let many = BatchRows::Tokens(vec![vec![101, 102]; 7]);
+        assert!(matches!(
+            w.run(21, Some(Bucket::packed(128, 6)), &many),
+            Err(WorkerError::InvalidBatch(_))
+        ));
+        let err = w.run(22, Some(Bucket::new(1, 16)), &texts).unwrap_err();
+        assert!(
+            matches!(&err, WorkerError::InvalidBatch(m) if m.contains("no graph")),
+            "{err:?}"
+        );
+        // The larger batch still runs eagerly.
+        let (e2, _) = w.run(23, None, &long).unwrap();
+        assert_eq!(e2.len(), 2 * 384);
+        w.stop();
+    }
+
+    fn texts_of(rows: &BatchRows) -> &[Vec<u32>] {
+        match rows {
+            BatchRows::Tokens(t) => t,
+            BatchRows::Features { .. } => unreachable!(),
+        }
+    }
+
+    /// A padded model's worker (the default batching) still captures its
+    /// (batch, seq) grid from the same `Grid`, and its eager runs agree with
+    /// its graphs.
+    #[test]
+    fn a_padded_worker_serves_its_grid_and_eager_runs() {
+        let mut w = Worker::start("batching = \"padded\"\nbatch_buckets = [2]\nseq_buckets = [16]");
+        let graphs = match w.recv() {
+            (FromWorker::Ready { graphs, .. }, _) => graphs,
+            (other, _) => panic!("not ready: {other:?}"),
+        };
+        assert_eq!(graphs.len(), 1);
+        assert_eq!(graphs[0].bucket, Bucket::new(2, 16));
+        let texts = BatchRows::Tokens(vec![vec![101, 7592, 102], vec![101, 2088, 2088, 102]]);
+        let (graph, _) = w.run(1, Some(Bucket::new(2, 16)), &texts).unwrap();
+        let (eager, replayed) = w.run(2, None, &texts).unwrap();
+        assert!(!replayed);
+        assert!(max_diff(&graph, &eager) < 1e-5);
+        w.stop();
     }
 }

@@ -1,6 +1,9 @@
 //! The graph cache: one captured graph per (model, bucket), owned by the
 //! worker's backend thread.
 //!
+//! A model's buckets are padded (batch, seq) rectangles or packed token
+//! budgets ([`Grid`]); a packed bucket's graph holds up to `seqs` sequences
+//! end to end in `tokens` slots and returns one row per sequence.
 //! Graphs are captured at start-up, largest bucket first (so the first
 //! capture sizes any memory pool the backend shares between graphs), and
 //! looked up by exact bucket: a batch never runs on a graph of another shape.
@@ -13,7 +16,7 @@
 
 use super::link::GraphReport;
 use crate::backend::{Backend, BackendError};
-use crate::bucket::{Bucket, BucketGrid};
+use crate::bucket::{Bucket, Grid};
 use crate::model::{Model, ProgramFacts};
 use std::collections::HashMap;
 use std::time::Instant;
@@ -44,14 +47,15 @@ impl<B: Backend> GraphCache<B> {
         Self::default()
     }
 
-    /// Captures every bucket of `grid` for model `index`, largest first.
+    /// Captures every bucket of `grid` (padded or packed) for model
+    /// `index`, largest first.
     pub fn capture_model(
         &mut self,
         backend: &mut B,
         index: usize,
         model: &Model,
         weights: &B::Weights,
-        grid: &BucketGrid,
+        grid: &Grid,
     ) -> Result<Vec<GraphReport>, BackendError> {
         let mut reports = Vec::new();
         for bucket in grid.largest_first() {

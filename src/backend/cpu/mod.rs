@@ -18,8 +18,13 @@
 //!   the memory really held (the CUDA backend's rule).
 //! * By default a replay computes only the batch's real rows and its longest
 //!   sequence inside those buffers (padding costs real work on a CPU, and
-//!   skipping it cannot change a real row's result);
-//!   [`CpuBackend::set_trim_padding`] turns that off.
+//!   skipping it cannot change a real row's result); for a packed program
+//!   (see [`crate::model::program`]), only its real tokens (the tail of the
+//!   budget is skipped) and its real sequences. [`CpuBackend::set_trim_padding`]
+//!   turns that off.
+//! * Packed programs run the same way: their attention per (sequence, head)
+//!   over the sequence's own keys, their pooling per sequence; the output
+//!   has one row per sequence of the batch.
 //! * Matrix products go through the `gemm` crate with
 //!   `Parallelism::Rayon(threads)`; every op runs inside this backend's own
 //!   rayon pool of `threads` threads (never the global pool), which gemm and

@@ -190,6 +190,36 @@ pub(crate) fn embed_layer_norm(
     });
 }
 
+/// Packed programs: `out[t] = LayerNorm(word[ids[t]] + position[positions[t]]
+/// + token_type[types[t]])` for every slot `t < ids.len()`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn packed_embed_layer_norm(
+    threads: usize,
+    ids: &[i32],
+    types: &[i32],
+    positions: &[i32],
+    word: &[f32],
+    position: &[f32],
+    token_type: &[f32],
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+    out: &mut [f32],
+    hidden: usize,
+) {
+    let rows = ids.len();
+    for_rows(&mut out[..rows * hidden], hidden, threads, |r, row| {
+        let (id, t, p) = (ids[r] as usize, types[r] as usize, positions[r] as usize);
+        let w = &word[id * hidden..(id + 1) * hidden];
+        let pe = &position[p * hidden..(p + 1) * hidden];
+        let te = &token_type[t * hidden..(t + 1) * hidden];
+        for (((o, &a), &b), &c) in row.iter_mut().zip(w).zip(pe).zip(te) {
+            *o = a + b + c;
+        }
+        layer_norm_row(row, gamma, beta, eps);
+    });
+}
+
 /// `res_out = LayerNorm(x + res_out)` (the residual is updated in place).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn add_layer_norm_in_place(
@@ -341,6 +371,144 @@ pub(crate) fn attention(
     }
 }
 
+/// Packed programs: variable-length self-attention over a fused
+/// `[q | k | v]` projection; see
+/// [`crate::model::program::Op::PackedAttention`].
+///
+/// One task per (sequence, head), as [`attention`] does for a padded row:
+/// `S = Q·Kᵀ/√d` by gemm over the sequence's own `len × len` scores (in a
+/// per-worker scratch of `max_len²` floats), softmax per query row, then
+/// `O = P·V` by gemm into the head's columns of `out`. Empty sequences cost
+/// nothing; the first `tokens` slots not covered by a sequence (the tail)
+/// are zeroed. `offsets` (`seqs + 1` values) must be non-decreasing, start
+/// at 0 and end at most at `tokens`, with no sequence longer than `max_len`
+/// (what packing a checked batch gives).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn packed_attention(
+    qkv: &[f32],
+    offsets: &[i32],
+    out: &mut [f32],
+    scratch: &mut [f32],
+    tokens: usize,
+    max_len: usize,
+    heads: usize,
+    head_dim: usize,
+) {
+    let h = heads * head_dim;
+    let stride = 3 * h;
+    let seqs = offsets.len() - 1;
+    let end = offsets[seqs] as usize;
+    assert!(
+        offsets[0] == 0
+            && offsets
+                .windows(2)
+                .all(|w| w[0] <= w[1] && (w[1] - w[0]) as usize <= max_len)
+            && end <= tokens,
+        "packed offsets are checked when the batch is packed"
+    );
+    assert!(qkv.len() >= tokens * stride && out.len() >= tokens * h);
+    assert!(scratch.len() >= max_len * max_len && max_len > 0);
+    out[end * h..tokens * h].fill(0.0);
+    let tasks = seqs * heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let shared = SharedOut(out.as_mut_ptr());
+    let run = |task: usize, s: &mut [f32]| {
+        let (seq, head) = (task / heads, task % heads);
+        let start = offsets[seq] as usize;
+        let len = offsets[seq + 1] as usize - start;
+        if len == 0 {
+            return;
+        }
+        // SAFETY: this task's block of `out` is rows start .. start + len,
+        // columns head·head_dim .. (head+1)·head_dim (row stride h): in
+        // bounds (start + len ≤ end ≤ tokens) and disjoint from every other
+        // task's (sequences do not overlap).
+        let o = unsafe { shared.ptr().add(start * h + head * head_dim) };
+        let base = start * stride + head * head_dim;
+        let q = qkv[base..].as_ptr();
+        let k = qkv[base + h..].as_ptr();
+        let v = qkv[base + 2 * h..].as_ptr();
+        let s = &mut s[..len * len];
+        // SAFETY (both products): Q is len×head_dim at q + i·stride + d, Kᵀ
+        // is head_dim×len at k + j·stride + d, V is len×head_dim at
+        // v + j·stride + d; every offset is below (start+len)·stride − base,
+        // in `qkv`. S is len×len in `s`; O is this task's block of `out`.
+        unsafe {
+            gemm::gemm(
+                len,
+                len,
+                head_dim,
+                s.as_mut_ptr(),
+                1,
+                len as isize,
+                false,
+                q,
+                1,
+                stride as isize,
+                k,
+                stride as isize,
+                1,
+                0.0,
+                scale,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            );
+        }
+        for row in s.chunks_exact_mut(len) {
+            softmax(row);
+        }
+        unsafe {
+            gemm::gemm(
+                len,
+                head_dim,
+                len,
+                o,
+                1,
+                h as isize,
+                false,
+                s.as_ptr(),
+                1,
+                len as isize,
+                v,
+                1,
+                stride as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                Parallelism::None,
+            );
+        }
+    };
+    let chunk = max_len * max_len;
+    let workers = (scratch.len() / chunk).clamp(1, tasks.max(1));
+    if workers == 1 {
+        let s = &mut scratch[..chunk];
+        (0..tasks).for_each(|t| run(t, s));
+    } else {
+        scratch[..workers * chunk]
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(w, s)| (w..tasks).step_by(workers).for_each(|t| run(t, s)));
+    }
+}
+
+/// Softmax of a non-empty row (max subtracted).
+#[inline]
+fn softmax(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut total = 0.0f32;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        total += *v;
+    }
+    let inv = 1.0 / total;
+    row.iter_mut().for_each(|v| *v *= inv);
+}
+
 /// Softmax over the keys whose mask is non-zero (others get 0); at least one
 /// key is unmasked (the caller ends the row at the last unmasked key).
 #[inline]
@@ -398,6 +566,50 @@ pub(crate) fn pool(
                 }
                 if !any {
                     o.fill(0.0);
+                }
+            }
+        }
+        if normalize {
+            let norm = o.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+            o.iter_mut().for_each(|v| *v /= norm);
+        }
+    }
+}
+
+/// Packed programs: per-sequence pooling `[tokens, hidden]` → `[seqs,
+/// hidden]` over `offsets` (`seqs + 1` values), then optional L2
+/// normalisation. Mean divides by the sequence's length; an empty sequence
+/// gives zeros in every mode.
+pub(crate) fn packed_pool(
+    x: &[f32],
+    offsets: &[i32],
+    out: &mut [f32],
+    hidden: usize,
+    mode: Pooling,
+    normalize: bool,
+) {
+    let seqs = offsets.len() - 1;
+    for (s, o) in out[..seqs * hidden].chunks_exact_mut(hidden).enumerate() {
+        let (start, end) = (offsets[s] as usize, offsets[s + 1] as usize);
+        let token = |t: usize| &x[t * hidden..(t + 1) * hidden];
+        if end <= start {
+            o.fill(0.0);
+            continue;
+        }
+        match mode {
+            Pooling::Mean => {
+                o.fill(0.0);
+                for t in start..end {
+                    o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a += v);
+                }
+                let denom = (end - start) as f32;
+                o.iter_mut().for_each(|a| *a /= denom);
+            }
+            Pooling::Cls => o.copy_from_slice(token(start)),
+            Pooling::Max => {
+                o.copy_from_slice(token(start));
+                for t in start + 1..end {
+                    o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a = a.max(v));
                 }
             }
         }
@@ -522,5 +734,58 @@ mod tests {
         assert_eq!(out[..2], [1.0 / n, 2.0 / n]);
         pool(&x, &[0, 0, 0, 0], &mut out, 2, 2, 2, Pooling::Mean, true);
         assert_eq!(out, [0.0; 4]);
+    }
+
+    /// Packed attention equals the padded kernel run on each sequence alone
+    /// (a batch of one unmasked row), and zeroes the tail.
+    #[test]
+    fn packed_attention_matches_padded_rows() {
+        let (heads, d) = (2, 4);
+        let h = heads * d;
+        let lens = [3usize, 0, 7, 1, 5];
+        let offsets: Vec<i32> = std::iter::once(0)
+            .chain(lens.iter().scan(0, |acc, &l| {
+                *acc += l as i32;
+                Some(*acc)
+            }))
+            .collect();
+        let tokens = 19; // 16 real, 3 tail
+        let qkv: Vec<f32> = (0..tokens * 3 * h)
+            .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        for workers in [1, 3] {
+            let mut out = vec![f32::NAN; tokens * h];
+            let mut scratch = vec![0.0; workers * 7 * 7];
+            packed_attention(&qkv, &offsets, &mut out, &mut scratch, tokens, 7, heads, d);
+            for (s, &len) in lens.iter().enumerate().filter(|(_, &l)| l > 0) {
+                let start = offsets[s] as usize;
+                let rows = &qkv[start * 3 * h..(start + len) * 3 * h];
+                let mut want = vec![0.0; len * h];
+                let mut sc = vec![0.0; len * len];
+                attention(rows, &vec![1; len], &mut want, &mut sc, 1, len, heads, d);
+                let got = &out[start * h..(start + len) * h];
+                for (a, b) in got.iter().zip(&want) {
+                    assert!((a - b).abs() < 1e-6, "seq {s}: {a} vs {b}");
+                }
+            }
+            assert!(out[16 * h..].iter().all(|&v| v == 0.0));
+            assert!(out.iter().all(|v| v.is_finite()));
+        }
+    }
+
+    #[test]
+    fn packed_pooling_modes() {
+        // Sequences [1, 2], [3, 4], [5, -6] | [] | [7, 8]; a tail slot.
+        let x = [1.0, 2.0, 3.0, 4.0, 5.0, -6.0, 7.0, 8.0, 9.0, 9.0];
+        let offsets = [0, 3, 3, 4];
+        let mut out = [f32::NAN; 6];
+        packed_pool(&x, &offsets, &mut out, 2, Pooling::Mean, false);
+        assert_eq!(out, [3.0, 0.0, 0.0, 0.0, 7.0, 8.0]);
+        packed_pool(&x, &offsets, &mut out, 2, Pooling::Max, false);
+        assert_eq!(out, [5.0, 4.0, 0.0, 0.0, 7.0, 8.0]);
+        packed_pool(&x, &offsets, &mut out, 2, Pooling::Cls, true);
+        let n = (5.0f32).sqrt();
+        assert_eq!(out[..2], [1.0 / n, 2.0 / n]);
+        assert_eq!(out[2..4], [0.0, 0.0]);
     }
 }

@@ -11,11 +11,16 @@
 //! (checked by [`ProgramFacts::check_rows`](crate::model::ProgramFacts::check_rows))
 //! into the static inputs and [`Plan::run`] executes the steps over the same
 //! buffers every time, allocating nothing.
+//!
+//! Packed programs (see [`crate::model::program`]) bind the same way; their
+//! token ops run per sequence over the offsets the batch was packed with,
+//! and trimming computes only the batch's real tokens (the first
+//! `offsets[last]` slots) and real sequences.
 
 use super::arena::{Arena, ArenaNeeds, ARENA_ALIGN};
 use super::ops;
 use super::CpuWeights;
-use crate::model::program::{Activation, BufKind, InputRole, Op, Pooling, Program};
+use crate::model::program::{Activation, BufKind, InputRole, Layout, Op, Pooling, Program};
 use crate::model::BatchRows;
 
 /// A static buffer: integer inputs are i32, everything else f32.
@@ -209,43 +214,206 @@ enum Step {
         mode: Pooling,
         normalize: bool,
     },
+    PackedEmbed {
+        ids: usize,
+        types: usize,
+        positions: usize,
+        word: usize,
+        position: usize,
+        token_type: usize,
+        gamma: usize,
+        beta: usize,
+        eps: f32,
+        out: usize,
+        tokens: usize,
+        hidden: usize,
+    },
+    PackedAttention {
+        qkv: usize,
+        offsets: usize,
+        out: usize,
+        tokens: usize,
+        seqs: usize,
+        max_seq_len: usize,
+        heads: usize,
+        head_dim: usize,
+    },
+    PackedPool {
+        x: usize,
+        offsets: usize,
+        out: usize,
+        seqs: usize,
+        hidden: usize,
+        mode: Pooling,
+        normalize: bool,
+    },
+}
+
+/// The shape a plan computes: its program's, or a batch's real part of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Shape {
+    /// `batch` rows of `seq` tokens.
+    Padded { batch: usize, seq: usize },
+    /// The first `tokens` slots and `seqs` sequences of a packed program.
+    Packed { seqs: usize, tokens: usize },
+}
+
+impl Shape {
+    /// (token rows, sentence rows).
+    fn rows(self) -> (usize, usize) {
+        match self {
+            Shape::Padded { batch, seq } => (batch * seq, batch),
+            Shape::Packed { seqs, tokens } => (tokens, seqs),
+        }
+    }
 }
 
 impl Step {
     /// The buffers the step reads, and the one it writes.
-    fn buffers(self) -> ([Option<usize>; 2], usize) {
+    fn buffers(self) -> ([Option<usize>; 3], usize) {
         match self {
             Step::Embed {
                 ids, types, out, ..
-            } => ([Some(ids), Some(types)], out),
-            Step::Linear { x, out, .. } => ([Some(x), None], out),
+            } => ([Some(ids), Some(types), None], out),
+            Step::Linear { x, out, .. } => ([Some(x), None, None], out),
             Step::AddNorm {
                 x, residual, out, ..
-            } => ([Some(x), Some(residual)], out),
-            Step::Attention { qkv, mask, out, .. } => ([Some(qkv), Some(mask)], out),
-            Step::Pool { x, mask, out, .. } => ([Some(x), Some(mask)], out),
+            } => ([Some(x), Some(residual), None], out),
+            Step::Attention { qkv, mask, out, .. } => ([Some(qkv), Some(mask), None], out),
+            Step::Pool { x, mask, out, .. } => ([Some(x), Some(mask), None], out),
+            Step::PackedEmbed {
+                ids,
+                types,
+                positions,
+                out,
+                ..
+            } => ([Some(ids), Some(types), Some(positions)], out),
+            Step::PackedAttention {
+                qkv, offsets, out, ..
+            } => ([Some(qkv), Some(offsets), None], out),
+            Step::PackedPool {
+                x, offsets, out, ..
+            } => ([Some(x), Some(offsets), None], out),
         }
     }
 
-    /// This step restricted to the first `active.0` rows of `active.1`
-    /// tokens, for a program of `full.0` rows of `full.1` tokens; `None` if
-    /// the step's shape is not one of the program's row counts (then the
-    /// plan never trims).
-    fn active(self, full: (usize, usize), active: (usize, usize)) -> Option<Step> {
-        let (fb, fs) = full;
-        let (ab, as_) = active;
-        // Row counts scale with batch·seq (token rows) or batch (sentence rows).
-        let rows = |r: usize| {
-            if r == fb * fs {
-                Some(ab * as_)
-            } else if r == fb {
-                Some(ab)
-            } else {
-                None
-            }
+    /// This step restricted to the `active` part of a program of shape
+    /// `full`: the first rows of fewer tokens (padded), or the first tokens
+    /// and sequences (packed); `None` if the step's shape is not one of the
+    /// program's row counts (then the plan never trims).
+    fn active(self, full: Shape, active: Shape) -> Option<Step> {
+        let (full_tokens, full_sentences) = full.rows();
+        let (tokens, sentences) = active.rows();
+        // Row counts scale with the token rows or the sentence rows (both,
+        // when the two are equal: then computing the larger is safe).
+        let rows = |r: usize| match (r == full_tokens, r == full_sentences) {
+            (true, true) => Some(tokens.max(sentences)),
+            (true, false) => Some(tokens),
+            (false, true) => Some(sentences),
+            (false, false) => None,
         };
-        let shape = |b: usize, s: usize| (b == fb && s == fs).then_some((ab, as_));
+        let padded = match (full, active) {
+            (Shape::Padded { batch: fb, seq: fs }, Shape::Padded { batch, seq }) => {
+                Some((fb, fs, batch, seq))
+            }
+            _ => None,
+        };
+        let packed = match (full, active) {
+            (
+                Shape::Packed {
+                    seqs: fseqs,
+                    tokens: ftokens,
+                },
+                Shape::Packed { seqs, tokens },
+            ) => Some((fseqs, ftokens, seqs, tokens)),
+            _ => None,
+        };
+        let shape = |b: usize, s: usize| {
+            let (fb, fs, ab, as_) = padded?;
+            (b == fb && s == fs).then_some((ab, as_))
+        };
         Some(match self {
+            Step::PackedEmbed {
+                ids,
+                types,
+                positions,
+                word,
+                position,
+                token_type,
+                gamma,
+                beta,
+                eps,
+                out,
+                tokens: t,
+                hidden,
+            } => {
+                let (_, ft, _, at) = packed?;
+                if t != ft {
+                    return None;
+                }
+                Step::PackedEmbed {
+                    ids,
+                    types,
+                    positions,
+                    word,
+                    position,
+                    token_type,
+                    gamma,
+                    beta,
+                    eps,
+                    out,
+                    tokens: at,
+                    hidden,
+                }
+            }
+            Step::PackedAttention {
+                qkv,
+                offsets,
+                out,
+                tokens: t,
+                seqs: s,
+                max_seq_len,
+                heads,
+                head_dim,
+            } => {
+                let (fs, ft, as_, at) = packed?;
+                if t != ft || s != fs {
+                    return None;
+                }
+                Step::PackedAttention {
+                    qkv,
+                    offsets,
+                    out,
+                    tokens: at,
+                    seqs: as_,
+                    max_seq_len,
+                    heads,
+                    head_dim,
+                }
+            }
+            Step::PackedPool {
+                x,
+                offsets,
+                out,
+                seqs: s,
+                hidden,
+                mode,
+                normalize,
+            } => {
+                let (fs, _, as_, _) = packed?;
+                if s != fs {
+                    return None;
+                }
+                Step::PackedPool {
+                    x,
+                    offsets,
+                    out,
+                    seqs: as_,
+                    hidden,
+                    mode,
+                    normalize,
+                }
+            }
             Step::Embed {
                 ids,
                 types,
@@ -260,6 +428,7 @@ impl Step {
                 seq,
                 hidden,
             } => {
+                let (fb, fs, ab, as_) = padded?;
                 if seq != fs || r != fb * fs {
                     return None;
                 }
@@ -368,6 +537,7 @@ impl Step {
 pub(crate) struct Plan {
     pub batch: usize,
     pub seq: usize,
+    pub layout: Layout,
     pub output_dim: usize,
     weights: CpuWeights,
     /// Every buffer of the program, by index.
@@ -383,8 +553,8 @@ pub(crate) struct Plan {
     /// Whether every step can be restricted to the real rows and tokens
     /// (see [`Plan::run`]).
     trimmable: bool,
-    /// The (rows, tokens) the current batch was packed at.
-    active: (usize, usize),
+    /// The shape the current batch was packed at.
+    active: Shape,
 }
 
 impl Plan {
@@ -503,6 +673,74 @@ impl Plan {
                     mode,
                     normalize,
                 },
+                Op::PackedEmbedLayerNorm {
+                    ids,
+                    token_types,
+                    positions,
+                    word,
+                    position,
+                    token_type,
+                    gamma,
+                    beta,
+                    eps,
+                    out,
+                    tokens,
+                    hidden,
+                    ..
+                } => Step::PackedEmbed {
+                    ids: ids.0,
+                    types: token_types.0,
+                    positions: positions.0,
+                    word: word.0,
+                    position: position.0,
+                    token_type: token_type.0,
+                    gamma: gamma.0,
+                    beta: beta.0,
+                    eps,
+                    out: out.0,
+                    tokens,
+                    hidden,
+                },
+                Op::PackedAttention {
+                    qkv,
+                    offsets,
+                    out,
+                    tokens,
+                    seqs,
+                    max_seq_len,
+                    heads,
+                    head_dim,
+                } => {
+                    max_attention_seq = max_attention_seq.max(max_seq_len);
+                    Step::PackedAttention {
+                        qkv: qkv.0,
+                        offsets: offsets.0,
+                        out: out.0,
+                        tokens,
+                        seqs,
+                        max_seq_len,
+                        heads,
+                        head_dim,
+                    }
+                }
+                Op::PackedPool {
+                    x,
+                    offsets,
+                    out,
+                    seqs,
+                    hidden,
+                    mode,
+                    normalize,
+                    ..
+                } => Step::PackedPool {
+                    x: x.0,
+                    offsets: offsets.0,
+                    out: out.0,
+                    seqs,
+                    hidden,
+                    mode,
+                    normalize,
+                },
             })
             .collect::<Vec<Step>>();
         let inputs = program
@@ -539,12 +777,16 @@ impl Plan {
             activations,
             scratch: workers * max_attention_seq * max_attention_seq,
         };
-        let trimmable = steps
-            .iter()
-            .all(|s| s.active((batch, seq), (1, 1)).is_some());
+        let full = full_shape(program.layout, batch, seq);
+        let smallest = match full {
+            Shape::Padded { .. } => Shape::Padded { batch: 1, seq: 1 },
+            Shape::Packed { .. } => Shape::Packed { seqs: 1, tokens: 1 },
+        };
+        let trimmable = steps.iter().all(|s| s.active(full, smallest).is_some());
         Plan {
             batch,
             seq,
+            layout: program.layout,
             output_dim: program.output_dim,
             weights: weights.clone(),
             slots,
@@ -554,8 +796,13 @@ impl Plan {
             needs,
             threads: workers,
             trimmable,
-            active: (batch, seq),
+            active: full,
         }
+    }
+
+    /// The shape of the whole program.
+    fn full(&self) -> Shape {
+        full_shape(self.layout, self.batch, self.seq)
     }
 
     /// Bytes of the plan's own static buffers (inputs and output).
@@ -583,17 +830,41 @@ impl Plan {
     /// independent and attention only sees unmasked keys, so the real rows'
     /// results are the same either way (to float rounding); trimming only
     /// skips work whose results nobody reads.
+    ///
+    /// A packed batch is always written whole (its inputs' layout does not
+    /// depend on trimming); trimming then computes its first
+    /// `max(tokens, 1)` slots and its sequences only.
     pub(crate) fn pack(&mut self, rows: &BatchRows, trim: bool) {
-        self.active = if trim && self.trimmable {
-            let seq = match rows {
-                BatchRows::Tokens(_) => rows.max_len().max(1),
-                BatchRows::Features { .. } => self.seq,
-            };
-            (rows.rows(), seq)
-        } else {
-            (self.batch, self.seq)
+        let trim = trim && self.trimmable;
+        self.active = match self.full() {
+            Shape::Packed { .. } if trim => Shape::Packed {
+                seqs: rows.rows(),
+                tokens: rows.tokens().max(1),
+            },
+            Shape::Padded { .. } if trim => {
+                let seq = match rows {
+                    BatchRows::Tokens(_) => rows.max_len().max(1),
+                    BatchRows::Features { .. } => self.seq,
+                };
+                Shape::Padded {
+                    batch: rows.rows(),
+                    seq,
+                }
+            }
+            full => full,
         };
-        let (batch, seq) = self.active;
+        if let Layout::Packed { .. } = self.layout {
+            for &(role, index) in &self.inputs {
+                let Slot::Own(Buf::I32(v)) = &mut self.slots[index] else {
+                    unreachable!("checked at capture: packed inputs are i32 static buffers")
+                };
+                rows.pack_packed(role, v);
+            }
+            return;
+        }
+        let Shape::Padded { batch, seq } = self.active else {
+            unreachable!("a padded plan computes a padded shape")
+        };
         for &(role, index) in &self.inputs {
             let Slot::Own(buf) = &mut self.slots[index] else {
                 unreachable!("checked at capture: inputs are static buffers")
@@ -627,7 +898,7 @@ impl Plan {
         let threads = self.threads;
         let weights = &self.weights.tensors;
         let wt = |i: usize| weights[i].data.as_slice();
-        let full = (self.batch, self.seq);
+        let full = self.full();
         let active = self.active;
         let slots = &mut self.slots;
         let activations = &mut arena.activations[..];
@@ -744,7 +1015,83 @@ impl Plan {
                     mode,
                     normalize,
                 ),
+                Step::PackedEmbed {
+                    ids,
+                    types,
+                    positions,
+                    word,
+                    position,
+                    token_type,
+                    gamma,
+                    beta,
+                    eps,
+                    out: _,
+                    tokens,
+                    hidden,
+                } => ops::packed_embed_layer_norm(
+                    threads,
+                    &bufs.i32(ids)[..tokens],
+                    &bufs.i32(types)[..tokens],
+                    &bufs.i32(positions)[..tokens],
+                    wt(word),
+                    wt(position),
+                    wt(token_type),
+                    wt(gamma),
+                    wt(beta),
+                    eps,
+                    o,
+                    hidden,
+                ),
+                Step::PackedAttention {
+                    qkv,
+                    offsets,
+                    out: _,
+                    tokens,
+                    seqs,
+                    max_seq_len,
+                    heads,
+                    head_dim,
+                } => {
+                    let scratch_len = threads * max_seq_len * max_seq_len;
+                    ops::packed_attention(
+                        bufs.f32(qkv),
+                        &bufs.i32(offsets)[..seqs + 1],
+                        o,
+                        &mut arena.scratch[..scratch_len],
+                        tokens,
+                        max_seq_len,
+                        heads,
+                        head_dim,
+                    );
+                }
+                Step::PackedPool {
+                    x,
+                    offsets,
+                    out: _,
+                    seqs,
+                    hidden,
+                    mode,
+                    normalize,
+                } => ops::packed_pool(
+                    bufs.f32(x),
+                    &bufs.i32(offsets)[..seqs + 1],
+                    o,
+                    hidden,
+                    mode,
+                    normalize,
+                ),
             }
         }
+    }
+}
+
+/// The shape of a whole program of `layout`, `batch` and `seq`.
+fn full_shape(layout: Layout, batch: usize, seq: usize) -> Shape {
+    match layout {
+        Layout::Padded => Shape::Padded { batch, seq },
+        Layout::Packed { tokens } => Shape::Packed {
+            seqs: batch,
+            tokens,
+        },
     }
 }

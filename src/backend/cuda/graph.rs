@@ -9,7 +9,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
 use super::error::DriverResultExt;
 use super::mem::{align_up, DeviceBuf, PinnedBuf};
-use super::plan::Plan;
+use super::plan::{write_tile_table, Plan, TILE_ENTRY};
 use crate::backend::BackendError;
 use crate::model::batch::{BatchRows, PackTarget};
 use crate::model::InputRole;
@@ -39,22 +39,47 @@ impl Arena {
     }
 }
 
-/// Packs `rows` into a host buffer laid out like the plan's input block.
+/// Packs `rows` into a host buffer laid out like the plan's input block:
+/// padded rows, or for a packed plan its sequences end to end
+/// ([`BatchRows::pack_packed`]) and the varlen attention's tile tables
+/// ([`write_tile_table`]), so one copy moves everything a replay reads.
+/// `order` is the tile table's sort scratch (a graph keeps one, so that its
+/// replays do not allocate).
 ///
 /// # Safety
 /// `base` must point at `plan.input_bytes` writable bytes, 4-byte aligned,
 /// that no copy is reading; `rows` must have passed
 /// [`ProgramFacts::check_rows`](crate::model::ProgramFacts::check_rows).
-pub unsafe fn pack_inputs(plan: &Plan, rows: &BatchRows, base: *mut u8) {
+pub unsafe fn pack_inputs(
+    plan: &Plan,
+    rows: &BatchRows,
+    base: *mut u8,
+    order: &mut Vec<(usize, usize)>,
+) {
     for slot in &plan.inputs {
         let p = base.add(slot.offset);
         if slot.role == InputRole::Features {
             let dst = std::slice::from_raw_parts_mut(p as *mut f32, slot.elems);
-            rows.pack(slot.role, plan.seq, PackTarget::F32(dst));
+            rows.pack_input(plan.layout, slot.role, plan.seq, PackTarget::F32(dst));
         } else {
             let dst = std::slice::from_raw_parts_mut(p as *mut i32, slot.elems);
-            rows.pack(slot.role, plan.seq, PackTarget::I32(dst));
+            rows.pack_input(plan.layout, slot.role, plan.seq, PackTarget::I32(dst));
         }
+    }
+    if plan.tile_tables.is_empty() {
+        return;
+    }
+    let (crate::model::program::Layout::Packed { tokens }, BatchRows::Tokens(seqs)) =
+        (plan.layout, rows)
+    else {
+        unreachable!("tile tables belong to packed plans of token rows")
+    };
+    for t in &plan.tile_tables {
+        let dst = std::slice::from_raw_parts_mut(
+            base.add(t.offset) as *mut i32,
+            t.max_tiles * TILE_ENTRY,
+        );
+        write_tile_table(seqs.iter().map(Vec::len), tokens, t.qt, dst, order);
     }
 }
 
@@ -231,6 +256,8 @@ pub struct CapturedGraph {
     /// Arena bytes charged to this graph (see [`GraphMemory`]).
     pub(crate) arena_charge: u64,
     pub(crate) slots: Vec<Arc<Slot>>,
+    /// Sort scratch of the tile tables (packed graphs), kept across replays.
+    pub(crate) tile_order: Vec<(usize, usize)>,
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) ctx: Arc<CudaContext>,
     /// e.g. `"42 nodes [kernel:41 memset:1]"`.
@@ -252,6 +279,11 @@ impl CapturedGraph {
         node_counts: BTreeMap<&'static str, usize>,
     ) -> CapturedGraph {
         arena.users.fetch_add(1, Ordering::Relaxed);
+        let tile_order = Vec::with_capacity(if plan.tile_tables.is_empty() {
+            0
+        } else {
+            plan.batch
+        });
         CapturedGraph {
             exec,
             plan,
@@ -260,6 +292,7 @@ impl CapturedGraph {
             arena,
             arena_charge,
             slots: Vec::new(),
+            tile_order,
             stream,
             ctx,
             nodes: describe_nodes(&node_counts),
@@ -368,7 +401,7 @@ mod tests {
             data: vec![1.0; 8],
         };
         let mut buf = vec![7u8; p.input_bytes];
-        unsafe { pack_inputs(&p, &ok, buf.as_mut_ptr()) };
+        unsafe { pack_inputs(&p, &ok, buf.as_mut_ptr(), &mut Vec::new()) };
         let vals: Vec<f32> = buf[..64]
             .chunks(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
@@ -383,7 +416,7 @@ mod tests {
         let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
         let rows = BatchRows::Tokens(vec![vec![101, 5, 102], vec![101, 102]]);
         let mut buf = vec![0xffu8; p.input_bytes];
-        unsafe { pack_inputs(&p, &rows, buf.as_mut_ptr()) };
+        unsafe { pack_inputs(&p, &rows, buf.as_mut_ptr(), &mut Vec::new()) };
         let ints = |slot: usize| -> Vec<i32> {
             let s = &p.inputs[slot];
             buf[s.offset..s.offset + s.elems * 4]
@@ -400,6 +433,46 @@ mod tests {
             vec![1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
         );
         assert_eq!(ints(2), vec![0; 16]);
+    }
+
+    #[test]
+    fn packed_rows_pack_sequences_offsets_and_tiles() {
+        let (prog, w) = super::super::plan::tests::packed_bert_dims(16, 4, 16, 384, 12, 1536);
+        let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
+        let mut order = Vec::new();
+        let mut pack = |buf: &mut Vec<u8>, rows: &BatchRows| {
+            unsafe { pack_inputs(&p, rows, buf.as_mut_ptr(), &mut order) };
+        };
+        let mut buf = vec![0xffu8; p.input_bytes];
+        let ints = |buf: &[u8], offset: usize, n: usize| -> Vec<i32> {
+            buf[offset..offset + n * 4]
+                .chunks(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                .collect()
+        };
+        pack(
+            &mut buf,
+            &BatchRows::Tokens(vec![vec![101, 5, 102], vec![], vec![101, 102]]),
+        );
+        let slot = |i: usize| ints(&buf, p.inputs[i].offset, p.inputs[i].elems);
+        let tail = vec![0; 11];
+        assert_eq!(slot(0), [&[101, 5, 102, 101, 102][..], &tail].concat());
+        assert_eq!(slot(1), vec![0; 16]);
+        assert_eq!(slot(2), [&[0, 1, 2, 0, 1][..], &tail].concat());
+        assert_eq!(slot(3), vec![0, 3, 3, 5, 5]);
+        // The tile table: the 3-token sequence, the 2-token one, the tail, unused.
+        let t = &p.tile_tables[0];
+        assert_eq!(t.qt, 64);
+        assert_eq!(t.max_tiles, 5);
+        let table = ints(&buf, t.offset, t.max_tiles * TILE_ENTRY);
+        assert_eq!(&table[..12], &[0, 3, 0, 3, 3, 2, 3, 2, 5, 11, 5, 0]);
+        assert!(table[12..].iter().all(|&v| v == 0));
+        // The next batch in the same staging buffer rewrites every entry.
+        pack(&mut buf, &BatchRows::Tokens(vec![vec![7; 16]]));
+        let table = ints(&buf, t.offset, t.max_tiles * TILE_ENTRY);
+        assert_eq!(&table[..4], &[0, 16, 0, 16]);
+        assert!(table[4..].iter().all(|&v| v == 0));
+        assert_eq!(ints(&buf, p.inputs[3].offset, 5), vec![0, 16, 16, 16, 16]);
     }
 
     #[test]

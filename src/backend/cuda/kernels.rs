@@ -43,6 +43,19 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "attention_tc.cu",
         include_str!("../../../kernels/attention_tc.cu"),
     ),
+    // Packed batches (after the files whose helpers they share).
+    (
+        "embed_packed.cu",
+        include_str!("../../../kernels/embed_packed.cu"),
+    ),
+    (
+        "pool_packed.cu",
+        include_str!("../../../kernels/pool_packed.cu"),
+    ),
+    (
+        "attention_varlen.cu",
+        include_str!("../../../kernels/attention_varlen.cu"),
+    ),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
 
@@ -86,6 +99,7 @@ pub fn expected_entry_points() -> Vec<String> {
             names.push(format!("attention_{t}_d{d}"));
         }
     }
+    names.extend(packed_entry_points());
     for (i, o) in BIAS_ACT_PAIRS {
         names.push(format!("bias_act_{i}_{o}"));
     }
@@ -102,10 +116,32 @@ pub fn expected_entry_points() -> Vec<String> {
     names
 }
 
+/// The kernels of packed batches: `embed_ln_packed_<t>`, `pool_packed_<t>`,
+/// the CUDA-core varlen attention `attention_varlen_<t>_d<N>` and the
+/// tensor-core one `attention_varlen_tc_<t>_d<N>` (f16/bf16).
+pub fn packed_entry_points() -> Vec<String> {
+    let mut names = Vec::new();
+    for t in DTYPE_SUFFIXES {
+        names.push(format!("embed_ln_packed_{t}"));
+        names.push(format!("pool_packed_{t}"));
+        for d in ATTENTION_DMAX {
+            names.push(format!("attention_varlen_{t}_d{d}"));
+        }
+    }
+    for t in ["f16", "bf16"] {
+        for d in ATTENTION_TC_HEAD_DIMS {
+            names.push(format!("attention_varlen_tc_{t}_d{d}"));
+        }
+    }
+    names
+}
+
 /// Kernels launched with dynamic shared memory beyond the default 48 KiB (the
-/// CUDA-core attention, `attention_<t>_d<N>`), whose limit is raised at load.
+/// CUDA-core attention, `attention_<t>_d<N>` and `attention_varlen_<t>_d<N>`),
+/// whose limit is raised at load. The tensor-core kernels use static shared
+/// memory.
 pub fn needs_dynamic_smem(name: &str) -> bool {
-    name.starts_with("attention_") && !name.starts_with("attention_tc_")
+    name.starts_with("attention_") && !name.contains("_tc_")
 }
 
 /// All kernel files concatenated into one translation unit, with `#line`
@@ -643,15 +679,24 @@ mod tests {
             .into_iter()
             .filter(|n| needs_dynamic_smem(n))
             .collect();
+        // The padded and the varlen CUDA-core attention.
         assert_eq!(
             dynamic.len(),
-            DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len(),
+            2 * DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len(),
             "{dynamic:?}"
         );
         assert!(dynamic.iter().all(|n| !n.contains("_tc_")));
         assert!(
             needs_dynamic_smem("attention_f16_d32") && !needs_dynamic_smem("attention_tc_f16_d32")
         );
+        assert!(
+            needs_dynamic_smem("attention_varlen_f32_d64")
+                && !needs_dynamic_smem("attention_varlen_tc_bf16_d64")
+        );
+        let packed = packed_entry_points();
+        assert_eq!(packed.len(), 3 * 2 + 3 * 3 + 2 * 3, "{packed:?}");
+        let all = expected_entry_points();
+        assert!(packed.iter().all(|n| all.contains(n)));
     }
 
     #[test]

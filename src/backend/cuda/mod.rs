@@ -1,5 +1,8 @@
 //! The CUDA backend: NVRTC-compiled kernels (`kernels/`), cuBLASLt matmuls
-//! with fused epilogues, and one CUDA graph per (batch, seq) bucket.
+//! with fused epilogues, and one CUDA graph per bucket: a padded (batch, seq)
+//! rectangle, or a packed token budget whose static inputs (ids, types,
+//! positions, `cu_seqlens` and the varlen attention's tile table, see
+//! [`plan`]) change contents per batch while the graph stays fixed.
 //!
 //! * [`kernels`]: NVRTC compile for the device's architecture + disk cache.
 //! * [`matmul`]: cuBLASLt plans, our own workspace (no allocation in captures).
@@ -370,6 +373,20 @@ impl CudaBackend {
         program: &Program,
         reps: usize,
     ) -> Result<Vec<(String, f64)>, BackendError> {
+        self.profile_program_on(host, weights, program, None, reps)
+    }
+
+    /// [`CudaBackend::profile_program`] with `rows` packed into the inputs
+    /// (a packed program's kernels take their work from its inputs: on zeros
+    /// its varlen attention has nothing to do).
+    pub fn profile_program_on(
+        &mut self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+        rows: Option<&BatchRows>,
+        reps: usize,
+    ) -> Result<Vec<(String, f64)>, BackendError> {
         self.alive()?;
         let r = (|| {
             let plan = plan::plan(
@@ -393,6 +410,18 @@ impl CudaBackend {
             };
             let ws = &inner.workspace;
             ctx.bind_to_thread().cu("bind context")?;
+            if let Some(rows) = rows {
+                let mut staged = vec![0u32; plan.input_bytes.div_ceil(4)];
+                // SAFETY: `staged` holds input_bytes, 4-byte aligned; the
+                // caller checked `rows` against the program.
+                unsafe {
+                    graph::pack_inputs(&plan, rows, staged.as_mut_ptr() as *mut u8, &mut Vec::new())
+                };
+                // SAFETY: pageable copy into `io`, which holds input_bytes first.
+                unsafe { dres::memcpy_htod_async(io.ptr(), &staged, inner.stream.cu_stream()) }
+                    .cu("copy profile inputs")?;
+                inner.stream.synchronize().cu("copy profile inputs")?;
+            }
             let steps = resolve::resolve(
                 &plan,
                 &bases,
@@ -543,16 +572,14 @@ impl CudaBackend {
         if counts.contains_key("MEM_ALLOC") || counts.contains_key("MEM_FREE") {
             tracing::warn!(
                 target: "replayd::cuda",
-                "graph ({}, {}) contains allocation nodes: {summary}",
-                plan.batch,
-                plan.seq
+                "graph {} contains allocation nodes: {summary}",
+                plan.label()
             );
         } else {
             tracing::debug!(
                 target: "replayd::cuda",
-                "captured graph ({}, {}) of {} steps: {summary}",
-                plan.batch,
-                plan.seq,
+                "captured graph {} of {} steps: {summary}",
+                plan.label(),
                 plan.steps.len()
             );
         }
@@ -587,10 +614,11 @@ impl CudaBackend {
         }
         let slot: Arc<Slot> = graph.take_slot()?;
         let plan = &graph.plan;
+        let order = &mut graph.tile_order;
         let values = rows.rows() * plan.output_dim;
         let result = (|| {
             // SAFETY: the slot is ours (taken above): no copy reads or writes it.
-            unsafe { graph::pack_inputs(plan, rows, slot.input_ptr()) };
+            unsafe { graph::pack_inputs(plan, rows, slot.input_ptr(), order) };
             let s = &self.inner.stream;
             let cs = s.cu_stream();
             self.inner.ctx.bind_to_thread().cu("bind context")?;
@@ -686,7 +714,7 @@ impl CudaBackend {
         )?;
         let mut host = vec![0u32; plan.input_bytes.div_ceil(4)];
         // SAFETY: `host` holds input_bytes, 4-byte aligned; rows validated.
-        unsafe { graph::pack_inputs(&plan, rows, host.as_mut_ptr() as *mut u8) };
+        unsafe { graph::pack_inputs(&plan, rows, host.as_mut_ptr() as *mut u8, &mut Vec::new()) };
         let s = &inner.eager_stream;
         let cs = s.cu_stream();
         ctx.bind_to_thread().cu("bind context")?;

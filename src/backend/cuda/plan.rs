@@ -12,12 +12,21 @@
 //! every launch configuration. [`resolve`] turns the symbolic locations into
 //! device addresses, and [`enqueue`] issues the steps on a stream — the same
 //! code for warm-up, capture and the eager path.
+//!
+//! Packed programs (see [`crate::model::program`]) plan their token ops onto
+//! the packed kernels (`embed_ln_packed`, `attention_varlen[_tc]`,
+//! `pool_packed`). A graph's grid is fixed at capture, so the varlen
+//! attention takes its work from a **tile table**, a static buffer at the end
+//! of the input block whose contents the host writes for every batch
+//! ([`write_tile_table`]): one entry per query tile of at most `qt` tokens of
+//! one sequence, sized for the worst case a budget can produce
+//! ([`max_tiles`]); blocks whose entry is unused exit at once.
 
 use super::matmul::{split_activation, MatmulShape};
 use super::mem::{align_up, ALIGN};
 use crate::backend::BackendError;
 use crate::model::program::validate::op_buffers;
-use crate::model::program::{BufId, BufKind, InputRole, Op, WeightId};
+use crate::model::program::{BufId, BufKind, InputRole, Layout, Op, WeightId};
 use crate::model::{Activation, Pooling, Program, Weights};
 use crate::tensor::DType;
 use std::collections::HashMap;
@@ -32,6 +41,13 @@ pub const ATT_KC: usize = 64;
 pub const TC_THREADS: u32 = 128;
 /// Queries per tensor-core attention block (`TC_QT`).
 pub const TC_QT: usize = 64;
+/// Queries per tile of the tensor-core varlen attention (`VT_QT` in
+/// attention_varlen.cu, = `TC_QT`).
+pub const VARLEN_TC_QT: usize = TC_QT;
+/// Queries per tile of the CUDA-core varlen attention (`VA_QT`, = `ATT_QT`).
+pub const VARLEN_QT: usize = ATT_QT;
+/// i32 values per tile-table entry: `{q_start, q_count, kv_start, kv_len}`.
+pub const TILE_ENTRY: usize = 4;
 /// Threads per pooling block (`POOL_THREADS` in pool.cu).
 pub const POOL_THREADS: u32 = 256;
 /// Values each LayerNorm thread keeps in registers (`LN_VPT` in layernorm.cu).
@@ -140,6 +156,72 @@ pub fn skinny_fits(m: usize, n: usize, k: usize, t: DType) -> bool {
         && n.saturating_mul(k).saturating_mul(t.size()) <= SKINNY_MAX_WEIGHT_BYTES
 }
 
+/// The most query tiles of at most `qt` tokens a packed batch of `tokens`
+/// slots and at most `seqs` sequences can need, the tail included: each
+/// sequence and the tail split into `ceil(len / qt)` tiles, at most
+/// `floor(tokens / qt)` of them full and at most one partial tile per
+/// non-empty part (`seqs + 1` parts), and never more tiles than slots.
+pub fn max_tiles(tokens: usize, seqs: usize, qt: usize) -> usize {
+    tokens.min(tokens / qt + seqs + 1)
+}
+
+/// Writes the tile table of a packed batch whose sequences have lengths
+/// `lens` (end to end from slot 0) in a budget of `tokens` slots, for tiles
+/// of at most `qt` queries. `dst` holds [`max_tiles`] entries of
+/// [`TILE_ENTRY`] i32: `{q_start, q_count, kv_start, kv_len}`.
+///
+/// Order: the tiles of the longest sequences first (their blocks cost the
+/// most, and blocks are dispatched in table order, so the short ones fill
+/// in at the end), then the tail's tiles (`kv_len = 0`: their rows get
+/// zeros), then unused entries (all zero: `q_count = 0`, the block exits).
+/// `order` is scratch for the sort (kept by the caller so a replay does not
+/// allocate once it has grown).
+///
+/// Panics if the lengths do not fit (more tokens than the budget, or more
+/// tiles than `dst` holds); a checked batch never does.
+pub fn write_tile_table(
+    lens: impl IntoIterator<Item = usize>,
+    tokens: usize,
+    qt: usize,
+    dst: &mut [i32],
+    order: &mut Vec<(usize, usize)>,
+) {
+    assert!(qt > 0 && dst.len().is_multiple_of(TILE_ENTRY));
+    order.clear();
+    let mut start = 0;
+    for len in lens {
+        order.push((len, start));
+        start += len;
+    }
+    assert!(start <= tokens, "{start} tokens in a budget of {tokens}");
+    // Longest first; equal lengths in batch order (the start breaks ties, so
+    // an unstable sort, which does not allocate, gives the same order).
+    order.sort_unstable_by_key(|&(len, start)| (std::cmp::Reverse(len), start));
+    let mut entries = dst.chunks_exact_mut(TILE_ENTRY);
+    let mut push = |q_start: usize, q_count: usize, kv_start: usize, kv_len: usize| {
+        let e = entries
+            .next()
+            .expect("the tile table is sized for the worst case");
+        e.copy_from_slice(&[
+            q_start as i32,
+            q_count as i32,
+            kv_start as i32,
+            kv_len as i32,
+        ]);
+    };
+    for &(len, seq_start) in order.iter() {
+        for q in (0..len).step_by(qt) {
+            push(seq_start + q, qt.min(len - q), seq_start, len);
+        }
+    }
+    for q in (start..tokens).step_by(qt) {
+        push(q, qt.min(tokens - q), q, 0);
+    }
+    for e in entries {
+        e.fill(0);
+    }
+}
+
 /// True when `buf` is not read by `ops[from..]` before being overwritten.
 pub fn dead_after(ops: &[Op], from: usize, buf: BufId) -> bool {
     for op in ops.iter().skip(from) {
@@ -207,14 +289,32 @@ pub struct InputSlot {
     pub offset: usize,
 }
 
+/// A varlen attention's tile table in the static input block (see
+/// [`write_tile_table`]); the host writes it with the program's inputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TileTable {
+    /// Queries per tile.
+    pub qt: usize,
+    /// Entries (of [`TILE_ENTRY`] i32).
+    pub max_tiles: usize,
+    /// Byte offset in the input block.
+    pub offset: usize,
+}
+
 /// Everything needed to run one program on the device.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Plan {
     pub compute: DType,
     pub batch: usize,
     pub seq: usize,
+    /// The program's layout (packed plans fill their inputs by
+    /// [`BatchRows::pack_packed`](crate::model::BatchRows::pack_packed)).
+    pub layout: Layout,
     pub steps: Vec<Step>,
     pub inputs: Vec<InputSlot>,
+    /// Tile tables of the varlen attention (packed plans), after the inputs
+    /// in the input block.
+    pub tile_tables: Vec<TileTable>,
     /// Bytes of the static input block.
     pub input_bytes: usize,
     /// f32 elements of the output, `batch · output_dim`.
@@ -229,6 +329,16 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// `"(8, 16)"`, or for a packed plan `"1024t (256 seqs of at most 256)"`.
+    pub fn label(&self) -> String {
+        match self.layout {
+            Layout::Padded => format!("({}, {})", self.batch, self.seq),
+            Layout::Packed { tokens } => {
+                format!("{tokens}t ({} seqs of at most {})", self.batch, self.seq)
+            }
+        }
+    }
+
     pub fn kernel_count(&self) -> usize {
         self.steps
             .iter()
@@ -293,6 +403,9 @@ struct Planner<'a> {
     arena: usize,
     counters: usize,
     steps: Vec<Step>,
+    /// Bytes of the input block so far (tile tables are appended).
+    input_bytes: usize,
+    tile_tables: Vec<TileTable>,
 }
 
 impl<'a> Planner<'a> {
@@ -310,6 +423,23 @@ impl<'a> Planner<'a> {
     /// Rows of a 2-D weight (validated: `[rows, width]`).
     fn rows_of(&self, w: WeightId) -> usize {
         self.weights.get(w).shape[0]
+    }
+
+    /// The tile table for tiles of `qt` queries (one per tile size, shared
+    /// by every layer's attention): its location and entries.
+    fn tile_table(&mut self, qt: usize, tokens: usize, seqs: usize) -> (Loc, usize) {
+        if let Some(t) = self.tile_tables.iter().find(|t| t.qt == qt) {
+            return (Loc::Input(t.offset), t.max_tiles);
+        }
+        let max_tiles = max_tiles(tokens, seqs, qt);
+        let offset = self.input_bytes;
+        self.input_bytes += align_up(max_tiles * TILE_ENTRY * 4, ALIGN);
+        self.tile_tables.push(TileTable {
+            qt,
+            max_tiles,
+            offset,
+        });
+        (Loc::Input(offset), max_tiles)
     }
 
     fn scratch(&mut self, elems: usize, dtype: DType) -> Loc {
@@ -741,6 +871,171 @@ impl<'a> Planner<'a> {
                 self.finish_out(pending, batch * hidden)?;
                 Ok(1)
             }
+            Op::PackedEmbedLayerNorm {
+                ids,
+                token_types,
+                positions,
+                word,
+                position,
+                token_type,
+                gamma,
+                beta,
+                eps,
+                out,
+                tokens,
+                hidden,
+                ..
+            } => {
+                let what = format!("op {idx} (PackedEmbedLayerNorm)");
+                let grid = u32::try_from(tokens)
+                    .ok()
+                    .filter(|&g| g <= i32::MAX as u32)
+                    .ok_or_else(|| BackendError::Unsupported(format!("{what}: {tokens} tokens")))?;
+                let threads = ln_threads(hidden)?;
+                let (dst, pending) = self.float_out(out, tokens * hidden, t);
+                self.kernel(
+                    format!("embed_ln_packed_{ts}"),
+                    (grid, 1, 1),
+                    threads,
+                    0,
+                    vec![
+                        Arg::Ptr(self.int_loc(ids)),
+                        Arg::Ptr(self.int_loc(token_types)),
+                        Arg::Ptr(self.int_loc(positions)),
+                        Arg::Ptr(Loc::Weight(word)),
+                        Arg::Ptr(Loc::Weight(position)),
+                        Arg::Ptr(Loc::Weight(token_type)),
+                        Arg::Ptr(Loc::Weight(gamma)),
+                        Arg::Ptr(Loc::Weight(beta)),
+                        Arg::F32(eps),
+                        Arg::Ptr(dst),
+                        Arg::I32(hidden as i32),
+                        Arg::I32(self.rows_of(word) as i32),
+                        Arg::I32(self.rows_of(position) as i32),
+                        Arg::I32(self.rows_of(token_type) as i32),
+                    ],
+                );
+                self.finish_out(pending, tokens * hidden)?;
+                Ok(1)
+            }
+            Op::PackedAttention {
+                qkv,
+                offsets: _,
+                out,
+                tokens,
+                seqs,
+                max_seq_len,
+                heads,
+                head_dim,
+            } => {
+                let what = format!("op {idx} (PackedAttention)");
+                let dmax = attention_dmax(head_dim).ok_or_else(|| {
+                    BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
+                })?;
+                let tensor_cores = self.limits.tc_attention
+                    && matches!(t, DType::F16 | DType::BF16)
+                    && super::kernels::ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
+                let qt = if tensor_cores {
+                    VARLEN_TC_QT
+                } else {
+                    VARLEN_QT
+                };
+                let tiles = max_tiles(tokens, seqs, qt);
+                let blocks = tiles
+                    .checked_mul(heads)
+                    .filter(|&b| b <= i32::MAX as usize && tokens <= i32::MAX as usize);
+                let Some(blocks) = blocks else {
+                    return Err(BackendError::Unsupported(format!(
+                        "{what}: {tokens} tokens x {heads} heads"
+                    )));
+                };
+                let smem = if tensor_cores {
+                    0
+                } else {
+                    attention_smem_bytes(max_seq_len, dmax)
+                };
+                if smem > self.limits.max_dyn_smem {
+                    return Err(BackendError::Unsupported(format!(
+                        "{what}: sequences of up to {max_seq_len} tokens need {smem} bytes of shared memory, the device allows {}",
+                        self.limits.max_dyn_smem
+                    )));
+                }
+                let (table, _) = self.tile_table(qt, tokens, seqs);
+                let hd = heads * head_dim;
+                let q_l = self.float_in(qkv, tokens * 3 * hd, t)?;
+                let (dst, pending) = self.float_out(out, tokens * hd, t);
+                let scale = 1.0 / (head_dim as f32).sqrt();
+                if tensor_cores {
+                    self.kernel(
+                        format!("attention_varlen_tc_{ts}_d{head_dim}"),
+                        (blocks as u32, 1, 1),
+                        TC_THREADS,
+                        0,
+                        vec![
+                            Arg::Ptr(q_l),
+                            Arg::Ptr(table),
+                            Arg::Ptr(dst),
+                            Arg::I32(heads as i32),
+                            Arg::F32(scale),
+                            Arg::I32(tokens as i32),
+                        ],
+                    );
+                } else {
+                    self.kernel(
+                        format!("attention_varlen_{ts}_d{dmax}"),
+                        (blocks as u32, 1, 1),
+                        ATT_THREADS,
+                        smem,
+                        vec![
+                            Arg::Ptr(q_l),
+                            Arg::Ptr(table),
+                            Arg::Ptr(dst),
+                            Arg::I32(heads as i32),
+                            Arg::I32(head_dim as i32),
+                            Arg::F32(scale),
+                            Arg::I32(tokens as i32),
+                            Arg::I32(max_seq_len as i32),
+                        ],
+                    );
+                }
+                self.finish_out(pending, tokens * hd)?;
+                Ok(1)
+            }
+            Op::PackedPool {
+                x,
+                offsets,
+                out,
+                tokens,
+                seqs,
+                hidden,
+                mode,
+                normalize,
+            } => {
+                if seqs > i32::MAX as usize || tokens > i32::MAX as usize {
+                    return Err(BackendError::Unsupported(format!(
+                        "op {idx} (PackedPool): {seqs} sequences of {tokens} tokens"
+                    )));
+                }
+                let x_l = self.float_in(x, tokens * hidden, t)?;
+                let (dst, pending) = self.float_out(out, seqs * hidden, DType::F32);
+                self.kernel(
+                    format!("pool_packed_{ts}"),
+                    (seqs as u32, 1, 1),
+                    POOL_THREADS,
+                    0,
+                    vec![
+                        Arg::Ptr(x_l),
+                        Arg::Ptr(self.int_loc(offsets)),
+                        Arg::Ptr(dst),
+                        Arg::I32(tokens as i32),
+                        Arg::I32(hidden as i32),
+                        Arg::I32(pool_code(mode)),
+                        Arg::I32(normalize as i32),
+                    ],
+                );
+                self.finish_out(pending, seqs * hidden)?;
+                Ok(1)
+            }
         }
     }
 }
@@ -802,6 +1097,8 @@ pub fn plan(
         arena,
         counters: 0,
         steps: Vec::new(),
+        input_bytes,
+        tile_tables: Vec::new(),
     };
     let mut i = 0;
     while i < program.ops.len() {
@@ -817,9 +1114,11 @@ pub fn plan(
         compute,
         batch: program.batch,
         seq: program.seq,
+        layout: program.layout,
         steps: p.steps,
         inputs,
-        input_bytes,
+        tile_tables: p.tile_tables,
+        input_bytes: p.input_bytes,
         output_elems,
         output_dim: program.output_dim,
         activation_bytes,
@@ -1001,6 +1300,521 @@ pub(crate) mod tests {
             normalize: true,
         });
         (b.finish(batch, seq, out, hidden), w)
+    }
+
+    /// A one-layer packed BERT-shaped program: `tokens` slots, at most
+    /// `seqs` sequences of at most `max_len` tokens.
+    pub(crate) fn packed_bert_dims(
+        tokens: usize,
+        seqs: usize,
+        max_len: usize,
+        hidden: usize,
+        heads: usize,
+        inter: usize,
+    ) -> (Program, Weights) {
+        let (padded, w) = bert_dims(1, 1, hidden, heads, inter);
+        // Same weights; the token ops become the packed ones.
+        let mut b = ProgramBuilder::new();
+        let ids = b.input("ids", InputRole::TokenIds, tokens);
+        let types = b.input("types", InputRole::TokenTypeIds, tokens);
+        let positions = b.input("positions", InputRole::Positions, tokens);
+        let offsets = b.input("offsets", InputRole::SeqOffsets, seqs + 1);
+        let h = b.activation("h", tokens * hidden);
+        let qkv = b.activation("qkv", tokens * 3 * hidden);
+        let ctx = b.activation("ctx", tokens * hidden);
+        let t = b.activation("t", tokens * inter);
+        let out = b.output("out", seqs * hidden);
+        let remap = |id: BufId| match padded.buffer(id).name.as_str() {
+            "h" => h,
+            "qkv" => qkv,
+            "ctx" => ctx,
+            "t" => t,
+            "out" => out,
+            other => unreachable!("{other}"),
+        };
+        for op in &padded.ops {
+            b.push(match op.clone() {
+                Op::EmbedLayerNorm {
+                    word,
+                    position,
+                    token_type,
+                    gamma,
+                    beta,
+                    eps,
+                    out: o,
+                    hidden,
+                    ..
+                } => Op::PackedEmbedLayerNorm {
+                    ids,
+                    token_types: types,
+                    positions,
+                    word,
+                    position,
+                    token_type,
+                    gamma,
+                    beta,
+                    eps,
+                    out: remap(o),
+                    tokens,
+                    max_seq_len: max_len,
+                    hidden,
+                },
+                Op::Linear {
+                    x,
+                    w,
+                    bias,
+                    act,
+                    out: o,
+                    n,
+                    k,
+                    ..
+                } => Op::Linear {
+                    x: remap(x),
+                    w,
+                    bias,
+                    act,
+                    out: remap(o),
+                    m: tokens,
+                    n,
+                    k,
+                },
+                Op::AddLayerNorm {
+                    x,
+                    residual,
+                    gamma,
+                    beta,
+                    eps,
+                    out: o,
+                    hidden,
+                    ..
+                } => Op::AddLayerNorm {
+                    x: remap(x),
+                    residual: remap(residual),
+                    gamma,
+                    beta,
+                    eps,
+                    out: remap(o),
+                    rows: tokens,
+                    hidden,
+                },
+                Op::Attention {
+                    qkv: q,
+                    out: o,
+                    heads,
+                    head_dim,
+                    ..
+                } => Op::PackedAttention {
+                    qkv: remap(q),
+                    offsets,
+                    out: remap(o),
+                    tokens,
+                    seqs,
+                    max_seq_len: max_len,
+                    heads,
+                    head_dim,
+                },
+                Op::Pool {
+                    x,
+                    out: o,
+                    hidden,
+                    mode,
+                    normalize,
+                    ..
+                } => Op::PackedPool {
+                    x: remap(x),
+                    offsets,
+                    out: remap(o),
+                    tokens,
+                    seqs,
+                    hidden,
+                    mode,
+                    normalize,
+                },
+                other => unreachable!("{other:?}"),
+            });
+        }
+        let p = b.finish_packed(tokens, seqs, max_len, out, hidden);
+        p.validate(&w).unwrap();
+        (p, w)
+    }
+
+    fn names(plan: &Plan) -> Vec<String> {
+        plan.steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, .. } => name.clone(),
+                Step::Matmul { .. } => "mm".into(),
+            })
+            .collect()
+    }
+
+    fn kernel<'p>(plan: &'p Plan, prefix: &str) -> (&'p str, (u32, u32, u32), u32, u32, &'p [Arg]) {
+        plan.steps
+            .iter()
+            .find_map(|s| match s {
+                Step::Kernel {
+                    name,
+                    grid,
+                    block,
+                    smem,
+                    args,
+                } if name.starts_with(prefix) => {
+                    Some((name.as_str(), *grid, block.0, *smem, args.as_slice()))
+                }
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no {prefix} kernel in {:?}", names(plan)))
+    }
+
+    #[test]
+    fn tile_bounds() {
+        // One full tile per 64 slots plus a partial one per sequence and the tail.
+        assert_eq!(max_tiles(16384, 256, 64), 256 + 257);
+        assert_eq!(max_tiles(16384, 256, 32), 512 + 257);
+        assert_eq!(max_tiles(64, 64, 64), 64); // never more tiles than slots
+        assert_eq!(max_tiles(1024, 32, 64), 16 + 33);
+        assert_eq!(max_tiles(1, 1, 64), 1);
+    }
+
+    /// Every batch a budget can hold fits its table, and the table covers
+    /// each slot exactly once: real tiles inside their sequence, the tail in
+    /// zero tiles, longest sequences first, unused entries zero.
+    #[test]
+    fn tile_tables_cover_every_slot_once() {
+        let mut order = Vec::new();
+        // Sequences of 130, 1, 0, 64 and 2 tokens, a tail of 59, in 256 slots.
+        let lens = [130usize, 1, 0, 64, 2];
+        let cap = max_tiles(256, 5, 64);
+        let mut t = vec![-7; cap * TILE_ENTRY];
+        write_tile_table(lens, 256, 64, &mut t, &mut order);
+        let e: Vec<&[i32]> = t.chunks(4).collect();
+        assert_eq!(
+            &e[..8],
+            &[
+                &[0, 64, 0, 130][..],
+                &[64, 64, 0, 130],
+                &[128, 2, 0, 130],
+                &[131, 64, 131, 64],
+                &[195, 2, 195, 2],
+                &[130, 1, 130, 1],
+                &[197, 59, 197, 0], // the tail
+                &[0, 0, 0, 0],
+            ]
+        );
+        assert!(e[8..].iter().all(|x| x == &[0, 0, 0, 0]));
+
+        // Random batches, budgets, tile sizes: bounds and coverage.
+        let mut seed = 0x1234_5678u64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for _ in 0..2000 {
+            let tokens = 1 + next(700);
+            let seqs = 1 + next(tokens.min(80));
+            let qt = [16, 32, 64][next(3)];
+            // Random lengths filling a random part of the budget (sometimes all).
+            let mut left = if next(4) == 0 {
+                tokens
+            } else {
+                next(tokens + 1)
+            };
+            let n = 1 + next(seqs);
+            let mut lens = Vec::new();
+            for i in 0..n {
+                let l = if i + 1 == n {
+                    left
+                } else {
+                    next(left + 1).min(next(left + 1) + 1)
+                };
+                lens.push(l.min(left));
+                left -= l.min(left);
+            }
+            let cap = max_tiles(tokens, seqs, qt);
+            let mut t = vec![-1; cap * TILE_ENTRY];
+            write_tile_table(lens.iter().copied(), tokens, qt, &mut t, &mut order);
+            let mut covered = vec![0u8; tokens];
+            let starts: Vec<usize> = lens
+                .iter()
+                .scan(0, |a, &l| {
+                    let s = *a;
+                    *a += l;
+                    Some(s)
+                })
+                .collect();
+            let mut last_len = usize::MAX;
+            let mut in_tail = false;
+            for e in t.chunks(4) {
+                let [q0, qc, k0, kl] = [e[0], e[1], e[2], e[3]].map(|v| v as usize);
+                if qc == 0 {
+                    assert_eq!(e, [0, 0, 0, 0]);
+                    continue;
+                }
+                assert!(qc <= qt && q0 + qc <= tokens);
+                if kl == 0 {
+                    in_tail = true;
+                } else {
+                    assert!(!in_tail, "tail tiles come after every real tile");
+                    assert!(k0 <= q0 && q0 + qc <= k0 + kl && k0 + kl <= tokens);
+                    assert!(starts.iter().zip(&lens).any(|(&s, &l)| s == k0 && l == kl));
+                    assert!(kl <= last_len, "longest sequences first");
+                    last_len = kl;
+                }
+                covered[q0..q0 + qc].iter_mut().for_each(|c| *c += 1);
+            }
+            assert!(
+                covered.iter().all(|&c| c == 1),
+                "{lens:?} in {tokens}: {covered:?}"
+            );
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "in a budget of")]
+    fn tile_table_refuses_too_many_tokens() {
+        let mut t = vec![0; 64 * TILE_ENTRY];
+        write_tile_table([40, 30], 64, 64, &mut t, &mut Vec::new());
+    }
+
+    /// A host emulation of attention_varlen.cu's decomposition: each block
+    /// (tile, head) checks its entry as `varlen_tile` does and computes its
+    /// queries against its sequence's keys. Driven by a written table it
+    /// gives exactly the IR's packed attention (the reference interpreter's
+    /// semantics), tail zeros included, whatever the tile size.
+    #[test]
+    fn tile_decomposition_computes_packed_attention() {
+        let (heads, d) = (2usize, 3usize);
+        let hd = heads * d;
+        let lens = [5usize, 0, 12, 1, 33];
+        let tokens = 60;
+        let qkv: Vec<f64> = (0..tokens * 3 * hd)
+            .map(|i| (((i * 7919) % 211) as f64 / 105.0 - 1.0) * 1.3)
+            .collect();
+        // Direct: each sequence alone.
+        let attend = |q: usize, k0: usize, kl: usize, h: usize| -> Vec<f64> {
+            let s: Vec<f64> = (k0..k0 + kl)
+                .map(|j| {
+                    (0..d)
+                        .map(|e| qkv[q * 3 * hd + h * d + e] * qkv[j * 3 * hd + hd + h * d + e])
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+            let z: f64 = p.iter().sum();
+            (0..d)
+                .map(|e| {
+                    (0..kl)
+                        .map(|j| p[j] / z * qkv[(k0 + j) * 3 * hd + 2 * hd + h * d + e])
+                        .sum()
+                })
+                .collect()
+        };
+        let mut want = vec![0.0; tokens * hd];
+        let mut at = 0;
+        for &l in &lens {
+            for q in at..at + l {
+                for h in 0..heads {
+                    want[q * hd + h * d..][..d].copy_from_slice(&attend(q, at, l, h));
+                }
+            }
+            at += l;
+        }
+        for qt in [VARLEN_QT, VARLEN_TC_QT, 4] {
+            let cap = max_tiles(tokens, 6, qt);
+            let mut table = vec![0; cap * TILE_ENTRY];
+            write_tile_table(lens, tokens, qt, &mut table, &mut Vec::new());
+            let mut got = vec![f64::NAN; tokens * hd];
+            for block in 0..cap * heads {
+                let (tile, h) = (block / heads, block % heads);
+                let e = &table[tile * 4..tile * 4 + 4];
+                let (q0, qc, k0, kl) = (e[0], e[1], e[2], e[3]);
+                let t = tokens as i32;
+                if qc <= 0 || qc > qt as i32 || q0 < 0 || q0 > t - qc {
+                    continue;
+                }
+                let (q0, qc, k0, kl) = (q0 as usize, qc as usize, k0 as usize, kl as usize);
+                for q in q0..q0 + qc {
+                    let o = if kl == 0 {
+                        vec![0.0; d]
+                    } else {
+                        assert!(k0 <= q0 && q0 + qc <= k0 + kl);
+                        attend(q, k0, kl, h)
+                    };
+                    got[q * hd + h * d..][..d].copy_from_slice(&o);
+                }
+            }
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() < 1e-12, "qt {qt}, element {i}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn packed_bert_plan() {
+        let (tokens, seqs) = (1024, 32);
+        let (p, w) = packed_bert_dims(tokens, seqs, 256, 384, 12, 1536);
+        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        assert_eq!(plan.layout, Layout::Packed { tokens: 1024 });
+        assert_eq!((plan.batch, plan.seq), (32, 256));
+        assert_eq!(plan.label(), "1024t (32 seqs of at most 256)");
+        assert_eq!(
+            names(&plan),
+            vec![
+                "embed_ln_packed_f16",
+                "mm",
+                "attention_varlen_tc_f16_d32",
+                "mm",
+                "add_ln_f16",
+                "mm",
+                "bias_act_f16_f16", // exact GELU
+                "mm",
+                "add_ln_f16",
+                "pool_packed_f16",
+            ]
+        );
+        assert_eq!(
+            plan.inputs
+                .iter()
+                .map(|i| (i.role, i.elems))
+                .collect::<Vec<_>>(),
+            vec![
+                (InputRole::TokenIds, 1024),
+                (InputRole::TokenTypeIds, 1024),
+                (InputRole::Positions, 1024),
+                (InputRole::SeqOffsets, 33),
+            ]
+        );
+        // One tile table (64-query tiles) after the inputs, in the input block.
+        let tiles = max_tiles(tokens, seqs, 64);
+        assert_eq!(tiles, 16 + 33);
+        let after_inputs = 3 * align_up(1024 * 4, ALIGN) + align_up(33 * 4, ALIGN);
+        assert_eq!(
+            plan.tile_tables,
+            vec![TileTable {
+                qt: 64,
+                max_tiles: tiles,
+                offset: after_inputs
+            }]
+        );
+        assert_eq!(
+            plan.input_bytes,
+            after_inputs + align_up(tiles * TILE_ENTRY * 4, ALIGN)
+        );
+        let (_, grid, block, smem, args) = kernel(&plan, "embed_ln_packed");
+        assert_eq!((grid, block, smem), ((1024, 1, 1), 96, 0));
+        assert_eq!(
+            &args[..3],
+            &[
+                Arg::Ptr(Loc::Input(0)),
+                Arg::Ptr(Loc::Input(4096)),
+                Arg::Ptr(Loc::Input(8192))
+            ]
+        );
+        assert_eq!(
+            &args[10..],
+            &[Arg::I32(384), Arg::I32(100), Arg::I32(512), Arg::I32(2)]
+        );
+        let (_, grid, block, smem, args) = kernel(&plan, "attention_varlen_tc");
+        assert_eq!(
+            (grid, block, smem),
+            ((tiles as u32 * 12, 1, 1), TC_THREADS, 0)
+        );
+        let h = Loc::Arena(0);
+        let qkv = Loc::Arena(align_up(1024 * 384 * 2, ALIGN));
+        let ctx = Loc::Arena(align_up(1024 * 384 * 2, ALIGN) + align_up(1024 * 3 * 384 * 2, ALIGN));
+        assert_eq!(
+            args,
+            &[
+                Arg::Ptr(qkv),
+                Arg::Ptr(Loc::Input(after_inputs)),
+                Arg::Ptr(ctx),
+                Arg::I32(12),
+                Arg::F32(1.0 / (32f32).sqrt()),
+                Arg::I32(1024),
+            ]
+        );
+        let (_, grid, block, smem, args) = kernel(&plan, "pool_packed");
+        assert_eq!((grid, block, smem), ((32, 1, 1), POOL_THREADS, 0));
+        assert_eq!(
+            args,
+            &[
+                Arg::Ptr(h),
+                Arg::Ptr(Loc::Input(3 * 4096)),
+                Arg::Ptr(Loc::Output(0)),
+                Arg::I32(1024),
+                Arg::I32(384),
+                Arg::I32(pool_code(Pooling::Mean)),
+                Arg::I32(1),
+            ]
+        );
+        assert_eq!(plan.output_elems, 32 * 384);
+        // Every layer's attention shares the one table.
+        let (p2, w2) = packed_bert_dims(64, 64, 64, 384, 12, 1536);
+        let plan2 = super::plan(&p2, &w2, DType::BF16, false, LIMITS).unwrap();
+        assert_eq!(plan2.tile_tables.len(), 1);
+        assert_eq!(plan2.tile_tables[0].max_tiles, 64);
+        assert_eq!(
+            kernel(&plan2, "attention_varlen_tc_bf16_d32").1,
+            (64 * 12, 1, 1)
+        );
+    }
+
+    /// f32, other head sizes and a disabled tensor-core kernel take the
+    /// CUDA-core varlen kernel: 32-query tiles, shared memory sized by the
+    /// longest sequence.
+    #[test]
+    fn packed_cuda_core_attention() {
+        let (p, w) = packed_bert_dims(512, 16, 256, 384, 12, 1536);
+        for (dtype, limits) in [
+            (DType::F32, LIMITS),
+            (DType::F16, LIMITS.with_disabled("tc_attention")),
+        ] {
+            let plan = plan(&p, &w, dtype, false, limits).unwrap();
+            let ts = suffix(dtype);
+            let (name, grid, block, smem, args) = kernel(&plan, "attention_varlen");
+            let tiles = max_tiles(512, 16, 32);
+            assert_eq!(name, format!("attention_varlen_{ts}_d32"));
+            assert_eq!(plan.tile_tables[0].qt, 32);
+            assert_eq!(plan.tile_tables[0].max_tiles, tiles);
+            assert_eq!((grid, block), ((tiles as u32 * 12, 1, 1), ATT_THREADS));
+            assert_eq!(smem as usize, attention_smem_bytes(256, 32));
+            assert_eq!(args.len(), 8);
+            assert_eq!(
+                &args[3..],
+                &[
+                    Arg::I32(12),
+                    Arg::I32(32),
+                    Arg::F32(1.0 / (32f32).sqrt()),
+                    Arg::I32(512),
+                    Arg::I32(256),
+                ]
+            );
+        }
+        // Head size 80 (f16): the d128 class with hd = 80.
+        let (p, w) = packed_bert_dims(256, 8, 128, 320, 4, 640);
+        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let (name, _, _, smem, args) = kernel(&plan, "attention_varlen");
+        assert_eq!(name, "attention_varlen_f16_d128");
+        assert_eq!(smem as usize, attention_smem_bytes(128, 128));
+        assert_eq!(args[4], Arg::I32(80));
+        // Sequences too long for the shared memory: the device cannot run it.
+        let (p, w) = packed_bert_dims(1024, 4, 512, 384, 12, 1536);
+        let e = super::plan(&p, &w, DType::F32, false, Limits::new(48 * 1024)).unwrap_err();
+        assert!(
+            matches!(e, BackendError::Unsupported(ref m) if m.contains("512")),
+            "{e:?}"
+        );
+        // f32 packed outputs: the pooled rows go straight to the f32 output.
+        let (p, w) = packed_bert_dims(64, 4, 64, 384, 12, 1536);
+        let plan = super::plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        assert_eq!(
+            kernel(&plan, "pool_packed_f32").4[2],
+            Arg::Ptr(Loc::Output(0))
+        );
     }
 
     #[test]
@@ -1325,6 +2139,9 @@ pub(crate) mod tests {
         assert!(att.contains(&format!("#define ATT_QT {ATT_QT}\n")));
         assert!(att.contains(&format!("#define ATT_KC {ATT_KC}\n")));
         assert!(att.contains(&format!("#define ATT_THREADS {ATT_THREADS}\n")));
+        let varlen = include_str!("../../../kernels/attention_varlen.cu");
+        assert!(varlen.contains("#define VT_QT TC_QT\n") && VARLEN_TC_QT == TC_QT);
+        assert!(varlen.contains("#define VA_QT ATT_QT\n") && VARLEN_QT == ATT_QT);
         let tc = include_str!("../../../kernels/attention_tc.cu");
         assert!(tc.contains("#define TC_WARPS 4\n") && TC_THREADS == 128 && TC_QT == 64);
         let sk = include_str!("../../../kernels/skinny.cu");

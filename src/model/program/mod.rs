@@ -11,6 +11,40 @@
 //! Activation buffers are reused across layers (the builder ping-pongs a
 //! handful of them), so a program's memory does not grow with depth.
 //!
+//! # Layouts
+//!
+//! A token program has one of two [`Layout`]s:
+//!
+//! * **padded** — `batch` rows of `seq` token slots; a batch's rows are padded
+//!   to `seq` and masked ([`InputRole::AttentionMask`]). Token ops:
+//!   [`Op::EmbedLayerNorm`], [`Op::Attention`], [`Op::Pool`].
+//! * **packed** — the sequences of a batch laid end to end in `tokens` token
+//!   slots: sequence `s` occupies slots `offsets[s] .. offsets[s + 1]` and the
+//!   slots after the last sequence (the *tail*, `offsets[batch] .. tokens`)
+//!   are padding that no real token ever attends to or pools. `batch` is the
+//!   most sequences the program holds (its output rows) and `seq` the longest
+//!   sequence it accepts. The inputs (all i32) are [`InputRole::TokenIds`],
+//!   [`InputRole::TokenTypeIds`] and [`InputRole::Positions`] of `tokens`
+//!   elements and [`InputRole::SeqOffsets`] of `batch + 1` (the cumulative
+//!   lengths, FlashAttention's `cu_seqlens`; unused sequence slots repeat the
+//!   last offset, so they are empty). Token ops: [`Op::PackedEmbedLayerNorm`],
+//!   [`Op::PackedAttention`], [`Op::PackedPool`]; `Linear` and `AddLayerNorm`
+//!   run over all `tokens` rows as in a padded program of `batch · seq` rows.
+//!   A packed graph is captured once per token budget and every batch changes
+//!   only the *contents* of those inputs.
+//!
+//!   For example, sequences of 3, 1 and 2 tokens in an 8-slot program of at
+//!   most 4 sequences:
+//!
+//!   ```text
+//!   slot        0  1  2  3  4  5  6  7
+//!   ids         a0 a1 a2 b0 c0 c1 0  0      (tail: 0)
+//!   positions   0  1  2  0  0  1  0  0
+//!   types       0  0  0  0  0  0  0  0
+//!   offsets     [0, 3, 4, 6, 6]             (slot 3 unused: empty)
+//!   output      rows a, b, c, and a zero row
+//!   ```
+//!
 //! * [`validate`]: the IR's rules, checked once before a backend captures a
 //!   program, and the check of a batch against it.
 //! * [`reference`]: a plain f64 interpreter, the yardstick for both backends.
@@ -46,12 +80,22 @@ pub enum BufKind {
 pub enum InputRole {
     /// f32 `[batch, features]`, padded rows are zero.
     Features,
-    /// i32 `[batch, seq]` token ids, padding positions hold 0 (the pad id is irrelevant: masked).
+    /// i32 `[batch, seq]` token ids, padding positions hold 0 (the pad id is
+    /// irrelevant: masked); in a packed program `[tokens]`, sequences end to
+    /// end and 0 in the tail.
     TokenIds,
     /// i32 `[batch, seq]`, 1 for real tokens, 0 for padding (also 0 for padded rows).
     AttentionMask,
-    /// i32 `[batch, seq]` segment ids (all 0 for single-sentence encoders).
+    /// i32 `[batch, seq]` segment ids (all 0 for single-sentence encoders);
+    /// `[tokens]` in a packed program.
     TokenTypeIds,
+    /// Packed programs: i32 `[tokens]`, the position of each token inside its
+    /// sequence (`0 .. len`); 0 in the tail.
+    Positions,
+    /// Packed programs: i32 `[batch + 1]`, the cumulative sequence lengths
+    /// (`offsets[0] = 0`, `offsets[s + 1] = offsets[s] + len(s)`); slots past
+    /// the batch's last sequence repeat the total, so they are empty.
+    SeqOffsets,
 }
 
 impl InputRole {
@@ -67,6 +111,17 @@ pub struct BufferDecl {
     pub kind: BufKind,
     /// Number of elements (not bytes).
     pub elems: usize,
+}
+
+/// How a program's token slots are organised (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Layout {
+    /// `batch` rows of `seq` slots (or feature rows, `seq = 1`).
+    #[default]
+    Padded,
+    /// Up to `batch` sequences of at most `seq` tokens, end to end in
+    /// `tokens` slots.
+    Packed { tokens: usize },
 }
 
 /// Element-wise activation applied after a linear layer's bias.
@@ -214,14 +269,74 @@ pub enum Op {
         mode: Pooling,
         normalize: bool,
     },
+    /// Packed programs: for every slot `t < tokens`,
+    /// `out[t] = LayerNorm(word[ids[t]] + position[positions[t]] + token_type[types[t]])`
+    /// (tail slots hold id 0, position 0, type 0 and get that embedding).
+    /// `max_seq_len` is the program's longest sequence: positions are below
+    /// it, and the position table has at least that many rows.
+    PackedEmbedLayerNorm {
+        ids: BufId,
+        token_types: BufId,
+        positions: BufId,
+        word: WeightId,
+        position: WeightId,
+        token_type: WeightId,
+        gamma: WeightId,
+        beta: WeightId,
+        eps: f32,
+        out: BufId,
+        tokens: usize,
+        max_seq_len: usize,
+        hidden: usize,
+    },
+    /// Packed programs: variable-length multi-head self-attention. `qkv` is
+    /// `[tokens, 3·heads·head_dim]` laid out as for [`Op::Attention`];
+    /// `offsets` the i32 `[seqs + 1]` cumulative lengths. The query at slot
+    /// `t` of sequence `s` attends to the keys `offsets[s] .. offsets[s+1]`
+    /// only (no mask: every key of its sequence is real); tail slots
+    /// (`offsets[seqs] .. tokens`) produce zeros. `out` is
+    /// `[tokens, heads·head_dim]`; scale `1/√head_dim`. No sequence is longer
+    /// than `max_seq_len` (the program's `seq`).
+    PackedAttention {
+        qkv: BufId,
+        offsets: BufId,
+        out: BufId,
+        tokens: usize,
+        seqs: usize,
+        max_seq_len: usize,
+        heads: usize,
+        head_dim: usize,
+    },
+    /// Packed programs: per-sequence pooling, `x` `[tokens, hidden]` → `out`
+    /// `[seqs, hidden]` (f32): row `s` pools slots `offsets[s] .. offsets[s+1]`
+    /// (mean: their average; cls: the first; max: the element-wise maximum),
+    /// then optional L2 normalisation as for [`Op::Pool`]. An empty sequence
+    /// (and so every unused sequence slot) gives a row of zeros, whatever the
+    /// mode.
+    PackedPool {
+        x: BufId,
+        offsets: BufId,
+        out: BufId,
+        tokens: usize,
+        seqs: usize,
+        hidden: usize,
+        mode: Pooling,
+        normalize: bool,
+    },
 }
 
-/// A model's forward pass at one (batch, seq) shape.
+/// A model's forward pass at one shape: `batch` rows of `seq` tokens
+/// (padded), or up to `batch` sequences of at most `seq` tokens in a budget
+/// of `tokens` slots (packed; see [`Layout`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Program {
+    /// Rows (padded), or most sequences (packed): the output's rows.
     pub batch: usize,
-    /// Sequence length (1 for models without a sequence axis).
+    /// Sequence length (1 for models without a sequence axis); in a packed
+    /// program, the longest sequence it accepts.
     pub seq: usize,
+    #[serde(default)]
+    pub layout: Layout,
     pub buffers: Vec<BufferDecl>,
     pub ops: Vec<Op>,
     /// Input buffers, in the order the model's [`InputRole`]s list them.
@@ -234,6 +349,18 @@ pub struct Program {
 impl Program {
     pub fn buffer(&self, id: BufId) -> &BufferDecl {
         &self.buffers[id.0]
+    }
+
+    /// Token slots of the program: `tokens` (packed) or `batch · seq`.
+    pub fn token_slots(&self) -> usize {
+        match self.layout {
+            Layout::Packed { tokens } => tokens,
+            Layout::Padded => self.batch * self.seq,
+        }
+    }
+
+    pub fn is_packed(&self) -> bool {
+        matches!(self.layout, Layout::Packed { .. })
     }
 
     /// The input buffer with the given role, if the program has one.
@@ -286,9 +413,40 @@ impl ProgramBuilder {
     }
 
     pub fn finish(self, batch: usize, seq: usize, output: BufId, output_dim: usize) -> Program {
+        self.finish_layout(batch, seq, Layout::Padded, output, output_dim)
+    }
+
+    /// A packed program of `tokens` slots, at most `seqs` sequences of at
+    /// most `max_seq_len` tokens.
+    pub fn finish_packed(
+        self,
+        tokens: usize,
+        seqs: usize,
+        max_seq_len: usize,
+        output: BufId,
+        output_dim: usize,
+    ) -> Program {
+        self.finish_layout(
+            seqs,
+            max_seq_len,
+            Layout::Packed { tokens },
+            output,
+            output_dim,
+        )
+    }
+
+    fn finish_layout(
+        self,
+        batch: usize,
+        seq: usize,
+        layout: Layout,
+        output: BufId,
+        output_dim: usize,
+    ) -> Program {
         Program {
             batch,
             seq,
+            layout,
             buffers: self.buffers,
             ops: self.ops,
             inputs: self.inputs,

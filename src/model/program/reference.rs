@@ -30,11 +30,11 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
         };
         if role == InputRole::Features {
             let mut v = vec![0f32; d.elems];
-            rows.pack(role, p.seq, PackTarget::F32(&mut v));
+            rows.pack_input(p.layout, role, p.seq, PackTarget::F32(&mut v));
             bufs[id.0] = v.iter().map(|x| *x as f64).collect();
         } else {
             let mut v = vec![0i32; d.elems];
-            rows.pack(role, p.seq, PackTarget::I32(&mut v));
+            rows.pack_input(p.layout, role, p.seq, PackTarget::I32(&mut v));
             bufs[id.0] = v.iter().map(|x| *x as f64).collect();
         }
     }
@@ -63,8 +63,129 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
             Activation::Identity => x,
         }
     };
+    // Softmax-weighted sum of `v` rows for one query (f64), given its scores
+    // (None: masked key); zeros when every key is masked.
+    let attend = |scores: &[Option<f64>], value: &dyn Fn(usize, usize) -> f64, o: &mut [f64]| {
+        o.fill(0.0);
+        let m = scores
+            .iter()
+            .flatten()
+            .cloned()
+            .fold(f64::NEG_INFINITY, f64::max);
+        if m == f64::NEG_INFINITY {
+            return;
+        }
+        let e: Vec<f64> = scores
+            .iter()
+            .map(|s| s.map_or(0.0, |s| (s - m).exp()))
+            .collect();
+        let sum: f64 = e.iter().sum();
+        for (j, ej) in e.iter().enumerate() {
+            for (d, od) in o.iter_mut().enumerate() {
+                *od += ej / sum * value(j, d);
+            }
+        }
+    };
     for op in &p.ops {
         match *op {
+            Op::PackedEmbedLayerNorm {
+                ids,
+                token_types,
+                positions,
+                word,
+                position,
+                token_type,
+                gamma,
+                beta,
+                eps,
+                out,
+                tokens,
+                hidden,
+                ..
+            } => {
+                let (wd, pd, td, g, b) =
+                    (wt(word), wt(position), wt(token_type), wt(gamma), wt(beta));
+                for t in 0..tokens {
+                    let id = bufs[ids.0][t] as usize;
+                    let tt = bufs[token_types.0][t] as usize;
+                    let pos = bufs[positions.0][t] as usize;
+                    let mut v: Vec<f64> = (0..hidden)
+                        .map(|c| wd[id * hidden + c] + pd[pos * hidden + c] + td[tt * hidden + c])
+                        .collect();
+                    ln(&mut v, &g, &b, eps);
+                    bufs[out.0][t * hidden..(t + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::PackedAttention {
+                qkv,
+                offsets,
+                out,
+                tokens,
+                seqs,
+                heads,
+                head_dim,
+                ..
+            } => {
+                let hd = heads * head_dim;
+                let q = bufs[qkv.0].clone();
+                let off: Vec<usize> = bufs[offsets.0].iter().map(|&v| v as usize).collect();
+                let scale = 1.0 / (head_dim as f64).sqrt();
+                // Tail slots (and anything no sequence covers) stay zero.
+                bufs[out.0][..tokens * hd].fill(0.0);
+                for s in 0..seqs {
+                    let (start, end) = (off[s], off[s + 1]);
+                    for h in 0..heads {
+                        for i in start..end {
+                            let qrow = &q[i * 3 * hd + h * head_dim..][..head_dim];
+                            let scores: Vec<Option<f64>> = (start..end)
+                                .map(|j| {
+                                    let krow = &q[j * 3 * hd + hd + h * head_dim..][..head_dim];
+                                    Some(
+                                        qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
+                                            * scale,
+                                    )
+                                })
+                                .collect();
+                            let value = |j: usize, d: usize| {
+                                q[(start + j) * 3 * hd + 2 * hd + h * head_dim + d]
+                            };
+                            let o = &mut bufs[out.0][i * hd + h * head_dim..][..head_dim];
+                            attend(&scores, &value, o);
+                        }
+                    }
+                }
+            }
+            Op::PackedPool {
+                x,
+                offsets,
+                out,
+                seqs,
+                hidden,
+                mode,
+                normalize,
+                ..
+            } => {
+                for s in 0..seqs {
+                    let (start, end) =
+                        (bufs[offsets.0][s] as usize, bufs[offsets.0][s + 1] as usize);
+                    let mut v = vec![0.0f64; hidden];
+                    if end > start {
+                        for (c, vc) in v.iter_mut().enumerate() {
+                            let xs = (start..end).map(|t| bufs[x.0][t * hidden + c]);
+                            *vc = match mode {
+                                Pooling::Cls => bufs[x.0][start * hidden + c],
+                                Pooling::Mean => xs.sum::<f64>() / (end - start) as f64,
+                                Pooling::Max => xs.fold(f64::NEG_INFINITY, f64::max),
+                            };
+                        }
+                    }
+                    if normalize {
+                        let n = v.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
+                        v.iter_mut().for_each(|a| *a /= n);
+                    }
+                    bufs[out.0][s * hidden..(s + 1) * hidden].copy_from_slice(&v);
+                }
+            }
             Op::EmbedLayerNorm {
                 ids,
                 token_types,

@@ -25,11 +25,30 @@
 //! * There is exactly one `Output` buffer, the program's output, of exactly
 //!   `batch · output_dim` elements.
 //!
+//! Packed programs ([`Layout::Packed`]) follow these rules too, and:
+//!
+//! * `tokens ≥ 1` and the longest sequence fits the budget (`seq ≤ tokens`).
+//! * Only packed token ops (`PackedEmbedLayerNorm`, `PackedAttention`,
+//!   `PackedPool`) appear in a packed program, only padded ones
+//!   (`EmbedLayerNorm`, `Attention`, `Pool`) in a padded one; a packed op's
+//!   `tokens`, `seqs` and `max_seq_len` are the program's `tokens`, `batch`
+//!   and `seq`.
+//! * A packed op's integer operands have the role it reads them as: ids are
+//!   `TokenIds`, types `TokenTypeIds`, positions `Positions`, offsets
+//!   `SeqOffsets` (the kernels trust their structure, which only the packing
+//!   of a batch guarantees).
+//! * The position table has at least `max_seq_len` rows.
+//! * Inputs: `TokenIds`, `TokenTypeIds` and `Positions` hold exactly `tokens`
+//!   elements and `SeqOffsets` exactly `batch + 1`; a packed program has no
+//!   feature input and no attention mask, and a padded one neither positions
+//!   nor offsets.
+//!
 //! [`ProgramFacts::check_rows`] then checks a batch: at least one and at most
 //! `batch` rows, sequences of at most `seq` tokens with ids inside the
-//! vocabulary, feature rows of the input's width.
+//! vocabulary, feature rows of the input's width; for a packed program also
+//! at most `tokens` tokens in all.
 
-use super::{BufId, BufKind, InputRole, Op, Program, WeightId};
+use super::{BufId, BufKind, InputRole, Layout, Op, Program, WeightId};
 use crate::model::{BatchRows, Weights};
 use thiserror::Error;
 
@@ -56,8 +75,13 @@ pub enum ProgramInput {
 /// What validation learned about a program: enough to check batches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProgramFacts {
+    /// Most rows (padded) or sequences (packed).
     pub batch: usize,
+    /// Longest sequence.
     pub seq: usize,
+    /// Packed programs: the token budget (the most tokens of a batch, all
+    /// sequences together).
+    pub tokens: Option<usize>,
     pub input: ProgramInput,
 }
 
@@ -113,6 +137,31 @@ impl Checker<'_> {
         self.buf(id, need, false)?;
         if matches!(self.program.buffers[id.0].kind, BufKind::Input(_)) {
             return invalid(format!("{} writes an input buffer", self.what));
+        }
+        Ok(())
+    }
+
+    /// An integer input the op reads as `role` (packed ops: the kernels
+    /// trust the structure only the packing of that role guarantees).
+    fn role(&self, id: BufId, role: InputRole, need: usize) -> Result<(), ProgramError> {
+        self.buf(id, need, true)?;
+        let decl = &self.program.buffers[id.0];
+        if decl.kind != BufKind::Input(role) {
+            return invalid(format!(
+                "{} reads `{}` ({:?}) as {role:?}",
+                self.what, decl.name, decl.kind
+            ));
+        }
+        Ok(())
+    }
+
+    /// A packed op's dimension that must equal the program's.
+    fn same(&self, name: &str, op: usize, program: usize) -> Result<(), ProgramError> {
+        if op != program {
+            return invalid(format!(
+                "{} has {name} {op}, the program {program}",
+                self.what
+            ));
         }
         Ok(())
     }
@@ -178,6 +227,31 @@ pub fn op_buffers(op: &Op) -> (Vec<BufId>, BufId) {
         } => (vec![x, residual], out),
         Op::Attention { qkv, mask, out, .. } => (vec![qkv, mask], out),
         Op::Pool { x, mask, out, .. } => (vec![x, mask], out),
+        Op::PackedEmbedLayerNorm {
+            ids,
+            token_types,
+            positions,
+            out,
+            ..
+        } => (vec![ids, token_types, positions], out),
+        Op::PackedAttention {
+            qkv, offsets, out, ..
+        } => (vec![qkv, offsets], out),
+        Op::PackedPool {
+            x, offsets, out, ..
+        } => (vec![x, offsets], out),
+    }
+}
+
+/// Whether an op belongs to padded programs only (`Some(false)`), packed
+/// programs only (`Some(true)`), or both (`None`).
+fn op_packed(op: &Op) -> Option<bool> {
+    match op {
+        Op::Linear { .. } | Op::AddLayerNorm { .. } => None,
+        Op::EmbedLayerNorm { .. } | Op::Attention { .. } | Op::Pool { .. } => Some(false),
+        Op::PackedEmbedLayerNorm { .. } | Op::PackedAttention { .. } | Op::PackedPool { .. } => {
+            Some(true)
+        }
     }
 }
 
@@ -189,6 +263,20 @@ impl Program {
         if batch == 0 || seq == 0 {
             return invalid(format!("the program has a zero dimension [{batch}, {seq}]"));
         }
+        let tokens = match self.layout {
+            Layout::Padded => None,
+            Layout::Packed { tokens } => {
+                if tokens == 0 {
+                    return invalid("the packed program has a budget of 0 tokens");
+                }
+                if seq > tokens {
+                    return invalid(format!(
+                        "the packed program's longest sequence ({seq}) exceeds its budget of {tokens} tokens"
+                    ));
+                }
+                Some(tokens)
+            }
+        };
         let mut vocab = None;
         let mut written = vec![false; self.buffers.len()];
         for (i, op) in self.ops.iter().enumerate() {
@@ -197,6 +285,16 @@ impl Program {
                 weights,
                 what: format!("op {i} ({})", op_name(op)),
             };
+            if let Some(packed) = op_packed(op) {
+                if packed != tokens.is_some() {
+                    return invalid(format!(
+                        "{} is a {} op in a {} program",
+                        c.what,
+                        if packed { "packed" } else { "padded" },
+                        if packed { "padded" } else { "packed" }
+                    ));
+                }
+            }
             self.validate_op(&c, op, &mut vocab)?;
             let (reads, out) = op_buffers(op);
             for id in reads {
@@ -212,7 +310,12 @@ impl Program {
         }
         let input = self.validate_inputs(vocab)?;
         self.validate_output()?;
-        Ok(ProgramFacts { batch, seq, input })
+        Ok(ProgramFacts {
+            batch,
+            seq,
+            tokens,
+            input,
+        })
     }
 
     fn validate_op(
@@ -315,6 +418,70 @@ impl Program {
                 c.buf(mask, batch * seq, true)?;
                 c.out(out, batch * hidden)
             }
+            Op::PackedEmbedLayerNorm {
+                ids,
+                token_types,
+                positions,
+                word,
+                position,
+                token_type,
+                gamma,
+                beta,
+                out,
+                tokens,
+                max_seq_len,
+                hidden,
+                ..
+            } => {
+                c.positive(&[tokens, max_seq_len, hidden])?;
+                c.same("tokens", tokens, self.token_slots())?;
+                c.same("max_seq_len", max_seq_len, self.seq)?;
+                c.role(ids, InputRole::TokenIds, tokens)?;
+                c.role(token_types, InputRole::TokenTypeIds, tokens)?;
+                c.role(positions, InputRole::Positions, tokens)?;
+                *vocab = Some(c.table(word, 1, hidden)?);
+                c.table(position, max_seq_len, hidden)?;
+                c.table(token_type, 1, hidden)?;
+                c.weight(gamma, &[hidden])?;
+                c.weight(beta, &[hidden])?;
+                c.out(out, tokens * hidden)
+            }
+            Op::PackedAttention {
+                qkv,
+                offsets,
+                out,
+                tokens,
+                seqs,
+                max_seq_len,
+                heads,
+                head_dim,
+            } => {
+                c.positive(&[tokens, seqs, max_seq_len, heads, head_dim])?;
+                c.same("tokens", tokens, self.token_slots())?;
+                c.same("seqs", seqs, self.batch)?;
+                c.same("max_seq_len", max_seq_len, self.seq)?;
+                c.distinct(qkv, out, "out aliases qkv")?;
+                c.buf(qkv, tokens * 3 * heads * head_dim, false)?;
+                c.role(offsets, InputRole::SeqOffsets, seqs + 1)?;
+                c.out(out, tokens * heads * head_dim)
+            }
+            Op::PackedPool {
+                x,
+                offsets,
+                out,
+                tokens,
+                seqs,
+                hidden,
+                ..
+            } => {
+                c.positive(&[tokens, seqs, hidden])?;
+                c.same("tokens", tokens, self.token_slots())?;
+                c.same("seqs", seqs, self.batch)?;
+                c.distinct(x, out, "out aliases x")?;
+                c.buf(x, tokens * hidden, false)?;
+                c.role(offsets, InputRole::SeqOffsets, seqs + 1)?;
+                c.out(out, seqs * hidden)
+            }
         }
     }
 
@@ -332,7 +499,29 @@ impl Program {
                     decl.name, decl.kind
                 ));
             };
-            if role == InputRole::Features {
+            if let Layout::Packed { tokens } = self.layout {
+                let want = match role {
+                    InputRole::TokenIds | InputRole::TokenTypeIds | InputRole::Positions => tokens,
+                    InputRole::SeqOffsets => batch + 1,
+                    InputRole::Features | InputRole::AttentionMask => {
+                        return invalid(format!(
+                            "input `{}` ({role:?}) in a packed program",
+                            decl.name
+                        ))
+                    }
+                };
+                if decl.elems != want {
+                    return invalid(format!(
+                        "packed input `{}` ({role:?}) has {} elements, expected {want}",
+                        decl.name, decl.elems
+                    ));
+                }
+            } else if matches!(role, InputRole::Positions | InputRole::SeqOffsets) {
+                return invalid(format!(
+                    "input `{}` ({role:?}) in a padded program",
+                    decl.name
+                ));
+            } else if role == InputRole::Features {
                 if decl.elems == 0 || decl.elems % batch != 0 {
                     return invalid(format!(
                         "feature input `{}` has {} elements, not a multiple of batch {batch}",
@@ -398,6 +587,9 @@ fn op_name(op: &Op) -> &'static str {
         Op::AddLayerNorm { .. } => "AddLayerNorm",
         Op::Attention { .. } => "Attention",
         Op::Pool { .. } => "Pool",
+        Op::PackedEmbedLayerNorm { .. } => "PackedEmbedLayerNorm",
+        Op::PackedAttention { .. } => "PackedAttention",
+        Op::PackedPool { .. } => "PackedPool",
     }
 }
 
@@ -410,10 +602,13 @@ impl ProgramFacts {
             return bad("the batch has no rows".into());
         }
         if n > self.batch {
-            return bad(format!(
-                "{n} rows do not fit the graph's batch of {}",
-                self.batch
-            ));
+            return bad(match self.tokens {
+                None => format!("{n} rows do not fit the graph's batch of {}", self.batch),
+                Some(_) => format!(
+                    "{n} sequences do not fit the graph's {} sequences",
+                    self.batch
+                ),
+            });
         }
         match (rows, self.input) {
             (BatchRows::Features { features, data }, ProgramInput::Features { width }) => {
@@ -430,6 +625,14 @@ impl ProgramFacts {
                 }
             }
             (BatchRows::Tokens(seqs), ProgramInput::Tokens { vocab }) => {
+                if let Some(budget) = self.tokens {
+                    let total = rows.tokens();
+                    if total > budget {
+                        return bad(format!(
+                            "{n} sequences of {total} tokens in all do not fit the graph's budget of {budget} tokens"
+                        ));
+                    }
+                }
                 for (i, ids) in seqs.iter().enumerate() {
                     if ids.len() > self.seq {
                         return bad(format!(
@@ -560,6 +763,305 @@ mod tests {
 
     fn error(p: &Program, w: &Weights) -> String {
         p.validate(w).unwrap_err().to_string()
+    }
+
+    /// Random-ish weights for [`encoder`]'s and [`packed_encoder`]'s tables
+    /// (the two read the same weight ids), so that their results differ
+    /// between tokens, positions and sequences.
+    fn filled(w: &Weights) -> Weights {
+        let mut out = Weights::new();
+        for (i, (_, t)) in w.iter().enumerate() {
+            let data = (0..t.data.len())
+                .map(|j| (((i * 7919 + j * 104_729) % 1000) as f32 / 500.0 - 1.0) * 0.7)
+                .collect();
+            out.push(&t.name, t.shape.clone(), data);
+        }
+        out
+    }
+
+    /// The packed twin of [`encoder`] (same weights): embedding → qkv →
+    /// varlen attention → add-norm → per-sequence pooling, `tokens` slots,
+    /// at most `seqs` sequences of at most `max_len` tokens.
+    fn packed_encoder(
+        tokens: usize,
+        seqs: usize,
+        max_len: usize,
+        mode: Pooling,
+    ) -> (Program, Weights) {
+        let (_, w) = encoder(1, 1);
+        let h = 8;
+        let ids_of = |name: &str| {
+            WeightId(
+                w.iter()
+                    .position(|(_, t)| t.name == name)
+                    .expect("weight of encoder()"),
+            )
+        };
+        let mut b = ProgramBuilder::new();
+        let ids = b.input("ids", InputRole::TokenIds, tokens);
+        let types = b.input("types", InputRole::TokenTypeIds, tokens);
+        let positions = b.input("positions", InputRole::Positions, tokens);
+        let offsets = b.input("offsets", InputRole::SeqOffsets, seqs + 1);
+        let hid = b.activation("h", tokens * h);
+        let qkv = b.activation("qkv", tokens * 3 * h);
+        let ctx = b.activation("ctx", tokens * h);
+        let out = b.output("out", seqs * h);
+        b.push(Op::PackedEmbedLayerNorm {
+            ids,
+            token_types: types,
+            positions,
+            word: ids_of("word"),
+            position: ids_of("pos"),
+            token_type: ids_of("tt"),
+            gamma: ids_of("g"),
+            beta: ids_of("b"),
+            eps: 1e-12,
+            out: hid,
+            tokens,
+            max_seq_len: max_len,
+            hidden: h,
+        });
+        b.push(Op::Linear {
+            x: hid,
+            w: ids_of("qkv"),
+            bias: None,
+            act: Activation::Identity,
+            out: qkv,
+            m: tokens,
+            n: 3 * h,
+            k: h,
+        });
+        b.push(Op::PackedAttention {
+            qkv,
+            offsets,
+            out: ctx,
+            tokens,
+            seqs,
+            max_seq_len: max_len,
+            heads: 2,
+            head_dim: 4,
+        });
+        b.push(Op::AddLayerNorm {
+            x: ctx,
+            residual: hid,
+            gamma: ids_of("g"),
+            beta: ids_of("b"),
+            eps: 1e-12,
+            out: hid,
+            rows: tokens,
+            hidden: h,
+        });
+        b.push(Op::PackedPool {
+            x: hid,
+            offsets,
+            out,
+            tokens,
+            seqs,
+            hidden: h,
+            mode,
+            normalize: true,
+        });
+        (b.finish_packed(tokens, seqs, max_len, out, h), w)
+    }
+
+    #[test]
+    fn packed_programs_give_their_facts() {
+        let (p, w) = packed_encoder(32, 5, 16, Pooling::Mean);
+        let f = p.validate(&w).unwrap();
+        assert_eq!(
+            (f.batch, f.seq, f.tokens, f.input),
+            (5, 16, Some(32), ProgramInput::Tokens { vocab: 10 })
+        );
+        assert_eq!((p.token_slots(), p.is_packed()), (32, true));
+        // The padded program has no budget.
+        let (p, w) = encoder(2, 8);
+        assert_eq!(p.validate(&w).unwrap().tokens, None);
+        // A budget of one token holding one sequence.
+        let (p, w) = packed_encoder(1, 1, 1, Pooling::Cls);
+        p.validate(&w).unwrap();
+    }
+
+    #[test]
+    fn packed_programs_break_their_own_rules() {
+        let check = |p: &Program, w: &Weights, want: &str| {
+            let e = error(p, w);
+            assert!(e.contains(want), "{want:?} not in {e:?}");
+        };
+        let (base, w) = packed_encoder(32, 4, 16, Pooling::Mean);
+        // The longest sequence must fit the budget and the position table (16 rows).
+        let (p, w17) = packed_encoder(32, 4, 17, Pooling::Mean);
+        check(&p, &w17, "pos");
+        let mut p = base.clone();
+        p.seq = 33;
+        check(&p, &w, "exceeds its budget");
+        let mut p = base.clone();
+        p.layout = Layout::Packed { tokens: 0 };
+        check(&p, &w, "budget of 0");
+        // A padded op in a packed program, and a packed op in a padded one.
+        let (padded, pw) = encoder(2, 8);
+        let mut p = base.clone();
+        p.ops[0] = padded.ops[0].clone();
+        check(&p, &w, "padded op in a packed program");
+        let mut p = padded.clone();
+        p.ops[4] = base.ops[4].clone();
+        check(&p, &pw, "packed op in a padded program");
+        // Ops' dimensions are the program's.
+        let mut p = base.clone();
+        if let Op::PackedAttention { seqs, .. } = &mut p.ops[2] {
+            *seqs = 3;
+        }
+        check(&p, &w, "seqs 3, the program 4");
+        let mut p = base.clone();
+        if let Op::PackedPool { tokens, .. } = &mut p.ops[4] {
+            *tokens = 16;
+        }
+        check(&p, &w, "tokens 16, the program 32");
+        let mut p = base.clone();
+        if let Op::PackedEmbedLayerNorm { max_seq_len, .. } = &mut p.ops[0] {
+            *max_seq_len = 8;
+        }
+        check(&p, &w, "max_seq_len 8, the program 16");
+        // Integer operands must have the role the op reads them as.
+        let mut p = base.clone();
+        if let Op::PackedAttention { offsets, .. } = &mut p.ops[2] {
+            *offsets = BufId(2); // the positions
+        }
+        check(&p, &w, "as SeqOffsets");
+        let mut p = base.clone();
+        if let Op::PackedEmbedLayerNorm { positions, ids, .. } = &mut p.ops[0] {
+            std::mem::swap(positions, ids);
+        }
+        check(&p, &w, "as TokenIds");
+        let mut p = base.clone();
+        if let Op::PackedPool { offsets, x, .. } = &mut p.ops[4] {
+            *offsets = *x;
+        }
+        check(&p, &w, "needs an i32 buffer");
+        // Aliasing.
+        let mut p = base.clone();
+        if let Op::PackedAttention { qkv, out, .. } = &mut p.ops[2] {
+            *out = *qkv;
+        }
+        check(&p, &w, "out aliases qkv");
+        let mut p = base.clone();
+        if let Op::PackedPool { x, out, .. } = &mut p.ops[4] {
+            *out = *x;
+        }
+        check(&p, &w, "out aliases x");
+        // Sizes of inputs, activations and the output.
+        let mut p = base.clone();
+        p.buffers[3].elems = 4; // offsets: seqs + 1 = 5
+        check(&p, &w, "offsets");
+        let mut p = base.clone();
+        p.buffers[2].elems = 33;
+        check(&p, &w, "expected 32");
+        let mut p = base.clone();
+        p.buffers[5].elems = 32 * 3 * 8 - 1; // qkv
+        check(&p, &w, "needs 768 elements");
+        // Packed programs have no mask or feature input; padded ones no offsets.
+        let mut p = base.clone();
+        p.buffers[1].kind = BufKind::Input(InputRole::AttentionMask);
+        check(&p, &w, "as TokenTypeIds");
+        let mut p = base.clone();
+        let extra = p.buffers.len();
+        p.buffers.push(super::super::BufferDecl {
+            name: "mask".into(),
+            kind: BufKind::Input(InputRole::AttentionMask),
+            elems: 32,
+        });
+        p.inputs.push(BufId(extra));
+        check(&p, &w, "in a packed program");
+        let mut p = padded.clone();
+        let extra = p.buffers.len();
+        p.buffers.push(super::super::BufferDecl {
+            name: "offsets".into(),
+            kind: BufKind::Input(InputRole::SeqOffsets),
+            elems: 3,
+        });
+        p.inputs.push(BufId(extra));
+        check(&p, &pw, "in a padded program");
+        // Read before write of the varlen attention's output.
+        let mut p = base.clone();
+        p.ops.remove(2);
+        check(&p, &w, "before any op writes it");
+    }
+
+    #[test]
+    fn packed_batches_are_checked_against_the_budget() {
+        let (p, w) = packed_encoder(16, 3, 8, Pooling::Mean);
+        let f = p.validate(&w).unwrap();
+        for ok in [
+            BatchRows::Tokens(vec![vec![1; 8], vec![2; 8]]), // budget filled exactly
+            BatchRows::Tokens(vec![vec![1; 8], vec![], vec![2; 8]]), // and an empty sequence
+            BatchRows::Tokens(vec![vec![9]]),                // nearly empty
+            BatchRows::Tokens(vec![vec![], vec![], vec![]]), // only empty sequences
+        ] {
+            f.check_rows(&ok).unwrap();
+        }
+        let cases = [
+            (
+                BatchRows::Tokens(vec![vec![1; 8], vec![2; 8], vec![3]]),
+                "budget of 16",
+            ),
+            (BatchRows::Tokens(vec![vec![1]; 4]), "4 sequences"),
+            (
+                BatchRows::Tokens(vec![vec![1; 9]]),
+                "more than the graph's seq of 8",
+            ),
+            (
+                BatchRows::Tokens(vec![vec![1, 10]]),
+                "outside the vocabulary",
+            ),
+            (BatchRows::Tokens(vec![]), "no rows"),
+        ];
+        for (rows, want) in cases {
+            let e = f.check_rows(&rows).unwrap_err().to_string();
+            assert!(e.contains(want), "{rows:?}: {e}");
+        }
+    }
+
+    /// The reference interpreter gives a packed program exactly what it
+    /// gives the padded program of the same model on the same sequences:
+    /// the two layouts compute the same function.
+    #[test]
+    fn packed_and_padded_programs_agree_in_the_reference() {
+        let rows = BatchRows::Tokens(vec![
+            vec![1, 5, 3, 2],
+            vec![7],
+            vec![],
+            vec![4, 4, 9, 8, 1, 2, 3, 6],
+        ]);
+        for mode in [Pooling::Mean, Pooling::Cls, Pooling::Max] {
+            let (mut padded, w) = encoder(4, 8);
+            if let Some(Op::Pool { mode: m, .. }) = padded.ops.last_mut() {
+                *m = mode;
+            }
+            let w = filled(&w);
+            padded.validate(&w).unwrap();
+            let want = super::super::reference::run(&padded, &w, crate::tensor::DType::F32, &rows);
+            for (tokens, seqs) in [(13, 4), (16, 5), (40, 9)] {
+                let (packed, _) = packed_encoder(tokens, seqs, 8, mode);
+                packed.validate(&w).unwrap();
+                let got =
+                    super::super::reference::run(&packed, &w, crate::tensor::DType::F32, &rows);
+                assert_eq!(got.len(), 4 * 8);
+                for (r, (g, p)) in got.chunks(8).zip(want.chunks(8)).enumerate() {
+                    // The padded Cls of an empty row reads its (padding) first
+                    // slot; the packed one is zeros by definition.
+                    if r == 2 {
+                        assert!(g.iter().all(|&v| v == 0.0), "{mode:?}: {g:?}");
+                        continue;
+                    }
+                    for (a, b) in g.iter().zip(p) {
+                        assert!(
+                            (a - b).abs() < 1e-6,
+                            "{mode:?} ({tokens}, {seqs}) row {r}: {g:?} vs {p:?}"
+                        );
+                    }
+                    assert!(g.iter().any(|&v| v != 0.0));
+                }
+            }
+        }
     }
 
     #[test]

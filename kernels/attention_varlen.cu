@@ -1,0 +1,390 @@
+// Variable-length multi-head self-attention over a packed batch: every
+// sequence of the batch lies end to end in one token buffer, and each query
+// attends to the keys of its own sequence only (no mask: every key of a
+// sequence is real).
+//
+// qkv   : [tokens, 3*heads*hd], laid out [q | k | v], heads contiguous inside each part
+// tiles : i32 [max_tiles][4], the work list the host writes for every batch
+//         (plan.rs `write_tile_table`), one entry per query tile:
+//           {q_start, q_count, kv_start, kv_len}
+//         queries q_start .. q_start+q_count (at most the kernel's tile size)
+//         attend to the keys kv_start .. kv_start+kv_len (their sequence);
+//         kv_len == 0 marks a tail tile, whose rows get zeros; q_count == 0 an
+//         unused entry (its blocks exit at once).
+// out   : [tokens, heads*hd]
+// grid  : (max_tiles * heads); block b runs tile b / heads for head b % heads,
+//         so the heads of one tile are neighbours and the host's order of the
+//         tiles (longest sequences first) is the order blocks are dispatched.
+//
+// The grid is fixed when a graph is captured; the table's contents change per
+// batch. Every entry is checked against `tokens` (and the tile size, and for
+// the CUDA-core kernel `max_len`) before anything is read, so no contents of
+// the table can make a block read or write outside the buffers: an entry that
+// breaks a bound is skipped.
+//
+// Two kernels:
+// * attention_varlen_tc_<t>_d<D> (f16/bf16, D = 32, 64, 128): tensor cores, as
+//   attention_tc.cu: 4 warps x 16 queries = 64 queries per tile, keys and V^T
+//   streamed through shared memory TC_KB at a time, mma.sync.m16n8k16 for
+//   Q.K^T and P.V, online softmax (running max and sum) in f32.
+// * attention_varlen_<t>_d<DMAX> (f32, and any head size <= 128): CUDA cores,
+//   as attention.cu: 32 queries per tile, exact softmax over score rows held
+//   in dynamic shared memory of VA_QT*(max_len|1) floats (plus the Q and K/V
+//   tiles), so the host sizes it by the program's longest sequence.
+//
+// Uses mma16816/pack2 and TC_* from attention_tc.cu and ATT_* from
+// attention.cu (one translation unit, those files come first).
+
+#define VT_QT TC_QT
+#define VA_QT ATT_QT
+
+// Reads and bounds-checks a tile entry; false when the block has nothing to do
+// or the entry is out of bounds.
+__device__ __forceinline__ bool varlen_tile(const int* __restrict__ tiles, int tile, int qt, int tokens,
+                                            int max_len, int& q_start, int& q_count, int& kv_start, int& kv_len) {
+    const int4 e = reinterpret_cast<const int4*>(tiles)[tile];
+    q_start = e.x;
+    q_count = e.y;
+    kv_start = e.z;
+    kv_len = e.w;
+    if (q_count <= 0 || q_count > qt || q_start < 0 || q_start > tokens - q_count) return false;
+    if (kv_len == 0) return true;  // tail tile: zeros
+    if (kv_len < 0 || kv_len > max_len || kv_start < 0 || kv_start > tokens - kv_len) return false;
+    // The queries belong to the sequence.
+    return q_start >= kv_start && q_start - kv_start <= kv_len - q_count;
+}
+
+// Zeros head h of rows q_start .. q_start+q_count (a tail tile).
+template <typename T>
+__device__ __forceinline__ void varlen_zero(T* out, int q_start, int q_count, int HD, int h, int hd) {
+    for (int i = threadIdx.x; i < q_count * hd; i += blockDim.x) {
+        const int r = i / hd, d = i % hd;
+        out[(size_t)(q_start + r) * HD + (size_t)h * hd + d] = from_f32<T>(0.0f);
+    }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ qkv, const int* __restrict__ tiles,
+                                                         T* __restrict__ out, int heads, float scale, int tokens) {
+    constexpr int KS = D + TC_PAD;      // sK row stride (halves)
+    constexpr int VS = TC_KB + TC_PAD;  // sVt row stride (halves)
+    constexpr int ND = D / 8;           // output n-tiles
+    constexpr int KD = D / 16;          // k-steps over the head
+    constexpr int NK = TC_KB / 8;       // score n-tiles per key block
+    __shared__ __align__(16) u16 sK[TC_KB * KS];
+    __shared__ __align__(16) u16 sVt[D * VS];
+
+    const int tile = blockIdx.x / heads, h = blockIdx.x % heads;
+    int q_start, q_count, kv_start, kv_len;
+    // Tensor-core tiles never exceed `tokens` keys; `tokens` bounds kv_len.
+    if (!varlen_tile(tiles, tile, VT_QT, tokens, tokens, q_start, q_count, kv_start, kv_len)) return;
+    const int HD = heads * D;
+    if (kv_len == 0) {
+        varlen_zero<T>(out, q_start, q_count, HD, h, D);
+        return;
+    }
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const size_t row_stride = (size_t)3 * HD;
+    // Everything below is relative to the sequence's first token.
+    const T* base = qkv + (size_t)kv_start * row_stride + (size_t)h * D;
+    const int seq = kv_len;
+    const int q_first = q_start - kv_start;  // the tile's first query in the sequence
+    const int q_end = q_first + q_count;     // one past its last
+    const int q0 = q_first + warp * 16;
+    const bool active = q0 < q_end;
+
+    unsigned qa[KD][4];
+#pragma unroll
+    for (int kk = 0; kk < KD; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int row = q0 + g + ((r & 1) ? 8 : 0);
+            const int col = kk * 16 + t4 * 2 + ((r & 2) ? 8 : 0);
+            qa[kk][r] = (row < q_end) ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col) : 0u;
+        }
+
+    float o[ND][4];
+#pragma unroll
+    for (int i = 0; i < ND; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[i][e] = 0.0f;
+    float m_run[2] = {NEG_INF_F, NEG_INF_F};
+    float l_run[2] = {0.0f, 0.0f};
+
+    for (int kb0 = 0; kb0 < seq; kb0 += TC_KB) {
+        __syncthreads();  // previous block's K/V consumed
+        for (int i = tid; i < TC_KB * (D / 8); i += TC_THREADS) {
+            const int j = i / (D / 8), d = (i % (D / 8)) * 8;
+            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
+            if (kb0 + j < seq) {
+                const T* r = base + (size_t)(kb0 + j) * row_stride;
+                kv = *reinterpret_cast<const uint4*>(r + HD + d);
+                vv = *reinterpret_cast<const uint4*>(r + 2 * HD + d);
+            }
+            *reinterpret_cast<uint4*>(&sK[j * KS + d]) = kv;
+            const unsigned vw[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                sVt[(d + 2 * e) * VS + j] = (u16)(vw[e] & 0xffffu);
+                sVt[(d + 2 * e + 1) * VS + j] = (u16)(vw[e] >> 16);
+            }
+        }
+        __syncthreads();
+        if (!active) continue;
+
+        float sc[NK][4];
+#pragma unroll
+        for (int nt = 0; nt < NK; nt++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) sc[nt][e] = 0.0f;
+            const u16* kr = &sK[(nt * 8 + g) * KS + t4 * 2];
+#pragma unroll
+            for (int kk = 0; kk < KD; kk++) {
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + kk * 16);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + kk * 16 + 8);
+                mma16816(sc[nt], qa[kk], b0, b1, T());
+            }
+        }
+        // Scale; keys past the sequence's end get -inf; online softmax.
+        float mx[2] = {NEG_INF_F, NEG_INF_F};
+#pragma unroll
+        for (int nt = 0; nt < NK; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = kb0 + nt * 8 + t4 * 2 + (e & 1);
+                const float s = key < seq ? sc[nt][e] * scale : NEG_INF_F;
+                sc[nt][e] = s;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m_run[r], mx[r]);
+            alpha[r] = (m_new == NEG_INF_F) ? 1.0f : expf(m_run[r] - m_new);
+            m_run[r] = m_new;
+        }
+        float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int nt = 0; nt < NK; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1;
+                const float p = (m_run[r] == NEG_INF_F) ? 0.0f : expf(sc[nt][e] - m_run[r]);
+                sc[nt][e] = p;
+                rs[r] += p;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * alpha[r] + rs[r];
+#pragma unroll
+        for (int i = 0; i < ND; i++) {
+            o[i][0] *= alpha[0];
+            o[i][1] *= alpha[0];
+            o[i][2] *= alpha[1];
+            o[i][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int ks = 0; ks < TC_KB / 16; ks++) {
+            unsigned pa[4];
+            pa[0] = pack2<T>(sc[2 * ks][0], sc[2 * ks][1]);
+            pa[1] = pack2<T>(sc[2 * ks][2], sc[2 * ks][3]);
+            pa[2] = pack2<T>(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+            pa[3] = pack2<T>(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+                const u16* vr = &sVt[(nd * 8 + g) * VS + ks * 16 + t4 * 2];
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(vr);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(vr + 8);
+                mma16816(o[nd], pa, b0, b1, T());
+            }
+        }
+    }
+    if (!active) return;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = q0 + g + 8 * r;
+        if (row >= q_end) continue;
+        const float inv = l_run[r] > 0.0f ? 1.0f / l_run[r] : 0.0f;
+        T* orow = out + ((size_t)kv_start + row) * HD + (size_t)h * D;
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) {
+            *reinterpret_cast<unsigned*>(orow + nd * 8 + t4 * 2) = pack2<T>(o[nd][2 * r] * inv, o[nd][2 * r + 1] * inv);
+        }
+    }
+}
+
+// Dynamic shared memory (floats): VA_QT*(DMAX+1) + ATT_KC*(DMAX+1) + VA_QT*(max_len|1),
+// the same formula as attention.cu with the program's longest sequence for seq
+// (attention_smem_bytes in plan.rs).
+template <typename T, int DMAX>
+__device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv, const int* __restrict__ tiles,
+                                                      T* __restrict__ out, int heads, int hd, float scale,
+                                                      int tokens, int max_len) {
+    constexpr int DP = DMAX + 1;
+    constexpr int DJ = DMAX / 16;
+    extern __shared__ float smem[];
+    float* sQ = smem;               // [VA_QT][DP]
+    float* sKV = sQ + VA_QT * DP;   // [ATT_KC][DP]
+    float* sP = sKV + ATT_KC * DP;  // [VA_QT][ld]
+    const int ld = max_len | 1;
+
+    const int tile = blockIdx.x / heads, h = blockIdx.x % heads;
+    int q_start, q_count, kv_start, kv_len;
+    if (!varlen_tile(tiles, tile, VA_QT, tokens, max_len, q_start, q_count, kv_start, kv_len)) return;
+    const int HD = heads * hd;
+    if (kv_len == 0) {
+        varlen_zero<T>(out, q_start, q_count, HD, h, hd);
+        return;
+    }
+    const int tid = threadIdx.x;
+    const size_t row_stride = (size_t)3 * HD;
+    const T* base = qkv + (size_t)kv_start * row_stride + (size_t)h * hd;
+    const int seq = kv_len;
+    const int q0 = q_start - kv_start;
+
+    for (int i = tid; i < VA_QT * DMAX; i += ATT_THREADS) {
+        const int qi = i / DMAX, d = i % DMAX;
+        float v = 0.0f;
+        if (qi < q_count && d < hd) v = to_f32(base[(size_t)(q0 + qi) * row_stride + d]) * scale;
+        sQ[qi * DP + d] = v;
+    }
+
+    const int tq = tid >> 4;
+    const int tk = tid & 15;
+    for (int c0 = 0; c0 < seq; c0 += ATT_KC) {
+        __syncthreads();
+        for (int i = tid; i < ATT_KC * DMAX; i += ATT_THREADS) {
+            const int kj = i / DMAX, d = i % DMAX;
+            float v = 0.0f;
+            if (c0 + kj < seq && d < hd) v = to_f32(base[(size_t)(c0 + kj) * row_stride + HD + d]);
+            sKV[kj * DP + d] = v;
+        }
+        __syncthreads();
+        float acc[4][4];
+#pragma unroll
+        for (int ii = 0; ii < 4; ii++)
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) acc[ii][jj] = 0.0f;
+#pragma unroll 8
+        for (int d = 0; d < DMAX; d++) {
+            float qv[4], kv[4];
+#pragma unroll
+            for (int ii = 0; ii < 4; ii++) qv[ii] = sQ[(tq + 8 * ii) * DP + d];
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) kv[jj] = sKV[(tk + 16 * jj) * DP + d];
+#pragma unroll
+            for (int ii = 0; ii < 4; ii++)
+#pragma unroll
+                for (int jj = 0; jj < 4; jj++) acc[ii][jj] = fmaf(qv[ii], kv[jj], acc[ii][jj]);
+        }
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+            const int kj = c0 + tk + 16 * jj;
+            if (kj < seq) {
+#pragma unroll
+                for (int ii = 0; ii < 4; ii++) sP[(tq + 8 * ii) * ld + kj] = acc[ii][jj];
+            }
+        }
+    }
+    __syncthreads();
+
+    // Softmax over each score row (seq >= 1 real keys): one warp per row.
+    {
+        const int warp = tid >> 5, lane = tid & 31;
+        for (int qi = warp; qi < VA_QT; qi += ATT_THREADS / 32) {
+            float* row = sP + qi * ld;
+            float m = NEG_INF_F;
+            for (int j = lane; j < seq; j += 32) m = fmaxf(m, row[j]);
+            m = warp_max(m);
+            float s = 0.0f;
+            for (int j = lane; j < seq; j += 32) {
+                const float e = expf(row[j] - m);
+                row[j] = e;
+                s += e;
+            }
+            const float inv = 1.0f / warp_sum(s);
+            for (int j = lane; j < seq; j += 32) row[j] *= inv;
+        }
+    }
+
+    const int td = tid & 15;
+    float o[4][DJ];
+#pragma unroll
+    for (int ii = 0; ii < 4; ii++)
+#pragma unroll
+        for (int jj = 0; jj < DJ; jj++) o[ii][jj] = 0.0f;
+    for (int c0 = 0; c0 < seq; c0 += ATT_KC) {
+        __syncthreads();
+        for (int i = tid; i < ATT_KC * DMAX; i += ATT_THREADS) {
+            const int kj = i / DMAX, d = i % DMAX;
+            float v = 0.0f;
+            if (c0 + kj < seq && d < hd) v = to_f32(base[(size_t)(c0 + kj) * row_stride + 2 * HD + d]);
+            sKV[kj * DP + d] = v;
+        }
+        __syncthreads();
+        const int kend = min(ATT_KC, seq - c0);
+#pragma unroll 4
+        for (int j = 0; j < kend; j++) {
+            float pv[4], vv[DJ];
+#pragma unroll
+            for (int ii = 0; ii < 4; ii++) pv[ii] = sP[(tq + 8 * ii) * ld + c0 + j];
+#pragma unroll
+            for (int jj = 0; jj < DJ; jj++) vv[jj] = sKV[j * DP + td + 16 * jj];
+#pragma unroll
+            for (int ii = 0; ii < 4; ii++)
+#pragma unroll
+                for (int jj = 0; jj < DJ; jj++) o[ii][jj] = fmaf(pv[ii], vv[jj], o[ii][jj]);
+        }
+    }
+#pragma unroll
+    for (int ii = 0; ii < 4; ii++) {
+        const int qi = tq + 8 * ii;
+        if (qi < q_count) {
+            T* orow = out + ((size_t)q_start + qi) * HD + (size_t)h * hd;
+#pragma unroll
+            for (int jj = 0; jj < DJ; jj++) {
+                const int d = td + 16 * jj;
+                if (d < hd) orow[d] = from_f32<T>(o[ii][jj]);
+            }
+        }
+    }
+}
+
+#define ATTENTION_VARLEN_TC_KERNEL(T, SUF, D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                   \
+        attention_varlen_tc_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale,      \
+                                         int tokens) {                                                         \
+        attention_varlen_tc_impl<T, D>(qkv, tiles, out, heads, scale, tokens);                                 \
+    }
+
+#define ATTENTION_VARLEN_KERNEL(T, SUF, DMAX)                                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                  \
+        attention_varlen_##SUF##_d##DMAX(const T* qkv, const int* tiles, T* out, int heads, int hd,           \
+                                         float scale, int tokens, int max_len) {                               \
+        attention_varlen_impl<T, DMAX>(qkv, tiles, out, heads, hd, scale, tokens, max_len);                    \
+    }
+
+ATTENTION_VARLEN_TC_KERNEL(f16_t, f16, 32)
+ATTENTION_VARLEN_TC_KERNEL(f16_t, f16, 64)
+ATTENTION_VARLEN_TC_KERNEL(f16_t, f16, 128)
+ATTENTION_VARLEN_TC_KERNEL(bf16_t, bf16, 32)
+ATTENTION_VARLEN_TC_KERNEL(bf16_t, bf16, 64)
+ATTENTION_VARLEN_TC_KERNEL(bf16_t, bf16, 128)
+
+ATTENTION_VARLEN_KERNEL(float, f32, 32)
+ATTENTION_VARLEN_KERNEL(float, f32, 64)
+ATTENTION_VARLEN_KERNEL(float, f32, 128)
+ATTENTION_VARLEN_KERNEL(f16_t, f16, 32)
+ATTENTION_VARLEN_KERNEL(f16_t, f16, 64)
+ATTENTION_VARLEN_KERNEL(f16_t, f16, 128)
+ATTENTION_VARLEN_KERNEL(bf16_t, bf16, 32)
+ATTENTION_VARLEN_KERNEL(bf16_t, bf16, 64)
+ATTENTION_VARLEN_KERNEL(bf16_t, bf16, 128)

@@ -1,0 +1,101 @@
+// Packed batches: per-sequence pooling + optional L2 normalisation, writing f32.
+//
+// x       : [tokens, hidden] (T), sequences end to end
+// offsets : i32 [seqs + 1], the cumulative lengths (cu_seqlens); sequence s is
+//           slots offsets[s] .. offsets[s+1]; unused slots repeat the total
+// out     : f32 [seqs, hidden]
+// mode    : POOL_MEAN (average of the sequence's tokens), POOL_CLS (its first
+//           token), POOL_MAX (element-wise maximum); an empty sequence gives
+//           zeros in every mode. Then, if `normalize`, out[s] /= max(||out[s]||, 1e-12).
+//
+// One block of POOL_THREADS (8 warps) per sequence slot, with pool.cu's
+// decomposition: columns in chunks of 32*POOL_VPL, warp w reduces the tokens
+// w, w+8, ... of the sequence, the partials meet in shared memory. The
+// offsets are clamped to [0, tokens] (an inverted range is empty), so no
+// contents of the offsets can make a block read outside `x`.
+
+template <typename T>
+__device__ __forceinline__ void pool_packed_impl(const T* __restrict__ x, const int* __restrict__ offsets,
+                                                 float* __restrict__ out, int tokens, int hidden, int mode,
+                                                 int normalize) {
+    __shared__ float part[POOL_WARPS][POOL_CHUNK];
+    __shared__ float sh[32];
+    const int s = blockIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int start = min(max(offsets[s], 0), tokens);
+    const int end = max(min(offsets[s + 1], tokens), start);
+    const int len = end - start;
+    const T* xs = x + (size_t)start * hidden;
+    float* os = out + (size_t)s * hidden;
+
+    if (len == 0) {
+        for (int c = tid; c < hidden; c += POOL_THREADS) os[c] = 0.0f;
+        return;
+    }
+    float sq = 0.0f;
+    if (mode == POOL_CLS) {
+        for (int c = tid; c < hidden; c += POOL_THREADS) {
+            const float v = to_f32(xs[c]);
+            os[c] = v;
+            sq += v * v;
+        }
+    } else {
+        const bool is_max = mode == POOL_MAX;
+        const float init = is_max ? NEG_INF_F : 0.0f;
+        const float inv_len = 1.0f / (float)len;
+        for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK) {
+            float acc[POOL_VPL];
+#pragma unroll
+            for (int k = 0; k < POOL_VPL; k++) acc[k] = init;
+            for (int t = warp; t < len; t += POOL_WARPS) {
+                const T* xr = xs + (size_t)t * hidden;
+#pragma unroll
+                for (int k = 0; k < POOL_VPL; k++) {
+                    const int c = c0 + lane + 32 * k;
+                    if (c < hidden) {
+                        const float v = to_f32(xr[c]);
+                        acc[k] = is_max ? fmaxf(acc[k], v) : acc[k] + v;
+                    }
+                }
+            }
+            __syncthreads();  // previous chunk's partials consumed
+#pragma unroll
+            for (int k = 0; k < POOL_VPL; k++) part[warp][lane + 32 * k] = acc[k];
+            __syncthreads();
+            for (int i = tid; i < POOL_CHUNK; i += POOL_THREADS) {
+                const int c = c0 + i;
+                if (c < hidden) {
+                    float v = part[0][i];
+#pragma unroll
+                    for (int w = 1; w < POOL_WARPS; w++) v = is_max ? fmaxf(v, part[w][i]) : v + part[w][i];
+                    if (!is_max) v *= inv_len;
+                    os[c] = v;
+                    sq += v * v;
+                }
+            }
+        }
+    }
+    if (normalize) {
+        const float total = block_sum(sq, sh);
+        const float inv = 1.0f / fmaxf(sqrtf(total), 1e-12f);
+        // Each thread rescales exactly the columns it wrote above.
+        if (mode == POOL_CLS) {
+            for (int c = tid; c < hidden; c += POOL_THREADS) os[c] *= inv;
+        } else {
+            for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK)
+                for (int i = tid; i < POOL_CHUNK; i += POOL_THREADS)
+                    if (c0 + i < hidden) os[c0 + i] *= inv;
+        }
+    }
+}
+
+#define POOL_PACKED_KERNEL(T, SUF)                                                                           \
+    extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                               \
+        pool_packed_##SUF(const T* x, const int* offsets, float* out, int tokens, int hidden, int mode,      \
+                          int normalize) {                                                                   \
+        pool_packed_impl<T>(x, offsets, out, tokens, hidden, mode, normalize);                               \
+    }
+
+POOL_PACKED_KERNEL(float, f32)
+POOL_PACKED_KERNEL(f16_t, f16)
+POOL_PACKED_KERNEL(bf16_t, bf16)
