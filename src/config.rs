@@ -262,7 +262,7 @@ pub struct ModelConfig {
     #[serde(default = "default_seq_buckets")]
     pub seq_buckets: Vec<usize>,
     /// `"padded"` or `"packed"` (BERT only; MLPs are always padded).
-    /// Default: padded.
+    /// Default: packed.
     #[serde(default)]
     pub batching: Option<BatchingMode>,
     /// Token budgets packed graphs are captured for (BERT, packed batching).
@@ -324,7 +324,7 @@ impl ModelConfig {
     pub fn batching_mode(&self) -> BatchingMode {
         match self.kind {
             ModelKind::Mlp => BatchingMode::Padded,
-            ModelKind::Bert => self.batching.unwrap_or(BatchingMode::Padded),
+            ModelKind::Bert => self.batching.unwrap_or(BatchingMode::Packed),
         }
     }
 
@@ -681,6 +681,22 @@ path = "mlp.safetensors"
         assert_eq!((m.kind, m.dtype), (ModelKind::Bert, DType::F32));
         assert_eq!(m.batch_buckets, default_batch_buckets());
         assert_eq!(m.seq_buckets, default_seq_buckets());
+        assert_eq!(m.batching_mode(), BatchingMode::Packed);
+        assert_eq!(
+            c.models[0].batching, None,
+            "the default, documented as a comment"
+        );
+    }
+
+    #[test]
+    fn bert_models_are_packed_unless_they_say_padded_and_mlps_are_always_padded() {
+        let bert = "[[models]]\nname = \"e\"\nkind = \"bert\"\npath = \"x\"\n";
+        let c = Config::parse(bert).unwrap();
+        assert_eq!(c.models[0].batching_mode(), BatchingMode::Packed);
+        let c = Config::parse(&format!("{bert}batching = \"padded\"\n")).unwrap();
+        assert_eq!(c.models[0].batching_mode(), BatchingMode::Padded);
+        let c = Config::parse(MINIMAL).unwrap();
+        assert_eq!(c.models[0].batching_mode(), BatchingMode::Padded);
     }
 
     #[test]

@@ -69,6 +69,7 @@ kind = "bert"
 path = "{MINILM_DIR}"
 batch_buckets = [1, 8, 32]
 seq_buckets = [16, 32, 128, 256]
+batching = "padded"
 """
 
 
