@@ -2,24 +2,24 @@
 # Stages what scripts/gpu-check.sh needs on a GPU machine that has no cargo
 # and no network: stripped release binaries in .carry/bin, the commit they
 # were built from, and an f16 copy of all-MiniLM-L6-v2 in .carry/minilm-f16
-# (the f32 weights are too large to carry; the check computes its reference
+# (xz-compressed; the f32 weights are too large to carry; the check computes its reference
 # embeddings there with sentence-transformers on these same weights).
 # .carry/ is git-ignored; pass it to the device tool's `carry`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --bins --example cuda_selftest
 # Compressed: the carry limit is 64 MiB and the model takes 45.
-rm -rf .carry/bin .carry/bin.tar.gz
+rm -rf .carry/bin .carry/bin.tar.gz .carry/bin.tar.xz
 mkdir -p .carry/stage
 for b in replayd replayctl replayd-loadgen; do
   strip -o ".carry/stage/$b" "target/release/$b"
 done
 strip -o .carry/stage/cuda_selftest target/release/examples/cuda_selftest
-tar -C .carry/stage -czf .carry/bin.tar.gz replayd replayctl replayd-loadgen cuda_selftest
+tar -C .carry/stage -cJf .carry/bin.tar.xz replayd replayctl replayd-loadgen cuda_selftest
 rm -rf .carry/stage
 git rev-parse --short HEAD > .carry/COMMIT
 git diff --quiet HEAD || echo "+uncommitted" >> .carry/COMMIT
-if [ ! -f .carry/minilm-f16/model.safetensors ]; then
+if [ ! -f .carry/minilm-f16/model.safetensors.xz ]; then
   scripts/fetch-model.sh
   python3 - <<'PY'
 import json, os, shutil, struct
@@ -53,5 +53,8 @@ with open(os.path.join(dst, "model.safetensors"), "wb") as f:
     for c in chunks:
         f.write(c)
 PY
+  # The tree, the binaries and the model must fit the 64 MiB carry limit:
+  # f16 weights compress by about a tenth.
+  xz -9 -T2 .carry/minilm-f16/model.safetensors
 fi
 du -sh .carry

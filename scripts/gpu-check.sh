@@ -21,11 +21,19 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 BACKEND=${GPU_CHECK_BACKEND:-cuda}
+# GPU_CHECK_STEPS=backend stops after the backend check (a quick kernel check).
+STEPS=${GPU_CHECK_STEPS:-all}
 BIN=${GPU_CHECK_BIN:-}
 if [ -z "$BIN" ]; then  # binaries staged by scripts/gpu-carry.sh
-  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xzf .carry/bin.tar.gz
+  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
 fi
-MODEL=${GPU_CHECK_MODEL:-.carry/minilm-f16}
+MODEL=${GPU_CHECK_MODEL:-}
+if [ -z "$MODEL" ]; then  # the f16 copy staged by scripts/gpu-carry.sh, unpacked
+  MODEL=/tmp/minilm-f16
+  if [ ! -f "$MODEL/model.safetensors" ]; then
+    rm -rf "$MODEL"; cp -R .carry/minilm-f16 "$MODEL"; xz -d "$MODEL/model.safetensors.xz"
+  fi
+fi
 MLP=tests/data/mlp_seed.safetensors
 TEXTS=tests/data/minilm_set_a.jsonl
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -124,6 +132,11 @@ TOML
   fi
 fi
 
+if [ "$STEPS" = backend ]; then
+  log "GPU_CHECK_STEPS=backend: stopping after the backend check (failed=$FAILED)"
+  exit $FAILED
+fi
+
 # --- 3. the daemon
 GPUS="all"
 cat > "$WORK/replayd.toml" <<TOML
@@ -194,6 +207,27 @@ wait $LOADPID || fail "load during fault injection had errors (see load_fault.lo
 [ -n "$RECOVERED" ] && log "recovered in ${RECOVERED}s after the fault" || fail "device did not recover"
 stats > "$OUT/stats_after_fault.json"
 
+# --- 4b. a hung device under load: a kernel that never ends; the watchdog
+# must find the silent worker, kill it and re-run what it held.
+log "hang injection under load"
+"${LOAD[@]}" --json "$OUT/load_hang.json" --model minilm-f16 --texts "$REF_F32" --min-cosine 0.999 \
+  --batch 4 --random-batch --concurrency 64 --duration ${HANG_SECONDS:-10} > "$OUT/load_hang.log" 2>&1 &
+LOADPID=$!
+sleep 2
+T_HANG=$(date +%s.%N)
+"${CTL[@]}" inject-fault --kind hang --device "$( [ "$BACKEND" = cuda ] && echo cuda:0 || echo cpu:0 )" | tee -a "$OUT/gpu-check.log"
+HANG_RECOVERED=""
+for _ in $(seq 1 1200); do
+  if stats | python3 -c "import json,sys; d=[x for x in json.load(sys.stdin)['devices'] if x['label'] in ('cuda:0','cpu:0')][0]; sys.exit(0 if d['state']=='ready' and d['hangs']>=1 else 1)"; then
+    HANG_RECOVERED=$(python3 -c "import time; print(round(time.time()-$T_HANG, 2))"); break
+  fi
+  sleep 0.05
+done
+wait $LOADPID || fail "load during the hang had errors (see load_hang.log)"
+[ -n "$HANG_RECOVERED" ] && log "hung device found and back in ${HANG_RECOVERED}s" || fail "hung device not recovered"
+echo "$HANG_RECOVERED" > "$OUT/hang_recovered_s.txt"
+stats > "$OUT/stats_after_hang.json"
+
 # --- 5. two GPUs: a fault on the second while the first keeps serving
 if [ "$NGPU" -ge 2 ]; then
   SECOND=$( [ "$BACKEND" = cuda ] && echo cuda:1 || echo cpu:1 )
@@ -222,7 +256,7 @@ s = load("stats_after_correctness.json")
 print("## Correctness through the daemon\n")
 print("| run | requests ok | errors | stray replies | check | devices |")
 print("|---|---|---|---|---|---|")
-for name in ["mlp", "minilm_f32", "minilm_f16", "mlp_oversize", "fault", "fault2"]:
+for name in ["mlp", "minilm_f32", "minilm_f16", "mlp_oversize", "fault", "hang", "fault2"]:
     d = load(f"load_{name}.json")
     if not d:
         continue
