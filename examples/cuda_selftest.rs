@@ -987,7 +987,7 @@ fn main() {
                         &mut rng,
                     ),
                     packed_rows(&[16.min(max_len)], d.vocab, &mut rng),
-                    packed_rows(&[max_len, 0, 1], d.vocab, &mut rng),
+                    packed_rows(&[max_len.min(tokens - 1), 0, 1], d.vocab, &mut rng),
                     packed_rows(&vec![1; seqs.min(tokens)], d.vocab, &mut rng),
                     packed_rows(
                         &fill_lens(tokens - 7, seqs - 1, max_len, &mut rng),
