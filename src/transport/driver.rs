@@ -134,6 +134,7 @@ pub(super) async fn start(
         budget: Budget::new(limits.max_buffered_bytes.max(1)),
         stats: stats.clone(),
         limits,
+        held: None,
     };
     tokio::spawn(driver.run());
     Ok((endpoint, in_rx, out_tx, stats))
@@ -292,6 +293,8 @@ struct Driver {
     budget: Arc<Budget>,
     stats: Arc<TransportStats>,
     limits: TransportLimits,
+    /// A DEALER's message that libzmq could not take yet (see `send`).
+    held: Option<Vec<Bytes>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -314,8 +317,14 @@ impl Driver {
         let mut outbox_open = true;
         let mut was_paused = false;
         loop {
-            // 1. Sends first, so replies never wait behind input.
-            while outbox_open {
+            // 1. Sends first, so replies never wait behind input; a held
+            // DEALER message goes before anything newer.
+            if let Some(frames) = self.held.take() {
+                if !self.send(frames) {
+                    return self.close().await;
+                }
+            }
+            while outbox_open && self.held.is_none() {
                 match self.outbox.try_recv() {
                     Ok(frames) => {
                         if !self.send(frames) {
@@ -371,8 +380,20 @@ impl Driver {
                 tokio::task::yield_now().await;
                 continue;
             }
-            if !outbox_open && !receiving {
+            if !outbox_open && !receiving && self.held.is_none() {
                 return self.close().await;
+            }
+            // A held message is retried as soon as libzmq has room (checked
+            // before waiting, since ZMQ_FD only signals changes).
+            if self.held.is_some()
+                && self
+                    .main
+                    .get_ref()
+                    .socket
+                    .get_events()
+                    .is_ok_and(|e| e.contains(zmq::POLLOUT))
+            {
+                continue;
             }
             // 4. Wait for anything that could let us make progress. Every
             // readiness wait is preceded by a ZMQ_EVENTS read above (steps 2
@@ -386,11 +407,11 @@ impl Driver {
                 };
                 tokio::select! {
                     biased;
-                    m = self.outbox.recv(), if outbox_open => match m {
+                    m = self.outbox.recv(), if outbox_open && self.held.is_none() => match m {
                         Some(frames) => Wake::Send(frames),
                         None => Wake::OutboxClosed,
                     },
-                    r = self.main.readable(), if receiving && blocked == Blocked::No => {
+                    r = self.main.readable(), if (receiving && blocked == Blocked::No) || self.held.is_some() => {
                         if let Ok(mut g) = r { g.clear_ready() }
                         Wake::Other
                     }
@@ -417,10 +438,14 @@ impl Driver {
     }
 
     /// Sends one message without waiting; false if the socket is unusable.
-    fn send(&self, frames: Vec<Bytes>) -> bool {
+    /// A DEALER whose peer is at its high-water mark keeps the message in
+    /// `held` (and sends nothing more) until libzmq has room: a DEALER's
+    /// sender wants back-pressure, not loss. A ROUTER drops and counts.
+    fn send(&mut self, frames: Vec<Bytes>) -> bool {
+        debug_assert!(self.held.is_none());
         let socket = &self.main.get_ref().socket;
         let last = frames.len() - 1;
-        for (i, frame) in frames.into_iter().enumerate() {
+        for (i, frame) in frames.iter().cloned().enumerate() {
             let flags = zmq::DONTWAIT | if i < last { zmq::SNDMORE } else { 0 };
             let message = if frame.len() >= ZERO_COPY_SEND {
                 zmq::Message::from(Vec::from(frame))
@@ -431,6 +456,10 @@ impl Driver {
                 Ok(()) => {}
                 // libzmq checks the HWM and the route on the first frame
                 // only; a refusal there leaves nothing half-sent.
+                Err(zmq::Error::EAGAIN) if i == 0 && self.kind == Kind::Dealer => {
+                    self.held = Some(frames);
+                    return true;
+                }
                 Err(zmq::Error::EAGAIN) if i == 0 => {
                     bump(&self.stats.dropped_sends);
                     return true;

@@ -46,7 +46,9 @@
 //!   ROUTER runs with `ZMQ_ROUTER_MANDATORY`, so a reply to a peer at its
 //!   high-water mark fails with `EAGAIN` instead of blocking: it is dropped and
 //!   counted in [`StatsSnapshot::dropped_sends`], and replies to other peers
-//!   are not delayed. A reply to a peer that has gone (`EHOSTUNREACH`) is
+//!   are not delayed. A DEALER (one peer: the client's daemon, the worker
+//!   link) keeps a message libzmq cannot take yet and sends it, then the
+//!   rest in order, once libzmq has room: back-pressure, nothing lost. A reply to a peer that has gone (`EHOSTUNREACH`) is
 //!   counted in `unroutable_sends`. libzmq cannot disconnect one peer of a
 //!   ROUTER, so the policy is drop-and-count.
 //!
@@ -629,8 +631,9 @@ impl DealerReceiver {
 }
 
 impl DealerSender {
-    /// Queues `frames` and returns at once; past `send_hwm` (or with no peer
-    /// connected to a bound DEALER) the message is dropped and counted.
+    /// Queues `frames` and returns at once. Messages go out in order; while
+    /// the peer is at `send_hwm` (or a bound DEALER has no peer yet) they
+    /// wait in the driver rather than being dropped.
     pub fn send(&self, frames: Vec<Bytes>) -> Result<(), SendError> {
         if frames.is_empty() {
             return Err(SendError::Empty);
