@@ -4,7 +4,7 @@
 
 use super::{bump, Budget, Received, Security, TransportError, TransportLimits, TransportStats};
 use bytes::Bytes;
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -134,7 +134,7 @@ pub(super) async fn start(
         budget: Budget::new(limits.max_buffered_bytes.max(1)),
         stats: stats.clone(),
         limits,
-        held: None,
+        pending: VecDeque::new(),
     };
     tokio::spawn(driver.run());
     Ok((endpoint, in_rx, out_tx, stats))
@@ -293,8 +293,9 @@ struct Driver {
     budget: Arc<Budget>,
     stats: Arc<TransportStats>,
     limits: TransportLimits,
-    /// A DEALER's message that libzmq could not take yet (see `send`).
-    held: Option<Vec<Bytes>>,
+    /// A DEALER's messages that libzmq could not take yet, oldest first
+    /// (see `send`); what the senders queue meanwhile goes behind them.
+    pending: VecDeque<Vec<Bytes>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -317,17 +318,23 @@ impl Driver {
         let mut outbox_open = true;
         let mut was_paused = false;
         loop {
-            // 1. Sends first, so replies never wait behind input; a held
-            // DEALER message goes before anything newer.
-            if let Some(frames) = self.held.take() {
+            // 1. Sends first, so replies never wait behind input; held
+            // DEALER messages go before anything newer.
+            while let Some(frames) = self.pending.pop_front() {
+                let left = self.pending.len();
                 if !self.send(frames) {
                     return self.close().await;
                 }
+                if self.pending.len() > left {
+                    break; // put back: libzmq still has no room
+                }
             }
-            while outbox_open && self.held.is_none() {
+            while outbox_open {
                 match self.outbox.try_recv() {
                     Ok(frames) => {
-                        if !self.send(frames) {
+                        if !self.pending.is_empty() {
+                            self.pending.push_back(frames);
+                        } else if !self.send(frames) {
                             return self.close().await;
                         }
                     }
@@ -380,12 +387,17 @@ impl Driver {
                 tokio::task::yield_now().await;
                 continue;
             }
-            if !outbox_open && !receiving && self.held.is_none() {
+            if !outbox_open && !receiving {
+                // Both halves are gone: messages still held for a peer that
+                // never came back (a dead worker) are given up.
+                for _ in self.pending.drain(..) {
+                    bump(&self.stats.dropped_sends);
+                }
                 return self.close().await;
             }
-            // A held message is retried as soon as libzmq has room (checked
+            // Held messages are retried as soon as libzmq has room (checked
             // before waiting, since ZMQ_FD only signals changes).
-            if self.held.is_some()
+            if !self.pending.is_empty()
                 && self
                     .main
                     .get_ref()
@@ -407,11 +419,11 @@ impl Driver {
                 };
                 tokio::select! {
                     biased;
-                    m = self.outbox.recv(), if outbox_open && self.held.is_none() => match m {
+                    m = self.outbox.recv(), if outbox_open => match m {
                         Some(frames) => Wake::Send(frames),
                         None => Wake::OutboxClosed,
                     },
-                    r = self.main.readable(), if (receiving && blocked == Blocked::No) || self.held.is_some() => {
+                    r = self.main.readable(), if (receiving && blocked == Blocked::No) || !self.pending.is_empty() => {
                         if let Ok(mut g) = r { g.clear_ready() }
                         Wake::Other
                     }
@@ -427,7 +439,9 @@ impl Driver {
             };
             match wake {
                 Wake::Send(frames) => {
-                    if !self.send(frames) {
+                    if !self.pending.is_empty() {
+                        self.pending.push_back(frames);
+                    } else if !self.send(frames) {
                         return self.close().await;
                     }
                 }
@@ -439,10 +453,9 @@ impl Driver {
 
     /// Sends one message without waiting; false if the socket is unusable.
     /// A DEALER whose peer is at its high-water mark keeps the message in
-    /// `held` (and sends nothing more) until libzmq has room: a DEALER's
+    /// `pending` (and sends nothing more) until libzmq has room: a DEALER's
     /// sender wants back-pressure, not loss. A ROUTER drops and counts.
     fn send(&mut self, frames: Vec<Bytes>) -> bool {
-        debug_assert!(self.held.is_none());
         let socket = &self.main.get_ref().socket;
         let last = frames.len() - 1;
         for (i, frame) in frames.iter().cloned().enumerate() {
@@ -457,7 +470,7 @@ impl Driver {
                 // libzmq checks the HWM and the route on the first frame
                 // only; a refusal there leaves nothing half-sent.
                 Err(zmq::Error::EAGAIN) if i == 0 && self.kind == Kind::Dealer => {
-                    self.held = Some(frames);
+                    self.pending.push_front(frames);
                     return true;
                 }
                 Err(zmq::Error::EAGAIN) if i == 0 => {

@@ -364,8 +364,8 @@ pub struct StatsSnapshot {
     pub messages_received: u64,
     pub bytes_received: u64,
     pub messages_sent: u64,
-    /// Sends dropped because the peer was at `send_hwm` (or, on a DEALER,
-    /// because no peer was connected).
+    /// Sends dropped: a ROUTER's peer was at `send_hwm`, or a DEALER was
+    /// dropped while messages still waited for a peer.
     pub dropped_sends: u64,
     /// ROUTER sends to a peer that is no longer connected.
     pub unroutable_sends: u64,
@@ -566,8 +566,9 @@ impl Dealer {
     }
 
     /// Binds a DEALER at `endpoint` (the daemon's end of the worker link).
-    /// Until a peer connects, sends are dropped and counted (libzmq has no
-    /// pipe to queue them in).
+    /// Until a peer connects, sends wait in the driver (libzmq has no pipe
+    /// to queue them in yet); if both halves are dropped first, they are
+    /// dropped and counted.
     pub async fn bind(
         endpoint: &str,
         limits: &TransportLimits,
