@@ -60,9 +60,7 @@ pub fn reloading() {
 /// How often to send `WATCHDOG=1`: half of `$WATCHDOG_USEC`, when systemd
 /// set it for this process (`$WATCHDOG_PID` absent or ours).
 pub fn watchdog_interval() -> Option<Duration> {
-    if std::env::var_os("NOTIFY_SOCKET").is_none() {
-        return None;
-    }
+    std::env::var_os("NOTIFY_SOCKET")?;
     let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.trim().parse().ok()?;
     if let Ok(pid) = std::env::var("WATCHDOG_PID") {
         if pid.trim().parse::<u32>().ok() != Some(std::process::id()) {

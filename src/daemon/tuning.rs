@@ -199,8 +199,8 @@ pub fn best_ladder(hist: &Histogram, k: usize, max: u64, align: u64) -> Vec<u64>
     // dp[t][j]: least cost covering every value ≤ cands[j] with t+1 sizes, the last cands[j].
     let mut dp = vec![vec![u128::MAX; m]; k];
     let mut from = vec![vec![usize::MAX; m]; k];
-    for j in 0..m {
-        dp[0][j] = cost(None, j);
+    for (j, first) in dp[0].iter_mut().enumerate() {
+        *first = cost(None, j);
     }
     for t in 1..k {
         for j in t..m {
