@@ -1062,15 +1062,15 @@ mod tests {
 latency p50/p99: total - / -   queued - / -   on the device - / -
 
 | model                                                            | batching | requests | graph hit rate | eager | errors | tokens | computed | padding | queued |
-|------------------------------------------------------------------|----------|---------:|---------------:|------:|-------:|-------:|---------:|--------:|-------:|
+|------------------------------------------------------------------|----------|----------|----------------|-------|--------|--------|----------|---------|--------|
 | sentence-transformers-all-MiniLM-L6-v2-finetuned-support-tickets | packed   |        2 |          50.0% |     1 |      0 |     60 |       64 |    6.2% |      0 |
 | mlp                                                              | padded   |        3 |         100.0% |     0 |      1 |     15 |       24 |   37.5% |      0 |
   sentence-transformers-all-MiniLM-L6-v2-finetuned-support-tickets: token budgets [64, 256], at most 16 sequences
   mlp: batch buckets [1, 8]
 
-| model                                                            | bucket | requests | batches | seqs/batch | seq fill | tokens | computed | token fill | padding |    p50 |    p99 |
-|------------------------------------------------------------------|--------|---------:|--------:|-----------:|---------:|-------:|---------:|-----------:|--------:|-------:|-------:|
-| mlp                                                              | 8x1    |        3 |       3 |        5.0 |    62.5% |     15 |       24 |      62.5% |   37.5% | 250 µs | 250 µs |
+| model                                                            | bucket | requests | batches | seqs/batch | seq fill | tokens | computed | token fill | padding |     p50 |     p99 |
+|------------------------------------------------------------------|--------|----------|---------|------------|----------|--------|----------|------------|---------|---------|---------|
+| mlp                                                              | 8x1    |        3 |       3 |        5.0 |    62.5% |     15 |       24 |      62.5% |   37.5% |  250 µs |  250 µs |
 | sentence-transformers-all-MiniLM-L6-v2-finetuned-support-tickets | 64t    |        1 |       1 |        2.0 |    12.5% |     60 |       64 |      93.8% |    6.2% | 1.50 ms | 1.50 ms |
 (seq fill: real sequences over the bucket's rows; token fill: real tokens over computed; padding: 1 − token fill; p50/p99: latency of the requests named after the bucket)
 
@@ -1078,7 +1078,7 @@ eager requests: 1 (seq_too_long 1)   batches 1, sequences 1, tokens 300   queued
 errors by code: overloaded 1   retried batches 0
 
 | device | role | state | batches | in flight | graphs | restarts |
-|--------|------|-------|--------:|----------:|-------:|---------:|
+|--------|------|-------|---------|-----------|--------|----------|
 "#;
         assert_eq!(text, expected, "got:\n{text}");
         // Every line of a table has the same width as its header.
