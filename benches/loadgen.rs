@@ -19,7 +19,7 @@
 //! ```sh
 //! scripts/make-corpus.py /tmp/corpus.jsonl
 //! replayd-loadgen --model all-MiniLM-L6-v2 --texts /tmp/corpus.jsonl --batch 32 \
-//!     --concurrency 256 --duration 20 --control tcp://127.0.0.1:5556
+//!     --concurrency 256 --duration 20 --control ipc://$XDG_RUNTIME_DIR/replayd/control.sock
 //! ```
 
 use clap::Parser;

@@ -41,7 +41,13 @@ pub struct Frontend {
     metrics: Arc<Metrics>,
     limits: DecodeLimits,
     admission: Arc<Admission>,
+    /// Turns of the socket loop (it turns at least every [`TURN`]), for the
+    /// health loop that feeds systemd's watchdog.
+    turns: std::sync::atomic::AtomicU64,
 }
+
+/// The socket loop turns at least this often, even with no traffic.
+pub const TURN: Duration = Duration::from_millis(500);
 
 /// The bytes a request will hold while admitted: its payload, a decoded
 /// copy (f32 rows or u32 ids, at most one id per byte of text plus the
@@ -82,7 +88,13 @@ impl Frontend {
             metrics,
             limits,
             admission,
+            turns: std::sync::atomic::AtomicU64::new(0),
         }
+    }
+
+    /// How many times the socket loop has turned (see [`TURN`]).
+    pub fn turns(&self) -> u64 {
+        self.turns.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Decodes, admits, validates and submits one request; resolves to its
@@ -96,19 +108,21 @@ impl Frontend {
         };
         let (index, ticket) = match self.admit(&request) {
             Ok(admitted) => admitted,
-            Err(e) => return (self.error(e), None),
+            Err(e) => {
+                let model = self.by_name.get(&request.header.model).copied();
+                return (self.model_error(model, e), None);
+            }
         };
         let reply = match self.submit(index, request, received).await {
             Ok(rx) => rx.await.unwrap_or_else(|_| {
                 // The batcher dropped the request without answering: a bug or a
                 // shutdown past its grace period.
-                self.error(ProtocolError::new(
-                    0,
-                    ErrorCode::Internal,
-                    "the request was dropped",
-                ))
+                self.model_error(
+                    Some(index),
+                    ProtocolError::new(0, ErrorCode::Internal, "the request was dropped"),
+                )
             }),
-            Err(e) => self.error(e),
+            Err(e) => self.model_error(Some(index), e),
         };
         (reply, Some(ticket))
     }
@@ -150,6 +164,15 @@ impl Frontend {
 
     fn error(&self, e: ProtocolError) -> Reply {
         self.metrics.error(e.code);
+        e.into_reply()
+    }
+
+    /// An error reply counted for its model too, when it is known.
+    fn model_error(&self, model: Option<usize>, e: ProtocolError) -> Reply {
+        match model {
+            Some(i) => self.metrics.model_error(&self.models[i].info.name, e.code),
+            None => self.metrics.error(e.code),
+        }
         e.into_reply()
     }
 
@@ -312,9 +335,14 @@ pub async fn run(socket: Router, frontend: Arc<Frontend>, shutdown: impl Future<
     let (mut recv, send) = socket.split();
     let (done, mut all_done) = tokio::sync::mpsc::channel::<()>(1);
     tokio::pin!(shutdown);
+    let mut turn = tokio::time::interval(TURN);
     loop {
+        frontend
+            .turns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::select! {
             _ = &mut shutdown => break,
+            _ = turn.tick() => {}
             msg = recv.recv() => match msg {
                 Ok(incoming) => {
                     let frontend = frontend.clone();

@@ -15,7 +15,7 @@
 //! it ran on, so the batcher can ignore a stale report from an attempt it has
 //! already re-dispatched.
 
-use crate::bucket::Bucket;
+use crate::bucket::{Bucket, Grid};
 use crate::model::BatchRows;
 use crate::protocol::Reply;
 use crate::tensor::DType;
@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{oneshot, watch};
 
-pub use super::batcher::queue::{BatchId, DeviceId, DeviceKind, RequestId};
+pub use super::batcher::queue::{BatchId, DeviceId, DeviceKind, RequestId, SchedulerConfig};
 
 /// A request handed from the frontend to the batcher: its rows are validated
 /// against the model (shapes, vocabulary, lengths).
@@ -118,6 +118,20 @@ pub enum BatcherMsg {
     Abort(RpcReplyPort<usize>),
     /// Requests accepted and not yet answered.
     Outstanding(RpcReplyPort<usize>),
+    /// Send no new batches to this device (`true`) or take it back (`false`).
+    SetDrained {
+        device: DeviceId,
+        drained: bool,
+    },
+    /// A reload: new scheduling limits, and the grids of the models whose
+    /// grid changed (their queued items move to the new grid's lanes).
+    /// Answers once in force.
+    Reconfigure {
+        config: SchedulerConfig,
+        max_attempts: u32,
+        grids: Vec<(usize, Grid)>,
+        port: RpcReplyPort<()>,
+    },
 }
 
 /// Messages to a device actor.
@@ -132,6 +146,24 @@ pub enum DeviceMsg {
     Stop(RpcReplyPort<()>),
     /// Start a new worker generation.
     Spawn,
+    /// Take no new batches (`true`), or take them again; answers a line for the operator.
+    Drain(bool, RpcReplyPort<Result<String, String>>),
+    /// Finish what the worker holds, stop it and start a fresh one (which
+    /// re-captures every graph); answers once the restart has begun.
+    Restart(RpcReplyPort<Result<String, String>>),
+    /// A reload changed these models' grids: capture the new buckets beside
+    /// the old ones (or, without a ready worker, remember them for the next
+    /// one). Answers once captured, with the number of new graphs.
+    Capture {
+        grids: Vec<(usize, Grid)>,
+        port: RpcReplyPort<Result<usize, String>>,
+    },
+    /// Drop the graphs of these models that are not in these grids (after
+    /// the batcher switched to them, or to roll a failed reload back).
+    Release { grids: Vec<(usize, Grid)> },
+    /// Workers started from now on read this config file (the daemon's
+    /// configuration in force, written to the runtime directory).
+    SetWorkerConfig(std::path::PathBuf),
     /// Something happened to worker generation `generation`.
     Worker { generation: u64, event: WorkerEvent },
 }
@@ -148,6 +180,10 @@ pub enum WorkerEvent {
     StopTimeout,
     /// Time to ask the watchdog whether the worker is stuck.
     WatchdogTick,
+    /// A restart's drain took too long: stop the worker anyway.
+    RestartTimeout,
+    /// A reload's capture took too long: the worker is killed.
+    CaptureTimeout,
 }
 
 /// Messages to the supervisor.
@@ -161,28 +197,67 @@ pub enum SupervisorMsg {
 }
 
 /// The state of one device slot, as its device actor publishes it.
+///
+/// A worker's life: `starting` (the first one) or `restarting` (any later
+/// one) while it loads its models, `capturing` while it captures graphs,
+/// then `ready`. `draining` is a ready device that takes no new batches
+/// (`replayctl drain`, or the first step of `replayctl restart`); `faulted`
+/// has no worker (it exited, crashed or could not start) and a restart is
+/// scheduled; `stopped` is for good (daemon shutdown).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceStatus {
-    /// A worker process is starting: loading models, capturing graphs.
+    /// The first worker process is starting: loading models.
     #[default]
     Starting,
+    /// The worker is capturing its graphs.
+    Capturing,
     /// The worker captured every graph and takes batches.
     Ready,
+    /// Ready, but taking no new batches (drained by the operator or for a restart).
+    Draining,
     /// No worker: it exited or could not start; a restart is scheduled.
-    Down,
+    Faulted,
+    /// A later worker process is starting (after a fault, a hang or `restart`).
+    Restarting,
     /// Stopped for good (daemon shutdown).
     Stopped,
 }
 
 impl DeviceStatus {
+    pub const ALL: [DeviceStatus; 7] = [
+        DeviceStatus::Starting,
+        DeviceStatus::Capturing,
+        DeviceStatus::Ready,
+        DeviceStatus::Draining,
+        DeviceStatus::Faulted,
+        DeviceStatus::Restarting,
+        DeviceStatus::Stopped,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             DeviceStatus::Starting => "starting",
+            DeviceStatus::Capturing => "capturing",
             DeviceStatus::Ready => "ready",
-            DeviceStatus::Down => "down",
+            DeviceStatus::Draining => "draining",
+            DeviceStatus::Faulted => "faulted",
+            DeviceStatus::Restarting => "restarting",
             DeviceStatus::Stopped => "stopped",
         }
+    }
+
+    /// A worker is running and has captured its graphs (ready or draining).
+    pub fn is_up(self) -> bool {
+        matches!(self, DeviceStatus::Ready | DeviceStatus::Draining)
+    }
+
+    /// A worker is on its way up (loading or capturing).
+    pub fn is_coming_up(self) -> bool {
+        matches!(
+            self,
+            DeviceStatus::Starting | DeviceStatus::Capturing | DeviceStatus::Restarting
+        )
     }
 }
 

@@ -17,11 +17,14 @@
 //! 4. [`supervisor`] starts the device actors and replaces one that fails.
 //!
 //! [`messages`] is the map of every message between these actors. Beside
-//! the route: [`control`] (the `replayctl` socket), [`metrics`] (counters
-//! and histograms), [`gpu_health`] (NVML samples and Xid watching),
-//! [`notify`] (systemd), [`watchdog`] (when a quiet worker counts as hung),
-//! [`runtime_dir`] (owner-only sockets and files), and
-//! [`server`], which starts and stops it all.
+//! the route: [`control`] (the `replayctl` socket: stats, drain, restart,
+//! reload), [`reload`] (re-reading the config and switching grids live),
+//! [`metrics`] (counters and histograms), [`prometheus`] (`/metrics` over
+//! loopback HTTP), [`tuning`] (length histograms and suggested grids),
+//! [`gpu_health`] (NVML samples and Xid watching), [`notify`] (systemd:
+//! status lines, readiness, the watchdog loop), [`watchdog`] (when a quiet
+//! worker counts as hung), [`runtime_dir`] (owner-only sockets and files),
+//! and [`server`], which starts and stops it all.
 
 pub mod admission;
 pub mod batcher;
@@ -32,8 +35,11 @@ pub mod gpu_health;
 pub mod messages;
 pub mod metrics;
 pub mod notify;
+pub mod prometheus;
+pub mod reload;
 pub mod runtime_dir;
 pub mod server;
 pub mod supervisor;
 pub mod tokenize;
+pub mod tuning;
 pub mod watchdog;

@@ -13,6 +13,7 @@ use super::device::{DeviceArgs, WorkerCommand};
 use super::frontend::{Frontend, ServedModel};
 use super::messages::{BatcherMsg, DeviceKind, DeviceStatus, SupervisorMsg};
 use super::metrics::{DeviceStats, Metrics, ModelStats};
+use super::reload::Reloader;
 use super::supervisor::{Supervisor, SupervisorArgs};
 use super::tokenize::{TextTokenizer, TokenizerPool};
 use crate::bucket::Grid;
@@ -47,6 +48,37 @@ pub struct ServerOptions {
 pub struct Endpoints {
     pub endpoint: String,
     pub control_endpoint: String,
+    /// `http://HOST:PORT/metrics`, when `[metrics] endpoint` is set.
+    pub metrics_endpoint: Option<String>,
+}
+
+/// Marks a start-up error as the configuration's (a bad key, a model folder
+/// that cannot be served, an unusable runtime directory): `replayd` exits
+/// with status 78 (EX_CONFIG), which the systemd unit does not restart.
+#[derive(Debug)]
+pub struct ConfigRejected;
+
+impl std::fmt::Display for ConfigRejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("configuration rejected")
+    }
+}
+
+/// Whether a start-up error means the configuration was rejected.
+pub fn is_config_error(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.is::<crate::config::ConfigError>() || c.is::<super::runtime_dir::RuntimeDirError>()
+    }) || e.downcast_ref::<ConfigRejected>().is_some()
+}
+
+/// The batcher's limits from the config (start-up and reloads).
+pub fn scheduler_config(config: &Config) -> SchedulerConfig {
+    SchedulerConfig {
+        max_wait: Duration::from_micros(config.batching.max_wait_us),
+        max_queue: config.batching.max_queue,
+        max_inflight: config.batching.max_inflight_per_device,
+        eager_max_queue: config.eager.max_queue,
+    }
 }
 
 /// A device to start: its label and how to run its worker.
@@ -101,6 +133,9 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
                     list.clone()
                 }
             };
+            if gpus.is_empty() {
+                bail!("devices.gpus selects no GPU");
+            }
             for &g in &gpus {
                 devices.push(PlannedDevice {
                     label: format!("cuda:{g}"),
@@ -160,6 +195,7 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
         .map(|mc| {
             let info = crate::model::inspect(&mc.spec())
                 .with_context(|| format!("cannot serve model {:?}", mc.name))?;
+            log_model(mc, &info);
             let tokenizer = match (&info.input, &info.tokenizer_path) {
                 (crate::model::InputSpec::Tokens { max_seq_len, .. }, Some(path)) => {
                     let t = TextTokenizer::load(path, *max_seq_len).with_context(|| {
@@ -174,22 +210,51 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
         .collect()
 }
 
+/// One start-up line per model: what was read from its folder, what was
+/// derived, and which settings the config overrode.
+fn log_model(mc: &crate::config::ModelConfig, info: &crate::model::ModelInfo) {
+    let dtype = match mc.dtype_setting {
+        crate::config::DTypeSetting::Auto => format!("{} (dtype = auto)", info.dtype),
+        _ => info.dtype.to_string(),
+    };
+    let from = |set: bool| if set { "config" } else { "model folder" };
+    match &info.input {
+        crate::model::InputSpec::Tokens {
+            vocab_size,
+            max_seq_len,
+        } => tracing::info!(
+            model = %info.name,
+            kind = ?info.kind,
+            path = %mc.path.display(),
+            %dtype,
+            vocab_size,
+            max_seq_len,
+            max_seq_len_from = from(mc.max_seq_len.is_some()),
+            output_dim = info.output_dim,
+            pooling = %mc.pooling.map_or("from the model folder".to_string(), |p| format!("{p:?} (config)")),
+            normalize = %mc.normalize.map_or("from the model folder".to_string(), |n| format!("{n} (config)")),
+            tokenizer = %info.tokenizer_path.as_ref().map_or("none".into(), |p| p.display().to_string()),
+            "model"
+        ),
+        crate::model::InputSpec::Features { features } => tracing::info!(
+            model = %info.name,
+            kind = ?info.kind,
+            path = %mc.path.display(),
+            %dtype,
+            features,
+            output_dim = info.output_dim,
+            activation = %mc.activation.as_deref().unwrap_or("from the model folder"),
+            "model"
+        ),
+    }
+}
+
 /// How a model is batched, for the start-up log and the stats.
 fn model_stats(slot: &ModelSlot) -> ModelStats {
-    let (batching, grid) = match &slot.grid {
-        Grid::Padded(g) => (
-            "padded",
-            serde_json::json!({"batch_buckets": g.batches(), "seq_buckets": g.seqs()}),
-        ),
-        Grid::Packed(g) => (
-            "packed",
-            serde_json::json!({"token_budgets": g.budgets(), "max_seqs_per_batch": g.max_seqs()}),
-        ),
-    };
     ModelStats {
         name: slot.name.clone(),
-        batching: batching.into(),
-        grid,
+        batching: slot.grid.batching().into(),
+        grid: slot.grid.describe(),
     }
 }
 
@@ -302,7 +367,7 @@ fn client_security(config: &Config) -> anyhow::Result<Security> {
 
 /// Runs the daemon until `shutdown` resolves, then drains and stops.
 pub async fn run(
-    config: Config,
+    mut config: Config,
     options: ServerOptions,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
@@ -310,11 +375,23 @@ pub async fn run(
         &config.server.runtime_dir,
         config.server.runtime_group.as_deref(),
     )?;
-    let models = load_models(&config)?;
     let planned = plan_devices(&config, &options)?;
+    let cuda = planned
+        .iter()
+        .any(|d| d.worker.backend == WorkerBackend::Cuda);
+    config.resolve_for_backend(cuda);
+    let models = load_models(&config).context(ConfigRejected)?;
+    // Workers read the configuration in force from the runtime directory
+    // (a reload replaces it), not the file that may have been edited since.
+    let snapshot = super::reload::write_snapshot(&config, &config.server.runtime_dir, 0)
+        .context("cannot write the workers' config into server.runtime_dir")?;
+    let mut planned = planned;
+    for d in &mut planned {
+        d.worker.config_path = snapshot.clone();
+    }
     let metrics = Arc::new(Metrics::new());
 
-    let security = client_security(&config)?;
+    let security = client_security(&config).context(ConfigRejected)?;
     let client_socket = Router::bind(&config.server.endpoint, &client_limits(&config), &security)
         .await
         .with_context(|| format!("cannot bind server.endpoint {}", config.server.endpoint))?;
@@ -354,18 +431,16 @@ pub async fn run(
         tracing::info!(model = %m.name, batching = %m.batching, grid = %m.grid, "batching");
     }
     metrics.set_models(model_stats);
+    for slot in &model_slots {
+        metrics.set_model_grid(&slot.name, &slot.grid);
+    }
     let (batcher, batcher_handle) = Actor::spawn(
         None,
         BatcherActor,
         BatcherArgs {
             models: model_slots,
             devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
-            config: SchedulerConfig {
-                max_wait: Duration::from_micros(config.batching.max_wait_us),
-                max_queue: config.batching.max_queue,
-                max_inflight: config.batching.max_inflight_per_device,
-                eager_max_queue: config.eager.max_queue,
-            },
+            config: scheduler_config(&config),
             max_attempts: config.batching.max_attempts,
             metrics: metrics.clone(),
         },
@@ -465,7 +540,7 @@ pub async fn run(
             max_bytes: config.server.max_request_bytes,
             max_items: config.server.max_items_per_request,
         },
-        admission,
+        admission.clone(),
     ));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -473,18 +548,50 @@ pub async fn run(
     };
     let frontend_task = tokio::spawn(super::frontend::run(
         client_socket,
-        frontend,
+        frontend.clone(),
         stopped(stop_rx.clone()),
+    ));
+    let reloader = Arc::new(Reloader::new(
+        options.config_path.clone(),
+        config.clone(),
+        snapshot,
+        supervisor.clone(),
+        batcher.clone(),
+        metrics.clone(),
+        admission.clone(),
     ));
     let control = Arc::new(Control {
         metrics: metrics.clone(),
         supervisor: supervisor.clone(),
+        reloader: reloader.clone(),
     });
     let control_task = tokio::spawn(super::control::run(
         control_socket,
         control,
         stopped(stop_rx.clone()),
     ));
+    let metrics_task = match &config.metrics.endpoint {
+        Some(addr) => {
+            let addr: std::net::SocketAddr = addr.parse().context("metrics.endpoint")?;
+            let (bound, task) =
+                super::prometheus::serve(addr, metrics.clone(), stopped(stop_rx.clone())).await?;
+            let url = format!("http://{bound}/metrics");
+            tracing::info!(endpoint = %url, "Prometheus metrics");
+            Some((task, url))
+        }
+        None => None,
+    };
+    let status_task = tokio::spawn(super::notify::status_loop(metrics.clone()));
+    let watchdog_task = super::notify::watchdog_interval().map(|interval| {
+        tracing::info!(
+            "systemd watchdog: WATCHDOG=1 every {interval:?} while the batcher and frontend answer"
+        );
+        let (batcher, frontend) = (batcher.clone(), frontend.clone());
+        tokio::spawn(super::notify::watchdog_loop(interval, move |within| {
+            let (batcher, frontend) = (batcher.clone(), frontend.clone());
+            async move { probe(&batcher, &frontend, within).await }
+        }))
+    });
     let ready_task = tokio::spawn(announce_ready(
         statuses,
         options.ready_file.clone(),
@@ -492,7 +599,10 @@ pub async fn run(
         Endpoints {
             endpoint: endpoint.to_string(),
             control_endpoint: control_endpoint.to_string(),
+            metrics_endpoint: metrics_task.as_ref().map(|(_, url)| url.clone()),
         },
+        reloader.ready.clone(),
+        metrics.clone(),
     ));
 
     shutdown.await;
@@ -519,6 +629,9 @@ pub async fn run(
     let _ = stop_tx.send(true);
     let _ = frontend_task.await;
     let _ = control_task.await;
+    if let Some((task, _)) = metrics_task {
+        let _ = task.await;
+    }
     let _ = supervisor
         .call(SupervisorMsg::StopAll, Some(Duration::from_secs(60)))
         .await;
@@ -526,7 +639,50 @@ pub async fn run(
     batcher.stop(None);
     let _ = supervisor_handle.await;
     let _ = batcher_handle.await;
+    status_task.abort();
+    if let Some(task) = watchdog_task {
+        task.abort();
+    }
+    remove_snapshots(&config.server.runtime_dir);
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Removes this process's config snapshots from the runtime directory.
+fn remove_snapshots(dir: &std::path::Path) {
+    let prefix = format!("config-{}-", std::process::id());
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+/// The health loop's probe: the batcher actor answers a call and the
+/// frontend's socket loop has turned within the last few turns.
+async fn probe(
+    batcher: &ractor::ActorRef<BatcherMsg>,
+    frontend: &Frontend,
+    within: Duration,
+) -> Result<(), String> {
+    let before = frontend.turns();
+    match batcher.call(BatcherMsg::Outstanding, Some(within)).await {
+        Ok(ractor::rpc::CallResult::Success(_)) => {}
+        Ok(ractor::rpc::CallResult::Timeout) => {
+            return Err(format!("the batcher did not answer within {within:?}"))
+        }
+        _ => return Err("the batcher is gone".into()),
+    }
+    // The frontend's loop turns at least every TURN; give it three.
+    let deadline = Instant::now() + (3 * super::frontend::TURN).min(within);
+    while frontend.turns() == before {
+        if Instant::now() >= deadline {
+            return Err("the frontend's socket loop is stuck".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     Ok(())
 }
 
@@ -537,13 +693,12 @@ async fn announce_ready(
     ready_file: Option<PathBuf>,
     on_ready: Option<oneshot::Sender<Endpoints>>,
     endpoints: Endpoints,
+    ready_flag: Arc<std::sync::atomic::AtomicBool>,
+    metrics: Arc<Metrics>,
 ) {
     let started = Instant::now();
     loop {
-        if statuses
-            .iter_mut()
-            .all(|s| *s.borrow_and_update() == DeviceStatus::Ready)
-        {
+        if statuses.iter_mut().all(|s| s.borrow_and_update().is_up()) {
             break;
         }
         let changes = statuses.iter_mut().map(|s| Box::pin(s.changed()));
@@ -551,12 +706,24 @@ async fn announce_ready(
             return; // a device actor's channel closed: shutting down
         }
     }
-    tracing::info!("all devices ready after {:?}", started.elapsed());
-    super::notify::notify("READY=1");
+    let devices = metrics.devices();
+    let graphs: usize = devices.iter().map(|d| d.graphs.len()).sum();
+    tracing::info!(
+        devices = devices.len(),
+        graphs,
+        "all devices ready after {:?}",
+        started.elapsed()
+    );
+    ready_flag.store(true, std::sync::atomic::Ordering::Release);
+    super::notify::notify(&format!(
+        "READY=1\nSTATUS={}",
+        super::notify::status_line(&devices)
+    ));
     if let Some(path) = ready_file {
         let info = serde_json::json!({
             "endpoint": endpoints.endpoint,
             "control_endpoint": endpoints.control_endpoint,
+            "metrics_endpoint": endpoints.metrics_endpoint,
             "pid": std::process::id(),
         });
         let tmp = path.with_extension("tmp");

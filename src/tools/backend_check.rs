@@ -1302,8 +1302,10 @@ fn print_row(model: &str, dtype: DType, b: &BucketResult) {
 
 /// Runs the check; see the module docs.
 pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
-    let config =
+    let mut config =
         Config::load(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
+    // The models run on the GPU: dtype = "auto" means f16 here.
+    config.resolve_for_backend(true);
     let t0 = Instant::now();
     let options = crate::worker::executor::cuda_options(&config.devices);
     let mut gpu = CudaBackend::new(args.gpu, options)

@@ -145,8 +145,23 @@ fn serve<B: Backend>(
     let mut cache: GraphCache<B> = GraphCache::new();
     let mut graphs = Vec::new();
     if !args.eager {
+        // Progress for the daemon's status line (and its watchdog).
+        let total: usize = models.iter().map(|(_, _, g)| g.largest_first().len()).sum();
+        let mut captured = 0;
+        outbox.send(&FromWorker::Progress { captured, total }, None);
         for (index, (model, weights, grid)) in models.iter().enumerate() {
-            match cache.capture_model(&mut backend, index, model, weights, grid) {
+            let each = |_: &link::GraphReport| {
+                captured += 1;
+                outbox.send(&FromWorker::Progress { captured, total }, None);
+            };
+            match cache.capture_buckets(
+                &mut backend,
+                index,
+                model,
+                weights,
+                &grid.largest_first(),
+                each,
+            ) {
                 Ok(reports) => graphs.extend(reports),
                 Err(e) => outbox.die(
                     format!("capturing model {}: {e}", model.info.name),
@@ -300,6 +315,69 @@ fn serve<B: Backend>(
                 let _ = outbox.tx.send(Outgoing::Exit(0));
                 return;
             }
+            // A reload: capture the new grid beside the old one.
+            ToWorker::Capture { model, grid } => {
+                while !inflight.is_empty() {
+                    collect_oldest(&mut backend, &mut inflight, outbox);
+                }
+                let Some((m, weights, current)) = models.get_mut(model) else {
+                    outbox.send(
+                        &FromWorker::Captured {
+                            model,
+                            graphs: Vec::new(),
+                            error: Some(format!("no model {model}")),
+                        },
+                        None,
+                    );
+                    continue;
+                };
+                // An eager worker captures nothing; it only follows the batching mode.
+                let buckets = if args.eager {
+                    Vec::new()
+                } else {
+                    grid.largest_first()
+                };
+                let total = buckets
+                    .iter()
+                    .filter(|b| !cache.contains(model, **b))
+                    .count();
+                let mut captured = 0;
+                let each = |_: &link::GraphReport| {
+                    captured += 1;
+                    outbox.send(&FromWorker::Progress { captured, total }, None);
+                };
+                let result = cache.capture_buckets(&mut backend, model, m, weights, &buckets, each);
+                *current = grid;
+                let (graphs, error) = match result {
+                    Ok(graphs) => (graphs, None),
+                    Err(e) if e.is_fatal() => outbox.die(
+                        format!("capturing model {}: {e}", m.info.name),
+                        link::EXIT_DEVICE_FAULT,
+                    ),
+                    Err(e) => (Vec::new(), Some(e.to_string())),
+                };
+                tracing::info!(model = %m.info.name, graphs = graphs.len(), error = ?error, "reload: captured");
+                outbox.send(
+                    &FromWorker::Captured {
+                        model,
+                        graphs,
+                        error,
+                    },
+                    None,
+                );
+                last_said = Instant::now();
+            }
+            ToWorker::Release { model, grid } => {
+                // Batches launched in a graph about to go are collected first.
+                while !inflight.is_empty() {
+                    collect_oldest(&mut backend, &mut inflight, outbox);
+                }
+                let dropped = cache.release(model, |b| grid.contains(b));
+                if let Some((_, _, current)) = models.get_mut(model) {
+                    *current = grid;
+                }
+                outbox.send(&FromWorker::Released { model, dropped }, None);
+            }
         }
     }
 }
@@ -431,7 +509,9 @@ mod tests {
                 match self.from.blocking_recv() {
                     Some(Outgoing::Message(frames)) => {
                         let (msg, data) = link::decode::<FromWorker>(&frames).unwrap();
-                        if msg != FromWorker::Heartbeat {
+                        let quiet =
+                            matches!(msg, FromWorker::Heartbeat | FromWorker::Progress { .. });
+                        if !quiet {
                             return (msg, data.to_vec());
                         }
                     }
@@ -593,6 +673,64 @@ mod tests {
         let (eager, replayed) = w.run(2, None, &texts).unwrap();
         assert!(!replayed);
         assert!(max_diff(&graph, &eager) < 1e-5);
+        w.stop();
+    }
+
+    /// A reload's capture adds the new grid's buckets beside the old ones
+    /// (old batches still run), and the release drops the old ones.
+    #[test]
+    fn a_worker_captures_a_new_grid_beside_the_old_and_releases_the_old() {
+        use crate::bucket::{BucketGrid, Grid};
+        let mut w = Worker::start("batching = \"padded\"\nbatch_buckets = [2]\nseq_buckets = [16]");
+        assert!(matches!(w.recv().0, FromWorker::Ready { .. }));
+        let texts = BatchRows::Tokens(vec![vec![101, 7592, 102], vec![101, 2088, 2088, 102]]);
+        let new = Grid::Padded(BucketGrid::new(vec![1, 2], vec![8, 16]));
+        w.send(link::encode(
+            &ToWorker::Capture {
+                model: 0,
+                grid: new.clone(),
+            },
+            [],
+        ));
+        match w.recv() {
+            (
+                FromWorker::Captured {
+                    model: 0,
+                    graphs,
+                    error: None,
+                },
+                _,
+            ) => {
+                let mut got: Vec<Bucket> = graphs.iter().map(|g| g.bucket).collect();
+                got.sort();
+                // (2, 16) was there already.
+                assert_eq!(
+                    got,
+                    vec![Bucket::new(1, 8), Bucket::new(1, 16), Bucket::new(2, 8)]
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let (old, _) = w.run(1, Some(Bucket::new(2, 16)), &texts).unwrap();
+        let (small, replayed) = w.run(2, Some(Bucket::new(2, 8)), &texts).unwrap();
+        assert!(replayed);
+        assert!(max_diff(&old, &small) < 1e-5);
+        let only_8 = Grid::Padded(BucketGrid::new(vec![1, 2], vec![8]));
+        w.send(link::encode(
+            &ToWorker::Release {
+                model: 0,
+                grid: only_8,
+            },
+            [],
+        ));
+        match w.recv() {
+            (FromWorker::Released { model: 0, dropped }, _) => {
+                assert_eq!(dropped, vec![Bucket::new(1, 16), Bucket::new(2, 16)]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(w.run(3, Some(Bucket::new(2, 16)), &texts).is_err());
+        assert!(w.run(4, Some(Bucket::new(2, 8)), &texts).is_ok());
         w.stop();
     }
 }

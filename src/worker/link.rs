@@ -7,7 +7,7 @@
 //! `Done` its output. A failed batch comes back as a typed [`WorkerError`],
 //! which [`WorkerError::code`] maps to the protocol's error codes.
 
-use crate::bucket::Bucket;
+use crate::bucket::{Bucket, Grid};
 use crate::gpu::DeviceInfo;
 use crate::model::BatchRows;
 use crate::protocol::ErrorCode;
@@ -60,6 +60,13 @@ pub enum ToWorker {
     InjectFault { kind: FaultKind },
     /// Finish what is in flight and exit 0.
     Shutdown,
+    /// A reload: capture the buckets of `grid` not yet captured for
+    /// `model`, beside its other graphs (answered by `Captured`); the model's
+    /// eager runs follow the grid's batching from now on.
+    Capture { model: usize, grid: Grid },
+    /// Drop `model`'s graphs that are not in `grid`, once the batches
+    /// already launched are collected (answered by `Released`).
+    Release { model: usize, grid: Grid },
 }
 
 /// What fault injection does to a device.
@@ -114,6 +121,18 @@ pub enum FromWorker {
     FaultInjected { ok: bool, message: String },
     /// The worker is exiting because it could not start or its device failed.
     Fatal { message: String },
+    /// Capture progress: `captured` of `total` graphs (at start-up, after
+    /// the models are loaded and after each graph; and during a `Capture`).
+    Progress { captured: usize, total: usize },
+    /// Answer to `Capture`: the graphs it captured (not those it had), and
+    /// why it stopped early, if it did (the worker lives on).
+    Captured {
+        model: usize,
+        graphs: Vec<GraphReport>,
+        error: Option<String>,
+    },
+    /// Answer to `Release`: the buckets whose graphs were dropped.
+    Released { model: usize, dropped: Vec<Bucket> },
 }
 
 /// Why a worker could not run a batch.

@@ -56,13 +56,14 @@ pub struct WorkerArgs {
 /// returns the process exit status.
 pub fn run(args: WorkerArgs) -> i32 {
     die_with_parent();
-    let config = match Config::load(&args.config) {
+    let mut config = match Config::load(&args.config) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("replayd worker: {e}");
             return link::EXIT_STARTUP_FAILED;
         }
     };
+    config.resolve_for_backend(args.backend == WorkerBackend::Cuda);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

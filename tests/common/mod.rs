@@ -35,6 +35,8 @@ pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub endpoint: String,
     pub control: String,
+    /// `http://HOST:PORT/metrics` when `[metrics] endpoint` was set.
+    pub metrics: Option<String>,
     pub config_path: PathBuf,
 }
 
@@ -52,6 +54,16 @@ impl Daemon {
 
     /// Like [`Daemon::start_with`], started under `umask` when given.
     pub fn start_full(rest: &str, server_extra: &str, umask: Option<u32>) -> Daemon {
+        Self::start_env(rest, server_extra, umask, &[])
+    }
+
+    /// Like [`Daemon::start_full`], with extra environment variables.
+    pub fn start_env(
+        rest: &str,
+        server_extra: &str,
+        umask: Option<u32>,
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = format!(
             "[server]\nendpoint = \"tcp://127.0.0.1:0\"\ncontrol_endpoint = \"tcp://127.0.0.1:0\"\nruntime_dir = \"{}\"\n{server_extra}\n{rest}",
@@ -79,6 +91,7 @@ impl Daemon {
             .arg(&ready)
             .current_dir(crate_dir())
             .env("REPLAYD_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -88,6 +101,7 @@ impl Daemon {
             dir,
             endpoint: String::new(),
             control: String::new(),
+            metrics: None,
             config_path,
         };
         let deadline = Instant::now() + Duration::from_secs(300);
@@ -96,6 +110,7 @@ impl Daemon {
                 let v: Value = serde_json::from_str(&text).unwrap();
                 daemon.endpoint = v["endpoint"].as_str().unwrap().to_string();
                 daemon.control = v["control_endpoint"].as_str().unwrap().to_string();
+                daemon.metrics = v["metrics_endpoint"].as_str().map(str::to_string);
                 return daemon;
             }
             if let Some(status) = daemon.child.as_mut().unwrap().try_wait().unwrap() {

@@ -242,6 +242,18 @@ impl Actor for BatcherActor {
             BatcherMsg::Outstanding(port) => {
                 let _ = port.send(state.pending.len());
             }
+            BatcherMsg::SetDrained { device, drained } => {
+                state.scheduler.set_drained(device, drained);
+            }
+            BatcherMsg::Reconfigure {
+                config,
+                max_attempts,
+                grids,
+                port,
+            } => {
+                state.reconfigure(config, max_attempts, grids);
+                let _ = port.send(());
+            }
         }
         state.run_actions(Instant::now());
         state.arm_timer(&myself);
@@ -306,9 +318,10 @@ impl BatcherState {
             deadline: sub.deadline,
         };
         let name = self.models[model].name.clone();
+        let lens = queued.lens.clone();
         match self.scheduler.enqueue(queued) {
             Ok(placement) => {
-                self.metrics.request_accepted();
+                self.metrics.observe_items(&name, &lens);
                 if placement.eager > 0 {
                     self.metrics.eager_request(&name, EagerReason::SeqTooLong);
                 }
@@ -351,7 +364,7 @@ impl BatcherState {
     }
 
     fn reject(&self, sub: Submission, code: ErrorCode, message: String) {
-        self.metrics.error(code);
+        self.metrics.model_error(&self.models[sub.model].name, code);
         let _ = sub.reply.send(Reply::error(sub.client_id, code, message));
     }
 
@@ -359,7 +372,7 @@ impl BatcherState {
     fn fail(&mut self, id: RequestId, code: ErrorCode, message: &str) {
         self.scheduler.finish(id);
         if let Some(p) = self.pending.remove(&id) {
-            self.metrics.error(code);
+            self.metrics.model_error(&self.models[p.model].name, code);
             let _ = p.reply.send(Reply::error(p.client_id, code, message));
         }
     }
@@ -560,14 +573,13 @@ impl BatcherState {
             shown.bucket.map_or("eager".to_string(), |b| b.to_string()),
             self.device_labels[shown.device].clone(),
         );
-        if let Some(b) = shown.bucket {
-            self.metrics.bucket_request(&self.models[p.model].name, b);
-        }
         let now = Instant::now();
         let queued_us = p
             .dispatched
             .map_or(0, |d| d.duration_since(p.received).as_micros() as u64);
         let total_us = now.duration_since(p.received).as_micros() as u64;
+        self.metrics
+            .model_reply(&self.models[p.model].name, shown.bucket, total_us);
         self.metrics
             .reply_ok(total_us, queued_us, p.compute_us, p.batches);
         let _ = p.reply.send(Reply::Ok {
@@ -605,7 +617,23 @@ impl BatcherState {
     }
 
     fn device_down(&mut self, device: DeviceId, reason: &str) {
-        tracing::warn!(device = %self.device_labels[device], "device down: {reason}");
+        let held = self
+            .inflight
+            .values()
+            .filter(|f| f.device == device)
+            .count();
+        if self.scheduler.is_draining() && held == 0 {
+            // A clean stop (daemon shutdown): nothing to say.
+            tracing::debug!(device = %self.device_labels[device], "device down: {reason}");
+        } else if held == 0 {
+            tracing::info!(device = %self.device_labels[device], "device down: {reason}");
+        } else {
+            tracing::warn!(
+                device = %self.device_labels[device],
+                batches = held,
+                "device down: {reason}; re-dispatching its batches"
+            );
+        }
         self.scheduler.set_healthy(device, false);
         let mut lost: Vec<BatchId> = self
             .inflight
@@ -630,6 +658,35 @@ impl BatcherState {
             } else {
                 self.scheduler.retry(id, self.device_kinds[device]);
             }
+        }
+    }
+
+    /// A reload: new limits, and new grids whose queued items move lanes.
+    fn reconfigure(
+        &mut self,
+        config: SchedulerConfig,
+        max_attempts: u32,
+        grids: Vec<(usize, Grid)>,
+    ) {
+        self.scheduler.set_config(config);
+        self.max_attempts = max_attempts;
+        for (model, grid) in grids {
+            let largest = {
+                let failed = self.scheduler.set_grid(model, grid.clone());
+                let largest = self.scheduler.largest(model);
+                for id in failed {
+                    self.fail(
+                        id,
+                        ErrorCode::TooLong,
+                        &format!(
+                            "after a reload, an item is longer than the largest bucket {largest} holds, and no eager worker is configured"
+                        ),
+                    );
+                }
+                largest
+            };
+            tracing::info!(model = %self.models[model].name, grid = %grid.describe(), %largest, "new grid in force");
+            self.models[model].grid = grid;
         }
     }
 
