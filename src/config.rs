@@ -11,6 +11,9 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
+mod http;
+pub use http::HttpConfig;
+
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
@@ -38,6 +41,8 @@ pub struct Config {
     pub batching: BatchingConfig,
     pub devices: DevicesConfig,
     pub eager: EagerConfig,
+    /// The optional HTTP front (`[http]`, off by default).
+    pub http: HttpConfig,
     pub models: Vec<ModelConfig>,
 }
 
@@ -509,6 +514,7 @@ impl Config {
         if self.eager.max_queue == 0 {
             return Err(invalid("eager.max_queue", "must be at least 1"));
         }
+        self.http.validate(&self.models)?;
         if self.models.is_empty() {
             return Err(invalid(
                 "models",
@@ -677,6 +683,7 @@ path = "mlp.safetensors"
         assert_eq!(c.batching, BatchingConfig::default());
         assert_eq!(c.devices, DevicesConfig::default());
         assert_eq!(c.eager, EagerConfig::default());
+        assert_eq!(c.http, HttpConfig::default());
         let m = &c.models[0];
         assert_eq!((m.kind, m.dtype), (ModelKind::Bert, DType::F32));
         assert_eq!(m.batch_buckets, default_batch_buckets());
