@@ -19,7 +19,7 @@
 //! [`messages`] is the map of every message between these actors. Beside
 //! the route: [`control`] (the `replayctl` socket), [`metrics`] (counters
 //! and histograms), [`gpu_health`] (NVML samples and Xid watching),
-//! [`notify`] (systemd), [`watchdog`] (when a quiet worker counts as hung),
+//! [`http`] (the optional HTTP front, which feeds [`frontend`]), [`notify`] (systemd), [`watchdog`] (when a quiet worker counts as hung),
 //! [`runtime_dir`] (owner-only sockets and files), and
 //! [`server`], which starts and stops it all.
 
@@ -29,6 +29,7 @@ pub mod control;
 pub mod device;
 pub mod frontend;
 pub mod gpu_health;
+pub mod http;
 pub mod messages;
 pub mod metrics;
 pub mod notify;

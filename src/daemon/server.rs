@@ -46,6 +46,8 @@ pub struct ServerOptions {
 pub struct Endpoints {
     pub endpoint: String,
     pub control_endpoint: String,
+    /// The HTTP front's address (`HOST:PORT`), when `[http]` is enabled.
+    pub http: Option<String>,
 }
 
 /// A device to start: its label and how to run its worker.
@@ -309,6 +311,18 @@ pub async fn run(
         )
     })?;
     let control_endpoint = control_socket.endpoint().to_string();
+    let http_listener = if config.http.enabled {
+        Some(super::http::bind(&config.http).await?)
+    } else {
+        None
+    };
+    let http_address = http_listener
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .map(|a| a.to_string());
+    if let Some(address) = &http_address {
+        tracing::info!(%address, "HTTP front listening");
+    }
     metrics.set_transport("client", client_socket.stats());
     metrics.set_transport("control", control_socket.stats());
     tracing::info!(
@@ -448,6 +462,15 @@ pub async fn run(
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
+    let http_task = http_listener.map(|listener| {
+        let front = super::http::HttpFront::new(&config.http, frontend.clone(), metrics.clone());
+        tokio::spawn(super::http::run(
+            listener,
+            front,
+            config.http.max_body_bytes,
+            stopped(stop_rx.clone()),
+        ))
+    });
     let frontend_task = tokio::spawn(super::frontend::run(
         client_socket,
         frontend,
@@ -469,6 +492,7 @@ pub async fn run(
         Endpoints {
             endpoint: endpoint.to_string(),
             control_endpoint: control_endpoint.to_string(),
+            http: http_address,
         },
     ));
 
@@ -495,6 +519,9 @@ pub async fn run(
     // Every request is answered; the frontend flushes the last replies and stops.
     let _ = stop_tx.send(true);
     let _ = frontend_task.await;
+    if let Some(task) = http_task {
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
     let _ = control_task.await;
     let _ = supervisor
         .call(SupervisorMsg::StopAll, Some(Duration::from_secs(60)))
@@ -534,6 +561,7 @@ async fn announce_ready(
         let info = serde_json::json!({
             "endpoint": endpoints.endpoint,
             "control_endpoint": endpoints.control_endpoint,
+            "http": endpoints.http,
             "pid": std::process::id(),
         });
         let tmp = path.with_extension("tmp");
