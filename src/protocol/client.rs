@@ -408,7 +408,8 @@ enum Outcome {
     Reply {
         wire: u64,
         ep: usize,
-        reply: Decoded,
+        /// Boxed: a reply header is large, and most outcomes are small.
+        reply: Box<Decoded>,
     },
     Lost {
         wire: u64,
@@ -607,7 +608,7 @@ impl Shared {
                 let _ = slot.call.send(Outcome::Reply {
                     wire: wire.unwrap_or(0),
                     ep,
-                    reply,
+                    reply: Box::new(reply),
                 });
             }
             None => {
@@ -1016,7 +1017,7 @@ impl Client {
         features: usize,
         data: &[f32],
     ) -> Result<Matrix, Error> {
-        if features == 0 || data.len() % features != 0 || data.is_empty() {
+        if features == 0 || !data.len().is_multiple_of(features) || data.is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "{} values are not whole rows of {features} features",
                 data.len()
@@ -1279,7 +1280,7 @@ impl Client {
             Outcome::Reply { wire, ep, reply } => {
                 guard.live.remove(&wire);
                 let endpoint = address(ep);
-                let (header, output) = match reply {
+                let (header, output) = match *reply {
                     Decoded::Reply(h, o) => (h, o),
                     Decoded::UnknownCode { code, message } => {
                         return Some(Err(Error::UnknownCode {
