@@ -87,10 +87,11 @@ fn same(what: &str, a: &[Vec<f32>], b: &[Vec<f32>]) {
 
 /// The typed Rust client, a raw DEALER, the low-level request(), and the
 /// HTTP routes (float and base64; OpenAI and TEI shapes) give the same
-/// embeddings for the same texts from one daemon.
+/// embeddings for the same texts from one daemon; clients holding every
+/// `http.max_concurrency` slot make the next request 429 at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_client_gets_the_same_embeddings() {
-    let daemon = Daemon::start(&config("", ""));
+    let daemon = Daemon::start(&config("", "max_concurrency = 2"));
     let addr = daemon
         .http
         .clone()
@@ -196,6 +197,50 @@ async fn every_client_gets_the_same_embeddings() {
     let v: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(status, 200);
     assert_eq!(v["data"][0]["id"], "minilm");
+
+    // 429 from http.max_concurrency = 2: clients still sending their bodies
+    // hold the slots (taken before a body is read, so slow or huge bodies
+    // cannot pile up in memory); /health is not held up by them.
+    let slow: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| {
+            use std::io::Write;
+            let mut s = std::net::TcpStream::connect(&addr).unwrap();
+            let head = format!(
+                "POST /v1/embeddings HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"input\""
+            );
+            s.write_all(head.as_bytes()).unwrap();
+            s
+        })
+        .collect();
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, v) = http_json(
+            &addr,
+            "/v1/embeddings",
+            &json!({"input": "fourth", "model": "minilm"}),
+        );
+        if status == 429 {
+            assert_eq!(v["error"]["code"], "overloaded", "{v}");
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("http.max_concurrency"),
+                "{v}"
+            );
+            break;
+        }
+        // Not both slots taken yet: the request went through.
+        assert_eq!(status, 200, "{v}");
+        assert!(
+            Instant::now() < until,
+            "the slow bodies never took the slots"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, _) = http(&addr, "GET", "/health", None);
+    assert_eq!(status, 200);
+    drop(slow);
 }
 
 fn error(addr: &str, path: &str, body: &Value) -> (u16, String, String) {
@@ -267,6 +312,19 @@ async fn every_error_code_has_its_http_status() {
     }
     let (status, body) = http(&addr, "POST", "/v1/embeddings", Some(b"{not json"));
     assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    // Unknown routes and methods: JSON errors too.
+    for (method, path, want) in [
+        ("GET", "/v2/embeddings", 404),
+        ("GET", "/v1/embeddings", 405),
+    ] {
+        let (status, body) = http(&addr, method, path, None);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(status, want, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(path),
+            "{v}"
+        );
+    }
     // 404 unknown_model
     let (status, code, message) = error(
         &addr,

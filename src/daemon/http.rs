@@ -18,9 +18,12 @@
 //! and sent as `ids`, so that `usage` can count the tokens. Errors are JSON
 //! carrying the protocol's codes, with the HTTP status of [`status_of`].
 //!
-//! Bounds: bodies over `http.max_body_bytes` get 413 before they are read
-//! whole; at most `http.max_concurrency` requests are handled at once (more
-//! get 429 at once); each request has the deadline `http.request_timeout_ms`.
+//! Bounds: at most `http.max_concurrency` requests are handled at once —
+//! the slot is taken before the body is read, so bodies held in memory are
+//! at most `max_concurrency × max_body_bytes`; more get 429 at once. Bodies
+//! over `http.max_body_bytes` get 413 before they are read whole; each
+//! request has the deadline `http.request_timeout_ms`. Unknown routes and
+//! methods get JSON errors too (404, 405).
 
 use super::control::health;
 use super::frontend::{Frontend, ServedModel};
@@ -31,8 +34,9 @@ use crate::protocol::{
     encode_request, ErrorCode, InputKind, Payload, ProtocolError, Reply, RequestHeader,
 };
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -145,7 +149,10 @@ pub fn router(front: Arc<HttpFront>, max_body_bytes: usize) -> Router {
         .route("/embed", post(tei_embed))
         .route("/v1/models", get(models))
         .route("/health", get(health_route))
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .route_layer(axum::middleware::from_fn_with_state(front.clone(), admit))
         .with_state(front)
 }
 
@@ -163,6 +170,53 @@ pub async fn run(
     {
         tracing::error!("http front: {e}");
     }
+}
+
+/// Takes one of the `http.max_concurrency` slots for the whole request,
+/// before its body is read (so a flood of large bodies is refused, not
+/// buffered), or answers 429 at once.
+async fn admit(State(front): State<Arc<HttpFront>>, request: Request, next: Next) -> Response {
+    let shape = if request.uri().path() == "/embed" {
+        Shape::Tei
+    } else {
+        Shape::OpenAi
+    };
+    // /health and /v1/models stay answerable when the embedding slots are full.
+    if request.method() != axum::http::Method::POST {
+        return next.run(request).await;
+    }
+    let Ok(_slot) = front.slots.try_acquire() else {
+        return front
+            .refuse(
+                shape,
+                ErrorCode::Overloaded,
+                "the HTTP front is handling http.max_concurrency requests; retry later",
+            )
+            .into_response();
+    };
+    next.run(request).await
+}
+
+async fn no_route(request: Request) -> Response {
+    let message = format!(
+        "no route {} {} (routes: POST /v1/embeddings, POST /embed, GET /v1/models, GET /health)",
+        request.method(),
+        request.uri().path()
+    );
+    let mut f = Failure::new(Shape::OpenAi, ErrorCode::BadRequest, message);
+    f.status = StatusCode::NOT_FOUND;
+    f.into_response()
+}
+
+async fn wrong_method(request: Request) -> Response {
+    let message = format!(
+        "{} is not allowed on {}",
+        request.method(),
+        request.uri().path()
+    );
+    let mut f = Failure::new(Shape::OpenAi, ErrorCode::BadRequest, message);
+    f.status = StatusCode::METHOD_NOT_ALLOWED;
+    f.into_response()
 }
 
 /// The body, or the 413/400 reply for one that could not be read.
@@ -300,13 +354,6 @@ impl HttpFront {
         texts: Texts,
         truncate: bool,
     ) -> Result<Embedded, Failure> {
-        let _slot = self.slots.try_acquire().map_err(|_| {
-            self.refuse(
-                shape,
-                ErrorCode::Overloaded,
-                "the HTTP front is handling http.max_concurrency requests; retry later",
-            )
-        })?;
         let ids = match texts {
             Texts::Ids(ids) => ids,
             Texts::Strings(texts) => {
