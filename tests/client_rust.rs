@@ -373,7 +373,11 @@ async fn a_daemon_restart_under_connected_clients() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_daemons_one_killed_or_frozen_loses_no_request() {
     let a = Daemon::start(&mlp_config(1, ""));
-    let mut b = Daemon::start(&mlp_config(1, ""));
+    // A fixed port, so that b relaunched is found again by the client.
+    let mut b = Daemon::start_on(
+        &format!("tcp://127.0.0.1:{}", free_port()),
+        &mlp_config(1, ""),
+    );
     let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
     let client = Arc::new(
         Client::connect_with(
