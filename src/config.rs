@@ -11,6 +11,9 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
+mod http;
+pub use http::HttpConfig;
+
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
@@ -39,6 +42,8 @@ pub struct Config {
     pub devices: DevicesConfig,
     pub eager: EagerConfig,
     pub metrics: MetricsConfig,
+    /// The optional HTTP front (`[http]`, off by default).
+    pub http: HttpConfig,
     pub models: Vec<ModelConfig>,
 }
 
@@ -612,6 +617,7 @@ impl Config {
         if self.eager.max_queue == 0 {
             return Err(invalid("eager.max_queue", "must be at least 1"));
         }
+        self.http.validate(&self.models)?;
         if self.models.is_empty() {
             return Err(invalid(
                 "models",
@@ -827,6 +833,7 @@ path = "mlp.safetensors"
         assert_eq!(c.devices, DevicesConfig::default());
         assert_eq!(c.eager, EagerConfig::default());
         assert_eq!(c.metrics, MetricsConfig::default());
+        assert_eq!(c.http, HttpConfig::default());
         let m = &c.models[0];
         assert_eq!(
             (m.kind, m.dtype_setting),

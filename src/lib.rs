@@ -18,7 +18,7 @@
 //!   with its validation rules and the reference interpreter, shared by
 //!   every backend.
 //! * [`protocol`] — the client wire format (types, codec) and the Rust
-//!   [`protocol::client`].
+//!   [`protocol::client`] (also reachable as [`client`]).
 //! * [`gpu`] — host-side device discovery and NVML, used by both processes.
 //! * [`transport`] — the ZeroMQ sockets (libzmq) with their limits and
 //!   CURVE authentication, for every socket of both processes and the client.
@@ -44,3 +44,6 @@ pub mod tensor;
 pub mod tools;
 pub mod transport;
 pub mod worker;
+
+/// The async Rust client, [`protocol::client`], under the name users look for.
+pub use protocol::client;

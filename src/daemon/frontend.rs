@@ -127,24 +127,64 @@ impl Frontend {
         (reply, Some(ticket))
     }
 
+    /// The served models, in config order (for the HTTP front).
+    pub fn models(&self) -> &[ServedModel] {
+        &self.models
+    }
+
+    /// The served model of that name, or the `unknown_model` error to reply.
+    pub fn model(&self, id: u64, name: &str) -> Result<&ServedModel, ProtocolError> {
+        match self.by_name.get(name) {
+            Some(&i) => Ok(&self.models[i]),
+            None => {
+                let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+                names.sort_unstable();
+                Err(ProtocolError::new(
+                    id,
+                    ErrorCode::UnknownModel,
+                    format!(
+                        "no model named {} (served: {})",
+                        echo(name),
+                        names.join(", ")
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Tokenizes texts with a model's tokenizer exactly as a `texts`
+    /// request is (the HTTP front sends the ids, so it can count tokens).
+    pub async fn tokenize(
+        &self,
+        model: &ServedModel,
+        texts: Vec<String>,
+        truncate: bool,
+    ) -> Result<Vec<Vec<u32>>, ProtocolError> {
+        let name = &model.info.name;
+        let pool = model.tokenizer.as_ref().ok_or_else(|| {
+            ProtocolError::new(
+                0,
+                ErrorCode::BadRequest,
+                format!("model {name} takes input \"tensor\" (f32 rows), not texts"),
+            )
+        })?;
+        pool.encode(texts, truncate)
+            .await
+            .map_err(|e| tokenize_error(0, name, e))
+    }
+
+    /// Counts an error answered outside [`Frontend::handle`] (HTTP front).
+    pub fn count_error(&self, code: ErrorCode) {
+        self.metrics.error(code);
+    }
+
     /// Finds the model and takes the request's share of the admission
     /// bounds, before anything waits (see [`super::admission`]).
     fn admit(&self, request: &Request) -> Result<(usize, Ticket), ProtocolError> {
         let header = &request.header;
         let id = header.id;
-        let &index = self.by_name.get(&header.model).ok_or_else(|| {
-            let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
-            names.sort_unstable();
-            ProtocolError::new(
-                id,
-                ErrorCode::UnknownModel,
-                format!(
-                    "no model named {} (served: {})",
-                    echo(&header.model),
-                    names.join(", ")
-                ),
-            )
-        })?;
+        self.model(id, &header.model)?;
+        let index = self.by_name[&header.model];
         let info = &self.models[index].info;
         let bytes = request_bytes(&request.payload, info);
         let ticket = self.admission.admit(index, bytes).map_err(|r| {
@@ -239,16 +279,7 @@ impl Frontend {
                 })?;
                 match pool.encode(texts, header.truncate).await {
                     Ok(ids) => BatchRows::Tokens(ids),
-                    Err(TokenizeError::TooLong { index, tokens, max }) => {
-                        return Err(ProtocolError::new(
-                            id,
-                            ErrorCode::TooLong,
-                            format!(
-                                "text {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
-                            ),
-                        ))
-                    }
-                    Err(e) => return Err(bad(format!("cannot tokenize: {e}"))),
+                    Err(e) => return Err(tokenize_error(id, name, e)),
                 }
             }
             (
@@ -297,6 +328,20 @@ impl Frontend {
                 ProtocolError::new(id, ErrorCode::Unavailable, "the daemon is shutting down")
             })?;
         Ok(rx)
+    }
+}
+
+/// The reply to a text the tokenizer refused.
+fn tokenize_error(id: u64, name: &str, e: TokenizeError) -> ProtocolError {
+    match e {
+        TokenizeError::TooLong { index, tokens, max } => ProtocolError::new(
+            id,
+            ErrorCode::TooLong,
+            format!(
+                "text {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
+            ),
+        ),
+        e => ProtocolError::new(id, ErrorCode::BadRequest, format!("cannot tokenize: {e}")),
     }
 }
 

@@ -20,7 +20,8 @@
 //! the route: [`control`] (the `replayctl` socket: stats, drain, restart,
 //! reload), [`reload`] (re-reading the config and switching grids live),
 //! [`metrics`] (counters and histograms), [`prometheus`] (`/metrics` over
-//! loopback HTTP), [`tuning`] (length histograms and suggested grids),
+//! loopback HTTP), [`http`] (the optional HTTP front, which feeds
+//! [`frontend`]), [`tuning`] (length histograms and suggested grids),
 //! [`gpu_health`] (NVML samples and Xid watching), [`notify`] (systemd:
 //! status lines, readiness, the watchdog loop), [`watchdog`] (when a quiet
 //! worker counts as hung), [`runtime_dir`] (owner-only sockets and files),
@@ -32,6 +33,7 @@ pub mod control;
 pub mod device;
 pub mod frontend;
 pub mod gpu_health;
+pub mod http;
 pub mod messages;
 pub mod metrics;
 pub mod notify;

@@ -50,6 +50,8 @@ pub struct Endpoints {
     pub control_endpoint: String,
     /// `http://HOST:PORT/metrics`, when `[metrics] endpoint` is set.
     pub metrics_endpoint: Option<String>,
+    /// The HTTP front's address (`HOST:PORT`), when `[http]` is enabled.
+    pub http: Option<String>,
 }
 
 /// Marks a start-up error as the configuration's (a bad key, a model folder
@@ -409,6 +411,18 @@ pub async fn run(
         )
     })?;
     let control_endpoint = control_socket.endpoint().to_string();
+    let http_listener = if config.http.enabled {
+        Some(super::http::bind(&config.http).await?)
+    } else {
+        None
+    };
+    let http_address = http_listener
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .map(|a| a.to_string());
+    if let Some(address) = &http_address {
+        tracing::info!(%address, "HTTP front listening");
+    }
     metrics.set_transport("client", client_socket.stats());
     metrics.set_transport("control", control_socket.stats());
     tracing::info!(
@@ -546,6 +560,15 @@ pub async fn run(
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
+    let http_task = http_listener.map(|listener| {
+        let front = super::http::HttpFront::new(&config.http, frontend.clone(), metrics.clone());
+        tokio::spawn(super::http::run(
+            listener,
+            front,
+            config.http.max_body_bytes,
+            stopped(stop_rx.clone()),
+        ))
+    });
     let frontend_task = tokio::spawn(super::frontend::run(
         client_socket,
         frontend.clone(),
@@ -600,6 +623,7 @@ pub async fn run(
             endpoint: endpoint.to_string(),
             control_endpoint: control_endpoint.to_string(),
             metrics_endpoint: metrics_task.as_ref().map(|(_, url)| url.clone()),
+            http: http_address,
         },
         reloader.ready.clone(),
         metrics.clone(),
@@ -628,6 +652,9 @@ pub async fn run(
     // Every request is answered; the frontend flushes the last replies and stops.
     let _ = stop_tx.send(true);
     let _ = frontend_task.await;
+    if let Some(task) = http_task {
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
     let _ = control_task.await;
     if let Some((task, _)) = metrics_task {
         let _ = task.await;
@@ -724,6 +751,7 @@ async fn announce_ready(
             "endpoint": endpoints.endpoint,
             "control_endpoint": endpoints.control_endpoint,
             "metrics_endpoint": endpoints.metrics_endpoint,
+            "http": endpoints.http,
             "pid": std::process::id(),
         });
         let tmp = path.with_extension("tmp");

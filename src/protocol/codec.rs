@@ -1,6 +1,6 @@
 //! Frames ⇄ protocol values.
 
-use super::header::{decode_header, SUPPORTED_VERSIONS};
+use super::header::{decode_header, salvage_version, SUPPORTED_VERSIONS};
 use super::{
     ErrorCode, InputKind, Payload, ProtocolError, Reply, ReplyHeader, Request, RequestHeader,
     Status, PROTOCOL_VERSION,
@@ -36,19 +36,28 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
         return Err(bad(0, "empty message: expected a header frame"));
     };
     let total: usize = frames.iter().map(Bytes::len).sum();
-    let header =
-        decode_header(head).map_err(|e| bad(e.id, format!("malformed header: {}", e.message)))?;
-    let id = header.id;
-    if !SUPPORTED_VERSIONS.contains(&header.v) {
+    let unsupported = |id: u64, v: u64| {
         let supported: Vec<String> = SUPPORTED_VERSIONS.iter().map(u32::to_string).collect();
-        return Err(bad(
+        bad(
             id,
             format!(
-                "unsupported protocol version {} (supported versions: {})",
-                header.v,
+                "unsupported protocol version {v} (supported versions: {})",
                 supported.join(", ")
             ),
-        ));
+        )
+    };
+    let header = decode_header(head).map_err(|e| {
+        // A readable, unsupported `v` is reported as such, whatever else
+        // is wrong: a newer client's header may carry keys this version
+        // does not know.
+        match salvage_version(head) {
+            Some(v) if !SUPPORTED_VERSIONS.iter().any(|&s| s as u64 == v) => unsupported(e.id, v),
+            _ => bad(e.id, format!("malformed header: {}", e.message)),
+        }
+    })?;
+    let id = header.id;
+    if !SUPPORTED_VERSIONS.contains(&header.v) {
+        return Err(unsupported(id, header.v as u64));
     }
     if total > limits.max_bytes {
         return Err(bad(
@@ -349,6 +358,29 @@ mod tests {
             Bytes::from_static(b"\0\0\0\0"),
         ]);
         assert!(e.message.contains("version 2"), "{}", e.message);
+        // A version-2 header with a key version 1 does not know: still the
+        // version message (with the id), not the key's.
+        #[derive(serde::Serialize)]
+        struct V2<'a> {
+            v: u32,
+            id: u64,
+            model: &'a str,
+            input: &'a str,
+            colour: &'a str,
+        }
+        let head = rmp_serde::to_vec_named(&V2 {
+            v: 2,
+            id: 11,
+            model: "m",
+            input: "texts",
+            colour: "red",
+        })
+        .unwrap();
+        let e = err(vec![Bytes::from(head), Bytes::from_static(b"x")]);
+        assert_eq!(
+            (e.id, e.message.as_str()),
+            (11, "unsupported protocol version 2 (supported versions: 1)")
+        );
         let h = RequestHeader::new(9, "m", InputKind::Ids);
         let e = err(vec![
             Bytes::from(rmp_serde::to_vec_named(&h).unwrap()),
