@@ -144,6 +144,7 @@ impl Daemon {
             dir,
             endpoint: String::new(),
             control: String::new(),
+            metrics: None,
             http: None,
             config_path,
         };
@@ -189,6 +190,7 @@ impl Daemon {
                 let v: Value = serde_json::from_str(&text).unwrap();
                 self.endpoint = v["endpoint"].as_str().unwrap().to_string();
                 self.control = v["control_endpoint"].as_str().unwrap().to_string();
+                self.metrics = v["metrics_endpoint"].as_str().map(str::to_string);
                 self.http = v["http"].as_str().map(str::to_string);
                 return;
             }
