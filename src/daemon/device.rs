@@ -7,7 +7,15 @@
 //! device fault — tell the batcher (which re-dispatches what the worker held)
 //! and start a new generation after a back-off that doubles up to a limit.
 //! Events from an older generation are ignored.
+//!
+//! With `ring` set, each generation also gets a shared-memory ring in the
+//! runtime directory and a doorbell socket pair ([`crate::worker::shm`]),
+//! made before the worker starts; once it is ready the actor hands the
+//! batcher a [`FastLink`] over them, and batches then go to the worker
+//! without passing through this actor ([`super::fast_link`]). The ring file
+//! is removed when its worker exits.
 
+use super::fast_link::{self, FastLink};
 use super::messages::{
     Batch, BatchOutput, BatcherMsg, DeviceId, DeviceMsg, DeviceStatus, StatusSender, WorkerEvent,
 };
@@ -15,11 +23,13 @@ use super::metrics::{GraphStats, Metrics};
 use super::watchdog::Watchdog;
 use crate::transport::{Dealer, DealerSender, Security};
 use crate::worker::link::{self, FaultKind, FromWorker, GraphReport, ToWorker};
+use crate::worker::shm::{self, Ring, RingSpec};
 use crate::worker::WorkerBackend;
 use bytes::Bytes;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How to start this device's worker process.
@@ -60,6 +70,9 @@ pub struct DeviceArgs {
     /// The watchdog's guess of a batch's cost per token slot before any of
     /// its model's batches finished here, in microseconds.
     pub cold_us_per_token: f64,
+    /// The shared-memory ring each worker generation gets (`None`: batches
+    /// go through the worker's socket only).
+    pub ring: Option<RingSpec>,
 }
 
 pub struct DeviceState {
@@ -82,7 +95,14 @@ pub struct DeviceState {
     killed_for_fault: bool,
     /// The worker was killed because the watchdog found it stuck.
     killed_for_hang: bool,
-    watchdog: Watchdog,
+    /// Shared with the generation's [`FastLink`], which feeds it too.
+    watchdog: Arc<Mutex<Watchdog>>,
+    /// This generation's ring and the daemon's end of its doorbell, until
+    /// the worker is ready and they become a [`FastLink`].
+    fast_parts: Option<(Ring, OwnedFd)>,
+    /// The task reading the [`FastLink`]'s doorbell.
+    fast_task: Option<tokio::task::JoinHandle<()>>,
+    ring_path: Option<PathBuf>,
 }
 
 /// Xid reports this soon after a device-fault exit are that fault's echo.
@@ -101,13 +121,16 @@ impl Actor for DeviceActor {
         args: DeviceArgs,
     ) -> Result<DeviceState, ActorProcessingErr> {
         let _ = myself.cast(DeviceMsg::Spawn);
-        let watchdog = Watchdog::new(
+        let watchdog = Arc::new(Mutex::new(Watchdog::new(
             args.hang_timeout,
             args.cold_us_per_token,
             std::time::Instant::now(),
-        );
+        )));
         Ok(DeviceState {
             watchdog,
+            fast_parts: None,
+            fast_task: None,
+            ring_path: None,
             killed_for_hang: false,
             backoff: args.backoff_initial,
             args,
@@ -136,6 +159,7 @@ impl Actor for DeviceActor {
         if let Some(task) = state.io_task.take() {
             task.abort();
         }
+        state.drop_ring();
         Ok(())
     }
 
@@ -173,9 +197,55 @@ impl Actor for DeviceActor {
     }
 }
 
+fn lock(w: &Mutex<Watchdog>) -> std::sync::MutexGuard<'_, Watchdog> {
+    w.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl DeviceState {
     fn label(&self) -> &str {
         &self.args.label
+    }
+
+    /// Stops reading this generation's doorbell and removes its ring file
+    /// (the mapping lives on in whoever still holds the [`FastLink`]).
+    fn drop_ring(&mut self) {
+        if let Some(task) = self.fast_task.take() {
+            task.abort();
+        }
+        self.fast_parts = None;
+        if let Some(path) = self.ring_path.take() {
+            let _ = std::fs::remove_file(path);
+            self.args
+                .metrics
+                .update_device(self.args.metrics_index, |d| {
+                    d.shm_slots = 0;
+                    d.shm_slots_free = 0;
+                });
+        }
+    }
+
+    /// A ring and a doorbell for generation `generation`, or `None` (and the
+    /// socket path only) when they cannot be made.
+    fn make_ring(&mut self, safe_label: &str, generation: u64) -> Option<(PathBuf, OwnedFd)> {
+        let spec = self.args.ring?;
+        let path = self.args.runtime_dir.join(format!(
+            "worker-{safe_label}-{}-{generation}.ring",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let made = Ring::create(&path, spec).and_then(|ring| Ok((ring, shm::doorbell_pair()?)));
+        match made {
+            Ok((ring, (ours, theirs))) => {
+                self.fast_parts = Some((ring, ours));
+                self.ring_path = Some(path.clone());
+                Some((path, theirs))
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                tracing::warn!(device = %self.label(), "no shared-memory ring ({}: {e}); batches take the socket", path.display());
+                None
+            }
+        }
     }
 
     fn set_status(&mut self, status: DeviceStatus) {
@@ -225,7 +295,8 @@ impl DeviceState {
             }
         };
         self.socket_path = Some(path);
-        let w = &self.args.worker;
+        let w = self.args.worker.clone();
+        let ring = self.make_ring(&safe_label, generation);
         let mut cmd = tokio::process::Command::new(&w.exe);
         cmd.arg("worker")
             .arg("--config")
@@ -236,6 +307,7 @@ impl DeviceState {
             .arg(match w.backend {
                 WorkerBackend::Cpu => "cpu",
                 WorkerBackend::Cuda => "cuda",
+                WorkerBackend::Null => "null",
             })
             .arg("--ordinal")
             .arg(w.ordinal.to_string())
@@ -248,15 +320,37 @@ impl DeviceState {
         if w.eager {
             cmd.arg("--eager");
         }
-        let mut child = match cmd.spawn() {
+        if let Some((path, theirs)) = &ring {
+            let fd = theirs.as_raw_fd();
+            cmd.arg("--shm")
+                .arg(path)
+                .arg("--doorbell-fd")
+                .arg(fd.to_string());
+            // SAFETY: runs in the child between fork and exec, and only
+            // clears close-on-exec on the doorbell's worker end (fcntl is
+            // async-signal-safe), so the worker, and nothing else, inherits it.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let spawned = cmd.spawn();
+        // The worker has its end now (or never will): close ours of it.
+        drop(ring);
+        let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
+                self.drop_ring();
                 self.start_failed(myself, format!("cannot start {}: {e}", w.exe.display()));
                 return;
             }
         };
         self.pid = child.id();
-        self.watchdog.reset(std::time::Instant::now());
+        lock(&self.watchdog).reset(std::time::Instant::now());
         tracing::info!(device = %self.label(), pid = ?self.pid, generation, "worker started");
         self.set_status(DeviceStatus::Starting);
 
@@ -336,7 +430,7 @@ impl DeviceState {
             }
         };
         let now = std::time::Instant::now();
-        self.watchdog.heard(now);
+        lock(&self.watchdog).heard(now);
         let device = self.args.device;
         match msg {
             FromWorker::Ready {
@@ -364,6 +458,7 @@ impl DeviceState {
                 if self.stopping {
                     self.send(link::encode(&ToWorker::Shutdown, []));
                 } else {
+                    self.start_fast_link();
                     let _ = self.args.batcher.cast(BatcherMsg::DeviceUp { device });
                     self.schedule_watchdog(myself);
                 }
@@ -375,13 +470,16 @@ impl DeviceState {
                 output_dim,
                 compute_us,
                 replayed,
+                slot: _,
+                started_ns,
+                finished_ns,
             } => {
-                self.watchdog
-                    .finished(batch, attempt, Some(compute_us), now);
+                lock(&self.watchdog).finished(batch, attempt, Some(compute_us), now);
                 self.args
                     .metrics
                     .update_device(self.args.metrics_index, |d| {
                         d.batches += 1;
+                        d.socket_batches += 1;
                         if replayed {
                             d.graph_replays += 1;
                         } else {
@@ -392,6 +490,8 @@ impl DeviceState {
                     data: data.first().cloned().unwrap_or_default(),
                     output_dim,
                     compute_us,
+                    started_ns,
+                    finished_ns,
                 };
                 let _ = self.args.batcher.cast(BatcherMsg::BatchDone {
                     device,
@@ -404,8 +504,9 @@ impl DeviceState {
                 batch,
                 attempt,
                 error,
+                slot: _,
             } => {
-                self.watchdog.finished(batch, attempt, None, now);
+                lock(&self.watchdog).finished(batch, attempt, None, now);
                 if error.is_fatal() {
                     // The worker exits next; the batch is re-dispatched then.
                     self.set_error(error.to_string());
@@ -450,6 +551,7 @@ impl DeviceState {
         if let Some(path) = self.socket_path.take() {
             let _ = std::fs::remove_file(path);
         }
+        self.drop_ring();
         let hung = std::mem::take(&mut self.killed_for_hang);
         let device_fault =
             code == Some(link::EXIT_DEVICE_FAULT) || std::mem::take(&mut self.killed_for_fault);
@@ -490,6 +592,38 @@ impl DeviceState {
         self.schedule_restart(myself);
     }
 
+    /// Hands the batcher a [`FastLink`] over this generation's ring, and
+    /// starts the task that reads its answers.
+    fn start_fast_link(&mut self) {
+        let Some((ring, doorbell)) = self.fast_parts.take() else {
+            return;
+        };
+        let link = match FastLink::new(self.args.device, ring, doorbell, self.watchdog.clone()) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(device = %self.label(), "no shared-memory link ({e}); batches take the socket");
+                return;
+            }
+        };
+        let slots = link.slots() as u64;
+        self.args
+            .metrics
+            .update_device(self.args.metrics_index, |d| {
+                d.shm_slots = slots;
+                d.shm_slots_free = slots;
+            });
+        self.fast_task = Some(tokio::spawn(fast_link::serve(
+            link.clone(),
+            self.args.batcher.clone(),
+            self.args.metrics.clone(),
+            self.args.metrics_index,
+        )));
+        let _ = self.args.batcher.cast(BatcherMsg::FastLink {
+            device: self.args.device,
+            link,
+        });
+    }
+
     fn send(&self, frames: Vec<Bytes>) -> bool {
         self.outbox.as_ref().is_some_and(|o| o.send(frames).is_ok())
     }
@@ -503,8 +637,7 @@ impl DeviceState {
             Some(bucket) => bucket.tokens(),
             None => batch.tokens,
         };
-        self.watchdog
-            .sent(batch.id, attempt, batch.model, token_slots);
+        lock(&self.watchdog).sent(batch.id, attempt, batch.model, token_slots);
         self.send(link::encode_run(
             batch.id,
             attempt,
@@ -528,7 +661,8 @@ impl DeviceState {
         if self.status != DeviceStatus::Ready || self.stopping {
             return;
         }
-        if let Some(why) = self.watchdog.hung(std::time::Instant::now()) {
+        let hung = lock(&self.watchdog).hung(std::time::Instant::now());
+        if let Some(why) = hung {
             tracing::error!(device = %self.label(), "{why}; killing it");
             self.set_error(why);
             self.args

@@ -7,7 +7,7 @@
 
 use super::messages::DeviceStatus;
 use crate::bucket::Bucket;
-use crate::protocol::ErrorCode;
+use crate::protocol::{ErrorCode, Hops};
 use crate::transport::TransportStats;
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -92,6 +92,14 @@ pub struct DeviceStats {
     pub graph_replays: u64,
     /// Batches run eagerly (no graph).
     pub eager_runs: u64,
+    /// Batches that went through the shared-memory ring, and through the socket.
+    pub shm_batches: u64,
+    pub socket_batches: u64,
+    /// The current worker's shared-memory ring: its slots (0 without one),
+    /// and how many were free when it last handed one back (all of them
+    /// once nothing is in flight; a new worker starts with a new ring).
+    pub shm_slots: u64,
+    pub shm_slots_free: u64,
     /// Live figures from NVML where available.
     pub gpu: Option<serde_json::Value>,
 }
@@ -108,6 +116,8 @@ struct Latencies {
     total: Histogram<u64>,
     queued: Histogram<u64>,
     compute: Histogram<u64>,
+    /// One per [`Hops::NAMES`].
+    hops: Vec<Histogram<u64>>,
 }
 
 struct Inner {
@@ -170,6 +180,7 @@ impl Metrics {
                     total: histogram(),
                     queued: histogram(),
                     compute: histogram(),
+                    hops: Hops::NAMES.iter().map(|_| histogram()).collect(),
                 },
             }),
         }
@@ -242,6 +253,15 @@ impl Metrics {
         let _ = m.latency.total.record(total_us.max(1));
         let _ = m.latency.queued.record(queued_us.max(1));
         let _ = m.latency.compute.record(compute_us.max(1));
+    }
+
+    /// Where a successful reply's time went (recorded as it is sent).
+    pub fn reply_hops(&self, hops: &Hops) {
+        let mut m = self.lock();
+        for (h, v) in m.latency.hops.iter_mut().zip(hops.values()) {
+            // 0 µs is recorded as the histogram's lowest value, 1 µs.
+            let _ = h.record(v.max(1));
+        }
     }
 
     pub fn set_queue_depth(&self, model: &str, depth: u64) {
@@ -397,6 +417,12 @@ impl Metrics {
                 "total": pct(&m.latency.total),
                 "queued": pct(&m.latency.queued),
                 "compute": pct(&m.latency.compute),
+                // Per hop of successful replies (see docs/protocol.md), in order.
+                "hops": Hops::NAMES
+                    .iter()
+                    .zip(&m.latency.hops)
+                    .map(|(name, h)| (name.to_string(), pct(h)))
+                    .collect::<serde_json::Map<_, _>>(),
             },
             "devices": devices,
             "transport": m
@@ -438,6 +464,15 @@ mod tests {
         assert_eq!(s["requests"]["errors"]["overloaded"], 1);
         assert_eq!(s["requests"]["errors"]["internal"], 0);
         assert_eq!(s["latency"]["total"]["count"], 2);
+        m.reply_hops(&Hops {
+            decode: 3,
+            device: 100,
+            ..Default::default()
+        });
+        let s = m.snapshot();
+        assert_eq!(s["latency"]["hops"]["decode"]["p50_us"], 3);
+        assert_eq!(s["latency"]["hops"]["device"]["count"], 1);
+        assert_eq!(s["latency"]["hops"]["reply"]["max_us"], 1);
     }
 
     #[test]
