@@ -24,6 +24,7 @@ use crate::worker::WorkerBackend;
 use anyhow::{bail, Context};
 use ractor::Actor;
 use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -293,6 +294,24 @@ fn client_security(config: &Config) -> anyhow::Result<Security> {
         std::fs::read_to_string(path)
             .with_context(|| format!("server.{key}: cannot read {}", path.display()))
     };
+    // Like ssh with its private keys: a secret every user can read is no
+    // secret, and serving with it would only look authenticated.
+    let mode = std::fs::metadata(secret)
+        .with_context(|| {
+            format!(
+                "server.curve_secret_key_file: cannot read {}",
+                secret.display()
+            )
+        })?
+        .permissions()
+        .mode();
+    if mode & 0o004 != 0 {
+        anyhow::bail!(
+            "server.curve_secret_key_file {} is readable by every user (mode {:o}): chmod o-r it",
+            secret.display(),
+            mode & 0o777
+        );
+    }
     let secret_text = read(secret, "curve_secret_key_file")?;
     let keys = z85_decode(secret_text.trim())
         .and_then(CurveKeyPair::from_secret)
@@ -302,11 +321,15 @@ fn client_security(config: &Config) -> anyhow::Result<Security> {
         .lines()
         .enumerate()
     {
-        let line = line.split('#').next().unwrap_or("").trim();
-        if line.is_empty() {
+        // Z85 keys may contain '#': a line is a key when its first word has
+        // a key's 40 characters, and a comment when it starts with '#'.
+        let Some(word) = line.split_whitespace().next() else {
+            continue;
+        };
+        if word.len() != 40 && word.starts_with('#') {
             continue;
         }
-        allowed.push(z85_decode(line).with_context(|| {
+        allowed.push(z85_decode(word).with_context(|| {
             format!(
                 "server.curve_allowed_clients_file {} line {}",
                 clients.display(),
