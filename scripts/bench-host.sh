@@ -25,7 +25,7 @@ T1_SECONDS=${T1_SECONDS:-15}
 T3_SECONDS=${T3_SECONDS:-20}
 T3_CONCURRENCY=${T3_CONCURRENCY:-256}
 T3_SOCKETS=${T3_SOCKETS:-16}
-ST_BUDGET=${ST_BUDGET:-75}
+ST_BUDGET=${ST_BUDGET:-60}
 BIN=${BENCH_BIN:-}
 if [ -z "$BIN" ]; then  # binaries staged by scripts/gpu-carry.sh
   BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
@@ -169,8 +169,9 @@ print("|---|---|---|---|---|")
 def row(name, value, goal, lower_is_better, unit):
     if value is None:
         print(f"| {name} | n/a | {goal:,} {unit} | | |"); return
-    ratio = goal / value if lower_is_better else value / goal
-    print(f"| {name} | {value:,.0f} {unit} | {'≤' if lower_is_better else '≥'} {goal:,} {unit} | {ratio:.2f}× | {'yes' if ratio >= 1 else 'no'} |")
+    ratio = goal / max(value, 1e-9) if lower_is_better else value / goal
+    shown = f"{value:,.0f}" if value >= 100 else f"{value:,.2f}"
+    print(f"| {name} | {shown} {unit} | {'≤' if lower_is_better else '≥'} {goal:,} {unit} | {ratio:.2f}× | {'yes' if ratio >= 1 else 'no'} |")
 row("1. one short text, one client: p50", t1 and t1["latency_us"]["p50"], 200, True, "µs")
 row("1. one short text, one client: p99", t1 and t1["latency_us"]["p99"], 500, True, "µs")
 base = st.get("best_texts_per_s")
