@@ -109,7 +109,7 @@ load() { # name, args...
   local name=$1; shift
   if "$BIN/replayd-loadgen" --endpoint "$ENDPOINT" --model minilm --json "$OUT/load_$name.json" "$@" \
       > "$OUT/load_$name.log" 2>&1; then
-    log "load $name: $(tail -3 "$OUT/load_$name.log" | tr '\n' ' ')"
+    log "load $name: $(grep -v '^{' "$OUT/load_$name.log" | tail -3 | tr '\n' ' ')"
   else
     fail "load $name (see load_$name.log)"; tail -5 "$OUT/load_$name.log"
   fi
@@ -160,6 +160,8 @@ print(f"# replayd host-path benchmark\n\ndate: {datetime.datetime.utcnow():%Y-%m
       f"backend: {backend}  GPU: {gpu}  cores: {os.cpu_count()}\n")
 t1, t3, st = load("load_t1.json"), load("load_t3.json"), load("st_baseline.json") or {}
 n1, n3 = load("load_null_t1.json"), load("load_null_t3.json")
+# A run with no counted reply (all in its warm-up) has no figures.
+t1, t3, n1, n3 = [d if d and d["ok"] > 0 else None for d in (t1, t3, n1, n3)]
 def errs(d):
     return sum(d["errors"].values()) + d.get("stray_replies", 0) if d else None
 def fmt(v, nd=0):
