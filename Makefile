@@ -6,10 +6,14 @@ run: model
 	cargo run --release --bin replayd -- --config config/replayd.toml
 
 # Everything CI runs: lint, every Rust test (needs the model and NVRTC), the
-# Python client's tests against the daemon cargo just built, the
-# deployment files' checks, and a bounded fuzz run (FUZZ_SECONDS per target).
+# host-stage micro-benchmarks (figures printed), the Python client's tests
+# against the daemon cargo just built, the deployment files' checks, and a
+# bounded fuzz run (FUZZ_SECONDS per target).
 test: model nvrtc lint
 	cargo test --all-targets
+	# Each host stage's figures, printed (debug build, a few seconds: that it
+	# runs and what it measures; speed is read from a release build).
+	cargo run --quiet --bin replayd-hostbench -- --seconds 0.25 --iters 300
 	scripts/python-tests.sh
 	scripts/check-deploy.sh
 	scripts/fuzz.sh

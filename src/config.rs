@@ -79,6 +79,10 @@ pub struct ServerConfig {
     pub max_buffered_bytes: usize,
     /// Threads that tokenize texts, off the async runtime (0 = number of cores, at most 8).
     pub tokenizer_threads: usize,
+    /// Requests whose texts are at most this many bytes in all are
+    /// tokenized on the task that received them (a few microseconds),
+    /// skipping the hop to the tokenizer pool; 0 = always use the pool.
+    pub inline_tokenize_bytes: usize,
     /// Replies queued for one client that is not reading; past it they are
     /// dropped (and counted), so a stalled client holds no more memory.
     pub send_hwm: usize,
@@ -132,6 +136,7 @@ impl Default for ServerConfig {
             max_items_per_request: 1024,
             max_buffered_bytes: 1 << 30,
             tokenizer_threads: 0,
+            inline_tokenize_bytes: 256,
             send_hwm: 1000,
             recv_hwm: 64,
             handshake_timeout_ms: 10_000,
@@ -177,6 +182,9 @@ pub enum BackendKind {
     Auto,
     Cuda,
     Cpu,
+    /// Computes nothing (`src/backend/null.rs`): for measuring the host path
+    /// only; `cpu_devices` sets how many.
+    Null,
 }
 
 /// Which GPUs to use: `"all"` or a list of CUDA ordinals.
@@ -222,6 +230,16 @@ pub struct DevicesConfig {
     pub heartbeat_ms: u64,
     /// Where NVRTC-compiled kernels are cached (by source hash and architecture).
     pub kernel_cache_dir: Option<PathBuf>,
+    /// Worker processes per GPU (CUDA backend), each with its own graphs:
+    /// more links and device actors for the same GPUs (host-side scaling).
+    pub workers_per_gpu: usize,
+    /// Batches and their outputs travel between the daemon and its workers
+    /// through a shared-memory ring (one per worker, in `server.runtime_dir`);
+    /// false: through the worker's socket, as before.
+    pub shm_link: bool,
+    /// The null backend's modelled time per batch and per real token, in µs.
+    pub null_us_per_batch: f64,
+    pub null_us_per_token: f64,
 }
 
 impl Default for DevicesConfig {
@@ -240,6 +258,10 @@ impl Default for DevicesConfig {
             hang_timeout_ms: 2_000,
             heartbeat_ms: 100,
             kernel_cache_dir: None,
+            workers_per_gpu: 1,
+            shm_link: true,
+            null_us_per_batch: 0.0,
+            null_us_per_token: 0.0,
         }
     }
 }
@@ -587,6 +609,27 @@ impl Config {
         }
         if self.devices.cpu_devices == 0 || self.devices.cpu_devices > 64 {
             return Err(invalid("devices.cpu_devices", "must be between 1 and 64"));
+        }
+        if self.server.inline_tokenize_bytes > 65536 {
+            // Longer texts would hold an async-runtime thread for milliseconds.
+            return Err(invalid(
+                "server.inline_tokenize_bytes",
+                "must be at most 65536",
+            ));
+        }
+        if self.devices.workers_per_gpu == 0 || self.devices.workers_per_gpu > 16 {
+            return Err(invalid(
+                "devices.workers_per_gpu",
+                "must be between 1 and 16",
+            ));
+        }
+        for (key, v) in [
+            ("devices.null_us_per_batch", self.devices.null_us_per_batch),
+            ("devices.null_us_per_token", self.devices.null_us_per_token),
+        ] {
+            if !(0.0..=1e6).contains(&v) {
+                return Err(invalid(key, "must be between 0 and 1000000"));
+            }
         }
         if self.devices.restart_backoff_ms == 0
             || self.devices.restart_backoff_max_ms < self.devices.restart_backoff_ms

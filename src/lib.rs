@@ -25,7 +25,8 @@
 //! * [`tools`] — `replayd backend-check` (a GPU against the CPU backend).
 //! * `fuzz` (hidden) — the entry points of the fuzz targets in `fuzz/`.
 //! * Shared by all: [`config`] (the TOML file), [`bucket`] (shape buckets),
-//!   [`tensor`] (dtypes and host tensors).
+//!   [`tensor`] (dtypes and host tensors), [`clock`] (the cross-process clock
+//!   of per-hop timings).
 //!
 //! Imports only point down this list's dependency order: `daemon` → `worker`
 //! (its link) → `model`/`protocol`/`gpu` → `config`/`bucket`/`tensor`;
@@ -33,6 +34,7 @@
 
 pub mod backend;
 pub mod bucket;
+pub mod clock;
 pub mod config;
 pub mod daemon;
 #[doc(hidden)]

@@ -19,7 +19,15 @@
 //! and retried on a worker started under the new one, or the reverse) runs
 //! in the smallest captured bucket that holds it, or eagerly in the worker,
 //! never failing for the grid change.
+//!
+//! With `ring` set, each generation also gets a shared-memory ring in the
+//! runtime directory and a doorbell socket pair ([`crate::worker::shm`]),
+//! made before the worker starts; once it is ready the actor hands the
+//! batcher a [`FastLink`] over them, and batches then go to the worker
+//! without passing through this actor ([`super::fast_link`]). The ring file
+//! is removed when its worker exits.
 
+use super::fast_link::{self, FastLink};
 use super::messages::{
     Batch, BatchOutput, BatcherMsg, DeviceId, DeviceMsg, DeviceStatus, StatusSender, WorkerEvent,
 };
@@ -29,12 +37,14 @@ use crate::bucket::{Bucket, Grid};
 use crate::model::BatchRows;
 use crate::transport::{Dealer, DealerSender, Security};
 use crate::worker::link::{self, FaultKind, FromWorker, GraphReport, ToWorker};
+use crate::worker::shm::{self, Ring, RingSpec};
 use crate::worker::WorkerBackend;
 use bytes::Bytes;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{BTreeSet, HashMap};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How to start this device's worker process.
@@ -75,6 +85,9 @@ pub struct DeviceArgs {
     /// The watchdog's guess of a batch's cost per token slot before any of
     /// its model's batches finished here, in microseconds.
     pub cold_us_per_token: f64,
+    /// The shared-memory ring each worker generation gets (`None`: batches
+    /// go through the worker's socket only).
+    pub ring: Option<RingSpec>,
 }
 
 pub struct DeviceState {
@@ -97,7 +110,14 @@ pub struct DeviceState {
     killed_for_fault: bool,
     /// The worker was killed because the watchdog found it stuck.
     killed_for_hang: bool,
-    watchdog: Watchdog,
+    /// Shared with the generation's [`FastLink`], which feeds it too.
+    watchdog: Arc<Mutex<Watchdog>>,
+    /// This generation's ring and the daemon's end of its doorbell, until
+    /// the worker is ready and they become a [`FastLink`].
+    fast_parts: Option<(Ring, OwnedFd)>,
+    /// The task reading the [`FastLink`]'s doorbell.
+    fast_task: Option<tokio::task::JoinHandle<()>>,
+    ring_path: Option<PathBuf>,
     /// The config file the next worker reads (a reload replaces it).
     worker_config: PathBuf,
     /// Drained by the operator.
@@ -141,13 +161,16 @@ impl Actor for DeviceActor {
         args: DeviceArgs,
     ) -> Result<DeviceState, ActorProcessingErr> {
         let _ = myself.cast(DeviceMsg::Spawn);
-        let watchdog = Watchdog::new(
+        let watchdog = Arc::new(Mutex::new(Watchdog::new(
             args.hang_timeout,
             args.cold_us_per_token,
             std::time::Instant::now(),
-        );
+        )));
         Ok(DeviceState {
             watchdog,
+            fast_parts: None,
+            fast_task: None,
+            ring_path: None,
             killed_for_hang: false,
             worker_config: args.worker.config_path.clone(),
             drained: false,
@@ -184,6 +207,7 @@ impl Actor for DeviceActor {
         if let Some(task) = state.io_task.take() {
             task.abort();
         }
+        state.drop_ring();
         Ok(())
     }
 
@@ -243,9 +267,55 @@ impl Actor for DeviceActor {
     }
 }
 
+fn lock(w: &Mutex<Watchdog>) -> std::sync::MutexGuard<'_, Watchdog> {
+    w.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl DeviceState {
     fn label(&self) -> &str {
         &self.args.label
+    }
+
+    /// Stops reading this generation's doorbell and removes its ring file
+    /// (the mapping lives on in whoever still holds the [`FastLink`]).
+    fn drop_ring(&mut self) {
+        if let Some(task) = self.fast_task.take() {
+            task.abort();
+        }
+        self.fast_parts = None;
+        if let Some(path) = self.ring_path.take() {
+            let _ = std::fs::remove_file(path);
+            self.args
+                .metrics
+                .update_device(self.args.metrics_index, |d| {
+                    d.shm_slots = 0;
+                    d.shm_slots_free = 0;
+                });
+        }
+    }
+
+    /// A ring and a doorbell for generation `generation`, or `None` (and the
+    /// socket path only) when they cannot be made.
+    fn make_ring(&mut self, safe_label: &str, generation: u64) -> Option<(PathBuf, OwnedFd)> {
+        let spec = self.args.ring?;
+        let path = self.args.runtime_dir.join(format!(
+            "worker-{safe_label}-{}-{generation}.ring",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        let made = Ring::create(&path, spec).and_then(|ring| Ok((ring, shm::doorbell_pair()?)));
+        match made {
+            Ok((ring, (ours, theirs))) => {
+                self.fast_parts = Some((ring, ours));
+                self.ring_path = Some(path.clone());
+                Some((path, theirs))
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                tracing::warn!(device = %self.label(), "no shared-memory ring ({}: {e}); batches take the socket", path.display());
+                None
+            }
+        }
     }
 
     fn set_status(&mut self, status: DeviceStatus) {
@@ -297,7 +367,8 @@ impl DeviceState {
             }
         };
         self.socket_path = Some(path);
-        let w = &self.args.worker;
+        let w = self.args.worker.clone();
+        let ring = self.make_ring(&safe_label, generation);
         let mut cmd = tokio::process::Command::new(&w.exe);
         cmd.arg("worker")
             .arg("--config")
@@ -308,6 +379,7 @@ impl DeviceState {
             .arg(match w.backend {
                 WorkerBackend::Cpu => "cpu",
                 WorkerBackend::Cuda => "cuda",
+                WorkerBackend::Null => "null",
             })
             .arg("--ordinal")
             .arg(w.ordinal.to_string())
@@ -324,15 +396,37 @@ impl DeviceState {
         if w.eager {
             cmd.arg("--eager");
         }
-        let mut child = match cmd.spawn() {
+        if let Some((path, theirs)) = &ring {
+            let fd = theirs.as_raw_fd();
+            cmd.arg("--shm")
+                .arg(path)
+                .arg("--doorbell-fd")
+                .arg(fd.to_string());
+            // SAFETY: runs in the child between fork and exec, and only
+            // clears close-on-exec on the doorbell's worker end (fcntl is
+            // async-signal-safe), so the worker, and nothing else, inherits it.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let spawned = cmd.spawn();
+        // The worker has its end now (or never will): close ours of it.
+        drop(ring);
+        let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
+                self.drop_ring();
                 self.start_failed(myself, format!("cannot start {}: {e}", w.exe.display()));
                 return;
             }
         };
         self.pid = child.id();
-        self.watchdog.reset(std::time::Instant::now());
+        lock(&self.watchdog).reset(std::time::Instant::now());
         tracing::info!(device = %self.label(), pid = ?self.pid, generation, "worker started");
         self.set_status(if restarting {
             DeviceStatus::Restarting
@@ -406,7 +500,7 @@ impl DeviceState {
             WorkerEvent::WatchdogTick => self.watchdog_tick(myself),
             WorkerEvent::RestartTimeout => {
                 if self.restart_pending && !self.restart_stopping && self.pid.is_some() {
-                    tracing::warn!(device = %self.label(), batches = self.watchdog.inflight(), "restart: the worker still holds batches; stopping it anyway (they run again elsewhere)");
+                    tracing::warn!(device = %self.label(), batches = lock(&self.watchdog).inflight(), "restart: the worker still holds batches; stopping it anyway (they run again elsewhere)");
                     self.stop_for_restart();
                 }
             }
@@ -434,7 +528,7 @@ impl DeviceState {
             }
         };
         let now = std::time::Instant::now();
-        self.watchdog.heard(now);
+        lock(&self.watchdog).heard(now);
         let device = self.args.device;
         match msg {
             FromWorker::Ready {
@@ -479,6 +573,7 @@ impl DeviceState {
                         device,
                         drained: self.drained,
                     });
+                    self.start_fast_link();
                     let _ = self.args.batcher.cast(BatcherMsg::DeviceUp { device });
                     self.reconcile_grids();
                     self.schedule_watchdog(myself);
@@ -559,15 +654,21 @@ impl DeviceState {
                 output_dim,
                 compute_us,
                 replayed,
+                slot: _,
+                started_ns,
+                finished_ns,
             } => {
-                self.watchdog
-                    .finished(batch, attempt, Some(compute_us), now);
-                let inflight = self.watchdog.inflight() as u64;
+                let inflight = {
+                    let mut w = lock(&self.watchdog);
+                    w.finished(batch, attempt, Some(compute_us), now);
+                    w.inflight() as u64
+                };
                 self.args
                     .metrics
                     .update_device(self.args.metrics_index, |d| {
                         d.inflight = inflight;
                         d.batches += 1;
+                        d.socket_batches += 1;
                         if replayed {
                             d.graph_replays += 1;
                         } else {
@@ -578,6 +679,8 @@ impl DeviceState {
                     data: data.first().cloned().unwrap_or_default(),
                     output_dim,
                     compute_us,
+                    started_ns,
+                    finished_ns,
                 };
                 let _ = self.args.batcher.cast(BatcherMsg::BatchDone {
                     device,
@@ -591,9 +694,13 @@ impl DeviceState {
                 batch,
                 attempt,
                 error,
+                slot: _,
             } => {
-                self.watchdog.finished(batch, attempt, None, now);
-                let inflight = self.watchdog.inflight() as u64;
+                let inflight = {
+                    let mut w = lock(&self.watchdog);
+                    w.finished(batch, attempt, None, now);
+                    w.inflight() as u64
+                };
                 self.args
                     .metrics
                     .update_device(self.args.metrics_index, |d| d.inflight = inflight);
@@ -642,6 +749,7 @@ impl DeviceState {
         if let Some(path) = self.socket_path.take() {
             let _ = std::fs::remove_file(path);
         }
+        self.drop_ring();
         let hung = std::mem::take(&mut self.killed_for_hang);
         let device_fault =
             code == Some(link::EXIT_DEVICE_FAULT) || std::mem::take(&mut self.killed_for_fault);
@@ -707,6 +815,38 @@ impl DeviceState {
         self.schedule_restart(myself);
     }
 
+    /// Hands the batcher a [`FastLink`] over this generation's ring, and
+    /// starts the task that reads its answers.
+    fn start_fast_link(&mut self) {
+        let Some((ring, doorbell)) = self.fast_parts.take() else {
+            return;
+        };
+        let link = match FastLink::new(self.args.device, ring, doorbell, self.watchdog.clone()) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(device = %self.label(), "no shared-memory link ({e}); batches take the socket");
+                return;
+            }
+        };
+        let slots = link.slots() as u64;
+        self.args
+            .metrics
+            .update_device(self.args.metrics_index, |d| {
+                d.shm_slots = slots;
+                d.shm_slots_free = slots;
+            });
+        self.fast_task = Some(tokio::spawn(fast_link::serve(
+            link.clone(),
+            self.args.batcher.clone(),
+            self.args.metrics.clone(),
+            self.args.metrics_index,
+        )));
+        let _ = self.args.batcher.cast(BatcherMsg::FastLink {
+            device: self.args.device,
+            link,
+        });
+    }
+
     fn send(&self, frames: Vec<Bytes>) -> bool {
         self.outbox.as_ref().is_some_and(|o| o.send(frames).is_ok())
     }
@@ -728,9 +868,11 @@ impl DeviceState {
             Some(bucket) => bucket.tokens(),
             None => batch.tokens,
         };
-        self.watchdog
-            .sent(batch.id, attempt, batch.model, token_slots);
-        let inflight = self.watchdog.inflight() as u64;
+        let inflight = {
+            let mut w = lock(&self.watchdog);
+            w.sent(batch.id, attempt, batch.model, token_slots);
+            w.inflight() as u64
+        };
         self.args
             .metrics
             .update_device(self.args.metrics_index, |d| d.inflight = inflight);
@@ -778,7 +920,7 @@ impl DeviceState {
             device: self.args.device,
             drained: drain || self.restart_pending,
         });
-        let held = self.watchdog.inflight();
+        let held = lock(&self.watchdog).inflight();
         if drain {
             if self.status == DeviceStatus::Ready {
                 self.set_status(DeviceStatus::Draining);
@@ -833,7 +975,7 @@ impl DeviceState {
             drained: true,
         });
         self.set_status(DeviceStatus::Draining);
-        let held = self.watchdog.inflight();
+        let held = lock(&self.watchdog).inflight();
         tracing::info!(device = %self.label(), batches = held, "restart: draining, then a fresh worker");
         let generation = self.generation;
         myself.send_after(self.args.stop_timeout, move || DeviceMsg::Worker {
@@ -849,7 +991,7 @@ impl DeviceState {
 
     /// A pending restart stops the worker once it holds no batch.
     fn restart_when_empty(&mut self) {
-        if self.restart_pending && !self.restart_stopping && self.watchdog.inflight() == 0 {
+        if self.restart_pending && !self.restart_stopping && lock(&self.watchdog).inflight() == 0 {
             self.stop_for_restart();
         }
     }
@@ -961,11 +1103,15 @@ impl DeviceState {
         if self.capture.is_some() {
             // Capturing a reload's grid: the backend thread is busy with
             // that (it reports each graph); CaptureTimeout bounds it.
-            self.watchdog.heard(std::time::Instant::now());
+            lock(&self.watchdog).heard(std::time::Instant::now());
             self.schedule_watchdog(myself);
             return;
         }
-        if let Some(why) = self.watchdog.hung(std::time::Instant::now()) {
+        // Batches that finished through the shared-memory link never pass
+        // this actor: a pending restart looks at what is left here too.
+        self.restart_when_empty();
+        let hung = lock(&self.watchdog).hung(std::time::Instant::now());
+        if let Some(why) = hung {
             tracing::error!(device = %self.label(), "{why}; killing it");
             self.set_error(why);
             self.args

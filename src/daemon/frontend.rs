@@ -9,7 +9,7 @@
 //! cannot hold the daemon's memory or delay other clients.
 
 use super::admission::{Admission, Refusal, Ticket};
-use super::messages::{BatcherMsg, Submission};
+use super::messages::{BatcherMsg, Stamps, Submission};
 use super::metrics::Metrics;
 use super::tokenize::{TokenizeError, TokenizerPool};
 use crate::model::{BatchRows, InputSpec, ModelInfo};
@@ -44,6 +44,8 @@ pub struct Frontend {
     /// Turns of the socket loop (it turns at least every [`TURN`]), for the
     /// health loop that feeds systemd's watchdog.
     turns: std::sync::atomic::AtomicU64,
+    /// Texts of at most this many bytes in all are tokenized inline.
+    inline_tokenize_bytes: usize,
 }
 
 /// The socket loop turns at least this often, even with no traffic.
@@ -89,6 +91,7 @@ impl Frontend {
             limits,
             admission,
             turns: std::sync::atomic::AtomicU64::new(0),
+            inline_tokenize_bytes: 0,
         }
     }
 
@@ -97,10 +100,22 @@ impl Frontend {
         self.turns.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Requests whose texts take at most `bytes` in all are tokenized on the
+    /// task that received them instead of on the tokenizer pool
+    /// (`server.inline_tokenize_bytes`; 0: always the pool).
+    pub fn with_inline_tokenize(mut self, bytes: usize) -> Self {
+        self.inline_tokenize_bytes = bytes;
+        self
+    }
+
     /// Decodes, admits, validates and submits one request; resolves to its
     /// reply and, for an admitted request, the ticket to drop once the reply
     /// has been handed to the socket.
-    pub async fn handle(&self, frames: &[Bytes]) -> (Reply, Option<Ticket>) {
+    ///
+    /// `received_ns` is when the socket's driver took the message
+    /// ([`crate::clock::mono_ns`]; 0 when unknown): a successful reply's
+    /// `total_us` and per-hop timings start there.
+    pub async fn handle(&self, frames: &[Bytes], received_ns: u64) -> (Reply, Option<Ticket>) {
         let received = Instant::now();
         let request = match decode_request(frames, &self.limits) {
             Ok(r) => r,
@@ -113,7 +128,12 @@ impl Frontend {
                 return (self.model_error(model, e), None);
             }
         };
-        let reply = match self.submit(index, request, received).await {
+        let stamps = Stamps {
+            received_ns,
+            decoded_ns: crate::clock::mono_ns(),
+            submitted_ns: 0,
+        };
+        let mut reply = match self.submit(index, request, received, stamps).await {
             Ok(rx) => rx.await.unwrap_or_else(|_| {
                 // The batcher dropped the request without answering: a bug or a
                 // shutdown past its grace period.
@@ -124,6 +144,14 @@ impl Frontend {
             }),
             Err(e) => self.model_error(Some(index), e),
         };
+        if let (Reply::Ok { total_us, hops, .. }, true) = (&mut reply, received_ns > 0) {
+            // From the driver's receipt to now, when the reply is encoded;
+            // `reply` is what the batcher's hops leave of it.
+            *total_us = crate::clock::us_between(received_ns, crate::clock::mono_ns());
+            let before: u64 = hops.values().iter().sum();
+            hops.reply = total_us.saturating_sub(before);
+            self.metrics.reply_hops(hops);
+        }
         (reply, Some(ticket))
     }
 
@@ -168,7 +196,7 @@ impl Frontend {
                 format!("model {name} takes input \"tensor\" (f32 rows), not texts"),
             )
         })?;
-        pool.encode(texts, truncate)
+        self.tokenize_texts(pool, texts, truncate)
             .await
             .map_err(|e| tokenize_error(0, name, e))
     }
@@ -176,6 +204,23 @@ impl Frontend {
     /// Counts an error answered outside [`Frontend::handle`] (HTTP front).
     pub fn count_error(&self, code: ErrorCode) {
         self.metrics.error(code);
+    }
+
+    /// Token ids of `texts`: inline when they are short (a few µs, cheaper
+    /// than the hop to the pool and back), else on the tokenizer pool.
+    async fn tokenize_texts(
+        &self,
+        pool: &TokenizerPool,
+        texts: Vec<String>,
+        truncate: bool,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        let bytes: usize = texts.iter().map(String::len).sum();
+        if bytes <= self.inline_tokenize_bytes {
+            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            pool.tokenizer().encode(&refs, truncate)
+        } else {
+            pool.encode(texts, truncate).await
+        }
     }
 
     /// Finds the model and takes the request's share of the admission
@@ -221,6 +266,7 @@ impl Frontend {
         index: usize,
         request: Request,
         received: Instant,
+        mut stamps: Stamps,
     ) -> Result<oneshot::Receiver<Reply>, ProtocolError> {
         let header = request.header;
         let id = header.id;
@@ -277,7 +323,7 @@ impl Frontend {
                 let pool = model.tokenizer.as_ref().ok_or_else(|| {
                     ProtocolError::new(id, ErrorCode::Internal, "model has no tokenizer")
                 })?;
-                match pool.encode(texts, header.truncate).await {
+                match self.tokenize_texts(pool, texts, header.truncate).await {
                     Ok(ids) => BatchRows::Tokens(ids),
                     Err(e) => return Err(tokenize_error(id, name, e)),
                 }
@@ -312,6 +358,7 @@ impl Frontend {
         };
         let deadline = deadline(header.timeout_us, header.deadline_unix_us, received);
         let (tx, rx) = oneshot::channel();
+        stamps.submitted_ns = crate::clock::mono_ns();
         let submission = Submission {
             model: index,
             client_id: id,
@@ -321,6 +368,7 @@ impl Frontend {
             deadline,
             output_dtype: header.output_dtype.unwrap_or(DType::F32),
             reply: tx,
+            stamps,
         };
         self.batcher
             .cast(BatcherMsg::Submit(submission))
@@ -419,10 +467,11 @@ async fn serve_message(frontend: Arc<Frontend>, send: RouterSender, incoming: In
         peer,
         frames,
         permit,
+        received_ns,
     } = incoming;
     // A REQ client's empty delimiter is echoed before the reply.
     let (delimiter, frames) = crate::protocol::split_delimiter(&frames);
-    let (reply, ticket) = frontend.handle(frames).await;
+    let (reply, ticket) = frontend.handle(frames, received_ns).await;
     let mut out: Vec<Bytes> = delimiter.into_iter().collect();
     out.extend(encode_reply(&reply));
     // Never waits: past the client's high-water mark the reply is dropped

@@ -378,7 +378,7 @@ impl HttpFront {
         let mut header = RequestHeader::new(id, model.info.name.clone(), InputKind::Ids);
         header.timeout_us = Some(self.timeout.as_micros() as u64);
         let frames = encode_request(&header, &Payload::Ids(ids));
-        let (reply, ticket) = self.frontend.handle(&frames).await;
+        let (reply, ticket) = self.frontend.handle(&frames, crate::clock::mono_ns()).await;
         drop(ticket);
         match reply {
             Reply::Ok { output, .. } => {

@@ -3,13 +3,15 @@
 //! what state a device is in.
 //!
 //! A request's route (see [`super`]): the frontend builds a [`Submission`]
-//! and sends [`BatcherMsg::Submit`]; the batcher forms a [`Batch`] and sends
-//! [`DeviceMsg::Run`] to a device actor; the device actor forwards it to its
-//! worker process and answers the batcher with [`BatcherMsg::BatchDone`] or
-//! [`BatcherMsg::BatchFailed`], or with [`BatcherMsg::DeviceDown`] when the
-//! worker dies (the batcher then re-dispatches what that device held). The
-//! batcher answers the request on the [`Submission::reply`] channel, exactly
-//! once.
+//! and sends [`BatcherMsg::Submit`]; the batcher forms a [`Batch`] and puts
+//! it in a slot of the device's shared-memory ring ([`super::fast_link`]),
+//! whose task answers the batcher with [`BatcherMsg::BatchDone`] or
+//! [`BatcherMsg::BatchFailed`]; a batch the ring cannot take goes as
+//! [`DeviceMsg::Run`] to the device actor, which forwards it over the
+//! worker's socket and answers the same way. The device actor reports
+//! [`BatcherMsg::DeviceDown`] when the worker dies (the batcher then
+//! re-dispatches what that device held). The batcher answers the request on
+//! the [`Submission::reply`] channel, exactly once.
 //!
 //! Every report from a device carries the batch's `attempt` and the device
 //! it ran on, so the batcher can ignore a stale report from an attempt it has
@@ -42,6 +44,20 @@ pub struct Submission {
     pub deadline: Option<Instant>,
     pub output_dtype: DType,
     pub reply: oneshot::Sender<Reply>,
+    /// When it got this far, for the reply's per-hop timings.
+    pub stamps: Stamps,
+}
+
+/// When a request passed each point before the batcher
+/// ([`crate::clock::mono_ns`]; 0 = not recorded).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stamps {
+    /// The client socket's driver took it from libzmq.
+    pub received_ns: u64,
+    /// The frontend decoded and admitted it.
+    pub decoded_ns: u64,
+    /// Its rows were ready and it was handed to the batcher.
+    pub submitted_ns: u64,
 }
 
 /// A formed batch: request parts in row order, and the bucket it runs in
@@ -78,6 +94,10 @@ pub struct BatchOutput {
     pub output_dim: usize,
     /// Microseconds the worker spent on it (copy in, replay, copy out).
     pub compute_us: u64,
+    /// When the worker took it and when its output was ready
+    /// ([`crate::clock::mono_ns`]; 0 when not reported).
+    pub started_ns: u64,
+    pub finished_ns: u64,
 }
 
 /// Messages to the batcher actor.
@@ -93,6 +113,12 @@ pub enum BatcherMsg {
     /// The device's worker captured every graph and takes work.
     DeviceUp {
         device: DeviceId,
+    },
+    /// Batches for this device go through this shared-memory link (sent
+    /// before its `DeviceUp`; dropped at its `DeviceDown`).
+    FastLink {
+        device: DeviceId,
+        link: Arc<super::fast_link::FastLink>,
     },
     /// The device's worker is gone; re-dispatch what it held.
     DeviceDown {

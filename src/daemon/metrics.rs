@@ -19,7 +19,7 @@
 use super::messages::DeviceStatus;
 use super::tuning::{Histogram as Hist, LadderSuggestion};
 use crate::bucket::{Bucket, Grid};
-use crate::protocol::ErrorCode;
+use crate::protocol::{ErrorCode, Hops};
 use crate::transport::TransportStats;
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -110,6 +110,14 @@ pub struct DeviceStats {
     pub drained: bool,
     /// Graphs captured so far / to capture, while the worker captures.
     pub capture: Option<(usize, usize)>,
+    /// Batches that went through the shared-memory ring, and through the socket.
+    pub shm_batches: u64,
+    pub socket_batches: u64,
+    /// The current worker's shared-memory ring: its slots (0 without one),
+    /// and how many were free when it last handed one back (all of them
+    /// once nothing is in flight; a new worker starts with a new ring).
+    pub shm_slots: u64,
+    pub shm_slots_free: u64,
     /// Live figures from NVML where available.
     pub gpu: Option<serde_json::Value>,
 }
@@ -130,6 +138,8 @@ struct Latencies {
     total_buckets: Buckets,
     queued_buckets: Buckets,
     compute_buckets: Buckets,
+    /// One per [`Hops::NAMES`].
+    hops: Vec<Histogram<u64>>,
 }
 
 pub(crate) struct Inner {
@@ -288,6 +298,7 @@ impl Metrics {
                     total_buckets: Buckets::default(),
                     queued_buckets: Buckets::default(),
                     compute_buckets: Buckets::default(),
+                    hops: Hops::NAMES.iter().map(|_| histogram()).collect(),
                 },
                 per_model: BTreeMap::new(),
                 bucket_latency: BTreeMap::new(),
@@ -430,6 +441,15 @@ impl Metrics {
         m.latency.total_buckets.record(total_us);
         m.latency.queued_buckets.record(queued_us);
         m.latency.compute_buckets.record(compute_us);
+    }
+
+    /// Where a successful reply's time went (recorded as it is sent).
+    pub fn reply_hops(&self, hops: &Hops) {
+        let mut m = self.lock();
+        for (h, v) in m.latency.hops.iter_mut().zip(hops.values()) {
+            // 0 µs is recorded as the histogram's lowest value, 1 µs.
+            let _ = h.record(v.max(1));
+        }
     }
 
     pub fn set_queue_depth(&self, model: &str, depth: u64) {
@@ -613,6 +633,12 @@ impl Metrics {
                     "queued": m.latency.queued_buckets.json(),
                     "compute": m.latency.compute_buckets.json(),
                 },
+                // Per hop of successful replies (see docs/protocol.md), in order.
+                "hops": Hops::NAMES
+                    .iter()
+                    .zip(&m.latency.hops)
+                    .map(|(name, h)| (name.to_string(), pct(h)))
+                    .collect::<serde_json::Map<_, _>>(),
             },
             "reloads": m.reloads,
             "devices": devices,
@@ -807,6 +833,15 @@ mod tests {
         assert_eq!(s["requests"]["errors"]["overloaded"], 1);
         assert_eq!(s["requests"]["errors"]["internal"], 0);
         assert_eq!(s["latency"]["total"]["count"], 2);
+        m.reply_hops(&Hops {
+            decode: 3,
+            device: 100,
+            ..Default::default()
+        });
+        let s = m.snapshot();
+        assert_eq!(s["latency"]["hops"]["decode"]["p50_us"], 3);
+        assert_eq!(s["latency"]["hops"]["device"]["count"], 1);
+        assert_eq!(s["latency"]["hops"]["reply"]["max_us"], 1);
     }
 
     #[test]

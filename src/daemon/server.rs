@@ -94,6 +94,10 @@ struct PlannedDevice {
 fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<PlannedDevice>> {
     let backend = match config.devices.backend {
         BackendKind::Cpu => WorkerBackend::Cpu,
+        BackendKind::Null => {
+            tracing::warn!("backend = null: the devices compute nothing (host-path benchmark)");
+            WorkerBackend::Null
+        }
         BackendKind::Cuda => match cuda_device_count() {
             Ok(n) if n > 0 => WorkerBackend::Cuda,
             Ok(_) => bail!("devices.backend = \"cuda\" but no CUDA GPU is present"),
@@ -138,12 +142,20 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
             if gpus.is_empty() {
                 bail!("devices.gpus selects no GPU");
             }
+            let per_gpu = config.devices.workers_per_gpu.max(1);
             for &g in &gpus {
-                devices.push(PlannedDevice {
-                    label: format!("cuda:{g}"),
-                    kind: DeviceKind::Graph,
-                    worker: worker(g, 1, false),
-                });
+                for w in 0..per_gpu {
+                    devices.push(PlannedDevice {
+                        // With several workers on a GPU, the first keeps the plain label.
+                        label: if w == 0 {
+                            format!("cuda:{g}")
+                        } else {
+                            format!("cuda:{g}.{w}")
+                        },
+                        kind: DeviceKind::Graph,
+                        worker: worker(g, 1, false),
+                    });
+                }
             }
             let eager_gpu = config.eager.gpu.unwrap_or(gpus[0]);
             if eager_gpu >= count {
@@ -157,7 +169,12 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
                 });
             }
         }
-        WorkerBackend::Cpu => {
+        WorkerBackend::Cpu | WorkerBackend::Null => {
+            let prefix = if backend == WorkerBackend::Null {
+                "null"
+            } else {
+                "cpu"
+            };
             let n = config.devices.cpu_devices;
             let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
             let threads = match config.devices.cpu_threads {
@@ -166,7 +183,7 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
             };
             for i in 0..n {
                 devices.push(PlannedDevice {
-                    label: format!("cpu:{i}"),
+                    label: format!("{prefix}:{i}"),
                     kind: DeviceKind::Graph,
                     worker: worker(i, threads, false),
                 });
@@ -248,6 +265,43 @@ fn log_model(mc: &crate::config::ModelConfig, info: &crate::model::ModelInfo) {
             activation = %mc.activation.as_deref().unwrap_or("from the model folder"),
             "model"
         ),
+    }
+}
+
+/// The shared-memory ring that holds the largest batch any model can send
+/// to a device of this kind: the largest bucket (or, for eager workers, the
+/// most sequences at the model's longest length), with
+/// `max_inflight + 1` slots. A batch that does not fit still takes the socket.
+fn ring_spec(
+    models: &[ServedModel],
+    slots: &[ModelSlot],
+    eager: bool,
+    max_inflight: usize,
+) -> crate::worker::shm::RingSpec {
+    use crate::model::InputSpec;
+    let (mut input, mut output) = (0usize, 0usize);
+    for (m, slot) in models.iter().zip(slots) {
+        let (rows, tokens) = match (&slot.grid, &m.info.input) {
+            (Grid::Padded(g), InputSpec::Tokens { max_seq_len, .. }) if eager => {
+                (g.max_batch(), g.max_batch() * max_seq_len)
+            }
+            (Grid::Packed(g), InputSpec::Tokens { max_seq_len, .. }) if eager => {
+                (g.max_seqs(), g.max_seqs() * max_seq_len)
+            }
+            (Grid::Padded(g), _) => (g.max_batch(), g.max_batch() * g.max_seq()),
+            (Grid::Packed(g), _) => (g.max_seqs(), g.max_tokens()),
+        };
+        let bytes = match m.info.input {
+            InputSpec::Tokens { .. } => 4 * (rows + tokens),
+            InputSpec::Features { features } => 4 * rows * features,
+        };
+        input = input.max(bytes);
+        output = output.max(4 * rows * m.info.output_dim);
+    }
+    crate::worker::shm::RingSpec {
+        slots: (max_inflight + 1) as u32,
+        input_bytes: input as u64,
+        output_bytes: output as u64,
     }
 }
 
@@ -440,6 +494,7 @@ pub async fn run(
             grid: Grid::for_model(mc),
         })
         .collect();
+    let batcher_models = model_slots.clone();
     let model_stats: Vec<ModelStats> = model_slots.iter().map(model_stats).collect();
     for m in &model_stats {
         tracing::info!(model = %m.name, batching = %m.batching, grid = %m.grid, "batching");
@@ -463,6 +518,10 @@ pub async fn run(
     .context("cannot start the batcher")?;
 
     let model_names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
+    let rings = config.devices.shm_link.then(|| {
+        let inflight = config.batching.max_inflight_per_device;
+        [false, true].map(|eager| ring_spec(&models, &batcher_models, eager, inflight))
+    });
     let uses_cuda = planned
         .iter()
         .any(|d| d.worker.backend == WorkerBackend::Cuda);
@@ -480,7 +539,7 @@ pub async fn run(
             // take once one has finished.
             let cold_us_per_token = match d.worker.backend {
                 WorkerBackend::Cpu => 2000.0 / d.worker.threads.max(1) as f64,
-                WorkerBackend::Cuda => 20.0,
+                WorkerBackend::Cuda | WorkerBackend::Null => 20.0,
             };
             DeviceArgs {
                 device: slot,
@@ -510,6 +569,7 @@ pub async fn run(
                 hang_timeout: Duration::from_millis(config.devices.hang_timeout_ms),
                 heartbeat: Duration::from_millis(config.devices.heartbeat_ms),
                 cold_us_per_token,
+                ring: rings.map(|r| r[usize::from(d.kind == DeviceKind::Eager)]),
             }
         })
         .collect();
@@ -546,16 +606,19 @@ pub async fn run(
         config.batching.max_queue,
         config.server.max_buffered_bytes,
     );
-    let frontend = Arc::new(Frontend::new(
-        models,
-        batcher.clone(),
-        metrics.clone(),
-        DecodeLimits {
-            max_bytes: config.server.max_request_bytes,
-            max_items: config.server.max_items_per_request,
-        },
-        admission.clone(),
-    ));
+    let frontend = Arc::new(
+        Frontend::new(
+            models,
+            batcher.clone(),
+            metrics.clone(),
+            DecodeLimits {
+                max_bytes: config.server.max_request_bytes,
+                max_items: config.server.max_items_per_request,
+            },
+            admission.clone(),
+        )
+        .with_inline_tokenize(config.server.inline_tokenize_bytes),
+    );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;

@@ -175,6 +175,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
             compute_us,
             total_us,
             batches,
+            hops,
         } => (
             ReplyHeader {
                 v: PROTOCOL_VERSION,
@@ -190,6 +191,13 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 queued_us: *queued_us,
                 compute_us: *compute_us,
                 total_us: *total_us,
+                decode_us: Some(hops.decode),
+                tokenize_us: Some(hops.tokenize),
+                wait_us: Some(hops.wait),
+                to_worker_us: Some(hops.to_worker),
+                device_us: Some(hops.device),
+                back_us: Some(hops.back),
+                reply_us: Some(hops.reply),
             },
             Some(output.data.clone()),
         ),
@@ -208,6 +216,13 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 queued_us: 0,
                 compute_us: 0,
                 total_us: 0,
+                decode_us: None,
+                tokenize_us: None,
+                wait_us: None,
+                to_worker_us: None,
+                device_us: None,
+                back_us: None,
+                reply_us: None,
             },
             None,
         ),
@@ -258,6 +273,7 @@ pub fn decode_reply(frames: &[Bytes]) -> Result<(ReplyHeader, Option<HostTensor>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::Hops;
 
     fn limits() -> DecodeLimits {
         DecodeLimits {
@@ -415,8 +431,20 @@ mod tests {
             compute_us: 20,
             total_us: 40,
             batches: 2,
+            hops: Hops {
+                decode: 1,
+                tokenize: 2,
+                wait: 3,
+                to_worker: 4,
+                device: 20,
+                back: 5,
+                reply: 5,
+            },
         };
         let (h, t) = decode_reply(&encode_reply(&reply)).unwrap();
+        let hops = Hops::from_header(&h).unwrap();
+        assert_eq!(hops.values(), [1, 2, 3, 4, 20, 5, 5]);
+        assert_eq!(hops.values().iter().sum::<u64>(), h.total_us);
         assert_eq!(
             (h.id, h.status, h.bucket.as_deref()),
             (3, Status::Ok, Some("8x16"))
@@ -429,5 +457,37 @@ mod tests {
             (h.code, h.message.as_deref(), t),
             (Some(ErrorCode::TooLong), Some("long"), None)
         );
+        assert_eq!(Hops::from_header(&h), None);
+    }
+
+    /// A client of an older daemon (no hop keys) and an older client (which
+    /// ignores keys it does not know) both still read replies.
+    #[test]
+    fn reply_hop_keys_are_optional_and_ignorable() {
+        #[derive(serde::Deserialize)]
+        struct OldHeader {
+            id: u64,
+            total_us: u64,
+        }
+        let reply = Reply::Ok {
+            id: 9,
+            output: HostTensor::from_f32(vec![1, 1], &[1.0]),
+            bucket: "64t".into(),
+            device: "cpu:0".into(),
+            queued_us: 1,
+            compute_us: 2,
+            total_us: 3,
+            batches: 1,
+            hops: Hops::default(),
+        };
+        let frames = encode_reply(&reply);
+        let old: OldHeader = rmp_serde::from_slice(&frames[0]).unwrap();
+        assert_eq!((old.id, old.total_us), (9, 3));
+        let bare = rmp_serde::to_vec_named(&serde_json::json!({
+            "v": 1, "id": 2, "status": "error", "code": "internal", "message": "x"
+        }))
+        .unwrap();
+        let (h, _) = decode_reply(&[Bytes::from(bare)]).unwrap();
+        assert_eq!((h.id, h.decode_us), (2, None));
     }
 }

@@ -555,7 +555,11 @@ impl Driver {
             frames.insert(0, peer);
         }
         let permit = self.budget.take(bytes);
-        Ok(Some(Received::Message(frames, permit)))
+        Ok(Some(Received::Message(
+            frames,
+            permit,
+            crate::clock::mono_ns(),
+        )))
     }
 
     fn read_monitor(&self) {

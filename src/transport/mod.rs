@@ -274,6 +274,9 @@ pub struct Incoming {
     /// Holds the message's bytes against `max_buffered_bytes`; drop it (or
     /// the whole `Incoming`) when done, or keep it to extend the bound.
     pub permit: BufferPermit,
+    /// When the driver took it from libzmq ([`crate::clock::mono_ns`]): where
+    /// a request's per-hop timings start.
+    pub received_ns: u64,
 }
 
 /// A message received on a [`Dealer`].
@@ -418,7 +421,8 @@ fn bump(counter: &AtomicU64) {
 
 /// What the driver hands the receiver half.
 enum Received {
-    Message(Vec<Bytes>, BufferPermit),
+    /// Frames, their permit, and when the driver took them ([`crate::clock::mono_ns`]).
+    Message(Vec<Bytes>, BufferPermit, u64),
     Rejected(Option<Bytes>, String),
 }
 
@@ -487,12 +491,13 @@ impl RouterReceiver {
     /// only; [`TransportError::Closed`] is final.
     pub async fn recv(&mut self) -> Result<Incoming, TransportError> {
         match self.inbox.recv().await {
-            Some(Received::Message(mut frames, permit)) => {
+            Some(Received::Message(mut frames, permit, received_ns)) => {
                 let peer = PeerId(frames.remove(0));
                 Ok(Incoming {
                     peer,
                     frames,
                     permit,
+                    received_ns,
                 })
             }
             Some(Received::Rejected(peer, reason)) => Err(TransportError::Rejected {
@@ -617,7 +622,7 @@ impl DealerReceiver {
     /// The next message; [`TransportError::Closed`] is final.
     pub async fn recv(&mut self) -> Result<DealerIncoming, TransportError> {
         match self.inbox.recv().await {
-            Some(Received::Message(frames, permit)) => Ok(DealerIncoming { frames, permit }),
+            Some(Received::Message(frames, permit, _)) => Ok(DealerIncoming { frames, permit }),
             Some(Received::Rejected(_, reason)) => Err(TransportError::Rejected {
                 peer: PeerId(Bytes::new()),
                 reason,

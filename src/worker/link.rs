@@ -6,6 +6,13 @@
 //! (row data never goes through MessagePack): a `Run` carries its rows, a
 //! `Done` its output. A failed batch comes back as a typed [`WorkerError`],
 //! which [`WorkerError::code`] maps to the protocol's error codes.
+//!
+//! With the shared-memory data plane ([`super::shm`]) the same messages
+//! travel on the worker's doorbell socket instead, and the rows and outputs
+//! lie in a ring slot: [`ToWorker::RunShm`] names the slot, and the `Done`
+//! or `Failed` that answers it names it again (`slot`), handing it back.
+//! Control (readiness, heartbeats, faults, shutdown) and batches too large
+//! for a slot stay on the socket.
 
 use crate::bucket::{Bucket, Grid};
 use crate::gpu::DeviceInfo;
@@ -56,6 +63,15 @@ pub enum ToWorker {
         bucket: Option<Bucket>,
         layout: RowsLayout,
     },
+    /// Run a batch whose rows lie in ring slot `slot` (sent on the doorbell).
+    RunShm {
+        batch: BatchId,
+        attempt: u32,
+        model: usize,
+        bucket: Option<Bucket>,
+        slot: u32,
+        rows: super::shm::SlotRows,
+    },
     /// Break the device on purpose (only when the daemon enables fault injection).
     InjectFault { kind: FaultKind },
     /// Finish what is in flight and exit 0.
@@ -97,7 +113,8 @@ pub enum FromWorker {
         graphs: Vec<GraphReport>,
         startup_ms: u64,
     },
-    /// A batch finished; one data frame with `rows · output_dim` little-endian f32.
+    /// A batch finished; one data frame with `rows · output_dim` little-endian
+    /// f32, or (with `slot`) no frame: the output lies in that ring slot.
     Done {
         batch: BatchId,
         attempt: u32,
@@ -106,6 +123,15 @@ pub enum FromWorker {
         compute_us: u64,
         /// True when a captured graph ran it, false for the eager path.
         replayed: bool,
+        /// The ring slot it came in and its output lies in, handed back.
+        #[serde(default)]
+        slot: Option<u32>,
+        /// When the worker took the batch and when its output was ready
+        /// ([`crate::clock::mono_ns`]).
+        #[serde(default)]
+        started_ns: u64,
+        #[serde(default)]
+        finished_ns: u64,
     },
     /// A batch failed. When the error is fatal, the worker exits right
     /// after (device fault) and the batch is re-dispatched.
@@ -113,6 +139,9 @@ pub enum FromWorker {
         batch: BatchId,
         attempt: u32,
         error: WorkerError,
+        /// The ring slot it came in, handed back.
+        #[serde(default)]
+        slot: Option<u32>,
     },
     /// The backend thread is alive and not stuck (sent every heartbeat
     /// interval while it is idle or between batches).
