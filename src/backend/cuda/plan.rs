@@ -3107,12 +3107,12 @@ pub(crate) mod tests {
                 bm[2 * t + 8 + e][g] = b[l][1][e];
             }
         }
-        for l in 0..32 {
+        for (l, cl) in c.iter_mut().enumerate().take(32) {
             let (g, t) = (l / 4, l % 4);
             for e in 0..2 {
                 let n = 2 * t + e;
-                c[l][e] += (0..16).map(|k| am[g][k] * bm[k][n]).sum::<f32>();
-                c[l][2 + e] += (0..16).map(|k| am[g + 8][k] * bm[k][n]).sum::<f32>();
+                cl[e] += (0..16).map(|k| am[g][k] * bm[k][n]).sum::<f32>();
+                cl[2 + e] += (0..16).map(|k| am[g + 8][k] * bm[k][n]).sum::<f32>();
             }
         }
     }
@@ -3154,11 +3154,12 @@ pub(crate) mod tests {
             mma_model(&mut c, &af, &bf);
         }
         let want = |m: usize, n: usize| (0..32).map(|k| a[m][k] * wt[n][k]).sum::<f32>();
-        for l in 0..32 {
+        assert_eq!(c.len(), 32);
+        for (l, cl) in c.iter().enumerate() {
             let (g, t) = (l / 4, l % 4);
             for e in 0..2 {
-                assert_eq!(c[l][e], want(g, 2 * t + e));
-                assert_eq!(c[l][2 + e], want(g + 8, 2 * t + e));
+                assert_eq!(cl[e], want(g, 2 * t + e));
+                assert_eq!(cl[2 + e], want(g + 8, 2 * t + e));
             }
         }
     }
