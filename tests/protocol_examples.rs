@@ -7,8 +7,8 @@
 
 use bytes::Bytes;
 use replayd::protocol::{
-    decode_reply, decode_request, encode_reply, encode_request, DecodeLimits, ErrorCode, InputKind,
-    Payload, Reply, RequestHeader, Status,
+    decode_reply, decode_request, encode_reply, encode_request, DecodeLimits, ErrorCode, Hops,
+    InputKind, Payload, Reply, RequestHeader, Status,
 };
 use replayd::tensor::{DType, HostTensor};
 use std::fmt::Write;
@@ -130,6 +130,15 @@ fn examples() -> Vec<Example> {
         compute_us: 1210,
         total_us: 1388,
         batches: 1,
+        hops: Hops {
+            decode: 12,
+            tokenize: 25,
+            wait: 41,
+            to_worker: 18,
+            device: 1210,
+            back: 61,
+            reply: 21,
+        },
     };
     let frames = encode_reply(&reply);
     let (h, t) = decode_reply(&frames).unwrap();

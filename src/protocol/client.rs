@@ -421,7 +421,7 @@ enum Outcome {
 }
 
 enum Decoded {
-    Reply(ReplyHeader, Option<HostTensor>),
+    Reply(Box<ReplyHeader>, Option<HostTensor>),
     UnknownCode { code: String, message: String },
     Malformed(String),
 }
@@ -718,7 +718,7 @@ impl Shared {
 /// an unreadable header is still matched when its id can be read.
 fn decode(frames: &[Bytes]) -> (Option<u64>, Decoded) {
     match decode_reply(frames) {
-        Ok((header, output)) => (Some(header.id), Decoded::Reply(header, output)),
+        Ok((header, output)) => (Some(header.id), Decoded::Reply(Box::new(header), output)),
         Err(e) => {
             #[derive(serde::Deserialize)]
             struct Lax {
@@ -1281,7 +1281,7 @@ impl Client {
                 guard.live.remove(&wire);
                 let endpoint = address(ep);
                 let (header, output) = match *reply {
-                    Decoded::Reply(h, o) => (h, o),
+                    Decoded::Reply(h, o) => (*h, o),
                     Decoded::UnknownCode { code, message } => {
                         return Some(Err(Error::UnknownCode {
                             code,
