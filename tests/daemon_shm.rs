@@ -133,7 +133,7 @@ async fn killed_worker_loses_nothing_and_its_slots_are_reclaimed() {
                 .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
                 .await
                 .unwrap();
-            (x, rows, r)
+            (i % 2, x, rows, r)
         }));
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -142,8 +142,13 @@ async fn killed_worker_loses_nothing_and_its_slots_are_reclaimed() {
 
     let mut ids = HashSet::new();
     for t in tasks {
-        let (x, rows, r) = t.await.unwrap();
-        assert!(ids.insert(r.header.id), "two replies for {}", r.header.id);
+        // Ids are per client: two clients each count from 1.
+        let (client, x, rows, r) = t.await.unwrap();
+        assert!(
+            ids.insert((client, r.header.id)),
+            "two replies for {client}/{}",
+            r.header.id
+        );
         let err = rel_err(&output_of(&r), &reference.forward(&x, rows));
         assert!(err < 1e-5, "rel err {err}");
     }
