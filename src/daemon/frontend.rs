@@ -11,8 +11,8 @@
 use super::admission::{Admission, Refusal, Ticket};
 use super::messages::{BatcherMsg, Submission};
 use super::metrics::Metrics;
-use super::tokenize::{TokenizeError, TokenizerPool};
-use crate::model::{BatchRows, InputSpec, ModelInfo};
+use super::tokenize::{PromptUse, TextInput, TokenizeError, TokenizerPool};
+use crate::model::{BatchRows, InputSpec, ModelInfo, Task};
 use crate::protocol::header::echo;
 use crate::protocol::{
     decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply, Request,
@@ -59,7 +59,27 @@ fn request_bytes(payload: &Payload, info: &ModelInfo) -> usize {
             .iter()
             .map(|t| t.len() + 4 * (t.len() + 2).min(max_len))
             .sum(),
+        Payload::Pairs(pairs) => pairs
+            .iter()
+            .map(|(a, b)| a.len() + b.len() + 4 * (a.len() + b.len() + 4).min(max_len))
+            .sum(),
     }
+}
+
+/// The prompt a text request gets (`prompt_name`, else the model's default).
+fn prompt_for(info: &ModelInfo, name: Option<&str>) -> Result<Option<PromptUse>, String> {
+    let prompts = &info.prompts;
+    let Some(p) = prompts.resolve(name)? else {
+        return Ok(None);
+    };
+    Ok(Some(PromptUse {
+        text: p.text.clone(),
+        unpooled: if prompts.exclude_from_pooling {
+            Some(p.tokens.ok_or("the prompt's token count is unknown")?)
+        } else {
+            None
+        },
+    }))
 }
 
 impl Frontend {
@@ -164,6 +184,27 @@ impl Frontend {
         let bad = |msg: String| ProtocolError::new(id, ErrorCode::BadRequest, msg);
         let model = &self.models[index];
         let name = &model.info.name;
+        let scores = matches!(model.info.task, Task::Score { .. });
+        match (&request.payload, scores) {
+            (Payload::Pairs(_), false) if model.info.has_seq() => {
+                return Err(bad(format!(
+                    "model {name} embeds texts (input \"texts\" or \"ids\"); input \"pairs\" is for cross-encoders"
+                )))
+            }
+            (Payload::Texts(_) | Payload::Ids(_), true) => {
+                return Err(bad(format!(
+                    "model {name} is a cross-encoder: it takes input \"pairs\" (two frames per query and passage)"
+                )))
+            }
+            _ => {}
+        }
+        if header.prompt_name.is_some()
+            && !matches!(request.payload, Payload::Texts(_) | Payload::Pairs(_))
+        {
+            return Err(bad(
+                "prompt_name applies to input \"texts\" and \"pairs\" only".into(),
+            ));
+        }
         let input = match (&model.info.input, request.payload) {
             (InputSpec::Features { features }, Payload::Tensor(t)) => {
                 if t.dtype != DType::F32 {
@@ -207,21 +248,33 @@ impl Frontend {
             }
             (InputSpec::Tokens { .. }, Payload::Tensor(_)) => {
                 return Err(bad(format!(
-                    "model {name} takes input \"texts\" or \"ids\""
+                    "model {name} takes input {}",
+                    if scores {
+                        "\"pairs\""
+                    } else {
+                        "\"texts\" or \"ids\""
+                    }
                 )))
             }
-            (InputSpec::Tokens { .. }, Payload::Texts(texts)) => {
+            (InputSpec::Tokens { .. }, payload @ (Payload::Texts(_) | Payload::Pairs(_))) => {
                 let pool = model.tokenizer.as_ref().ok_or_else(|| {
                     ProtocolError::new(id, ErrorCode::Internal, "model has no tokenizer")
                 })?;
-                match pool.encode(texts, header.truncate).await {
+                let prompt = prompt_for(&model.info, header.prompt_name.as_deref())
+                    .map_err(|e| bad(format!("model {name}: {e}")))?;
+                let (input, what) = match payload {
+                    Payload::Pairs(p) => (TextInput::Pairs(p), "pair"),
+                    Payload::Texts(t) => (TextInput::Texts(t), "text"),
+                    _ => unreachable!("matched above"),
+                };
+                match pool.encode_request(input, header.truncate, prompt).await {
                     Ok(ids) => BatchRows::Tokens(ids),
                     Err(TokenizeError::TooLong { index, tokens, max }) => {
                         return Err(ProtocolError::new(
                             id,
                             ErrorCode::TooLong,
                             format!(
-                                "text {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
+                                "{what} {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
                             ),
                         ))
                     }

@@ -159,7 +159,17 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
         .map(|mc| {
             let info = crate::model::inspect(&mc.spec())
                 .with_context(|| format!("cannot serve model {:?}", mc.name))?;
+            if !info.derived.is_empty() {
+                tracing::info!(model = %mc.name, "model folder: {}", info.derived_summary());
+            }
             let tokenizer = match (&info.input, &info.tokenizer_path) {
+                (crate::model::InputSpec::Tokens { .. }, Some(_)) if info.tokenizer.is_some() => {
+                    let spec = info.tokenizer.as_ref().expect("checked");
+                    let t = TextTokenizer::from_spec(spec).with_context(|| {
+                        format!("model {:?}: tokenizer {}", mc.name, spec.path.display())
+                    })?;
+                    Some(TokenizerPool::new(Arc::new(t), threads))
+                }
                 (crate::model::InputSpec::Tokens { max_seq_len, .. }, Some(path)) => {
                     let t = TextTokenizer::load(path, *max_seq_len).with_context(|| {
                         format!("model {:?}: tokenizer {}", mc.name, path.display())
@@ -197,7 +207,8 @@ fn model_stats(slot: &ModelSlot) -> ModelStats {
 /// the header and a REQ delimiter, the configured queues and handshake.
 pub fn client_limits(config: &Config) -> TransportLimits {
     let s = &config.server;
-    let max_frames = s.max_items_per_request + 2;
+    // Pairs take two frames per item.
+    let max_frames = 2 * s.max_items_per_request + 2;
     TransportLimits {
         max_message_bytes: (s.max_request_bytes + 64 * max_frames + 4096).min(u32::MAX as usize),
         max_frame_bytes: s.max_request_bytes,

@@ -9,11 +9,24 @@
 //! [`TokenizerPool`] runs encodes on its own rayon pool and hands results
 //! back over `tokio::sync::oneshot`, so tokenization never occupies the
 //! async runtime's threads.
+//!
+//! A model folder's tokenizer is built by [`TextTokenizer::from_spec`] as
+//! transformers 5 builds it ([`crate::model::tokenizer`]). Texts may get a
+//! prompt (prepended, as sentence-transformers does; with
+//! `include_prompt = false` its tokens carry
+//! [`UNPOOLED_BIT`](crate::model::batch::UNPOOLED_BIT)), and cross-encoder
+//! pairs are encoded together (`longest_first` truncation; the second
+//! segment's tokens carry [`SEGMENT_BIT`](crate::model::batch::SEGMENT_BIT)
+//! for models with token types).
 
+use crate::model::batch::{SEGMENT_BIT, UNPOOLED_BIT};
+use crate::model::tokenizer::TokenizerSpec;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use thiserror::Error;
-use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+use tokenizers::{
+    EncodeInput, Encoding, Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy,
+};
 
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum TokenizeError {
@@ -22,7 +35,7 @@ pub enum TokenizeError {
     Load { path: PathBuf, message: String },
     /// Text `index` of a request is longer than the model takes and
     /// truncation was not requested.
-    #[error("text {index} has {tokens} tokens, more than the model's maximum of {max}")]
+    #[error("input {index} has {tokens} tokens, more than the model's maximum of {max}")]
     TooLong {
         index: usize,
         tokens: usize,
@@ -45,6 +58,25 @@ pub struct TextTokenizer {
     truncating: Tokenizer,
     max_seq_len: usize,
     path: PathBuf,
+    /// Pairs: the second segment gets token type 1.
+    token_types: bool,
+}
+
+/// What a request asks to tokenize.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TextInput {
+    Texts(Vec<String>),
+    /// (query, passage) pairs of a cross-encoder.
+    Pairs(Vec<(String, String)>),
+}
+
+/// A prompt to prepend to each text (the first element of a pair).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PromptUse {
+    pub text: String,
+    /// Leading tokens to exclude from pooling (`include_prompt = false`):
+    /// the prompt's `prompt_length`.
+    pub unpooled: Option<usize>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -75,7 +107,31 @@ impl TextTokenizer {
         if !path.is_file() {
             return Err(load_error("missing file".into()));
         }
-        let mut full = Tokenizer::from_file(&path).map_err(|e| load_error(e.to_string()))?;
+        let full = Tokenizer::from_file(&path).map_err(|e| load_error(e.to_string()))?;
+        Self::with_limits(full, path, max_seq_len, true)
+    }
+
+    /// Builds a model folder's tokenizer as transformers 5 does (see
+    /// [`crate::model::tokenizer::build`]), truncating at the spec's maximum.
+    pub fn from_spec(spec: &TokenizerSpec) -> Result<Self, TokenizeError> {
+        let (tokenizer, _) =
+            crate::model::tokenizer::build(spec).map_err(|e| TokenizeError::Load {
+                path: spec.path.clone(),
+                message: e.to_string(),
+            })?;
+        Self::with_limits(tokenizer, spec.path.clone(), spec.max_len, spec.token_types)
+    }
+
+    fn with_limits(
+        mut full: Tokenizer,
+        path: PathBuf,
+        max_seq_len: usize,
+        token_types: bool,
+    ) -> Result<Self, TokenizeError> {
+        let load_error = |message: String| TokenizeError::Load {
+            path: path.clone(),
+            message,
+        };
         full.with_padding(None);
         full.with_truncation(None)
             .map_err(|e| load_error(e.to_string()))?;
@@ -103,6 +159,7 @@ impl TextTokenizer {
             truncating,
             max_seq_len,
             path,
+            token_types,
         })
     }
 
@@ -113,24 +170,82 @@ impl TextTokenizer {
     /// Parallel over texts when called inside a rayon pool (as
     /// [`TokenizerPool`] does).
     pub fn encode(&self, texts: &[&str], truncate: bool) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        self.encode_inputs(
+            texts.iter().map(|&t| EncodeInput::from(t)).collect(),
+            truncate,
+            None,
+        )
+    }
+
+    /// [`TextTokenizer::encode`] for a request: texts with an optional
+    /// prompt (prepended; with `unpooled`, its tokens are flagged), or
+    /// pairs encoded together (the prompt goes before the first element;
+    /// the second segment is flagged as type 1 where the model has token
+    /// types).
+    pub fn encode_request(
+        &self,
+        input: &TextInput,
+        truncate: bool,
+        prompt: Option<&PromptUse>,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        // With a prompt, the prompted first texts; the inputs borrow them
+        // (or the request's own strings), so the retry on an error is cheap.
+        let prompted: Vec<String> = match (input, prompt) {
+            (_, None) => Vec::new(),
+            (TextInput::Texts(texts), Some(p)) => {
+                texts.iter().map(|t| format!("{}{t}", p.text)).collect()
+            }
+            (TextInput::Pairs(pairs), Some(p)) => pairs
+                .iter()
+                .map(|(a, _)| format!("{}{a}", p.text))
+                .collect(),
+        };
+        let inputs: Vec<EncodeInput> = match input {
+            TextInput::Texts(texts) => texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match prompted.get(i) {
+                    Some(p) => p.as_str().into(),
+                    None => t.as_str().into(),
+                })
+                .collect(),
+            TextInput::Pairs(pairs) => pairs
+                .iter()
+                .enumerate()
+                .map(|(i, (a, b))| match prompted.get(i) {
+                    Some(p) => (p.as_str(), b.as_str()).into(),
+                    None => (a.as_str(), b.as_str()).into(),
+                })
+                .collect(),
+        };
+        self.encode_inputs(inputs, truncate, prompt.and_then(|p| p.unpooled))
+    }
+
+    fn encode_inputs(
+        &self,
+        inputs: Vec<EncodeInput>,
+        truncate: bool,
+        unpooled: Option<usize>,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
         let tokenizer = if truncate {
             &self.truncating
         } else {
             &self.full
         };
-        let encodings = tokenizer
-            .encode_batch_fast(texts.to_vec(), true)
-            .map_err(|e| {
-                // encode_batch does not say which text failed: find it.
-                let index = texts
-                    .iter()
-                    .position(|t| tokenizer.encode_fast(*t, true).is_err())
+        let encodings: Vec<Encoding> = match tokenizer.encode_batch_fast(inputs.clone(), true) {
+            Ok(e) => e,
+            Err(e) => {
+                // encode_batch does not say which input failed: find it.
+                let index = inputs
+                    .into_iter()
+                    .position(|t| tokenizer.encode_fast(t, true).is_err())
                     .unwrap_or(0);
-                TokenizeError::Encode {
+                return Err(TokenizeError::Encode {
                     index,
                     message: e.to_string(),
-                }
-            })?;
+                });
+            }
+        };
         let mut out = Vec::with_capacity(encodings.len());
         for (index, encoding) in encodings.into_iter().enumerate() {
             let ids = encoding.get_ids();
@@ -141,7 +256,18 @@ impl TextTokenizer {
                     max: self.max_seq_len,
                 });
             }
-            out.push(ids.to_vec());
+            let mut ids = ids.to_vec();
+            if self.token_types {
+                for (id, &ty) in ids.iter_mut().zip(encoding.get_type_ids()) {
+                    if ty != 0 {
+                        *id |= SEGMENT_BIT;
+                    }
+                }
+            }
+            if let Some(n) = unpooled {
+                ids.iter_mut().take(n).for_each(|id| *id |= UNPOOLED_BIT);
+            }
+            out.push(ids);
         }
         Ok(out)
     }
@@ -202,6 +328,23 @@ impl TokenizerPool {
 
     pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
         &self.tokenizer
+    }
+
+    /// Encodes a request's texts or pairs on the pool; see
+    /// [`TextTokenizer::encode_request`].
+    pub async fn encode_request(
+        &self,
+        input: TextInput,
+        truncate: bool,
+        prompt: Option<PromptUse>,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let tokenizer = Arc::clone(&self.tokenizer);
+        self.pool.spawn(move || {
+            let _ = tx.send(tokenizer.encode_request(&input, truncate, prompt.as_ref()));
+        });
+        rx.await
+            .map_err(|_| TokenizeError::Pool("the tokenizer worker stopped (panic)".into()))?
     }
 
     /// Encodes `texts` on the pool; see [`TextTokenizer::encode`].

@@ -641,6 +641,7 @@ impl<'a> Planner<'a> {
                 batch,
                 seq,
                 hidden,
+                ..
             } => {
                 let rows = batch * seq;
                 let ids_l = self.int_loc(ids);
@@ -675,6 +676,10 @@ impl<'a> Planner<'a> {
                 self.finish_out(pending, rows * hidden)?;
                 Ok(1)
             }
+            // Refused by `not_on_cuda` before planning; kept an error, not a panic.
+            Op::Normalize { .. } => Err(BackendError::Unsupported(format!(
+                "op {idx} (Normalize): not implemented on CUDA"
+            ))),
             Op::Linear {
                 x,
                 w,
@@ -776,6 +781,7 @@ impl<'a> Planner<'a> {
                 seq,
                 heads,
                 head_dim,
+                ..
             } => {
                 let what = format!("op {idx} (Attention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
@@ -849,6 +855,7 @@ impl<'a> Planner<'a> {
                 hidden,
                 mode,
                 normalize,
+                ..
             } => {
                 let mask_l = self.int_loc(mask);
                 let x_l = self.float_in(x, batch * seq * hidden, t)?;
@@ -927,6 +934,7 @@ impl<'a> Planner<'a> {
                 max_seq_len,
                 heads,
                 head_dim,
+                ..
             } => {
                 let what = format!("op {idx} (PackedAttention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
@@ -1010,6 +1018,7 @@ impl<'a> Planner<'a> {
                 hidden,
                 mode,
                 normalize,
+                ..
             } => {
                 if seqs > i32::MAX as usize || tokens > i32::MAX as usize {
                     return Err(BackendError::Unsupported(format!(
@@ -1041,6 +1050,36 @@ impl<'a> Planner<'a> {
 }
 
 /// Plans `program` for compute type `compute`.
+/// What of `op` the CUDA kernels do not implement yet (issue 13's encoder
+/// families and sentence-transformers heads run on the CPU backend only):
+/// RoBERTa-style position ids (XLM-R, MPNet), MPNet's relative attention
+/// bias, pooling that skips a prompt (`include_prompt = false`) and the
+/// `Normalize` op after a `Dense` module. Refusing the whole program here,
+/// before anything is planned, is what keeps a graph from computing such a
+/// model as if it were plain BERT (wrong numbers, no error).
+pub fn not_on_cuda(op: &Op) -> Option<String> {
+    use crate::model::program::PositionIds;
+    match op {
+        Op::EmbedLayerNorm { position_ids, .. } | Op::PackedEmbedLayerNorm { position_ids, .. }
+            if *position_ids != PositionIds::Index =>
+        {
+            Some(format!(
+                "position ids {position_ids:?} (XLM-RoBERTa / MPNet) are not implemented on CUDA yet; serve the model with backend = \"cpu\""
+            ))
+        }
+        Op::Attention { bias: Some(_), .. } | Op::PackedAttention { bias: Some(_), .. } => Some(
+            "a relative attention bias (MPNet) is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
+        ),
+        Op::Pool { skip: Some(_), .. } | Op::PackedPool { skip: Some(_), .. } => Some(
+            "pooling that excludes the prompt (include_prompt = false) is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
+        ),
+        Op::Normalize { .. } => Some(
+            "Normalize after a Dense module is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
+        ),
+        _ => None,
+    }
+}
+
 pub fn plan(
     program: &Program,
     weights: &Weights,
@@ -1052,6 +1091,11 @@ pub fn plan(
         return Err(BackendError::Unsupported(format!(
             "compute dtype {compute}"
         )));
+    }
+    for (idx, op) in program.ops.iter().enumerate() {
+        if let Some(why) = not_on_cuda(op) {
+            return Err(BackendError::Unsupported(format!("op {idx}: {why}")));
+        }
     }
     // The program has passed `Program::validate`: buffers, inputs and the
     // one output are as declared.
@@ -1207,6 +1251,7 @@ pub(crate) mod tests {
         let t = b.activation("t", rows * inter);
         let out = b.output("out", batch * hidden);
         b.push(Op::EmbedLayerNorm {
+            position_ids: Default::default(),
             ids,
             token_types: types,
             word,
@@ -1231,6 +1276,7 @@ pub(crate) mod tests {
             k: hidden,
         });
         b.push(Op::Attention {
+            bias: None,
             qkv,
             mask,
             out: ctx,
@@ -1290,6 +1336,7 @@ pub(crate) mod tests {
             hidden,
         });
         b.push(Op::Pool {
+            skip: None,
             x: h,
             mask,
             out,
@@ -1345,6 +1392,7 @@ pub(crate) mod tests {
                     hidden,
                     ..
                 } => Op::PackedEmbedLayerNorm {
+                    position_ids: Default::default(),
                     ids,
                     token_types: types,
                     positions,
@@ -1404,6 +1452,7 @@ pub(crate) mod tests {
                     head_dim,
                     ..
                 } => Op::PackedAttention {
+                    bias: None,
                     qkv: remap(q),
                     offsets,
                     out: remap(o),
@@ -1421,6 +1470,7 @@ pub(crate) mod tests {
                     normalize,
                     ..
                 } => Op::PackedPool {
+                    skip: None,
                     x: remap(x),
                     offsets,
                     out: remap(o),
