@@ -273,6 +273,25 @@ async fn embeddings_match_sentence_transformers_through_the_daemon() {
         log.contains("max_seq_len=128 (tokenizer_config.json model_max_length)"),
         "the start-up log says what was read:\n{log}"
     );
+    // The stats report the same, per model.
+    let stats = daemon.stats();
+    let folder = stats["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "bert-st-new")
+        .map(|m| m["folder"].clone())
+        .unwrap();
+    assert!(
+        folder
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["key"] == "max_seq_len"
+                && d["value"] == "128"
+                && d["from"] == "tokenizer_config.json model_max_length"),
+        "{folder:#}"
+    );
     let client = daemon.client().await;
     for name in EMBEDDERS {
         let info = info(name);

@@ -184,7 +184,7 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
 }
 
 /// How a model is batched, for the start-up log and the stats.
-fn model_stats(slot: &ModelSlot) -> ModelStats {
+fn model_stats(slot: &ModelSlot, models: &[ServedModel]) -> ModelStats {
     let (batching, grid) = match &slot.grid {
         Grid::Padded(g) => (
             "padded",
@@ -199,6 +199,11 @@ fn model_stats(slot: &ModelSlot) -> ModelStats {
         name: slot.name.clone(),
         batching: batching.into(),
         grid,
+        folder: models
+            .iter()
+            .find(|m| m.info.name == slot.name)
+            .map(|m| m.info.derived.clone())
+            .unwrap_or_default(),
     }
 }
 
@@ -337,7 +342,10 @@ pub async fn run(
             grid: Grid::for_model(mc),
         })
         .collect();
-    let model_stats: Vec<ModelStats> = model_slots.iter().map(model_stats).collect();
+    let model_stats: Vec<ModelStats> = model_slots
+        .iter()
+        .map(|s| model_stats(s, &models))
+        .collect();
     for m in &model_stats {
         tracing::info!(model = %m.name, batching = %m.batching, grid = %m.grid, "batching");
     }

@@ -21,6 +21,7 @@
 
 use crate::model::batch::{SEGMENT_BIT, UNPOOLED_BIT};
 use crate::model::tokenizer::TokenizerSpec;
+use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use thiserror::Error;
@@ -232,7 +233,16 @@ impl TextTokenizer {
         } else {
             &self.full
         };
-        let encodings: Vec<Encoding> = match tokenizer.encode_batch_fast(inputs.clone(), true) {
+        let pairs = inputs.iter().any(|i| matches!(i, EncodeInput::Dual(..)));
+        let encoded = if truncate && pairs {
+            inputs
+                .par_iter()
+                .map(|i| self.encode_pair_longest_first(i))
+                .collect()
+        } else {
+            tokenizer.encode_batch_fast(inputs.clone(), true)
+        };
+        let encodings: Vec<Encoding> = match encoded {
             Ok(e) => e,
             Err(e) => {
                 // encode_batch does not say which input failed: find it.
@@ -272,6 +282,31 @@ impl TextTokenizer {
         Ok(out)
     }
 
+    /// A pair truncated `longest_first` to `max_seq_len` as the
+    /// `tokenizers` library's `truncate_encodings` does (see
+    /// [`longest_first`]), computed here rather than by the crate: its
+    /// early-exit tokenization (0.23.2, `do_tokenize`) cuts *each* side to
+    /// `max_seq_len` tokens before splitting the budget, so two long sides
+    /// look equally long and the odd token goes to the wrong side (the
+    /// bert-cross-encoder `both-long` reference: 31 + 30 kept, the crate
+    /// keeps 30 + 31).
+    fn encode_pair_longest_first(&self, input: &EncodeInput) -> tokenizers::Result<Encoding> {
+        let EncodeInput::Dual(a, b) = input else {
+            return self.truncating.encode_fast(input.clone(), true);
+        };
+        let tok = &self.full;
+        let mut first = tok.encode_fast(a.clone(), false)?;
+        let mut second = tok.encode_fast(b.clone(), false)?;
+        let added = tok
+            .get_post_processor()
+            .map_or(0, |p| tokenizers::PostProcessor::added_tokens(p, true));
+        let budget = self.max_seq_len.saturating_sub(added);
+        let (n1, n2) = longest_first(first.len(), second.len(), budget);
+        first.truncate(n1, 0, TruncationDirection::Right);
+        second.truncate(n2, 0, TruncationDirection::Right);
+        tok.post_process(first, Some(second), true)
+    }
+
     /// Vocabulary size, added tokens included (every id is below it).
     pub fn vocab_size(&self) -> usize {
         self.full.get_vocab_size(true)
@@ -284,6 +319,33 @@ impl TextTokenizer {
     /// The tokenizer.json this was loaded from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+/// How many tokens of each side of a pair `longest_first` keeps within
+/// `budget` (the maximum less the pair's special tokens), as
+/// `tokenizers::utils::truncation::truncate_encodings` decides: nothing is
+/// cut when both fit; a shorter side that fits in half is kept whole and
+/// the longer gets the rest; otherwise both get half, and an odd budget's
+/// extra token goes to the longer side (to the second when they are equally
+/// long). A returned count may exceed the side's length (keep it whole).
+pub fn longest_first(first: usize, second: usize, budget: usize) -> (usize, usize) {
+    if first + second <= budget {
+        return (first, second);
+    }
+    let swap = first > second;
+    // n1: the shorter side. As the crate does, n2 may exceed the longer
+    // side's length (truncating to more than a side holds keeps it whole).
+    let mut n1 = first.min(second);
+    let mut n2 = if n1 > budget { n1 } else { n1.max(budget - n1) };
+    if n1 + n2 > budget {
+        n1 = budget / 2;
+        n2 = n1 + budget % 2;
+    }
+    if swap {
+        (n2, n1)
+    } else {
+        (n1, n2)
     }
 }
 
@@ -367,6 +429,22 @@ impl TokenizerPool {
 
 #[cfg(test)]
 mod tests {
+    /// The bert-cross-encoder references' `truncation` fields (budget 61 =
+    /// 64 − 3 special tokens).
+    #[test]
+    fn longest_first_splits_as_the_tokenizers_library() {
+        let kept = |a, b, m| {
+            let (x, y) = super::longest_first(a, b, m);
+            (x.min(a), y.min(b))
+        };
+        assert_eq!(kept(33, 33, 61), (30, 31));
+        assert_eq!(kept(10, 126, 61), (10, 51));
+        assert_eq!(kept(126, 123, 61), (31, 30));
+        assert_eq!(kept(126, 10, 61), (51, 10));
+        assert_eq!(kept(20, 30, 61), (20, 30));
+        assert_eq!(kept(0, 100, 61), (0, 61));
+    }
+
     use super::*;
     use serde::Deserialize;
 

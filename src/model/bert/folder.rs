@@ -164,10 +164,12 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         None => false,
         Some(a) if a == base || a == masked_lm => false,
         Some(a) if a == classifier => true,
-        Some(a) => return Err(err(format!(
+        Some(a) => {
+            return Err(err(format!(
             "unsupported architecture {a} (model_type {:?}: {base}, {masked_lm} or {classifier})",
             family.model_type()
-        ))),
+        )))
+        }
     };
     let size = |key: &str, default: Option<usize>| -> Result<usize, ModelError> {
         match json.get(key) {
