@@ -393,7 +393,15 @@ pub fn read_st_config(dir: &Path) -> Result<StConfig, ModelError> {
 }
 
 /// `1_Pooling/config.json`: the mode and `include_prompt`.
-pub fn read_pooling(path: &Path, hidden: usize) -> Result<(Pooling, bool), ModelError> {
+///
+/// With `mode_override` (the model config's `pooling`), the file's mode
+/// keys are not interpreted (the operator chose the mode; a mode replayd
+/// lacks is then no error), the rest of the file still is.
+pub fn read_pooling(
+    path: &Path,
+    hidden: usize,
+    mode_override: Option<Pooling>,
+) -> Result<(Pooling, bool), ModelError> {
     let json = read_json(path)?;
     let obj = object(&json, path)?;
     let err = |m: String| ModelError::file(path, m);
@@ -439,6 +447,9 @@ pub fn read_pooling(path: &Path, hidden: usize) -> Result<(Pooling, bool), Model
         Some(Value::Bool(b)) => *b,
         Some(v) => return Err(err(format!("`include_prompt` is {v}, expected a boolean"))),
     };
+    if let Some(mode) = mode_override {
+        return Ok((mode, include_prompt));
+    }
     let modes: Vec<String> = match obj.get("pooling_mode") {
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => a
@@ -781,7 +792,7 @@ mod tests {
 
     #[test]
     fn pooling_old_and_new_keys() {
-        let p = |d: &str| read_pooling(&models().join(d).join("1_Pooling/config.json"), 32);
+        let p = |d: &str| read_pooling(&models().join(d).join("1_Pooling/config.json"), 32, None);
         assert_eq!(p("bert-st-old").unwrap(), (Pooling::Mean, true));
         assert_eq!(p("mpnet-st").unwrap(), (Pooling::Mean, true));
         assert_eq!(p("bert-st-new").unwrap(), (Pooling::Cls, false));
@@ -789,7 +800,7 @@ mod tests {
         let path = dir.path().join("config.json");
         let check = |json: &str, want: Result<(Pooling, bool), &str>| {
             std::fs::write(&path, json).unwrap();
-            match (read_pooling(&path, 8), want) {
+            match (read_pooling(&path, 8, None), want) {
                 (Ok(got), Ok(w)) => assert_eq!(got, w, "{json}"),
                 (Err(e), Err(needle)) => {
                     let e = e.to_string();

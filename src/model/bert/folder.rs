@@ -565,7 +565,8 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
                     match m.kind {
                         ModuleKind::Pooling if i == 1 => {
                             let path = m.dir.join("config.json");
-                            let (mode, include) = st::read_pooling(&path, config.hidden)?;
+                            let (mode, include) =
+                                st::read_pooling(&path, config.hidden, model.pooling)?;
                             pooling = mode;
                             include_prompt = include;
                             seen_pooling = true;
@@ -1452,7 +1453,7 @@ mod tests {
                 "mean_sqrt_len",
             ],
         );
-        // An explicit pooling in the model config does not read the file.
+        // An explicit pooling in the model config overrides the file's mode.
         c.pooling = Some(Pooling::Mean);
         inspect(&c).unwrap();
         c.pooling = None;
@@ -1507,13 +1508,26 @@ mod tests {
         assert_error(inspect(&c), &["config.json", "missing `hidden_size`"]);
         // A sentence-transformers module we cannot apply.
         std::fs::write(&config_path, edited_json("config.json", |_| {})).unwrap();
-        let modules = edited_json("modules.json", |j| {
-            j.as_array_mut().unwrap().push(serde_json::json!({
-                "idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"
-            }))
-        });
-        std::fs::write(dir.path().join("modules.json"), modules).unwrap();
-        assert_error(inspect(&c), &["modules.json", "Dense"]);
+        let module = |ty: &str| {
+            edited_json("modules.json", |j| {
+                j.as_array_mut().unwrap().push(serde_json::json!({
+                    "idx": 3, "name": "3", "path": "3_Module", "type": ty
+                }))
+            })
+        };
+        std::fs::write(
+            dir.path().join("modules.json"),
+            module("sentence_transformers.models.LSTM"),
+        )
+        .unwrap();
+        assert_error(inspect(&c), &["modules.json", "LSTM"]);
+        // A Dense module whose folder is missing: its config is named.
+        std::fs::write(
+            dir.path().join("modules.json"),
+            module("sentence_transformers.models.Dense"),
+        )
+        .unwrap();
+        assert_error(inspect(&c), &["3_Module/config.json", "missing file"]);
         // Missing model folder.
         assert_error(
             inspect(&config(&dir.path().join("nope"))),
