@@ -1,17 +1,22 @@
 # The README's two commands are `make run` and `make test`.
-.PHONY: run test model nvrtc build lint python-test install check-deploy
+.PHONY: run test model nvrtc build lint python-test install check-deploy fuzz
 
 # Start the daemon on the default config (CUDA where a GPU is present, else CPU).
 run: model
 	cargo run --release --bin replayd -- --config config/replayd.toml
 
 # Everything CI runs: lint, every Rust test (needs the model and NVRTC), the
-# Python client's tests against the daemon cargo just built, and the
-# deployment files' checks.
+# host-stage micro-benchmarks (figures printed), the Python client's tests
+# against the daemon cargo just built, the deployment files' checks, and a
+# bounded fuzz run (FUZZ_SECONDS per target).
 test: model nvrtc lint
 	cargo test --all-targets
+	# Each host stage's figures, printed (debug build, a few seconds: that it
+	# runs and what it measures; speed is read from a release build).
+	cargo run --quiet --bin replayd-hostbench -- --seconds 0.25 --iters 300
 	scripts/python-tests.sh
 	scripts/check-deploy.sh
+	scripts/fuzz.sh
 
 model:
 	scripts/fetch-model.sh
@@ -42,3 +47,7 @@ install:
 # 3.5), sysusers/tmpfiles, and every Kubernetes manifest against its schema.
 check-deploy:
 	scripts/check-deploy.sh
+
+# A longer fuzz run: make fuzz FUZZ_SECONDS=600
+fuzz:
+	FUZZ_SECONDS=$(or $(FUZZ_SECONDS),600) scripts/fuzz.sh

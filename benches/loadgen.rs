@@ -12,6 +12,12 @@
 //! `scripts/make-corpus.py` writes); `--features N` sends random f32 rows
 //! instead (MLP models). `--batch` texts go in each request.
 //!
+//! Every successful reply's per-hop timings (`decode_us` … `reply_us`, see
+//! docs/protocol.md) are gathered too: the report gives each hop's p50, p90
+//! and p99, and the daemon's own `total_us`, so a latency can be read as
+//! where its time went. `--warmup S` leaves the first S seconds out of every
+//! figure (the requests still run).
+//!
 //! With `--control ENDPOINT` (the daemon's control socket) it also reads the
 //! daemon's stats before and after the run and reports, for this run alone,
 //! each bucket's real and computed tokens and padding waste, and the total:
@@ -19,12 +25,12 @@
 //! ```sh
 //! scripts/make-corpus.py /tmp/corpus.jsonl
 //! replayd-loadgen --model all-MiniLM-L6-v2 --texts /tmp/corpus.jsonl --batch 32 \
-//!     --concurrency 256 --duration 20 --control tcp://127.0.0.1:5556
+//!     --concurrency 256 --duration 20 --control ipc://$XDG_RUNTIME_DIR/replayd/control.sock
 //! ```
 
 use clap::Parser;
 use replayd::protocol::client::Client;
-use replayd::protocol::{InputKind, Payload, RequestHeader, Status};
+use replayd::protocol::{Hops, InputKind, Payload, RequestHeader, Status};
 use replayd::tensor::{DType, HostTensor};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -86,6 +92,10 @@ struct Args {
     /// Seconds to wait for each reply.
     #[arg(long, default_value_t = 120.0)]
     timeout: f64,
+    /// Leave replies to requests sent in the first this many seconds out of
+    /// the figures (throughput, latency, hops).
+    #[arg(long, default_value_t = 0.0)]
+    warmup: f64,
 }
 
 struct Corpus {
@@ -188,6 +198,10 @@ struct Tally {
     buckets: BTreeMap<String, u64>,
     /// Replies whose rows ran in more than one batch.
     split: u64,
+    /// Per hop ([`Hops::NAMES`]), then the daemon's `total_us`: one value per reply.
+    hops: Vec<Vec<u64>>,
+    /// Replies (ok or not) to requests sent during the warm-up.
+    warmup_replies: u64,
 }
 
 /// The daemon's stats, over its control socket.
@@ -308,8 +322,10 @@ async fn main() {
     let issued = Arc::new(AtomicU64::new(0));
     let tally = Arc::new(Mutex::new(Tally {
         min_cosine: 1.0,
+        hops: vec![Vec::new(); Hops::NAMES.len() + 1],
         ..Default::default()
     }));
+    let warmup = Duration::from_secs_f64(args.warmup.max(0.0));
     let mut workers = Vec::new();
     for w in 0..args.concurrency {
         let client = clients[w % clients.len()].clone();
@@ -368,11 +384,22 @@ async fn main() {
                     .await;
                 let us = t0.elapsed().as_micros() as u64;
                 let mut t = tally.lock().unwrap();
+                let counted = t0.duration_since(started) >= warmup;
+                if !counted {
+                    t.warmup_replies += 1;
+                }
                 match reply {
+                    Ok(r) if r.header.status == Status::Ok && !counted => {}
                     Ok(r) if r.header.status == Status::Ok => {
                         t.ok += 1;
                         t.items += size as u64;
                         t.latencies_us.push(us);
+                        if let Some(h) = Hops::from_header(&r.header) {
+                            for (k, v) in h.values().into_iter().enumerate() {
+                                t.hops[k].push(v);
+                            }
+                            t.hops[Hops::NAMES.len()].push(r.header.total_us);
+                        }
                         if r.header.batches.is_some_and(|b| b > 1) {
                             t.split += 1;
                         }
@@ -455,7 +482,7 @@ async fn main() {
     for w in workers {
         w.await.unwrap();
     }
-    let elapsed = started.elapsed().as_secs_f64();
+    let elapsed = (started.elapsed().as_secs_f64() - warmup.as_secs_f64()).max(1e-9);
     // Let any duplicate reply arrive before counting strays.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let stray: u64 = clients.iter().map(|c| c.stray_replies()).sum();
@@ -468,6 +495,27 @@ async fn main() {
     };
     let mut t = tally.lock().unwrap();
     t.latencies_us.sort_unstable();
+    let mut hop_report = serde_json::Map::new();
+    let hop_names: Vec<&str> = Hops::NAMES
+        .iter()
+        .copied()
+        .chain(["daemon_total"])
+        .collect();
+    for (name, values) in hop_names.iter().zip(t.hops.iter_mut()) {
+        values.sort_unstable();
+        let q = |p: f64| {
+            if values.is_empty() {
+                0
+            } else {
+                values[((values.len() - 1) as f64 * p).round() as usize]
+            }
+        };
+        let mean = values.iter().sum::<u64>() as f64 / values.len().max(1) as f64;
+        hop_report.insert(
+            name.to_string(),
+            json!({"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": mean}),
+        );
+    }
     let pct = |q: f64| -> u64 {
         if t.latencies_us.is_empty() {
             0
@@ -489,6 +537,11 @@ async fn main() {
         "texts_per_s": if corpus.is_some() { json!(t.items as f64 / elapsed) } else { Value::Null },
         "split_replies": t.split,
         "latency_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0)},
+        "sockets": args.sockets.max(1),
+        "warmup_s": args.warmup,
+        "warmup_replies": t.warmup_replies,
+        // Per hop of the daemon's replies, µs (docs/protocol.md); daemon_total is its total_us.
+        "hops_us": hop_report,
         "min_cosine": if corpus.is_some() { json!(t.min_cosine) } else { Value::Null },
         "below_min_cosine": t.bad_cosine,
         "stray_replies": stray,
@@ -510,6 +563,13 @@ async fn main() {
         pct(0.99),
         pct(1.0)
     );
+    if !t.hops[0].is_empty() {
+        let line: Vec<String> = hop_names
+            .iter()
+            .map(|n| format!("{n} {}", hop_report[*n]["p50"]))
+            .collect();
+        eprintln!("  hops p50 µs: {}", line.join(", "));
+    }
     if let Some(buckets) = padding["buckets"].as_array() {
         for b in buckets {
             eprintln!(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stages what scripts/gpu-check.sh needs on a GPU machine that has no cargo
+# Stages what scripts/gpu-check.sh and scripts/bench-host.sh need on a GPU machine that has no cargo
 # and no network: stripped release binaries in .carry/bin, the commit they
 # were built from, and an f16 copy of all-MiniLM-L6-v2 in .carry/minilm-f16
 # (xz-compressed; the f32 weights are too large to carry; the check computes its reference
@@ -11,11 +11,11 @@ cargo build --release --bins --example cuda_selftest
 # Compressed: the carry limit is 64 MiB and the model takes 45.
 rm -rf .carry/bin .carry/bin.tar.gz .carry/bin.tar.xz
 mkdir -p .carry/stage
-for b in replayd replayctl replayd-loadgen; do
+for b in replayd replayctl replayd-loadgen replayd-hostbench; do
   strip -o ".carry/stage/$b" "target/release/$b"
 done
 strip -o .carry/stage/cuda_selftest target/release/examples/cuda_selftest
-tar -C .carry/stage -cJf .carry/bin.tar.xz replayd replayctl replayd-loadgen cuda_selftest
+tar -C .carry/stage -cJf .carry/bin.tar.xz replayd replayctl replayd-loadgen replayd-hostbench cuda_selftest
 rm -rf .carry/stage
 git rev-parse --short HEAD > .carry/COMMIT
 git diff --quiet HEAD || echo "+uncommitted" >> .carry/COMMIT

@@ -63,7 +63,7 @@ impl std::fmt::Display for Bucket {
 }
 
 /// A padded model's bucket grid: every batch size crossed with every seq length.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BucketGrid {
     batches: Vec<usize>,
     seqs: Vec<usize>,
@@ -131,7 +131,7 @@ impl BucketGrid {
 }
 
 /// A packed model's ladder of token budgets.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenGrid {
     budgets: Vec<usize>,
     max_seqs: usize,
@@ -160,6 +160,11 @@ impl TokenGrid {
         tokens.min(self.max_seqs)
     }
 
+    /// The configured sequence cap (`max_seqs_per_batch`).
+    pub fn max_seqs_cap(&self) -> usize {
+        self.max_seqs
+    }
+
     /// Most sequences in any one batch.
     pub fn max_seqs(&self) -> usize {
         self.seqs_for(self.max_tokens())
@@ -185,7 +190,8 @@ impl TokenGrid {
 }
 
 /// A model's captured shapes: padded rectangles or packed token budgets.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// (Serialised for the worker link: a reload sends a model's new grid.)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Grid {
     Padded(BucketGrid),
     Packed(TokenGrid),
@@ -208,6 +214,61 @@ impl Grid {
             Grid::Padded(g) => g.largest_first(),
             Grid::Packed(g) => g.largest_first(),
         }
+    }
+
+    /// Whether `bucket` is one of this grid's shapes.
+    pub fn contains(&self, bucket: Bucket) -> bool {
+        match (self, bucket) {
+            (Grid::Padded(g), Bucket::Padded { batch, seq }) => {
+                g.batches.contains(&batch) && g.seqs.contains(&seq)
+            }
+            (Grid::Packed(g), Bucket::Packed { tokens, seqs }) => {
+                g.budgets.contains(&tokens) && g.seqs_for(tokens) == seqs
+            }
+            _ => false,
+        }
+    }
+
+    /// The grid as the stats show it: `batch_buckets` and `seq_buckets`,
+    /// or `token_budgets` and `max_seqs_per_batch`.
+    pub fn describe(&self) -> serde_json::Value {
+        match self {
+            Grid::Padded(g) => {
+                serde_json::json!({"batch_buckets": g.batches(), "seq_buckets": g.seqs()})
+            }
+            Grid::Packed(g) => serde_json::json!({
+                "token_budgets": g.budgets(),
+                "max_seqs_per_batch": g.max_seqs_cap(),
+            }),
+        }
+    }
+
+    /// `"padded"` or `"packed"`.
+    pub fn batching(&self) -> &'static str {
+        match self {
+            Grid::Padded(_) => "padded",
+            Grid::Packed(_) => "packed",
+        }
+    }
+}
+
+/// Whether a batch of sequences of these lengths (token counts; one per row
+/// of a model without a sequence axis) fits `bucket`: padded, at most
+/// `batch` rows none longer than `seq`; packed, at most `seqs` sequences
+/// whose tokens (an empty one counts 1) fit the budget.
+pub fn fits(bucket: Bucket, lens: impl IntoIterator<Item = usize>) -> bool {
+    let (mut rows, mut tokens, mut longest) = (0usize, 0usize, 0usize);
+    for len in lens {
+        rows += 1;
+        tokens += len.max(1);
+        longest = longest.max(len);
+    }
+    match bucket {
+        Bucket::Padded { batch, seq } => rows <= batch && longest <= seq,
+        Bucket::Packed {
+            tokens: budget,
+            seqs,
+        } => rows <= seqs && tokens <= budget,
     }
 }
 

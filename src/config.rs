@@ -11,6 +11,9 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 
+mod http;
+pub use http::HttpConfig;
+
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
@@ -38,7 +41,19 @@ pub struct Config {
     pub batching: BatchingConfig,
     pub devices: DevicesConfig,
     pub eager: EagerConfig,
+    pub metrics: MetricsConfig,
+    /// The optional HTTP front (`[http]`, off by default).
+    pub http: HttpConfig,
     pub models: Vec<ModelConfig>,
+}
+
+/// Prometheus `/metrics` over HTTP (off unless `endpoint` is set).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// `HOST:PORT` to serve `/metrics` on, a loopback address (e.g.
+    /// `127.0.0.1:9464`; port 0 picks a free one). Unset: no HTTP server.
+    pub endpoint: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -46,7 +61,9 @@ pub struct Config {
 pub struct ServerConfig {
     /// ZeroMQ endpoint clients connect to (ROUTER): `tcp://host:port` or `ipc:///path`.
     pub endpoint: String,
-    /// ZeroMQ endpoint for `replayctl` (ROUTER).
+    /// ZeroMQ endpoint for `replayctl` (ROUTER); default
+    /// `ipc://<runtime_dir>/control.sock`.
+    #[serde(default)]
     pub control_endpoint: String,
     /// Directory for the worker IPC sockets and other run-time files.
     pub runtime_dir: PathBuf,
@@ -62,6 +79,10 @@ pub struct ServerConfig {
     pub max_buffered_bytes: usize,
     /// Threads that tokenize texts, off the async runtime (0 = number of cores, at most 8).
     pub tokenizer_threads: usize,
+    /// Requests whose texts are at most this many bytes in all are
+    /// tokenized on the task that received them (a few microseconds),
+    /// skipping the hop to the tokenizer pool; 0 = always use the pool.
+    pub inline_tokenize_bytes: usize,
     /// Replies queued for one client that is not reading; past it they are
     /// dropped (and counted), so a stalled client holds no more memory.
     pub send_hwm: usize,
@@ -99,17 +120,23 @@ fn default_runtime_dir() -> PathBuf {
     }
 }
 
+/// The control socket's default: `control.sock` in the runtime directory.
+pub fn default_control_endpoint(runtime_dir: &Path) -> String {
+    format!("ipc://{}", runtime_dir.join("control.sock").display())
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             endpoint: "tcp://127.0.0.1:5555".into(),
-            control_endpoint: "tcp://127.0.0.1:5556".into(),
+            control_endpoint: default_control_endpoint(&default_runtime_dir()),
             runtime_dir: default_runtime_dir(),
             runtime_group: None,
             max_request_bytes: 64 << 20,
             max_items_per_request: 1024,
             max_buffered_bytes: 1 << 30,
             tokenizer_threads: 0,
+            inline_tokenize_bytes: 256,
             send_hwm: 1000,
             recv_hwm: 64,
             handshake_timeout_ms: 10_000,
@@ -155,6 +182,9 @@ pub enum BackendKind {
     Auto,
     Cuda,
     Cpu,
+    /// Computes nothing (`src/backend/null.rs`): for measuring the host path
+    /// only; `cpu_devices` sets how many.
+    Null,
 }
 
 /// Which GPUs to use: `"all"` or a list of CUDA ordinals.
@@ -200,6 +230,16 @@ pub struct DevicesConfig {
     pub heartbeat_ms: u64,
     /// Where NVRTC-compiled kernels are cached (by source hash and architecture).
     pub kernel_cache_dir: Option<PathBuf>,
+    /// Worker processes per GPU (CUDA backend), each with its own graphs:
+    /// more links and device actors for the same GPUs (host-side scaling).
+    pub workers_per_gpu: usize,
+    /// Batches and their outputs travel between the daemon and its workers
+    /// through a shared-memory ring (one per worker, in `server.runtime_dir`);
+    /// false: through the worker's socket, as before.
+    pub shm_link: bool,
+    /// The null backend's modelled time per batch and per real token, in µs.
+    pub null_us_per_batch: f64,
+    pub null_us_per_token: f64,
 }
 
 impl Default for DevicesConfig {
@@ -218,6 +258,10 @@ impl Default for DevicesConfig {
             hang_timeout_ms: 2_000,
             heartbeat_ms: 100,
             kernel_cache_dir: None,
+            workers_per_gpu: 1,
+            shm_link: true,
+            null_us_per_batch: 0.0,
+            null_us_per_token: 0.0,
         }
     }
 }
@@ -252,8 +296,14 @@ pub struct ModelConfig {
     /// BERT: the model folder. MLP: a `.safetensors` file, or a folder with
     /// `model.safetensors` and an optional `config.json` naming the activation.
     pub path: PathBuf,
-    /// Compute dtype on the device: f32, f16 or bf16.
-    #[serde(default = "default_dtype")]
+    /// Compute dtype on the device: `auto` (f16 on CUDA, f32 on the CPU
+    /// backend), f32, f16 or bf16. As written in the file; [`Self::dtype`]
+    /// is what it resolves to.
+    #[serde(rename = "dtype", default)]
+    pub dtype_setting: DTypeSetting,
+    /// The compute dtype in force: `dtype_setting` resolved for the backend
+    /// by [`Config::resolve_for_backend`] (f32 until then).
+    #[serde(skip, default = "default_dtype")]
     pub dtype: DType,
     /// Batch sizes a graph is captured for.
     #[serde(default = "default_batch_buckets")]
@@ -283,6 +333,48 @@ pub struct ModelConfig {
     /// L2-normalise embeddings (default: whether modules.json has a Normalize module).
     #[serde(default)]
     pub normalize: Option<bool>,
+}
+
+/// A model's `dtype` key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DTypeSetting {
+    /// f16 on the CUDA backend (several times faster than f32 on GPUs),
+    /// f32 on the CPU backend (its reference numerics).
+    #[default]
+    Auto,
+    F32,
+    F16,
+    Bf16,
+    /// Not a compute dtype: rejected by validation with a message.
+    I32,
+    U32,
+}
+
+impl DTypeSetting {
+    /// The dtype on the CUDA backend (`cuda`) or the CPU backend.
+    pub fn resolve(self, cuda: bool) -> DType {
+        match self {
+            DTypeSetting::Auto if cuda => DType::F16,
+            DTypeSetting::Auto => DType::F32,
+            DTypeSetting::F32 => DType::F32,
+            DTypeSetting::F16 => DType::F16,
+            DTypeSetting::Bf16 => DType::BF16,
+            DTypeSetting::I32 => DType::I32,
+            DTypeSetting::U32 => DType::U32,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DTypeSetting::Auto => "auto",
+            DTypeSetting::F32 => "f32",
+            DTypeSetting::F16 => "f16",
+            DTypeSetting::Bf16 => "bf16",
+            DTypeSetting::I32 => "i32",
+            DTypeSetting::U32 => "u32",
+        }
+    }
 }
 
 /// How a model's requests are batched into graphs.
@@ -366,12 +458,24 @@ impl Config {
 
     /// Parses and validates TOML text.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        let mut config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: PathBuf::from("<config>"),
             message: e.to_string(),
         })?;
+        if config.server.control_endpoint.is_empty() {
+            config.server.control_endpoint = default_control_endpoint(&config.server.runtime_dir);
+        }
         config.validate()?;
         Ok(config)
+    }
+
+    /// Resolves every model's `dtype = "auto"` for the backend the models
+    /// run on (`cuda`: the CUDA backend); the daemon, each worker and the
+    /// tools call it once they know.
+    pub fn resolve_for_backend(&mut self, cuda: bool) {
+        for m in &mut self.models {
+            m.dtype = m.dtype_setting.resolve(cuda);
+        }
     }
 
     /// Checks every value; the error names the key.
@@ -428,6 +532,32 @@ impl Config {
                 "the control socket (drain, restart, reload, fault injection) must be ipc:// or a loopback tcp:// address",
             ));
         }
+        if let Some(path) = self.server.control_endpoint.strip_prefix("ipc://") {
+            // sockaddr_un holds 107 bytes and a NUL.
+            if path.len() > 107 {
+                return Err(invalid(
+                    "server.control_endpoint",
+                    format!("the socket path {path} is longer than the 107 bytes a unix socket allows (choose a shorter server.runtime_dir or set server.control_endpoint)"),
+                ));
+            }
+        }
+        if let Some(endpoint) = &self.metrics.endpoint {
+            match endpoint.parse::<std::net::SocketAddr>() {
+                Ok(addr) if addr.ip().is_loopback() => {}
+                Ok(_) => {
+                    return Err(invalid(
+                        "metrics.endpoint",
+                        format!("{endpoint} is not a loopback address: /metrics is served on 127.0.0.1 or [::1] only (scrape it through a local agent)"),
+                    ))
+                }
+                Err(_) => {
+                    return Err(invalid(
+                        "metrics.endpoint",
+                        format!("{endpoint:?} is not HOST:PORT (e.g. \"127.0.0.1:9464\")"),
+                    ))
+                }
+            }
+        }
         if self.server.max_buffered_bytes < self.server.max_request_bytes {
             return Err(invalid(
                 "server.max_buffered_bytes",
@@ -480,6 +610,27 @@ impl Config {
         if self.devices.cpu_devices == 0 || self.devices.cpu_devices > 64 {
             return Err(invalid("devices.cpu_devices", "must be between 1 and 64"));
         }
+        if self.server.inline_tokenize_bytes > 65536 {
+            // Longer texts would hold an async-runtime thread for milliseconds.
+            return Err(invalid(
+                "server.inline_tokenize_bytes",
+                "must be at most 65536",
+            ));
+        }
+        if self.devices.workers_per_gpu == 0 || self.devices.workers_per_gpu > 16 {
+            return Err(invalid(
+                "devices.workers_per_gpu",
+                "must be between 1 and 16",
+            ));
+        }
+        for (key, v) in [
+            ("devices.null_us_per_batch", self.devices.null_us_per_batch),
+            ("devices.null_us_per_token", self.devices.null_us_per_token),
+        ] {
+            if !(0.0..=1e6).contains(&v) {
+                return Err(invalid(key, "must be between 0 and 1000000"));
+            }
+        }
         if self.devices.restart_backoff_ms == 0
             || self.devices.restart_backoff_max_ms < self.devices.restart_backoff_ms
         {
@@ -509,6 +660,7 @@ impl Config {
         if self.eager.max_queue == 0 {
             return Err(invalid("eager.max_queue", "must be at least 1"));
         }
+        self.http.validate(&self.models)?;
         if self.models.is_empty() {
             return Err(invalid(
                 "models",
@@ -537,12 +689,12 @@ impl Config {
                     format!("{:?} is used twice", model.name),
                 ));
             }
-            if !model.dtype.is_float() {
+            if matches!(model.dtype_setting, DTypeSetting::I32 | DTypeSetting::U32) {
                 return Err(invalid(
                     key("dtype"),
                     format!(
-                        "{} is not a compute dtype (use f32, f16 or bf16)",
-                        model.dtype
+                        "{} is not a compute dtype (use auto, f32, f16 or bf16)",
+                        model.dtype_setting.as_str()
                     ),
                 ));
             }
@@ -665,8 +817,54 @@ path = "mlp.safetensors"
         let c = Config::parse(MINIMAL).unwrap();
         assert_eq!(c.batching.max_wait_us, 500);
         assert_eq!(c.models[0].batch_buckets, vec![1, 2, 4, 8, 16, 32, 64, 128]);
-        assert_eq!(c.models[0].dtype, DType::F32);
+        assert_eq!(c.models[0].dtype_setting, DTypeSetting::Auto);
         assert_eq!(c.devices.backend, BackendKind::Auto);
+        assert_eq!(c.metrics.endpoint, None);
+        assert_eq!(
+            c.server.control_endpoint,
+            format!("ipc://{}/control.sock", c.server.runtime_dir.display())
+        );
+    }
+
+    #[test]
+    fn auto_dtype_is_f16_on_cuda_and_f32_on_the_cpu() {
+        let mut c = Config::parse(MINIMAL).unwrap();
+        c.resolve_for_backend(true);
+        assert_eq!(c.models[0].dtype, DType::F16);
+        c.resolve_for_backend(false);
+        assert_eq!(c.models[0].dtype, DType::F32);
+        let mut c = Config::parse(&MINIMAL.replace("path", "dtype = \"bf16\"\npath")).unwrap();
+        c.resolve_for_backend(false);
+        assert_eq!(c.models[0].dtype, DType::BF16);
+    }
+
+    #[test]
+    fn the_control_socket_follows_the_runtime_dir_unless_set() {
+        let c = Config::parse(&format!("[server]\nruntime_dir = \"/run/x\"\n{MINIMAL}")).unwrap();
+        assert_eq!(c.server.control_endpoint, "ipc:///run/x/control.sock");
+        let c = Config::parse(&format!(
+            "[server]\nruntime_dir = \"/run/x\"\ncontrol_endpoint = \"tcp://127.0.0.1:5556\"\n{MINIMAL}"
+        ))
+        .unwrap();
+        assert_eq!(c.server.control_endpoint, "tcp://127.0.0.1:5556");
+        let long = "/tmp/".to_string() + &"d".repeat(120);
+        let err =
+            Config::parse(&format!("[server]\nruntime_dir = \"{long}\"\n{MINIMAL}")).unwrap_err();
+        assert!(err.to_string().contains("server.control_endpoint"), "{err}");
+    }
+
+    #[test]
+    fn metrics_are_off_by_default_and_loopback_only() {
+        let c = Config::parse(&format!(
+            "[metrics]\nendpoint = \"127.0.0.1:9464\"\n{MINIMAL}"
+        ))
+        .unwrap();
+        assert_eq!(c.metrics.endpoint.as_deref(), Some("127.0.0.1:9464"));
+        for bad in ["0.0.0.0:9464", "10.1.2.3:80", "localhost"] {
+            let err =
+                Config::parse(&format!("[metrics]\nendpoint = \"{bad}\"\n{MINIMAL}")).unwrap_err();
+            assert!(err.to_string().contains("metrics.endpoint"), "{bad}: {err}");
+        }
     }
 
     /// config/replayd.toml documents the defaults: it must parse and agree with them.
@@ -677,8 +875,13 @@ path = "mlp.safetensors"
         assert_eq!(c.batching, BatchingConfig::default());
         assert_eq!(c.devices, DevicesConfig::default());
         assert_eq!(c.eager, EagerConfig::default());
+        assert_eq!(c.metrics, MetricsConfig::default());
+        assert_eq!(c.http, HttpConfig::default());
         let m = &c.models[0];
-        assert_eq!((m.kind, m.dtype), (ModelKind::Bert, DType::F32));
+        assert_eq!(
+            (m.kind, m.dtype_setting),
+            (ModelKind::Bert, DTypeSetting::Auto)
+        );
         assert_eq!(m.batch_buckets, default_batch_buckets());
         assert_eq!(m.seq_buckets, default_seq_buckets());
         assert_eq!(m.batching_mode(), BatchingMode::Packed);

@@ -18,14 +18,15 @@
 //!   with its validation rules and the reference interpreter, shared by
 //!   every backend.
 //! * [`protocol`] — the client wire format (types, codec) and the Rust
-//!   [`protocol::client`].
+//!   [`protocol::client`] (also reachable as [`client`]).
 //! * [`gpu`] — host-side device discovery and NVML, used by both processes.
 //! * [`transport`] — the ZeroMQ sockets (libzmq) with their limits and
 //!   CURVE authentication, for every socket of both processes and the client.
 //! * [`tools`] — `replayd backend-check` (a GPU against the CPU backend).
 //! * `fuzz` (hidden) — the entry points of the fuzz targets in `fuzz/`.
 //! * Shared by all: [`config`] (the TOML file), [`bucket`] (shape buckets),
-//!   [`tensor`] (dtypes and host tensors).
+//!   [`tensor`] (dtypes and host tensors), [`clock`] (the cross-process clock
+//!   of per-hop timings).
 //!
 //! Imports only point down this list's dependency order: `daemon` → `worker`
 //! (its link) → `model`/`protocol`/`gpu` → `config`/`bucket`/`tensor`;
@@ -33,6 +34,7 @@
 
 pub mod backend;
 pub mod bucket;
+pub mod clock;
 pub mod config;
 pub mod daemon;
 #[doc(hidden)]
@@ -44,3 +46,6 @@ pub mod tensor;
 pub mod tools;
 pub mod transport;
 pub mod worker;
+
+/// The async Rust client, [`protocol::client`], under the name users look for.
+pub use protocol::client;

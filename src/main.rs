@@ -29,9 +29,30 @@ struct Cli {
     #[arg(long, env = "REPLAYD_LOG", default_value = "info", global = true)]
     log: String,
 
+    /// Log lines as text (colours only on a terminal) or as one JSON object
+    /// per line (for log shippers).
+    #[arg(
+        long,
+        env = "REPLAYD_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
+    log_format: LogFormat,
+
     #[command(subcommand)]
     command: Option<Command>,
 }
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Exit status of a configuration the daemon rejects (EX_CONFIG); the
+/// systemd unit does not restart on it (`RestartPreventExitStatus=78`).
+const EXIT_CONFIG: i32 = 78;
 
 #[derive(Subcommand, Debug)]
 enum Command {
@@ -45,18 +66,40 @@ enum Command {
     Worker(replayd::worker::WorkerArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    match cli.command {
+    // Worker processes log the same way (they inherit the environment).
+    // SAFETY: no other thread exists yet.
+    unsafe {
+        std::env::set_var("REPLAYD_LOG", &cli.log);
+        std::env::set_var(
+            "REPLAYD_LOG_FORMAT",
+            match cli.log_format {
+                LogFormat::Text => "text",
+                LogFormat::Json => "json",
+            },
+        );
+    }
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log).unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Json => builder.json().init(),
+        // Colours only where a person reads them, not in a file or the journal.
+        LogFormat::Text => builder
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
+    let result = match cli.command {
         Some(Command::Worker(args)) => std::process::exit(replayd::worker::run(args)),
         Some(Command::BackendCheck(args)) => replayd::tools::backend_check::run(args),
         Some(Command::Serve) | None => serve(cli.config, cli.ready_file),
+    };
+    if let Err(e) = result {
+        let config = server::is_config_error(&e);
+        tracing::error!("{e:#}");
+        std::process::exit(if config { EXIT_CONFIG } else { 1 });
     }
 }
 

@@ -2,7 +2,9 @@
 //! capability 9.0 (H100/H200), to CUBIN and to PTX, and declares exactly the
 //! `extern "C"` entry points the CUDA backend looks up (the packed-batch
 //! kernels among them: `embed_ln_packed_*`, `pool_packed_*`,
-//! `attention_varlen[_tc]_*`; XLM-R / MPNet position ids, `embed_ln_padpos_*`;
+//! `attention_varlen[_tc]_*`; the small-shape ones: `add_ln_vec_*`,
+//! `embed_ln_vec_*`, `bias_act_vec_*`, `layer_attn_small_*`,
+//! `layer_ffn_small_*`; XLM-R / MPNet position ids, `embed_ln_padpos_*`;
 //! row normalisation, `l2norm_rows_*`). Needs no GPU and no
 //! CUDA toolkit, only NVRTC (`scripts/install-nvrtc.sh` puts the pinned wheel
 //! into `.nvrtc/`; `REPLAYD_NVRTC_DIR` or `LD_LIBRARY_PATH` may point
@@ -103,6 +105,14 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
     }
     let packed = kernels::packed_entry_points();
     assert!(packed.iter().all(|n| expected.contains(n)), "{packed:?}");
+    // So are the vectorised kernels and the fused sublayers for few rows.
+    for file in ["vec.cu", "small_layer.cu"] {
+        assert!(source.contains(&format!("#line 1 \"{file}\"")), "{file}");
+    }
+    let fused = kernels::fused_entry_points();
+    assert!(fused.iter().all(|n| expected.contains(n)), "{fused:?}");
+    assert!(fused.contains(&"layer_attn_small_f16_d32".to_string()));
+    assert!(fused.contains(&"layer_ffn_small_bf16".to_string()));
 
     // PTX: the exact set of entry points.
     let t = Target::Ptx(90);

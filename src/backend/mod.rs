@@ -14,10 +14,12 @@
 //! * run a program without capture for shapes that fit no bucket
 //!   ([`Backend::run_eager`]).
 //!
-//! `cpu` is the reference backend and the one tests run on; `cuda` is the product.
+//! `cpu` is the reference backend and the one tests run on; `cuda` is the product;
+//! `null` computes nothing (host-path benchmarks).
 
 pub mod cpu;
 pub mod cuda;
+pub mod null;
 
 pub use crate::gpu::DeviceInfo;
 use crate::model::{BatchRows, Model, Program};

@@ -28,7 +28,8 @@ pub enum Refusal {
 
 struct Gate {
     admitted: AtomicUsize,
-    limit: usize,
+    /// `batching.max_queue`; a reload may change it.
+    limit: AtomicUsize,
 }
 
 /// The daemon's admission counters.
@@ -46,7 +47,7 @@ impl Admission {
             gates: (0..models)
                 .map(|_| Gate {
                     admitted: AtomicUsize::new(0),
-                    limit: per_model_limit,
+                    limit: AtomicUsize::new(per_model_limit),
                 })
                 .collect(),
             bytes: AtomicUsize::new(0),
@@ -58,10 +59,11 @@ impl Admission {
     /// Admits a request to `model` that will hold about `bytes`, or says why not.
     pub fn admit(self: &Arc<Self>, model: usize, bytes: usize) -> Result<Ticket, Refusal> {
         let gate = &self.gates[model];
-        if gate.admitted.fetch_add(1, Ordering::AcqRel) >= gate.limit {
+        let limit = gate.limit.load(Ordering::Relaxed);
+        if gate.admitted.fetch_add(1, Ordering::AcqRel) >= limit {
             gate.admitted.fetch_sub(1, Ordering::AcqRel);
             self.refused.fetch_add(1, Ordering::Relaxed);
-            return Err(Refusal::ModelFull { limit: gate.limit });
+            return Err(Refusal::ModelFull { limit });
         }
         let before = self.bytes.fetch_add(bytes, Ordering::AcqRel);
         // A request larger than the whole budget is still admitted when
@@ -81,6 +83,14 @@ impl Admission {
             model,
             bytes,
         })
+    }
+
+    /// A reload changed `batching.max_queue`: every model's gate takes it
+    /// (requests already admitted above a lowered limit are kept).
+    pub fn set_limit(&self, per_model_limit: usize) {
+        for gate in &self.gates {
+            gate.limit.store(per_model_limit, Ordering::Relaxed);
+        }
     }
 
     /// Bytes held by admitted requests now.

@@ -1,11 +1,22 @@
 //! The operator socket that `replayctl` talks to: a ZeroMQ ROUTER on
-//! `server.control_endpoint`. Requests and replies are single JSON frames:
-//! `{"cmd": "health" | "stats" | "inject_fault", "device": "cuda:0", "kind":
-//! "corrupt" | "hang"}` →
-//! `{"ok": true, "result": …}` or `{"ok": false, "error": "…"}`.
+//! `server.control_endpoint` (default `ipc://<runtime_dir>/control.sock`).
+//! Requests and replies are single JSON frames:
+//! `{"cmd": CMD, "device": "cuda:0", "kind": "corrupt" | "hang"}` →
+//! `{"ok": true, "result": …}` or `{"ok": false, "error": "…"}`, where CMD is
+//!
+//! * `health` — `ok` | `degraded` | `starting` | `down`, and each device;
+//! * `stats` — [`Metrics::snapshot`], everything `replayctl stats` shows;
+//! * `devices` — each device slot's state, worker, graphs, GPU samples;
+//! * `buckets` — [`Metrics::buckets_report`]: grids, histograms, suggestions;
+//! * `drain` / `undrain` (`device`) — stop or resume sending it batches;
+//! * `restart` (`device`) — a fresh worker that re-captures, nothing lost;
+//! * `reload` — re-read the config file ([`super::reload`]); answered once
+//!   applied or refused;
+//! * `inject_fault` (`device`, `kind`; only with `devices.fault_injection`).
 
 use super::messages::{DeviceMsg, DeviceStatus, SupervisorMsg};
 use super::metrics::Metrics;
+use super::reload::Reloader;
 use crate::transport::{Dealer, Router, Security, TransportError, TransportLimits};
 use crate::worker::link::FaultKind;
 use bytes::Bytes;
@@ -15,6 +26,19 @@ use serde_json::{json, Value};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Every command the socket takes.
+pub const COMMANDS: [&str; 9] = [
+    "health",
+    "stats",
+    "devices",
+    "buckets",
+    "drain",
+    "undrain",
+    "restart",
+    "reload",
+    "inject_fault",
+];
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -28,9 +52,28 @@ pub struct ControlRequest {
     pub kind: Option<FaultKind>,
 }
 
+impl ControlRequest {
+    /// A command without arguments.
+    pub fn new(cmd: &str) -> Self {
+        ControlRequest {
+            cmd: cmd.into(),
+            device: None,
+            kind: None,
+        }
+    }
+}
+
 pub struct Control {
     pub metrics: Arc<Metrics>,
     pub supervisor: ActorRef<SupervisorMsg>,
+    pub reloader: Arc<Reloader>,
+}
+
+fn answer(result: Result<Value, String>) -> Value {
+    match result {
+        Ok(v) => json!({"ok": true, "result": v}),
+        Err(e) => json!({"ok": false, "error": e}),
+    }
 }
 
 impl Control {
@@ -41,27 +84,53 @@ impl Control {
                 return json!({"ok": false, "error": format!("malformed control request: {e}")})
             }
         };
+        let device = request.device.as_deref();
         match request.cmd.as_str() {
-            "health" => json!({"ok": true, "result": health(&self.metrics)}),
-            "stats" => json!({"ok": true, "result": self.metrics.snapshot()}),
-            "inject_fault" => match self
-                .inject_fault(
-                    request.device.as_deref(),
-                    request.kind.unwrap_or(FaultKind::Corrupt),
+            "health" => answer(Ok(health(&self.metrics))),
+            "stats" => answer(Ok(self.metrics.snapshot())),
+            "devices" => answer(Ok(json!({"devices": self.metrics.devices()}))),
+            "buckets" => answer(Ok(self.metrics.buckets_report())),
+            "drain" | "undrain" => {
+                let drain = request.cmd == "drain";
+                answer(
+                    self.device_call(device, &request.cmd, move |port| {
+                        DeviceMsg::Drain(drain, port)
+                    })
+                    .await
+                    .map(Value::String),
                 )
-                .await
-            {
-                Ok(msg) => json!({"ok": true, "result": msg}),
-                Err(e) => json!({"ok": false, "error": e}),
-            },
-            other => json!({"ok": false, "error": format!(
-                "unknown command {other:?} (health, stats, inject_fault)"
-            )}),
+            }
+            "restart" => answer(
+                self.device_call(device, "restart", DeviceMsg::Restart)
+                    .await
+                    .map(Value::String),
+            ),
+            "reload" => answer(self.reloader.reload().await),
+            "inject_fault" => {
+                let kind = request.kind.unwrap_or(FaultKind::Corrupt);
+                answer(
+                    self.device_call(device, "inject_fault", move |port| {
+                        DeviceMsg::InjectFault(kind, port)
+                    })
+                    .await
+                    .map(Value::String),
+                )
+            }
+            other => answer(Err(format!(
+                "unknown command {other:?} ({})",
+                COMMANDS.join(", ")
+            ))),
         }
     }
 
-    async fn inject_fault(&self, device: Option<&str>, kind: FaultKind) -> Result<String, String> {
-        let device = device.ok_or("inject_fault needs a \"device\"")?;
+    /// Sends a message that answers `Result<String, String>` to one device's actor.
+    async fn device_call(
+        &self,
+        device: Option<&str>,
+        cmd: &str,
+        msg: impl FnOnce(ractor::RpcReplyPort<Result<String, String>>) -> DeviceMsg,
+    ) -> Result<String, String> {
+        let device = device.ok_or_else(|| format!("{cmd} needs a \"device\""))?;
         let labels: Vec<String> = self
             .metrics
             .devices()
@@ -81,10 +150,7 @@ impl Control {
             .into_result()?;
         let actor = actors.get(slot).ok_or("device actor missing")?;
         actor
-            .call(
-                |port| DeviceMsg::InjectFault(kind, port),
-                Some(Duration::from_secs(30)),
-            )
+            .call(msg, Some(Duration::from_secs(30)))
             .await
             .map_err(|e| e.to_string())?
             .into_result()?
@@ -105,23 +171,22 @@ impl<T> CallResultExt<T> for ractor::rpc::CallResult<T> {
     }
 }
 
-/// `ok` when every device is ready, `degraded` when some are, `starting`
-/// while none is ready yet but some are starting, else `down`.
+/// `ok` when every device is ready, `degraded` when some are up (ready or
+/// draining) but not all are ready, `starting` while none is up yet but
+/// some are on their way, else `down`.
 pub fn health(metrics: &Metrics) -> Value {
     let devices = metrics.devices();
     let ready = devices
         .iter()
         .filter(|d| d.state == DeviceStatus::Ready)
         .count();
-    let starting = devices
-        .iter()
-        .filter(|d| d.state == DeviceStatus::Starting)
-        .count();
+    let up = devices.iter().filter(|d| d.state.is_up()).count();
+    let coming = devices.iter().filter(|d| d.state.is_coming_up()).count();
     let status = if ready == devices.len() && ready > 0 {
         "ok"
-    } else if ready > 0 {
+    } else if up > 0 {
         "degraded"
-    } else if starting > 0 {
+    } else if coming > 0 {
         "starting"
     } else {
         "down"
@@ -138,6 +203,53 @@ pub fn health(metrics: &Metrics) -> Value {
     })
 }
 
+/// Checks that something listens at `endpoint` before the ZeroMQ exchange,
+/// so a stopped daemon, a wrong path or a permission problem is said plainly
+/// and at once rather than as a timeout.
+async fn preflight(endpoint: &str, timeout: Duration) -> Result<(), String> {
+    use std::io::ErrorKind;
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        let hint = "is replayd running, and is this its runtime directory? (replayctl --config, $REPLAYD_CONFIG or --control)";
+        match std::fs::metadata(path) {
+            Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+                return Err(format!(
+                    "cannot connect to {endpoint}: permission denied (the directory is not open to this user: join the daemon's group, e.g. `usermod -aG replayd $USER`, or use sudo)"
+                ))
+            }
+            Err(_) => return Err(format!("cannot connect to {endpoint}: no socket at {path}: {hint}")),
+            Ok(m) => {
+                use std::os::unix::fs::FileTypeExt;
+                if !m.file_type().is_socket() {
+                    return Err(format!("cannot connect to {endpoint}: {path} is not a socket"));
+                }
+            }
+        }
+        return match tokio::net::UnixStream::connect(path).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::PermissionDenied => Err(format!(
+                "cannot connect to {endpoint}: permission denied (join the daemon's group, e.g. `usermod -aG replayd $USER`, or use sudo)"
+            )),
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => Err(format!(
+                "cannot connect to {endpoint}: nothing listens on {path} (a socket left by a daemon that is no longer running?)"
+            )),
+            Err(e) => Err(format!("cannot connect to {endpoint}: {e}")),
+        };
+    }
+    if let Some(addr) = endpoint.strip_prefix("tcp://") {
+        return match tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr)).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) if e.kind() == ErrorKind::ConnectionRefused => Err(format!(
+                "cannot connect to {endpoint}: nothing listens there (is replayd running, with this server.control_endpoint?)"
+            )),
+            Ok(Err(e)) => Err(format!("cannot connect to {endpoint}: {e}")),
+            Err(_) => Err(format!("cannot connect to {endpoint} within {timeout:?}")),
+        };
+    }
+    Err(format!(
+        "{endpoint:?} is not a control endpoint (ipc:///PATH or tcp://HOST:PORT)"
+    ))
+}
+
 /// Sends one command to a daemon's control socket and returns its answer
 /// (`{"ok": …, "result"|"error": …}`), for `replayctl` and tools. Fails
 /// plainly when nothing answers within `timeout` (a stopped daemon, a wrong
@@ -147,19 +259,7 @@ pub async fn request(
     request: &ControlRequest,
     timeout: Duration,
 ) -> Result<Value, String> {
-    if let Some(path) = endpoint.strip_prefix("ipc://") {
-        match std::fs::metadata(path) {
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                return Err(format!("cannot open {endpoint}: permission denied"))
-            }
-            Err(_) => {
-                return Err(format!(
-                    "no control socket at {path}: is the daemon running (and is this its runtime directory)?"
-                ))
-            }
-            Ok(_) => {}
-        }
-    }
+    preflight(endpoint, timeout).await?;
     let limits = TransportLimits {
         max_message_bytes: 64 << 20,
         heartbeat: None,
@@ -174,7 +274,7 @@ pub async fn request(
     let reply = tokio::time::timeout(timeout, recv.recv())
         .await
         .map_err(|_| {
-            format!("no answer from {endpoint} within {timeout:?}: is the daemon running there?")
+            format!("no answer from {endpoint} within {timeout:?}: is it a replayd control socket, and is the daemon responsive?")
         })?
         .map_err(|e| e.to_string())?;
     let frame = reply.frames.last().ok_or("empty answer")?;

@@ -9,7 +9,7 @@
 //! cannot hold the daemon's memory or delay other clients.
 
 use super::admission::{Admission, Refusal, Ticket};
-use super::messages::{BatcherMsg, Submission};
+use super::messages::{BatcherMsg, Stamps, Submission};
 use super::metrics::Metrics;
 use super::tokenize::{PromptUse, TextInput, TokenizeError, TokenizerPool};
 use crate::model::{BatchRows, InputSpec, ModelInfo, Task};
@@ -41,7 +41,15 @@ pub struct Frontend {
     metrics: Arc<Metrics>,
     limits: DecodeLimits,
     admission: Arc<Admission>,
+    /// Turns of the socket loop (it turns at least every [`TURN`]), for the
+    /// health loop that feeds systemd's watchdog.
+    turns: std::sync::atomic::AtomicU64,
+    /// Texts of at most this many bytes in all are tokenized inline.
+    inline_tokenize_bytes: usize,
 }
+
+/// The socket loop turns at least this often, even with no traffic.
+pub const TURN: Duration = Duration::from_millis(500);
 
 /// The bytes a request will hold while admitted: its payload, a decoded
 /// copy (f32 rows or u32 ids, at most one id per byte of text plus the
@@ -102,13 +110,32 @@ impl Frontend {
             metrics,
             limits,
             admission,
+            turns: std::sync::atomic::AtomicU64::new(0),
+            inline_tokenize_bytes: 0,
         }
+    }
+
+    /// How many times the socket loop has turned (see [`TURN`]).
+    pub fn turns(&self) -> u64 {
+        self.turns.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Requests whose texts take at most `bytes` in all are tokenized on the
+    /// task that received them instead of on the tokenizer pool
+    /// (`server.inline_tokenize_bytes`; 0: always the pool).
+    pub fn with_inline_tokenize(mut self, bytes: usize) -> Self {
+        self.inline_tokenize_bytes = bytes;
+        self
     }
 
     /// Decodes, admits, validates and submits one request; resolves to its
     /// reply and, for an admitted request, the ticket to drop once the reply
     /// has been handed to the socket.
-    pub async fn handle(&self, frames: &[Bytes]) -> (Reply, Option<Ticket>) {
+    ///
+    /// `received_ns` is when the socket's driver took the message
+    /// ([`crate::clock::mono_ns`]; 0 when unknown): a successful reply's
+    /// `total_us` and per-hop timings start there.
+    pub async fn handle(&self, frames: &[Bytes], received_ns: u64) -> (Reply, Option<Ticket>) {
         let received = Instant::now();
         let request = match decode_request(frames, &self.limits) {
             Ok(r) => r,
@@ -116,21 +143,113 @@ impl Frontend {
         };
         let (index, ticket) = match self.admit(&request) {
             Ok(admitted) => admitted,
-            Err(e) => return (self.error(e), None),
+            Err(e) => {
+                let model = self.by_name.get(&request.header.model).copied();
+                return (self.model_error(model, e), None);
+            }
         };
-        let reply = match self.submit(index, request, received).await {
+        let stamps = Stamps {
+            received_ns,
+            decoded_ns: crate::clock::mono_ns(),
+            submitted_ns: 0,
+        };
+        let mut reply = match self.submit(index, request, received, stamps).await {
             Ok(rx) => rx.await.unwrap_or_else(|_| {
                 // The batcher dropped the request without answering: a bug or a
                 // shutdown past its grace period.
-                self.error(ProtocolError::new(
-                    0,
-                    ErrorCode::Internal,
-                    "the request was dropped",
-                ))
+                self.model_error(
+                    Some(index),
+                    ProtocolError::new(0, ErrorCode::Internal, "the request was dropped"),
+                )
             }),
-            Err(e) => self.error(e),
+            Err(e) => self.model_error(Some(index), e),
         };
+        if let (Reply::Ok { total_us, hops, .. }, true) = (&mut reply, received_ns > 0) {
+            // From the driver's receipt to now, when the reply is encoded;
+            // `reply` is what the batcher's hops leave of it.
+            *total_us = crate::clock::us_between(received_ns, crate::clock::mono_ns());
+            let before: u64 = hops.values().iter().sum();
+            hops.reply = total_us.saturating_sub(before);
+            self.metrics.reply_hops(hops);
+        }
         (reply, Some(ticket))
+    }
+
+    /// The served models, in config order (for the HTTP front).
+    pub fn models(&self) -> &[ServedModel] {
+        &self.models
+    }
+
+    /// The served model of that name, or the `unknown_model` error to reply.
+    pub fn model(&self, id: u64, name: &str) -> Result<&ServedModel, ProtocolError> {
+        match self.by_name.get(name) {
+            Some(&i) => Ok(&self.models[i]),
+            None => {
+                let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+                names.sort_unstable();
+                Err(ProtocolError::new(
+                    id,
+                    ErrorCode::UnknownModel,
+                    format!(
+                        "no model named {} (served: {})",
+                        echo(name),
+                        names.join(", ")
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Tokenizes texts with a model's tokenizer exactly as a `texts`
+    /// request is (the HTTP front sends the ids, so it can count tokens).
+    pub async fn tokenize(
+        &self,
+        model: &ServedModel,
+        texts: Vec<String>,
+        truncate: bool,
+    ) -> Result<Vec<Vec<u32>>, ProtocolError> {
+        let name = &model.info.name;
+        let pool = model.tokenizer.as_ref().ok_or_else(|| {
+            ProtocolError::new(
+                0,
+                ErrorCode::BadRequest,
+                format!("model {name} takes input \"tensor\" (f32 rows), not texts"),
+            )
+        })?;
+        // The folder's default prompt applies, as to a "texts" request
+        // without prompt_name.
+        let prompt = prompt_for(&model.info, None).map_err(|e| {
+            ProtocolError::new(0, ErrorCode::BadRequest, format!("model {name}: {e}"))
+        })?;
+        self.tokenize_texts(pool, TextInput::Texts(texts), truncate, prompt)
+            .await
+            .map_err(|e| tokenize_error(0, name, "text", e))
+    }
+
+    /// Counts an error answered outside [`Frontend::handle`] (HTTP front).
+    pub fn count_error(&self, code: ErrorCode) {
+        self.metrics.error(code);
+    }
+
+    /// Token ids of `texts`: inline when they are short (a few µs, cheaper
+    /// than the hop to the pool and back), else on the tokenizer pool.
+    async fn tokenize_texts(
+        &self,
+        pool: &TokenizerPool,
+        input: TextInput,
+        truncate: bool,
+        prompt: Option<PromptUse>,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        let bytes: usize = match &input {
+            TextInput::Texts(t) => t.iter().map(String::len).sum(),
+            TextInput::Pairs(p) => p.iter().map(|(a, b)| a.len() + b.len()).sum(),
+        };
+        if bytes <= self.inline_tokenize_bytes {
+            pool.tokenizer()
+                .encode_request(&input, truncate, prompt.as_ref())
+        } else {
+            pool.encode_request(input, truncate, prompt).await
+        }
     }
 
     /// Finds the model and takes the request's share of the admission
@@ -138,19 +257,8 @@ impl Frontend {
     fn admit(&self, request: &Request) -> Result<(usize, Ticket), ProtocolError> {
         let header = &request.header;
         let id = header.id;
-        let &index = self.by_name.get(&header.model).ok_or_else(|| {
-            let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
-            names.sort_unstable();
-            ProtocolError::new(
-                id,
-                ErrorCode::UnknownModel,
-                format!(
-                    "no model named {} (served: {})",
-                    echo(&header.model),
-                    names.join(", ")
-                ),
-            )
-        })?;
+        self.model(id, &header.model)?;
+        let index = self.by_name[&header.model];
         let info = &self.models[index].info;
         let bytes = request_bytes(&request.payload, info);
         let ticket = self.admission.admit(index, bytes).map_err(|r| {
@@ -173,11 +281,21 @@ impl Frontend {
         e.into_reply()
     }
 
+    /// An error reply counted for its model too, when it is known.
+    fn model_error(&self, model: Option<usize>, e: ProtocolError) -> Reply {
+        match model {
+            Some(i) => self.metrics.model_error(&self.models[i].info.name, e.code),
+            None => self.metrics.error(e.code),
+        }
+        e.into_reply()
+    }
+
     async fn submit(
         &self,
         index: usize,
         request: Request,
         received: Instant,
+        mut stamps: Stamps,
     ) -> Result<oneshot::Receiver<Reply>, ProtocolError> {
         let header = request.header;
         let id = header.id;
@@ -267,18 +385,12 @@ impl Frontend {
                     Payload::Texts(t) => (TextInput::Texts(t), "text"),
                     _ => unreachable!("matched above"),
                 };
-                match pool.encode_request(input, header.truncate, prompt).await {
+                match self
+                    .tokenize_texts(pool, input, header.truncate, prompt)
+                    .await
+                {
                     Ok(ids) => BatchRows::Tokens(ids),
-                    Err(TokenizeError::TooLong { index, tokens, max }) => {
-                        return Err(ProtocolError::new(
-                            id,
-                            ErrorCode::TooLong,
-                            format!(
-                                "{what} {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
-                            ),
-                        ))
-                    }
-                    Err(e) => return Err(bad(format!("cannot tokenize: {e}"))),
+                    Err(e) => return Err(tokenize_error(id, name, what, e)),
                 }
             }
             (
@@ -311,6 +423,7 @@ impl Frontend {
         };
         let deadline = deadline(header.timeout_us, header.deadline_unix_us, received);
         let (tx, rx) = oneshot::channel();
+        stamps.submitted_ns = crate::clock::mono_ns();
         let submission = Submission {
             model: index,
             client_id: id,
@@ -320,6 +433,7 @@ impl Frontend {
             deadline,
             output_dtype: header.output_dtype.unwrap_or(DType::F32),
             reply: tx,
+            stamps,
         };
         self.batcher
             .cast(BatcherMsg::Submit(submission))
@@ -327,6 +441,20 @@ impl Frontend {
                 ProtocolError::new(id, ErrorCode::Unavailable, "the daemon is shutting down")
             })?;
         Ok(rx)
+    }
+}
+
+/// The reply to a text the tokenizer refused.
+fn tokenize_error(id: u64, name: &str, what: &str, e: TokenizeError) -> ProtocolError {
+    match e {
+        TokenizeError::TooLong { index, tokens, max } => ProtocolError::new(
+            id,
+            ErrorCode::TooLong,
+            format!(
+                "{what} {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
+            ),
+        ),
+        e => ProtocolError::new(id, ErrorCode::BadRequest, format!("cannot tokenize: {e}")),
     }
 }
 
@@ -365,9 +493,14 @@ pub async fn run(socket: Router, frontend: Arc<Frontend>, shutdown: impl Future<
     let (mut recv, send) = socket.split();
     let (done, mut all_done) = tokio::sync::mpsc::channel::<()>(1);
     tokio::pin!(shutdown);
+    let mut turn = tokio::time::interval(TURN);
     loop {
+        frontend
+            .turns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::select! {
             _ = &mut shutdown => break,
+            _ = turn.tick() => {}
             msg = recv.recv() => match msg {
                 Ok(incoming) => {
                     let frontend = frontend.clone();
@@ -399,10 +532,11 @@ async fn serve_message(frontend: Arc<Frontend>, send: RouterSender, incoming: In
         peer,
         frames,
         permit,
+        received_ns,
     } = incoming;
     // A REQ client's empty delimiter is echoed before the reply.
     let (delimiter, frames) = crate::protocol::split_delimiter(&frames);
-    let (reply, ticket) = frontend.handle(frames).await;
+    let (reply, ticket) = frontend.handle(frames, received_ns).await;
     let mut out: Vec<Bytes> = delimiter.into_iter().collect();
     out.extend(encode_reply(&reply));
     // Never waits: past the client's high-water mark the reply is dropped

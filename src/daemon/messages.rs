@@ -3,19 +3,21 @@
 //! what state a device is in.
 //!
 //! A request's route (see [`super`]): the frontend builds a [`Submission`]
-//! and sends [`BatcherMsg::Submit`]; the batcher forms a [`Batch`] and sends
-//! [`DeviceMsg::Run`] to a device actor; the device actor forwards it to its
-//! worker process and answers the batcher with [`BatcherMsg::BatchDone`] or
-//! [`BatcherMsg::BatchFailed`], or with [`BatcherMsg::DeviceDown`] when the
-//! worker dies (the batcher then re-dispatches what that device held). The
-//! batcher answers the request on the [`Submission::reply`] channel, exactly
-//! once.
+//! and sends [`BatcherMsg::Submit`]; the batcher forms a [`Batch`] and puts
+//! it in a slot of the device's shared-memory ring ([`super::fast_link`]),
+//! whose task answers the batcher with [`BatcherMsg::BatchDone`] or
+//! [`BatcherMsg::BatchFailed`]; a batch the ring cannot take goes as
+//! [`DeviceMsg::Run`] to the device actor, which forwards it over the
+//! worker's socket and answers the same way. The device actor reports
+//! [`BatcherMsg::DeviceDown`] when the worker dies (the batcher then
+//! re-dispatches what that device held). The batcher answers the request on
+//! the [`Submission::reply`] channel, exactly once.
 //!
 //! Every report from a device carries the batch's `attempt` and the device
 //! it ran on, so the batcher can ignore a stale report from an attempt it has
 //! already re-dispatched.
 
-use crate::bucket::Bucket;
+use crate::bucket::{Bucket, Grid};
 use crate::model::BatchRows;
 use crate::protocol::Reply;
 use crate::tensor::DType;
@@ -27,7 +29,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{oneshot, watch};
 
-pub use super::batcher::queue::{BatchId, DeviceId, DeviceKind, RequestId};
+pub use super::batcher::queue::{BatchId, DeviceId, DeviceKind, RequestId, SchedulerConfig};
 
 /// A request handed from the frontend to the batcher: its rows are validated
 /// against the model (shapes, vocabulary, lengths).
@@ -42,6 +44,20 @@ pub struct Submission {
     pub deadline: Option<Instant>,
     pub output_dtype: DType,
     pub reply: oneshot::Sender<Reply>,
+    /// When it got this far, for the reply's per-hop timings.
+    pub stamps: Stamps,
+}
+
+/// When a request passed each point before the batcher
+/// ([`crate::clock::mono_ns`]; 0 = not recorded).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stamps {
+    /// The client socket's driver took it from libzmq.
+    pub received_ns: u64,
+    /// The frontend decoded and admitted it.
+    pub decoded_ns: u64,
+    /// Its rows were ready and it was handed to the batcher.
+    pub submitted_ns: u64,
 }
 
 /// A formed batch: request parts in row order, and the bucket it runs in
@@ -78,6 +94,10 @@ pub struct BatchOutput {
     pub output_dim: usize,
     /// Microseconds the worker spent on it (copy in, replay, copy out).
     pub compute_us: u64,
+    /// When the worker took it and when its output was ready
+    /// ([`crate::clock::mono_ns`]; 0 when not reported).
+    pub started_ns: u64,
+    pub finished_ns: u64,
 }
 
 /// Messages to the batcher actor.
@@ -93,6 +113,12 @@ pub enum BatcherMsg {
     /// The device's worker captured every graph and takes work.
     DeviceUp {
         device: DeviceId,
+    },
+    /// Batches for this device go through this shared-memory link (sent
+    /// before its `DeviceUp`; dropped at its `DeviceDown`).
+    FastLink {
+        device: DeviceId,
+        link: Arc<super::fast_link::FastLink>,
     },
     /// The device's worker is gone; re-dispatch what it held.
     DeviceDown {
@@ -118,6 +144,20 @@ pub enum BatcherMsg {
     Abort(RpcReplyPort<usize>),
     /// Requests accepted and not yet answered.
     Outstanding(RpcReplyPort<usize>),
+    /// Send no new batches to this device (`true`) or take it back (`false`).
+    SetDrained {
+        device: DeviceId,
+        drained: bool,
+    },
+    /// A reload: new scheduling limits, and the grids of the models whose
+    /// grid changed (their queued items move to the new grid's lanes).
+    /// Answers once in force.
+    Reconfigure {
+        config: SchedulerConfig,
+        max_attempts: u32,
+        grids: Vec<(usize, Grid)>,
+        port: RpcReplyPort<()>,
+    },
 }
 
 /// Messages to a device actor.
@@ -132,6 +172,24 @@ pub enum DeviceMsg {
     Stop(RpcReplyPort<()>),
     /// Start a new worker generation.
     Spawn,
+    /// Take no new batches (`true`), or take them again; answers a line for the operator.
+    Drain(bool, RpcReplyPort<Result<String, String>>),
+    /// Finish what the worker holds, stop it and start a fresh one (which
+    /// re-captures every graph); answers once the restart has begun.
+    Restart(RpcReplyPort<Result<String, String>>),
+    /// A reload changed these models' grids: capture the new buckets beside
+    /// the old ones (or, without a ready worker, remember them for the next
+    /// one). Answers once captured, with the number of new graphs.
+    Capture {
+        grids: Vec<(usize, Grid)>,
+        port: RpcReplyPort<Result<usize, String>>,
+    },
+    /// Drop the graphs of these models that are not in these grids (after
+    /// the batcher switched to them, or to roll a failed reload back).
+    Release { grids: Vec<(usize, Grid)> },
+    /// Workers started from now on read this config file (the daemon's
+    /// configuration in force, written to the runtime directory).
+    SetWorkerConfig(std::path::PathBuf),
     /// Something happened to worker generation `generation`.
     Worker { generation: u64, event: WorkerEvent },
 }
@@ -148,6 +206,10 @@ pub enum WorkerEvent {
     StopTimeout,
     /// Time to ask the watchdog whether the worker is stuck.
     WatchdogTick,
+    /// A restart's drain took too long: stop the worker anyway.
+    RestartTimeout,
+    /// A reload's capture took too long: the worker is killed.
+    CaptureTimeout,
 }
 
 /// Messages to the supervisor.
@@ -161,28 +223,67 @@ pub enum SupervisorMsg {
 }
 
 /// The state of one device slot, as its device actor publishes it.
+///
+/// A worker's life: `starting` (the first one) or `restarting` (any later
+/// one) while it loads its models, `capturing` while it captures graphs,
+/// then `ready`. `draining` is a ready device that takes no new batches
+/// (`replayctl drain`, or the first step of `replayctl restart`); `faulted`
+/// has no worker (it exited, crashed or could not start) and a restart is
+/// scheduled; `stopped` is for good (daemon shutdown).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceStatus {
-    /// A worker process is starting: loading models, capturing graphs.
+    /// The first worker process is starting: loading models.
     #[default]
     Starting,
+    /// The worker is capturing its graphs.
+    Capturing,
     /// The worker captured every graph and takes batches.
     Ready,
+    /// Ready, but taking no new batches (drained by the operator or for a restart).
+    Draining,
     /// No worker: it exited or could not start; a restart is scheduled.
-    Down,
+    Faulted,
+    /// A later worker process is starting (after a fault, a hang or `restart`).
+    Restarting,
     /// Stopped for good (daemon shutdown).
     Stopped,
 }
 
 impl DeviceStatus {
+    pub const ALL: [DeviceStatus; 7] = [
+        DeviceStatus::Starting,
+        DeviceStatus::Capturing,
+        DeviceStatus::Ready,
+        DeviceStatus::Draining,
+        DeviceStatus::Faulted,
+        DeviceStatus::Restarting,
+        DeviceStatus::Stopped,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             DeviceStatus::Starting => "starting",
+            DeviceStatus::Capturing => "capturing",
             DeviceStatus::Ready => "ready",
-            DeviceStatus::Down => "down",
+            DeviceStatus::Draining => "draining",
+            DeviceStatus::Faulted => "faulted",
+            DeviceStatus::Restarting => "restarting",
             DeviceStatus::Stopped => "stopped",
         }
+    }
+
+    /// A worker is running and has captured its graphs (ready or draining).
+    pub fn is_up(self) -> bool {
+        matches!(self, DeviceStatus::Ready | DeviceStatus::Draining)
+    }
+
+    /// A worker is on its way up (loading or capturing).
+    pub fn is_coming_up(self) -> bool {
+        matches!(
+            self,
+            DeviceStatus::Starting | DeviceStatus::Capturing | DeviceStatus::Restarting
+        )
     }
 }
 

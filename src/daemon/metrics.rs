@@ -1,13 +1,25 @@
 //! Counters and latency histograms, and the JSON that `replayctl stats`
-//! prints.
+//! prints ([`Metrics::snapshot`]); `replayctl buckets` reads
+//! [`Metrics::buckets_report`] and Prometheus's `/metrics` is rendered from
+//! the snapshot ([`super::prometheus`]), so all three show the same numbers.
 //!
 //! One [`Metrics`] is shared (behind an `Arc`) by the frontend, the batcher
 //! and the device actors. Updates take a short mutex: they happen once per
 //! request or batch, never per row.
+//!
+//! Every count is since start-up (the uptime is in the snapshot); rates are
+//! the reader's business (`replayctl stats --watch`, Prometheus's `rate()`).
+//!
+//! * A model's **graph hit rate** is the share of its successful replies
+//!   whose every item ran in a captured graph (none eagerly).
+//! * A bucket's **padding waste** is its padding tokens over its computed
+//!   tokens (padded buckets: `batch · seq` slots per batch; packed buckets:
+//!   the budget); `row_fill` is real rows over the bucket's rows.
 
 use super::messages::DeviceStatus;
-use crate::bucket::Bucket;
-use crate::protocol::ErrorCode;
+use super::tuning::{Histogram as Hist, LadderSuggestion};
+use crate::bucket::{Bucket, Grid};
+use crate::protocol::{ErrorCode, Hops};
 use crate::transport::TransportStats;
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -97,6 +109,20 @@ pub struct DeviceStats {
     pub graph_replays: u64,
     /// Batches run eagerly (no graph).
     pub eager_runs: u64,
+    /// Batches sent to the worker and not yet back.
+    pub inflight: u64,
+    /// Drained by the operator (`replayctl drain`): takes no new batches.
+    pub drained: bool,
+    /// Graphs captured so far / to capture, while the worker captures.
+    pub capture: Option<(usize, usize)>,
+    /// Batches that went through the shared-memory ring, and through the socket.
+    pub shm_batches: u64,
+    pub socket_batches: u64,
+    /// The current worker's shared-memory ring: its slots (0 without one),
+    /// and how many were free when it last handed one back (all of them
+    /// once nothing is in flight; a new worker starts with a new ring).
+    pub shm_slots: u64,
+    pub shm_slots_free: u64,
     /// Live figures from NVML where available.
     pub gpu: Option<serde_json::Value>,
 }
@@ -113,9 +139,15 @@ struct Latencies {
     total: Histogram<u64>,
     queued: Histogram<u64>,
     compute: Histogram<u64>,
+    /// The same, in fixed buckets (for Prometheus).
+    total_buckets: Buckets,
+    queued_buckets: Buckets,
+    compute_buckets: Buckets,
+    /// One per [`Hops::NAMES`].
+    hops: Vec<Histogram<u64>>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     requests_accepted: u64,
     replies_ok: u64,
     buckets: BTreeMap<(String, Bucket), BucketCounters>,
@@ -133,6 +165,94 @@ struct Inner {
     statuses: Vec<watch::Receiver<DeviceStatus>>,
     transports: Vec<(&'static str, Arc<TransportStats>)>,
     latency: Latencies,
+    /// Per model: replies, errors, observed lengths.
+    per_model: BTreeMap<String, ModelCounters>,
+    /// Per (model, bucket): latency of the replies it is named in.
+    bucket_latency: BTreeMap<(String, Bucket), Histogram<u64>>,
+    /// Each model's grid in force (a reload replaces it).
+    grids: BTreeMap<String, Grid>,
+    reloads: u64,
+}
+
+/// What is counted per model.
+#[derive(Clone, Debug)]
+struct ModelCounters {
+    replies: u64,
+    /// Replies whose every item ran in a graph.
+    graph: u64,
+    errors: BTreeMap<ErrorCode, u64>,
+    /// Tokens of every item submitted (1 for feature rows).
+    lengths: Hist,
+    /// Real rows of each bucketed padded batch.
+    batch_rows: Hist,
+    /// Real tokens of each bucketed packed batch (as the budget counts them).
+    batch_tokens: Hist,
+    /// Sequences of each bucketed packed batch.
+    batch_seqs: Hist,
+}
+
+impl ModelCounters {
+    fn new(grid: Option<&Grid>) -> Self {
+        // Exact lengths; batch token counts to 1/2048 of the largest budget.
+        let token_granularity = match grid {
+            Some(Grid::Packed(g)) => (g.max_tokens() as u64 / 2048).max(1),
+            _ => 1,
+        };
+        ModelCounters {
+            replies: 0,
+            graph: 0,
+            errors: BTreeMap::new(),
+            lengths: Hist::new(1),
+            batch_rows: Hist::new(1),
+            batch_tokens: Hist::new(token_granularity),
+            batch_seqs: Hist::new(1),
+        }
+    }
+}
+
+/// Upper bounds of the latency histograms Prometheus gets, in microseconds.
+pub const LATENCY_BOUNDS_US: [u64; 18] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 2_500_000, 5_000_000, 10_000_000, 30_000_000,
+];
+
+/// Exact cumulative counts at [`LATENCY_BOUNDS_US`], and the exact sum.
+#[derive(Clone, Debug, Default)]
+struct Buckets {
+    le: [u64; LATENCY_BOUNDS_US.len()],
+    sum_us: u64,
+    count: u64,
+}
+
+impl Buckets {
+    fn record(&mut self, us: u64) {
+        for (n, &bound) in self.le.iter_mut().zip(&LATENCY_BOUNDS_US) {
+            if us <= bound {
+                *n += 1;
+            }
+        }
+        self.sum_us += us;
+        self.count += 1;
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "le_us": LATENCY_BOUNDS_US,
+            "cumulative": self.le,
+            "sum_us": self.sum_us,
+            "count": self.count,
+        })
+    }
+}
+
+impl Inner {
+    fn model<'a>(m: &'a mut Inner, model: &str) -> &'a mut ModelCounters {
+        if !m.per_model.contains_key(model) {
+            let c = ModelCounters::new(m.grids.get(model));
+            m.per_model.insert(model.to_string(), c);
+        }
+        m.per_model.get_mut(model).expect("inserted")
+    }
 }
 
 pub struct Metrics {
@@ -143,6 +263,11 @@ pub struct Metrics {
 fn histogram() -> Histogram<u64> {
     // 1 µs .. 1 h, 3 significant digits.
     Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds")
+}
+
+/// Per-bucket latency: 2 significant digits (about 25 KiB each).
+fn bucket_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("valid histogram bounds")
 }
 
 impl Default for Metrics {
@@ -175,12 +300,20 @@ impl Metrics {
                     total: histogram(),
                     queued: histogram(),
                     compute: histogram(),
+                    total_buckets: Buckets::default(),
+                    queued_buckets: Buckets::default(),
+                    compute_buckets: Buckets::default(),
+                    hops: Hops::NAMES.iter().map(|_| histogram()).collect(),
                 },
+                per_model: BTreeMap::new(),
+                bucket_latency: BTreeMap::new(),
+                grids: BTreeMap::new(),
+                reloads: 0,
             }),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -190,6 +323,62 @@ impl Metrics {
 
     pub fn error(&self, code: ErrorCode) {
         *self.lock().errors.entry(code).or_default() += 1;
+    }
+
+    /// An error reply to a request for `model` (counted overall and for the model).
+    pub fn model_error(&self, model: &str, code: ErrorCode) {
+        let mut m = self.lock();
+        *m.errors.entry(code).or_default() += 1;
+        *Inner::model(&mut m, model).errors.entry(code).or_default() += 1;
+    }
+
+    /// A successful reply to a request for `model`, named after `bucket`
+    /// (the largest shape that ran its items; `None`: some ran eagerly).
+    pub fn model_reply(&self, model: &str, bucket: Option<Bucket>, total_us: u64) {
+        let mut m = self.lock();
+        let c = Inner::model(&mut m, model);
+        c.replies += 1;
+        if let Some(bucket) = bucket {
+            c.graph += 1;
+            m.buckets
+                .entry((model.to_string(), bucket))
+                .or_default()
+                .requests += 1;
+            let _ = m
+                .bucket_latency
+                .entry((model.to_string(), bucket))
+                .or_insert_with(bucket_histogram)
+                .record(total_us.max(1));
+        }
+    }
+
+    /// A request for `model` was accepted with items of these token counts.
+    pub fn observe_items(&self, model: &str, lens: &[u32]) {
+        let mut m = self.lock();
+        m.requests_accepted += 1;
+        let c = Inner::model(&mut m, model);
+        for &len in lens {
+            c.lengths.record(len as u64);
+        }
+    }
+
+    /// Says which grid a model is served with (start-up, and each reload).
+    pub fn set_model_grid(&self, model: &str, grid: &Grid) {
+        let mut m = self.lock();
+        if let Some(ms) = m.models.iter_mut().find(|ms| ms.name == model) {
+            ms.batching = grid.batching().into();
+            ms.grid = grid.describe();
+        }
+        if !m.per_model.contains_key(model) {
+            m.per_model
+                .insert(model.to_string(), ModelCounters::new(Some(grid)));
+        }
+        m.grids.insert(model.to_string(), grid.clone());
+    }
+
+    /// A reload took effect.
+    pub fn reloaded(&self) {
+        self.lock().reloads += 1;
     }
 
     pub fn eager_request(&self, model: &str, reason: EagerReason) {
@@ -218,6 +407,13 @@ impl Metrics {
         c.padded_rows += bucket.rows() as u64 - rows;
         c.tokens += tokens;
         c.padded_tokens += bucket.tokens() as u64 - tokens;
+        let mc = Inner::model(&mut m, model);
+        if bucket.is_packed() {
+            mc.batch_tokens.record(tokens);
+            mc.batch_seqs.record(rows);
+        } else {
+            mc.batch_rows.record(rows);
+        }
     }
 
     /// A reply named `bucket` (the largest shape that ran its items).
@@ -247,6 +443,18 @@ impl Metrics {
         let _ = m.latency.total.record(total_us.max(1));
         let _ = m.latency.queued.record(queued_us.max(1));
         let _ = m.latency.compute.record(compute_us.max(1));
+        m.latency.total_buckets.record(total_us);
+        m.latency.queued_buckets.record(queued_us);
+        m.latency.compute_buckets.record(compute_us);
+    }
+
+    /// Where a successful reply's time went (recorded as it is sent).
+    pub fn reply_hops(&self, hops: &Hops) {
+        let mut m = self.lock();
+        for (h, v) in m.latency.hops.iter_mut().zip(hops.values()) {
+            // 0 µs is recorded as the histogram's lowest value, 1 µs.
+            let _ = h.record(v.max(1));
+        }
     }
 
     pub fn set_queue_depth(&self, model: &str, depth: u64) {
@@ -302,7 +510,6 @@ impl Metrics {
                 "max_us": h.max(),
             })
         };
-        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
         // Per model and overall: real and computed tokens over every bucket.
         let mut by_model: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
         for ((model, _), c) in &m.buckets {
@@ -327,6 +534,22 @@ impl Metrics {
                 let mut v = serde_json::to_value(ms).expect("model stats serialise");
                 let t = by_model.get(ms.name.as_str()).copied().unwrap_or_default();
                 v["padding"] = padding(t);
+                let c = m.per_model.get(&ms.name);
+                let (replies, graph) = c.map_or((0, 0), |c| (c.replies, c.graph));
+                v["requests"] = serde_json::json!({
+                    "ok": replies,
+                    "graph": graph,
+                    "eager": replies - graph,
+                    "errors": ErrorCode::ALL
+                        .iter()
+                        .map(|code| (
+                            code.as_str().to_string(),
+                            serde_json::json!(c.and_then(|c| c.errors.get(code)).copied().unwrap_or(0)),
+                        ))
+                        .collect::<serde_json::Map<_, _>>(),
+                });
+                // Replies served by graph replays only, over all successful replies.
+                v["graph_hit_rate"] = serde_json::json!(ratio(graph, replies));
                 v
             })
             .collect();
@@ -336,6 +559,8 @@ impl Metrics {
             .map(|((model, bucket), c)| {
                 let slots = c.rows + c.padded_rows;
                 let computed = c.tokens + c.padded_tokens;
+                let lat = m.bucket_latency.get(&(model.clone(), *bucket));
+                let q = |q: f64| lat.map_or(0, |h| h.value_at_quantile(q));
                 serde_json::json!({
                     "model": model,
                     "bucket": bucket.to_string(),
@@ -362,6 +587,12 @@ impl Metrics {
                     "token_fill": ratio(c.tokens, computed),
                     "seqs_per_batch": ratio(c.rows, c.batches),
                     "tokens_per_batch": ratio(c.tokens, c.batches),
+                    // Latency (receipt → reply) of the replies named after this bucket.
+                    "p50_us": q(0.50),
+                    "p99_us": q(0.99),
+                    // Whether the bucket is in the model's grid in force (a
+                    // reload may have replaced it; its counts stay).
+                    "in_grid": m.grids.get(model).is_none_or(|g| g.contains(*bucket)),
                 })
             })
             .collect();
@@ -402,7 +633,19 @@ impl Metrics {
                 "total": pct(&m.latency.total),
                 "queued": pct(&m.latency.queued),
                 "compute": pct(&m.latency.compute),
+                "histograms": {
+                    "total": m.latency.total_buckets.json(),
+                    "queued": m.latency.queued_buckets.json(),
+                    "compute": m.latency.compute_buckets.json(),
+                },
+                // Per hop of successful replies (see docs/protocol.md), in order.
+                "hops": Hops::NAMES
+                    .iter()
+                    .zip(&m.latency.hops)
+                    .map(|(name, h)| (name.to_string(), pct(h)))
+                    .collect::<serde_json::Map<_, _>>(),
             },
+            "reloads": m.reloads,
             "devices": devices,
             "transport": m
                 .transports
@@ -411,6 +654,158 @@ impl Metrics {
                 .collect::<serde_json::Map<_, _>>(),
         })
     }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// A histogram's summary for `replayctl buckets`.
+fn hist_summary(h: &Hist) -> serde_json::Value {
+    serde_json::json!({
+        "count": h.total(),
+        "mean": h.mean(),
+        "p50": h.quantile(0.50),
+        "p90": h.quantile(0.90),
+        "p99": h.quantile(0.99),
+        "max": h.counts.keys().last(),
+        "granularity": h.granularity,
+        // Up to 24 (upper bound, count) bins.
+        "bins": h.coarse(24),
+    })
+}
+
+/// Seq-bucket sizes round to multiples of 8 and token budgets to 8 tokens
+/// (tile-friendly on GPUs); batch sizes are exact.
+const SEQ_ALIGN: u64 = 8;
+const BUDGET_ALIGN: u64 = 8;
+
+fn to_u64(v: &[usize]) -> Vec<u64> {
+    v.iter().map(|&x| x as u64).collect()
+}
+
+impl Metrics {
+    /// The grid view of `replayctl buckets`: per model, its buckets with
+    /// their capture time and graph memory, the observed histograms, and a
+    /// suggested grid of as many graphs that would have padded less.
+    pub fn buckets_report(&self) -> serde_json::Value {
+        let m = self.lock();
+        let empty = ModelCounters::new(None);
+        let models: Vec<serde_json::Value> = m
+            .models
+            .iter()
+            .map(|ms| {
+                let grid = m.grids.get(&ms.name);
+                let c = m.per_model.get(&ms.name).unwrap_or(&empty);
+                let graphs: Vec<serde_json::Value> = grid
+                    .map(|g| g.largest_first())
+                    .unwrap_or_default()
+                    .into_iter()
+                    .rev()
+                    .map(|bucket| {
+                        let label = bucket.to_string();
+                        let on: Vec<&GraphStats> = m
+                            .devices
+                            .iter()
+                            .flat_map(|d| d.graphs.iter())
+                            .filter(|g| g.model == ms.name && g.bucket == label)
+                            .collect();
+                        let counters = m.buckets.get(&(ms.name.clone(), bucket));
+                        let computed = counters.map_or(0, |c| c.tokens + c.padded_tokens);
+                        serde_json::json!({
+                            "bucket": label,
+                            "devices": on.len(),
+                            "capture_us": on.iter().map(|g| g.capture_us).max().unwrap_or(0),
+                            "memory_bytes": on.iter().map(|g| g.memory_bytes).max().unwrap_or(0),
+                            "batches": counters.map_or(0, |c| c.batches),
+                            "requests": counters.map_or(0, |c| c.requests),
+                            "padding_waste": counters.map_or(0.0, |c| ratio(c.padded_tokens, computed)),
+                        })
+                    })
+                    .collect();
+                let mut suggestions: Vec<LadderSuggestion> = Vec::new();
+                let mut seq_cap = serde_json::Value::Null;
+                match grid {
+                    Some(Grid::Padded(g)) => {
+                        if g.seqs() != [1] {
+                            suggestions.push(LadderSuggestion::new(
+                                "seq_buckets",
+                                &c.lengths,
+                                &to_u64(g.seqs()),
+                                SEQ_ALIGN,
+                            ));
+                        }
+                        suggestions.push(LadderSuggestion::new(
+                            "batch_buckets",
+                            &c.batch_rows,
+                            &to_u64(g.batches()),
+                            1,
+                        ));
+                    }
+                    Some(Grid::Packed(g)) => {
+                        suggestions.push(LadderSuggestion::new(
+                            "token_budgets",
+                            &c.batch_tokens,
+                            &to_u64(g.budgets()),
+                            BUDGET_ALIGN,
+                        ));
+                        seq_cap = seq_cap_advice(g, &c.batch_seqs, &c.lengths);
+                    }
+                    None => {}
+                }
+                serde_json::json!({
+                    "name": ms.name,
+                    "batching": ms.batching,
+                    "grid": ms.grid,
+                    "graphs": graphs,
+                    "lengths": hist_summary(&c.lengths),
+                    "batch_rows": hist_summary(&c.batch_rows),
+                    "batch_tokens": hist_summary(&c.batch_tokens),
+                    "batch_seqs": hist_summary(&c.batch_seqs),
+                    "suggestions": suggestions,
+                    "seq_cap": seq_cap,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "uptime_s": self.started.elapsed().as_secs_f64(),
+            "models": models,
+        })
+    }
+}
+
+/// Whether a packed model's sequence cap limits its batches: the share of
+/// batches that stopped at the cap, and the cap at which a full largest
+/// budget of the shorter texts (the 10th percentile) would fit.
+fn seq_cap_advice(g: &crate::bucket::TokenGrid, seqs: &Hist, lengths: &Hist) -> serde_json::Value {
+    let cap = g.max_seqs_cap() as u64;
+    let at_cap: u64 = seqs
+        .counts
+        .iter()
+        .filter(|(&v, _)| v >= cap)
+        .map(|(_, &c)| c)
+        .sum();
+    let share = ratio(at_cap, seqs.total());
+    let short = lengths.quantile(0.10).unwrap_or(1).max(1);
+    let wanted = (g.max_tokens() as u64)
+        .div_ceil(short)
+        .next_power_of_two()
+        .min(65536);
+    let suggested = if share > 0.05 && wanted > cap {
+        wanted
+    } else {
+        cap
+    };
+    serde_json::json!({
+        "current": cap,
+        "batches_at_cap": at_cap,
+        "share_at_cap": share,
+        "suggested": suggested,
+    })
 }
 
 #[cfg(test)]
@@ -443,6 +838,15 @@ mod tests {
         assert_eq!(s["requests"]["errors"]["overloaded"], 1);
         assert_eq!(s["requests"]["errors"]["internal"], 0);
         assert_eq!(s["latency"]["total"]["count"], 2);
+        m.reply_hops(&Hops {
+            decode: 3,
+            device: 100,
+            ..Default::default()
+        });
+        let s = m.snapshot();
+        assert_eq!(s["latency"]["hops"]["decode"]["p50_us"], 3);
+        assert_eq!(s["latency"]["hops"]["device"]["count"], 1);
+        assert_eq!(s["latency"]["hops"]["reply"]["max_us"], 1);
     }
 
     #[test]

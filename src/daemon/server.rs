@@ -13,6 +13,7 @@ use super::device::{DeviceArgs, WorkerCommand};
 use super::frontend::{Frontend, ServedModel};
 use super::messages::{BatcherMsg, DeviceKind, DeviceStatus, SupervisorMsg};
 use super::metrics::{DeviceStats, Metrics, ModelStats};
+use super::reload::Reloader;
 use super::supervisor::{Supervisor, SupervisorArgs};
 use super::tokenize::{TextTokenizer, TokenizerPool};
 use crate::bucket::Grid;
@@ -24,6 +25,7 @@ use crate::worker::WorkerBackend;
 use anyhow::{bail, Context};
 use ractor::Actor;
 use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,6 +48,39 @@ pub struct ServerOptions {
 pub struct Endpoints {
     pub endpoint: String,
     pub control_endpoint: String,
+    /// `http://HOST:PORT/metrics`, when `[metrics] endpoint` is set.
+    pub metrics_endpoint: Option<String>,
+    /// The HTTP front's address (`HOST:PORT`), when `[http]` is enabled.
+    pub http: Option<String>,
+}
+
+/// Marks a start-up error as the configuration's (a bad key, a model folder
+/// that cannot be served, an unusable runtime directory): `replayd` exits
+/// with status 78 (EX_CONFIG), which the systemd unit does not restart.
+#[derive(Debug)]
+pub struct ConfigRejected;
+
+impl std::fmt::Display for ConfigRejected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("configuration rejected")
+    }
+}
+
+/// Whether a start-up error means the configuration was rejected.
+pub fn is_config_error(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.is::<crate::config::ConfigError>() || c.is::<super::runtime_dir::RuntimeDirError>()
+    }) || e.downcast_ref::<ConfigRejected>().is_some()
+}
+
+/// The batcher's limits from the config (start-up and reloads).
+pub fn scheduler_config(config: &Config) -> SchedulerConfig {
+    SchedulerConfig {
+        max_wait: Duration::from_micros(config.batching.max_wait_us),
+        max_queue: config.batching.max_queue,
+        max_inflight: config.batching.max_inflight_per_device,
+        eager_max_queue: config.eager.max_queue,
+    }
 }
 
 /// A device to start: its label and how to run its worker.
@@ -59,6 +94,10 @@ struct PlannedDevice {
 fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<PlannedDevice>> {
     let backend = match config.devices.backend {
         BackendKind::Cpu => WorkerBackend::Cpu,
+        BackendKind::Null => {
+            tracing::warn!("backend = null: the devices compute nothing (host-path benchmark)");
+            WorkerBackend::Null
+        }
         BackendKind::Cuda => match cuda_device_count() {
             Ok(n) if n > 0 => WorkerBackend::Cuda,
             Ok(_) => bail!("devices.backend = \"cuda\" but no CUDA GPU is present"),
@@ -100,12 +139,23 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
                     list.clone()
                 }
             };
+            if gpus.is_empty() {
+                bail!("devices.gpus selects no GPU");
+            }
+            let per_gpu = config.devices.workers_per_gpu.max(1);
             for &g in &gpus {
-                devices.push(PlannedDevice {
-                    label: format!("cuda:{g}"),
-                    kind: DeviceKind::Graph,
-                    worker: worker(g, 1, false),
-                });
+                for w in 0..per_gpu {
+                    devices.push(PlannedDevice {
+                        // With several workers on a GPU, the first keeps the plain label.
+                        label: if w == 0 {
+                            format!("cuda:{g}")
+                        } else {
+                            format!("cuda:{g}.{w}")
+                        },
+                        kind: DeviceKind::Graph,
+                        worker: worker(g, 1, false),
+                    });
+                }
             }
             let eager_gpu = config.eager.gpu.unwrap_or(gpus[0]);
             if eager_gpu >= count {
@@ -119,7 +169,12 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
                 });
             }
         }
-        WorkerBackend::Cpu => {
+        WorkerBackend::Cpu | WorkerBackend::Null => {
+            let prefix = if backend == WorkerBackend::Null {
+                "null"
+            } else {
+                "cpu"
+            };
             let n = config.devices.cpu_devices;
             let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
             let threads = match config.devices.cpu_threads {
@@ -128,7 +183,7 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
             };
             for i in 0..n {
                 devices.push(PlannedDevice {
-                    label: format!("cpu:{i}"),
+                    label: format!("{prefix}:{i}"),
                     kind: DeviceKind::Graph,
                     worker: worker(i, threads, false),
                 });
@@ -159,6 +214,7 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
         .map(|mc| {
             let info = crate::model::inspect(&mc.spec())
                 .with_context(|| format!("cannot serve model {:?}", mc.name))?;
+            log_model(mc, &info);
             if !info.derived.is_empty() {
                 tracing::info!(model = %mc.name, "model folder: {}", info.derived_summary());
             }
@@ -183,22 +239,88 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
         .collect()
 }
 
+/// One start-up line per model: what was read from its folder, what was
+/// derived, and which settings the config overrode.
+fn log_model(mc: &crate::config::ModelConfig, info: &crate::model::ModelInfo) {
+    let dtype = match mc.dtype_setting {
+        crate::config::DTypeSetting::Auto => format!("{} (dtype = auto)", info.dtype),
+        _ => info.dtype.to_string(),
+    };
+    let from = |set: bool| if set { "config" } else { "model folder" };
+    match &info.input {
+        crate::model::InputSpec::Tokens {
+            vocab_size,
+            max_seq_len,
+        } => tracing::info!(
+            model = %info.name,
+            kind = ?info.kind,
+            path = %mc.path.display(),
+            %dtype,
+            vocab_size,
+            max_seq_len,
+            max_seq_len_from = from(mc.max_seq_len.is_some()),
+            output_dim = info.output_dim,
+            pooling = %mc.pooling.map_or("from the model folder".to_string(), |p| format!("{p:?} (config)")),
+            normalize = %mc.normalize.map_or("from the model folder".to_string(), |n| format!("{n} (config)")),
+            tokenizer = %info.tokenizer_path.as_ref().map_or("none".into(), |p| p.display().to_string()),
+            "model"
+        ),
+        crate::model::InputSpec::Features { features } => tracing::info!(
+            model = %info.name,
+            kind = ?info.kind,
+            path = %mc.path.display(),
+            %dtype,
+            features,
+            output_dim = info.output_dim,
+            activation = %mc.activation.as_deref().unwrap_or("from the model folder"),
+            "model"
+        ),
+    }
+}
+
+/// The shared-memory ring that holds the largest batch any model can send
+/// to a device of this kind: the largest bucket (or, for eager workers, the
+/// most sequences at the model's longest length), with
+/// `max_inflight + 1` slots. A batch that does not fit still takes the socket.
+fn ring_spec(
+    models: &[ServedModel],
+    slots: &[ModelSlot],
+    eager: bool,
+    max_inflight: usize,
+) -> crate::worker::shm::RingSpec {
+    use crate::model::InputSpec;
+    let (mut input, mut output) = (0usize, 0usize);
+    for (m, slot) in models.iter().zip(slots) {
+        let (rows, tokens) = match (&slot.grid, &m.info.input) {
+            (Grid::Padded(g), InputSpec::Tokens { max_seq_len, .. }) if eager => {
+                (g.max_batch(), g.max_batch() * max_seq_len)
+            }
+            (Grid::Packed(g), InputSpec::Tokens { max_seq_len, .. }) if eager => {
+                (g.max_seqs(), g.max_seqs() * max_seq_len)
+            }
+            (Grid::Padded(g), _) => (g.max_batch(), g.max_batch() * g.max_seq()),
+            (Grid::Packed(g), _) => (g.max_seqs(), g.max_tokens()),
+        };
+        let bytes = match m.info.input {
+            InputSpec::Tokens { .. } => 4 * (rows + tokens),
+            InputSpec::Features { features } => 4 * rows * features,
+        };
+        input = input.max(bytes);
+        output = output.max(4 * rows * m.info.output_dim);
+    }
+    crate::worker::shm::RingSpec {
+        slots: (max_inflight + 1) as u32,
+        input_bytes: input as u64,
+        output_bytes: output as u64,
+    }
+}
+
 /// How a model is batched, for the start-up log and the stats.
 fn model_stats(slot: &ModelSlot, models: &[ServedModel]) -> ModelStats {
-    let (batching, grid) = match &slot.grid {
-        Grid::Padded(g) => (
-            "padded",
-            serde_json::json!({"batch_buckets": g.batches(), "seq_buckets": g.seqs()}),
-        ),
-        Grid::Packed(g) => (
-            "packed",
-            serde_json::json!({"token_budgets": g.budgets(), "max_seqs_per_batch": g.max_seqs()}),
-        ),
-    };
     ModelStats {
         name: slot.name.clone(),
-        batching: batching.into(),
-        grid,
+        batching: slot.grid.batching().into(),
+        grid: slot.grid.describe(),
         folder: models
             .iter()
             .find(|m| m.info.name == slot.name)
@@ -255,6 +377,24 @@ fn client_security(config: &Config) -> anyhow::Result<Security> {
         std::fs::read_to_string(path)
             .with_context(|| format!("server.{key}: cannot read {}", path.display()))
     };
+    // Like ssh with its private keys: a secret every user can read is no
+    // secret, and serving with it would only look authenticated.
+    let mode = std::fs::metadata(secret)
+        .with_context(|| {
+            format!(
+                "server.curve_secret_key_file: cannot read {}",
+                secret.display()
+            )
+        })?
+        .permissions()
+        .mode();
+    if mode & 0o004 != 0 {
+        anyhow::bail!(
+            "server.curve_secret_key_file {} is readable by every user (mode {:o}): chmod o-r it",
+            secret.display(),
+            mode & 0o777
+        );
+    }
     let secret_text = read(secret, "curve_secret_key_file")?;
     let keys = z85_decode(secret_text.trim())
         .and_then(CurveKeyPair::from_secret)
@@ -264,11 +404,15 @@ fn client_security(config: &Config) -> anyhow::Result<Security> {
         .lines()
         .enumerate()
     {
-        let line = line.split('#').next().unwrap_or("").trim();
-        if line.is_empty() {
+        // Z85 keys may contain '#': a line is a key when its first word has
+        // a key's 40 characters, and a comment when it starts with '#'.
+        let Some(word) = line.split_whitespace().next() else {
+            continue;
+        };
+        if word.len() != 40 && word.starts_with('#') {
             continue;
         }
-        allowed.push(z85_decode(line).with_context(|| {
+        allowed.push(z85_decode(word).with_context(|| {
             format!(
                 "server.curve_allowed_clients_file {} line {}",
                 clients.display(),
@@ -295,7 +439,7 @@ fn client_security(config: &Config) -> anyhow::Result<Security> {
 
 /// Runs the daemon until `shutdown` resolves, then drains and stops.
 pub async fn run(
-    config: Config,
+    mut config: Config,
     options: ServerOptions,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
@@ -303,11 +447,23 @@ pub async fn run(
         &config.server.runtime_dir,
         config.server.runtime_group.as_deref(),
     )?;
-    let models = load_models(&config)?;
     let planned = plan_devices(&config, &options)?;
+    let cuda = planned
+        .iter()
+        .any(|d| d.worker.backend == WorkerBackend::Cuda);
+    config.resolve_for_backend(cuda);
+    let models = load_models(&config).context(ConfigRejected)?;
+    // Workers read the configuration in force from the runtime directory
+    // (a reload replaces it), not the file that may have been edited since.
+    let snapshot = super::reload::write_snapshot(&config, &config.server.runtime_dir, 0)
+        .context("cannot write the workers' config into server.runtime_dir")?;
+    let mut planned = planned;
+    for d in &mut planned {
+        d.worker.config_path = snapshot.clone();
+    }
     let metrics = Arc::new(Metrics::new());
 
-    let security = client_security(&config)?;
+    let security = client_security(&config).context(ConfigRejected)?;
     let client_socket = Router::bind(&config.server.endpoint, &client_limits(&config), &security)
         .await
         .with_context(|| format!("cannot bind server.endpoint {}", config.server.endpoint))?;
@@ -325,6 +481,18 @@ pub async fn run(
         )
     })?;
     let control_endpoint = control_socket.endpoint().to_string();
+    let http_listener = if config.http.enabled {
+        Some(super::http::bind(&config.http).await?)
+    } else {
+        None
+    };
+    let http_address = http_listener
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .map(|a| a.to_string());
+    if let Some(address) = &http_address {
+        tracing::info!(%address, "HTTP front listening");
+    }
     metrics.set_transport("client", client_socket.stats());
     metrics.set_transport("control", control_socket.stats());
     tracing::info!(
@@ -342,6 +510,7 @@ pub async fn run(
             grid: Grid::for_model(mc),
         })
         .collect();
+    let batcher_models = model_slots.clone();
     let model_stats: Vec<ModelStats> = model_slots
         .iter()
         .map(|s| model_stats(s, &models))
@@ -350,18 +519,16 @@ pub async fn run(
         tracing::info!(model = %m.name, batching = %m.batching, grid = %m.grid, "batching");
     }
     metrics.set_models(model_stats);
+    for slot in &model_slots {
+        metrics.set_model_grid(&slot.name, &slot.grid);
+    }
     let (batcher, batcher_handle) = Actor::spawn(
         None,
         BatcherActor,
         BatcherArgs {
             models: model_slots,
             devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
-            config: SchedulerConfig {
-                max_wait: Duration::from_micros(config.batching.max_wait_us),
-                max_queue: config.batching.max_queue,
-                max_inflight: config.batching.max_inflight_per_device,
-                eager_max_queue: config.eager.max_queue,
-            },
+            config: scheduler_config(&config),
             max_attempts: config.batching.max_attempts,
             metrics: metrics.clone(),
         },
@@ -370,6 +537,10 @@ pub async fn run(
     .context("cannot start the batcher")?;
 
     let model_names: Vec<String> = config.models.iter().map(|m| m.name.clone()).collect();
+    let rings = config.devices.shm_link.then(|| {
+        let inflight = config.batching.max_inflight_per_device;
+        [false, true].map(|eager| ring_spec(&models, &batcher_models, eager, inflight))
+    });
     let uses_cuda = planned
         .iter()
         .any(|d| d.worker.backend == WorkerBackend::Cuda);
@@ -387,7 +558,7 @@ pub async fn run(
             // take once one has finished.
             let cold_us_per_token = match d.worker.backend {
                 WorkerBackend::Cpu => 2000.0 / d.worker.threads.max(1) as f64,
-                WorkerBackend::Cuda => 20.0,
+                WorkerBackend::Cuda | WorkerBackend::Null => 20.0,
             };
             DeviceArgs {
                 device: slot,
@@ -417,6 +588,7 @@ pub async fn run(
                 hang_timeout: Duration::from_millis(config.devices.hang_timeout_ms),
                 heartbeat: Duration::from_millis(config.devices.heartbeat_ms),
                 cold_us_per_token,
+                ring: rings.map(|r| r[usize::from(d.kind == DeviceKind::Eager)]),
             }
         })
         .collect();
@@ -453,34 +625,78 @@ pub async fn run(
         config.batching.max_queue,
         config.server.max_buffered_bytes,
     );
-    let frontend = Arc::new(Frontend::new(
-        models,
-        batcher.clone(),
-        metrics.clone(),
-        DecodeLimits {
-            max_bytes: config.server.max_request_bytes,
-            max_items: config.server.max_items_per_request,
-        },
-        admission,
-    ));
+    let frontend = Arc::new(
+        Frontend::new(
+            models,
+            batcher.clone(),
+            metrics.clone(),
+            DecodeLimits {
+                max_bytes: config.server.max_request_bytes,
+                max_items: config.server.max_items_per_request,
+            },
+            admission.clone(),
+        )
+        .with_inline_tokenize(config.server.inline_tokenize_bytes),
+    );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
+    let http_task = http_listener.map(|listener| {
+        let front = super::http::HttpFront::new(&config.http, frontend.clone(), metrics.clone());
+        tokio::spawn(super::http::run(
+            listener,
+            front,
+            config.http.max_body_bytes,
+            stopped(stop_rx.clone()),
+        ))
+    });
     let frontend_task = tokio::spawn(super::frontend::run(
         client_socket,
-        frontend,
+        frontend.clone(),
         stopped(stop_rx.clone()),
+    ));
+    let reloader = Arc::new(Reloader::new(
+        options.config_path.clone(),
+        config.clone(),
+        snapshot,
+        supervisor.clone(),
+        batcher.clone(),
+        metrics.clone(),
+        admission.clone(),
     ));
     let control = Arc::new(Control {
         metrics: metrics.clone(),
         supervisor: supervisor.clone(),
+        reloader: reloader.clone(),
     });
     let control_task = tokio::spawn(super::control::run(
         control_socket,
         control,
         stopped(stop_rx.clone()),
     ));
+    let metrics_task = match &config.metrics.endpoint {
+        Some(addr) => {
+            let addr: std::net::SocketAddr = addr.parse().context("metrics.endpoint")?;
+            let (bound, task) =
+                super::prometheus::serve(addr, metrics.clone(), stopped(stop_rx.clone())).await?;
+            let url = format!("http://{bound}/metrics");
+            tracing::info!(endpoint = %url, "Prometheus metrics");
+            Some((task, url))
+        }
+        None => None,
+    };
+    let status_task = tokio::spawn(super::notify::status_loop(metrics.clone()));
+    let watchdog_task = super::notify::watchdog_interval().map(|interval| {
+        tracing::info!(
+            "systemd watchdog: WATCHDOG=1 every {interval:?} while the batcher and frontend answer"
+        );
+        let (batcher, frontend) = (batcher.clone(), frontend.clone());
+        tokio::spawn(super::notify::watchdog_loop(interval, move |within| {
+            let (batcher, frontend) = (batcher.clone(), frontend.clone());
+            async move { probe(&batcher, &frontend, within).await }
+        }))
+    });
     let ready_task = tokio::spawn(announce_ready(
         statuses,
         options.ready_file.clone(),
@@ -488,7 +704,11 @@ pub async fn run(
         Endpoints {
             endpoint: endpoint.to_string(),
             control_endpoint: control_endpoint.to_string(),
+            metrics_endpoint: metrics_task.as_ref().map(|(_, url)| url.clone()),
+            http: http_address,
         },
+        reloader.ready.clone(),
+        metrics.clone(),
     ));
 
     shutdown.await;
@@ -514,7 +734,13 @@ pub async fn run(
     // Every request is answered; the frontend flushes the last replies and stops.
     let _ = stop_tx.send(true);
     let _ = frontend_task.await;
+    if let Some(task) = http_task {
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+    }
     let _ = control_task.await;
+    if let Some((task, _)) = metrics_task {
+        let _ = task.await;
+    }
     let _ = supervisor
         .call(SupervisorMsg::StopAll, Some(Duration::from_secs(60)))
         .await;
@@ -522,7 +748,50 @@ pub async fn run(
     batcher.stop(None);
     let _ = supervisor_handle.await;
     let _ = batcher_handle.await;
+    status_task.abort();
+    if let Some(task) = watchdog_task {
+        task.abort();
+    }
+    remove_snapshots(&config.server.runtime_dir);
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Removes this process's config snapshots from the runtime directory.
+fn remove_snapshots(dir: &std::path::Path) {
+    let prefix = format!("config-{}-", std::process::id());
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+/// The health loop's probe: the batcher actor answers a call and the
+/// frontend's socket loop has turned within the last few turns.
+async fn probe(
+    batcher: &ractor::ActorRef<BatcherMsg>,
+    frontend: &Frontend,
+    within: Duration,
+) -> Result<(), String> {
+    let before = frontend.turns();
+    match batcher.call(BatcherMsg::Outstanding, Some(within)).await {
+        Ok(ractor::rpc::CallResult::Success(_)) => {}
+        Ok(ractor::rpc::CallResult::Timeout) => {
+            return Err(format!("the batcher did not answer within {within:?}"))
+        }
+        _ => return Err("the batcher is gone".into()),
+    }
+    // The frontend's loop turns at least every TURN; give it three.
+    let deadline = Instant::now() + (3 * super::frontend::TURN).min(within);
+    while frontend.turns() == before {
+        if Instant::now() >= deadline {
+            return Err("the frontend's socket loop is stuck".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     Ok(())
 }
 
@@ -533,13 +802,12 @@ async fn announce_ready(
     ready_file: Option<PathBuf>,
     on_ready: Option<oneshot::Sender<Endpoints>>,
     endpoints: Endpoints,
+    ready_flag: Arc<std::sync::atomic::AtomicBool>,
+    metrics: Arc<Metrics>,
 ) {
     let started = Instant::now();
     loop {
-        if statuses
-            .iter_mut()
-            .all(|s| *s.borrow_and_update() == DeviceStatus::Ready)
-        {
+        if statuses.iter_mut().all(|s| s.borrow_and_update().is_up()) {
             break;
         }
         let changes = statuses.iter_mut().map(|s| Box::pin(s.changed()));
@@ -547,12 +815,25 @@ async fn announce_ready(
             return; // a device actor's channel closed: shutting down
         }
     }
-    tracing::info!("all devices ready after {:?}", started.elapsed());
-    super::notify::notify("READY=1");
+    let devices = metrics.devices();
+    let graphs: usize = devices.iter().map(|d| d.graphs.len()).sum();
+    tracing::info!(
+        devices = devices.len(),
+        graphs,
+        "all devices ready after {:?}",
+        started.elapsed()
+    );
+    ready_flag.store(true, std::sync::atomic::Ordering::Release);
+    super::notify::notify(&format!(
+        "READY=1\nSTATUS={}",
+        super::notify::status_line(&devices)
+    ));
     if let Some(path) = ready_file {
         let info = serde_json::json!({
             "endpoint": endpoints.endpoint,
             "control_endpoint": endpoints.control_endpoint,
+            "metrics_endpoint": endpoints.metrics_endpoint,
+            "http": endpoints.http,
             "pid": std::process::id(),
         });
         let tmp = path.with_extension("tmp");

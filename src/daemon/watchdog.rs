@@ -89,6 +89,12 @@ impl Watchdog {
         }
     }
 
+    /// A batch registered with [`Self::sent`] never reached the worker
+    /// (the send failed): forget it without counting it as heard.
+    pub fn forget(&mut self, batch: u64, attempt: u32) {
+        self.inflight.remove(&(batch, attempt));
+    }
+
     pub fn inflight(&self) -> usize {
         self.inflight.len()
     }
@@ -170,6 +176,8 @@ mod tests {
         // A stale report of an unknown attempt changes nothing but liveness.
         w.finished(2, 7, Some(1), t0);
         assert_eq!(w.inflight(), 2);
+        w.forget(3, 1);
+        assert_eq!(w.inflight(), 1);
         w.reset(t0);
         assert_eq!(w.inflight(), 0);
     }

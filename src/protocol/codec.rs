@@ -1,6 +1,6 @@
 //! Frames ⇄ protocol values.
 
-use super::header::{decode_header, SUPPORTED_VERSIONS};
+use super::header::{decode_header, salvage_version, SUPPORTED_VERSIONS};
 use super::{
     ErrorCode, InputKind, Payload, ProtocolError, Reply, ReplyHeader, Request, RequestHeader,
     Status, PROTOCOL_VERSION,
@@ -36,19 +36,28 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
         return Err(bad(0, "empty message: expected a header frame"));
     };
     let total: usize = frames.iter().map(Bytes::len).sum();
-    let header =
-        decode_header(head).map_err(|e| bad(e.id, format!("malformed header: {}", e.message)))?;
-    let id = header.id;
-    if !SUPPORTED_VERSIONS.contains(&header.v) {
+    let unsupported = |id: u64, v: u64| {
         let supported: Vec<String> = SUPPORTED_VERSIONS.iter().map(u32::to_string).collect();
-        return Err(bad(
+        bad(
             id,
             format!(
-                "unsupported protocol version {} (supported versions: {})",
-                header.v,
+                "unsupported protocol version {v} (supported versions: {})",
                 supported.join(", ")
             ),
-        ));
+        )
+    };
+    let header = decode_header(head).map_err(|e| {
+        // A readable, unsupported `v` is reported as such, whatever else
+        // is wrong: a newer client's header may carry keys this version
+        // does not know.
+        match salvage_version(head) {
+            Some(v) if !SUPPORTED_VERSIONS.iter().any(|&s| s as u64 == v) => unsupported(e.id, v),
+            _ => bad(e.id, format!("malformed header: {}", e.message)),
+        }
+    })?;
+    let id = header.id;
+    if !SUPPORTED_VERSIONS.contains(&header.v) {
+        return Err(unsupported(id, header.v as u64));
     }
     if total > limits.max_bytes {
         return Err(bad(
@@ -194,6 +203,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
             compute_us,
             total_us,
             batches,
+            hops,
         } => (
             ReplyHeader {
                 v: PROTOCOL_VERSION,
@@ -209,6 +219,13 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 queued_us: *queued_us,
                 compute_us: *compute_us,
                 total_us: *total_us,
+                decode_us: Some(hops.decode),
+                tokenize_us: Some(hops.tokenize),
+                wait_us: Some(hops.wait),
+                to_worker_us: Some(hops.to_worker),
+                device_us: Some(hops.device),
+                back_us: Some(hops.back),
+                reply_us: Some(hops.reply),
             },
             Some(output.data.clone()),
         ),
@@ -227,6 +244,13 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 queued_us: 0,
                 compute_us: 0,
                 total_us: 0,
+                decode_us: None,
+                tokenize_us: None,
+                wait_us: None,
+                to_worker_us: None,
+                device_us: None,
+                back_us: None,
+                reply_us: None,
             },
             None,
         ),
@@ -283,6 +307,7 @@ pub fn decode_reply(frames: &[Bytes]) -> Result<(ReplyHeader, Option<HostTensor>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::Hops;
 
     fn limits() -> DecodeLimits {
         DecodeLimits {
@@ -405,6 +430,29 @@ mod tests {
             Bytes::from_static(b"\0\0\0\0"),
         ]);
         assert!(e.message.contains("version 2"), "{}", e.message);
+        // A version-2 header with a key version 1 does not know: still the
+        // version message (with the id), not the key's.
+        #[derive(serde::Serialize)]
+        struct V2<'a> {
+            v: u32,
+            id: u64,
+            model: &'a str,
+            input: &'a str,
+            colour: &'a str,
+        }
+        let head = rmp_serde::to_vec_named(&V2 {
+            v: 2,
+            id: 11,
+            model: "m",
+            input: "texts",
+            colour: "red",
+        })
+        .unwrap();
+        let e = err(vec![Bytes::from(head), Bytes::from_static(b"x")]);
+        assert_eq!(
+            (e.id, e.message.as_str()),
+            (11, "unsupported protocol version 2 (supported versions: 1)")
+        );
         let h = RequestHeader::new(9, "m", InputKind::Ids);
         let e = err(vec![
             Bytes::from(rmp_serde::to_vec_named(&h).unwrap()),
@@ -439,8 +487,20 @@ mod tests {
             compute_us: 20,
             total_us: 40,
             batches: 2,
+            hops: Hops {
+                decode: 1,
+                tokenize: 2,
+                wait: 3,
+                to_worker: 4,
+                device: 20,
+                back: 5,
+                reply: 5,
+            },
         };
         let (h, t) = decode_reply(&encode_reply(&reply)).unwrap();
+        let hops = Hops::from_header(&h).unwrap();
+        assert_eq!(hops.values(), [1, 2, 3, 4, 20, 5, 5]);
+        assert_eq!(hops.values().iter().sum::<u64>(), h.total_us);
         assert_eq!(
             (h.id, h.status, h.bucket.as_deref()),
             (3, Status::Ok, Some("8x16"))
@@ -453,5 +513,37 @@ mod tests {
             (h.code, h.message.as_deref(), t),
             (Some(ErrorCode::TooLong), Some("long"), None)
         );
+        assert_eq!(Hops::from_header(&h), None);
+    }
+
+    /// A client of an older daemon (no hop keys) and an older client (which
+    /// ignores keys it does not know) both still read replies.
+    #[test]
+    fn reply_hop_keys_are_optional_and_ignorable() {
+        #[derive(serde::Deserialize)]
+        struct OldHeader {
+            id: u64,
+            total_us: u64,
+        }
+        let reply = Reply::Ok {
+            id: 9,
+            output: HostTensor::from_f32(vec![1, 1], &[1.0]),
+            bucket: "64t".into(),
+            device: "cpu:0".into(),
+            queued_us: 1,
+            compute_us: 2,
+            total_us: 3,
+            batches: 1,
+            hops: Hops::default(),
+        };
+        let frames = encode_reply(&reply);
+        let old: OldHeader = rmp_serde::from_slice(&frames[0]).unwrap();
+        assert_eq!((old.id, old.total_us), (9, 3));
+        let bare = rmp_serde::to_vec_named(&serde_json::json!({
+            "v": 1, "id": 2, "status": "error", "code": "internal", "message": "x"
+        }))
+        .unwrap();
+        let (h, _) = decode_reply(&[Bytes::from(bare)]).unwrap();
+        assert_eq!((h.id, h.decode_us), (2, None));
     }
 }

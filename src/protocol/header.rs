@@ -276,6 +276,23 @@ fn salvage_id(bytes: &[u8]) -> u64 {
     0
 }
 
+/// The `v` of a header that failed to decode, when it can be read, so a
+/// newer client's header (with keys this version does not know) is told
+/// about the version rather than the key.
+pub fn salvage_version(bytes: &[u8]) -> Option<u64> {
+    let mut r = Reader { buf: bytes, pos: 0 };
+    let n = r.map_len().ok()??;
+    for _ in 0..n {
+        match r.str() {
+            Ok(Some("v")) => return r.uint().ok().flatten(),
+            Ok(Some(_)) => {}
+            _ => return None,
+        }
+        r.skip(0).ok()?;
+    }
+    None
+}
+
 /// Decodes a request header frame; see the module docs for the rules.
 pub fn decode_header(bytes: &[u8]) -> Result<RequestHeader, HeaderError> {
     decode(bytes).map_err(|message| HeaderError {

@@ -238,6 +238,85 @@ pub struct ReplyHeader {
     /// Microseconds from receipt until the reply was sent.
     #[serde(default)]
     pub total_us: u64,
+    /// Where the time went (see [`Hops`]); on success only. They add up to
+    /// `total_us` (within rounding).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenize_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_worker_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub back_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reply_us: Option<u64>,
+}
+
+/// Where a successful request's time went, in microseconds, hop by hop
+/// (`docs/protocol.md`, "Reply header keys"). The hops follow each other,
+/// so they add up to `total_us`. For a request whose rows ran in several
+/// batches, `wait` to `reply` are those of the batch that completed it
+/// (`wait` then runs from submission to that batch's dispatch).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hops {
+    /// Receipt by the socket's driver → decoded and admitted by the frontend
+    /// (the hop from the socket to the request's task included).
+    pub decode: u64,
+    /// Admitted → rows ready and handed to the batcher (tokenization, validation).
+    pub tokenize: u64,
+    /// Handed to the batcher → its (last) batch dispatched to a worker.
+    pub wait: u64,
+    /// Dispatched → the worker started on it (the daemon ↔ worker link).
+    pub to_worker: u64,
+    /// Started → output ready on the worker (copy in, replay, copy out, and
+    /// any wait behind the batch ahead of it on the device).
+    pub device: u64,
+    /// Output ready on the worker → the batcher has it (the link back).
+    pub back: u64,
+    /// The batcher has the last rows → the reply is encoded for the socket.
+    pub reply: u64,
+}
+
+impl Hops {
+    pub const NAMES: [&'static str; 7] = [
+        "decode",
+        "tokenize",
+        "wait",
+        "to_worker",
+        "device",
+        "back",
+        "reply",
+    ];
+
+    /// The hops in [`Self::NAMES`] order.
+    pub fn values(&self) -> [u64; 7] {
+        [
+            self.decode,
+            self.tokenize,
+            self.wait,
+            self.to_worker,
+            self.device,
+            self.back,
+            self.reply,
+        ]
+    }
+
+    /// Read back from a reply header (clients); `None` if it has no hop keys.
+    pub fn from_header(h: &ReplyHeader) -> Option<Hops> {
+        Some(Hops {
+            decode: h.decode_us?,
+            tokenize: h.tokenize_us.unwrap_or(0),
+            wait: h.wait_us.unwrap_or(0),
+            to_worker: h.to_worker_us.unwrap_or(0),
+            device: h.device_us.unwrap_or(0),
+            back: h.back_us.unwrap_or(0),
+            reply: h.reply_us.unwrap_or(0),
+        })
+    }
 }
 
 /// A reply as the daemon produces it, before encoding.
@@ -253,6 +332,8 @@ pub enum Reply {
         total_us: u64,
         /// Batches its rows ran in.
         batches: u32,
+        /// Where its time went.
+        hops: Hops,
     },
     Error {
         id: u64,

@@ -28,6 +28,15 @@
 //! 3. time launch → collect of `fill` batches (median, p90, p99) and the
 //!    throughput with two in flight, in real tokens/s and sequences/s.
 //!
+//! With `--fused both` (the default) every bucket whose plan the fused
+//! small-shape kernels change (the one-kernel attention and FFN sublayers
+//! for few token rows, the vectorised LayerNorm and element-wise kernels;
+//! see `REPLAYD_CUDA_DISABLE=fused`) is checked twice, with those kernels
+//! and without, each against the CPU backend and timed; a table per model
+//! then sets the two side by side with their node counts (plan steps,
+//! kernels, matmuls), so a gain or a mismatch is traced to the fused path.
+//! The reference files run through both sets of graphs.
+//!
 //! Then each model runs once on the eager path at a shape no bucket has
 //! (larger than the largest bucket where the model allows; for a packed
 //! model, the packed program at a batch's exact token count), also against
@@ -41,6 +50,7 @@ use anyhow::{anyhow, bail, Context};
 use serde::Serialize;
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::plan::{self, Limits};
 use crate::backend::cuda::{CapturedGraph, CudaBackend, GraphMemory};
 use crate::backend::Backend;
 use crate::bucket::{Bucket, Grid};
@@ -90,10 +100,25 @@ pub struct BackendCheckArgs {
     /// Skip the eager-path check.
     #[arg(long)]
     pub no_eager: bool,
-    /// Packed buckets: also time every step of one `fill` batch (GPU time per
-    /// kernel and matmul, outside the graph) and print the attention's share.
+    /// Also time every step of one batch (GPU time per kernel and matmul,
+    /// outside the graph, steps queued back to back) and print a summary per
+    /// kernel: every packed bucket (a `fill` batch; with the attention's
+    /// share), and the padded BERT buckets of `--profile-buckets`.
     #[arg(long)]
     pub profile: bool,
+    /// Padded buckets `--profile` times, as `BATCHxSEQ` (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_values_t = ["1x16".to_string(), "32x128".to_string(), "128x128".to_string()]
+    )]
+    pub profile_buckets: Vec<String>,
+    /// Kernel paths each bucket runs with: `on`, the backend's (with the
+    /// fused small-shape kernels where they apply: what the daemon serves),
+    /// `off`, those of `REPLAYD_CUDA_DISABLE=fused` (the kernels before
+    /// them), or `both` (buckets whose plans differ run twice, compared).
+    #[arg(long, value_enum, default_value_t = FusedMode::Both)]
+    pub fused: FusedMode,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0x5eed)]
     pub seed: u64,
@@ -104,6 +129,47 @@ pub struct BackendCheckArgs {
     /// largest seq bucket) and compared.
     #[arg(long = "reference", value_parser = parse_reference)]
     pub references: Vec<(String, PathBuf)>,
+}
+
+/// Which kernel paths `backend-check` runs each bucket with (`--fused`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FusedMode {
+    Both,
+    On,
+    Off,
+}
+
+/// The paths `REPLAYD_CUDA_DISABLE=fused` switches off, off `on`.
+fn unfused(on: Limits) -> Limits {
+    on.with_disabled("fused")
+}
+
+/// Whether `limits` has any of the fused small-shape paths on.
+fn has_fused(limits: &Limits) -> bool {
+    *limits != unfused(*limits)
+}
+
+/// The (fused, limits) a bucket runs with, the first of them the one whose
+/// graphs serve the reference check and the eager path. With `both`, the
+/// unfused run is left out where it would plan the very same steps
+/// (`same_plan`: nothing of the program fuses, e.g. an MLP), and when the
+/// backend has the fused paths off already (`REPLAYD_CUDA_DISABLE`).
+fn variants(
+    mode: FusedMode,
+    on: Limits,
+    same_plan: impl FnOnce(Limits, Limits) -> bool,
+) -> Vec<(bool, Limits)> {
+    let off = unfused(on);
+    if !has_fused(&on) {
+        return vec![(false, on)];
+    }
+    match mode {
+        FusedMode::On => vec![(true, on)],
+        FusedMode::Off => vec![(false, off)],
+        FusedMode::Both if same_plan(on, off) => vec![(true, on)],
+        FusedMode::Both => vec![(true, on), (false, off)],
+    }
 }
 
 fn parse_reference(s: &str) -> Result<(String, PathBuf), String> {
@@ -184,8 +250,14 @@ pub struct BucketResult {
     /// in flight (random `fill` batches).
     pub throughput_tokens_per_s: f64,
     pub throughput_seqs_per_s: f64,
-    /// With `--profile` (packed buckets): (step, mean GPU µs) of one `fill` batch.
+    /// With `--profile`: (step, mean GPU µs) of one batch (packed: `fill`).
     pub profile: Vec<(String, f64)>,
+    /// Whether the fused small-shape kernels were on (see `--fused`).
+    pub fused: bool,
+    /// The plan's kernels and cuBLASLt matmuls (a matmul may be more than
+    /// one graph node; `nodes` counts the graph's own).
+    pub plan_kernels: usize,
+    pub plan_matmuls: usize,
     pub capture_ms: f64,
     pub graph_memory_bytes: u64,
     pub memory: GraphMemory,
@@ -231,6 +303,8 @@ pub struct ModelResult {
     pub buckets: Vec<BucketResult>,
     pub eager: Option<EagerResult>,
     pub reference: Option<ReferenceResult>,
+    /// The reference through the graphs of the other `--fused` variant.
+    pub reference_other: Option<ReferenceResult>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -449,6 +523,50 @@ fn eager_shape(mc: &ModelConfig, model: &Model) -> (usize, usize) {
     }
 }
 
+/// Whether `--profile` times the padded bucket (batch, seq).
+fn profiles_padded(args: &BackendCheckArgs, batch: usize, seq: usize) -> bool {
+    args.profile
+        && args
+            .profile_buckets
+            .iter()
+            .any(|b| b.trim() == format!("{batch}x{seq}"))
+}
+
+/// The steps of a profile grouped by kernel (matmuls by shape), largest
+/// total first: `"name n× mean µs (total)"`, and the sum of all steps.
+pub fn profile_summary(steps: &[(String, f64)]) -> (f64, Vec<String>) {
+    let mut groups: Vec<(String, usize, f64)> = Vec::new();
+    for (label, us) in steps {
+        // "name grid AxBxC" for kernels, "cublasLt ..." for matmuls.
+        let key = label.split(" grid ").next().unwrap_or(label).to_string();
+        match groups.iter_mut().find(|g| g.0 == key) {
+            Some(g) => {
+                g.1 += 1;
+                g.2 += us;
+            }
+            None => groups.push((key, 1, *us)),
+        }
+    }
+    groups.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let total = steps.iter().map(|(_, us)| us).sum();
+    let lines = groups
+        .into_iter()
+        .map(|(k, n, t)| format!("{k} {n}x {:.1} us ({t:.1})", t / n as f64))
+        .collect();
+    (total, lines)
+}
+
+fn print_profile(bucket: &str, steps: &[(String, f64)]) {
+    let (total, lines) = profile_summary(steps);
+    println!(
+        "    profile {bucket}: {} steps, {total:.1} us of GPU time",
+        steps.len()
+    );
+    for l in lines {
+        println!("      {l}");
+    }
+}
+
 fn fmt_err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
@@ -490,6 +608,9 @@ fn check_bucket(
         throughput_tokens_per_s: 0.0,
         throughput_seqs_per_s: 0.0,
         profile: Vec::new(),
+        fused: has_fused(&c.gpu.limits()),
+        plan_kernels: 0,
+        plan_matmuls: 0,
         capture_ms: 0.0,
         graph_memory_bytes: 0,
         memory: GraphMemory::default(),
@@ -595,6 +716,18 @@ fn check_bucket(
         }
     }
     res.throughput_rows_per_s = (n * batch) as f64 / t.elapsed().as_secs_f64();
+    if mc.kind == ModelKind::Bert && profiles_padded(c.args, batch, seq) {
+        match c
+            .gpu
+            .profile_program_on(&model.weights, gw, &program, Some(&inputs[0]), 20)
+        {
+            Ok(p) => {
+                print_profile(&bucket_label(&res), &p);
+                res.profile = p;
+            }
+            Err(e) => res.error = Some(format!("profile: {e}")),
+        }
+    }
     (res, Some(graph))
 }
 
@@ -963,6 +1096,9 @@ fn check_packed_bucket(
         throughput_tokens_per_s: 0.0,
         throughput_seqs_per_s: 0.0,
         profile: Vec::new(),
+        fused: has_fused(&c.gpu.limits()),
+        plan_kernels: 0,
+        plan_matmuls: 0,
         capture_ms: 0.0,
         graph_memory_bytes: 0,
         memory: GraphMemory::default(),
@@ -1116,6 +1252,7 @@ fn check_packed_bucket(
                     inputs[0].tokens(),
                     inputs[0].rows()
                 );
+                print_profile(&bucket_label(&res), &p);
                 res.profile = p;
             }
             Err(e) => {
@@ -1254,6 +1391,95 @@ fn check_reference_packed(
     res
 }
 
+/// A bucket's name in the table and in failures: `1x16`, or `1x16/off`
+/// for the run without the fused kernels.
+fn bucket_label(b: &BucketResult) -> String {
+    if b.fused {
+        b.bucket.clone()
+    } else {
+        format!("{}/off", b.bucket)
+    }
+}
+
+/// Prints a reference result and records its failure.
+fn report_reference(c: &mut Ctx<'_>, model: &str, what: &str, r: &ReferenceResult) {
+    println!(
+        "{:<14} {what} {} ({} items, {} eager): {}",
+        model,
+        r.path.display(),
+        r.items,
+        r.eager_items,
+        match (&r.check, &r.error) {
+            (_, Some(err)) => format!("ERROR {err}"),
+            (Some(ch), None) => format!(
+                "{} {:.6}{} {}",
+                ch.metric,
+                ch.value,
+                r.mean_cosine
+                    .map(|m| format!(" (mean {m:.6})"))
+                    .unwrap_or_default(),
+                if ch.pass { "ok" } else { "FAIL" }
+            ),
+            (None, None) => "-".into(),
+        }
+    );
+    if let Some(err) = &r.error {
+        c.failures.push(format!("{model} {what}: {err}"));
+    } else if let Some(ch) = r.check.as_ref().filter(|ch| !ch.pass) {
+        c.failures
+            .push(format!("{model} {what}: {} {}", ch.metric, ch.value));
+    }
+}
+
+/// The lines comparing each bucket run with and without the fused kernels:
+/// plan steps (kernels + matmuls), graph nodes, replay p50 and their ratio.
+pub fn fused_comparison(buckets: &[BucketResult]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for on in buckets.iter().filter(|b| b.fused) {
+        let Some(off) = buckets.iter().find(|b| !b.fused && b.bucket == on.bucket) else {
+            continue;
+        };
+        let steps = |b: &BucketResult| {
+            format!(
+                "{} steps ({} kernels + {} mm), graph {}",
+                b.plan_kernels + b.plan_matmuls,
+                b.plan_kernels,
+                b.plan_matmuls,
+                b.nodes
+                    .split(' ')
+                    .next()
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or("-")
+            )
+        };
+        let ratio = if off.latency.median_us > 0.0 && on.latency.median_us > 0.0 {
+            format!("{:.2}x", on.latency.median_us / off.latency.median_us)
+        } else {
+            "-".into()
+        };
+        lines.push(format!(
+            "{:<9} fused {:>9.1} us, {} | off {:>9.1} us, {} | fused/off {ratio}",
+            on.bucket,
+            on.latency.median_us,
+            steps(on),
+            off.latency.median_us,
+            steps(off)
+        ));
+    }
+    lines
+}
+
+fn print_fused_comparison(model: &str, buckets: &[BucketResult]) {
+    let lines = fused_comparison(buckets);
+    if lines.is_empty() {
+        return;
+    }
+    println!("{model}: replay p50 with the fused small-shape kernels and without");
+    for l in lines {
+        println!("  {l}");
+    }
+}
+
 fn print_row(model: &str, dtype: DType, b: &BucketResult) {
     let check = match &b.check {
         Some(c) => format!(
@@ -1281,10 +1507,10 @@ fn print_row(model: &str, dtype: DType, b: &BucketResult) {
         String::new()
     };
     println!(
-        "{:<14} {:<5} {:>9} {:>9.1} {:>9.2} {:>6} {:<22} {:>9.1} {:>9.1} {:>9.1} {:>12.0}{packed}{}",
+        "{:<14} {:<5} {:>11} {:>9.1} {:>9.2} {:>6} {:<22} {:>9.1} {:>9.1} {:>9.1} {:>12.0}{packed}{}",
         model,
         dtype.as_str(),
-        b.bucket,
+        bucket_label(b),
         b.capture_ms,
         b.graph_memory_bytes as f64 / (1 << 20) as f64,
         b.nodes.split(' ').next().unwrap_or(""),
@@ -1302,8 +1528,10 @@ fn print_row(model: &str, dtype: DType, b: &BucketResult) {
 
 /// Runs the check; see the module docs.
 pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
-    let config =
+    let mut config =
         Config::load(&args.config).with_context(|| format!("loading {}", args.config.display()))?;
+    // The models run on the GPU: dtype = "auto" means f16 here.
+    config.resolve_for_backend(true);
     let t0 = Instant::now();
     let options = crate::worker::executor::cuda_options(&config.devices);
     let mut gpu = CudaBackend::new(args.gpu, options)
@@ -1320,6 +1548,16 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
         device.pci_bus_id.clone().unwrap_or_default()
     );
     let workspace_bytes = gpu.workspace_bytes();
+    let served_limits = gpu.limits();
+    println!(
+        "kernel paths: {} (--fused {:?})",
+        if has_fused(&served_limits) {
+            "fused small-shape kernels on"
+        } else {
+            "fused small-shape kernels off (REPLAYD_CUDA_DISABLE)"
+        },
+        args.fused
+    );
     let mut ctx = Ctx {
         gpu: &mut gpu,
         cpu: &mut cpu,
@@ -1329,7 +1567,7 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
     };
     let mut models = Vec::new();
     println!(
-        "{:<14} {:<5} {:>9} {:>9} {:>9} {:>6} {:<22} {:>9} {:>9} {:>9} {:>12}",
+        "{:<14} {:<5} {:>11} {:>9} {:>9} {:>6} {:<22} {:>9} {:>9} {:>9} {:>12}",
         "model",
         "dtype",
         "bucket",
@@ -1368,9 +1606,13 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
             buckets: Vec::new(),
             eager: None,
             reference: None,
+            reference_other: None,
         };
-        let mut graphs: Vec<((usize, usize), CapturedGraph)> = Vec::new();
-        let mut packed_graphs: Vec<(Bucket, CapturedGraph)> = Vec::new();
+        // [0]: the graphs of the first variant of each bucket (the served
+        // kernels unless `--fused off`), [1]: those of the second.
+        let mut graphs: [Vec<((usize, usize), CapturedGraph)>; 2] = Default::default();
+        let mut packed_graphs: [Vec<(Bucket, CapturedGraph)>; 2] = Default::default();
+        let mut variant_fused = [true, false];
         let shapes: Vec<Bucket> = match mc.batching_mode() {
             BatchingMode::Padded => buckets(mc, &args)
                 .into_iter()
@@ -1378,38 +1620,63 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
                 .collect(),
             BatchingMode::Packed => packed_buckets(mc, &args),
         };
-        for bucket in shapes {
-            let b = match bucket {
-                Bucket::Padded { batch, seq } => {
-                    let (b, graph) = check_bucket(&mut ctx, mc, &model, &gw, &cw, (batch, seq));
-                    if let Some(g) = graph {
-                        graphs.push(((batch, seq), g));
-                    }
-                    b
-                }
-                Bucket::Packed { .. } => {
-                    let (b, graph) = check_packed_bucket(&mut ctx, mc, &model, &gw, &cw, bucket);
-                    if let Some(g) = graph {
-                        packed_graphs.push((bucket, g));
-                    }
-                    b
-                }
+        let tf32 = ctx.gpu.options().allow_tf32;
+        'buckets: for bucket in shapes {
+            let program = match bucket {
+                Bucket::Padded { batch, seq } => Some(model.program(batch, seq)),
+                Bucket::Packed { .. } => model.program_for(bucket).ok(),
             };
-            print_row(&mc.name, mc.dtype, &b);
-            if let Some(e) = &b.error {
-                ctx.failures.push(format!("{} {}: {e}", mc.name, b.bucket));
-            } else if let Some(c) = b.check.as_ref().filter(|c| !c.pass) {
-                ctx.failures.push(format!(
-                    "{} {}: {} {} beyond {}",
-                    mc.name, b.bucket, c.metric, c.value, c.threshold
-                ));
-            }
-            let fatal = ctx.gpu.fault().is_some();
-            mr.buckets.push(b);
-            if fatal {
-                break;
+            let plan_of = |limits: Limits| {
+                let p = program.as_ref()?;
+                plan::plan(p, &model.weights, gw.dtype(), tf32, limits).ok()
+            };
+            let same_plan = |a: Limits, b: Limits| match (plan_of(a), plan_of(b)) {
+                (Some(a), Some(b)) => a == b,
+                // Let the capture report what does not plan.
+                _ => false,
+            };
+            let runs = variants(args.fused, served_limits, same_plan);
+            for (i, &(fused, limits)) in runs.iter().enumerate() {
+                variant_fused[i] = fused;
+                ctx.gpu.set_limits(limits);
+                let (mut b, graph) = match bucket {
+                    Bucket::Padded { batch, seq } => {
+                        check_bucket(&mut ctx, mc, &model, &gw, &cw, (batch, seq))
+                    }
+                    Bucket::Packed { .. } => {
+                        check_packed_bucket(&mut ctx, mc, &model, &gw, &cw, bucket)
+                    }
+                };
+                debug_assert_eq!(b.fused, fused);
+                if let Some(p) = plan_of(limits) {
+                    (b.plan_kernels, b.plan_matmuls) = (p.kernel_count(), p.matmul_count());
+                }
+                if let Some(g) = graph {
+                    match bucket {
+                        Bucket::Padded { batch, seq } => graphs[i].push(((batch, seq), g)),
+                        Bucket::Packed { .. } => packed_graphs[i].push((bucket, g)),
+                    }
+                }
+                print_row(&mc.name, mc.dtype, &b);
+                let label = bucket_label(&b);
+                if let Some(e) = &b.error {
+                    ctx.failures.push(format!("{} {label}: {e}", mc.name));
+                } else if let Some(c) = b.check.as_ref().filter(|c| !c.pass) {
+                    ctx.failures.push(format!(
+                        "{} {label}: {} {} beyond {}",
+                        mc.name, c.metric, c.value, c.threshold
+                    ));
+                }
+                let fatal = ctx.gpu.fault().is_some();
+                mr.buckets.push(b);
+                if fatal {
+                    break 'buckets;
+                }
             }
         }
+        // The eager path and the references run with the served kernels.
+        ctx.gpu.set_limits(served_limits);
+        print_fused_comparison(&mc.name, &mr.buckets);
         if !args.no_eager && ctx.gpu.fault().is_none() {
             let e = check_eager(&mut ctx, mc, &model, &gw, &cw);
             println!(
@@ -1438,39 +1705,27 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
             mr.eager = Some(e);
         }
         if let Some((_, path)) = args.references.iter().find(|(n, _)| *n == mc.name) {
-            if ctx.gpu.fault().is_none() {
-                let r = if mc.batching_mode() == BatchingMode::Packed {
-                    check_reference_packed(&mut ctx, mc, &model, &gw, &mut packed_graphs, path)
-                } else {
-                    check_reference(&mut ctx, mc, &model, &gw, &mut graphs, path)
-                };
-                println!(
-                    "{:<14} reference {} ({} items, {} eager): {}",
-                    mc.name,
-                    path.display(),
-                    r.items,
-                    r.eager_items,
-                    match (&r.check, &r.error) {
-                        (_, Some(err)) => format!("ERROR {err}"),
-                        (Some(c), None) => format!(
-                            "{} {:.6}{} {}",
-                            c.metric,
-                            c.value,
-                            r.mean_cosine
-                                .map(|m| format!(" (mean {m:.6})"))
-                                .unwrap_or_default(),
-                            if c.pass { "ok" } else { "FAIL" }
-                        ),
-                        (None, None) => "-".into(),
-                    }
-                );
-                if let Some(err) = &r.error {
-                    ctx.failures.push(format!("{} reference: {err}", mc.name));
-                } else if let Some(c) = r.check.as_ref().filter(|c| !c.pass) {
-                    ctx.failures
-                        .push(format!("{} reference: {} {}", mc.name, c.metric, c.value));
+            for i in 0..2 {
+                let have = !graphs[i].is_empty() || !packed_graphs[i].is_empty();
+                if ctx.gpu.fault().is_some() || (i == 1 && !have) {
+                    continue;
                 }
-                mr.reference = Some(r);
+                let r = if mc.batching_mode() == BatchingMode::Packed {
+                    check_reference_packed(&mut ctx, mc, &model, &gw, &mut packed_graphs[i], path)
+                } else {
+                    check_reference(&mut ctx, mc, &model, &gw, &mut graphs[i], path)
+                };
+                let what = if variant_fused[i] {
+                    "reference"
+                } else {
+                    "reference (fused off)"
+                };
+                report_reference(&mut ctx, &mc.name, what, &r);
+                if i == 0 {
+                    mr.reference = Some(r);
+                } else {
+                    mr.reference_other = Some(r);
+                }
             }
         }
         if ctx.gpu.fault().is_some() {
@@ -1588,6 +1843,99 @@ mod tests {
     }
 
     #[test]
+    fn profile_summary_groups_steps_by_kernel() {
+        let steps: Vec<(String, f64)> = vec![
+            ("embed_ln_vec_f16 grid 4x1x1".into(), 2.0),
+            ("layer_attn_small_f16_d32 grid 12x1x1".into(), 5.0),
+            ("layer_ffn_small_f16 grid 48x1x1".into(), 4.0),
+            ("layer_attn_small_f16_d32 grid 12x1x1".into(), 7.0),
+            ("cublasLt f16 m16 n1152 k384 Bias".into(), 3.0),
+        ];
+        let (total, lines) = profile_summary(&steps);
+        assert_eq!(total, 21.0);
+        assert_eq!(
+            lines,
+            vec![
+                "layer_attn_small_f16_d32 2x 6.0 us (12.0)",
+                "layer_ffn_small_f16 1x 4.0 us (4.0)",
+                "cublasLt f16 m16 n1152 k384 Bias 1x 3.0 us (3.0)",
+                "embed_ln_vec_f16 1x 2.0 us (2.0)",
+            ]
+        );
+    }
+
+    #[test]
+    fn fused_variants_run_the_served_kernels_first() {
+        let on = Limits::new(48 << 10);
+        let off = unfused(on);
+        assert!(has_fused(&on) && !has_fused(&off));
+        let differ = |_: Limits, _: Limits| false;
+        let same = |_: Limits, _: Limits| true;
+        assert_eq!(
+            variants(FusedMode::Both, on, differ),
+            vec![(true, on), (false, off)]
+        );
+        // Nothing fuses: one run.
+        assert_eq!(variants(FusedMode::Both, on, same), vec![(true, on)]);
+        assert_eq!(variants(FusedMode::On, on, differ), vec![(true, on)]);
+        assert_eq!(variants(FusedMode::Off, on, differ), vec![(false, off)]);
+        // REPLAYD_CUDA_DISABLE=fused on the backend: only the unfused run,
+        // whatever --fused asks.
+        for mode in [FusedMode::Both, FusedMode::On, FusedMode::Off] {
+            assert_eq!(variants(mode, off, differ), vec![(false, off)]);
+        }
+        // Switching off one fused path leaves the others to compare.
+        let some = on.with_disabled("small_attn");
+        assert!(has_fused(&some));
+        assert_eq!(variants(FusedMode::Both, some, differ)[1], (false, off));
+    }
+
+    #[test]
+    fn fused_comparison_pairs_the_runs_of_a_bucket() {
+        let run = |bucket: &str, fused: bool, us: f64, kernels: usize, mm: usize| BucketResult {
+            bucket: bucket.into(),
+            batch: 1,
+            seq: 16,
+            tokens: None,
+            cases: Vec::new(),
+            throughput_tokens_per_s: 0.0,
+            throughput_seqs_per_s: 0.0,
+            profile: Vec::new(),
+            fused,
+            plan_kernels: kernels,
+            plan_matmuls: mm,
+            capture_ms: 0.0,
+            graph_memory_bytes: 0,
+            memory: GraphMemory::default(),
+            nodes: format!("{} nodes [kernel:{}]", kernels + 2 * mm, kernels + 2 * mm),
+            check: None,
+            latency: Latency {
+                median_us: us,
+                ..Latency::default()
+            },
+            throughput_rows_per_s: 0.0,
+            error: None,
+        };
+        let buckets = vec![
+            run("8x16", true, 80.0, 20, 10),
+            run("1x16", true, 60.0, 14, 0),
+            run("1x16", false, 170.0, 26, 24),
+            run("8x16", false, 100.0, 26, 24),
+            run("128x128", true, 900.0, 26, 24),
+        ];
+        let lines = fused_comparison(&buckets);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!(
+            lines[1],
+            "1x16      fused      60.0 us, 14 steps (14 kernels + 0 mm), graph 14 | \
+             off     170.0 us, 50 steps (26 kernels + 24 mm), graph 74 | fused/off 0.35x"
+        );
+        assert!(lines[0].starts_with("8x16 ") && lines[0].ends_with("fused/off 0.80x"));
+        assert_eq!(bucket_label(&buckets[2]), "1x16/off");
+        assert_eq!(bucket_label(&buckets[1]), "1x16");
+    }
+
+    #[test]
     fn bucket_order_and_filters() {
         let c = Config::parse(
             "[[models]]\nname = \"m\"\nkind = \"bert\"\npath = \"x\"\nbatch_buckets = [1, 8]\nseq_buckets = [16, 128]\n",
@@ -1607,9 +1955,16 @@ mod tests {
             budgets: vec![],
             no_eager: false,
             profile: false,
+            profile_buckets: vec!["1x16".into(), "128x128".into()],
+            fused: FusedMode::Both,
             seed: 1,
             references: vec![],
         };
+        assert!(!profiles_padded(&args, 1, 16));
+        args.profile = true;
+        assert!(profiles_padded(&args, 1, 16) && profiles_padded(&args, 128, 128));
+        assert!(!profiles_padded(&args, 32, 128) && !profiles_padded(&args, 16, 1));
+        args.profile = false;
         assert_eq!(
             parse_reference("m=a/b.jsonl"),
             Ok(("m".into(), PathBuf::from("a/b.jsonl")))

@@ -4,7 +4,7 @@
 
 use super::{bump, Budget, Received, Security, TransportError, TransportLimits, TransportStats};
 use bytes::Bytes;
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -134,6 +134,7 @@ pub(super) async fn start(
         budget: Budget::new(limits.max_buffered_bytes.max(1)),
         stats: stats.clone(),
         limits,
+        pending: VecDeque::new(),
     };
     tokio::spawn(driver.run());
     Ok((endpoint, in_rx, out_tx, stats))
@@ -292,6 +293,9 @@ struct Driver {
     budget: Arc<Budget>,
     stats: Arc<TransportStats>,
     limits: TransportLimits,
+    /// A DEALER's messages that libzmq could not take yet, oldest first
+    /// (see `send`); what the senders queue meanwhile goes behind them.
+    pending: VecDeque<Vec<Bytes>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -314,11 +318,23 @@ impl Driver {
         let mut outbox_open = true;
         let mut was_paused = false;
         loop {
-            // 1. Sends first, so replies never wait behind input.
+            // 1. Sends first, so replies never wait behind input; held
+            // DEALER messages go before anything newer.
+            while let Some(frames) = self.pending.pop_front() {
+                let left = self.pending.len();
+                if !self.send(frames) {
+                    return self.close().await;
+                }
+                if self.pending.len() > left {
+                    break; // put back: libzmq still has no room
+                }
+            }
             while outbox_open {
                 match self.outbox.try_recv() {
                     Ok(frames) => {
-                        if !self.send(frames) {
+                        if !self.pending.is_empty() {
+                            self.pending.push_back(frames);
+                        } else if !self.send(frames) {
                             return self.close().await;
                         }
                     }
@@ -372,7 +388,24 @@ impl Driver {
                 continue;
             }
             if !outbox_open && !receiving {
+                // Both halves are gone: messages still held for a peer that
+                // never came back (a dead worker) are given up.
+                for _ in self.pending.drain(..) {
+                    bump(&self.stats.dropped_sends);
+                }
                 return self.close().await;
+            }
+            // Held messages are retried as soon as libzmq has room (checked
+            // before waiting, since ZMQ_FD only signals changes).
+            if !self.pending.is_empty()
+                && self
+                    .main
+                    .get_ref()
+                    .socket
+                    .get_events()
+                    .is_ok_and(|e| e.contains(zmq::POLLOUT))
+            {
+                continue;
             }
             // 4. Wait for anything that could let us make progress. Every
             // readiness wait is preceded by a ZMQ_EVENTS read above (steps 2
@@ -390,7 +423,7 @@ impl Driver {
                         Some(frames) => Wake::Send(frames),
                         None => Wake::OutboxClosed,
                     },
-                    r = self.main.readable(), if receiving && blocked == Blocked::No => {
+                    r = self.main.readable(), if (receiving && blocked == Blocked::No) || !self.pending.is_empty() => {
                         if let Ok(mut g) = r { g.clear_ready() }
                         Wake::Other
                     }
@@ -406,7 +439,9 @@ impl Driver {
             };
             match wake {
                 Wake::Send(frames) => {
-                    if !self.send(frames) {
+                    if !self.pending.is_empty() {
+                        self.pending.push_back(frames);
+                    } else if !self.send(frames) {
                         return self.close().await;
                     }
                 }
@@ -417,10 +452,13 @@ impl Driver {
     }
 
     /// Sends one message without waiting; false if the socket is unusable.
-    fn send(&self, frames: Vec<Bytes>) -> bool {
+    /// A DEALER whose peer is at its high-water mark keeps the message in
+    /// `pending` (and sends nothing more) until libzmq has room: a DEALER's
+    /// sender wants back-pressure, not loss. A ROUTER drops and counts.
+    fn send(&mut self, frames: Vec<Bytes>) -> bool {
         let socket = &self.main.get_ref().socket;
         let last = frames.len() - 1;
-        for (i, frame) in frames.into_iter().enumerate() {
+        for (i, frame) in frames.iter().cloned().enumerate() {
             let flags = zmq::DONTWAIT | if i < last { zmq::SNDMORE } else { 0 };
             let message = if frame.len() >= ZERO_COPY_SEND {
                 zmq::Message::from(Vec::from(frame))
@@ -431,6 +469,10 @@ impl Driver {
                 Ok(()) => {}
                 // libzmq checks the HWM and the route on the first frame
                 // only; a refusal there leaves nothing half-sent.
+                Err(zmq::Error::EAGAIN) if i == 0 && self.kind == Kind::Dealer => {
+                    self.pending.push_front(frames);
+                    return true;
+                }
                 Err(zmq::Error::EAGAIN) if i == 0 => {
                     bump(&self.stats.dropped_sends);
                     return true;
@@ -513,7 +555,11 @@ impl Driver {
             frames.insert(0, peer);
         }
         let permit = self.budget.take(bytes);
-        Ok(Some(Received::Message(frames, permit)))
+        Ok(Some(Received::Message(
+            frames,
+            permit,
+            crate::clock::mono_ns(),
+        )))
     }
 
     fn read_monitor(&self) {

@@ -46,7 +46,9 @@
 //!   ROUTER runs with `ZMQ_ROUTER_MANDATORY`, so a reply to a peer at its
 //!   high-water mark fails with `EAGAIN` instead of blocking: it is dropped and
 //!   counted in [`StatsSnapshot::dropped_sends`], and replies to other peers
-//!   are not delayed. A reply to a peer that has gone (`EHOSTUNREACH`) is
+//!   are not delayed. A DEALER (one peer: the client's daemon, the worker
+//!   link) keeps a message libzmq cannot take yet and sends it, then the
+//!   rest in order, once libzmq has room: back-pressure, nothing lost. A reply to a peer that has gone (`EHOSTUNREACH`) is
 //!   counted in `unroutable_sends`. libzmq cannot disconnect one peer of a
 //!   ROUTER, so the policy is drop-and-count.
 //!
@@ -272,6 +274,9 @@ pub struct Incoming {
     /// Holds the message's bytes against `max_buffered_bytes`; drop it (or
     /// the whole `Incoming`) when done, or keep it to extend the bound.
     pub permit: BufferPermit,
+    /// When the driver took it from libzmq ([`crate::clock::mono_ns`]): where
+    /// a request's per-hop timings start.
+    pub received_ns: u64,
 }
 
 /// A message received on a [`Dealer`].
@@ -362,8 +367,8 @@ pub struct StatsSnapshot {
     pub messages_received: u64,
     pub bytes_received: u64,
     pub messages_sent: u64,
-    /// Sends dropped because the peer was at `send_hwm` (or, on a DEALER,
-    /// because no peer was connected).
+    /// Sends dropped: a ROUTER's peer was at `send_hwm`, or a DEALER was
+    /// dropped while messages still waited for a peer.
     pub dropped_sends: u64,
     /// ROUTER sends to a peer that is no longer connected.
     pub unroutable_sends: u64,
@@ -416,7 +421,8 @@ fn bump(counter: &AtomicU64) {
 
 /// What the driver hands the receiver half.
 enum Received {
-    Message(Vec<Bytes>, BufferPermit),
+    /// Frames, their permit, and when the driver took them ([`crate::clock::mono_ns`]).
+    Message(Vec<Bytes>, BufferPermit, u64),
     Rejected(Option<Bytes>, String),
 }
 
@@ -485,12 +491,13 @@ impl RouterReceiver {
     /// only; [`TransportError::Closed`] is final.
     pub async fn recv(&mut self) -> Result<Incoming, TransportError> {
         match self.inbox.recv().await {
-            Some(Received::Message(mut frames, permit)) => {
+            Some(Received::Message(mut frames, permit, received_ns)) => {
                 let peer = PeerId(frames.remove(0));
                 Ok(Incoming {
                     peer,
                     frames,
                     permit,
+                    received_ns,
                 })
             }
             Some(Received::Rejected(peer, reason)) => Err(TransportError::Rejected {
@@ -564,8 +571,9 @@ impl Dealer {
     }
 
     /// Binds a DEALER at `endpoint` (the daemon's end of the worker link).
-    /// Until a peer connects, sends are dropped and counted (libzmq has no
-    /// pipe to queue them in).
+    /// Until a peer connects, sends wait in the driver (libzmq has no pipe
+    /// to queue them in yet); if both halves are dropped first, they are
+    /// dropped and counted.
     pub async fn bind(
         endpoint: &str,
         limits: &TransportLimits,
@@ -614,7 +622,7 @@ impl DealerReceiver {
     /// The next message; [`TransportError::Closed`] is final.
     pub async fn recv(&mut self) -> Result<DealerIncoming, TransportError> {
         match self.inbox.recv().await {
-            Some(Received::Message(frames, permit)) => Ok(DealerIncoming { frames, permit }),
+            Some(Received::Message(frames, permit, _)) => Ok(DealerIncoming { frames, permit }),
             Some(Received::Rejected(_, reason)) => Err(TransportError::Rejected {
                 peer: PeerId(Bytes::new()),
                 reason,
@@ -629,8 +637,9 @@ impl DealerReceiver {
 }
 
 impl DealerSender {
-    /// Queues `frames` and returns at once; past `send_hwm` (or with no peer
-    /// connected to a bound DEALER) the message is dropped and counted.
+    /// Queues `frames` and returns at once. Messages go out in order; while
+    /// the peer is at `send_hwm` (or a bound DEALER has no peer yet) they
+    /// wait in the driver rather than being dropped.
     pub fn send(&self, frames: Vec<Bytes>) -> Result<(), SendError> {
         if frames.is_empty() {
             return Err(SendError::Empty);

@@ -713,3 +713,32 @@ fn serve_bench(router: Router) {
         }
     });
 }
+
+#[tokio::test]
+async fn a_dealer_dropped_with_messages_waiting_for_a_peer_closes_and_counts_them() {
+    // The daemon's end of a worker link whose worker died: what waited for
+    // it is given up once both halves are dropped, and the socket closes (a
+    // driver that kept waiting leaked one socket per restart).
+    let limits = TransportLimits::default();
+    let dealer = Dealer::bind("tcp://127.0.0.1:0", &limits, &Security::None)
+        .await
+        .unwrap();
+    let endpoint = dealer.endpoint().to_string();
+    let (rx, tx) = dealer.split();
+    let stats = tx.stats();
+    for _ in 0..3 {
+        tx.send(vec![b(b"batch")]).unwrap();
+    }
+    drop((rx, tx));
+    let s = eventually(&stats, |s| s.dropped_sends == 3).await;
+    assert_eq!(s.messages_sent, 0, "{s:?}");
+    // The port is free again only if the socket was closed.
+    let deadline = Instant::now() + WAIT;
+    while Dealer::bind(&endpoint, &limits, &Security::None)
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "{endpoint} never released");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

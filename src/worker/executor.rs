@@ -8,6 +8,7 @@
 
 use super::graph_cache::GraphCache;
 use super::link::{self, FaultKind, FromWorker, ToWorker, WorkerError};
+use super::shm::{self, Ring};
 use super::{WorkerArgs, WorkerBackend};
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, BackendError};
@@ -16,6 +17,7 @@ use crate::config::{Config, DevicesConfig};
 use crate::model::Model;
 use bytes::Bytes;
 use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
@@ -36,13 +38,77 @@ pub enum Outgoing {
     Exit(i32),
 }
 
-struct Outbox {
-    tx: UnboundedSender<Outgoing>,
+/// The worker's end of the shared-memory link ([`super::shm`]): the ring,
+/// the doorbell socket, and the eventfd the I/O thread writes when it has
+/// handed this thread a command (so one wait covers both).
+pub struct FastEnd {
+    pub ring: Ring,
+    pub doorbell: OwnedFd,
+    pub wake: std::sync::Arc<OwnedFd>,
+}
+
+/// Where a batch came from, and so where its answer goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    /// The socket: the output travels in a data frame.
+    Socket,
+    /// A ring slot: the output goes into the slot, the answer on the doorbell.
+    Slot(u32),
+}
+
+pub struct Outbox {
+    pub tx: UnboundedSender<Outgoing>,
+    pub fast: Option<FastEnd>,
 }
 
 impl Outbox {
     fn send(&self, msg: &FromWorker, data: Option<Bytes>) {
         let _ = self.tx.send(Outgoing::Message(link::encode(msg, data)));
+    }
+
+    /// Answers a batch where it came from. `output`: its rows, for a `Done`.
+    fn answer(&self, route: Route, msg: &FromWorker, output: Option<&[f32]>) {
+        let fast = match (route, &self.fast) {
+            (Route::Slot(slot), Some(fast)) => (slot, fast),
+            _ => return self.send(msg, output.map(crate::tensor::f32s_to_le)),
+        };
+        let (slot, fast) = fast;
+        let mut msg = msg.clone();
+        if let (Some(out), FromWorker::Done { batch, attempt, .. }) = (output, &msg) {
+            if let Err(e) = fast.ring.write_output(slot, out) {
+                msg = FromWorker::Failed {
+                    batch: *batch,
+                    attempt: *attempt,
+                    error: WorkerError::Other(e),
+                    slot: Some(slot),
+                };
+            }
+        }
+        if let FromWorker::Failed {
+            error:
+                WorkerError::DeviceFault(m)
+                | WorkerError::OutOfMemory(m)
+                | WorkerError::Unsupported(m)
+                | WorkerError::InvalidBatch(m)
+                | WorkerError::Other(m),
+            ..
+        } = &mut msg
+        {
+            if m.len() > shm::MAX_DOORBELL_MESSAGE / 2 {
+                let mut cut = shm::MAX_DOORBELL_MESSAGE / 2;
+                while !m.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                m.truncate(cut);
+            }
+        }
+        let bytes = rmp_serde::to_vec_named(&msg).expect("link messages serialise");
+        // Blocking: the daemon reads its doorbell all the time, and at most
+        // one answer per slot is ever outstanding. An error means the
+        // daemon is gone; this worker is about to be told so.
+        if let Err(e) = shm::ring_send(fast.doorbell.as_raw_fd(), &bytes, false) {
+            tracing::warn!("doorbell: {e}");
+        }
     }
 
     /// Reports a fatal error and stops this thread without dropping the
@@ -57,12 +123,111 @@ impl Outbox {
     }
 }
 
+/// The next command, from the I/O thread or the doorbell: `Ok(None)` when
+/// `wait` passed (or at once, for `None`) with nothing there, `Err(())` when
+/// the daemon is gone.
+fn next_command(
+    rx: &Receiver<Command>,
+    fast: Option<&FastEnd>,
+    wait: Option<Duration>,
+    buf: &mut [u8],
+) -> Result<Option<Command>, ()> {
+    let Some(fast) = fast else {
+        return match wait {
+            None => match rx.try_recv() {
+                Ok(c) => Ok(Some(c)),
+                Err(TryRecvError::Empty) => Ok(None),
+                Err(TryRecvError::Disconnected) => Err(()),
+            },
+            Some(wait) => match rx.recv_timeout(wait) {
+                Ok(c) => Ok(Some(c)),
+                Err(RecvTimeoutError::Timeout) => Ok(None),
+                Err(RecvTimeoutError::Disconnected) => Err(()),
+            },
+        };
+    };
+    let until = wait.map(|w| Instant::now() + w);
+    loop {
+        match rx.try_recv() {
+            Ok(c) => return Ok(Some(c)),
+            Err(TryRecvError::Empty) => {}
+            Err(TryRecvError::Disconnected) => return Err(()),
+        }
+        match shm::ring_recv(fast.doorbell.as_raw_fd(), buf) {
+            Ok(Some(n)) => match rmp_serde::from_slice::<ToWorker>(&buf[..n]) {
+                Ok(msg) => {
+                    return Ok(Some(Command {
+                        msg,
+                        data: Vec::new(),
+                    }))
+                }
+                Err(e) => {
+                    tracing::error!("bad doorbell message: {e}");
+                    continue;
+                }
+            },
+            Ok(None) => {}
+            Err(_) => return Err(()),
+        }
+        let Some(until) = until else {
+            return Ok(None);
+        };
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(None);
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: fast.doorbell.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: fast.wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let ts = libc::timespec {
+            tv_sec: left.as_secs() as libc::time_t,
+            tv_nsec: left.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: two valid pollfds and a timeout; no signal mask change.
+        unsafe { libc::ppoll(fds.as_mut_ptr(), 2, &ts, std::ptr::null()) };
+        if fds[1].revents & libc::POLLIN != 0 {
+            let mut counter = [0u8; 8];
+            // SAFETY: reads the eventfd's 8-byte counter, resetting it.
+            unsafe {
+                libc::read(
+                    fast.wake.as_raw_fd(),
+                    counter.as_mut_ptr() as *mut libc::c_void,
+                    8,
+                )
+            };
+        }
+    }
+}
+
 /// Entry point of the backend thread.
-pub fn run(args: WorkerArgs, config: Config, rx: Receiver<Command>, tx: UnboundedSender<Outgoing>) {
-    let outbox = Outbox { tx };
+pub fn run(
+    args: WorkerArgs,
+    config: Config,
+    rx: Receiver<Command>,
+    tx: UnboundedSender<Outgoing>,
+    fast: Option<FastEnd>,
+) {
+    let outbox = Outbox { tx, fast };
     match args.backend {
         WorkerBackend::Cpu => {
             let backend = crate::backend::cpu::CpuBackend::new(args.ordinal, args.threads.max(1));
+            serve(backend, &args, &config, &rx, &outbox)
+        }
+        WorkerBackend::Null => {
+            let backend = crate::backend::null::NullBackend::new(
+                args.ordinal,
+                config.devices.null_us_per_batch,
+                config.devices.null_us_per_token,
+            );
             serve(backend, &args, &config, &rx, &outbox)
         }
         WorkerBackend::Cuda => {
@@ -104,12 +269,21 @@ impl From<BackendError> for WorkerError {
 }
 
 struct InFlight<P> {
-    batch: u64,
-    attempt: u32,
+    job: Job,
     rows: usize,
     output_dim: usize,
     started: Instant,
     pending: P,
+}
+
+/// A batch being answered: who it is and where the answer goes.
+#[derive(Clone, Copy)]
+struct Job {
+    batch: u64,
+    attempt: u32,
+    route: Route,
+    /// When this thread took it ([`crate::clock::mono_ns`]).
+    taken_ns: u64,
 }
 
 fn serve<B: Backend>(
@@ -145,8 +319,23 @@ fn serve<B: Backend>(
     let mut cache: GraphCache<B> = GraphCache::new();
     let mut graphs = Vec::new();
     if !args.eager {
+        // Progress for the daemon's status line (and its watchdog).
+        let total: usize = models.iter().map(|(_, _, g)| g.largest_first().len()).sum();
+        let mut captured = 0;
+        outbox.send(&FromWorker::Progress { captured, total }, None);
         for (index, (model, weights, grid)) in models.iter().enumerate() {
-            match cache.capture_model(&mut backend, index, model, weights, grid) {
+            let each = |_: &link::GraphReport| {
+                captured += 1;
+                outbox.send(&FromWorker::Progress { captured, total }, None);
+            };
+            match cache.capture_buckets(
+                &mut backend,
+                index,
+                model,
+                weights,
+                &grid.largest_first(),
+                each,
+            ) {
                 Ok(reports) => graphs.extend(reports),
                 Err(e) => outbox.die(
                     format!("capturing model {}: {e}", model.info.name),
@@ -170,117 +359,74 @@ fn serve<B: Backend>(
     // device (or a stopped process) goes silent.
     let heartbeat = Duration::from_millis(args.heartbeat_ms.max(1));
     let mut last_said = Instant::now();
+    let fast = outbox.fast.as_ref();
+    // One doorbell buffer for the worker's life (a message is at most this).
+    let mut doorbell_buf = vec![
+        0u8;
+        if fast.is_some() {
+            shm::MAX_DOORBELL_MESSAGE
+        } else {
+            0
+        }
+    ];
     loop {
         if last_said.elapsed() >= heartbeat {
             outbox.send(&FromWorker::Heartbeat, None);
             last_said = Instant::now();
         }
-        let command = if inflight.is_empty() {
-            match rx.recv_timeout(heartbeat.saturating_sub(last_said.elapsed())) {
-                Ok(c) => c,
-                Err(RecvTimeoutError::Timeout) => continue,
-                Err(RecvTimeoutError::Disconnected) => return,
+        let wait = inflight
+            .is_empty()
+            .then(|| heartbeat.saturating_sub(last_said.elapsed()));
+        let command = match next_command(rx, fast, wait, &mut doorbell_buf) {
+            Ok(Some(c)) => c,
+            Ok(None) if inflight.is_empty() => continue,
+            Ok(None) => {
+                collect_oldest(&mut backend, &mut inflight, outbox);
+                last_said = Instant::now();
+                continue;
             }
-        } else {
-            match rx.try_recv() {
-                Ok(c) => c,
-                Err(TryRecvError::Empty) => {
-                    collect_oldest(&mut backend, &mut inflight, outbox);
-                    last_said = Instant::now();
-                    continue;
-                }
-                Err(TryRecvError::Disconnected) => return,
-            }
+            Err(()) => return,
         };
-        match command.msg {
+        let taken_ns = crate::clock::mono_ns();
+        let (job, model, bucket, rows) = match command.msg {
             ToWorker::Run {
                 batch,
                 attempt,
                 model,
                 bucket,
                 layout,
-            } => {
-                let fail = |error: WorkerError| {
-                    outbox.send(
-                        &FromWorker::Failed {
-                            batch,
-                            attempt,
-                            error,
-                        },
-                        None,
-                    )
-                };
-                let Some((m, weights, grid)) = models.get(model) else {
-                    fail(WorkerError::InvalidBatch(format!("no model {model}")));
-                    continue;
-                };
-                let rows = match link::rows_from_frames(&layout, &command.data) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        fail(WorkerError::InvalidBatch(e));
-                        continue;
-                    }
-                };
-                let output_dim = m.info.output_dim;
-                let n = rows.rows();
-                match bucket {
-                    Some(bucket) => {
-                        let Some(cached) = cache.get_mut(model, bucket) else {
-                            fail(WorkerError::InvalidBatch(format!(
-                                "no graph captured for bucket {bucket}"
-                            )));
-                            continue;
-                        };
-                        if let Err(e) = cached.facts.check_rows(&rows) {
-                            fail(WorkerError::InvalidBatch(e.to_string()));
-                            continue;
-                        }
-                        let t0 = Instant::now();
-                        match backend.launch(&mut cached.graph, &rows) {
-                            Ok(pending) => {
-                                cached.replays += 1;
-                                inflight.push_back(InFlight {
-                                    batch,
-                                    attempt,
-                                    rows: n,
-                                    output_dim,
-                                    started: t0,
-                                    pending,
-                                });
-                                if inflight.len() >= MAX_PIPELINE {
-                                    collect_oldest(&mut backend, &mut inflight, outbox);
-                                }
-                            }
-                            Err(e) => report_error(outbox, batch, attempt, e),
-                        }
-                    }
-                    None => {
-                        let t0 = Instant::now();
-                        // At the batch's exact shape: for a packed model a
-                        // packed program of exactly its tokens.
-                        let packed = matches!(grid, Grid::Packed(_));
-                        let program = m.eager_program(&rows, packed);
-                        let checked = program
-                            .validate(&m.weights)
-                            .map_err(|e| WorkerError::Unsupported(e.to_string()))
-                            .and_then(|facts| {
-                                facts
-                                    .check_rows(&rows)
-                                    .map_err(|e| WorkerError::InvalidBatch(e.to_string()))
-                            });
-                        if let Err(e) = checked {
-                            fail(e);
-                            continue;
-                        }
-                        match backend.run_eager(m, weights, &program, &rows) {
-                            Ok(out) => {
-                                send_done(outbox, batch, attempt, n, output_dim, t0, &out, false)
-                            }
-                            Err(e) => report_error(outbox, batch, attempt, e),
-                        }
-                    }
-                }
-            }
+            } => (
+                Job {
+                    batch,
+                    attempt,
+                    route: Route::Socket,
+                    taken_ns,
+                },
+                model,
+                bucket,
+                link::rows_from_frames(&layout, &command.data),
+            ),
+            ToWorker::RunShm {
+                batch,
+                attempt,
+                model,
+                bucket,
+                slot,
+                rows,
+            } => (
+                Job {
+                    batch,
+                    attempt,
+                    route: Route::Slot(slot),
+                    taken_ns,
+                },
+                model,
+                bucket,
+                match fast {
+                    Some(f) => f.ring.read_rows(slot, rows),
+                    None => Err("a ring batch, but this worker has no ring".into()),
+                },
+            ),
             ToWorker::InjectFault { kind } => {
                 let result = match kind {
                     FaultKind::Corrupt => backend.inject_fault(),
@@ -292,6 +438,7 @@ fn serve<B: Backend>(
                 };
                 tracing::warn!("inject-fault: {message}");
                 outbox.send(&FromWorker::FaultInjected { ok, message }, None);
+                continue;
             }
             ToWorker::Shutdown => {
                 while !inflight.is_empty() {
@@ -299,6 +446,139 @@ fn serve<B: Backend>(
                 }
                 let _ = outbox.tx.send(Outgoing::Exit(0));
                 return;
+            }
+            // A reload: capture the new grid beside the old one.
+            ToWorker::Capture { model, grid } => {
+                while !inflight.is_empty() {
+                    collect_oldest(&mut backend, &mut inflight, outbox);
+                }
+                let Some((m, weights, current)) = models.get_mut(model) else {
+                    outbox.send(
+                        &FromWorker::Captured {
+                            model,
+                            graphs: Vec::new(),
+                            error: Some(format!("no model {model}")),
+                        },
+                        None,
+                    );
+                    continue;
+                };
+                // An eager worker captures nothing; it only follows the batching mode.
+                let buckets = if args.eager {
+                    Vec::new()
+                } else {
+                    grid.largest_first()
+                };
+                let total = buckets
+                    .iter()
+                    .filter(|b| !cache.contains(model, **b))
+                    .count();
+                let mut captured = 0;
+                let each = |_: &link::GraphReport| {
+                    captured += 1;
+                    outbox.send(&FromWorker::Progress { captured, total }, None);
+                };
+                let result = cache.capture_buckets(&mut backend, model, m, weights, &buckets, each);
+                *current = grid;
+                let (graphs, error) = match result {
+                    Ok(graphs) => (graphs, None),
+                    Err(e) if e.is_fatal() => outbox.die(
+                        format!("capturing model {}: {e}", m.info.name),
+                        link::EXIT_DEVICE_FAULT,
+                    ),
+                    Err(e) => (Vec::new(), Some(e.to_string())),
+                };
+                tracing::info!(model = %m.info.name, graphs = graphs.len(), error = ?error, "reload: captured");
+                outbox.send(
+                    &FromWorker::Captured {
+                        model,
+                        graphs,
+                        error,
+                    },
+                    None,
+                );
+                last_said = Instant::now();
+                continue;
+            }
+            ToWorker::Release { model, grid } => {
+                // Batches launched in a graph about to go are collected first.
+                while !inflight.is_empty() {
+                    collect_oldest(&mut backend, &mut inflight, outbox);
+                }
+                let dropped = cache.release(model, |b| grid.contains(b));
+                if let Some((_, _, current)) = models.get_mut(model) {
+                    *current = grid;
+                }
+                outbox.send(&FromWorker::Released { model, dropped }, None);
+                continue;
+            }
+        };
+        let fail = |error: WorkerError| answer_failed(outbox, job, error);
+        let Some((m, weights, grid)) = models.get(model) else {
+            fail(WorkerError::InvalidBatch(format!("no model {model}")));
+            continue;
+        };
+        let rows = match rows {
+            Ok(r) => r,
+            Err(e) => {
+                fail(WorkerError::InvalidBatch(e));
+                continue;
+            }
+        };
+        let output_dim = m.info.output_dim;
+        let n = rows.rows();
+        // A bucket with no graph here (a batch formed under another grid,
+        // reaching this worker across a reload) runs eagerly at its exact
+        // shape: a grid change never fails a batch.
+        if let Some(b) = bucket.filter(|&b| !cache.contains(model, b)) {
+            tracing::debug!(model, bucket = %b, "no graph for the batch's bucket; running it eagerly");
+        }
+        match bucket.and_then(|b| cache.get_mut(model, b)) {
+            Some(cached) => {
+                if let Err(e) = cached.facts.check_rows(&rows) {
+                    fail(WorkerError::InvalidBatch(e.to_string()));
+                    continue;
+                }
+                let t0 = Instant::now();
+                match backend.launch(&mut cached.graph, &rows) {
+                    Ok(pending) => {
+                        cached.replays += 1;
+                        inflight.push_back(InFlight {
+                            job,
+                            rows: n,
+                            output_dim,
+                            started: t0,
+                            pending,
+                        });
+                        if inflight.len() >= MAX_PIPELINE {
+                            collect_oldest(&mut backend, &mut inflight, outbox);
+                        }
+                    }
+                    Err(e) => report_error(outbox, job, e),
+                }
+            }
+            None => {
+                let t0 = Instant::now();
+                // At the batch's exact shape: for a packed model a
+                // packed program of exactly its tokens.
+                let packed = matches!(grid, Grid::Packed(_));
+                let program = m.eager_program(&rows, packed);
+                let checked = program
+                    .validate(&m.weights)
+                    .map_err(|e| WorkerError::Unsupported(e.to_string()))
+                    .and_then(|facts| {
+                        facts
+                            .check_rows(&rows)
+                            .map_err(|e| WorkerError::InvalidBatch(e.to_string()))
+                    });
+                if let Err(e) = checked {
+                    fail(e);
+                    continue;
+                }
+                match backend.run_eager(m, weights, &program, &rows) {
+                    Ok(out) => send_done(outbox, job, n, output_dim, t0, &out, false),
+                    Err(e) => report_error(outbox, job, e),
+                }
             }
         }
     }
@@ -309,29 +589,35 @@ fn collect_oldest<B: Backend>(
     inflight: &mut VecDeque<InFlight<B::Pending>>,
     outbox: &Outbox,
 ) {
-    let Some(job) = inflight.pop_front() else {
+    let Some(f) = inflight.pop_front() else {
         return;
     };
-    match backend.collect(job.pending) {
-        Ok(out) => send_done(
-            outbox,
-            job.batch,
-            job.attempt,
-            job.rows,
-            job.output_dim,
-            job.started,
-            &out,
-            true,
-        ),
-        Err(e) => report_error(outbox, job.batch, job.attempt, e),
+    match backend.collect(f.pending) {
+        Ok(out) => send_done(outbox, f.job, f.rows, f.output_dim, f.started, &out, true),
+        Err(e) => report_error(outbox, f.job, e),
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+fn answer_failed(outbox: &Outbox, job: Job, error: WorkerError) {
+    let slot = match job.route {
+        Route::Slot(s) => Some(s),
+        Route::Socket => None,
+    };
+    outbox.answer(
+        job.route,
+        &FromWorker::Failed {
+            batch: job.batch,
+            attempt: job.attempt,
+            error,
+            slot,
+        },
+        None,
+    );
+}
+
 fn send_done(
     outbox: &Outbox,
-    batch: u64,
-    attempt: u32,
+    job: Job,
     rows: usize,
     output_dim: usize,
     started: Instant,
@@ -341,8 +627,7 @@ fn send_done(
     if out.len() != rows * output_dim {
         report_error(
             outbox,
-            batch,
-            attempt,
+            job,
             BackendError::Other(format!(
                 "backend returned {} values for {rows} rows of {output_dim}",
                 out.len()
@@ -350,30 +635,31 @@ fn send_done(
         );
         return;
     }
-    outbox.send(
+    let slot = match job.route {
+        Route::Slot(s) => Some(s),
+        Route::Socket => None,
+    };
+    outbox.answer(
+        job.route,
         &FromWorker::Done {
-            batch,
-            attempt,
+            batch: job.batch,
+            attempt: job.attempt,
             rows,
             output_dim,
             compute_us: started.elapsed().as_micros() as u64,
             replayed,
+            slot,
+            started_ns: job.taken_ns,
+            finished_ns: crate::clock::mono_ns(),
         },
-        Some(crate::tensor::f32s_to_le(out)),
+        Some(out),
     );
 }
 
 /// Reports a failed batch; on a device fault, also exits the worker.
-fn report_error(outbox: &Outbox, batch: u64, attempt: u32, error: BackendError) {
+fn report_error(outbox: &Outbox, job: Job, error: BackendError) {
     let error = WorkerError::from(error);
-    outbox.send(
-        &FromWorker::Failed {
-            batch,
-            attempt,
-            error: error.clone(),
-        },
-        None,
-    );
+    answer_failed(outbox, job, error.clone());
     if error.is_fatal() {
         outbox.die(error.to_string(), link::EXIT_DEVICE_FAULT);
     }
@@ -409,12 +695,14 @@ mod tests {
                 threads: 2,
                 eager: false,
                 heartbeat_ms: 100,
+                shm: None,
+                doorbell_fd: None,
             };
             let (to, rx) = std::sync::mpsc::channel();
             let (tx, from) = tokio::sync::mpsc::unbounded_channel();
             let thread = std::thread::spawn(move || {
                 let backend = crate::backend::cpu::CpuBackend::new(0, args.threads);
-                serve(backend, &args, &config, &rx, &Outbox { tx })
+                serve(backend, &args, &config, &rx, &Outbox { tx, fast: None })
             });
             Worker { to, from, thread }
         }
@@ -431,7 +719,9 @@ mod tests {
                 match self.from.blocking_recv() {
                     Some(Outgoing::Message(frames)) => {
                         let (msg, data) = link::decode::<FromWorker>(&frames).unwrap();
-                        if msg != FromWorker::Heartbeat {
+                        let quiet =
+                            matches!(msg, FromWorker::Heartbeat | FromWorker::Progress { .. });
+                        if !quiet {
                             return (msg, data.to_vec());
                         }
                     }
@@ -593,6 +883,68 @@ mod tests {
         let (eager, replayed) = w.run(2, None, &texts).unwrap();
         assert!(!replayed);
         assert!(max_diff(&graph, &eager) < 1e-5);
+        w.stop();
+    }
+
+    /// A reload's capture adds the new grid's buckets beside the old ones
+    /// (old batches still run), and the release drops the old ones.
+    #[test]
+    fn a_worker_captures_a_new_grid_beside_the_old_and_releases_the_old() {
+        use crate::bucket::{BucketGrid, Grid};
+        let mut w = Worker::start("batching = \"padded\"\nbatch_buckets = [2]\nseq_buckets = [16]");
+        assert!(matches!(w.recv().0, FromWorker::Ready { .. }));
+        let texts = BatchRows::Tokens(vec![vec![101, 7592, 102], vec![101, 2088, 2088, 102]]);
+        let new = Grid::Padded(BucketGrid::new(vec![1, 2], vec![8, 16]));
+        w.send(link::encode(
+            &ToWorker::Capture {
+                model: 0,
+                grid: new.clone(),
+            },
+            [],
+        ));
+        match w.recv() {
+            (
+                FromWorker::Captured {
+                    model: 0,
+                    graphs,
+                    error: None,
+                },
+                _,
+            ) => {
+                let mut got: Vec<Bucket> = graphs.iter().map(|g| g.bucket).collect();
+                got.sort();
+                // (2, 16) was there already.
+                assert_eq!(
+                    got,
+                    vec![Bucket::new(1, 8), Bucket::new(1, 16), Bucket::new(2, 8)]
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        let (old, _) = w.run(1, Some(Bucket::new(2, 16)), &texts).unwrap();
+        let (small, replayed) = w.run(2, Some(Bucket::new(2, 8)), &texts).unwrap();
+        assert!(replayed);
+        assert!(max_diff(&old, &small) < 1e-5);
+        let only_8 = Grid::Padded(BucketGrid::new(vec![1, 2], vec![8]));
+        w.send(link::encode(
+            &ToWorker::Release {
+                model: 0,
+                grid: only_8,
+            },
+            [],
+        ));
+        match w.recv() {
+            (FromWorker::Released { model: 0, dropped }, _) => {
+                assert_eq!(dropped, vec![Bucket::new(1, 16), Bucket::new(2, 16)]);
+            }
+            other => panic!("{other:?}"),
+        }
+        // A released bucket's batch (one formed under the old grid) still
+        // runs, eagerly, with the same numbers.
+        let (late, replayed) = w.run(3, Some(Bucket::new(2, 16)), &texts).unwrap();
+        assert!(!replayed);
+        assert!(max_diff(&old, &late) < 1e-5);
+        assert!(w.run(4, Some(Bucket::new(2, 8)), &texts).is_ok());
         w.stop();
     }
 }

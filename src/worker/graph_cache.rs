@@ -11,8 +11,9 @@
 //! a backend captures it, and each graph keeps what validation learned, so
 //! the executor checks every batch against it before a replay.
 //! A new worker process starts with an empty cache and re-captures
-//! everything; [`GraphCache::invalidate`] drops a model's graphs so they can
-//! be captured again (e.g. after a reload).
+//! everything. A reload captures a model's new grid beside its old one
+//! ([`GraphCache::capture_buckets`] skips buckets it has) and, once the
+//! daemon has switched, [`GraphCache::release`] drops the old buckets.
 
 use super::link::GraphReport;
 use crate::backend::{Backend, BackendError};
@@ -57,8 +58,34 @@ impl<B: Backend> GraphCache<B> {
         weights: &B::Weights,
         grid: &Grid,
     ) -> Result<Vec<GraphReport>, BackendError> {
+        self.capture_buckets(
+            backend,
+            index,
+            model,
+            weights,
+            &grid.largest_first(),
+            |_| {},
+        )
+    }
+
+    /// Captures these buckets of model `index` (in this order) that have no
+    /// graph yet, calling `each` after every capture; graphs it has are kept
+    /// as they are. A reload captures a new grid this way, beside the old.
+    /// On an error, what was captured before it stays in the cache.
+    pub fn capture_buckets(
+        &mut self,
+        backend: &mut B,
+        index: usize,
+        model: &Model,
+        weights: &B::Weights,
+        buckets: &[Bucket],
+        mut each: impl FnMut(&GraphReport),
+    ) -> Result<Vec<GraphReport>, BackendError> {
         let mut reports = Vec::new();
-        for bucket in grid.largest_first() {
+        for &bucket in buckets {
+            if self.graphs.contains_key(&(index, bucket)) {
+                continue;
+            }
             let program = model
                 .program_for(bucket)
                 .map_err(|e| BackendError::Unsupported(e.to_string()))?;
@@ -70,12 +97,14 @@ impl<B: Backend> GraphCache<B> {
             let capture_us = started.elapsed().as_micros() as u64;
             let memory_bytes = backend.graph_memory_bytes(&graph);
             tracing::debug!(model = %model.info.name, %bucket, capture_us, memory_bytes, "captured");
-            reports.push(GraphReport {
+            let report = GraphReport {
                 model: index,
                 bucket,
                 capture_us,
                 memory_bytes,
-            });
+            };
+            each(&report);
+            reports.push(report);
             self.graphs.insert(
                 (index, bucket),
                 CachedGraph {
@@ -97,6 +126,25 @@ impl<B: Backend> GraphCache<B> {
     /// Drops every graph of `model`.
     pub fn invalidate(&mut self, model: usize) {
         self.graphs.retain(|(m, _), _| *m != model);
+    }
+
+    /// Drops the graphs of `model` whose bucket `keep` rejects; returns their buckets.
+    pub fn release(&mut self, model: usize, keep: impl Fn(Bucket) -> bool) -> Vec<Bucket> {
+        let mut dropped: Vec<Bucket> = self
+            .graphs
+            .keys()
+            .filter(|(m, b)| *m == model && !keep(*b))
+            .map(|(_, b)| *b)
+            .collect();
+        dropped.sort();
+        for b in &dropped {
+            self.graphs.remove(&(model, *b));
+        }
+        dropped
+    }
+
+    pub fn contains(&self, model: usize, bucket: Bucket) -> bool {
+        self.graphs.contains_key(&(model, bucket))
     }
 
     pub fn len(&self) -> usize {

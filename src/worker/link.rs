@@ -6,8 +6,15 @@
 //! (row data never goes through MessagePack): a `Run` carries its rows, a
 //! `Done` its output. A failed batch comes back as a typed [`WorkerError`],
 //! which [`WorkerError::code`] maps to the protocol's error codes.
+//!
+//! With the shared-memory data plane ([`super::shm`]) the same messages
+//! travel on the worker's doorbell socket instead, and the rows and outputs
+//! lie in a ring slot: [`ToWorker::RunShm`] names the slot, and the `Done`
+//! or `Failed` that answers it names it again (`slot`), handing it back.
+//! Control (readiness, heartbeats, faults, shutdown) and batches too large
+//! for a slot stay on the socket.
 
-use crate::bucket::Bucket;
+use crate::bucket::{Bucket, Grid};
 use crate::gpu::DeviceInfo;
 use crate::model::BatchRows;
 use crate::protocol::ErrorCode;
@@ -56,10 +63,26 @@ pub enum ToWorker {
         bucket: Option<Bucket>,
         layout: RowsLayout,
     },
+    /// Run a batch whose rows lie in ring slot `slot` (sent on the doorbell).
+    RunShm {
+        batch: BatchId,
+        attempt: u32,
+        model: usize,
+        bucket: Option<Bucket>,
+        slot: u32,
+        rows: super::shm::SlotRows,
+    },
     /// Break the device on purpose (only when the daemon enables fault injection).
     InjectFault { kind: FaultKind },
     /// Finish what is in flight and exit 0.
     Shutdown,
+    /// A reload: capture the buckets of `grid` not yet captured for
+    /// `model`, beside its other graphs (answered by `Captured`); the model's
+    /// eager runs follow the grid's batching from now on.
+    Capture { model: usize, grid: Grid },
+    /// Drop `model`'s graphs that are not in `grid`, once the batches
+    /// already launched are collected (answered by `Released`).
+    Release { model: usize, grid: Grid },
 }
 
 /// What fault injection does to a device.
@@ -90,7 +113,8 @@ pub enum FromWorker {
         graphs: Vec<GraphReport>,
         startup_ms: u64,
     },
-    /// A batch finished; one data frame with `rows · output_dim` little-endian f32.
+    /// A batch finished; one data frame with `rows · output_dim` little-endian
+    /// f32, or (with `slot`) no frame: the output lies in that ring slot.
     Done {
         batch: BatchId,
         attempt: u32,
@@ -99,6 +123,15 @@ pub enum FromWorker {
         compute_us: u64,
         /// True when a captured graph ran it, false for the eager path.
         replayed: bool,
+        /// The ring slot it came in and its output lies in, handed back.
+        #[serde(default)]
+        slot: Option<u32>,
+        /// When the worker took the batch and when its output was ready
+        /// ([`crate::clock::mono_ns`]).
+        #[serde(default)]
+        started_ns: u64,
+        #[serde(default)]
+        finished_ns: u64,
     },
     /// A batch failed. When the error is fatal, the worker exits right
     /// after (device fault) and the batch is re-dispatched.
@@ -106,6 +139,9 @@ pub enum FromWorker {
         batch: BatchId,
         attempt: u32,
         error: WorkerError,
+        /// The ring slot it came in, handed back.
+        #[serde(default)]
+        slot: Option<u32>,
     },
     /// The backend thread is alive and not stuck (sent every heartbeat
     /// interval while it is idle or between batches).
@@ -114,6 +150,18 @@ pub enum FromWorker {
     FaultInjected { ok: bool, message: String },
     /// The worker is exiting because it could not start or its device failed.
     Fatal { message: String },
+    /// Capture progress: `captured` of `total` graphs (at start-up, after
+    /// the models are loaded and after each graph; and during a `Capture`).
+    Progress { captured: usize, total: usize },
+    /// Answer to `Capture`: the graphs it captured (not those it had), and
+    /// why it stopped early, if it did (the worker lives on).
+    Captured {
+        model: usize,
+        graphs: Vec<GraphReport>,
+        error: Option<String>,
+    },
+    /// Answer to `Release`: the buckets whose graphs were dropped.
+    Released { model: usize, dropped: Vec<Bucket> },
 }
 
 /// Why a worker could not run a batch.

@@ -35,6 +35,10 @@ pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub endpoint: String,
     pub control: String,
+    /// `http://HOST:PORT/metrics` when `[metrics] endpoint` was set.
+    pub metrics: Option<String>,
+    /// The HTTP front's `HOST:PORT`, when the config enables it.
+    pub http: Option<String>,
     pub config_path: PathBuf,
 }
 
@@ -52,6 +56,16 @@ impl Daemon {
 
     /// Like [`Daemon::start_with`], started under `umask` when given.
     pub fn start_full(rest: &str, server_extra: &str, umask: Option<u32>) -> Daemon {
+        Self::start_env(rest, server_extra, umask, &[])
+    }
+
+    /// Like [`Daemon::start_full`], with extra environment variables.
+    pub fn start_env(
+        rest: &str,
+        server_extra: &str,
+        umask: Option<u32>,
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = format!(
             "[server]\nendpoint = \"tcp://127.0.0.1:0\"\ncontrol_endpoint = \"tcp://127.0.0.1:0\"\nruntime_dir = \"{}\"\n{server_extra}\n{rest}",
@@ -79,6 +93,7 @@ impl Daemon {
             .arg(&ready)
             .current_dir(crate_dir())
             .env("REPLAYD_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -88,6 +103,8 @@ impl Daemon {
             dir,
             endpoint: String::new(),
             control: String::new(),
+            metrics: None,
+            http: None,
             config_path,
         };
         let deadline = Instant::now() + Duration::from_secs(300);
@@ -96,6 +113,8 @@ impl Daemon {
                 let v: Value = serde_json::from_str(&text).unwrap();
                 daemon.endpoint = v["endpoint"].as_str().unwrap().to_string();
                 daemon.control = v["control_endpoint"].as_str().unwrap().to_string();
+                daemon.metrics = v["metrics_endpoint"].as_str().map(str::to_string);
+                daemon.http = v["http"].as_str().map(str::to_string);
                 return daemon;
             }
             if let Some(status) = daemon.child.as_mut().unwrap().try_wait().unwrap() {
@@ -105,6 +124,83 @@ impl Daemon {
                 Instant::now() < deadline,
                 "replayd not ready in time:\n{}",
                 daemon.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts replayd listening on `endpoint` (e.g. a fixed port, so that a
+    /// restarted daemon is found again by connected clients).
+    pub fn start_on(endpoint: &str, rest: &str) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = format!(
+            "[server]\nendpoint = \"{endpoint}\"\ncontrol_endpoint = \"tcp://127.0.0.1:0\"\nruntime_dir = \"{}\"\n{rest}",
+            dir.path().join("run").display()
+        );
+        let config_path = dir.path().join("replayd.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let mut daemon = Daemon {
+            child: None,
+            dir,
+            endpoint: String::new(),
+            control: String::new(),
+            metrics: None,
+            http: None,
+            config_path,
+        };
+        daemon.relaunch();
+        daemon
+    }
+
+    /// SIGKILLs the daemon (its workers die with it) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the daemon again on the same config (after [`Daemon::kill`]
+    /// or an exit) and waits until it is ready.
+    pub fn relaunch(&mut self) {
+        self.kill();
+        let ready = self.dir.path().join("ready.json");
+        let _ = std::fs::remove_file(&ready);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("replayd.log"))
+            .unwrap();
+        self.child = Some(
+            Command::new(env!("CARGO_BIN_EXE_replayd"))
+                .arg("--config")
+                .arg(&self.config_path)
+                .arg("--ready-file")
+                .arg(&ready)
+                .current_dir(crate_dir())
+                .env("REPLAYD_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("start replayd"),
+        );
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&ready) {
+                let v: Value = serde_json::from_str(&text).unwrap();
+                self.endpoint = v["endpoint"].as_str().unwrap().to_string();
+                self.control = v["control_endpoint"].as_str().unwrap().to_string();
+                self.metrics = v["metrics_endpoint"].as_str().map(str::to_string);
+                self.http = v["http"].as_str().map(str::to_string);
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("replayd exited before ready ({status}):\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replayd not ready in time:\n{}",
+                self.log()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -317,4 +413,75 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
     let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
     dot / (na * nb).max(1e-30)
+}
+
+/// One HTTP/1.1 request over a fresh connection (`Connection: close`):
+/// the status and the body. Enough for testing the HTTP front.
+pub fn http(address: &str, method: &str, path: &str, body: Option<&[u8]>) -> (u16, Vec<u8>) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(address).expect("connect to the HTTP front");
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n");
+    if let Some(b) = body {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    if let Some(b) = body {
+        // A body the server refuses early may not be read whole.
+        let _ = s.write_all(b);
+    }
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text_end = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("an HTTP response head");
+    let head = String::from_utf8_lossy(&out[..text_end]).to_string();
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut body = out[text_end + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut plain = Vec::new();
+        let mut rest = &body[..];
+        loop {
+            let line_end = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let n =
+                usize::from_str_radix(std::str::from_utf8(&rest[..line_end]).unwrap().trim(), 16)
+                    .unwrap();
+            if n == 0 {
+                break;
+            }
+            plain.extend_from_slice(&rest[line_end + 2..line_end + 2 + n]);
+            rest = &rest[line_end + 2 + n + 2..];
+        }
+        body = plain;
+    }
+    (status, body)
+}
+
+/// [`http`] with a JSON body, and the reply parsed as JSON.
+pub fn http_json(address: &str, path: &str, body: &Value) -> (u16, Value) {
+    let (status, bytes) = http(address, "POST", path, Some(body.to_string().as_bytes()));
+    let v = serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+        panic!(
+            "{path}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&bytes)
+        )
+    });
+    (status, v)
+}
+
+/// A TCP port that was free a moment ago (for a daemon restarted on the same address).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }

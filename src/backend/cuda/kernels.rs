@@ -64,6 +64,14 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         include_str!("../../../kernels/embed_pos.cu"),
     ),
     ("rownorm.cu", include_str!("../../../kernels/rownorm.cu")),
+    // Vectorised LayerNorm / element-wise kernels, and the fused sublayers
+    // for few token rows (after skinny.cu and attention_tc.cu, whose
+    // helpers they use).
+    ("vec.cu", include_str!("../../../kernels/vec.cu")),
+    (
+        "small_layer.cu",
+        include_str!("../../../kernels/small_layer.cu"),
+    ),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
 
@@ -108,6 +116,7 @@ pub fn expected_entry_points() -> Vec<String> {
         }
     }
     names.extend(packed_entry_points());
+    names.extend(fused_entry_points());
     for (i, o) in BIAS_ACT_PAIRS {
         names.push(format!("bias_act_{i}_{o}"));
     }
@@ -158,12 +167,35 @@ pub fn packed_entry_points() -> Vec<String> {
     names
 }
 
+/// Head sizes of the fused attention sublayer for few token rows
+/// (`layer_attn_small_<t>_d<N>`, f16/bf16).
+pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
+
+/// The vectorised kernels (`add_ln_vec_<t>`, `embed_ln_vec_<t>`,
+/// `bias_act_vec_<t>`, vec.cu) and the fused sublayers for few token rows
+/// (`layer_attn_small_<t>_d<N>`, `layer_ffn_small_<t>`, small_layer.cu).
+pub fn fused_entry_points() -> Vec<String> {
+    let mut names = Vec::new();
+    for t in DTYPE_SUFFIXES {
+        names.push(format!("add_ln_vec_{t}"));
+        names.push(format!("embed_ln_vec_{t}"));
+        names.push(format!("bias_act_vec_{t}"));
+    }
+    for t in ["f16", "bf16"] {
+        for d in SMALL_ATTN_HEAD_DIMS {
+            names.push(format!("layer_attn_small_{t}_d{d}"));
+        }
+        names.push(format!("layer_ffn_small_{t}"));
+    }
+    names
+}
+
 /// Kernels launched with dynamic shared memory beyond the default 48 KiB (the
-/// CUDA-core attention, `attention_<t>_d<N>` and `attention_varlen_<t>_d<N>`),
-/// whose limit is raised at load. The tensor-core kernels use static shared
-/// memory.
+/// CUDA-core attention, `attention_<t>_d<N>` and `attention_varlen_<t>_d<N>`,
+/// and the fused sublayers `layer_*_small_*`), whose limit is raised at load.
+/// The tensor-core attention kernels use static shared memory.
 pub fn needs_dynamic_smem(name: &str) -> bool {
-    name.starts_with("attention_") && !name.contains("_tc_")
+    (name.starts_with("attention_") && !name.contains("_tc_")) || name.starts_with("layer_")
 }
 
 /// All kernel files concatenated into one translation unit, with `#line`
@@ -701,13 +733,14 @@ mod tests {
             .into_iter()
             .filter(|n| needs_dynamic_smem(n))
             .collect();
-        // The padded and the varlen CUDA-core attention.
+        // The padded and the varlen CUDA-core attention, the fused sublayers.
         assert_eq!(
             dynamic.len(),
-            2 * DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len(),
+            2 * DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len() + 2 * (SMALL_ATTN_HEAD_DIMS.len() + 1),
             "{dynamic:?}"
         );
         assert!(dynamic.iter().all(|n| !n.contains("_tc_")));
+        assert!(needs_dynamic_smem("layer_ffn_small_f16") && !needs_dynamic_smem("add_ln_vec_f16"));
         assert!(
             needs_dynamic_smem("attention_f16_d32") && !needs_dynamic_smem("attention_tc_f16_d32")
         );

@@ -254,7 +254,30 @@ impl CudaBackend {
         let workspace =
             DeviceBuf::zeroed(&ctx, matmul::workspace_bytes_for(cc.0)).cu("cuBLASLt workspace")?;
         let counters = DeviceBuf::zeroed(&ctx, plan::MAX_COUNTERS * 4).cu("kernel counters")?;
-        let max_dyn = max_dyn_smem(&kernels, optin);
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .cu("SM count")?
+            .max(1) as usize;
+        let disable = std::env::var("REPLAYD_CUDA_DISABLE").unwrap_or_default();
+        let limits = Limits::new(max_dyn_smem(&kernels, optin))
+            .with_sms(sms)
+            .with_disabled(&disable);
+        let unknown = Limits::unknown_switches(&disable);
+        if !unknown.is_empty() {
+            tracing::warn!(
+                target: "replayd::cuda",
+                "REPLAYD_CUDA_DISABLE: unknown names {unknown:?} (known: {:?} and the groups {:?})",
+                plan::DISABLE_SWITCHES,
+                plan::DISABLE_GROUPS.iter().map(|(g, _)| *g).collect::<Vec<_>>()
+            );
+        }
+        if !limits.disabled().is_empty() {
+            tracing::info!(
+                target: "replayd::cuda",
+                "REPLAYD_CUDA_DISABLE: {:?} switched off",
+                limits.disabled()
+            );
+        }
         let info = DeviceInfo {
             backend: "cuda".into(),
             name,
@@ -277,11 +300,23 @@ impl CudaBackend {
             }),
             info,
             options,
-            limits: Limits::new(max_dyn)
-                .with_disabled(&std::env::var("REPLAYD_CUDA_DISABLE").unwrap_or_default()),
+            limits,
             faulted: None,
             initial_slots: DEFAULT_STAGING_SLOTS,
         })
+    }
+
+    /// The kernel paths the planner may take (the device's limits, less
+    /// what `REPLAYD_CUDA_DISABLE` switched off).
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Replaces the kernel paths for graphs captured and eager runs from
+    /// now on (graphs captured before keep their plans): `backend-check`
+    /// runs each bucket with the fused paths on and off.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
     }
 
     pub fn options(&self) -> &CudaOptions {

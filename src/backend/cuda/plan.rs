@@ -65,6 +65,29 @@ pub const SK_WARPS: usize = 4;
 pub const SKINNY_MAX_WEIGHT_BYTES: usize = 192 << 10;
 /// Largest number of fused (counter-using) ops in one plan.
 pub const MAX_COUNTERS: usize = 1024;
+/// Rows per block (one per warp) of the vectorised LayerNorm kernels
+/// (`LNV_WARPS` in vec.cu).
+pub const LNV_WARPS: usize = 4;
+/// 4-value vectors each lane of a vectorised LayerNorm keeps (`LNV_J`):
+/// rows of at most `32 · 4 · LNV_J` values.
+pub const LNV_J: usize = 8;
+/// Values per thread and step of `bias_act_vec` (one 16-byte f16 vector).
+pub const EW_VEC: usize = 8;
+/// Threads per block of the fused sublayers (`SL_THREADS` in small_layer.cu).
+pub const SL_THREADS: u32 = 128;
+/// Warps per fused-sublayer block (`SL_WARPS`).
+pub const SL_WARPS: usize = 4;
+/// Most token rows of the fused sublayers (`SL_MAXM`).
+pub const SL_MAXM: usize = 64;
+/// Intermediate columns per block of the fused FFN (`SL_FS`).
+pub const SL_FS: usize = 32;
+/// n-tiles per GEMM1 pass of the fused attention (`SL_NG`).
+pub const SL_NG: usize = 12;
+/// n-tiles per phase-2 pass of the fused sublayers (`SL_G2`).
+pub const SL_G2: usize = 4;
+/// float4s per lane of the fused sublayers' LayerNorm (`SL_LN_J`): hidden
+/// sizes up to `32 · 4 · SL_LN_J`.
+pub const SL_LN_J: usize = 8;
 /// Block size of the element-wise kernel.
 pub const EW_THREADS: u32 = 256;
 /// Grid cap of the element-wise kernel (it loops over the rest).
@@ -129,6 +152,49 @@ pub fn ln_threads(hidden: usize) -> Result<u32, BackendError> {
 /// Grid of the element-wise kernel for `n` elements.
 pub fn ew_blocks(n: usize) -> u32 {
     (n.div_ceil(EW_THREADS as usize) as u32).clamp(1, EW_MAX_BLOCKS)
+}
+
+/// Whether the vectorised LayerNorm kernels (`add_ln_vec`, `embed_ln_vec`)
+/// take rows of `hidden` values.
+pub fn ln_vec_fits(hidden: usize) -> bool {
+    hidden > 0 && hidden.is_multiple_of(4) && hidden <= 32 * 4 * LNV_J
+}
+
+/// Row stride (2-byte elements) of a fused-sublayer shared-memory row of
+/// `cols` values (`sl_ld` in small_layer.cu): ≡ 64 bytes mod 128.
+pub fn sl_ld(cols: usize) -> usize {
+    if cols.is_multiple_of(64) {
+        cols + 32
+    } else {
+        cols
+    }
+}
+
+/// Dynamic shared memory (bytes) of `layer_attn_small` for `m` rows
+/// (see small_layer.cu).
+pub fn small_attn_smem(m: usize, hidden: usize, head_dim: usize) -> usize {
+    let mp = align_up(m, 16);
+    mp * sl_ld(hidden) * 2
+        + SL_WARPS * 16 * SL_NG * 8 * 4
+        + 3 * mp * (head_dim + 1) * 4
+        + mp * (mp + 1) * 4
+        + 3 * mp * 4
+}
+
+/// Dynamic shared memory (bytes) of `layer_ffn_small` for `m` rows.
+pub fn small_ffn_smem(m: usize, hidden: usize) -> usize {
+    let mp = align_up(m, 16);
+    mp * sl_ld(hidden) * 2 + SL_WARPS * 16 * SL_FS.max(SL_G2 * 8) * 4
+}
+
+/// Whether the fused sublayers take `m` rows of `hidden` values in `t`
+/// (K of every product a multiple of 32 per warp, rows the final LayerNorm
+/// holds in registers).
+fn small_fits(m: usize, hidden: usize, t: DType) -> bool {
+    matches!(t, DType::F16 | DType::BF16)
+        && (1..=SL_MAXM).contains(&m)
+        && hidden.is_multiple_of(32 * SL_WARPS)
+        && hidden <= 32 * 4 * SL_LN_J
 }
 
 /// The attention kernel's head-size class (the `d<N>` suffix).
@@ -326,6 +392,10 @@ pub struct Plan {
     pub arena_bytes: usize,
     /// Counters the plan's fused kernels use (see [`Loc::Counter`]).
     pub counters: usize,
+    /// Bytes of the fused sublayers' f32 accumulator (rows × hidden, one
+    /// region of the arena that all of them share: they run one after the
+    /// other); 0 when the plan has none.
+    pub accum_bytes: usize,
 }
 
 impl Plan {
@@ -352,6 +422,23 @@ impl Plan {
             .filter(|s| matches!(s, Step::Matmul { .. }))
             .count()
     }
+
+    /// Kernels and matmuls: the graph's nodes (cuBLASLt may add a split-K
+    /// reduction or fall back to a matmul plus an epilogue kernel).
+    pub fn node_count(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// The kernel names and `mm` for matmuls, in order (tests, logs).
+    pub fn step_names(&self) -> Vec<String> {
+        self.steps
+            .iter()
+            .map(|s| match s {
+                Step::Kernel { name, .. } => name.clone(),
+                Step::Matmul { .. } => "mm".into(),
+            })
+            .collect()
+    }
 }
 
 /// Device limits the planner needs.
@@ -363,7 +450,43 @@ pub struct Limits {
     pub tc_attention: bool,
     /// Use the skinny matmul kernel (and its LayerNorm fusion) for few rows.
     pub skinny: bool,
+    /// Use the warp-per-row LayerNorm kernels (`add_ln_vec`, `embed_ln_vec`).
+    pub ln_vec: bool,
+    /// Use the 8-wide element-wise kernel (`bias_act_vec`) for activations
+    /// applied after a matmul.
+    pub ew_vec: bool,
+    /// Fuse QKV → attention → output projection → add + LayerNorm into one
+    /// kernel per layer for few token rows (`layer_attn_small`).
+    pub small_attn: bool,
+    /// Fuse FFN1 + activation → FFN2 → add + LayerNorm into one kernel per
+    /// layer for few token rows (`layer_ffn_small`).
+    pub small_ffn: bool,
+    /// Streaming multiprocessors: the fused sublayers' grid barrier needs
+    /// every block resident at once, so their grids stay within this.
+    pub sms: usize,
 }
+
+/// The names `REPLAYD_CUDA_DISABLE` takes, one per specialised path (and
+/// the groups of [`DISABLE_GROUPS`]).
+pub const DISABLE_SWITCHES: &[&str] = &[
+    "tc_attention",
+    "skinny",
+    "ln_vec",
+    "ew_vec",
+    "small_attn",
+    "small_ffn",
+];
+
+/// Groups of [`DISABLE_SWITCHES`] that `REPLAYD_CUDA_DISABLE` takes by one
+/// name: `small`, the two fused sublayers; `fused`, every path the
+/// small-shape work added (the sublayers and the vectorised LayerNorm and
+/// element-wise kernels), so that plans are those of before it; `all`,
+/// every specialised path.
+pub const DISABLE_GROUPS: &[(&str, &[&str])] = &[
+    ("small", &["small_attn", "small_ffn"]),
+    ("fused", &["ln_vec", "ew_vec", "small_attn", "small_ffn"]),
+    ("all", DISABLE_SWITCHES),
+];
 
 impl Limits {
     /// All kernels enabled, with this shared-memory limit.
@@ -372,21 +495,74 @@ impl Limits {
             max_dyn_smem,
             tc_attention: true,
             skinny: true,
+            ln_vec: true,
+            ew_vec: true,
+            small_attn: true,
+            small_ffn: true,
+            sms: usize::MAX,
         }
     }
 
-    /// Applies `REPLAYD_CUDA_DISABLE` (comma-separated: `tc_attention`,
-    /// `skinny`), a switch for debugging and for falling back should one of
-    /// the specialised kernels misbehave on some device.
+    /// The device's SM count (see [`Limits::sms`]).
+    pub const fn with_sms(mut self, sms: usize) -> Limits {
+        self.sms = sms;
+        self
+    }
+
+    /// Applies `REPLAYD_CUDA_DISABLE` (comma-separated names from
+    /// [`DISABLE_SWITCHES`] or [`DISABLE_GROUPS`]), a switch for debugging,
+    /// for measuring a path against the one it replaces, and for falling
+    /// back without a rebuild should one of the specialised kernels
+    /// misbehave on some device. Unknown names are ignored (and logged by
+    /// the backend, see [`Limits::unknown_switches`]).
     pub fn with_disabled(mut self, list: &str) -> Limits {
         for item in list.split(',').map(str::trim) {
-            match item {
-                "tc_attention" => self.tc_attention = false,
-                "skinny" => self.skinny = false,
-                _ => {}
+            let group = DISABLE_GROUPS.iter().find(|(g, _)| *g == item);
+            let names = group.map_or(std::slice::from_ref(&item), |(_, n)| *n);
+            for name in names {
+                match *name {
+                    "tc_attention" => self.tc_attention = false,
+                    "skinny" => self.skinny = false,
+                    "ln_vec" => self.ln_vec = false,
+                    "ew_vec" => self.ew_vec = false,
+                    "small_attn" => self.small_attn = false,
+                    "small_ffn" => self.small_ffn = false,
+                    _ => {}
+                }
             }
         }
         self
+    }
+
+    /// The names in `list` that [`Limits::with_disabled`] does not know.
+    pub fn unknown_switches(list: &str) -> Vec<String> {
+        list.split(',')
+            .map(str::trim)
+            .filter(|i| {
+                !i.is_empty()
+                    && !DISABLE_SWITCHES.contains(i)
+                    && !DISABLE_GROUPS.iter().any(|(g, _)| g == i)
+            })
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// The specialised paths this configuration has switched off.
+    pub fn disabled(&self) -> Vec<&'static str> {
+        let on = [
+            self.tc_attention,
+            self.skinny,
+            self.ln_vec,
+            self.ew_vec,
+            self.small_attn,
+            self.small_ffn,
+        ];
+        DISABLE_SWITCHES
+            .iter()
+            .zip(on)
+            .filter(|(_, on)| !on)
+            .map(|(n, _)| *n)
+            .collect()
     }
 }
 
@@ -402,6 +578,8 @@ struct Planner<'a> {
     locs: HashMap<BufId, Loc>,
     arena: usize,
     counters: usize,
+    /// The fused sublayers' f32 scratch (shared by all of them) and its bytes.
+    fused_tmp: Option<(Loc, usize)>,
     steps: Vec<Step>,
     /// Bytes of the input block so far (tile tables are appended).
     input_bytes: usize,
@@ -476,6 +654,24 @@ impl<'a> Planner<'a> {
     ) -> Result<(), BackendError> {
         let n = i32::try_from(elems)
             .map_err(|_| BackendError::Unsupported(format!("{elems} elements")))?;
+        if self.limits.ew_vec && from_t == to_t && elems.is_multiple_of(EW_VEC) {
+            // In place or a copy of one type: 8 values per thread and step.
+            self.kernel(
+                format!("bias_act_vec_{}", suffix(from_t)),
+                (ew_blocks(elems / EW_VEC), 1, 1),
+                EW_THREADS,
+                0,
+                vec![
+                    Arg::Ptr(from),
+                    Arg::Null,
+                    Arg::Ptr(to),
+                    Arg::I32(n),
+                    Arg::I32(EW_VEC as i32),
+                    Arg::I32(act_code(act)),
+                ],
+            );
+            return Ok(());
+        }
         self.kernel(
             format!("bias_act_{}_{}", suffix(from_t), suffix(to_t)),
             (ew_blocks(elems), 1, 1),
@@ -622,6 +818,301 @@ impl<'a> Planner<'a> {
         Ok(1)
     }
 
+    /// `embed_ln_vec` over `rows` rows: `ints` = ids, types and positions
+    /// (`Null`: `row % seq`), `w` = word, position and type tables, gamma, beta.
+    #[allow(clippy::too_many_arguments)]
+    fn embed_ln_vec(
+        &mut self,
+        ints: [Arg; 3],
+        w: [WeightId; 5],
+        eps: f32,
+        dst: Loc,
+        rows: usize,
+        seq: usize,
+        hidden: usize,
+    ) -> Result<(), BackendError> {
+        let grid = u32::try_from(rows.div_ceil(LNV_WARPS))
+            .ok()
+            .filter(|_| rows <= i32::MAX as usize)
+            .ok_or_else(|| BackendError::Unsupported(format!("embedding of {rows} rows")))?;
+        let [word, position, token_type, gamma, beta] = w;
+        let mut args = ints.to_vec();
+        args.extend([
+            Arg::Ptr(Loc::Weight(word)),
+            Arg::Ptr(Loc::Weight(position)),
+            Arg::Ptr(Loc::Weight(token_type)),
+            Arg::Ptr(Loc::Weight(gamma)),
+            Arg::Ptr(Loc::Weight(beta)),
+            Arg::F32(eps),
+            Arg::Ptr(dst),
+            Arg::I32(rows as i32),
+            Arg::I32(seq as i32),
+            Arg::I32(hidden as i32),
+            Arg::I32(self.rows_of(word) as i32),
+            Arg::I32(self.rows_of(position) as i32),
+            Arg::I32(self.rows_of(token_type) as i32),
+        ]);
+        self.kernel(
+            format!("embed_ln_vec_{}", suffix(self.compute)),
+            (grid, 1, 1),
+            (32 * LNV_WARPS) as u32,
+            0,
+            args,
+        );
+        Ok(())
+    }
+
+    /// Whether `b` is an activation buffer of the compute type that nothing
+    /// reads after `ops[from..]` overwrites it (or at all): a fusion may then
+    /// leave it unwritten.
+    fn scratch_only(&self, b: BufId, from: usize) -> bool {
+        self.program.buffer(b).kind == BufKind::Activation && dead_after(&self.program.ops, from, b)
+    }
+
+    /// Packed programs: the `cu_seqlens` input and the most sequences;
+    /// padded: `(Null, 0)`.
+    fn live_rows_args(&self) -> (Arg, usize) {
+        match self.program.input(InputRole::SeqOffsets) {
+            Some(o) if self.program.is_packed() => (Arg::Ptr(self.int_loc(o)), self.program.batch),
+            _ => (Arg::Null, 0),
+        }
+    }
+
+    /// A counter and the f32 `m` × `hidden` scratch of a fused sublayer
+    /// (one scratch for all of a plan's: they run one after the other).
+    fn fused_scratch(&mut self, m: usize, hidden: usize) -> (Loc, Loc) {
+        let counter = Loc::Counter(self.counters);
+        self.counters += 1;
+        let bytes = m * hidden * 4;
+        let tmp = match self.fused_tmp {
+            Some((loc, have)) if have >= bytes => loc,
+            _ => {
+                let loc = self.scratch(m * hidden, DType::F32);
+                self.fused_tmp = Some((loc, bytes));
+                loc
+            }
+        };
+        (counter, tmp)
+    }
+
+    /// ops[idx..idx + 4] = Linear(qkv) → Attention | PackedAttention →
+    /// Linear(o) → AddLayerNorm, for few rows: one `layer_attn_small`
+    /// kernel (see small_layer.cu). `None` when the ops do not have that
+    /// shape or the kernel does not take it.
+    fn small_attn(&mut self, idx: usize) -> Option<usize> {
+        let t = self.compute;
+        let program = self.program;
+        let ops = &program.ops;
+        let (
+            Some(&Op::Linear {
+                x: h,
+                w: wqkv,
+                bias: bqkv,
+                act: Activation::Identity,
+                out: qkv,
+                m,
+                n: n_qkv,
+                k: hidden,
+            }),
+            Some(att),
+            Some(&Op::Linear {
+                x: ctx_in,
+                w: wo,
+                bias: bo,
+                act: Activation::Identity,
+                out: proj,
+                m: m_o,
+                n: n_o,
+                k: k_o,
+            }),
+            Some(&Op::AddLayerNorm {
+                x: ln_x,
+                residual,
+                gamma,
+                beta,
+                eps,
+                out: ln_out,
+                rows,
+                hidden: ln_hidden,
+            }),
+        ) = (
+            ops.get(idx),
+            ops.get(idx + 1),
+            ops.get(idx + 2),
+            ops.get(idx + 3),
+        )
+        else {
+            return None;
+        };
+        let (att_qkv, ctx, heads, head_dim, mask, seq) = match *att {
+            Op::Attention {
+                qkv,
+                mask,
+                out,
+                batch,
+                seq,
+                heads,
+                head_dim,
+                bias: None,
+            } if batch * seq == m => (qkv, out, heads, head_dim, Arg::Ptr(self.int_loc(mask)), seq),
+            Op::PackedAttention {
+                qkv,
+                out,
+                tokens,
+                heads,
+                head_dim,
+                ..
+            } if tokens == m => (qkv, out, heads, head_dim, Arg::Null, 1),
+            _ => return None,
+        };
+        let fits = self.limits.small_attn
+            && small_fits(m, hidden, t)
+            && super::kernels::SMALL_ATTN_HEAD_DIMS.contains(&head_dim)
+            && heads * head_dim == hidden
+            && n_qkv == 3 * hidden
+            && att_qkv == qkv
+            && ctx_in == ctx
+            && (m_o, n_o, k_o) == (m, hidden, hidden)
+            && ln_x == proj
+            && residual == h
+            && (rows, ln_hidden) == (m, hidden)
+            && self.dtype(h) == t
+            && self.program.buffer(ln_out).kind == BufKind::Activation
+            && ![qkv, ctx, proj].contains(&ln_out)
+            && ![qkv, ctx, proj].contains(&h)
+            && self.scratch_only(qkv, idx + 4)
+            && self.scratch_only(ctx, idx + 4)
+            && self.scratch_only(proj, idx + 4)
+            && heads <= self.limits.sms;
+        let smem = small_attn_smem(m, hidden, head_dim);
+        if !fits || smem > self.limits.max_dyn_smem {
+            return None;
+        }
+        let (offsets, seqs) = self.live_rows_args();
+        let (counter, tmp) = self.fused_scratch(m, hidden);
+        let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        self.kernel(
+            format!("layer_attn_small_{}_d{head_dim}", suffix(t)),
+            (heads as u32, 1, 1),
+            SL_THREADS,
+            smem,
+            vec![
+                Arg::Ptr(self.locs[&h]),
+                Arg::Ptr(Loc::Weight(wqkv)),
+                opt(bqkv),
+                Arg::Ptr(Loc::Weight(wo)),
+                opt(bo),
+                Arg::Ptr(Loc::Weight(gamma)),
+                Arg::Ptr(Loc::Weight(beta)),
+                Arg::F32(eps),
+                Arg::Ptr(self.locs[&ln_out]),
+                Arg::Ptr(self.locs[&ctx]),
+                Arg::Ptr(tmp),
+                Arg::Ptr(counter),
+                mask,
+                offsets,
+                Arg::I32(seqs as i32),
+                Arg::I32(seq as i32),
+                Arg::I32(m as i32),
+                Arg::I32(hidden as i32),
+                Arg::F32(1.0 / (head_dim as f32).sqrt()),
+            ],
+        );
+        Some(4)
+    }
+
+    /// ops[idx..idx + 3] = Linear(intermediate, act) → Linear(output) →
+    /// AddLayerNorm, for few rows: one `layer_ffn_small` kernel.
+    fn small_ffn(&mut self, idx: usize) -> Option<usize> {
+        let t = self.compute;
+        let program = self.program;
+        let ops = &program.ops;
+        let (
+            Some(&Op::Linear {
+                x: h,
+                w: w1,
+                bias: b1,
+                act,
+                out: inter,
+                m,
+                n: n1,
+                k: hidden,
+            }),
+            Some(&Op::Linear {
+                x: x2,
+                w: w2,
+                bias: b2,
+                act: Activation::Identity,
+                out: proj,
+                m: m2,
+                n: n2,
+                k: k2,
+            }),
+            Some(&Op::AddLayerNorm {
+                x: ln_x,
+                residual,
+                gamma,
+                beta,
+                eps,
+                out: ln_out,
+                rows,
+                hidden: ln_hidden,
+            }),
+        ) = (ops.get(idx), ops.get(idx + 1), ops.get(idx + 2))
+        else {
+            return None;
+        };
+        let fits = self.limits.small_ffn
+            && small_fits(m, hidden, t)
+            && n1.is_multiple_of(32 * SL_WARPS)
+            && n1 / SL_FS <= self.limits.sms
+            && x2 == inter
+            && (m2, n2, k2) == (m, hidden, n1)
+            && ln_x == proj
+            && residual == h
+            && (rows, ln_hidden) == (m, hidden)
+            && self.dtype(h) == t
+            && self.program.buffer(ln_out).kind == BufKind::Activation
+            && ![inter, proj].contains(&ln_out)
+            && ![inter, proj].contains(&h)
+            && self.scratch_only(inter, idx + 3)
+            && self.scratch_only(proj, idx + 3);
+        let smem = small_ffn_smem(m, hidden);
+        if !fits || smem > self.limits.max_dyn_smem {
+            return None;
+        }
+        let (offsets, seqs) = self.live_rows_args();
+        let (counter, tmp) = self.fused_scratch(m, hidden);
+        let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        self.kernel(
+            format!("layer_ffn_small_{}", suffix(t)),
+            ((n1 / SL_FS) as u32, 1, 1),
+            SL_THREADS,
+            smem,
+            vec![
+                Arg::Ptr(self.locs[&h]),
+                Arg::Ptr(Loc::Weight(w1)),
+                opt(b1),
+                Arg::I32(act_code(act)),
+                Arg::Ptr(Loc::Weight(w2)),
+                opt(b2),
+                Arg::Ptr(Loc::Weight(gamma)),
+                Arg::Ptr(Loc::Weight(beta)),
+                Arg::F32(eps),
+                Arg::Ptr(self.locs[&ln_out]),
+                Arg::Ptr(self.locs[&inter]),
+                Arg::Ptr(tmp),
+                Arg::Ptr(counter),
+                offsets,
+                Arg::I32(seqs as i32),
+                Arg::I32(m as i32),
+                Arg::I32(hidden as i32),
+                Arg::I32(n1 as i32),
+            ],
+        );
+        Some(3)
+    }
+
     /// Plans op `idx` (and possibly the one after it, when fused); returns
     /// how many ops it consumed.
     fn op(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
@@ -651,6 +1142,19 @@ impl<'a> Planner<'a> {
                 let ntypes = self.rows_of(token_type);
                 let threads = ln_threads(hidden)?;
                 let (dst, pending) = self.float_out(out, rows * hidden, t);
+                if self.limits.ln_vec && ln_vec_fits(hidden) {
+                    self.embed_ln_vec(
+                        [Arg::Ptr(ids_l), Arg::Ptr(types_l), Arg::Null],
+                        [word, position, token_type, gamma, beta],
+                        eps,
+                        dst,
+                        rows,
+                        seq,
+                        hidden,
+                    )?;
+                    self.finish_out(pending, rows * hidden)?;
+                    return Ok(1);
+                }
                 self.kernel(
                     format!("embed_ln_{ts}"),
                     (rows as u32, 1, 1),
@@ -690,6 +1194,9 @@ impl<'a> Planner<'a> {
                 n,
                 k,
             } => {
+                if let Some(n) = self.small_attn(idx).or_else(|| self.small_ffn(idx)) {
+                    return Ok(n);
+                }
                 let x_l = self.float_in(x, m * k, t)?;
                 let out_t = self.dtype(out);
                 if self.limits.skinny
@@ -755,6 +1262,29 @@ impl<'a> Planner<'a> {
                 let x_l = self.float_in(x, elems, t)?;
                 let r_l = self.float_in(residual, elems, t)?;
                 let (dst, pending) = self.float_out(out, elems, t);
+                if self.limits.ln_vec && ln_vec_fits(hidden) {
+                    let grid = u32::try_from(rows.div_ceil(LNV_WARPS)).map_err(|_| {
+                        BackendError::Unsupported(format!("op {idx} (AddLayerNorm): {rows} rows"))
+                    })?;
+                    self.kernel(
+                        format!("add_ln_vec_{ts}"),
+                        (grid, 1, 1),
+                        (32 * LNV_WARPS) as u32,
+                        0,
+                        vec![
+                            Arg::Ptr(x_l),
+                            Arg::Ptr(r_l),
+                            Arg::Ptr(Loc::Weight(gamma)),
+                            Arg::Ptr(Loc::Weight(beta)),
+                            Arg::F32(eps),
+                            Arg::Ptr(dst),
+                            Arg::I32(rows as i32),
+                            Arg::I32(hidden as i32),
+                        ],
+                    );
+                    self.finish_out(pending, elems)?;
+                    return Ok(1);
+                }
                 self.kernel(
                     format!("add_ln_{ts}"),
                     (rows as u32, 1, 1),
@@ -900,6 +1430,22 @@ impl<'a> Planner<'a> {
                     .ok_or_else(|| BackendError::Unsupported(format!("{what}: {tokens} tokens")))?;
                 let threads = ln_threads(hidden)?;
                 let (dst, pending) = self.float_out(out, tokens * hidden, t);
+                if self.limits.ln_vec && ln_vec_fits(hidden) {
+                    let ids_l = Arg::Ptr(self.int_loc(ids));
+                    let types_l = Arg::Ptr(self.int_loc(token_types));
+                    let pos_l = Arg::Ptr(self.int_loc(positions));
+                    self.embed_ln_vec(
+                        [ids_l, types_l, pos_l],
+                        [word, position, token_type, gamma, beta],
+                        eps,
+                        dst,
+                        tokens,
+                        1,
+                        hidden,
+                    )?;
+                    self.finish_out(pending, tokens * hidden)?;
+                    return Ok(1);
+                }
                 self.kernel(
                     format!("embed_ln_packed_{ts}"),
                     (grid, 1, 1),
@@ -1140,6 +1686,7 @@ pub fn plan(
         locs,
         arena,
         counters: 0,
+        fused_tmp: None,
         steps: Vec::new(),
         input_bytes,
         tile_tables: Vec::new(),
@@ -1168,6 +1715,7 @@ pub fn plan(
         activation_bytes,
         arena_bytes: p.arena.max(ALIGN),
         counters: p.counters,
+        accum_bytes: p.fused_tmp.map_or(0, |(_, bytes)| bytes),
     })
 }
 
@@ -1177,6 +1725,9 @@ pub(crate) mod tests {
     use crate::model::program::ProgramBuilder;
 
     const LIMITS: Limits = Limits::new(227 * 1024);
+    /// The paths the kernels before the vectorised and fused ones took
+    /// (tests of those keep checking them).
+    const LEGACY: &str = "ln_vec,ew_vec,small";
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -1707,7 +2258,7 @@ pub(crate) mod tests {
     fn packed_bert_plan() {
         let (tokens, seqs) = (1024, 32);
         let (p, w) = packed_bert_dims(tokens, seqs, 256, 384, 12, 1536);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let plan = plan(&p, &w, DType::F16, false, LIMITS.with_disabled(LEGACY)).unwrap();
         assert_eq!(plan.layout, Layout::Packed { tokens: 1024 });
         assert_eq!((plan.batch, plan.seq), (32, 256));
         assert_eq!(plan.label(), "1024t (32 seqs of at most 256)");
@@ -1804,7 +2355,8 @@ pub(crate) mod tests {
         assert_eq!(plan.output_elems, 32 * 384);
         // Every layer's attention shares the one table.
         let (p2, w2) = packed_bert_dims(64, 64, 64, 384, 12, 1536);
-        let plan2 = super::plan(&p2, &w2, DType::BF16, false, LIMITS).unwrap();
+        let plan2 =
+            super::plan(&p2, &w2, DType::BF16, false, LIMITS.with_disabled(LEGACY)).unwrap();
         assert_eq!(plan2.tile_tables.len(), 1);
         assert_eq!(plan2.tile_tables[0].max_tiles, 64);
         assert_eq!(
@@ -1952,7 +2504,7 @@ pub(crate) mod tests {
             vec![
                 "bias_act_f32_f16", // input f32 -> f16
                 "mmBias",           // exact GELU is not fused ...
-                "bias_act_f16_f16", // ... but applied in place
+                "bias_act_vec_f16", // ... but applied in place, 8 values a thread
                 "mmBias",           // last layer into f16 scratch
                 "bias_act_f16_f32", // ... converted into the f32 output
             ]
@@ -2012,14 +2564,15 @@ pub(crate) mod tests {
 
     #[test]
     fn small_bert_fuses_linear_and_layernorm() {
-        // MiniLM's widths go through cuBLASLt even at 16 rows ...
+        // Without the fused sublayers, MiniLM's widths go through cuBLASLt
+        // even at 16 rows ...
         let (p, w) = tiny_bert(1, 16);
-        let plan16 = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let plan16 = plan(&p, &w, DType::F16, false, LIMITS.with_disabled(LEGACY)).unwrap();
         assert_eq!(plan16.matmul_count(), 4);
         assert_eq!(plan16.counters, 0);
         // ... a narrower encoder through the skinny kernel, fused with its LayerNorms.
         let (p, w) = bert_dims(1, 16, 64, 2, 256);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let plan = plan(&p, &w, DType::F16, false, LIMITS.with_disabled(LEGACY)).unwrap();
         let names: Vec<String> = plan
             .steps
             .iter()
@@ -2059,8 +2612,9 @@ pub(crate) mod tests {
 
     #[test]
     fn kernels_can_be_switched_off() {
-        let l = LIMITS.with_disabled("skinny, tc_attention,unknown");
-        assert!(!l.skinny && !l.tc_attention);
+        let l = LIMITS.with_disabled("skinny, tc_attention,unknown,small");
+        assert!(!l.skinny && !l.tc_attention && !l.small_attn && !l.small_ffn);
+        assert!(l.ln_vec && l.ew_vec);
         let (p, w) = tiny_bert(1, 16);
         let plan = plan(&p, &w, DType::F16, false, l).unwrap();
         assert_eq!(plan.matmul_count(), 4);
@@ -2084,7 +2638,7 @@ pub(crate) mod tests {
     #[test]
     fn bert_layer_plan() {
         let (p, w) = tiny_bert(2, 16);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let plan = plan(&p, &w, DType::F16, false, LIMITS.with_disabled("small")).unwrap();
         assert_eq!(plan.matmul_count(), 4);
         // embed, attention, 2 add-LN, GELU, pool
         assert_eq!(plan.kernel_count(), 6);
@@ -2200,5 +2754,519 @@ pub(crate) mod tests {
         assert!(sk.contains(&format!("#define SK_WARPS {SK_WARPS}\n")));
         let ln = include_str!("../../../kernels/layernorm.cu");
         assert!(ln.contains(&format!("#define LN_VPT {LN_VPT}\n")));
+        let vec = include_str!("../../../kernels/vec.cu");
+        assert!(vec.contains(&format!("#define LNV_WARPS {LNV_WARPS}\n")));
+        assert!(vec.contains(&format!("#define LNV_J {LNV_J} ")));
+        let sl = include_str!("../../../kernels/small_layer.cu");
+        assert!(sl.contains(&format!("#define SL_THREADS {SL_THREADS}\n")));
+        assert!(sl.contains("#define SL_WARPS (SL_THREADS / 32)\n") && SL_WARPS == 4);
+        assert!(sl.contains(&format!("#define SL_MAXM {SL_MAXM}\n")));
+        assert!(sl.contains(&format!("#define SL_FS {SL_FS} ")));
+        assert!(sl.contains(&format!("#define SL_NG {SL_NG} ")));
+        assert!(sl.contains(&format!("#define SL_LN_J {SL_LN_J} ")));
+    }
+
+    /// MiniLM's program, from the real builder ([`BertArch`]), with zero
+    /// weights of its shapes: `layers` layers of hidden 384, 12 heads of 32,
+    /// FFN 1536, exact GELU, mean pooling, normalised (a vocabulary of 1,000
+    /// instead of 30,522, to keep the tests small).
+    pub(crate) fn minilm(layers: usize) -> (crate::model::bert::BertArch, Weights) {
+        use crate::model::bert::{BertArch, BertEmbeddings, BertLayer};
+        let (h, inter) = (384, 1536);
+        let mut w = Weights::new();
+        fn t(w: &mut Weights, name: String, shape: Vec<usize>) -> WeightId {
+            let n = shape.iter().product();
+            w.push(name, shape, vec![0.0; n])
+        }
+        let embeddings = BertEmbeddings {
+            word: t(&mut w, "word".into(), vec![1000, h]),
+            position: t(&mut w, "pos".into(), vec![512, h]),
+            token_type: t(&mut w, "tt".into(), vec![2, h]),
+            norm_gamma: t(&mut w, "g".into(), vec![h]),
+            norm_beta: t(&mut w, "b".into(), vec![h]),
+        };
+        let layers = (0..layers)
+            .map(|l| BertLayer {
+                qkv_weight: t(&mut w, format!("{l}.qkv"), vec![3 * h, h]),
+                qkv_bias: t(&mut w, format!("{l}.qkv.b"), vec![3 * h]),
+                attention_output_weight: t(&mut w, format!("{l}.o"), vec![h, h]),
+                attention_output_bias: t(&mut w, format!("{l}.o.b"), vec![h]),
+                attention_norm_gamma: t(&mut w, format!("{l}.ln1.g"), vec![h]),
+                attention_norm_beta: t(&mut w, format!("{l}.ln1.b"), vec![h]),
+                intermediate_weight: t(&mut w, format!("{l}.i"), vec![inter, h]),
+                intermediate_bias: t(&mut w, format!("{l}.i.b"), vec![inter]),
+                output_weight: t(&mut w, format!("{l}.o2"), vec![h, inter]),
+                output_bias: t(&mut w, format!("{l}.o2.b"), vec![h]),
+                output_norm_gamma: t(&mut w, format!("{l}.ln2.g"), vec![h]),
+                output_norm_beta: t(&mut w, format!("{l}.ln2.b"), vec![h]),
+            })
+            .collect();
+        let arch = BertArch {
+            hidden: h,
+            heads: 12,
+            head_dim: 32,
+            intermediate: inter,
+            hidden_act: Activation::Gelu,
+            layer_norm_eps: 1e-12,
+            vocab_size: 1000,
+            max_position_embeddings: 512,
+            type_vocab_size: 2,
+            max_seq_len: 256,
+            pooling: Pooling::Mean,
+            normalize: true,
+            embeddings,
+            layers,
+            family: crate::model::bert::Family::Bert,
+            position_ids: Default::default(),
+            position_bias: None,
+            pool_skip: false,
+            dense: Vec::new(),
+            classifier: None,
+        };
+        (arch, w)
+    }
+
+    /// The graphs the host-path targets are about (MiniLM, 6 layers): node
+    /// counts before (the legacy kernels) and after the fusions.
+    #[test]
+    fn minilm_node_counts() {
+        let (a, w) = minilm(6);
+        let steps = |p: &Program, dtype: DType, limits: Limits| {
+            p.validate(&w).unwrap();
+            plan(p, &w, dtype, false, limits).unwrap()
+        };
+        let legacy = LIMITS.with_disabled(LEGACY);
+        let cases = [
+            ("(1, 16)", a.program(1, 16), 50, 14),
+            ("(2, 32)", a.program(2, 32), 50, 14),
+            ("(32, 128)", a.program(32, 128), 50, 50),
+            ("(128, 128)", a.program(128, 128), 50, 50),
+            ("64t", a.packed_program(64, 64), 50, 14),
+            ("1024t", a.packed_program(1024, 256), 50, 50),
+            ("16384t", a.packed_program(16384, 256), 50, 50),
+        ];
+        for (what, p, before, after) in &cases {
+            assert_eq!(
+                steps(p, DType::F16, legacy).node_count(),
+                *before,
+                "{what} legacy"
+            );
+            let now = steps(p, DType::F16, LIMITS);
+            assert_eq!(now.node_count(), *after, "{what}: {:?}", now.step_names());
+            assert_eq!(now.node_count(), now.kernel_count() + now.matmul_count());
+        }
+        // (1, 16): the embedding, two fused kernels per layer, the pooling.
+        let small = steps(&cases[0].1, DType::F16, LIMITS);
+        let mut want = vec!["embed_ln_vec_f16".to_string()];
+        for _ in 0..6 {
+            want.push("layer_attn_small_f16_d32".into());
+            want.push("layer_ffn_small_f16".into());
+        }
+        want.push("pool_f16".into());
+        assert_eq!(small.step_names(), want);
+        assert_eq!(small.counters, 12);
+        assert_eq!(small.accum_bytes, 16 * 384 * 4);
+        assert_eq!(small.matmul_count(), 0);
+        // The packed 64-token budget: the same kernels; no tile table to copy.
+        let p64 = steps(&cases[4].1, DType::F16, LIMITS);
+        want[13] = "pool_packed_f16".into();
+        assert_eq!(p64.step_names(), want);
+        assert!(p64.tile_tables.is_empty());
+        assert_eq!(p64.accum_bytes, 64 * 384 * 4);
+        // (128, 128): cuBLASLt, with the vectorised LayerNorms and GELU.
+        let big = steps(&cases[3].1, DType::F16, LIMITS);
+        let layer: Vec<&str> = vec![
+            "mm",
+            "attention_tc_f16_d32",
+            "mm",
+            "add_ln_vec_f16",
+            "mm",
+            "bias_act_vec_f16",
+            "mm",
+            "add_ln_vec_f16",
+        ];
+        let names = big.step_names();
+        assert_eq!(names[0], "embed_ln_vec_f16");
+        assert_eq!(&names[1..9], &layer[..]);
+        assert_eq!(names[49], "pool_f16");
+        assert_eq!((big.counters, big.accum_bytes), (0, 0));
+        let packed = steps(&cases[6].1, DType::F16, LIMITS).step_names();
+        assert_eq!(packed[2], "attention_varlen_tc_f16_d32");
+        assert_eq!(packed[6], "bias_act_vec_f16");
+        // f32 keeps its matmuls (the fused sublayers are f16/bf16 only).
+        let f32 = steps(&cases[0].1, DType::F32, LIMITS);
+        assert_eq!((f32.node_count(), f32.matmul_count()), (50, 24));
+        assert!(f32.step_names().contains(&"add_ln_vec_f32".to_string()));
+        // bf16 fuses as f16 does.
+        let bf = steps(&cases[0].1, DType::BF16, LIMITS);
+        assert_eq!(bf.node_count(), 14);
+        assert_eq!(bf.step_names()[1], "layer_attn_small_bf16_d32");
+    }
+
+    #[test]
+    fn fused_sublayer_arguments() {
+        let (a, w) = minilm(1);
+        // Padded (2, 16): 32 rows, the mask, no offsets.
+        let p = a.program(2, 16);
+        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let h = Loc::Arena(0);
+        let (_, grid, block, smem, args) = kernel(&plan, "layer_attn_small");
+        assert_eq!((grid, block), ((12, 1, 1), SL_THREADS));
+        assert_eq!(smem as usize, small_attn_smem(32, 384, 32));
+        assert_eq!(args.len(), 19);
+        assert_eq!(args[0], Arg::Ptr(h)); // x: the hidden state ...
+        assert_eq!(args[8], Arg::Ptr(h)); // ... normalised in place
+                                          // The context (phase 1 → phase 2) is an activation of the program;
+                                          // the f32 accumulator lies past every activation.
+        let Arg::Ptr(Loc::Arena(ctx)) = args[9] else {
+            panic!("ctx {:?}", args[9])
+        };
+        assert!(ctx != 0 && ctx + 32 * 384 * 2 <= plan.activation_bytes);
+        let accum = args[10];
+        let Arg::Ptr(Loc::Arena(acc)) = accum else {
+            panic!("accumulator {accum:?}")
+        };
+        assert_eq!(plan.accum_bytes, 32 * 384 * 4);
+        assert!(acc >= plan.activation_bytes && acc + plan.accum_bytes <= plan.arena_bytes);
+        assert_eq!(args[11], Arg::Ptr(Loc::Counter(0)));
+        let mask = plan.inputs[1].offset;
+        assert_eq!(plan.inputs[1].role, InputRole::AttentionMask);
+        assert_eq!(
+            &args[12..],
+            &[
+                Arg::Ptr(Loc::Input(mask)),
+                Arg::Null,
+                Arg::I32(0),
+                Arg::I32(16),
+                Arg::I32(32),
+                Arg::I32(384),
+                Arg::F32(1.0 / (32f32).sqrt()),
+            ]
+        );
+        let (_, grid, block, smem, args) = kernel(&plan, "layer_ffn_small");
+        assert_eq!((grid, block), ((1536 / 32, 1, 1), SL_THREADS));
+        assert_eq!(smem as usize, small_ffn_smem(32, 384));
+        assert_eq!(args.len(), 18);
+        assert_eq!(args[3], Arg::I32(act_code(Activation::Gelu)));
+        assert_eq!((args[0], args[9]), (Arg::Ptr(h), Arg::Ptr(h)));
+        // The intermediate activation; the one accumulator of both sublayers.
+        assert!(matches!(args[10], Arg::Ptr(Loc::Arena(o)) if o != 0 && o < plan.activation_bytes));
+        assert_eq!(args[11], accum);
+        assert_eq!(args[12], Arg::Ptr(Loc::Counter(1)));
+        assert_eq!(
+            &args[13..],
+            &[
+                Arg::Null,
+                Arg::I32(0),
+                Arg::I32(32),
+                Arg::I32(384),
+                Arg::I32(1536)
+            ]
+        );
+        // Packed 64 tokens: no mask; the offsets and the most sequences.
+        let p = a.packed_program(64, 8);
+        let plan = super::plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let offsets = plan.inputs[3].offset;
+        assert_eq!(plan.inputs[3].role, InputRole::SeqOffsets);
+        let args = kernel(&plan, "layer_attn_small").4;
+        assert_eq!(
+            &args[12..17],
+            &[
+                Arg::Null,
+                Arg::Ptr(Loc::Input(offsets)),
+                Arg::I32(8),
+                Arg::I32(1),
+                Arg::I32(64),
+            ]
+        );
+        let args = kernel(&plan, "layer_ffn_small").4;
+        assert_eq!(
+            &args[13..16],
+            &[Arg::Ptr(Loc::Input(offsets)), Arg::I32(8), Arg::I32(64)]
+        );
+        // Shared memory fits the default 48 KiB at 16 rows, not at 64.
+        assert!(small_attn_smem(16, 384, 32) <= 48 << 10);
+        assert!(small_attn_smem(64, 384, 32) > 48 << 10);
+        assert!(small_attn_smem(64, 384, 32) <= 227 << 10);
+    }
+
+    /// What the fused sublayers do not take falls back to the separate ops,
+    /// sublayer by sublayer.
+    #[test]
+    fn fused_sublayers_refuse_what_they_cannot_run() {
+        let fused = |p: &Program, w: &Weights, t: DType, l: Limits| {
+            let plan = plan(p, w, t, false, l).unwrap();
+            let n = |k: &str| {
+                plan.step_names()
+                    .iter()
+                    .filter(|s| s.starts_with(k))
+                    .count()
+            };
+            (n("layer_attn_small"), n("layer_ffn_small"))
+        };
+        let (a, w) = minilm(2);
+        assert_eq!(fused(&a.program(1, 64), &w, DType::F16, LIMITS), (2, 2));
+        // More than SL_MAXM rows.
+        assert_eq!(fused(&a.program(5, 13), &w, DType::F16, LIMITS), (0, 0));
+        assert_eq!(
+            fused(&a.packed_program(128, 8), &w, DType::F16, LIMITS),
+            (0, 0)
+        );
+        // f32.
+        assert_eq!(fused(&a.program(1, 16), &w, DType::F32, LIMITS), (0, 0));
+        // Switched off one at a time.
+        let off = |s| LIMITS.with_disabled(s);
+        assert_eq!(
+            fused(&a.program(1, 16), &w, DType::F16, off("small_attn")),
+            (0, 2)
+        );
+        assert_eq!(
+            fused(&a.program(1, 16), &w, DType::F16, off("small_ffn")),
+            (2, 0)
+        );
+        assert_eq!(
+            fused(&a.program(1, 16), &w, DType::F16, off("small")),
+            (0, 0)
+        );
+        // Too little shared memory for the attention sublayer (46.5 KiB at 16 rows).
+        assert_eq!(
+            fused(&a.program(1, 16), &w, DType::F16, Limits::new(40 << 10)),
+            (0, 2)
+        );
+        // Head size 48 (no fused attention kernel), hidden 384: the FFN still fuses.
+        let (p, w) = bert_dims(1, 16, 384, 8, 1536);
+        assert_eq!(fused(&p, &w, DType::F16, LIMITS), (0, 1));
+        // Hidden 320 (not a multiple of 128): neither.
+        let (p, w) = bert_dims(1, 16, 320, 10, 1280);
+        assert_eq!(fused(&p, &w, DType::F16, LIMITS), (0, 0));
+        // Head size 64 and 128 fuse.
+        let (p, w) = bert_dims(2, 16, 256, 4, 512);
+        assert_eq!(fused(&p, &w, DType::BF16, LIMITS), (1, 1));
+        let (p, w) = bert_dims(1, 16, 256, 2, 1024);
+        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        assert_eq!(kernel(&plan, "layer_attn").0, "layer_attn_small_f16_d128");
+        // An intermediate size that is not a multiple of SL_FS.
+        let (p, w) = bert_dims(1, 16, 384, 12, 1000);
+        assert_eq!(fused(&p, &w, DType::F16, LIMITS), (1, 0));
+        // A projection that a later op reads (here: the pooling reads the
+        // attention's context buffer) must be materialised: no fusion.
+        let (mut p, w) = tiny_bert(1, 16);
+        let ctx = BufId(5);
+        assert_eq!(p.buffer(ctx).name, "ctx");
+        if let Some(Op::Pool { x, .. }) = p.ops.last_mut() {
+            *x = ctx;
+        }
+        p.validate(&w).unwrap();
+        assert_eq!(fused(&p, &w, DType::F16, LIMITS), (0, 1));
+    }
+
+    #[test]
+    fn every_switch_turns_off_its_path() {
+        let all = LIMITS.with_disabled("all");
+        assert_eq!(all.disabled(), DISABLE_SWITCHES.to_vec());
+        assert_eq!(all.max_dyn_smem, LIMITS.max_dyn_smem);
+        assert!(LIMITS.disabled().is_empty());
+        for name in DISABLE_SWITCHES {
+            let l = LIMITS.with_disabled(&format!(" {name} "));
+            assert_eq!(l.disabled(), vec![*name], "{name}");
+        }
+        assert_eq!(
+            Limits::unknown_switches("ln_vec, nope,,small,fused"),
+            vec!["nope"]
+        );
+        let fused = LIMITS.with_disabled("fused");
+        assert_eq!(
+            fused.disabled(),
+            vec!["ln_vec", "ew_vec", "small_attn", "small_ffn"]
+        );
+        assert_eq!(fused, LIMITS.with_disabled(LEGACY));
+        // With everything off, MiniLM (1, 16) plans the kernels of before.
+        let (a, w) = minilm(1);
+        let plan = plan(&a.program(1, 16), &w, DType::F16, false, all).unwrap();
+        assert_eq!(
+            plan.step_names(),
+            vec![
+                "embed_ln_f16",
+                "mm",
+                "attention_f16_d32",
+                "mm",
+                "add_ln_f16",
+                "mm",
+                "bias_act_f16_f16",
+                "mm",
+                "add_ln_f16",
+                "pool_f16"
+            ]
+        );
+    }
+
+    #[test]
+    fn vectorised_kernel_arguments() {
+        let (a, w) = minilm(1);
+        let plan = plan(&a.program(128, 128), &w, DType::F16, false, LIMITS).unwrap();
+        let rows = 128 * 128;
+        let (_, grid, block, _, args) = kernel(&plan, "add_ln_vec_f16");
+        assert_eq!((grid, block), (((rows / LNV_WARPS) as u32, 1, 1), 128));
+        assert_eq!(&args[6..], &[Arg::I32(rows as i32), Arg::I32(384)]);
+        let (_, grid, block, _, args) = kernel(&plan, "embed_ln_vec_f16");
+        assert_eq!((grid, block), (((rows / LNV_WARPS) as u32, 1, 1), 128));
+        assert_eq!(args.len(), 16);
+        assert_eq!(args[2], Arg::Null); // positions: row % seq
+        assert_eq!(
+            &args[10..],
+            &[
+                Arg::I32(rows as i32),
+                Arg::I32(128),
+                Arg::I32(384),
+                Arg::I32(1000),
+                Arg::I32(512),
+                Arg::I32(2)
+            ]
+        );
+        let (_, grid, block, _, args) = kernel(&plan, "bias_act_vec_f16");
+        let n = rows * 1536;
+        assert_eq!((grid, block), ((ew_blocks(n / 8), 1, 1), EW_THREADS));
+        assert_eq!(args[0], args[2]); // in place
+        assert_eq!(
+            &args[3..],
+            &[
+                Arg::I32(n as i32),
+                Arg::I32(8),
+                Arg::I32(act_code(Activation::Gelu))
+            ]
+        );
+        // Packed: the positions input.
+        let plan = super::plan(&a.packed_program(1024, 32), &w, DType::F16, false, LIMITS).unwrap();
+        let args = kernel(&plan, "embed_ln_vec_f16").4;
+        assert_eq!(args[2], Arg::Ptr(Loc::Input(plan.inputs[2].offset)));
+        assert_eq!(plan.inputs[2].role, InputRole::Positions);
+        assert_eq!(args[10], Arg::I32(1024));
+        // Rows too wide for the vectorised LayerNorm keep the old kernels.
+        assert!(ln_vec_fits(1024) && !ln_vec_fits(1028) && !ln_vec_fits(382));
+    }
+
+    /// A host model of one warp's `mma.sync.m16n8k16.row.col` with f32
+    /// accumulation, in the PTX ISA's fragment layout (the one
+    /// attention_tc.cu uses): lane `4g + t` holds A pairs (row g, k 2t..),
+    /// (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..), B pairs (k 2t.., n g),
+    /// (k 2t + 8.., n g) and C (g, n 2t..2t + 1), (g + 8, n 2t..2t + 1).
+    fn mma_model(c: &mut [[f32; 4]], a: &[[[f32; 2]; 4]], b: &[[[f32; 2]; 2]]) {
+        let mut am = [[0f32; 16]; 16];
+        let mut bm = [[0f32; 8]; 16];
+        for l in 0..32 {
+            let (g, t) = (l / 4, l % 4);
+            for e in 0..2 {
+                am[g][2 * t + e] = a[l][0][e];
+                am[g + 8][2 * t + e] = a[l][1][e];
+                am[g][2 * t + 8 + e] = a[l][2][e];
+                am[g + 8][2 * t + 8 + e] = a[l][3][e];
+                bm[2 * t + e][g] = b[l][0][e];
+                bm[2 * t + 8 + e][g] = b[l][1][e];
+            }
+        }
+        for (l, cl) in c.iter_mut().enumerate().take(32) {
+            let (g, t) = (l / 4, l % 4);
+            for e in 0..2 {
+                let n = 2 * t + e;
+                cl[e] += (0..16).map(|k| am[g][k] * bm[k][n]).sum::<f32>();
+                cl[2 + e] += (0..16).map(|k| am[g + 8][k] * bm[k][n]).sum::<f32>();
+            }
+        }
+    }
+
+    /// small_layer.cu's `sl_mma32` (two k-steps from 16-byte lane vectors,
+    /// k permuted alike in A and B), modelled on the host: it adds exactly
+    /// A·Wᵀ, every product once, into the C fragment `sl_store_partials`
+    /// reads (lane 4g + t: rows g and g + 8, columns 2t, 2t + 1).
+    #[test]
+    fn fused_gemm_fragments_compute_the_product() {
+        let mut rng = 0x9e37_79b9u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            ((rng % 17) as f32) - 8.0
+        };
+        // A: 16 rows x 32 k (the m-tile), W: 8 rows (n) x 32 k.
+        let a: Vec<Vec<f32>> = (0..16).map(|_| (0..32).map(|_| next()).collect()).collect();
+        let wt: Vec<Vec<f32>> = (0..8).map(|_| (0..32).map(|_| next()).collect()).collect();
+        let vec8 = |row: &[f32], t: usize| -> [f32; 8] { std::array::from_fn(|i| row[8 * t + i]) };
+        let mut c = vec![[0f32; 4]; 32];
+        for step in 0..2 {
+            let pair = |v: &[f32; 8], r: usize| [v[2 * r], v[2 * r + 1]];
+            let mut af = vec![[[0f32; 2]; 4]; 32];
+            let mut bf = vec![[[0f32; 2]; 2]; 32];
+            for l in 0..32 {
+                let (g, t) = (l / 4, l % 4);
+                let (lo, hi, bv) = (vec8(&a[g], t), vec8(&a[g + 8], t), vec8(&wt[g], t));
+                // {alo.x, ahi.x, alo.y, ahi.y} / {b.x, b.y}, then .z/.w.
+                af[l] = [
+                    pair(&lo, 2 * step),
+                    pair(&hi, 2 * step),
+                    pair(&lo, 2 * step + 1),
+                    pair(&hi, 2 * step + 1),
+                ];
+                bf[l] = [pair(&bv, 2 * step), pair(&bv, 2 * step + 1)];
+            }
+            mma_model(&mut c, &af, &bf);
+        }
+        let want = |m: usize, n: usize| (0..32).map(|k| a[m][k] * wt[n][k]).sum::<f32>();
+        assert_eq!(c.len(), 32);
+        for (l, cl) in c.iter().enumerate() {
+            let (g, t) = (l / 4, l % 4);
+            for e in 0..2 {
+                assert_eq!(cl[e], want(g, 2 * t + e));
+                assert_eq!(cl[2 + e], want(g + 8, 2 * t + e));
+            }
+        }
+    }
+
+    /// The shared-memory layout of the fused sublayers: rows padded so that
+    /// the 8 lanes of a 16-byte access phase (rows g, g + 1, 16 bytes at
+    /// 16·t) hit distinct banks, and every region 16-byte aligned.
+    #[test]
+    fn fused_shared_memory_layout() {
+        for cols in (32..=1024).step_by(32) {
+            let ld = sl_ld(cols);
+            assert_eq!((2 * ld) % 128, 64, "{cols}");
+            let mut groups: Vec<usize> = (0..2)
+                .flat_map(|g| (0..4).map(move |t| ((g * 2 * ld + 16 * t) / 16) % 8))
+                .collect();
+            groups.sort();
+            groups.dedup();
+            assert_eq!(groups.len(), 8, "{cols}");
+        }
+        for m in 1..=SL_MAXM {
+            let mp = align_up(m, 16);
+            for (hidden, hd) in [(384, 32), (768, 64), (1024, 128), (256, 32)] {
+                let parts = [
+                    mp * sl_ld(hidden) * 2,
+                    SL_WARPS * 16 * SL_NG * 8 * 4,
+                    mp * (hd + 1) * 4,
+                    mp * (hd + 1) * 4,
+                    mp * (hd + 1) * 4,
+                    mp * (mp + 1) * 4,
+                ];
+                // xs holds 16-byte rows, red float2 partials: 16-byte
+                // aligned; q, k, v and the scores are f32, the rest i32.
+                assert!(parts[..2].iter().all(|p| p % 16 == 0), "{m} {hidden} {hd}");
+                assert!(parts.iter().all(|p| p % 4 == 0), "{m} {hidden} {hd}");
+                assert_eq!(
+                    parts.iter().sum::<usize>() + 3 * mp * 4,
+                    small_attn_smem(m, hidden, hd)
+                );
+            }
+            assert_eq!(
+                small_ffn_smem(m, 384),
+                mp * sl_ld(384) * 2 + SL_WARPS * 16 * SL_FS * 4
+            );
+        }
+        // SL_MAXM rows of MiniLM fit an H100/H200 SM (227 KiB); of hidden
+        // 1024 with heads of 128 they do not (the planner then keeps the
+        // separate ops, see fused_sublayers_refuse_what_they_cannot_run),
+        // 32 rows do.
+        assert!(small_attn_smem(SL_MAXM, 384, 32) <= 227 << 10);
+        assert!(small_attn_smem(SL_MAXM, 1024, 128) > 227 << 10);
+        assert!(small_attn_smem(32, 1024, 128) <= 227 << 10);
     }
 }

@@ -23,11 +23,13 @@ pub mod queue;
 #[cfg(test)]
 mod tests;
 
-use super::messages::{Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, Submission};
+use super::fast_link::FastLink;
+use super::messages::{Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, Stamps, Submission};
 use super::metrics::{EagerReason, Metrics};
 use crate::bucket::{Bucket, Grid};
+use crate::clock::{mono_ns, us_between};
 use crate::model::BatchRows;
-use crate::protocol::{ErrorCode, Reply};
+use crate::protocol::{ErrorCode, Hops, Reply};
 use crate::tensor::{DType, HostTensor};
 use crate::worker::link::WorkerError;
 use bytes::Bytes;
@@ -98,6 +100,44 @@ struct Pending {
     compute_us: u64,
     batches: u32,
     shown: Option<Shape>,
+    stamps: Stamps,
+    /// The hop stamps of the batch that brought its last rows.
+    last: BatchStamps,
+}
+
+/// When a batch passed each point after the batcher ([`mono_ns`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct BatchStamps {
+    dispatched_ns: u64,
+    started_ns: u64,
+    finished_ns: u64,
+    back_ns: u64,
+}
+
+impl Pending {
+    /// Where its time went, from its stamps and its last batch's.
+    fn hops(&self) -> Hops {
+        let (s, b) = (&self.stamps, &self.last);
+        if s.received_ns == 0 {
+            return Hops::default();
+        }
+        // The worker's stamps are missing on old workers: put its whole
+        // round trip under `device` then.
+        let (started, finished) = if b.started_ns == 0 {
+            (b.dispatched_ns, b.back_ns)
+        } else {
+            (b.started_ns, b.finished_ns)
+        };
+        Hops {
+            decode: us_between(s.received_ns, s.decoded_ns),
+            tokenize: us_between(s.decoded_ns, s.submitted_ns),
+            wait: us_between(s.submitted_ns, b.dispatched_ns),
+            to_worker: us_between(b.dispatched_ns, started),
+            device: us_between(started, finished),
+            back: us_between(finished, b.back_ns),
+            reply: 0,
+        }
+    }
 }
 
 enum Output {
@@ -147,6 +187,8 @@ struct Inflight {
     device: DeviceId,
     attempt: u32,
     batch: Arc<Batch>,
+    /// When its current attempt was sent ([`mono_ns`]).
+    dispatched_ns: u64,
 }
 
 pub struct BatcherState {
@@ -155,6 +197,11 @@ pub struct BatcherState {
     device_labels: Vec<String>,
     device_kinds: Vec<DeviceKind>,
     device_refs: Vec<Option<ActorRef<DeviceMsg>>>,
+    /// Each device's shared-memory link, while its worker is up.
+    links: Vec<Option<Arc<FastLink>>>,
+    /// Queue depths as last published (published again only when they change).
+    published: Vec<u64>,
+    published_eager: u64,
     pending: HashMap<RequestId, Pending>,
     inflight: HashMap<BatchId, Inflight>,
     next_request: RequestId,
@@ -187,6 +234,9 @@ impl Actor for BatcherActor {
             device_labels: args.devices.iter().map(|(_, l)| l.clone()).collect(),
             device_kinds: args.devices.iter().map(|(k, _)| *k).collect(),
             device_refs: vec![None; args.devices.len()],
+            links: vec![None; args.devices.len()],
+            published: vec![u64::MAX; args.models.len()],
+            published_eager: u64::MAX,
             models: args.models,
             pending: HashMap::new(),
             inflight: HashMap::new(),
@@ -214,6 +264,11 @@ impl Actor for BatcherActor {
                 }
             }
             BatcherMsg::AttachDevice { device, actor } => state.device_refs[device] = Some(actor),
+            BatcherMsg::FastLink { device, link } => {
+                if link.device() == device {
+                    state.links[device] = Some(link);
+                }
+            }
             BatcherMsg::DeviceUp { device } => {
                 tracing::info!(device = %state.device_labels[device], "device ready");
                 state.scheduler.set_healthy(device, true);
@@ -241,6 +296,18 @@ impl Actor for BatcherActor {
             }
             BatcherMsg::Outstanding(port) => {
                 let _ = port.send(state.pending.len());
+            }
+            BatcherMsg::SetDrained { device, drained } => {
+                state.scheduler.set_drained(device, drained);
+            }
+            BatcherMsg::Reconfigure {
+                config,
+                max_attempts,
+                grids,
+                port,
+            } => {
+                state.reconfigure(config, max_attempts, grids);
+                let _ = port.send(());
             }
         }
         state.run_actions(Instant::now());
@@ -306,9 +373,10 @@ impl BatcherState {
             deadline: sub.deadline,
         };
         let name = self.models[model].name.clone();
+        let lens = queued.lens.clone();
         match self.scheduler.enqueue(queued) {
             Ok(placement) => {
-                self.metrics.request_accepted();
+                self.metrics.observe_items(&name, &lens);
                 if placement.eager > 0 {
                     self.metrics.eager_request(&name, EagerReason::SeqTooLong);
                 }
@@ -329,6 +397,8 @@ impl BatcherState {
                         compute_us: 0,
                         batches: 0,
                         shown: None,
+                        stamps: sub.stamps,
+                        last: BatchStamps::default(),
                     },
                 );
             }
@@ -351,7 +421,7 @@ impl BatcherState {
     }
 
     fn reject(&self, sub: Submission, code: ErrorCode, message: String) {
-        self.metrics.error(code);
+        self.metrics.model_error(&self.models[sub.model].name, code);
         let _ = sub.reply.send(Reply::error(sub.client_id, code, message));
     }
 
@@ -359,7 +429,7 @@ impl BatcherState {
     fn fail(&mut self, id: RequestId, code: ErrorCode, message: &str) {
         self.scheduler.finish(id);
         if let Some(p) = self.pending.remove(&id) {
-            self.metrics.error(code);
+            self.metrics.model_error(&self.models[p.model].name, code);
             let _ = p.reply.send(Reply::error(p.client_id, code, message));
         }
     }
@@ -391,6 +461,7 @@ impl BatcherState {
                         let f = self.inflight.get_mut(&batch).expect("present");
                         f.device = device;
                         f.attempt += 1;
+                        f.dispatched_ns = mono_ns();
                         let (b, attempt) = (f.batch.clone(), f.attempt);
                         self.metrics.batch_retried();
                         self.send_to_device(device, b, attempt);
@@ -444,12 +515,20 @@ impl BatcherState {
                 device,
                 attempt: 1,
                 batch: batch.clone(),
+                dispatched_ns: mono_ns(),
             },
         );
         self.send_to_device(device, batch, 1);
     }
 
+    /// Through the device's shared-memory ring when it takes the batch, else
+    /// through its device actor (and the worker's socket).
     fn send_to_device(&mut self, device: DeviceId, batch: Arc<Batch>, attempt: u32) {
+        if let Some(link) = &self.links[device] {
+            if link.send(&batch, attempt) {
+                return;
+            }
+        }
         match &self.device_refs[device] {
             Some(actor) => {
                 // A send to a stopped actor fails; the DeviceDown that follows re-dispatches.
@@ -460,10 +539,13 @@ impl BatcherState {
     }
 
     fn batch_done(&mut self, device: DeviceId, batch: BatchId, attempt: u32, output: BatchOutput) {
+        let back_ns = mono_ns();
         let BatchOutput {
             data: output,
             output_dim,
             compute_us,
+            started_ns,
+            finished_ns,
         } = output;
         let Some(f) = self.inflight.get(&batch) else {
             return;
@@ -473,6 +555,12 @@ impl BatcherState {
         }
         let f = self.inflight.remove(&batch).expect("present");
         self.scheduler.completed(device);
+        let stamps = BatchStamps {
+            dispatched_ns: f.dispatched_ns,
+            started_ns,
+            finished_ns,
+            back_ns,
+        };
         let b = &f.batch;
         let row_bytes = output_dim * 4;
         if output.len() != b.rows * row_bytes {
@@ -514,6 +602,7 @@ impl BatcherState {
             }
             p.compute_us += compute_us;
             p.batches += 1;
+            p.last = stamps;
             if p.shown.as_ref().is_none_or(|s| shape > *s) {
                 p.shown = Some(shape.clone());
             }
@@ -541,6 +630,7 @@ impl BatcherState {
             return;
         };
         let rows = p.rows();
+        let hops = p.hops();
         let data = match p.output {
             Output::Whole(b) => b,
             Output::Assembling(v) => Bytes::from(v),
@@ -560,14 +650,13 @@ impl BatcherState {
             shown.bucket.map_or("eager".to_string(), |b| b.to_string()),
             self.device_labels[shown.device].clone(),
         );
-        if let Some(b) = shown.bucket {
-            self.metrics.bucket_request(&self.models[p.model].name, b);
-        }
         let now = Instant::now();
         let queued_us = p
             .dispatched
             .map_or(0, |d| d.duration_since(p.received).as_micros() as u64);
         let total_us = now.duration_since(p.received).as_micros() as u64;
+        self.metrics
+            .model_reply(&self.models[p.model].name, shown.bucket, total_us);
         self.metrics
             .reply_ok(total_us, queued_us, p.compute_us, p.batches);
         let _ = p.reply.send(Reply::Ok {
@@ -579,6 +668,7 @@ impl BatcherState {
             compute_us: p.compute_us,
             total_us,
             batches: p.batches,
+            hops,
         });
     }
 
@@ -605,8 +695,26 @@ impl BatcherState {
     }
 
     fn device_down(&mut self, device: DeviceId, reason: &str) {
-        tracing::warn!(device = %self.device_labels[device], "device down: {reason}");
+        let held = self
+            .inflight
+            .values()
+            .filter(|f| f.device == device)
+            .count();
+        if self.scheduler.is_draining() && held == 0 {
+            // A clean stop (daemon shutdown): nothing to say.
+            tracing::debug!(device = %self.device_labels[device], "device down: {reason}");
+        } else if held == 0 {
+            tracing::info!(device = %self.device_labels[device], "device down: {reason}");
+        } else {
+            tracing::warn!(
+                device = %self.device_labels[device],
+                batches = held,
+                "device down: {reason}; re-dispatching its batches"
+            );
+        }
         self.scheduler.set_healthy(device, false);
+        // Its ring goes with its worker; what it held is re-dispatched below.
+        self.links[device] = None;
         let mut lost: Vec<BatchId> = self
             .inflight
             .iter()
@@ -630,6 +738,35 @@ impl BatcherState {
             } else {
                 self.scheduler.retry(id, self.device_kinds[device]);
             }
+        }
+    }
+
+    /// A reload: new limits, and new grids whose queued items move lanes.
+    fn reconfigure(
+        &mut self,
+        config: SchedulerConfig,
+        max_attempts: u32,
+        grids: Vec<(usize, Grid)>,
+    ) {
+        self.scheduler.set_config(config);
+        self.max_attempts = max_attempts;
+        for (model, grid) in grids {
+            let largest = {
+                let failed = self.scheduler.set_grid(model, grid.clone());
+                let largest = self.scheduler.largest(model);
+                for id in failed {
+                    self.fail(
+                        id,
+                        ErrorCode::TooLong,
+                        &format!(
+                            "after a reload, an item is longer than the largest bucket {largest} holds, and no eager worker is configured"
+                        ),
+                    );
+                }
+                largest
+            };
+            tracing::info!(model = %self.models[model].name, grid = %grid.describe(), %largest, "new grid in force");
+            self.models[model].grid = grid;
         }
     }
 
@@ -660,12 +797,19 @@ impl BatcherState {
         myself.send_after(delay, || BatcherMsg::Tick);
     }
 
-    fn publish_depths(&self) {
+    /// Publishes the queue depths that changed since the last message.
+    fn publish_depths(&mut self) {
         for (i, m) in self.models.iter().enumerate() {
-            self.metrics
-                .set_queue_depth(&m.name, self.scheduler.queued_for_model(i) as u64);
+            let depth = self.scheduler.queued_for_model(i) as u64;
+            if self.published[i] != depth {
+                self.published[i] = depth;
+                self.metrics.set_queue_depth(&m.name, depth);
+            }
         }
-        self.metrics
-            .set_eager_queue_depth(self.scheduler.queued_eager() as u64);
+        let eager = self.scheduler.queued_eager() as u64;
+        if self.published_eager != eager {
+            self.published_eager = eager;
+            self.metrics.set_eager_queue_depth(eager);
+        }
     }
 }

@@ -45,7 +45,12 @@
 //!   rule). So a huge request advances by at least one batch per round and
 //!   the small requests queued behind it get the next batch instead of
 //!   waiting for all of it; requests arriving later still queue behind it.
-//! * Batches go to the least-loaded healthy device with room (`max_inflight`).
+//! * Batches go to the least-loaded healthy device with room (`max_inflight`)
+//!   that is not drained (a drained device finishes what it holds; queued
+//!   work is the model's, not the device's, so it goes elsewhere).
+//! * A reload may replace a model's grid ([`Scheduler::set_grid`]): its
+//!   queued items move, in their order and keeping their age, to the lanes
+//!   of the new grid.
 //! * Batches whose worker died are retried before anything else.
 //! * A request's deadline holds until it is answered: at the deadline its
 //!   queued items are dropped and [`Action::Expire`] says so, whether or not
@@ -175,6 +180,8 @@ pub enum Action {
 struct DeviceSlot {
     kind: DeviceKind,
     healthy: bool,
+    /// Drained by the operator: no new batches (what it holds finishes).
+    drained: bool,
     inflight: usize,
     /// Batches ever sent, to spread ties evenly over devices.
     dispatched: u64,
@@ -334,6 +341,7 @@ impl Scheduler {
         self.devices.push(DeviceSlot {
             kind,
             healthy: false,
+            drained: false,
             inflight: 0,
             dispatched: 0,
         });
@@ -349,6 +357,91 @@ impl Scheduler {
         if !healthy {
             slot.inflight = 0;
         }
+    }
+
+    /// Drains a device (no new batches, retries included) or takes it back.
+    /// Unlike [`Self::set_healthy`] this keeps its in-flight count: what it
+    /// holds finishes there.
+    pub fn set_drained(&mut self, device: DeviceId, drained: bool) {
+        self.devices[device].drained = drained;
+    }
+
+    /// Replaces the scheduling limits (a reload).
+    pub fn set_config(&mut self, config: SchedulerConfig) {
+        self.config = config;
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Replaces a model's grid (a reload). Its queued items move to the
+    /// lanes of the new grid in their order, each request keeping its place
+    /// (priority, then arrival) and its age. Returns the requests that now
+    /// hold an item no graph of the new grid holds while there is no eager
+    /// worker: they are forgotten here and the caller answers them `too_long`.
+    pub fn set_grid(&mut self, model: usize, grid: Grid) -> Vec<RequestId> {
+        self.grids[model] = grid;
+        let old = std::mem::take(&mut self.queues[model]);
+        // Every queued entry of the model, merged per request.
+        let mut moved: BTreeMap<RequestId, (QueueKey, Instant, Vec<Item>)> = BTreeMap::new();
+        for (_, queue) in old {
+            for (key, entry) in queue.entries {
+                let e = moved
+                    .entry(entry.request)
+                    .or_insert((key, entry.arrived, Vec::new()));
+                e.0 = e.0.min(key);
+                e.2.extend(entry.items);
+            }
+        }
+        let mut failed = Vec::new();
+        for (id, (key, arrived, mut items)) in moved {
+            let Some(r) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            if r.graph_slots() > 0 {
+                self.queued_per_model[model] -= 1;
+            }
+            if r.slots.iter().any(|(lane, _)| *lane == Lane::Eager) {
+                self.queued_eager -= 1;
+            }
+            r.slots.clear();
+            items.sort_by_key(|i| i.index);
+            let mut lanes: BTreeMap<Lane, Vec<Item>> = BTreeMap::new();
+            for item in items {
+                let lane = self.lane_for(model, item.len as usize);
+                lanes.entry(lane).or_default().push(item);
+            }
+            if lanes.contains_key(&Lane::Eager) && !self.has_eager_devices() {
+                self.finish(id);
+                failed.push(id);
+                continue;
+            }
+            let mut slots = Vec::new();
+            for (lane, items) in lanes {
+                let tokens = items.iter().map(|i| i.cost()).sum();
+                self.queues[model].entry(lane).or_default().insert(
+                    key,
+                    Entry {
+                        request: id,
+                        arrived,
+                        items,
+                        tokens,
+                    },
+                );
+                slots.push((lane, key));
+            }
+            if slots.iter().any(|(lane, _)| *lane != Lane::Eager) {
+                self.queued_per_model[model] += 1;
+            }
+            if slots.iter().any(|(lane, _)| *lane == Lane::Eager) {
+                self.queued_eager += 1;
+            }
+            if let Some(r) = self.requests.get_mut(&id) {
+                r.slots = slots;
+            }
+        }
+        failed
     }
 
     pub fn has_eager_devices(&self) -> bool {
@@ -627,7 +720,9 @@ impl Scheduler {
         self.devices
             .iter()
             .enumerate()
-            .filter(|(_, d)| d.kind == kind && d.healthy && d.inflight < self.config.max_inflight)
+            .filter(|(_, d)| {
+                d.kind == kind && d.healthy && !d.drained && d.inflight < self.config.max_inflight
+            })
             .min_by_key(|(i, d)| (d.inflight, d.dispatched, *i))
             .map(|(i, _)| i)
     }
@@ -1528,5 +1623,100 @@ mod tests {
             (0, 0, 0, 0)
         );
         assert_eq!(s.next_wakeup(t0), None);
+    }
+
+    #[test]
+    fn a_drained_device_gets_no_new_batches_and_keeps_its_count() {
+        let mut s = scheduler();
+        let a = with_device(&mut s, DeviceKind::Graph);
+        let b = with_device(&mut s, DeviceKind::Graph);
+        let t0 = Instant::now();
+        s.enqueue(req(1, 0, 1, 1, t0)).unwrap();
+        assert_eq!(dispatched(&s.poll(t0))[0].0, a);
+        s.set_drained(a, true);
+        assert_eq!(s.inflight(a), 1);
+        for id in 2..6 {
+            s.enqueue(req(id, 0, 1, 1, t0)).unwrap();
+        }
+        let out = dispatched(&s.poll(t0 + Duration::from_millis(1)));
+        assert!(out.iter().all(|(d, _)| *d == b), "{out:?}");
+        // Retries avoid it too.
+        s.retry(99, DeviceKind::Graph);
+        s.completed(b);
+        s.completed(b);
+        let acts = s.poll(t0 + Duration::from_millis(1));
+        assert!(
+            acts.contains(&Action::Redispatch {
+                device: b,
+                batch: 99
+            }),
+            "{acts:?}"
+        );
+        // Undrained, it takes work again.
+        s.set_drained(a, false);
+        s.completed(a);
+        s.enqueue(req(7, 0, 8, 1, t0)).unwrap();
+        assert!(dispatched(&s.poll(t0 + Duration::from_millis(2)))
+            .iter()
+            .any(|(d, _)| *d == a));
+    }
+
+    #[test]
+    fn a_new_grid_moves_queued_items_to_its_lanes_in_order() {
+        let mut s = scheduler();
+        let t0 = Instant::now();
+        // Model 1 (padded, seq 16/32/64): no device yet, so everything queues.
+        s.enqueue(seqs(1, 1, &[10, 30, 60], t0)).unwrap();
+        s.enqueue(seqs(2, 1, &[20], t0 + Duration::from_micros(1)))
+            .unwrap();
+        assert_eq!(s.queued_for_model(1), 2);
+        // The new grid: seq 24 and 64; batch 1, 2, 4.
+        let failed = s.set_grid(
+            1,
+            Grid::Padded(BucketGrid::new(vec![1, 2, 4], vec![24, 64])),
+        );
+        assert!(failed.is_empty());
+        assert_eq!((s.queued_for_model(1), s.queued_items(1)), (2, 4));
+        with_device(&mut s, DeviceKind::Graph);
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            for (_, plan) in dispatched(&s.poll(t0 + Duration::from_millis(1))) {
+                got.push((plan.bucket, plan.parts));
+            }
+            s.completed(0);
+            s.completed(0);
+        }
+        got.sort_by_key(|(b, _)| *b);
+        assert_eq!(
+            got,
+            vec![
+                (Some(Bucket::new(2, 24)), vec![part(1, [0]), part(2, [0])]),
+                (Some(Bucket::new(2, 64)), vec![part(1, [1, 2])]),
+            ]
+        );
+        assert_eq!(s.queued(), 0);
+        // Items that no longer fit any graph: too long without eager workers.
+        s.enqueue(seqs(3, 1, &[50], t0)).unwrap();
+        let failed = s.set_grid(1, Grid::Padded(BucketGrid::new(vec![1], vec![16])));
+        assert_eq!(failed, vec![3]);
+        assert_eq!((s.queued(), s.live(), s.queued_for_model(1)), (0, 2, 0));
+    }
+
+    #[test]
+    fn a_packed_grid_change_moves_eager_items_back_to_graphs() {
+        let mut s = scheduler();
+        let t0 = Instant::now();
+        with_device(&mut s, DeviceKind::Eager);
+        // 100 tokens: above the largest budget (64), so eager.
+        s.enqueue(seqs(1, 2, &[10, 100], t0)).unwrap();
+        assert_eq!((s.queued_for_model(2), s.queued_eager()), (1, 1));
+        let failed = s.set_grid(2, Grid::Packed(TokenGrid::new(vec![32, 128], 4)));
+        assert!(failed.is_empty());
+        assert_eq!((s.queued_for_model(2), s.queued_eager()), (1, 0));
+        with_device(&mut s, DeviceKind::Graph);
+        let out = dispatched(&s.poll(t0 + Duration::from_millis(1)));
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].1.bucket, Some(Bucket::packed(128, 4)));
+        assert_eq!(out[0].1.parts, vec![part(1, [0, 1])]);
     }
 }

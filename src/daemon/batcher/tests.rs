@@ -140,6 +140,7 @@ fn submit_input(
             deadline,
             output_dtype: DType::F32,
             reply: tx,
+            stamps: Default::default(),
         }))
         .unwrap();
     rx
@@ -186,6 +187,8 @@ fn output_for(batch: &Batch) -> BatchOutput {
         data: crate::tensor::f32s_to_le(&values),
         output_dim: 1,
         compute_us: 7,
+        started_ns: 0,
+        finished_ns: 0,
     }
 }
 
@@ -668,6 +671,8 @@ async fn a_reply_of_the_wrong_size_fails_the_batch_not_the_daemon() {
                 data: crate::tensor::f32s_to_le(&[1.0]),
                 output_dim: 1,
                 compute_us: 1,
+                started_ns: 0,
+                finished_ns: 0,
             },
         })
         .unwrap();

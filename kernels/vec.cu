@@ -1,0 +1,215 @@
+// Vectorised memory-bound kernels: LayerNorm (residual add + LN, embedding
+// gather + LN) with one warp per row, and the element-wise bias/activation
+// with 8 values per thread. Same results as layernorm.cu / elementwise.cu
+// (f32 arithmetic, two-pass variance) up to the order of the f32 sums.
+//
+// * add_ln_vec_<t>, embed_ln_vec_<t>: LNV_WARPS rows per block, one per
+//   warp; lane l holds the 4-value vectors l, l + 32, ... of its row in
+//   registers (8-byte loads for f16/bf16, 16-byte for f32), so the row is
+//   read once and the reductions are warp shuffles (no __syncthreads, no
+//   shared memory). Requires hidden % 4 == 0 and hidden <= 32 * 4 * LNV_J
+//   (checked by the host).
+// * bias_act_vec_<t>: y = act(x + bias) for same-type input and output, 8
+//   values per thread and step (one 16-byte load for f16/bf16); requires
+//   n % 8 == 0 and, with a bias, cols % 8 == 0 (a vector never straddles
+//   two rows). `y` may alias `x`. Grid-stride; the host caps the grid.
+//
+// Uses unpack2 and load_vec from skinny.cu (one translation unit, it comes first).
+
+#define LNV_WARPS 4
+#define LNV_THREADS (32 * LNV_WARPS)
+#define LNV_J 8  // 4-value vectors per lane: hidden <= 1024
+
+__device__ __forceinline__ void ld4(const float* p, float (&v)[4]) { load_vec(p, v); }
+
+template <typename T>
+__device__ __forceinline__ void ld4(const T* p, float (&v)[4]) {
+    const uint2 q = *reinterpret_cast<const uint2*>(p);
+    unpack2(q.x, T(), v + 0);
+    unpack2(q.y, T(), v + 2);
+}
+
+__device__ __forceinline__ void st4(float* p, const float (&v)[4]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+template <typename T>
+__device__ __forceinline__ void st4(T* p, const float (&v)[4]) {
+    uint2 q;
+    q.x = (unsigned)from_f32<T>(v[0]).bits | ((unsigned)from_f32<T>(v[1]).bits << 16);
+    q.y = (unsigned)from_f32<T>(v[2]).bits | ((unsigned)from_f32<T>(v[3]).bits << 16);
+    *reinterpret_cast<uint2*>(p) = q;
+}
+
+// LayerNorm of the row a warp holds in v (vectors lane + 32 j), written to out.
+template <typename T>
+__device__ __forceinline__ void lnv_finish(float (&v)[LNV_J][4], int hidden, const T* __restrict__ gamma,
+                                           const T* __restrict__ beta, float eps, T* out) {
+    const int lane = threadIdx.x & 31;
+    const int nv = hidden >> 2;
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < LNV_J; j++)
+        if (lane + 32 * j < nv) s += (v[j][0] + v[j][1]) + (v[j][2] + v[j][3]);
+    const float mean = warp_sum(s) / (float)hidden;
+    float q = 0.0f;
+#pragma unroll
+    for (int j = 0; j < LNV_J; j++) {
+        if (lane + 32 * j < nv) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float d = v[j][e] - mean;
+                q += d * d;
+            }
+        }
+    }
+    const float rstd = 1.0f / sqrtf(warp_sum(q) / (float)hidden + eps);
+#pragma unroll
+    for (int j = 0; j < LNV_J; j++) {
+        const int qi = lane + 32 * j;
+        if (qi < nv) {
+            const int c = 4 * qi;
+            float gm[4], bt[4], o[4];
+            ld4(gamma + c, gm);
+            ld4(beta + c, bt);
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[e] = (v[j][e] - mean) * rstd * gm[e] + bt[e];
+            st4(out + c, o);
+        }
+    }
+}
+
+// out = LayerNorm(x + residual), `rows` rows; `out` may alias `residual`
+// (each value is read by the lane that later writes it).
+template <typename T>
+__device__ __forceinline__ void add_ln_vec_impl(const T* __restrict__ x, const T* residual,
+                                                const T* __restrict__ gamma, const T* __restrict__ beta, float eps,
+                                                T* out, int rows, int hidden) {
+    const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;  // warp-uniform; nothing below synchronises the block
+    const int lane = threadIdx.x & 31;
+    const int nv = hidden >> 2;
+    const size_t base = (size_t)row * hidden;
+    float v[LNV_J][4];
+#pragma unroll
+    for (int j = 0; j < LNV_J; j++) {
+        const int qi = lane + 32 * j;
+        if (qi < nv) {
+            float a[4], b[4];
+            ld4(x + base + 4 * qi, a);
+            ld4(residual + base + 4 * qi, b);
+#pragma unroll
+            for (int e = 0; e < 4; e++) v[j][e] = a[e] + b[e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) v[j][e] = 0.0f;
+        }
+    }
+    lnv_finish<T>(v, hidden, gamma, beta, eps, out + base);
+}
+
+// out[r] = LayerNorm(word[ids[r]] + pos[p] + token_type[types[r]]) with
+// p = positions[r] (packed programs) or r % seq (padded: positions is null).
+// Ids, positions and types are clamped into their tables, as embed_ln and
+// embed_ln_packed do.
+template <typename T>
+__device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, const int* __restrict__ types,
+                                                  const int* __restrict__ positions, const T* __restrict__ word,
+                                                  const T* __restrict__ pos, const T* __restrict__ ttab,
+                                                  const T* __restrict__ gamma, const T* __restrict__ beta, float eps,
+                                                  T* __restrict__ out, int rows, int seq, int hidden, int vocab,
+                                                  int npos, int ntypes) {
+    const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const int nv = hidden >> 2;
+    const int id = min(max(ids[row], 0), vocab - 1);
+    const int tt = min(max(types[row], 0), ntypes - 1);
+    const int p = positions != 0 ? min(max(positions[row], 0), npos - 1) : min(row % seq, npos - 1);
+    const T* w = word + (size_t)id * hidden;
+    const T* ps = pos + (size_t)p * hidden;
+    const T* ty = ttab + (size_t)tt * hidden;
+    float v[LNV_J][4];
+#pragma unroll
+    for (int j = 0; j < LNV_J; j++) {
+        const int qi = lane + 32 * j;
+        if (qi < nv) {
+            float a[4], b[4], c[4];
+            ld4(w + 4 * qi, a);
+            ld4(ps + 4 * qi, b);
+            ld4(ty + 4 * qi, c);
+#pragma unroll
+            for (int e = 0; e < 4; e++) v[j][e] = a[e] + b[e] + c[e];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) v[j][e] = 0.0f;
+        }
+    }
+    lnv_finish<T>(v, hidden, gamma, beta, eps, out + (size_t)row * hidden);
+}
+
+template <typename T>
+__device__ __forceinline__ void ld8(const T* p, float (&v)[8]) {
+    load_vec(p, v);
+}
+__device__ __forceinline__ void ld8(const float* p, float (&v)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+template <typename T>
+__device__ __forceinline__ void st8(T* p, const float (&v)[8]) {
+    uint4 q;
+    q.x = (unsigned)from_f32<T>(v[0]).bits | ((unsigned)from_f32<T>(v[1]).bits << 16);
+    q.y = (unsigned)from_f32<T>(v[2]).bits | ((unsigned)from_f32<T>(v[3]).bits << 16);
+    q.z = (unsigned)from_f32<T>(v[4]).bits | ((unsigned)from_f32<T>(v[5]).bits << 16);
+    q.w = (unsigned)from_f32<T>(v[6]).bits | ((unsigned)from_f32<T>(v[7]).bits << 16);
+    *reinterpret_cast<uint4*>(p) = q;
+}
+__device__ __forceinline__ void st8(float* p, const float (&v)[8]) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+template <typename T>
+__device__ __forceinline__ void bias_act_vec_impl(const T* x, const T* __restrict__ bias, T* y, int n, int cols,
+                                                  int act) {
+    const int items = n >> 3;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += gridDim.x * blockDim.x) {
+        const size_t e0 = (size_t)i * 8;
+        float v[8];
+        ld8(x + e0, v);
+        if (bias != 0) {
+            float b[8];
+            ld8(bias + (int)(e0 % (size_t)cols), b);
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] += b[e];
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = apply_act(v[e], act);
+        st8(y + e0, v);
+    }
+}
+
+#define VEC_KERNELS(T, SUF)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(LNV_THREADS)                                                   \
+        add_ln_vec_##SUF(const T* x, const T* residual, const T* gamma, const T* beta, float eps, T* out,       \
+                         int rows, int hidden) {                                                                \
+        add_ln_vec_impl<T>(x, residual, gamma, beta, eps, out, rows, hidden);                                   \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(LNV_THREADS)                                                   \
+        embed_ln_vec_##SUF(const int* ids, const int* types, const int* positions, const T* word, const T* pos, \
+                           const T* ttab, const T* gamma, const T* beta, float eps, T* out, int rows, int seq,  \
+                           int hidden, int vocab, int npos, int ntypes) {                                       \
+        embed_ln_vec_impl<T>(ids, types, positions, word, pos, ttab, gamma, beta, eps, out, rows, seq, hidden,  \
+                             vocab, npos, ntypes);                                                              \
+    }                                                                                                           \
+    extern "C" __global__ void bias_act_vec_##SUF(const T* x, const T* bias, T* y, int n, int cols, int act) {  \
+        bias_act_vec_impl<T>(x, bias, y, n, cols, act);                                                         \
+    }
+
+VEC_KERNELS(float, f32)
+VEC_KERNELS(f16_t, f16)
+VEC_KERNELS(bf16_t, bf16)

@@ -1,0 +1,225 @@
+#!/usr/bin/env bash
+# The host-path benchmark of issue 10 (targets 1 and 3), in one run on a GPU
+# machine, with one table of figures and ratios at the end. Builds nothing:
+# it runs the binaries and the f16 all-MiniLM-L6-v2 that scripts/gpu-carry.sh
+# stages under .carry/ (the GPU machine has no cargo and no network).
+#
+#   scripts/bench-host.sh                          # on the GPU machine, ~3 minutes
+#   BENCH_BACKEND=cpu scripts/bench-host.sh        # dry run of the same flow, no GPU
+#
+# Steps: (1) sentence-transformers encode(batch_size=512) on the realistic
+# corpus, f16 and f32 (scripts/st_baseline.py; the faster is the baseline);
+# (2) replayd on GPU 0 serving MiniLM f16 (packed batching) over tcp
+# loopback: target 1, one 12–16-token text at a time from one client (p50,
+# p99 and the replies' own per-hop timings), then target 3, the corpus one
+# text per request from 256 concurrent requests over 16 sockets (texts/s,
+# p99); (3) the same target-3 load on the null backend (computes nothing):
+# the host path's own ceiling on this CPU; (4) replayd-hostbench: each host
+# stage's figures on this CPU. Results: $OUT/bench-host.md and JSON beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/bench-host}
+mkdir -p "$OUT"
+BACKEND=${BENCH_BACKEND:-cuda}
+T1_SECONDS=${T1_SECONDS:-15}
+T3_SECONDS=${T3_SECONDS:-20}
+T3_CONCURRENCY=${T3_CONCURRENCY:-256}
+T3_SOCKETS=${T3_SOCKETS:-16}
+ST_BUDGET=${ST_BUDGET:-60}
+BIN=${BENCH_BIN:-}
+if [ -z "$BIN" ]; then  # binaries staged by scripts/gpu-carry.sh
+  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
+fi
+MODEL=${BENCH_MODEL:-}
+if [ -z "$MODEL" ]; then  # the f16 copy staged by scripts/gpu-carry.sh, unpacked
+  MODEL=/tmp/minilm-f16
+  if [ ! -f "$MODEL/model.safetensors" ]; then
+    rm -rf "$MODEL"; cp -R .carry/minilm-f16 "$MODEL"; xz -d "$MODEL/model.safetensors.xz"
+  fi
+fi
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export REPLAYD_LOG=${REPLAYD_LOG:-info}
+WORK=$(mktemp -d)
+FAILED=0
+T0=$(date +%s)
+log() { echo "[bench-host +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/bench-host.log"; }
+fail() { log "FAIL: $*"; FAILED=1; }
+DAEMON=""
+cleanup() { [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+log "commit $(cat .carry/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null), backend $BACKEND, $(nproc) cores"
+if [ "$BACKEND" = cuda ]; then
+  nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/nvidia-smi.csv" 2>&1
+fi
+lscpu > "$OUT/lscpu.txt" 2>&1
+
+# Texts: the realistic corpus, and 2,000 texts of 10–14 vocabulary words
+# (12–16 tokens with [CLS] and [SEP]; each such word is one WordPiece token).
+python3 scripts/make-corpus.py --vocab "$MODEL/vocab.txt" "$WORK/corpus.jsonl" 2>&1 | tee -a "$OUT/bench-host.log"
+python3 - "$MODEL/vocab.txt" "$WORK/short.jsonl" <<'PY'
+import json, random, sys
+words = [w for w in (l.rstrip("\n") for l in open(sys.argv[1], encoding="utf-8")) if w.isalpha() and len(w) > 2]
+rng = random.Random(11)
+with open(sys.argv[2], "w") as f:
+    for _ in range(2000):
+        f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(10, 14)))}) + "\n")
+PY
+
+# --- 1. the sentence-transformers baseline (before replayd holds the GPU)
+if [ "$BACKEND" = cuda ]; then
+  log "sentence-transformers encode(batch_size=512)"
+  PYTHONUNBUFFERED=1 timeout $((ST_BUDGET + 30)) python3 scripts/st_baseline.py "$MODEL" "$WORK/corpus.jsonl" \
+    "$OUT/st_baseline.json" "$ST_BUDGET" > "$OUT/st_baseline.log" 2>&1 || fail "st_baseline (see st_baseline.log)"
+fi
+
+start_daemon() { # name, devices TOML
+  local name=$1 devices=$2
+  rm -f "$WORK/ready.json"
+  cat > "$WORK/$name.toml" <<TOML
+[server]
+endpoint = "tcp://127.0.0.1:0"
+control_endpoint = "ipc://$WORK/control.sock"
+runtime_dir = "$WORK/run"
+
+[devices]
+$devices
+
+[[models]]
+name = "minilm"
+kind = "bert"
+path = "$MODEL"
+dtype = "f16"
+batching = "packed"
+TOML
+  "$BIN/replayd" --config "$WORK/$name.toml" --ready-file "$WORK/ready.json" > "$OUT/replayd_$name.log" 2>&1 &
+  DAEMON=$!
+  for _ in $(seq 1 900); do [ -f "$WORK/ready.json" ] && break; kill -0 "$DAEMON" 2>/dev/null || break; sleep 0.2; done
+  if [ ! -f "$WORK/ready.json" ]; then
+    fail "replayd ($name) did not become ready"; tail -30 "$OUT/replayd_$name.log"; return 1
+  fi
+  ENDPOINT=$(python3 -c "import json; print(json.load(open('$WORK/ready.json'))['endpoint'])")
+  log "replayd ($name) ready on $ENDPOINT"
+}
+stop_daemon() {
+  "$BIN/replayctl" --control "ipc://$WORK/control.sock" stats --json > "$OUT/stats_$1.json" 2>/dev/null
+  kill -TERM "$DAEMON"; wait "$DAEMON"; DAEMON=""
+}
+load() { # name, args...
+  local name=$1; shift
+  if "$BIN/replayd-loadgen" --endpoint "$ENDPOINT" --model minilm --json "$OUT/load_$name.json" "$@" \
+      > "$OUT/load_$name.log" 2>&1; then
+    log "load $name: $(grep -v '^{' "$OUT/load_$name.log" | tail -3 | tr '\n' ' ')"
+  else
+    fail "load $name (see load_$name.log)"; tail -5 "$OUT/load_$name.log"
+  fi
+}
+
+# --- 2. replayd on the GPU: targets 1 and 3
+if [ "$BACKEND" = cuda ]; then GPU_DEVICES='backend = "cuda"
+gpus = [0]'; else GPU_DEVICES='backend = "cpu"
+cpu_devices = 1'; fi
+if start_daemon gpu "$GPU_DEVICES"; then
+  log "target 1: one short text at a time, one client"
+  load t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2
+  log "target 3: the corpus, one text per request, $T3_CONCURRENCY concurrent over $T3_SOCKETS sockets"
+  load t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
+    --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
+  stop_daemon gpu
+fi
+
+# --- 3. the host path's ceiling: the same load, a device that computes nothing
+if start_daemon null 'backend = "null"
+cpu_devices = 1'; then
+  load null_t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration 5 --warmup 1
+  load null_t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
+    --duration 10 --warmup 2
+  stop_daemon null
+fi
+
+# --- 4. each host stage on this CPU
+if [ -x "$BIN/replayd-hostbench" ]; then
+  log "replayd-hostbench"
+  timeout 120 "$BIN/replayd-hostbench" --model "$MODEL" --replayd "$BIN/replayd" --seconds 1 --iters 3000 \
+    --json "$OUT/hostbench.json" > "$OUT/hostbench.md" 2> "$OUT/hostbench.log" || fail "hostbench (see hostbench.log)"
+fi
+
+# --- the table
+python3 - "$OUT" "$BACKEND" "$(cat .carry/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)" \
+    "$T3_CONCURRENCY" "$T3_SOCKETS" > "$OUT/bench-host.md" <<'PY' || FAILED=1
+import datetime, json, os, sys
+out, backend, commit, conc, sockets = sys.argv[1:6]
+def load(name):
+    p = os.path.join(out, name)
+    return json.load(open(p)) if os.path.exists(p) else None
+gpu = "n/a"
+if os.path.exists(os.path.join(out, "nvidia-smi.csv")):
+    lines = open(os.path.join(out, "nvidia-smi.csv")).read().splitlines()
+    gpu = lines[1].split(",")[1].strip() if len(lines) > 1 else "n/a"
+print(f"# replayd host-path benchmark\n\ndate: {datetime.datetime.utcnow():%Y-%m-%dT%H:%M:%SZ}  commit: {commit}  "
+      f"backend: {backend}  GPU: {gpu}  cores: {os.cpu_count()}\n")
+t1, t3, st = load("load_t1.json"), load("load_t3.json"), load("st_baseline.json") or {}
+n1, n3 = load("load_null_t1.json"), load("load_null_t3.json")
+# A run with no counted reply (all in its warm-up) has no figures.
+t1, t3, n1, n3 = [d if d and d["ok"] > 0 else None for d in (t1, t3, n1, n3)]
+def errs(d):
+    return sum(d["errors"].values()) + d.get("stray_replies", 0) if d else None
+def fmt(v, nd=0):
+    return "n/a" if v is None else f"{v:,.{nd}f}"
+print("| target | measured | goal | ratio to goal | met |")
+print("|---|---|---|---|---|")
+def row(name, value, goal, lower_is_better, unit):
+    if value is None:
+        print(f"| {name} | n/a | {goal:,} {unit} | | |"); return
+    ratio = goal / max(value, 1e-9) if lower_is_better else value / goal
+    shown = f"{value:,.0f}" if value >= 100 else f"{value:,.2f}"
+    print(f"| {name} | {shown} {unit} | {'≤' if lower_is_better else '≥'} {goal:,} {unit} | {ratio:.2f}× | {'yes' if ratio >= 1 else 'no'} |")
+row("1. one short text, one client: p50", t1 and t1["latency_us"]["p50"], 200, True, "µs")
+row("1. one short text, one client: p99", t1 and t1["latency_us"]["p99"], 500, True, "µs")
+base = st.get("best_texts_per_s")
+rate = t3 and t3.get("texts_per_s")
+if base and rate:
+    print(f"| 3. corpus, 1 text/request, {conc} concurrent / {sockets} sockets: texts/s vs sentence-transformers "
+          f"({st.get('best_dtype')}, {base:,.0f} texts/s) | {rate:,.0f} texts/s = {rate / base:.1f}× | ≥ 20× | "
+          f"{rate / base / 20:.2f}× | {'yes' if rate / base >= 20 else 'no'} |")
+else:
+    print(f"| 3. corpus texts/s vs sentence-transformers | {fmt(rate)} texts/s (baseline {fmt(base)}) | ≥ 20× | | |")
+row("3. corpus: p99", t3 and t3["latency_us"]["p99"] / 1000, 20, True, "ms")
+print()
+print("## Where the time goes (replies' own per-hop timings, µs)\n")
+names = ["decode", "tokenize", "wait", "to_worker", "device", "back", "reply", "daemon_total"]
+print("| run | client p50 | client p99 | " + " | ".join(f"{n} p50/p99" for n in names) + " | errors |")
+print("|---|---|---|" + "---|" * len(names) + "---|")
+for label, d in [("target 1", t1), ("target 3", t3), ("null, target-1 load", n1), ("null, target-3 load", n3)]:
+    if not d:
+        continue
+    h = d.get("hops_us", {})
+    cells = [f"{h[n]['p50']}/{h[n]['p99']}" if n in h else "n/a" for n in names]
+    print(f"| {label} | {d['latency_us']['p50']} | {d['latency_us']['p99']} | " + " | ".join(cells) + f" | {errs(d)} |")
+print("\nThe client's round trip minus `daemon_total` is the ZeroMQ queues and the wire on both sides.\n")
+print("## Throughput\n")
+print("| run | requests/s | texts/s | p50 µs | p99 µs | padding |")
+print("|---|---|---|---|---|---|")
+for label, d in [("target 3 (GPU)", t3), ("target 3 load, null backend (host ceiling)", n3)]:
+    if d:
+        pad = (d.get("padding") or {}).get("padding_waste")
+        print(f"| {label} | {d['requests_per_s']:,.0f} | {fmt(d.get('texts_per_s'))} | {d['latency_us']['p50']} | "
+              f"{d['latency_us']['p99']} | {'n/a' if pad is None else f'{pad:.1%}'} |")
+if st:
+    print(f"| sentence-transformers encode(batch_size=512) f16 | | {fmt(st.get('f16_texts_per_s'))} | | | |")
+    print(f"| sentence-transformers encode(batch_size=512) f32 | | {fmt(st.get('f32_texts_per_s'))} | | | |")
+hb = os.path.join(out, "hostbench.md")
+if os.path.exists(hb):
+    print("\n## Each host stage on this CPU (replayd-hostbench)\n")
+    print(open(hb).read())
+bad = [n for n, d in [("t1", t1), ("t3", t3), ("null_t1", n1), ("null_t3", n3)] if d and errs(d)]
+if bad:
+    print(f"\nERRORS in {bad}")
+sys.exit(1 if bad else 0)
+PY
+cat "$OUT/bench-host.md"
+# Bundle the details (the device tool returns a few files only).
+( cd "$OUT" && tar -czf "$WORK/details.tar.gz" --exclude bench-host.md --exclude bench-host.log . && \
+  find . -maxdepth 1 -type f ! -name bench-host.md ! -name bench-host.log -delete && mv "$WORK/details.tar.gz" . )
+log "done (failed=$FAILED)"
+exit $FAILED

@@ -1,0 +1,313 @@
+//! The daemon's end of a worker's shared-memory link ([`crate::worker::shm`]):
+//! the batcher writes a batch straight into a free ring slot and rings the
+//! worker ([`FastLink::send`], no actor and no socket driver in between), and
+//! one task per worker generation ([`serve`]) reads the answers off the
+//! doorbell, copies each output out of its slot, frees the slot and hands the
+//! result straight to the batcher.
+//!
+//! The device actor still owns the worker: it creates the ring and the
+//! doorbell before starting the process, makes the link once the worker is
+//! ready, and drops it (with its slots) when the worker exits; the batcher
+//! then re-dispatches what the worker held, exactly as on the socket path
+//! (its attempt and device guards ignore any late answer). A batch that does
+//! not fit a slot, or finds none free, takes the socket through the device
+//! actor instead.
+
+use super::messages::{Batch, BatchOutput, BatcherMsg, DeviceId};
+use super::metrics::Metrics;
+use super::watchdog::Watchdog;
+use crate::worker::link::{FromWorker, ToWorker};
+use crate::worker::shm::{self, Ring};
+use ractor::ActorRef;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+/// Which batch holds each slot; the free ones.
+struct Slots {
+    free: Vec<u32>,
+    held: Vec<Option<(u64, u32)>>,
+}
+
+/// See the module docs.
+pub struct FastLink {
+    device: DeviceId,
+    ring: Ring,
+    slots: Mutex<Slots>,
+    doorbell: AsyncFd<OwnedFd>,
+    watchdog: Arc<Mutex<Watchdog>>,
+    sent: AtomicU64,
+    refused: AtomicU64,
+}
+
+impl std::fmt::Debug for FastLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastLink")
+            .field("device", &self.device)
+            .field("ring", &self.ring)
+            .field("free", &self.free_slots())
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl FastLink {
+    /// The link over `ring` and the daemon's end of the doorbell (made
+    /// non-blocking here). Must run inside the tokio runtime.
+    pub fn new(
+        device: DeviceId,
+        ring: Ring,
+        doorbell: OwnedFd,
+        watchdog: Arc<Mutex<Watchdog>>,
+    ) -> std::io::Result<Arc<FastLink>> {
+        let fd = doorbell.as_raw_fd();
+        // SAFETY: F_GETFL/F_SETFL on a socket we own.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+        let n = ring.spec().slots;
+        Ok(Arc::new(FastLink {
+            device,
+            ring,
+            slots: Mutex::new(Slots {
+                free: (0..n).rev().collect(),
+                held: vec![None; n as usize],
+            }),
+            // SAFETY: the AsyncFd owns the socket, so the fd is deregistered
+            // before it is closed.
+            doorbell: unsafe { AsyncFd::register_with_interest(doorbell, Interest::READABLE) }?,
+            watchdog,
+            sent: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+        }))
+    }
+
+    pub fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    pub fn free_slots(&self) -> usize {
+        lock(&self.slots).free.len()
+    }
+
+    pub fn slots(&self) -> usize {
+        self.ring.spec().slots as usize
+    }
+
+    /// Batches sent through the ring, and batches it could not take.
+    pub fn counts(&self) -> (u64, u64) {
+        (
+            self.sent.load(Ordering::Relaxed),
+            self.refused.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Puts `batch` in a free slot and rings the worker. False when it does
+    /// not fit a slot, no slot is free, or the doorbell refuses it (the
+    /// worker is gone): the caller sends it over the socket instead.
+    pub fn send(&self, batch: &Batch, attempt: u32) -> bool {
+        let Some(slot) = lock(&self.slots).free.pop() else {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return false;
+        };
+        let give_back = |why: &str| {
+            let mut s = lock(&self.slots);
+            s.held[slot as usize] = None;
+            s.free.push(slot);
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(
+                device = self.device,
+                batch = batch.id,
+                "not through the ring: {why}"
+            );
+            false
+        };
+        let Some(rows) = self
+            .ring
+            .write_rows(slot, batch.parts.iter().map(|p| p.rows.as_ref()))
+        else {
+            return give_back("larger than a slot");
+        };
+        let msg = ToWorker::RunShm {
+            batch: batch.id,
+            attempt,
+            model: batch.model,
+            bucket: batch.bucket,
+            slot,
+            rows,
+        };
+        let bytes = rmp_serde::to_vec_named(&msg).expect("link messages serialise");
+        let token_slots = batch.bucket.map_or(batch.tokens, |b| b.tokens());
+        lock(&self.slots).held[slot as usize] = Some((batch.id, attempt));
+        // Before the send: the answer may come back before this returns.
+        lock(&self.watchdog).sent(batch.id, attempt, batch.model, token_slots);
+        match shm::ring_send(self.doorbell.get_ref().as_raw_fd(), &bytes, true) {
+            Ok(()) => {
+                self.sent.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                lock(&self.watchdog).forget(batch.id, attempt);
+                give_back(&e.to_string())
+            }
+        }
+    }
+
+    /// Takes back `slot` from batch (`batch`, `attempt`): the slots then
+    /// free, or `None` when the slot was not that batch's (a worker bug:
+    /// nothing is freed).
+    fn take_back(&self, slot: u32, batch: u64, attempt: u32) -> Option<usize> {
+        let mut s = lock(&self.slots);
+        match s.held.get(slot as usize) {
+            Some(Some(held)) if *held == (batch, attempt) => {
+                s.held[slot as usize] = None;
+                s.free.push(slot);
+                Some(s.free.len())
+            }
+            _ => None,
+        }
+    }
+
+    /// One answer from the doorbell.
+    fn handle(
+        &self,
+        bytes: &[u8],
+        batcher: &ActorRef<BatcherMsg>,
+        metrics: &Metrics,
+        metrics_index: usize,
+    ) {
+        let msg: FromWorker = match rmp_serde::from_slice(bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!(device = self.device, "bad doorbell message: {e}");
+                return;
+            }
+        };
+        let now = std::time::Instant::now();
+        let device = self.device;
+        match msg {
+            FromWorker::Done {
+                batch,
+                attempt,
+                rows,
+                output_dim,
+                compute_us,
+                replayed,
+                slot: Some(slot),
+                started_ns,
+                finished_ns,
+            } => {
+                // Read the output before the slot can be reused.
+                let data = self.ring.read_output(slot, rows * output_dim);
+                let Some(free) = self.take_back(slot, batch, attempt) else {
+                    tracing::error!(
+                        device,
+                        slot,
+                        batch,
+                        "the worker answered for a slot it did not hold"
+                    );
+                    return;
+                };
+                lock(&self.watchdog).finished(batch, attempt, Some(compute_us), now);
+                metrics.update_device(metrics_index, |d| {
+                    d.batches += 1;
+                    d.shm_batches += 1;
+                    d.shm_slots_free = free as u64;
+                    if replayed {
+                        d.graph_replays += 1;
+                    } else {
+                        d.eager_runs += 1;
+                    }
+                });
+                let msg = match data {
+                    Ok(data) => BatcherMsg::BatchDone {
+                        device,
+                        batch,
+                        attempt,
+                        output: BatchOutput {
+                            data,
+                            output_dim,
+                            compute_us,
+                            started_ns,
+                            finished_ns,
+                        },
+                    },
+                    Err(e) => BatcherMsg::BatchFailed {
+                        device,
+                        batch,
+                        attempt,
+                        error: crate::worker::link::WorkerError::Other(e),
+                    },
+                };
+                let _ = batcher.cast(msg);
+            }
+            FromWorker::Failed {
+                batch,
+                attempt,
+                error,
+                slot: Some(slot),
+            } => {
+                let Some(free) = self.take_back(slot, batch, attempt) else {
+                    tracing::error!(
+                        device,
+                        slot,
+                        batch,
+                        "the worker failed a slot it did not hold"
+                    );
+                    return;
+                };
+                lock(&self.watchdog).finished(batch, attempt, None, now);
+                metrics.update_device(metrics_index, |d| d.shm_slots_free = free as u64);
+                if error.is_fatal() {
+                    // The worker exits next; its batches are re-dispatched then.
+                    metrics
+                        .update_device(metrics_index, |d| d.last_error = Some(error.to_string()));
+                } else {
+                    let _ = batcher.cast(BatcherMsg::BatchFailed {
+                        device,
+                        batch,
+                        attempt,
+                        error,
+                    });
+                }
+            }
+            other => {
+                tracing::error!(device, "unexpected doorbell message: {other:?}");
+            }
+        }
+    }
+}
+
+/// Reads the worker's answers until its end of the doorbell closes (it
+/// exited) or the task is aborted (the device actor saw it exit).
+pub async fn serve(
+    link: Arc<FastLink>,
+    batcher: ActorRef<BatcherMsg>,
+    metrics: Arc<Metrics>,
+    metrics_index: usize,
+) {
+    let mut buf = vec![0u8; shm::MAX_DOORBELL_MESSAGE];
+    loop {
+        let Ok(mut ready) = link.doorbell.readable().await else {
+            return;
+        };
+        loop {
+            match shm::ring_recv(link.doorbell.get_ref().as_raw_fd(), &mut buf) {
+                Ok(Some(n)) => link.handle(&buf[..n], &batcher, &metrics, metrics_index),
+                Ok(None) => {
+                    ready.clear_ready();
+                    break;
+                }
+                Err(_) => return,
+            }
+        }
+    }
+}
