@@ -172,6 +172,7 @@ fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
     let out = b.output("out", batch * h);
     let [word, pos, tt, g, be] = m.emb;
     b.push(Op::EmbedLayerNorm {
+        position_ids: Default::default(),
         ids,
         token_types: types,
         word,
@@ -187,6 +188,7 @@ fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
     });
     bert_layers(&mut b, m, rows, [hid, qkv, ctx, inter], |qkv, ctx| {
         Op::Attention {
+            bias: None,
             qkv,
             mask,
             out: ctx,
@@ -197,6 +199,7 @@ fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
         }
     });
     b.push(Op::Pool {
+        skip: None,
         x: hid,
         mask,
         out,
@@ -303,6 +306,7 @@ fn packed_bert_program(m: &Bert, tokens: usize, seqs: usize, max_len: usize) -> 
     let out = b.output("out", seqs * h);
     let [word, pos, tt, g, be] = m.emb;
     b.push(Op::PackedEmbedLayerNorm {
+        position_ids: Default::default(),
         ids,
         token_types: types,
         positions,
@@ -319,6 +323,7 @@ fn packed_bert_program(m: &Bert, tokens: usize, seqs: usize, max_len: usize) -> 
     });
     bert_layers(&mut b, m, tokens, [hid, qkv, ctx, inter], |qkv, ctx| {
         Op::PackedAttention {
+            bias: None,
             qkv,
             offsets,
             out: ctx,
@@ -330,6 +335,7 @@ fn packed_bert_program(m: &Bert, tokens: usize, seqs: usize, max_len: usize) -> 
         }
     });
     b.push(Op::PackedPool {
+        skip: None,
         x: hid,
         offsets,
         out,

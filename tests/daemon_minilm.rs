@@ -352,6 +352,8 @@ fn broken_model_folders_fail_at_startup_naming_the_file() {
             "tokenizer.json",
             "modules.json",
             "sentence_bert_config.json",
+            // modules.json lists the Pooling module: its config must exist.
+            "1_Pooling",
         ] {
             std::os::unix::fs::symlink(src.join(f), dir.path().join(f)).unwrap();
         }

@@ -2,9 +2,10 @@
 //! capability 9.0 (H100/H200), to CUBIN and to PTX, and declares exactly the
 //! `extern "C"` entry points the CUDA backend looks up (the packed-batch
 //! kernels among them: `embed_ln_packed_*`, `pool_packed_*`,
-//! `attention_varlen[_tc]_*`; and the small-shape ones: `add_ln_vec_*`,
+//! `attention_varlen[_tc]_*`; the small-shape ones: `add_ln_vec_*`,
 //! `embed_ln_vec_*`, `bias_act_vec_*`, `layer_attn_small_*`,
-//! `layer_ffn_small_*`). Needs no GPU and no
+//! `layer_ffn_small_*`; XLM-R / MPNet position ids, `embed_ln_padpos_*`;
+//! row normalisation, `l2norm_rows_*`). Needs no GPU and no
 //! CUDA toolkit, only NVRTC (`scripts/install-nvrtc.sh` puts the pinned wheel
 //! into `.nvrtc/`; `REPLAYD_NVRTC_DIR` or `LD_LIBRARY_PATH` may point
 //! elsewhere).
@@ -93,7 +94,13 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
     let source = kernels::combined_source();
     let expected: BTreeSet<String> = kernels::expected_entry_points().into_iter().collect();
     // The packed-batch kernels are part of the one translation unit.
-    for file in ["embed_packed.cu", "pool_packed.cu", "attention_varlen.cu"] {
+    for file in [
+        "embed_packed.cu",
+        "pool_packed.cu",
+        "attention_varlen.cu",
+        "embed_pos.cu",
+        "rownorm.cu",
+    ] {
         assert!(source.contains(&format!("#line 1 \"{file}\"")), "{file}");
     }
     let packed = kernels::packed_entry_points();

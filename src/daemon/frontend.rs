@@ -11,8 +11,8 @@
 use super::admission::{Admission, Refusal, Ticket};
 use super::messages::{BatcherMsg, Stamps, Submission};
 use super::metrics::Metrics;
-use super::tokenize::{TokenizeError, TokenizerPool};
-use crate::model::{BatchRows, InputSpec, ModelInfo};
+use super::tokenize::{PromptUse, TextInput, TokenizeError, TokenizerPool};
+use crate::model::{BatchRows, InputSpec, ModelInfo, Task};
 use crate::protocol::header::echo;
 use crate::protocol::{
     decode_request, encode_reply, DecodeLimits, ErrorCode, Payload, ProtocolError, Reply, Request,
@@ -67,7 +67,27 @@ fn request_bytes(payload: &Payload, info: &ModelInfo) -> usize {
             .iter()
             .map(|t| t.len() + 4 * (t.len() + 2).min(max_len))
             .sum(),
+        Payload::Pairs(pairs) => pairs
+            .iter()
+            .map(|(a, b)| a.len() + b.len() + 4 * (a.len() + b.len() + 4).min(max_len))
+            .sum(),
     }
+}
+
+/// The prompt a text request gets (`prompt_name`, else the model's default).
+fn prompt_for(info: &ModelInfo, name: Option<&str>) -> Result<Option<PromptUse>, String> {
+    let prompts = &info.prompts;
+    let Some(p) = prompts.resolve(name)? else {
+        return Ok(None);
+    };
+    Ok(Some(PromptUse {
+        text: p.text.clone(),
+        unpooled: if prompts.exclude_from_pooling {
+            Some(p.tokens.ok_or("the prompt's token count is unknown")?)
+        } else {
+            None
+        },
+    }))
 }
 
 impl Frontend {
@@ -196,9 +216,14 @@ impl Frontend {
                 format!("model {name} takes input \"tensor\" (f32 rows), not texts"),
             )
         })?;
-        self.tokenize_texts(pool, texts, truncate)
+        // The folder's default prompt applies, as to a "texts" request
+        // without prompt_name.
+        let prompt = prompt_for(&model.info, None).map_err(|e| {
+            ProtocolError::new(0, ErrorCode::BadRequest, format!("model {name}: {e}"))
+        })?;
+        self.tokenize_texts(pool, TextInput::Texts(texts), truncate, prompt)
             .await
-            .map_err(|e| tokenize_error(0, name, e))
+            .map_err(|e| tokenize_error(0, name, "text", e))
     }
 
     /// Counts an error answered outside [`Frontend::handle`] (HTTP front).
@@ -211,15 +236,19 @@ impl Frontend {
     async fn tokenize_texts(
         &self,
         pool: &TokenizerPool,
-        texts: Vec<String>,
+        input: TextInput,
         truncate: bool,
+        prompt: Option<PromptUse>,
     ) -> Result<Vec<Vec<u32>>, TokenizeError> {
-        let bytes: usize = texts.iter().map(String::len).sum();
+        let bytes: usize = match &input {
+            TextInput::Texts(t) => t.iter().map(String::len).sum(),
+            TextInput::Pairs(p) => p.iter().map(|(a, b)| a.len() + b.len()).sum(),
+        };
         if bytes <= self.inline_tokenize_bytes {
-            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-            pool.tokenizer().encode(&refs, truncate)
+            pool.tokenizer()
+                .encode_request(&input, truncate, prompt.as_ref())
         } else {
-            pool.encode(texts, truncate).await
+            pool.encode_request(input, truncate, prompt).await
         }
     }
 
@@ -273,6 +302,27 @@ impl Frontend {
         let bad = |msg: String| ProtocolError::new(id, ErrorCode::BadRequest, msg);
         let model = &self.models[index];
         let name = &model.info.name;
+        let scores = matches!(model.info.task, Task::Score { .. });
+        match (&request.payload, scores) {
+            (Payload::Pairs(_), false) if model.info.has_seq() => {
+                return Err(bad(format!(
+                    "model {name} embeds texts (input \"texts\" or \"ids\"); input \"pairs\" is for cross-encoders"
+                )))
+            }
+            (Payload::Texts(_) | Payload::Ids(_), true) => {
+                return Err(bad(format!(
+                    "model {name} is a cross-encoder: it takes input \"pairs\" (two frames per query and passage)"
+                )))
+            }
+            _ => {}
+        }
+        if header.prompt_name.is_some()
+            && !matches!(request.payload, Payload::Texts(_) | Payload::Pairs(_))
+        {
+            return Err(bad(
+                "prompt_name applies to input \"texts\" and \"pairs\" only".into(),
+            ));
+        }
         let input = match (&model.info.input, request.payload) {
             (InputSpec::Features { features }, Payload::Tensor(t)) => {
                 if t.dtype != DType::F32 {
@@ -316,16 +366,31 @@ impl Frontend {
             }
             (InputSpec::Tokens { .. }, Payload::Tensor(_)) => {
                 return Err(bad(format!(
-                    "model {name} takes input \"texts\" or \"ids\""
+                    "model {name} takes input {}",
+                    if scores {
+                        "\"pairs\""
+                    } else {
+                        "\"texts\" or \"ids\""
+                    }
                 )))
             }
-            (InputSpec::Tokens { .. }, Payload::Texts(texts)) => {
+            (InputSpec::Tokens { .. }, payload @ (Payload::Texts(_) | Payload::Pairs(_))) => {
                 let pool = model.tokenizer.as_ref().ok_or_else(|| {
                     ProtocolError::new(id, ErrorCode::Internal, "model has no tokenizer")
                 })?;
-                match self.tokenize_texts(pool, texts, header.truncate).await {
+                let prompt = prompt_for(&model.info, header.prompt_name.as_deref())
+                    .map_err(|e| bad(format!("model {name}: {e}")))?;
+                let (input, what) = match payload {
+                    Payload::Pairs(p) => (TextInput::Pairs(p), "pair"),
+                    Payload::Texts(t) => (TextInput::Texts(t), "text"),
+                    _ => unreachable!("matched above"),
+                };
+                match self
+                    .tokenize_texts(pool, input, header.truncate, prompt)
+                    .await
+                {
                     Ok(ids) => BatchRows::Tokens(ids),
-                    Err(e) => return Err(tokenize_error(id, name, e)),
+                    Err(e) => return Err(tokenize_error(id, name, what, e)),
                 }
             }
             (
@@ -380,13 +445,13 @@ impl Frontend {
 }
 
 /// The reply to a text the tokenizer refused.
-fn tokenize_error(id: u64, name: &str, e: TokenizeError) -> ProtocolError {
+fn tokenize_error(id: u64, name: &str, what: &str, e: TokenizeError) -> ProtocolError {
     match e {
         TokenizeError::TooLong { index, tokens, max } => ProtocolError::new(
             id,
             ErrorCode::TooLong,
             format!(
-                "text {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
+                "{what} {index} has {tokens} tokens, more than model {name}'s maximum of {max} (send truncate = true to cut it)"
             ),
         ),
         e => ProtocolError::new(id, ErrorCode::BadRequest, format!("cannot tokenize: {e}")),

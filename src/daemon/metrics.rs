@@ -70,6 +70,11 @@ pub struct ModelStats {
     /// Padded: `batch_buckets` and `seq_buckets`; packed: `token_budgets`
     /// and `max_seqs_per_batch`.
     pub grid: serde_json::Value,
+    /// What was read from the model folder and derived (maximum length,
+    /// pooling, modules, prompts, …), each with the file and key it came
+    /// from; the same list the start-up log shows.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub folder: Vec<crate::model::Derived>,
 }
 
 /// Eager work, counted when eager batches complete.
@@ -851,6 +856,7 @@ mod tests {
             name: "enc".into(),
             batching: "packed".into(),
             grid: serde_json::json!({"token_budgets": [64, 256], "max_seqs_per_batch": 16}),
+            folder: Vec::new(),
         }]);
         // 3 sequences of 60 tokens in all, in the 64-token budget (16 slots).
         m.bucket_batch("enc", Bucket::packed(64, 16), 2, 3, 60);

@@ -634,6 +634,7 @@ mod tests {
             name: "enc\"x".into(),
             batching: "packed".into(),
             grid: serde_json::Value::Null,
+            folder: Vec::new(),
         }]);
         m.set_model_grid("enc\"x", &Grid::Packed(TokenGrid::new(vec![64], 8)));
         m.bucket_batch("enc\"x", Bucket::packed(64, 8), 1, 2, 48);

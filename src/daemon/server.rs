@@ -215,7 +215,17 @@ fn load_models(config: &Config) -> anyhow::Result<Vec<ServedModel>> {
             let info = crate::model::inspect(&mc.spec())
                 .with_context(|| format!("cannot serve model {:?}", mc.name))?;
             log_model(mc, &info);
+            if !info.derived.is_empty() {
+                tracing::info!(model = %mc.name, "model folder: {}", info.derived_summary());
+            }
             let tokenizer = match (&info.input, &info.tokenizer_path) {
+                (crate::model::InputSpec::Tokens { .. }, Some(_)) if info.tokenizer.is_some() => {
+                    let spec = info.tokenizer.as_ref().expect("checked");
+                    let t = TextTokenizer::from_spec(spec).with_context(|| {
+                        format!("model {:?}: tokenizer {}", mc.name, spec.path.display())
+                    })?;
+                    Some(TokenizerPool::new(Arc::new(t), threads))
+                }
                 (crate::model::InputSpec::Tokens { max_seq_len, .. }, Some(path)) => {
                     let t = TextTokenizer::load(path, *max_seq_len).with_context(|| {
                         format!("model {:?}: tokenizer {}", mc.name, path.display())
@@ -306,11 +316,16 @@ fn ring_spec(
 }
 
 /// How a model is batched, for the start-up log and the stats.
-fn model_stats(slot: &ModelSlot) -> ModelStats {
+fn model_stats(slot: &ModelSlot, models: &[ServedModel]) -> ModelStats {
     ModelStats {
         name: slot.name.clone(),
         batching: slot.grid.batching().into(),
         grid: slot.grid.describe(),
+        folder: models
+            .iter()
+            .find(|m| m.info.name == slot.name)
+            .map(|m| m.info.derived.clone())
+            .unwrap_or_default(),
     }
 }
 
@@ -319,7 +334,8 @@ fn model_stats(slot: &ModelSlot) -> ModelStats {
 /// the header and a REQ delimiter, the configured queues and handshake.
 pub fn client_limits(config: &Config) -> TransportLimits {
     let s = &config.server;
-    let max_frames = s.max_items_per_request + 2;
+    // Pairs take two frames per item.
+    let max_frames = 2 * s.max_items_per_request + 2;
     TransportLimits {
         max_message_bytes: (s.max_request_bytes + 64 * max_frames + 4096).min(u32::MAX as usize),
         max_frame_bytes: s.max_request_bytes,
@@ -495,7 +511,10 @@ pub async fn run(
         })
         .collect();
     let batcher_models = model_slots.clone();
-    let model_stats: Vec<ModelStats> = model_slots.iter().map(model_stats).collect();
+    let model_stats: Vec<ModelStats> = model_slots
+        .iter()
+        .map(|s| model_stats(s, &models))
+        .collect();
     for m in &model_stats {
         tracing::info!(model = %m.name, batching = %m.batching, grid = %m.grid, "batching");
     }

@@ -2,9 +2,51 @@
 //! inputs: padded to a (batch, seq) rectangle ([`BatchRows::pack_tokens`]),
 //! or packed end to end into a token budget ([`BatchRows::pack_packed`];
 //! the layout is described in [`crate::model::program`]).
+//!
+//! # Token flags
+//!
+//! A token of [`BatchRows::Tokens`] is its id in the low 30 bits
+//! ([`ID_MASK`]) and two flags the tokenizer sets, so that what travels
+//! from the frontend to a worker stays one `u32` per token:
+//!
+//! * [`SEGMENT_BIT`] (bit 31): the token belongs to the second segment of a
+//!   pair, token type 1 (`[CLS] A [SEP]` are type 0, `B [SEP]` type 1 for a
+//!   BERT cross-encoder); packed into the `TokenTypeIds` input.
+//! * [`UNPOOLED_BIT`] (bit 30): the token is attended to but not pooled (the
+//!   `prompt_length` leading tokens of a model whose pooling has
+//!   `include_prompt = false`); only a prefix of a sequence carries it, and
+//!   its length is packed into the `PoolSkip` input.
+//!
+//! Ids sent by clients never carry them (the frontend refuses ids at or
+//! above the vocabulary size, and vocabularies are below 2³⁰).
 
 use super::program::{InputRole, Layout};
 use serde::{Deserialize, Serialize};
+
+/// Token flag: second segment of a pair (token type 1).
+pub const SEGMENT_BIT: u32 = 1 << 31;
+/// Token flag: excluded from pooling (a prompt token with `include_prompt = false`).
+pub const UNPOOLED_BIT: u32 = 1 << 30;
+/// The id bits of a token.
+pub const ID_MASK: u32 = UNPOOLED_BIT - 1;
+
+/// The id of a token (flags removed).
+pub fn token_id(token: u32) -> u32 {
+    token & ID_MASK
+}
+
+/// The token type of a token: 1 with [`SEGMENT_BIT`], else 0.
+pub fn token_type(token: u32) -> u32 {
+    token >> 31
+}
+
+/// How many leading tokens of a sequence carry [`UNPOOLED_BIT`].
+pub fn unpooled_prefix(tokens: &[u32]) -> usize {
+    tokens
+        .iter()
+        .take_while(|&&t| t & UNPOOLED_BIT != 0)
+        .count()
+}
 
 /// The real rows of a batch, in order, before padding to a bucket.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -59,26 +101,36 @@ impl BatchRows {
     }
 
     /// Writes one i32 `[batch, seq]` input of a token program: ids (0 where
-    /// padded), the attention mask (1 for real tokens) or token types (all 0).
-    /// `dst.len()` must be `batch · seq`.
+    /// padded), the attention mask (1 for real tokens) or token types (0,
+    /// 1 for [`SEGMENT_BIT`] tokens); `dst.len()` must be `batch · seq`. Or
+    /// the `[batch]` [`InputRole::PoolSkip`] input (each row's
+    /// [`unpooled_prefix`], 0 for padded rows), `dst.len()` ≥ the rows.
     pub fn pack_tokens(&self, role: InputRole, seq: usize, dst: &mut [i32]) {
         let BatchRows::Tokens(seqs) = self else {
             panic!("feature rows packed into a token input")
         };
+        if role == InputRole::PoolSkip {
+            pack_skip(seqs, dst);
+            return;
+        }
         assert!(
             seqs.len() * seq <= dst.len(),
             "batch larger than the bucket"
         );
         dst.fill(0);
-        if role == InputRole::TokenTypeIds {
-            return;
-        }
         for (row, ids) in seqs.iter().enumerate() {
             assert!(ids.len() <= seq, "sequence longer than the bucket");
             let out = &mut dst[row * seq..row * seq + ids.len()];
             match role {
-                InputRole::TokenIds => out.iter_mut().zip(ids).for_each(|(o, &id)| *o = id as i32),
+                InputRole::TokenIds => out
+                    .iter_mut()
+                    .zip(ids)
+                    .for_each(|(o, &id)| *o = token_id(id) as i32),
                 InputRole::AttentionMask => out.fill(1),
+                InputRole::TokenTypeIds => out
+                    .iter_mut()
+                    .zip(ids)
+                    .for_each(|(o, &id)| *o = token_type(id) as i32),
                 _ => unreachable!(),
             }
         }
@@ -86,9 +138,12 @@ impl BatchRows {
 
     /// Writes one i32 input of a packed program, sequences end to end:
     ///
-    /// * `TokenIds`: the ids, then 0 in the tail; `TokenTypeIds`: all 0;
+    /// * `TokenIds`: the ids, then 0 in the tail; `TokenTypeIds`: 0, or 1
+    ///   for [`SEGMENT_BIT`] tokens, 0 in the tail;
     ///   `Positions`: `0 .. len` for each sequence, then 0 (`dst.len()` is the
     ///   token budget, at least [`BatchRows::tokens`]);
+    /// * `PoolSkip`: each sequence's [`unpooled_prefix`], 0 after the last
+    ///   (`dst.len()` is the most sequences);
     /// * `SeqOffsets`: the cumulative lengths `[0, l0, l0 + l1, …]`, the total
     ///   repeated in every slot after the last sequence (`dst.len()` is the
     ///   most sequences + 1, more than [`BatchRows::rows`]).
@@ -110,21 +165,24 @@ impl BatchRows {
                 }
                 dst[seqs.len() + 1..].fill(total);
             }
+            InputRole::PoolSkip => pack_skip(seqs, dst),
             InputRole::TokenIds | InputRole::TokenTypeIds | InputRole::Positions => {
                 let total = self.tokens();
                 assert!(total <= dst.len(), "batch larger than the token budget");
                 dst[total..].fill(0);
-                if role == InputRole::TokenTypeIds {
-                    dst[..total].fill(0);
-                    return;
-                }
                 let mut at = 0;
                 for ids in seqs {
                     let out = &mut dst[at..at + ids.len()];
-                    if role == InputRole::TokenIds {
-                        out.iter_mut().zip(ids).for_each(|(o, &id)| *o = id as i32);
-                    } else {
-                        out.iter_mut().enumerate().for_each(|(p, o)| *o = p as i32);
+                    match role {
+                        InputRole::TokenIds => out
+                            .iter_mut()
+                            .zip(ids)
+                            .for_each(|(o, &id)| *o = token_id(id) as i32),
+                        InputRole::TokenTypeIds => out
+                            .iter_mut()
+                            .zip(ids)
+                            .for_each(|(o, &id)| *o = token_type(id) as i32),
+                        _ => out.iter_mut().enumerate().for_each(|(p, o)| *o = p as i32),
                     }
                     at += ids.len();
                 }
@@ -154,6 +212,18 @@ impl BatchRows {
                 panic!("input {role:?} of a packed program is not f32")
             }
         }
+    }
+}
+
+/// Each sequence's [`unpooled_prefix`], then zeros.
+fn pack_skip(seqs: &[Vec<u32>], dst: &mut [i32]) {
+    assert!(
+        seqs.len() <= dst.len(),
+        "more sequences than the program holds"
+    );
+    dst.fill(0);
+    for (d, ids) in dst.iter_mut().zip(seqs) {
+        *d = unpooled_prefix(ids) as i32;
     }
 }
 
@@ -210,6 +280,42 @@ mod tests {
             PackTarget::I32(&mut v),
         );
         assert_eq!(v, pack(InputRole::Positions, 8));
+    }
+
+    #[test]
+    fn flags_become_types_and_skips() {
+        let u = UNPOOLED_BIT;
+        let g = SEGMENT_BIT;
+        let rows = BatchRows::Tokens(vec![
+            vec![101 | u, 7 | u, 102],
+            vec![101, 5, 102, 9 | g, 102 | g],
+        ]);
+        let mut ids = vec![-1; 2 * 5];
+        rows.pack_tokens(InputRole::TokenIds, 5, &mut ids);
+        assert_eq!(ids, vec![101, 7, 102, 0, 0, 101, 5, 102, 9, 102]);
+        let mut types = vec![-1; 3 * 5];
+        rows.pack_tokens(InputRole::TokenTypeIds, 5, &mut types);
+        assert_eq!(&types[..10], &[0, 0, 0, 0, 0, 0, 0, 0, 1, 1]);
+        assert!(types[10..].iter().all(|&t| t == 0));
+        let mut skip = vec![-1; 3];
+        rows.pack_tokens(InputRole::PoolSkip, 5, &mut skip);
+        assert_eq!(skip, vec![2, 0, 0]);
+        let pack = |role, n| {
+            let mut v = vec![-9; n];
+            rows.pack_packed(role, &mut v);
+            v
+        };
+        assert_eq!(
+            pack(InputRole::TokenIds, 9),
+            vec![101, 7, 102, 101, 5, 102, 9, 102, 0]
+        );
+        assert_eq!(
+            pack(InputRole::TokenTypeIds, 9),
+            vec![0, 0, 0, 0, 0, 0, 1, 1, 0]
+        );
+        assert_eq!(pack(InputRole::PoolSkip, 4), vec![2, 0, 0, 0]);
+        assert_eq!((token_id(9 | g | u), token_type(9 | g)), (9, 1));
+        assert_eq!(unpooled_prefix(&[1 | u, 2, 3 | u]), 1);
     }
 
     #[test]

@@ -263,6 +263,10 @@ fn info(config: &ModelSpec, layers: &[LayerKeys]) -> ModelInfo {
         output_dim: layers[layers.len() - 1].out_features,
         dtype: config.dtype,
         tokenizer_path: None,
+        task: Default::default(),
+        tokenizer: None,
+        prompts: Default::default(),
+        derived: Vec::new(),
     }
 }
 

@@ -8,6 +8,9 @@
 //! * [`program`]: the shape-fixed op list that backends capture.
 //! * [`batch`]: the rows of one batch and how they are padded into a program's
 //!   static inputs.
+//! * [`st`]: the sentence-transformers side of a folder (modules, pooling,
+//!   Dense, Normalize, prompts, maximum length, a cross-encoder's activation).
+//! * [`tokenizer`]: a folder's tokenizer as transformers 5 builds it.
 //! * [`files`], [`safetensors_file`]: reading JSON and safetensors files, with
 //!   errors that name the file.
 //!
@@ -24,6 +27,8 @@ pub mod files;
 pub mod mlp;
 pub mod program;
 pub mod safetensors_file;
+pub mod st;
+pub mod tokenizer;
 pub mod weights;
 
 pub use batch::BatchRows;
@@ -32,8 +37,10 @@ pub use weights::Weights;
 
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use thiserror::Error;
+use tokenizer::TokenizerSpec;
 
 /// The families of model replayd serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -97,24 +104,111 @@ pub enum InputSpec {
     },
 }
 
+/// What a model's output rows are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Task {
+    /// One embedding (or MLP output) per text, id sequence or row.
+    #[default]
+    Embed,
+    /// A cross-encoder: one row of `labels` scores per (query, passage) pair.
+    Score { labels: usize },
+}
+
+/// A named prompt of `config_sentence_transformers.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Prompt {
+    /// Prepended to the text (no separator); empty: no prompt.
+    pub text: String,
+    /// `prompt_length` as sentence-transformers counts it (the prompt
+    /// tokenized alone, minus its closing special token): the leading
+    /// tokens pooling skips with `include_prompt = false`. Counted by
+    /// [`inspect`] (it needs the tokenizer).
+    pub tokens: Option<usize>,
+}
+
+/// A model's prompts, as `encode(prompt_name = …)` resolves them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Prompts {
+    pub prompts: BTreeMap<String, Prompt>,
+    /// `default_prompt_name`: applied when a request names none.
+    pub default: Option<String>,
+    /// Pooling's `include_prompt = false`.
+    pub exclude_from_pooling: bool,
+}
+
+impl Prompts {
+    /// The prompt a request gets: `name`'s (an unknown name is an error
+    /// listing the known ones), else the default; `None` for no prompt (an
+    /// empty prompt is none).
+    pub fn resolve(&self, name: Option<&str>) -> Result<Option<&Prompt>, String> {
+        let chosen = match name.or(self.default.as_deref()) {
+            None => return Ok(None),
+            Some(n) => self.prompts.get(n).ok_or_else(|| {
+                let known: Vec<&str> = self.prompts.keys().map(String::as_str).collect();
+                format!(
+                    "no prompt named {n:?} ({})",
+                    if known.is_empty() {
+                        "the model has no prompts".to_string()
+                    } else {
+                        format!("the model has {}", known.join(", "))
+                    }
+                )
+            })?,
+        };
+        Ok((!chosen.text.is_empty()).then_some(chosen))
+    }
+}
+
+/// One setting read or derived from a model folder, and where it came from
+/// (logged at start-up, reported by the stats).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Derived {
+    pub key: String,
+    pub value: String,
+    /// The file and key (or rule) it came from.
+    pub from: String,
+}
+
 /// Everything about a model that the main process needs (no weights).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelInfo {
     pub name: String,
     pub kind: ModelKind,
     pub input: InputSpec,
-    /// Width of one output row (embedding size, or the MLP's last layer).
+    /// Width of one output row (embedding size, the number of labels, or
+    /// the MLP's last layer).
     pub output_dim: usize,
     /// Compute dtype on the device.
     pub dtype: DType,
     /// Where the tokenizer lives, for token models.
     pub tokenizer_path: Option<PathBuf>,
+    /// Embeddings, or a cross-encoder's scores (input `pairs`).
+    #[serde(default)]
+    pub task: Task,
+    /// How to build the tokenizer (encoder folders).
+    #[serde(default)]
+    pub tokenizer: Option<TokenizerSpec>,
+    #[serde(default)]
+    pub prompts: Prompts,
+    /// What was read from the folder and derived, with sources.
+    #[serde(default)]
+    pub derived: Vec<Derived>,
 }
 
 impl ModelInfo {
     /// True for models with a sequence axis (seq buckets apply).
     pub fn has_seq(&self) -> bool {
         matches!(self.input, InputSpec::Tokens { .. })
+    }
+
+    /// `derived` as one line: `key=value (from); …`.
+    pub fn derived_summary(&self) -> String {
+        self.derived
+            .iter()
+            .map(|d| format!("{}={} ({})", d.key, d.value, d.from))
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 }
 

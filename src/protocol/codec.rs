@@ -110,6 +110,34 @@ pub fn decode_request(frames: &[Bytes], limits: &DecodeLimits) -> Result<Request
             }
             Payload::Ids(seqs)
         }
+        InputKind::Pairs => {
+            if payload.len() % 2 != 0 {
+                return Err(bad(
+                    id,
+                    format!(
+                        "{} payload frames: pairs take two frames each (query, passage)",
+                        payload.len()
+                    ),
+                ));
+            }
+            check_items(id, payload.len() / 2, limits, "pairs")?;
+            let mut pairs = Vec::with_capacity(payload.len() / 2);
+            let text = |i: usize, j: usize, frame: &Bytes| -> Result<String, ProtocolError> {
+                std::str::from_utf8(frame).map(str::to_owned).map_err(|e| {
+                    bad(
+                        id,
+                        format!(
+                            "pair {i}'s {} is not valid UTF-8: {e}",
+                            if j == 0 { "query" } else { "passage" }
+                        ),
+                    )
+                })
+            };
+            for (i, two) in payload.chunks_exact(2).enumerate() {
+                pairs.push((text(i, 0, &two[0])?, text(i, 1, &two[1])?));
+            }
+            Payload::Pairs(pairs)
+        }
     };
     Ok(Request { header, payload })
 }
@@ -246,6 +274,12 @@ pub fn encode_request(header: &RequestHeader, payload: &Payload) -> Vec<Bytes> {
                 .for_each(|id| b.extend_from_slice(&id.to_le_bytes()));
             Bytes::from(b)
         })),
+        Payload::Pairs(pairs) => {
+            for (a, b) in pairs {
+                frames.push(Bytes::from(a.clone()));
+                frames.push(Bytes::from(b.clone()));
+            }
+        }
     }
     frames
 }
@@ -280,6 +314,28 @@ mod tests {
             max_bytes: 1 << 20,
             max_items: 4,
         }
+    }
+
+    #[test]
+    fn pairs_take_two_frames_each() {
+        let mut header = RequestHeader::new(4, "ce", InputKind::Pairs);
+        header.prompt_name = Some("query".into());
+        let p = Payload::Pairs(vec![("q".into(), "p1".into()), ("q".into(), "".into())]);
+        let frames = encode_request(&header, &p);
+        assert_eq!(frames.len(), 5);
+        let req = decode_request(&frames, &limits()).unwrap();
+        assert_eq!((req.header, req.payload), (header.clone(), p));
+        let e = decode_request(&frames[..4], &limits()).unwrap_err();
+        assert!(e.message.contains("two frames each"), "{}", e.message);
+        let e = decode_request(&frames[..1], &limits()).unwrap_err();
+        assert!(e.message.contains("no pairs"), "{}", e.message);
+        let mut bad = frames.clone();
+        bad[4] = Bytes::from_static(b"\xff");
+        let e = decode_request(&bad, &limits()).unwrap_err();
+        assert!(e.message.contains("pair 1's passage"), "{}", e.message);
+        let five = Payload::Pairs(vec![("a".into(), "b".into()); 5]);
+        let e = decode_request(&encode_request(&header, &five), &limits()).unwrap_err();
+        assert!(e.message.contains("5 pairs"), "{}", e.message);
     }
 
     #[test]

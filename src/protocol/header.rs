@@ -16,7 +16,7 @@ use crate::tensor::DType;
 pub const ECHO_LIMIT: usize = 64;
 
 /// Keys a request header may carry, in the order the document lists them.
-pub const KEYS: [&str; 11] = [
+pub const KEYS: [&str; 12] = [
     "v",
     "id",
     "model",
@@ -28,6 +28,7 @@ pub const KEYS: [&str; 11] = [
     "deadline_unix_us",
     "truncate",
     "output_dtype",
+    "prompt_name",
 ];
 
 /// The versions of the protocol this daemon speaks.
@@ -365,19 +366,21 @@ fn decode(bytes: &[u8]) -> Result<RequestHeader, String> {
             "id" => h.id = uint(&mut r, "an unsigned integer")?,
             "model" => h.model = string(&mut r, "a string")?,
             "input" => {
-                let s = string(&mut r, "\"tensor\", \"texts\" or \"ids\"")?;
+                let s = string(&mut r, "\"tensor\", \"texts\", \"ids\" or \"pairs\"")?;
                 h.input = match s.as_str() {
                     "tensor" => InputKind::Tensor,
                     "texts" => InputKind::Texts,
                     "ids" => InputKind::Ids,
+                    "pairs" => InputKind::Pairs,
                     _ => {
                         return Err(format!(
-                            "`input` must be \"tensor\", \"texts\" or \"ids\", got {}",
+                            "`input` must be \"tensor\", \"texts\", \"ids\" or \"pairs\", got {}",
                             echo(&s)
                         ))
                     }
                 };
             }
+            "prompt_name" => h.prompt_name = Some(string(&mut r, "a string")?),
             "dtype" | "output_dtype" => {
                 let s = string(&mut r, "a dtype name such as \"f32\"")?;
                 let dtype: DType = s.parse().map_err(|_| {
@@ -534,8 +537,10 @@ mod tests {
             ("deadline_unix_us", U(u64::MAX)),
             ("truncate", B(false)),
             ("output_dtype", s("f16")),
+            ("prompt_name", s("query")),
         ]);
         let h = decode_header(&map(&e)).unwrap();
+        assert_eq!(h.prompt_name.as_deref(), Some("query"));
         assert_eq!((h.v, h.id, h.model.as_str()), (1, 7, "m"));
         assert_eq!(h.shape, Some(vec![2, 128]));
         assert_eq!((h.priority, h.truncate), (9, false));
@@ -611,6 +616,13 @@ mod tests {
         assert!(err(&with(("truncate", U(1))))
             .message
             .contains("`truncate` must be a boolean"));
+        assert_eq!(
+            err(&with(("prompt_name", U(1)))).message,
+            "`prompt_name` must be a string, got an unsigned integer"
+        );
+        let mut e = base();
+        e[3] = ("input", s("pairs"));
+        assert_eq!(decode_header(&map(&e)).unwrap().input, InputKind::Pairs);
         let mut b = map(&base());
         // id as a negative int8
         let pos = b.iter().position(|&x| x == 7).unwrap();

@@ -97,6 +97,8 @@ pub enum InputKind {
     Texts,
     /// One frame per sequence of token ids, little-endian u32, special tokens included.
     Ids,
+    /// Two frames per (query, passage) pair, UTF-8: a cross-encoder's input.
+    Pairs,
 }
 
 fn default_true() -> bool {
@@ -136,6 +138,10 @@ pub struct RequestHeader {
     /// Element type of the reply tensor: f32 (default) or f16.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_dtype: Option<DType>,
+    /// The model's prompt to prepend to each text (sentence-transformers'
+    /// `encode(prompt_name = …)`); default: the model's default prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_name: Option<String>,
 }
 
 impl RequestHeader {
@@ -153,6 +159,7 @@ impl RequestHeader {
             deadline_unix_us: None,
             truncate: true,
             output_dtype: None,
+            prompt_name: None,
         }
     }
 }
@@ -163,6 +170,8 @@ pub enum Payload {
     Tensor(HostTensor),
     Texts(Vec<String>),
     Ids(Vec<Vec<u32>>),
+    /// (query, passage) pairs.
+    Pairs(Vec<(String, String)>),
 }
 
 impl Payload {
@@ -172,6 +181,7 @@ impl Payload {
             Payload::Tensor(t) => t.shape.first().copied().unwrap_or(0),
             Payload::Texts(t) => t.len(),
             Payload::Ids(s) => s.len(),
+            Payload::Pairs(p) => p.len(),
         }
     }
 }

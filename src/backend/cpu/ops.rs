@@ -9,7 +9,7 @@
 //! No kernel allocates: every buffer, including attention's score scratch,
 //! is passed in.
 
-use crate::model::program::{Activation, Pooling};
+use crate::model::program::{Activation, Pooling, PositionIds};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -158,8 +158,10 @@ fn epilogue(row: &mut [f32], bias: Option<&[f32]>, act: Activation) {
     }
 }
 
-/// `out[r] = LayerNorm(word[ids[r]] + position[r % seq] + token_type[types[r]])`.
-/// Ids and types are checked by the caller (the plan validates batches).
+/// `out[r] = LayerNorm(word[ids[r]] + position[p(r)] + token_type[types[r]])`,
+/// `p(r)` by `position_ids` over row `r / seq` (`r % seq` for
+/// [`PositionIds::Index`]). Ids and types are checked by the caller (the
+/// plan validates batches).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn embed_layer_norm(
     threads: usize,
@@ -174,12 +176,14 @@ pub(crate) fn embed_layer_norm(
     out: &mut [f32],
     seq: usize,
     hidden: usize,
+    position_ids: PositionIds,
 ) {
     let rows = ids.len();
     for_rows(&mut out[..rows * hidden], hidden, threads, |r, row| {
         let id = ids[r] as usize;
         let t = types[r] as usize;
-        let p = r % seq;
+        let index = r % seq;
+        let p = position_ids.position(&ids[r - index..=r], index);
         let w = &word[id * hidden..(id + 1) * hidden];
         let pe = &position[p * hidden..(p + 1) * hidden];
         let te = &token_type[t * hidden..(t + 1) * hidden];
@@ -190,8 +194,9 @@ pub(crate) fn embed_layer_norm(
     });
 }
 
-/// Packed programs: `out[t] = LayerNorm(word[ids[t]] + position[positions[t]]
-/// + token_type[types[t]])` for every slot `t < ids.len()`.
+/// Packed programs: `out[t] = LayerNorm(word[ids[t]] + position[p(t)]
+/// + token_type[types[t]])` for every slot `t < ids.len()`, `p(t)` by
+/// `position_ids` from `positions[t]`, the token's index in its sequence.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn packed_embed_layer_norm(
     threads: usize,
@@ -206,10 +211,12 @@ pub(crate) fn packed_embed_layer_norm(
     eps: f32,
     out: &mut [f32],
     hidden: usize,
+    position_ids: PositionIds,
 ) {
     let rows = ids.len();
     for_rows(&mut out[..rows * hidden], hidden, threads, |r, row| {
-        let (id, t, p) = (ids[r] as usize, types[r] as usize, positions[r] as usize);
+        let (id, t, index) = (ids[r] as usize, types[r] as usize, positions[r] as usize);
+        let p = position_ids.position(&ids[r - index..=r], index);
         let w = &word[id * hidden..(id + 1) * hidden];
         let pe = &position[p * hidden..(p + 1) * hidden];
         let te = &token_type[t * hidden..(t + 1) * hidden];
@@ -266,6 +273,9 @@ impl SharedOut {
 ///
 /// `scratch` holds `workers · seq²` floats; tasks are dealt round-robin to
 /// `workers = scratch.len() / seq²` parallel workers.
+///
+/// `bias` is a position-bias table `[heads, 2·radius + 1]` and its radius
+/// (see [`crate::model::program::PositionBias`]), added to the scaled scores.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     qkv: &[f32],
@@ -276,6 +286,7 @@ pub(crate) fn attention(
     seq: usize,
     heads: usize,
     head_dim: usize,
+    bias: Option<(&[f32], usize)>,
 ) {
     let h = heads * head_dim;
     let stride = 3 * h;
@@ -330,6 +341,9 @@ pub(crate) fn attention(
                 false,
                 Parallelism::None,
             );
+        }
+        if let Some((table, radius)) = bias {
+            add_position_bias(s, kv_len, 0, table, radius, head);
         }
         let key_mask = &m[..kv_len];
         for row in s.chunks_exact_mut(kv_len) {
@@ -393,6 +407,7 @@ pub(crate) fn packed_attention(
     max_len: usize,
     heads: usize,
     head_dim: usize,
+    bias: Option<(&[f32], usize)>,
 ) {
     let h = heads * head_dim;
     let stride = 3 * h;
@@ -456,6 +471,9 @@ pub(crate) fn packed_attention(
                 Parallelism::None,
             );
         }
+        if let Some((table, radius)) = bias {
+            add_position_bias(s, len, 0, table, radius, head);
+        }
         for row in s.chunks_exact_mut(len) {
             softmax(row);
         }
@@ -496,6 +514,28 @@ pub(crate) fn packed_attention(
     }
 }
 
+/// Adds head `head`'s position bias to the scores `s` (rows of `keys`
+/// values; row `i` is query `first + i`, column `j` key `j`).
+#[inline]
+fn add_position_bias(
+    s: &mut [f32],
+    keys: usize,
+    first: usize,
+    table: &[f32],
+    radius: usize,
+    head: usize,
+) {
+    let cols = 2 * radius + 1;
+    let t = &table[head * cols..(head + 1) * cols];
+    let r = radius as isize;
+    for (i, row) in s.chunks_exact_mut(keys).enumerate() {
+        let q = (first + i) as isize;
+        for (j, v) in row.iter_mut().enumerate() {
+            *v += t[((j as isize - q).clamp(-r, r) + r) as usize];
+        }
+    }
+}
+
 /// Softmax of a non-empty row (max subtracted).
 #[inline]
 fn softmax(row: &mut [f32]) {
@@ -530,7 +570,9 @@ fn masked_softmax(row: &mut [f32], mask: &[i32]) {
 
 /// Sentence pooling `[batch·seq, hidden]` → `[batch, hidden]`, then optional
 /// L2 normalisation. Mean divides by `max(Σ mask, 1e-9)`; max pooling of a
-/// row without unmasked tokens gives zeros.
+/// row without unmasked tokens gives zeros. With `skip`, row `b` pools only
+/// its unmasked positions from `skip[b]` on (cls: the first of them; zeros
+/// when there is none).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn pool(
     x: &[f32],
@@ -541,26 +583,34 @@ pub(crate) fn pool(
     hidden: usize,
     mode: Pooling,
     normalize: bool,
+    skip: Option<&[i32]>,
 ) {
     for (b, o) in out[..batch * hidden].chunks_exact_mut(hidden).enumerate() {
         let token = |t: usize| &x[(b * seq + t) * hidden..(b * seq + t + 1) * hidden];
+        let first = skip.map_or(0, |k| (k[b].max(0) as usize).min(seq));
         let m = &mask[b * seq..(b + 1) * seq];
+        // The pooled positions.
+        let pooled = || (first..seq).filter(|&t| m[t] != 0);
         match mode {
             Pooling::Mean => {
                 o.fill(0.0);
                 let mut count = 0usize;
-                for (t, _) in m.iter().enumerate().filter(|(_, &v)| v != 0) {
+                for t in pooled() {
                     o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a += v);
                     count += 1;
                 }
                 let denom = (count as f32).max(1e-9);
                 o.iter_mut().for_each(|a| *a /= denom);
             }
-            Pooling::Cls => o.copy_from_slice(token(0)),
+            Pooling::Cls if skip.is_none() => o.copy_from_slice(token(0)),
+            Pooling::Cls => match pooled().next() {
+                Some(t) => o.copy_from_slice(token(t)),
+                None => o.fill(0.0),
+            },
             Pooling::Max => {
                 o.fill(f32::NEG_INFINITY);
                 let mut any = false;
-                for (t, _) in m.iter().enumerate().filter(|(_, &v)| v != 0) {
+                for t in pooled() {
                     o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a = a.max(v));
                     any = true;
                 }
@@ -579,7 +629,8 @@ pub(crate) fn pool(
 /// Packed programs: per-sequence pooling `[tokens, hidden]` → `[seqs,
 /// hidden]` over `offsets` (`seqs + 1` values), then optional L2
 /// normalisation. Mean divides by the sequence's length; an empty sequence
-/// gives zeros in every mode.
+/// gives zeros in every mode. With `skip`, sequence `s` starts `skip[s]`
+/// slots later.
 pub(crate) fn packed_pool(
     x: &[f32],
     offsets: &[i32],
@@ -587,10 +638,12 @@ pub(crate) fn packed_pool(
     hidden: usize,
     mode: Pooling,
     normalize: bool,
+    skip: Option<&[i32]>,
 ) {
     let seqs = offsets.len() - 1;
     for (s, o) in out[..seqs * hidden].chunks_exact_mut(hidden).enumerate() {
         let (start, end) = (offsets[s] as usize, offsets[s + 1] as usize);
+        let start = (start + skip.map_or(0, |k| k[s].max(0) as usize)).min(end);
         let token = |t: usize| &x[t * hidden..(t + 1) * hidden];
         if end <= start {
             o.fill(0.0);
@@ -617,6 +670,14 @@ pub(crate) fn packed_pool(
             let norm = o.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
             o.iter_mut().for_each(|v| *v /= norm);
         }
+    }
+}
+
+/// L2 normalisation of each `width`-value row of `x`, in place.
+pub(crate) fn normalize_rows(x: &mut [f32], width: usize) {
+    for row in x.chunks_exact_mut(width) {
+        let norm = row.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+        row.iter_mut().for_each(|v| *v /= norm);
     }
 }
 
@@ -701,7 +762,17 @@ mod tests {
         for workers in [1, 2, 4] {
             let mut out = vec![f32::NAN; batch * seq * h];
             let mut scratch = vec![0.0; workers * seq * seq];
-            attention(&qkv, &mask, &mut out, &mut scratch, batch, seq, heads, d);
+            attention(
+                &qkv,
+                &mask,
+                &mut out,
+                &mut scratch,
+                batch,
+                seq,
+                heads,
+                d,
+                None,
+            );
             for b in 0..batch {
                 for hd in 0..heads {
                     for i in 0..seq {
@@ -725,14 +796,24 @@ mod tests {
         let x = [1.0, 2.0, 3.0, 4.0, 5.0, -6.0, 0.0, 0.0];
         let mask = [1, 1, 1, 0];
         let mut out = [0.0; 4];
-        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Mean, false);
+        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Mean, false, None);
         assert_eq!(out, [2.0, 3.0, 5.0, -6.0]);
-        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Max, false);
+        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Max, false, None);
         assert_eq!(out, [3.0, 4.0, 5.0, -6.0]);
-        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Cls, true);
+        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Cls, true, None);
         let n = (5.0f32).sqrt();
         assert_eq!(out[..2], [1.0 / n, 2.0 / n]);
-        pool(&x, &[0, 0, 0, 0], &mut out, 2, 2, 2, Pooling::Mean, true);
+        pool(
+            &x,
+            &[0, 0, 0, 0],
+            &mut out,
+            2,
+            2,
+            2,
+            Pooling::Mean,
+            true,
+            None,
+        );
         assert_eq!(out, [0.0; 4]);
     }
 
@@ -756,13 +837,33 @@ mod tests {
         for workers in [1, 3] {
             let mut out = vec![f32::NAN; tokens * h];
             let mut scratch = vec![0.0; workers * 7 * 7];
-            packed_attention(&qkv, &offsets, &mut out, &mut scratch, tokens, 7, heads, d);
+            packed_attention(
+                &qkv,
+                &offsets,
+                &mut out,
+                &mut scratch,
+                tokens,
+                7,
+                heads,
+                d,
+                None,
+            );
             for (s, &len) in lens.iter().enumerate().filter(|(_, &l)| l > 0) {
                 let start = offsets[s] as usize;
                 let rows = &qkv[start * 3 * h..(start + len) * 3 * h];
                 let mut want = vec![0.0; len * h];
                 let mut sc = vec![0.0; len * len];
-                attention(rows, &vec![1; len], &mut want, &mut sc, 1, len, heads, d);
+                attention(
+                    rows,
+                    &vec![1; len],
+                    &mut want,
+                    &mut sc,
+                    1,
+                    len,
+                    heads,
+                    d,
+                    None,
+                );
                 let got = &out[start * h..(start + len) * h];
                 for (a, b) in got.iter().zip(&want) {
                     assert!((a - b).abs() < 1e-6, "seq {s}: {a} vs {b}");
@@ -779,11 +880,11 @@ mod tests {
         let x = [1.0, 2.0, 3.0, 4.0, 5.0, -6.0, 7.0, 8.0, 9.0, 9.0];
         let offsets = [0, 3, 3, 4];
         let mut out = [f32::NAN; 6];
-        packed_pool(&x, &offsets, &mut out, 2, Pooling::Mean, false);
+        packed_pool(&x, &offsets, &mut out, 2, Pooling::Mean, false, None);
         assert_eq!(out, [3.0, 0.0, 0.0, 0.0, 7.0, 8.0]);
-        packed_pool(&x, &offsets, &mut out, 2, Pooling::Max, false);
+        packed_pool(&x, &offsets, &mut out, 2, Pooling::Max, false, None);
         assert_eq!(out, [5.0, 4.0, 0.0, 0.0, 7.0, 8.0]);
-        packed_pool(&x, &offsets, &mut out, 2, Pooling::Cls, true);
+        packed_pool(&x, &offsets, &mut out, 2, Pooling::Cls, true, None);
         let n = (5.0f32).sqrt();
         assert_eq!(out[..2], [1.0 / n, 2.0 / n]);
         assert_eq!(out[2..4], [0.0, 0.0]);

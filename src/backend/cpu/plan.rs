@@ -20,7 +20,9 @@
 use super::arena::{Arena, ArenaNeeds, ARENA_ALIGN};
 use super::ops;
 use super::CpuWeights;
-use crate::model::program::{Activation, BufKind, InputRole, Layout, Op, Pooling, Program};
+use crate::model::program::{
+    Activation, BufKind, InputRole, Layout, Op, Pooling, PositionIds, Program,
+};
 use crate::model::BatchRows;
 
 /// A static buffer: integer inputs are i32, everything else f32.
@@ -174,6 +176,7 @@ enum Step {
         rows: usize,
         seq: usize,
         hidden: usize,
+        position_ids: PositionIds,
     },
     Linear {
         x: usize,
@@ -203,6 +206,8 @@ enum Step {
         seq: usize,
         heads: usize,
         head_dim: usize,
+        /// (bias table weight, radius)
+        bias: Option<(usize, usize)>,
     },
     Pool {
         x: usize,
@@ -213,6 +218,7 @@ enum Step {
         hidden: usize,
         mode: Pooling,
         normalize: bool,
+        skip: Option<usize>,
     },
     PackedEmbed {
         ids: usize,
@@ -227,6 +233,7 @@ enum Step {
         out: usize,
         tokens: usize,
         hidden: usize,
+        position_ids: PositionIds,
     },
     PackedAttention {
         qkv: usize,
@@ -237,6 +244,7 @@ enum Step {
         max_seq_len: usize,
         heads: usize,
         head_dim: usize,
+        bias: Option<(usize, usize)>,
     },
     PackedPool {
         x: usize,
@@ -246,7 +254,10 @@ enum Step {
         hidden: usize,
         mode: Pooling,
         normalize: bool,
+        skip: Option<usize>,
     },
+    /// L2-normalises `rows` rows of `x` in place.
+    Normalize { x: usize, rows: usize, width: usize },
 }
 
 /// The shape a plan computes: its program's, or a batch's real part of it.
@@ -280,7 +291,9 @@ impl Step {
                 x, residual, out, ..
             } => ([Some(x), Some(residual), None], out),
             Step::Attention { qkv, mask, out, .. } => ([Some(qkv), Some(mask), None], out),
-            Step::Pool { x, mask, out, .. } => ([Some(x), Some(mask), None], out),
+            Step::Pool {
+                x, mask, out, skip, ..
+            } => ([Some(x), Some(mask), skip], out),
             Step::PackedEmbed {
                 ids,
                 types,
@@ -292,8 +305,14 @@ impl Step {
                 qkv, offsets, out, ..
             } => ([Some(qkv), Some(offsets), None], out),
             Step::PackedPool {
-                x, offsets, out, ..
-            } => ([Some(x), Some(offsets), None], out),
+                x,
+                offsets,
+                out,
+                skip,
+                ..
+            } => ([Some(x), Some(offsets), skip], out),
+            // Reads only what it writes (in place).
+            Step::Normalize { x, .. } => ([None, None, None], x),
         }
     }
 
@@ -346,6 +365,7 @@ impl Step {
                 out,
                 tokens: t,
                 hidden,
+                position_ids,
             } => {
                 let (_, ft, _, at) = packed?;
                 if t != ft {
@@ -364,6 +384,7 @@ impl Step {
                     out,
                     tokens: at,
                     hidden,
+                    position_ids,
                 }
             }
             Step::PackedAttention {
@@ -375,6 +396,7 @@ impl Step {
                 max_seq_len,
                 heads,
                 head_dim,
+                bias,
             } => {
                 let (fs, ft, as_, at) = packed?;
                 if t != ft || s != fs {
@@ -389,6 +411,7 @@ impl Step {
                     max_seq_len,
                     heads,
                     head_dim,
+                    bias,
                 }
             }
             Step::PackedPool {
@@ -399,6 +422,7 @@ impl Step {
                 hidden,
                 mode,
                 normalize,
+                skip,
             } => {
                 let (fs, _, as_, _) = packed?;
                 if s != fs {
@@ -412,8 +436,14 @@ impl Step {
                     hidden,
                     mode,
                     normalize,
+                    skip,
                 }
             }
+            Step::Normalize { x, rows: r, width } => Step::Normalize {
+                x,
+                rows: rows(r)?,
+                width,
+            },
             Step::Embed {
                 ids,
                 types,
@@ -427,6 +457,7 @@ impl Step {
                 rows: r,
                 seq,
                 hidden,
+                position_ids,
             } => {
                 let (fb, fs, ab, as_) = padded?;
                 if seq != fs || r != fb * fs {
@@ -445,6 +476,7 @@ impl Step {
                     rows: ab * as_,
                     seq: as_,
                     hidden,
+                    position_ids,
                 }
             }
             Step::Linear {
@@ -493,6 +525,7 @@ impl Step {
                 seq,
                 heads,
                 head_dim,
+                bias,
             } => {
                 let (batch, seq) = shape(batch, seq)?;
                 Step::Attention {
@@ -503,6 +536,7 @@ impl Step {
                     seq,
                     heads,
                     head_dim,
+                    bias,
                 }
             }
             Step::Pool {
@@ -514,6 +548,7 @@ impl Step {
                 hidden,
                 mode,
                 normalize,
+                skip,
             } => {
                 let (batch, seq) = shape(batch, seq)?;
                 Step::Pool {
@@ -525,6 +560,7 @@ impl Step {
                     hidden,
                     mode,
                     normalize,
+                    skip,
                 }
             }
         })
@@ -582,6 +618,7 @@ impl Plan {
                     batch,
                     seq,
                     hidden,
+                    position_ids,
                 } => Step::Embed {
                     ids: ids.0,
                     types: token_types.0,
@@ -595,6 +632,7 @@ impl Plan {
                     rows: batch * seq,
                     seq,
                     hidden,
+                    position_ids,
                 },
                 Op::Linear {
                     x,
@@ -642,6 +680,7 @@ impl Plan {
                     seq,
                     heads,
                     head_dim,
+                    bias,
                 } => {
                     max_attention_seq = max_attention_seq.max(seq);
                     Step::Attention {
@@ -652,6 +691,7 @@ impl Plan {
                         seq,
                         heads,
                         head_dim,
+                        bias: bias.map(|b| (b.table.0, b.radius)),
                     }
                 }
                 Op::Pool {
@@ -663,6 +703,7 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
+                    skip,
                 } => Step::Pool {
                     x: x.0,
                     mask: mask.0,
@@ -672,6 +713,7 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
+                    skip: skip.map(|b| b.0),
                 },
                 Op::PackedEmbedLayerNorm {
                     ids,
@@ -686,6 +728,7 @@ impl Plan {
                     out,
                     tokens,
                     hidden,
+                    position_ids,
                     ..
                 } => Step::PackedEmbed {
                     ids: ids.0,
@@ -700,6 +743,7 @@ impl Plan {
                     out: out.0,
                     tokens,
                     hidden,
+                    position_ids,
                 },
                 Op::PackedAttention {
                     qkv,
@@ -710,6 +754,7 @@ impl Plan {
                     max_seq_len,
                     heads,
                     head_dim,
+                    bias,
                 } => {
                     max_attention_seq = max_attention_seq.max(max_seq_len);
                     Step::PackedAttention {
@@ -721,6 +766,7 @@ impl Plan {
                         max_seq_len,
                         heads,
                         head_dim,
+                        bias: bias.map(|b| (b.table.0, b.radius)),
                     }
                 }
                 Op::PackedPool {
@@ -731,6 +777,7 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
+                    skip,
                     ..
                 } => Step::PackedPool {
                     x: x.0,
@@ -740,6 +787,12 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
+                    skip: skip.map(|b| b.0),
+                },
+                Op::Normalize { x, rows, width } => Step::Normalize {
+                    x: x.0,
+                    rows,
+                    width,
                 },
             })
             .collect::<Vec<Step>>();
@@ -874,6 +927,7 @@ impl Plan {
                     let width = v.len() / self.batch;
                     rows.pack_features(&mut v[..batch * width]);
                 }
+                Buf::I32(v) if role == InputRole::PoolSkip => rows.pack_tokens(role, seq, v),
                 Buf::I32(v) => rows.pack_tokens(role, seq, &mut v[..batch * seq]),
             }
         }
@@ -926,6 +980,7 @@ impl Plan {
                     rows,
                     seq,
                     hidden,
+                    position_ids,
                 } => ops::embed_layer_norm(
                     threads,
                     &bufs.i32(ids)[..rows],
@@ -939,6 +994,7 @@ impl Plan {
                     o,
                     seq,
                     hidden,
+                    position_ids,
                 ),
                 Step::Linear {
                     x,
@@ -983,6 +1039,7 @@ impl Plan {
                     seq,
                     heads,
                     head_dim,
+                    bias,
                 } => {
                     let scratch_len = threads * seq * seq;
                     ops::attention(
@@ -994,6 +1051,7 @@ impl Plan {
                         seq,
                         heads,
                         head_dim,
+                        bias.map(|(t, r)| (wt(t), r)),
                     );
                 }
                 Step::Pool {
@@ -1005,6 +1063,7 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
+                    skip,
                 } => ops::pool(
                     bufs.f32(x),
                     bufs.i32(mask),
@@ -1014,6 +1073,7 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
+                    skip.map(|k| &bufs.i32(k)[..batch]),
                 ),
                 Step::PackedEmbed {
                     ids,
@@ -1028,6 +1088,7 @@ impl Plan {
                     out: _,
                     tokens,
                     hidden,
+                    position_ids,
                 } => ops::packed_embed_layer_norm(
                     threads,
                     &bufs.i32(ids)[..tokens],
@@ -1041,6 +1102,7 @@ impl Plan {
                     eps,
                     o,
                     hidden,
+                    position_ids,
                 ),
                 Step::PackedAttention {
                     qkv,
@@ -1051,6 +1113,7 @@ impl Plan {
                     max_seq_len,
                     heads,
                     head_dim,
+                    bias,
                 } => {
                     let scratch_len = threads * max_seq_len * max_seq_len;
                     ops::packed_attention(
@@ -1062,6 +1125,7 @@ impl Plan {
                         max_seq_len,
                         heads,
                         head_dim,
+                        bias.map(|(t, r)| (wt(t), r)),
                     );
                 }
                 Step::PackedPool {
@@ -1072,6 +1136,7 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
+                    skip,
                 } => ops::packed_pool(
                     bufs.f32(x),
                     &bufs.i32(offsets)[..seqs + 1],
@@ -1079,7 +1144,11 @@ impl Plan {
                     hidden,
                     mode,
                     normalize,
+                    skip.map(|k| &bufs.i32(k)[..seqs]),
                 ),
+                Step::Normalize { x: _, rows, width } => {
+                    ops::normalize_rows(&mut o[..rows * width], width)
+                }
             }
         }
     }

@@ -1421,6 +1421,12 @@ fn synthetic_bert(hidden: usize, heads: usize, pooling: Pooling, seed: u64) -> M
         normalize: pooling != Pooling::Max,
         embeddings,
         layers,
+        family: crate::model::bert::Family::Bert,
+        position_ids: Default::default(),
+        position_bias: None,
+        pool_skip: false,
+        dense: Vec::new(),
+        classifier: None,
     };
     Model {
         info: ModelInfo {
@@ -1433,6 +1439,10 @@ fn synthetic_bert(hidden: usize, heads: usize, pooling: Pooling, seed: u64) -> M
             output_dim: hidden,
             dtype: DType::F32,
             tokenizer_path: None,
+            task: Default::default(),
+            tokenizer: None,
+            prompts: Default::default(),
+            derived: Vec::new(),
         },
         arch: Architecture::Bert(arch),
         weights: w,

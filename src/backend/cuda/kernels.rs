@@ -56,6 +56,14 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "attention_varlen.cu",
         include_str!("../../../kernels/attention_varlen.cu"),
     ),
+    // Issue 13's encoder families (after layernorm.cu, whose ln_finish
+    // embed_pos.cu shares). Compiled and checked for their entry points;
+    // the planner does not launch them yet (it refuses those models).
+    (
+        "embed_pos.cu",
+        include_str!("../../../kernels/embed_pos.cu"),
+    ),
+    ("rownorm.cu", include_str!("../../../kernels/rownorm.cu")),
     // Vectorised LayerNorm / element-wise kernels, and the fused sublayers
     // for few token rows (after skinny.cu and attention_tc.cu, whose
     // helpers they use).
@@ -120,8 +128,22 @@ pub fn expected_entry_points() -> Vec<String> {
             names.push(format!("attention_tc_{t}_d{d}"));
         }
     }
+    names.extend(encoder_family_entry_points());
     names.push("fault_oob_write".to_string());
     names.push("fault_spin".to_string());
+    names
+}
+
+/// The kernels of XLM-R / MPNet position ids (`embed_ln_padpos_<t>`,
+/// `embed_ln_packed_padpos_<t>`, embed_pos.cu) and of a `Normalize` after a
+/// `Dense` module (`l2norm_rows_<t>`, rownorm.cu).
+pub fn encoder_family_entry_points() -> Vec<String> {
+    let mut names = Vec::new();
+    for t in DTYPE_SUFFIXES {
+        names.push(format!("embed_ln_padpos_{t}"));
+        names.push(format!("embed_ln_packed_padpos_{t}"));
+        names.push(format!("l2norm_rows_{t}"));
+    }
     names
 }
 

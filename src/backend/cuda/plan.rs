@@ -953,6 +953,7 @@ impl<'a> Planner<'a> {
                 seq,
                 heads,
                 head_dim,
+                bias: None,
             } if batch * seq == m => (qkv, out, heads, head_dim, Arg::Ptr(self.int_loc(mask)), seq),
             Op::PackedAttention {
                 qkv,
@@ -1131,6 +1132,7 @@ impl<'a> Planner<'a> {
                 batch,
                 seq,
                 hidden,
+                ..
             } => {
                 let rows = batch * seq;
                 let ids_l = self.int_loc(ids);
@@ -1178,6 +1180,10 @@ impl<'a> Planner<'a> {
                 self.finish_out(pending, rows * hidden)?;
                 Ok(1)
             }
+            // Refused by `not_on_cuda` before planning; kept an error, not a panic.
+            Op::Normalize { .. } => Err(BackendError::Unsupported(format!(
+                "op {idx} (Normalize): not implemented on CUDA"
+            ))),
             Op::Linear {
                 x,
                 w,
@@ -1305,6 +1311,7 @@ impl<'a> Planner<'a> {
                 seq,
                 heads,
                 head_dim,
+                ..
             } => {
                 let what = format!("op {idx} (Attention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
@@ -1378,6 +1385,7 @@ impl<'a> Planner<'a> {
                 hidden,
                 mode,
                 normalize,
+                ..
             } => {
                 let mask_l = self.int_loc(mask);
                 let x_l = self.float_in(x, batch * seq * hidden, t)?;
@@ -1472,6 +1480,7 @@ impl<'a> Planner<'a> {
                 max_seq_len,
                 heads,
                 head_dim,
+                ..
             } => {
                 let what = format!("op {idx} (PackedAttention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
@@ -1555,6 +1564,7 @@ impl<'a> Planner<'a> {
                 hidden,
                 mode,
                 normalize,
+                ..
             } => {
                 if seqs > i32::MAX as usize || tokens > i32::MAX as usize {
                     return Err(BackendError::Unsupported(format!(
@@ -1586,6 +1596,36 @@ impl<'a> Planner<'a> {
 }
 
 /// Plans `program` for compute type `compute`.
+/// What of `op` the CUDA kernels do not implement yet (issue 13's encoder
+/// families and sentence-transformers heads run on the CPU backend only):
+/// RoBERTa-style position ids (XLM-R, MPNet), MPNet's relative attention
+/// bias, pooling that skips a prompt (`include_prompt = false`) and the
+/// `Normalize` op after a `Dense` module. Refusing the whole program here,
+/// before anything is planned, is what keeps a graph from computing such a
+/// model as if it were plain BERT (wrong numbers, no error).
+pub fn not_on_cuda(op: &Op) -> Option<String> {
+    use crate::model::program::PositionIds;
+    match op {
+        Op::EmbedLayerNorm { position_ids, .. } | Op::PackedEmbedLayerNorm { position_ids, .. }
+            if *position_ids != PositionIds::Index =>
+        {
+            Some(format!(
+                "position ids {position_ids:?} (XLM-RoBERTa / MPNet) are not implemented on CUDA yet; serve the model with backend = \"cpu\""
+            ))
+        }
+        Op::Attention { bias: Some(_), .. } | Op::PackedAttention { bias: Some(_), .. } => Some(
+            "a relative attention bias (MPNet) is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
+        ),
+        Op::Pool { skip: Some(_), .. } | Op::PackedPool { skip: Some(_), .. } => Some(
+            "pooling that excludes the prompt (include_prompt = false) is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
+        ),
+        Op::Normalize { .. } => Some(
+            "Normalize after a Dense module is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
+        ),
+        _ => None,
+    }
+}
+
 pub fn plan(
     program: &Program,
     weights: &Weights,
@@ -1597,6 +1637,11 @@ pub fn plan(
         return Err(BackendError::Unsupported(format!(
             "compute dtype {compute}"
         )));
+    }
+    for (idx, op) in program.ops.iter().enumerate() {
+        if let Some(why) = not_on_cuda(op) {
+            return Err(BackendError::Unsupported(format!("op {idx}: {why}")));
+        }
     }
     // The program has passed `Program::validate`: buffers, inputs and the
     // one output are as declared.
@@ -1757,6 +1802,7 @@ pub(crate) mod tests {
         let t = b.activation("t", rows * inter);
         let out = b.output("out", batch * hidden);
         b.push(Op::EmbedLayerNorm {
+            position_ids: Default::default(),
             ids,
             token_types: types,
             word,
@@ -1781,6 +1827,7 @@ pub(crate) mod tests {
             k: hidden,
         });
         b.push(Op::Attention {
+            bias: None,
             qkv,
             mask,
             out: ctx,
@@ -1840,6 +1887,7 @@ pub(crate) mod tests {
             hidden,
         });
         b.push(Op::Pool {
+            skip: None,
             x: h,
             mask,
             out,
@@ -1895,6 +1943,7 @@ pub(crate) mod tests {
                     hidden,
                     ..
                 } => Op::PackedEmbedLayerNorm {
+                    position_ids: Default::default(),
                     ids,
                     token_types: types,
                     positions,
@@ -1954,6 +2003,7 @@ pub(crate) mod tests {
                     head_dim,
                     ..
                 } => Op::PackedAttention {
+                    bias: None,
                     qkv: remap(q),
                     offsets,
                     out: remap(o),
@@ -1971,6 +2021,7 @@ pub(crate) mod tests {
                     normalize,
                     ..
                 } => Op::PackedPool {
+                    skip: None,
                     x: remap(x),
                     offsets,
                     out: remap(o),
@@ -2765,6 +2816,12 @@ pub(crate) mod tests {
             normalize: true,
             embeddings,
             layers,
+            family: crate::model::bert::Family::Bert,
+            position_ids: Default::default(),
+            position_bias: None,
+            pool_skip: false,
+            dense: Vec::new(),
+            classifier: None,
         };
         (arch, w)
     }

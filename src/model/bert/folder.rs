@@ -1,46 +1,78 @@
-//! Reading a BERT-family encoder from a Hugging Face folder, with
-//! sentence-transformers pooling and normalisation.
+//! Reading a BERT-family encoder (BERT, XLM-RoBERTa, MPNet) from a Hugging
+//! Face or sentence-transformers folder, as sentence-transformers 6.2 /
+//! transformers 5 read it (the rules, with their sources, are in
+//! `docs/notes/sentence-transformers-folders.md`).
 //!
 //! The folder holds:
 //!
-//! * `config.json` — `model_type` `"bert"`; `hidden_size`,
-//!   `num_attention_heads`, `num_hidden_layers`, `intermediate_size`,
-//!   `vocab_size`, `max_position_embeddings` (required), `type_vocab_size`
-//!   (default 2), `hidden_act` (default `"gelu"`), `layer_norm_eps` (default
-//!   1e-12), `position_embedding_type` (must be `"absolute"` if present).
-//! * `model.safetensors` — the `BertModel` weights, optionally prefixed `bert.`
-//!   (f32, f16, bf16 or f64; converted to f32). `embeddings.position_ids`,
-//!   the pooler and any task heads are ignored. LayerNorm parameters may be
-//!   named `weight`/`bias` or (older checkpoints) `gamma`/`beta`.
-//! * `tokenizer.json` — must exist (the frontend loads it).
-//! * Optionally the sentence-transformers files: `modules.json` (a `Normalize`
-//!   module turns on L2 normalisation; modules other than Transformer, Pooling
-//!   and Normalize, e.g. `Dense`, are rejected because we would compute a
-//!   different function), the pooling module's `config.json` (default
-//!   `1_Pooling/config.json`; mean, cls or max) and
-//!   `sentence_bert_config.json` (`max_seq_length`, the default longest input).
+//! * `modules.json` (optional) — the module list, read by [`crate::model::st`]:
+//!   Transformer, then Pooling and any Dense / Normalize modules (a
+//!   sentence embedding), or a lone Transformer of task
+//!   `sequence-classification` (a cross-encoder). Any other module is refused
+//!   by name. Without modules.json a folder is a plain transformers folder:
+//!   mean pooling for a base model, a cross-encoder for a
+//!   `*ForSequenceClassification` architecture.
+//! * In the Transformer module's folder (the root, or e.g. `0_Transformer/`):
+//!   `config.json` — `model_type` `bert`, `xlm-roberta` or `mpnet`, the
+//!   hyper-parameters (required: `hidden_size`, `num_attention_heads`,
+//!   `num_hidden_layers`, `intermediate_size`, `vocab_size`,
+//!   `max_position_embeddings`); `model.safetensors` (the base model's
+//!   weights, optionally under `bert.` / `roberta.` / `mpnet.`, with the
+//!   classification head for a cross-encoder); `tokenizer.json` and
+//!   `tokenizer_config.json` (see [`crate::model::tokenizer`]);
+//!   `sentence_bert_config.json` (max length, `do_lower_case`).
+//! * `config_sentence_transformers.json` — the model type, prompts and a
+//!   cross-encoder's activation.
 //!
 //! [`ModelSpec`]'s `pooling`, `normalize` and `max_seq_len` override the
-//! folder; `max_seq_len` may not exceed `max_position_embeddings`.
+//! folder (`normalize`: the normalisation at the end of the module chain);
+//! `max_seq_len` may not exceed what the position table holds.
 //!
-//! [`inspect`] reads the JSON files and the safetensors header only (no
-//! weight data) and checks every tensor's presence and shape; [`load`] does
-//! the same checks and then reads the weights, fusing each layer's query, key
-//! and value projections into one `[3·hidden, hidden]` weight.
+//! [`inspect`] reads the JSON files, the safetensors headers (no weight data)
+//! and builds the tokenizer (to report what it rebuilt and count each
+//! prompt's tokens); [`load`] reads the weights, fusing each layer's query,
+//! key and value projections into one `[3·hidden, hidden]` weight. Both
+//! describe everything they resolved in [`ModelInfo::derived`].
 
-use super::{BertArch, BertEmbeddings, BertLayer};
+use super::{BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family};
 use crate::model::files::read_json;
-use crate::model::program::{Activation, Pooling, WeightId};
+use crate::model::program::{Activation, Pooling, PositionBias, PositionIds, WeightId};
 use crate::model::safetensors_file::{read_header, Header, TensorFile};
+use crate::model::st::{self, FolderType, ModuleKind};
+use crate::model::tokenizer::{self, ClassSettings, TokenizerClass, TokenizerSpec};
 use crate::model::{
-    Architecture, InputSpec, Model, ModelError, ModelInfo, ModelKind, ModelSpec, Weights,
+    Architecture, Derived, InputSpec, Model, ModelError, ModelInfo, ModelKind, ModelSpec, Prompt,
+    Prompts, Task, Weights,
 };
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+/// The table radius of MPNet's relative attention bias: distances beyond it
+/// fall in the outermost buckets (the bucket is constant from |j − i| = 91).
+pub const MPNET_BIAS_RADIUS: usize = 128;
+
+/// MPNet's `relative_position_bucket(j − i, num_buckets = 32,
+/// max_distance = 128)`, as `MPNetEncoder` computes it (in f32, truncated
+/// toward zero): buckets 0–15 for keys at or before the query, 16–31 after.
+pub fn mpnet_bucket(relative: i64) -> usize {
+    let n = -relative; // i − j
+    let mut ret = 0;
+    if n < 0 {
+        ret += 16;
+    }
+    let n = n.abs();
+    if n < 8 {
+        return ret + n as usize;
+    }
+    let large = 8 + ((n as f32 / 8.0).ln() / (16.0f64.ln() as f32) * 8.0) as i64;
+    ret + large.min(15) as usize
+}
 
 /// The hyper-parameters from `config.json`.
 #[derive(Clone, Debug, PartialEq)]
-struct BertConfig {
+struct EncoderConfig {
+    family: Family,
     hidden: usize,
     heads: usize,
     layers: usize,
@@ -48,29 +80,62 @@ struct BertConfig {
     act: Activation,
     eps: f32,
     max_position: usize,
+    /// Rows of the token-type table (0: none, MPNet).
     type_vocab: usize,
     vocab: usize,
+    /// XLM-R / MPNet: the padding index positions count from.
+    pad: Option<u32>,
+    /// `architectures[0]`, if any.
+    architecture: Option<String>,
+    /// A `*ForSequenceClassification` architecture, and its label count.
+    labels: Option<usize>,
+    json: Value,
 }
 
-fn parse_config(path: &Path) -> Result<BertConfig, ModelError> {
+impl EncoderConfig {
+    fn position_ids(&self) -> PositionIds {
+        match self.pad {
+            None => PositionIds::Index,
+            Some(pad) => PositionIds::AfterPadding { pad },
+        }
+    }
+
+    /// The longest sequence the position table holds.
+    fn positions(&self) -> usize {
+        match self.pad {
+            None => self.max_position,
+            Some(pad) => self.max_position.saturating_sub(pad as usize + 1),
+        }
+    }
+}
+
+fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     let json = read_json(path)?;
     let err = |m: String| ModelError::file(path, m);
     if !json.is_object() {
         return Err(err("expected a JSON object".into()));
     }
-    match json.get("model_type").and_then(Value::as_str) {
-        Some("bert") => {}
+    let serves = "replayd serves BERT, XLM-RoBERTa and MPNet encoders: model_type \"bert\", \"xlm-roberta\" or \"mpnet\"";
+    let family = match json.get("model_type").and_then(Value::as_str) {
+        Some("bert") => Family::Bert,
+        Some("xlm-roberta") => Family::XlmRoberta,
+        Some("mpnet") => Family::Mpnet,
         Some(other) => {
+            let arch = json
+                .get("architectures")
+                .and_then(|a| a.get(0))
+                .and_then(Value::as_str)
+                .map_or(String::new(), |a| format!(", architecture {a}"));
             return Err(err(format!(
-                "unknown architecture: model_type {other:?} (replayd serves BERT encoders, model_type \"bert\")"
-            )))
+                "unknown architecture: model_type {other:?}{arch} ({serves})"
+            )));
         }
         None => {
-            return Err(err(
-                "unknown architecture: no model_type (replayd serves BERT encoders, model_type \"bert\")".into(),
-            ))
+            return Err(err(format!(
+                "unknown architecture: no model_type ({serves})"
+            )))
         }
-    }
+    };
     for flag in ["is_decoder", "add_cross_attention"] {
         if json.get(flag).and_then(Value::as_bool) == Some(true) {
             return Err(err(format!(
@@ -78,6 +143,34 @@ fn parse_config(path: &Path) -> Result<BertConfig, ModelError> {
             )));
         }
     }
+    let architecture = match json.get("architectures") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(a)) if a.len() <= 1 => {
+            a.first().and_then(Value::as_str).map(String::from)
+        }
+        Some(v) => {
+            return Err(err(format!(
+                "unsupported `architectures` {v} (one architecture)"
+            )))
+        }
+    };
+    let (base, classifier) = match family {
+        Family::Bert => ("BertModel", "BertForSequenceClassification"),
+        Family::XlmRoberta => ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
+        Family::Mpnet => ("MPNetModel", "MPNetForSequenceClassification"),
+    };
+    let masked_lm = format!("{}ForMaskedLM", base.trim_end_matches("Model"));
+    let head = match architecture.as_deref() {
+        None => false,
+        Some(a) if a == base || a == masked_lm => false,
+        Some(a) if a == classifier => true,
+        Some(a) => {
+            return Err(err(format!(
+            "unsupported architecture {a} (model_type {:?}: {base}, {masked_lm} or {classifier})",
+            family.model_type()
+        )))
+        }
+    };
     let size = |key: &str, default: Option<usize>| -> Result<usize, ModelError> {
         match json.get(key) {
             None if default.is_some() => Ok(default.unwrap_or_default()),
@@ -95,7 +188,10 @@ fn parse_config(path: &Path) -> Result<BertConfig, ModelError> {
     let intermediate = size("intermediate_size", None)?;
     let max_position = size("max_position_embeddings", None)?;
     let vocab = size("vocab_size", None)?;
-    let type_vocab = size("type_vocab_size", Some(2))?;
+    let type_vocab = match family {
+        Family::Mpnet => 0,
+        _ => size("type_vocab_size", Some(2))?,
+    };
     if hidden % heads != 0 {
         return Err(err(format!(
             "hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
@@ -124,7 +220,39 @@ fn parse_config(path: &Path) -> Result<BertConfig, ModelError> {
             )));
         }
     }
-    Ok(BertConfig {
+    let pad = match family {
+        Family::Bert => None,
+        // XLMRobertaEmbeddings: padding_idx = config.pad_token_id.
+        Family::XlmRoberta => Some(match json.get("pad_token_id") {
+            None | Some(Value::Null) => 1,
+            Some(v) => v
+                .as_u64()
+                .filter(|&p| p < vocab as u64)
+                .ok_or_else(|| err(format!("`pad_token_id` is {v}, expected a token id")))?
+                as u32,
+        }),
+        // MPNetEmbeddings hard-codes padding_idx = 1.
+        Family::Mpnet => Some(1),
+    };
+    if family == Family::Mpnet {
+        let buckets = size("relative_attention_num_buckets", Some(32))?;
+        if buckets != 32 {
+            return Err(err(format!(
+                "unsupported relative_attention_num_buckets {buckets} (MPNet's compute_position_bias always uses 32)"
+            )));
+        }
+    }
+    let labels = if head {
+        let n = match json.get("id2label").and_then(Value::as_object) {
+            Some(m) if !m.is_empty() => m.len(),
+            _ => size("num_labels", Some(2))?,
+        };
+        Some(n)
+    } else {
+        None
+    };
+    Ok(EncoderConfig {
+        family,
         hidden,
         heads,
         layers,
@@ -134,69 +262,82 @@ fn parse_config(path: &Path) -> Result<BertConfig, ModelError> {
         max_position,
         type_vocab,
         vocab,
+        pad,
+        architecture,
+        labels,
+        json,
     })
 }
 
-/// Pooling from a sentence-transformers pooling config.
-fn parse_pooling(path: &Path, hidden: usize) -> Result<Pooling, ModelError> {
-    let json = read_json(path)?;
-    let err = |m: String| ModelError::file(path, m);
-    if let Some(dim) = json.get("word_embedding_dimension").and_then(Value::as_u64) {
-        if dim as usize != hidden {
-            return Err(err(format!(
-                "word_embedding_dimension {dim} differs from the model's hidden_size {hidden}"
-            )));
-        }
-    }
-    let on = |key: &str| json.get(key).and_then(Value::as_bool) == Some(true);
-    let unsupported = [
-        "pooling_mode_mean_sqrt_len_tokens",
-        "pooling_mode_weightedmean_tokens",
-        "pooling_mode_lasttoken",
-    ];
-    if let Some(mode) = unsupported.iter().find(|m| on(m)) {
-        return Err(err(format!(
-            "unsupported pooling mode `{mode}` (replayd pools with mean, cls or max)"
-        )));
-    }
-    if let Some(mode) = json.get("pooling_mode").and_then(Value::as_str) {
-        // Newer configs may name the mode directly.
-        return match mode {
-            "mean" => Ok(Pooling::Mean),
-            "cls" => Ok(Pooling::Cls),
-            "max" => Ok(Pooling::Max),
-            other => Err(err(format!(
-                "unsupported pooling mode {other:?} (replayd pools with mean, cls or max)"
-            ))),
-        };
-    }
-    let modes: Vec<Pooling> = [
-        ("pooling_mode_mean_tokens", Pooling::Mean),
-        ("pooling_mode_cls_token", Pooling::Cls),
-        ("pooling_mode_max_tokens", Pooling::Max),
-    ]
-    .into_iter()
-    .filter(|(key, _)| on(key))
-    .map(|(_, mode)| mode)
-    .collect();
-    match modes[..] {
-        [mode] => Ok(mode),
-        [] => Err(err("no pooling mode is enabled".into())),
-        _ => Err(err(
-            "unsupported pooling: several modes are enabled (concatenated embeddings)".into(),
-        )),
-    }
+/// A Dense module and whether a Normalize follows it.
+#[derive(Clone, Debug)]
+struct DenseModule {
+    config: st::DenseConfig,
+    normalize: bool,
 }
 
 /// Everything about a folder except the weights.
 #[derive(Clone, Debug)]
 struct Folder {
-    config: BertConfig,
+    config: EncoderConfig,
+    kind: FolderType,
     pooling: Pooling,
+    include_prompt: bool,
+    /// Normalise right after pooling.
     normalize: bool,
+    dense: Vec<DenseModule>,
+    /// A cross-encoder's activation.
+    activation: Option<Activation>,
     max_seq_len: usize,
-    tokenizer: PathBuf,
+    tokenizer: TokenizerSpec,
+    prompts: BTreeMap<String, String>,
+    default_prompt: Option<String>,
     weights: PathBuf,
+    derived: Vec<Derived>,
+}
+
+fn derived(key: &str, value: impl std::fmt::Display, from: impl Into<String>) -> Derived {
+    Derived {
+        key: key.into(),
+        value: value.to_string(),
+        from: from.into(),
+    }
+}
+
+fn pooling_name(p: Pooling) -> &'static str {
+    match p {
+        Pooling::Mean => "mean",
+        Pooling::Cls => "cls",
+        Pooling::Max => "max",
+    }
+}
+
+fn activation_name(a: Activation) -> &'static str {
+    match a {
+        Activation::Identity => "Identity",
+        Activation::Relu => "ReLU",
+        Activation::Gelu => "GELU",
+        Activation::GeluTanh => "GELU(tanh)",
+        Activation::Tanh => "Tanh",
+        Activation::Sigmoid => "Sigmoid",
+        Activation::Silu => "SiLU",
+    }
+}
+
+/// `model_max_length` of tokenizer_config.json (transformers writes 1e30
+/// for "none", which JSON parses as a float).
+fn model_max_length(config: &Value, path: &Path) -> Result<Option<u64>, ModelError> {
+    match config.get("model_max_length") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) if n >= 2 => Ok(Some(n)),
+            (None, Some(f)) if f >= 1e19 => Ok(Some(u64::MAX)),
+            _ => Err(ModelError::file(
+                path,
+                format!("`model_max_length` is {v}, expected an integer ≥ 2"),
+            )),
+        },
+    }
 }
 
 fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
@@ -205,117 +346,392 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
         return Err(ModelError::file(
             dir,
             if dir.exists() {
-                "not a folder (a BERT model is a Hugging Face folder)"
+                "not a folder (a BERT-family model is a Hugging Face folder)"
             } else {
                 "missing model folder"
             },
         ));
     }
-    let config = parse_config(&dir.join("config.json"))?;
-    let tokenizer = dir.join("tokenizer.json");
-    if !tokenizer.is_file() {
-        return Err(ModelError::file(
-            &tokenizer,
-            "missing file (the model's tokenizer is required)",
-        ));
-    }
-    let weights = dir.join("model.safetensors");
-    if !weights.is_file() {
-        return Err(ModelError::file(&weights, "missing file"));
-    }
-
-    // sentence-transformers modules.
+    let mut derived_list = Vec::new();
+    let modules = st::read_modules(dir)?;
+    let st_config = st::read_st_config(dir)?;
     let modules_path = dir.join("modules.json");
-    let mut pooling_dir = None;
-    let mut has_normalize = false;
-    if modules_path.is_file() {
-        let modules = read_json(&modules_path)?;
-        let list = modules
-            .as_array()
-            .ok_or_else(|| ModelError::file(&modules_path, "expected a JSON list of modules"))?;
-        for module in list {
-            let kind = module.get("type").and_then(Value::as_str).unwrap_or("");
-            let short = kind.rsplit('.').next().unwrap_or(kind);
-            match short {
-                "Transformer" => {}
-                "Pooling" => {
-                    let sub = module.get("path").and_then(Value::as_str).unwrap_or("1_Pooling");
-                    pooling_dir = Some(dir.join(sub));
-                }
-                "Normalize" => has_normalize = true,
+    // The Transformer module comes first; its folder holds the model.
+    let transformer_dir = match &modules {
+        Some(list) => {
+            let transformers = list
+                .iter()
+                .filter(|m| m.kind == ModuleKind::Transformer)
+                .count();
+            match list.first() {
+                Some(m) if m.kind == ModuleKind::Transformer && transformers == 1 => m.dir.clone(),
                 _ => {
                     return Err(ModelError::file(
                         &modules_path,
-                        format!(
-                            "unsupported sentence-transformers module {kind:?} (replayd applies Transformer, Pooling and Normalize only)"
-                        ),
+                        "expected exactly one Transformer module, first",
                     ))
                 }
             }
         }
+        None => dir.clone(),
+    };
+    let config_path = transformer_dir.join("config.json");
+    let config = parse_config(&config_path)?;
+    let st_path = || {
+        st_config
+            .path
+            .clone()
+            .unwrap_or_else(|| dir.join("config_sentence_transformers.json"))
+    };
+    let kind = match (st_config.model_type.as_deref(), &modules, config.labels) {
+        (Some("CrossEncoder"), Some(_), Some(_)) => FolderType::CrossEncoder,
+        (Some("CrossEncoder"), _, None) => {
+            return Err(ModelError::file(
+                &config_path,
+                format!(
+                    "a CrossEncoder folder needs a *ForSequenceClassification architecture, config.json has {} (sentence-transformers would add a randomly initialised head)",
+                    config.architecture.as_deref().unwrap_or("none")
+                ),
+            ))
+        }
+        (None | Some("SentenceTransformer"), Some(_), Some(_)) => {
+            return Err(ModelError::file(
+                &config_path,
+                format!(
+                    "architecture {} is a classifier, but the folder is a SentenceTransformer ({}): refusing the mismatch",
+                    config.architecture.as_deref().unwrap_or("?"),
+                    modules_path.display()
+                ),
+            ))
+        }
+        (None | Some("SentenceTransformer"), Some(_), None) => FolderType::SentenceTransformer,
+        (None, None, Some(_)) => FolderType::CrossEncoder,
+        (None, None, None) => FolderType::SentenceTransformer,
+        (Some(t @ ("SentenceTransformer" | "CrossEncoder")), None, _) => {
+            return Err(ModelError::file(
+                st_path(),
+                format!("model_type {t:?} without modules.json"),
+            ))
+        }
+        (Some(other), _, _) => {
+            return Err(ModelError::file(
+                st_path(),
+                format!(
+                    "unsupported `model_type` {other:?} (replayd serves SentenceTransformer and CrossEncoder folders)"
+                ),
+            ))
+        }
+    };
+    derived_list.push(derived(
+        "family",
+        format!(
+            "{} ({})",
+            config.family.model_type(),
+            config.architecture.as_deref().unwrap_or("no architectures")
+        ),
+        "config.json model_type",
+    ));
+    derived_list.push(derived(
+        "task",
+        match kind {
+            FolderType::SentenceTransformer => "SentenceTransformer (embedding)".to_string(),
+            FolderType::CrossEncoder => format!(
+                "CrossEncoder ({} label{})",
+                config.labels.unwrap_or(1),
+                if config.labels == Some(1) { "" } else { "s" }
+            ),
+        },
+        if modules.is_some() {
+            "modules.json, config_sentence_transformers.json"
+        } else {
+            "no modules.json: config.json architectures"
+        },
+    ));
+    if let Some(pad) = config.pad {
+        derived_list.push(derived(
+            "position_ids",
+            format!("from padding_idx {pad} + 1"),
+            match config.family {
+                Family::Mpnet => "MPNetEmbeddings (padding_idx 1)",
+                _ => "config.json pad_token_id",
+            },
+        ));
     }
-    let pooling = match model.pooling {
-        Some(p) => p,
-        None => {
-            let path = pooling_dir
-                .unwrap_or_else(|| dir.join("1_Pooling"))
-                .join("config.json");
-            if path.is_file() {
-                parse_pooling(&path, config.hidden)?
-            } else {
-                Pooling::Mean
+    if kind == FolderType::CrossEncoder {
+        if let Some(list) = &modules {
+            if list.len() != 1 {
+                return Err(ModelError::file(
+                    &modules_path,
+                    "a CrossEncoder folder has exactly one module (the Transformer)",
+                ));
             }
         }
-    };
-    let normalize = model.normalize.unwrap_or(has_normalize);
+    }
 
-    let st_path = dir.join("sentence_bert_config.json");
-    let folder_max = if st_path.is_file() {
-        match read_json(&st_path)?.get("max_seq_length") {
-            None | Some(Value::Null) => None,
-            Some(v) => {
-                let n = v.as_u64().filter(|&n| n >= 2).ok_or_else(|| {
-                    ModelError::file(
-                        &st_path,
-                        format!("`max_seq_length` is {v}, expected an integer ≥ 2"),
-                    )
-                })? as usize;
-                if n > config.max_position {
-                    return Err(ModelError::file(
-                        &st_path,
-                        format!(
-                            "max_seq_length {n} exceeds max_position_embeddings {} of config.json",
-                            config.max_position
-                        ),
-                    ));
-                }
-                Some(n)
-            }
-        }
+    // The Transformer module's config, the tokenizer and the maximum length.
+    let transformer = st::read_transformer_config(&transformer_dir, kind)?;
+    for note in &transformer.notes {
+        derived_list.push(derived("ignored", note, "sentence_bert_config.json"));
+    }
+    let tokenizer_json = transformer_dir.join("tokenizer.json");
+    if !tokenizer_json.is_file() {
+        return Err(ModelError::file(
+            &tokenizer_json,
+            "missing file (the model's tokenizer is required)",
+        ));
+    }
+    let tokenizer_config_path = transformer_dir.join("tokenizer_config.json");
+    let tokenizer_config = if tokenizer_config_path.is_file() {
+        read_json(&tokenizer_config_path)?
     } else {
-        None
+        Value::Object(Default::default())
     };
+    let class = TokenizerClass::resolve(
+        tokenizer_config
+            .get("tokenizer_class")
+            .and_then(Value::as_str),
+        config.family.model_type(),
+    )
+    .map_err(|m| ModelError::file(&tokenizer_config_path, m))?;
+    let settings = ClassSettings::read(class, &tokenizer_config, &tokenizer_config_path)?;
+    let resolved = st::resolve_max_length(
+        &transformer,
+        model_max_length(&tokenizer_config, &tokenizer_config_path)?,
+        &tokenizer_config_path,
+        config.max_position,
+        config.positions(),
+    );
     let max_seq_len = match model.max_seq_len {
-        Some(n) if n > config.max_position => {
+        Some(n) if n > config.positions() => {
             return Err(ModelError::Invalid {
                 model: model.name.clone(),
                 message: format!(
-                    "max_seq_len {n} exceeds the model's max_position_embeddings {} ({})",
+                    "max_seq_len {n} exceeds what the model's max_position_embeddings {} holds ({} tokens; {})",
                     config.max_position,
-                    dir.join("config.json").display()
+                    config.positions(),
+                    config_path.display()
                 ),
             })
         }
-        Some(n) => n,
-        None => folder_max.unwrap_or(config.max_position),
+        Some(n) => {
+            derived_list.push(derived("max_seq_len", n, "the config's max_seq_len"));
+            n
+        }
+        None => {
+            derived_list.push(derived("max_seq_len", resolved.value, resolved.from));
+            resolved.value
+        }
     };
+    if transformer.do_lower_case {
+        derived_list.push(derived(
+            "lowercase",
+            "true (Lowercase normalizer in front)",
+            "sentence_bert_config.json do_lower_case",
+        ));
+    }
+    derived_list.push(derived(
+        "tokenizer",
+        class.name(),
+        if tokenizer_config.get("tokenizer_class").is_some() {
+            "tokenizer_config.json tokenizer_class"
+        } else {
+            "config.json model_type"
+        },
+    ));
+    let tokenizer = TokenizerSpec {
+        path: tokenizer_json,
+        class,
+        settings,
+        lowercase: transformer.do_lower_case,
+        max_len: max_seq_len,
+        token_types: config.family == Family::Bert,
+    };
+
+    // Pooling, Dense and Normalize (sentence embeddings).
+    let mut pooling = Pooling::Mean;
+    let mut include_prompt = true;
+    let mut normalize = false;
+    let mut dense: Vec<DenseModule> = Vec::new();
+    if kind == FolderType::SentenceTransformer {
+        match &modules {
+            None => derived_list.push(derived(
+                "pooling",
+                "mean",
+                "no modules.json: sentence-transformers' default modules",
+            )),
+            Some(list) => {
+                let mut seen_pooling = false;
+                for (i, m) in list.iter().enumerate().skip(1) {
+                    match m.kind {
+                        ModuleKind::Pooling if i == 1 => {
+                            let path = m.dir.join("config.json");
+                            let (mode, include) =
+                                st::read_pooling(&path, config.hidden, model.pooling)?;
+                            pooling = mode;
+                            include_prompt = include;
+                            seen_pooling = true;
+                            let rel = format!("{}/config.json", m.rel);
+                            derived_list.push(derived("pooling", pooling_name(mode), rel.clone()));
+                            derived_list.push(derived("include_prompt", include, rel));
+                        }
+                        ModuleKind::Dense if seen_pooling => {
+                            let c = st::read_dense(&m.dir)?;
+                            let width = dense.last().map_or(config.hidden, |d| d.config.outputs);
+                            if c.inputs != width {
+                                return Err(ModelError::file(
+                                    m.dir.join("config.json"),
+                                    format!(
+                                        "in_features {} differs from the {width} values before it",
+                                        c.inputs
+                                    ),
+                                ));
+                            }
+                            derived_list.push(derived(
+                                "dense",
+                                format!(
+                                    "{}→{}{}, {}",
+                                    c.inputs,
+                                    c.outputs,
+                                    if c.bias { " with bias" } else { "" },
+                                    c.act_name
+                                ),
+                                format!("{}/config.json", m.rel),
+                            ));
+                            dense.push(DenseModule {
+                                config: c,
+                                normalize: false,
+                            });
+                        }
+                        ModuleKind::Normalize if seen_pooling => {
+                            st::read_normalize(&m.dir)?;
+                            match dense.last_mut() {
+                                Some(d) => d.normalize = true,
+                                None => normalize = true,
+                            }
+                            derived_list.push(derived(
+                                "normalize",
+                                "L2",
+                                format!(
+                                    "modules.json {}{}",
+                                    m.rel,
+                                    if m.dir.exists() { "" } else { " (no such folder: none needed)" }
+                                ),
+                            ));
+                        }
+                        _ => {
+                            return Err(ModelError::file(
+                                &modules_path,
+                                format!(
+                                    "unsupported module order: module {i} ({:?}, path {:?}); replayd applies Transformer, Pooling, then Dense/Normalize",
+                                    m.kind, m.rel
+                                ),
+                            ))
+                        }
+                    }
+                }
+                if !seen_pooling {
+                    return Err(ModelError::file(
+                        &modules_path,
+                        "no Pooling module after the Transformer (token embeddings are not served)",
+                    ));
+                }
+            }
+        }
+        if let Some(p) = model.pooling {
+            pooling = p;
+            derived_list.push(derived("pooling", pooling_name(p), "the config's pooling"));
+        }
+        if let Some(n) = model.normalize {
+            match dense.last_mut() {
+                Some(d) => d.normalize = n,
+                None => normalize = n,
+            }
+            derived_list.push(derived("normalize", n, "the config's normalize"));
+        }
+    }
+
+    // Prompts.
+    let mut prompts: BTreeMap<String, String> = BTreeMap::new();
+    if kind == FolderType::SentenceTransformer {
+        // SentenceTransformer._default_prompts: query and document, "" unless saved.
+        prompts.insert("query".into(), String::new());
+        prompts.insert("document".into(), String::new());
+    }
+    prompts.extend(st_config.prompts.clone());
+    let default_prompt = st_config.default_prompt_name.clone();
+    if let Some(name) = &default_prompt {
+        if !prompts.contains_key(name) {
+            return Err(ModelError::file(
+                st_path(),
+                format!(
+                    "`default_prompt_name` {name:?} is not one of the prompts ({})",
+                    prompts.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        }
+    }
+    let shown: Vec<String> = prompts
+        .iter()
+        .filter(|(_, t)| !t.is_empty())
+        .map(|(n, t)| format!("{n}={t:?}"))
+        .collect();
+    if !shown.is_empty() || default_prompt.is_some() {
+        derived_list.push(derived(
+            "prompts",
+            format!(
+                "{}; default {}",
+                shown.join(", "),
+                default_prompt.as_deref().unwrap_or("none")
+            ),
+            "config_sentence_transformers.json",
+        ));
+    }
+
+    // A cross-encoder's activation.
+    let activation = match (kind, config.labels) {
+        (FolderType::CrossEncoder, Some(labels)) => {
+            let st_for_rule = if modules.is_some() {
+                st_config.clone()
+            } else {
+                st::StConfig::default()
+            };
+            let (a, from) =
+                st::cross_encoder_activation(&st_for_rule, &config.json, &config_path, labels)?;
+            derived_list.push(derived("activation", activation_name(a), from));
+            Some(a)
+        }
+        _ => None,
+    };
+
+    let weights = transformer_dir.join("model.safetensors");
+    if !weights.is_file() {
+        let pickle = transformer_dir.join("pytorch_model.bin");
+        let index = transformer_dir.join("model.safetensors.index.json");
+        return Err(if pickle.is_file() {
+            ModelError::file(
+                &pickle,
+                "a Python pickle: replayd reads weights from model.safetensors only (convert it with safetensors)",
+            )
+        } else if index.is_file() {
+            ModelError::file(&index, "sharded checkpoints are not supported")
+        } else {
+            ModelError::file(&weights, "missing file")
+        });
+    }
     Ok(Folder {
         config,
+        kind,
         pooling,
+        include_prompt,
         normalize,
+        dense,
+        activation,
         max_seq_len,
         tokenizer,
+        prompts,
+        default_prompt,
         weights,
+        derived: derived_list,
     })
 }
 
@@ -328,14 +744,19 @@ fn norm_names(header: &Header, base: &str) -> (String, String) {
     (weight, format!("{base}.bias"))
 }
 
-/// Tensor names of the embedding block and of each layer, resolved against
-/// the header (prefix, LayerNorm naming) and checked for shape.
+/// Tensor names of the embedding block, each layer and the head, resolved
+/// against the header (prefix, LayerNorm naming) and checked for shape.
 struct TensorNames {
     word: String,
     position: String,
-    token_type: String,
+    /// None: MPNet (no token types).
+    token_type: Option<String>,
     embed_norm: (String, String),
     layers: Vec<LayerNames>,
+    /// MPNet's `[32, heads]` bucket table.
+    relative_bias: Option<String>,
+    /// A cross-encoder's (pooler / dense, classifier / out_proj).
+    classifier: Option<((String, String), (String, String))>,
 }
 
 struct LayerNames {
@@ -348,18 +769,26 @@ struct LayerNames {
     output_norm: (String, String),
 }
 
-fn tensor_names(header: &Header, c: &BertConfig) -> Result<TensorNames, ModelError> {
+fn tensor_names(header: &Header, c: &EncoderConfig) -> Result<TensorNames, ModelError> {
+    let base = match c.family {
+        Family::Bert => "bert.",
+        Family::XlmRoberta => "roberta.",
+        Family::Mpnet => "mpnet.",
+    };
     let prefix = if header.get("embeddings.word_embeddings.weight").is_some() {
         ""
     } else if header
-        .get("bert.embeddings.word_embeddings.weight")
+        .get(&format!("{base}embeddings.word_embeddings.weight"))
         .is_some()
     {
-        "bert."
+        base
     } else {
         return Err(ModelError::file(
             &header.path,
-            "missing tensor `embeddings.word_embeddings.weight` (nor `bert.embeddings.word_embeddings.weight`): not a BERT checkpoint",
+            format!(
+                "missing tensor `embeddings.word_embeddings.weight` (nor `{base}embeddings.word_embeddings.weight`): not a {} checkpoint",
+                c.family.model_type()
+            ),
         ));
     };
     let (h, i) = (c.hidden, c.intermediate);
@@ -380,15 +809,20 @@ fn tensor_names(header: &Header, c: &BertConfig) -> Result<TensorNames, ModelErr
             c.max_position
         ),
     )?;
-    let token_type = format!("{prefix}embeddings.token_type_embeddings.weight");
-    header.expect_shape(
-        &token_type,
-        &[c.type_vocab, h],
-        &format!(
-            " (config.json: type_vocab_size {}, hidden_size {h})",
-            c.type_vocab
-        ),
-    )?;
+    let token_type = if c.type_vocab > 0 {
+        let name = format!("{prefix}embeddings.token_type_embeddings.weight");
+        header.expect_shape(
+            &name,
+            &[c.type_vocab, h],
+            &format!(
+                " (config.json: type_vocab_size {}, hidden_size {h})",
+                c.type_vocab
+            ),
+        )?;
+        Some(name)
+    } else {
+        None
+    };
     let norm = |base: String| -> Result<(String, String), ModelError> {
         let (g, b) = norm_names(header, &base);
         header.expect_shape(&g, &[h], &why_h)?;
@@ -406,18 +840,31 @@ fn tensor_names(header: &Header, c: &BertConfig) -> Result<TensorNames, ModelErr
     let mut layers = Vec::with_capacity(c.layers);
     for l in 0..c.layers {
         let p = format!("{prefix}encoder.layer.{l}");
-        let qkv = [
-            dense(format!("{p}.attention.self.query"), h, h, &why_h)?,
-            dense(format!("{p}.attention.self.key"), h, h, &why_h)?,
-            dense(format!("{p}.attention.self.value"), h, h, &why_h)?,
-        ];
-        layers.push(LayerNames {
-            qkv,
-            attention_output: dense(format!("{p}.attention.output.dense"), h, h, &why_h)?,
-            attention_norm: norm(format!("{p}.attention.output.LayerNorm"))?,
-            intermediate: dense(format!("{p}.intermediate.dense"), i, h, &why_i)?,
-            output: dense(format!("{p}.output.dense"), h, i, &why_i)?,
-            output_norm: norm(format!("{p}.output.LayerNorm"))?,
+        layers.push(match c.family {
+            Family::Mpnet => LayerNames {
+                qkv: [
+                    dense(format!("{p}.attention.attn.q"), h, h, &why_h)?,
+                    dense(format!("{p}.attention.attn.k"), h, h, &why_h)?,
+                    dense(format!("{p}.attention.attn.v"), h, h, &why_h)?,
+                ],
+                attention_output: dense(format!("{p}.attention.attn.o"), h, h, &why_h)?,
+                attention_norm: norm(format!("{p}.attention.LayerNorm"))?,
+                intermediate: dense(format!("{p}.intermediate.dense"), i, h, &why_i)?,
+                output: dense(format!("{p}.output.dense"), h, i, &why_i)?,
+                output_norm: norm(format!("{p}.output.LayerNorm"))?,
+            },
+            _ => LayerNames {
+                qkv: [
+                    dense(format!("{p}.attention.self.query"), h, h, &why_h)?,
+                    dense(format!("{p}.attention.self.key"), h, h, &why_h)?,
+                    dense(format!("{p}.attention.self.value"), h, h, &why_h)?,
+                ],
+                attention_output: dense(format!("{p}.attention.output.dense"), h, h, &why_h)?,
+                attention_norm: norm(format!("{p}.attention.output.LayerNorm"))?,
+                intermediate: dense(format!("{p}.intermediate.dense"), i, h, &why_i)?,
+                output: dense(format!("{p}.output.dense"), h, i, &why_i)?,
+                output_norm: norm(format!("{p}.output.LayerNorm"))?,
+            },
         });
     }
     // A checkpoint with more layers than config.json says is a mismatch, not
@@ -437,16 +884,68 @@ fn tensor_names(header: &Header, c: &BertConfig) -> Result<TensorNames, ModelErr
             }
         }
     }
+    let relative_bias = match c.family {
+        Family::Mpnet => {
+            let name = format!("{prefix}encoder.relative_attention_bias.weight");
+            header.expect_shape(
+                &name,
+                &[32, c.heads],
+                &format!(
+                    " (32 buckets, config.json: num_attention_heads {})",
+                    c.heads
+                ),
+            )?;
+            Some(name)
+        }
+        _ => None,
+    };
+    let classifier = match c.labels {
+        None => None,
+        Some(labels) => {
+            let why_l = format!(" (config.json: {labels} labels, hidden_size {h})");
+            Some(match c.family {
+                Family::Bert => (
+                    dense(format!("{prefix}pooler.dense"), h, h, &why_h)?,
+                    dense("classifier".into(), labels, h, &why_l)?,
+                ),
+                _ => (
+                    dense("classifier.dense".into(), h, h, &why_h)?,
+                    dense("classifier.out_proj".into(), labels, h, &why_l)?,
+                ),
+            })
+        }
+    };
     Ok(TensorNames {
         word,
         position,
         token_type,
         embed_norm,
         layers,
+        relative_bias,
+        classifier,
     })
 }
 
+/// Checks a Dense module's weights (`linear.weight`, `linear.bias`).
+fn dense_names(d: &st::DenseConfig) -> Result<Header, ModelError> {
+    let header = read_header(&d.weights)?;
+    let why = format!(
+        " (config.json: in_features {}, out_features {})",
+        d.inputs, d.outputs
+    );
+    header.expect_shape("linear.weight", &[d.outputs, d.inputs], &why)?;
+    if d.bias {
+        header.expect_shape("linear.bias", &[d.outputs], &why)?;
+    }
+    Ok(header)
+}
+
 fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
+    let output_dim = match (folder.config.labels, folder.dense.last()) {
+        (Some(labels), _) if folder.kind == FolderType::CrossEncoder => labels,
+        (_, Some(d)) => d.config.outputs,
+        _ => folder.config.hidden,
+    };
     ModelInfo {
         name: model.name.clone(),
         kind: ModelKind::Bert,
@@ -454,9 +953,34 @@ fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
             vocab_size: folder.config.vocab,
             max_seq_len: folder.max_seq_len,
         },
-        output_dim: folder.config.hidden,
+        output_dim,
         dtype: model.dtype,
-        tokenizer_path: Some(folder.tokenizer.clone()),
+        tokenizer_path: Some(folder.tokenizer.path.clone()),
+        task: match folder.kind {
+            FolderType::SentenceTransformer => Task::Embed,
+            FolderType::CrossEncoder => Task::Score {
+                labels: folder.config.labels.unwrap_or(1),
+            },
+        },
+        tokenizer: Some(folder.tokenizer.clone()),
+        prompts: Prompts {
+            prompts: folder
+                .prompts
+                .iter()
+                .map(|(n, t)| {
+                    (
+                        n.clone(),
+                        Prompt {
+                            text: t.clone(),
+                            tokens: None,
+                        },
+                    )
+                })
+                .collect(),
+            default: folder.default_prompt.clone(),
+            exclude_from_pooling: !folder.include_prompt,
+        },
+        derived: folder.derived.clone(),
     }
 }
 
@@ -465,21 +989,36 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let folder = describe(config)?;
     let file = TensorFile::open(&folder.weights)?;
     let names = tensor_names(&file.header, &folder.config)?;
+    let c = &folder.config;
+    let h = c.hidden;
     let mut weights = Weights::new();
     let mut push = |name: &str| -> Result<WeightId, ModelError> {
         let (shape, data) = file.f32(name)?;
         Ok(weights.push(name, shape, data))
     };
+    let word = push(&names.word)?;
+    let position = push(&names.position)?;
+    let token_type = match &names.token_type {
+        Some(n) => push(n)?,
+        None => weights.push(
+            "embeddings.token_type_embeddings.weight (none in MPNet: zeros)",
+            vec![1, h],
+            vec![0.0; h],
+        ),
+    };
+    let mut push = |name: &str| -> Result<WeightId, ModelError> {
+        let (shape, data) = file.f32(name)?;
+        Ok(weights.push(name, shape, data))
+    };
     let embeddings = BertEmbeddings {
-        word: push(&names.word)?,
-        position: push(&names.position)?,
-        token_type: push(&names.token_type)?,
+        word,
+        position,
+        token_type,
         norm_gamma: push(&names.embed_norm.0)?,
         norm_beta: push(&names.embed_norm.1)?,
     };
-    let h = folder.config.hidden;
     let mut layers = Vec::with_capacity(names.layers.len());
-    for (l, ln) in names.layers.iter().enumerate() {
+    for ln in &names.layers {
         // [q; k; v] rows: the fused projection's output is [q | k | v].
         let mut qkv_w = Vec::with_capacity(3 * h * h);
         let mut qkv_b = Vec::with_capacity(3 * h);
@@ -487,18 +1026,16 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
             qkv_w.extend_from_slice(&file.f32(w)?.1);
             qkv_b.extend_from_slice(&file.f32(b)?.1);
         }
-        let base = ln.qkv[0].0.trim_end_matches(".attention.self.query.weight");
-        debug_assert!(base.ends_with(&format!("layer.{l}")));
+        let (base, _) = ln.qkv[0]
+            .0
+            .rsplit_once(".attention.")
+            .expect("a layer tensor");
         let qkv_weight = weights.push(
-            format!("{base}.attention.self.qkv.weight"),
+            format!("{base}.attention.qkv.weight"),
             vec![3 * h, h],
             qkv_w,
         );
-        let qkv_bias = weights.push(
-            format!("{base}.attention.self.qkv.bias"),
-            vec![3 * h],
-            qkv_b,
-        );
+        let qkv_bias = weights.push(format!("{base}.attention.qkv.bias"), vec![3 * h], qkv_b);
         let mut push = |name: &str| -> Result<WeightId, ModelError> {
             let (shape, data) = file.f32(name)?;
             Ok(weights.push(name, shape, data))
@@ -518,7 +1055,74 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
             output_norm_beta: push(&ln.output_norm.1)?,
         });
     }
-    let c = &folder.config;
+    // MPNet: the bucket table laid out by distance, [heads, 2R + 1].
+    let position_bias = match &names.relative_bias {
+        None => None,
+        Some(name) => {
+            let (_, buckets) = file.f32(name)?;
+            let r = MPNET_BIAS_RADIUS;
+            let mut table = vec![0.0f32; c.heads * (2 * r + 1)];
+            for head in 0..c.heads {
+                for col in 0..2 * r + 1 {
+                    let b = mpnet_bucket(col as i64 - r as i64);
+                    table[head * (2 * r + 1) + col] = buckets[b * c.heads + head];
+                }
+            }
+            let id = weights.push(
+                format!("{name} (by distance −{r}…{r})"),
+                vec![c.heads, 2 * r + 1],
+                table,
+            );
+            Some(PositionBias {
+                table: id,
+                radius: r,
+            })
+        }
+    };
+    let classifier = match (&names.classifier, folder.activation) {
+        (Some((pooler, out)), Some(activation)) => {
+            let mut push = |name: &str| -> Result<WeightId, ModelError> {
+                let (shape, data) = file.f32(name)?;
+                Ok(weights.push(name, shape, data))
+            };
+            Some(Classifier {
+                pooler_weight: push(&pooler.0)?,
+                pooler_bias: push(&pooler.1)?,
+                weight: push(&out.0)?,
+                bias: push(&out.1)?,
+                labels: c.labels.unwrap_or(1),
+                activation,
+            })
+        }
+        _ => None,
+    };
+    let mut dense = Vec::new();
+    for d in &folder.dense {
+        dense_names(&d.config)?;
+        let f = TensorFile::open(&d.config.weights)?;
+        let dir = d
+            .config
+            .weights
+            .parent()
+            .and_then(Path::file_name)
+            .map_or(String::new(), |n| n.to_string_lossy().into_owned());
+        let (shape, data) = f.f32("linear.weight")?;
+        let weight = weights.push(format!("{dir}/linear.weight"), shape, data);
+        let bias = if d.config.bias {
+            let (shape, data) = f.f32("linear.bias")?;
+            Some(weights.push(format!("{dir}/linear.bias"), shape, data))
+        } else {
+            None
+        };
+        dense.push(DenseLayer {
+            weight,
+            bias,
+            act: d.config.act,
+            inputs: d.config.inputs,
+            outputs: d.config.outputs,
+            normalize: d.normalize,
+        });
+    }
     let arch = BertArch {
         hidden: c.hidden,
         heads: c.heads,
@@ -528,12 +1132,18 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
         layer_norm_eps: c.eps,
         vocab_size: c.vocab,
         max_position_embeddings: c.max_position,
-        type_vocab_size: c.type_vocab,
+        type_vocab_size: c.type_vocab.max(1),
         max_seq_len: folder.max_seq_len,
         pooling: folder.pooling,
         normalize: folder.normalize,
         embeddings,
         layers,
+        family: c.family,
+        position_ids: c.position_ids(),
+        position_bias,
+        pool_skip: !folder.include_prompt && classifier.is_none(),
+        dense,
+        classifier,
     };
     Ok(Model {
         info: info(config, &folder),
@@ -542,13 +1152,55 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     })
 }
 
-/// Reads the configs and the safetensors header (no weight data), checks
-/// every tensor's presence and shape, and that the tokenizer exists.
+/// Reads the configs and the safetensors headers (no weight data), checks
+/// every tensor's presence and shape, builds the tokenizer (reporting what
+/// it rebuilt) and counts each prompt's tokens as sentence-transformers
+/// does (`prompt_length`).
 pub fn inspect(config: &ModelSpec) -> Result<ModelInfo, ModelError> {
     let folder = describe(config)?;
     let header = read_header(&folder.weights)?;
     tensor_names(&header, &folder.config)?;
-    Ok(info(config, &folder))
+    for d in &folder.dense {
+        dense_names(&d.config)?;
+    }
+    let mut info = info(config, &folder);
+    let spec = info.tokenizer.clone().expect("encoders have a tokenizer");
+    let (tok, notes) = tokenizer::build(&spec)?;
+    for n in notes {
+        info.derived.push(derived(
+            "tokenizer",
+            n,
+            "tokenizer.json vs tokenizer_config.json",
+        ));
+    }
+    let max = folder.max_seq_len;
+    for (name, prompt) in info.prompts.prompts.iter_mut() {
+        if prompt.text.is_empty() {
+            continue;
+        }
+        let enc = tok.encode(prompt.text.as_str(), true).map_err(|e| {
+            ModelError::file(&spec.path, format!("cannot tokenize prompt {name:?}: {e}"))
+        })?;
+        let ends_special = enc.get_special_tokens_mask().last() == Some(&1);
+        // Transformer._get_prompt_length: the prompt tokenized alone (truncated
+        // at the maximum, so it still ends with the closing special token),
+        // minus that token.
+        let tokens = if enc.len() > max {
+            max - 1
+        } else {
+            enc.len() - usize::from(ends_special)
+        };
+        if info.prompts.exclude_from_pooling && tokens + 1 > max {
+            return Err(ModelError::file(
+                config.path.join("config_sentence_transformers.json"),
+                format!(
+                    "prompt {name:?} has {tokens} tokens: with include_prompt = false it leaves nothing to pool within the maximum of {max}"
+                ),
+            ));
+        }
+        prompt.tokens = Some(tokens);
+    }
+    Ok(info)
 }
 
 #[cfg(test)]
@@ -801,7 +1453,7 @@ mod tests {
                 "mean_sqrt_len",
             ],
         );
-        // An explicit pooling in the model config does not read the file.
+        // An explicit pooling in the model config overrides the file's mode.
         c.pooling = Some(Pooling::Mean);
         inspect(&c).unwrap();
         c.pooling = None;
@@ -856,13 +1508,26 @@ mod tests {
         assert_error(inspect(&c), &["config.json", "missing `hidden_size`"]);
         // A sentence-transformers module we cannot apply.
         std::fs::write(&config_path, edited_json("config.json", |_| {})).unwrap();
-        let modules = edited_json("modules.json", |j| {
-            j.as_array_mut().unwrap().push(serde_json::json!({
-                "idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"
-            }))
-        });
-        std::fs::write(dir.path().join("modules.json"), modules).unwrap();
-        assert_error(inspect(&c), &["modules.json", "Dense"]);
+        let module = |ty: &str| {
+            edited_json("modules.json", |j| {
+                j.as_array_mut().unwrap().push(serde_json::json!({
+                    "idx": 3, "name": "3", "path": "3_Module", "type": ty
+                }))
+            })
+        };
+        std::fs::write(
+            dir.path().join("modules.json"),
+            module("sentence_transformers.models.LSTM"),
+        )
+        .unwrap();
+        assert_error(inspect(&c), &["modules.json", "LSTM"]);
+        // A Dense module whose folder is missing: its config is named.
+        std::fs::write(
+            dir.path().join("modules.json"),
+            module("sentence_transformers.models.Dense"),
+        )
+        .unwrap();
+        assert_error(inspect(&c), &["3_Module/config.json", "missing file"]);
         // Missing model folder.
         assert_error(
             inspect(&config(&dir.path().join("nope"))),

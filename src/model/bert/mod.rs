@@ -1,18 +1,82 @@
-//! BERT-family encoders: the architecture (weight ids and hyper-parameters)
-//! and the forward pass as a [`Program`].
+//! BERT-family encoders (BERT, XLM-RoBERTa, MPNet): the architecture
+//! (weight ids and hyper-parameters) and the forward pass as a [`Program`].
 //!
 //! * This module: [`BertArch`] and [`BertArch::program`], the encoder at one
 //!   (batch, seq) shape, and [`BertArch::packed_program`], the encoder over
-//!   a packed token budget (see [`crate::model::program`] for the layout).
+//!   a packed token budget (see [`crate::model::program`] for the layout),
+//!   each with its head: sentence-transformers pooling, `Dense` and
+//!   `Normalize` modules (an embedding), or a sequence-classification head
+//!   (a cross-encoder's scores).
 //! * [`folder`]: reading a Hugging Face / sentence-transformers folder
 //!   ([`inspect`] without weight data, [`load`] with it).
+//!
+//! The three families differ only in what the program's ops are told: the
+//! position ids ([`PositionIds`]: BERT counts from 0, XLM-R and MPNet from
+//! the padding index + 1), MPNet's relative attention bias
+//! ([`PositionBias`], shared by every layer) and MPNet's missing token
+//! types (a zero table of one row stands in).
 
 mod folder;
 
-pub use folder::{inspect, load};
+pub use folder::{inspect, load, mpnet_bucket, MPNET_BIAS_RADIUS};
 
-use super::program::{Activation, BufId, InputRole, Op, Pooling, ProgramBuilder, WeightId};
+use super::program::{
+    Activation, BufId, InputRole, Op, Pooling, PositionBias, PositionIds, ProgramBuilder, WeightId,
+};
 use super::Program;
+use serde::{Deserialize, Serialize};
+
+/// The encoder families replayd serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Family {
+    /// `model_type` `bert`.
+    Bert,
+    /// `model_type` `xlm-roberta`.
+    XlmRoberta,
+    /// `model_type` `mpnet`.
+    Mpnet,
+}
+
+impl Family {
+    /// The `model_type` of config.json.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Bert => "bert",
+            Family::XlmRoberta => "xlm-roberta",
+            Family::Mpnet => "mpnet",
+        }
+    }
+}
+
+/// A sentence-transformers `Dense` module after pooling.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DenseLayer {
+    /// `[outputs, inputs]`
+    pub weight: WeightId,
+    pub bias: Option<WeightId>,
+    pub act: Activation,
+    pub inputs: usize,
+    pub outputs: usize,
+    /// A `Normalize` module follows.
+    pub normalize: bool,
+}
+
+/// A sequence-classification head on the first token:
+/// `weight · tanh(pooler · h[0] + pooler_bias) + bias`, then `activation`
+/// (BERT: `pooler.dense` and `classifier`; XLM-R: `classifier.dense` and
+/// `classifier.out_proj`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Classifier {
+    pub pooler_weight: WeightId,
+    pub pooler_bias: WeightId,
+    /// `[labels, hidden]`
+    pub weight: WeightId,
+    pub bias: WeightId,
+    pub labels: usize,
+    /// The cross-encoder's activation (Sigmoid, Identity, …).
+    pub activation: Activation,
+}
 
 /// Weight ids of the embedding block.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,17 +130,43 @@ pub struct BertArch {
     /// Longest input in tokens, special tokens included.
     pub max_seq_len: usize,
     pub pooling: Pooling,
+    /// L2-normalise the pooled vector (a `Normalize` module right after
+    /// pooling; one after a `Dense` is that layer's `normalize`).
     pub normalize: bool,
     pub embeddings: BertEmbeddings,
     pub layers: Vec<BertLayer>,
+    pub family: Family,
+    /// How position ids are derived (from the padding index for XLM-R and MPNet).
+    pub position_ids: PositionIds,
+    /// MPNet's relative attention bias, the same in every layer.
+    pub position_bias: Option<PositionBias>,
+    /// Pooling skips each sequence's leading unpooled tokens (a prompt with
+    /// `include_prompt = false`): the programs take a `pool_skip` input.
+    pub pool_skip: bool,
+    /// `Dense` modules after pooling, in order.
+    pub dense: Vec<DenseLayer>,
+    /// A cross-encoder's head (then `pooling`, `normalize` and `dense` do
+    /// not apply).
+    pub classifier: Option<Classifier>,
 }
 
 impl BertArch {
+    /// Width of one output row: the labels, the last Dense's outputs, or the hidden size.
+    pub fn output_dim(&self) -> usize {
+        match (&self.classifier, self.dense.last()) {
+            (Some(c), _) => c.labels,
+            (None, Some(d)) => d.outputs,
+            (None, None) => self.hidden,
+        }
+    }
+
     /// The encoder at `batch` rows of `seq` tokens:
     ///
     /// EmbedLayerNorm → per layer: Linear(qkv) → Attention →
     /// Linear(attention.output.dense) → AddLayerNorm → Linear(intermediate,
-    /// hidden_act) → Linear(output.dense) → AddLayerNorm → … → Pool.
+    /// hidden_act) → Linear(output.dense) → AddLayerNorm → … → the head
+    /// (Pool, then any Dense and Normalize; or Pool(cls) → Linear(tanh) →
+    /// Linear(activation) for a classifier).
     ///
     /// Five activation buffers serve every layer: the residual stream
     /// `hidden` (updated in place by AddLayerNorm), `qkv`, `context`, `proj`
@@ -90,6 +180,9 @@ impl BertArch {
         let ids = b.input("input_ids", InputRole::TokenIds, rows);
         let mask = b.input("attention_mask", InputRole::AttentionMask, rows);
         let types = b.input("token_type_ids", InputRole::TokenTypeIds, rows);
+        let skip = self
+            .pool_skip
+            .then(|| b.input("pool_skip", InputRole::PoolSkip, batch));
         let e = &self.embeddings;
         let embed = |hidden| Op::EmbedLayerNorm {
             ids,
@@ -104,6 +197,7 @@ impl BertArch {
             batch,
             seq,
             hidden: self.hidden,
+            position_ids: self.position_ids,
         };
         let attention = |qkv, context| Op::Attention {
             qkv,
@@ -113,19 +207,21 @@ impl BertArch {
             seq,
             heads: self.heads,
             head_dim: self.head_dim,
+            bias: self.position_bias,
         };
-        let pool = |hidden, output| Op::Pool {
+        let pool = |hidden, output, mode, normalize, skip| Op::Pool {
             x: hidden,
             mask,
             out: output,
             batch,
             seq,
             hidden: self.hidden,
-            mode: self.pooling,
-            normalize: self.normalize,
+            mode,
+            normalize,
+            skip,
         };
-        let output = self.encoder(&mut b, rows, batch, embed, attention, pool);
-        b.finish(batch, seq, output, self.hidden)
+        let output = self.encoder(&mut b, rows, batch, embed, attention, pool, skip);
+        b.finish(batch, seq, output, self.output_dim())
     }
 
     /// The encoder over a packed budget of `tokens` slots holding up to
@@ -135,7 +231,8 @@ impl BertArch {
     /// per-sequence pooling; `seqs` output rows.
     ///
     /// Inputs, in order: `input_ids`, `token_type_ids`, `position_ids`
-    /// (`[tokens]`) and `cu_seqlens` (`[seqs + 1]`).
+    /// (`[tokens]`) and `cu_seqlens` (`[seqs + 1]`), and for a model with
+    /// [`BertArch::pool_skip`] `pool_skip` (`[seqs]`).
     pub fn packed_program(&self, tokens: usize, seqs: usize) -> Program {
         self.packed_program_upto(tokens, seqs, self.max_seq_len.min(tokens))
     }
@@ -148,6 +245,9 @@ impl BertArch {
         let types = b.input("token_type_ids", InputRole::TokenTypeIds, tokens);
         let positions = b.input("position_ids", InputRole::Positions, tokens);
         let offsets = b.input("cu_seqlens", InputRole::SeqOffsets, seqs + 1);
+        let skip = self
+            .pool_skip
+            .then(|| b.input("pool_skip", InputRole::PoolSkip, seqs));
         let e = &self.embeddings;
         let embed = |hidden| Op::PackedEmbedLayerNorm {
             ids,
@@ -163,6 +263,7 @@ impl BertArch {
             tokens,
             max_seq_len,
             hidden: self.hidden,
+            position_ids: self.position_ids,
         };
         let attention = |qkv, context| Op::PackedAttention {
             qkv,
@@ -173,25 +274,28 @@ impl BertArch {
             max_seq_len,
             heads: self.heads,
             head_dim: self.head_dim,
+            bias: self.position_bias,
         };
-        let pool = |hidden, output| Op::PackedPool {
+        let pool = |hidden, output, mode, normalize, skip| Op::PackedPool {
             x: hidden,
             offsets,
             out: output,
             tokens,
             seqs,
             hidden: self.hidden,
-            mode: self.pooling,
-            normalize: self.normalize,
+            mode,
+            normalize,
+            skip,
         };
-        let output = self.encoder(&mut b, tokens, seqs, embed, attention, pool);
-        b.finish_packed(tokens, seqs, max_seq_len, output, self.hidden)
+        let output = self.encoder(&mut b, tokens, seqs, embed, attention, pool, skip);
+        b.finish_packed(tokens, seqs, max_seq_len, output, self.output_dim())
     }
 
     /// Declares the activations and output and pushes every op: `embed`,
-    /// `attention` and `pool` build the layout's token ops (given the
-    /// buffers they write or read), the rest is the same for both layouts.
-    /// Returns the output buffer.
+    /// `attention` and `pool` (x, out, mode, normalize, skip) build the
+    /// layout's token ops (given the buffers they write or read), the rest
+    /// is the same for both layouts. Returns the output buffer.
+    #[allow(clippy::too_many_arguments)]
     fn encoder(
         &self,
         b: &mut ProgramBuilder,
@@ -199,7 +303,8 @@ impl BertArch {
         out_rows: usize,
         embed: impl Fn(BufId) -> Op,
         attention: impl Fn(BufId, BufId) -> Op,
-        pool: impl Fn(BufId, BufId) -> Op,
+        pool: impl Fn(BufId, BufId, Pooling, bool, Option<BufId>) -> Op,
+        skip: Option<BufId>,
     ) -> BufId {
         let h = self.hidden;
         let hidden = b.activation("hidden", rows * h);
@@ -207,7 +312,6 @@ impl BertArch {
         let context = b.activation("context", rows * h);
         let proj = b.activation("proj", rows * h);
         let inter = b.activation("intermediate", rows * self.intermediate);
-        let output = b.output("embedding", out_rows * h);
         b.push(embed(hidden));
         for layer in &self.layers {
             let linear = |x, w, bias, act, out, n, k| Op::Linear {
@@ -274,7 +378,78 @@ impl BertArch {
             ));
             b.push(add_norm(layer.output_norm_gamma, layer.output_norm_beta));
         }
-        b.push(pool(hidden, output));
-        output
+        self.head(b, hidden, out_rows, pool, skip)
+    }
+
+    /// The head over the last hidden state: pooling and the modules after
+    /// it, or the classifier. Returns the output buffer.
+    fn head(
+        &self,
+        b: &mut ProgramBuilder,
+        hidden: BufId,
+        out_rows: usize,
+        pool: impl Fn(BufId, BufId, Pooling, bool, Option<BufId>) -> Op,
+        skip: Option<BufId>,
+    ) -> BufId {
+        let h = self.hidden;
+        let linear = |x, w, bias, act, out, n, k| Op::Linear {
+            x,
+            w,
+            bias,
+            act,
+            out,
+            m: out_rows,
+            n,
+            k,
+        };
+        if let Some(c) = &self.classifier {
+            let first = b.activation("first_token", out_rows * h);
+            let inner = b.activation("classifier_hidden", out_rows * h);
+            let output = b.output("scores", out_rows * c.labels);
+            b.push(pool(hidden, first, Pooling::Cls, false, None));
+            b.push(linear(
+                first,
+                c.pooler_weight,
+                Some(c.pooler_bias),
+                Activation::Tanh,
+                inner,
+                h,
+                h,
+            ));
+            b.push(linear(
+                inner,
+                c.weight,
+                Some(c.bias),
+                c.activation,
+                output,
+                c.labels,
+                h,
+            ));
+            return output;
+        }
+        if self.dense.is_empty() {
+            let output = b.output("embedding", out_rows * h);
+            b.push(pool(hidden, output, self.pooling, self.normalize, skip));
+            return output;
+        }
+        let mut x = b.activation("pooled", out_rows * h);
+        b.push(pool(hidden, x, self.pooling, self.normalize, skip));
+        for (i, d) in self.dense.iter().enumerate() {
+            let out = if i + 1 == self.dense.len() {
+                b.output("embedding", out_rows * d.outputs)
+            } else {
+                b.activation(&format!("dense{i}"), out_rows * d.outputs)
+            };
+            b.push(linear(x, d.weight, d.bias, d.act, out, d.outputs, d.inputs));
+            if d.normalize {
+                b.push(Op::Normalize {
+                    x: out,
+                    rows: out_rows,
+                    width: d.outputs,
+                });
+            }
+            x = out;
+        }
+        x
     }
 }

@@ -96,6 +96,11 @@ pub enum InputRole {
     /// (`offsets[0] = 0`, `offsets[s + 1] = offsets[s] + len(s)`); slots past
     /// the batch's last sequence repeat the total, so they are empty.
     SeqOffsets,
+    /// Either layout: i32 `[batch]`, how many leading tokens of each
+    /// sequence pooling skips (the prompt of a model whose pooling has
+    /// `include_prompt = false`); 0 for padded rows and unused slots.
+    /// Filled from the tokens' [`UNPOOLED_BIT`](crate::model::batch::UNPOOLED_BIT).
+    PoolSkip,
 }
 
 impl InputRole {
@@ -198,11 +203,75 @@ pub enum Pooling {
     Max,
 }
 
+/// How an embedding op derives each token's row of the position table.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PositionIds {
+    /// BERT: the token's index in its sequence, `0 .. len`.
+    #[default]
+    Index,
+    /// RoBERTa / XLM-R / MPNet (`create_position_ids_from_input_ids`): a
+    /// token whose id is `pad` gets `pad`; any other gets `pad + 1 +` the
+    /// number of tokens before it in its sequence whose id is not `pad`. So
+    /// real tokens count from `pad + 1`, and a literal pad token in a text
+    /// neither moves nor is counted. The position table needs at least
+    /// `pad + 1 + max_seq_len` rows.
+    AfterPadding { pad: u32 },
+}
+
+impl PositionIds {
+    /// The position-table rows a sequence of `len` tokens may use.
+    pub fn rows_needed(self, len: usize) -> usize {
+        match self {
+            PositionIds::Index => len,
+            PositionIds::AfterPadding { pad } => pad as usize + 1 + len,
+        }
+    }
+
+    /// The position of token `i` of `ids` (one sequence).
+    pub fn position(self, ids: &[i32], i: usize) -> usize {
+        match self {
+            PositionIds::Index => i,
+            PositionIds::AfterPadding { pad } => {
+                let pad = pad as i32;
+                if ids[i] == pad {
+                    pad as usize
+                } else {
+                    let before = ids[..i].iter().filter(|&&v| v != pad).count();
+                    pad as usize + 1 + before
+                }
+            }
+        }
+    }
+}
+
+/// A learned bias added to every attention score (MPNet's relative
+/// attention bias): `score(h, i, j) += table[h, clamp(j − i, −radius, radius) + radius]`
+/// for query `i` and key `j` of one sequence (positions within the
+/// sequence, whatever the layout). The table is `[heads, 2·radius + 1]`,
+/// built once from the model's bucketed table (the bucket of `j − i` is
+/// constant beyond `radius`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PositionBias {
+    pub table: WeightId,
+    pub radius: usize,
+}
+
+impl PositionBias {
+    /// The table column for query `i` and key `j`.
+    pub fn column(self, i: usize, j: usize) -> usize {
+        let r = self.radius as i64;
+        ((j as i64 - i as i64).clamp(-r, r) + r) as usize
+    }
+}
+
 /// One step of a forward pass. Row-major everywhere; `rows = batch · seq`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Op {
-    /// `out[r] = LayerNorm(word[ids[r]] + position[r % seq] + token_type[types[r]])`.
-    /// Ids outside the vocabulary never reach a program (the frontend rejects them).
+    /// `out[r] = LayerNorm(word[ids[r]] + position[p(r)] + token_type[types[r]])`,
+    /// `p(r)` by `position_ids` over row `r / seq` (`r % seq` for
+    /// [`PositionIds::Index`]). Ids outside the vocabulary never reach a
+    /// program (the frontend rejects them).
     EmbedLayerNorm {
         ids: BufId,
         token_types: BufId,
@@ -216,6 +285,8 @@ pub enum Op {
         batch: usize,
         seq: usize,
         hidden: usize,
+        #[serde(default)]
+        position_ids: PositionIds,
     },
     /// `out[m, n] = act(x[m, k] · wᵀ + bias)`, `w` stored `[n, k]` as PyTorch does.
     /// `x` may be an f32 input buffer (first layer of an MLP); `out` may be the
@@ -247,6 +318,9 @@ pub enum Op {
     /// contiguous inside each part; `mask` is the i32 attention mask `[batch, seq]`
     /// (keys with mask 0 get −∞ before the softmax; fully masked rows produce
     /// zeros); `out` is `[batch·seq, heads·head_dim]`. Scale is `1/√head_dim`.
+    ///
+    /// With `bias`, [`PositionBias`] is added to every score after the
+    /// scaling and before the mask (MPNet).
     Attention {
         qkv: BufId,
         mask: BufId,
@@ -255,10 +329,16 @@ pub enum Op {
         seq: usize,
         heads: usize,
         head_dim: usize,
+        #[serde(default)]
+        bias: Option<PositionBias>,
     },
     /// Sentence pooling: `x` `[batch·seq, hidden]` → `out` `[batch, hidden]` (f32),
     /// then optional L2 normalisation of each row (`x / max(‖x‖, 1e-12)`).
     /// Mean pooling divides by `max(Σ mask, 1e-9)` as sentence-transformers does.
+    ///
+    /// With `skip` (a [`InputRole::PoolSkip`] input), row `b` pools only
+    /// the unmasked positions `s ≥ skip[b]`: mean and max over those, cls
+    /// the first of them; a row with none gives zeros.
     Pool {
         x: BufId,
         mask: BufId,
@@ -268,12 +348,17 @@ pub enum Op {
         hidden: usize,
         mode: Pooling,
         normalize: bool,
+        #[serde(default)]
+        skip: Option<BufId>,
     },
     /// Packed programs: for every slot `t < tokens`,
-    /// `out[t] = LayerNorm(word[ids[t]] + position[positions[t]] + token_type[types[t]])`
+    /// `out[t] = LayerNorm(word[ids[t]] + position[p(t)] + token_type[types[t]])`
     /// (tail slots hold id 0, position 0, type 0 and get that embedding).
+    /// `p(t)` is `positions[t]`, the index in its sequence, for
+    /// [`PositionIds::Index`]; otherwise `position_ids` applied to the
+    /// sequence `ids[t − positions[t] ..]`.
     /// `max_seq_len` is the program's longest sequence: positions are below
-    /// it, and the position table has at least that many rows.
+    /// it, and the position table has the rows `position_ids` needs for it.
     PackedEmbedLayerNorm {
         ids: BufId,
         token_types: BufId,
@@ -288,6 +373,8 @@ pub enum Op {
         tokens: usize,
         max_seq_len: usize,
         hidden: usize,
+        #[serde(default)]
+        position_ids: PositionIds,
     },
     /// Packed programs: variable-length multi-head self-attention. `qkv` is
     /// `[tokens, 3·heads·head_dim]` laid out as for [`Op::Attention`];
@@ -296,7 +383,8 @@ pub enum Op {
     /// only (no mask: every key of its sequence is real); tail slots
     /// (`offsets[seqs] .. tokens`) produce zeros. `out` is
     /// `[tokens, heads·head_dim]`; scale `1/√head_dim`. No sequence is longer
-    /// than `max_seq_len` (the program's `seq`).
+    /// than `max_seq_len` (the program's `seq`). With `bias` as for
+    /// [`Op::Attention`], by positions within each sequence.
     PackedAttention {
         qkv: BufId,
         offsets: BufId,
@@ -306,13 +394,16 @@ pub enum Op {
         max_seq_len: usize,
         heads: usize,
         head_dim: usize,
+        #[serde(default)]
+        bias: Option<PositionBias>,
     },
     /// Packed programs: per-sequence pooling, `x` `[tokens, hidden]` → `out`
     /// `[seqs, hidden]` (f32): row `s` pools slots `offsets[s] .. offsets[s+1]`
     /// (mean: their average; cls: the first; max: the element-wise maximum),
     /// then optional L2 normalisation as for [`Op::Pool`]. An empty sequence
     /// (and so every unused sequence slot) gives a row of zeros, whatever the
-    /// mode.
+    /// mode. With `skip`, sequence `s` pools its slots from
+    /// `offsets[s] + skip[s]` (zeros when none are left).
     PackedPool {
         x: BufId,
         offsets: BufId,
@@ -322,7 +413,13 @@ pub enum Op {
         hidden: usize,
         mode: Pooling,
         normalize: bool,
+        #[serde(default)]
+        skip: Option<BufId>,
     },
+    /// Either layout: L2 normalisation of each of `rows` rows of `width`
+    /// values of `x`, in place (`x / max(‖x‖, 1e-12)`), e.g. after a
+    /// sentence-transformers `Dense` module.
+    Normalize { x: BufId, rows: usize, width: usize },
 }
 
 /// A model's forward pass at one shape: `batch` rows of `seq` tokens

@@ -4,7 +4,7 @@
 //! It expects a program that passed [`Program::validate`] and rows that
 //! passed [`super::ProgramFacts::check_rows`].
 
-use super::{Activation, BufKind, InputRole, Op, Pooling, Program, WeightId};
+use super::{Activation, BufKind, InputRole, Op, Pooling, PositionBias, Program, WeightId};
 use crate::model::batch::PackTarget;
 use crate::model::{BatchRows, Weights};
 use crate::tensor::DType;
@@ -86,6 +86,17 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
             }
         }
     };
+    // The bias of query `i` and key `j` (positions in their sequence), head `h`.
+    let bias_of = |b: Option<PositionBias>| -> Box<dyn Fn(usize, usize, usize) -> f64> {
+        match b {
+            None => Box::new(|_, _, _| 0.0),
+            Some(b) => {
+                let t = wt(b.table);
+                let cols = 2 * b.radius + 1;
+                Box::new(move |h, i, j| t[h * cols + b.column(i, j)])
+            }
+        }
+    };
     for op in &p.ops {
         match *op {
             Op::PackedEmbedLayerNorm {
@@ -101,14 +112,17 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 out,
                 tokens,
                 hidden,
+                position_ids,
                 ..
             } => {
                 let (wd, pd, td, g, b) =
                     (wt(word), wt(position), wt(token_type), wt(gamma), wt(beta));
+                let all_ids: Vec<i32> = bufs[ids.0].iter().map(|&v| v as i32).collect();
                 for t in 0..tokens {
                     let id = bufs[ids.0][t] as usize;
                     let tt = bufs[token_types.0][t] as usize;
-                    let pos = bufs[positions.0][t] as usize;
+                    let index = bufs[positions.0][t] as usize;
+                    let pos = position_ids.position(&all_ids[t - index..], index);
                     let mut v: Vec<f64> = (0..hidden)
                         .map(|c| wd[id * hidden + c] + pd[pos * hidden + c] + td[tt * hidden + c])
                         .collect();
@@ -124,8 +138,10 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 seqs,
                 heads,
                 head_dim,
+                bias,
                 ..
             } => {
+                let bias = bias_of(bias);
                 let hd = heads * head_dim;
                 let q = bufs[qkv.0].clone();
                 let off: Vec<usize> = bufs[offsets.0].iter().map(|&v| v as usize).collect();
@@ -142,7 +158,8 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                                     let krow = &q[j * 3 * hd + hd + h * head_dim..][..head_dim];
                                     Some(
                                         qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
-                                            * scale,
+                                            * scale
+                                            + bias(h, i - start, j - start),
                                     )
                                 })
                                 .collect();
@@ -163,11 +180,13 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 hidden,
                 mode,
                 normalize,
+                skip,
                 ..
             } => {
                 for s in 0..seqs {
                     let (start, end) =
                         (bufs[offsets.0][s] as usize, bufs[offsets.0][s + 1] as usize);
+                    let start = (start + skip.map_or(0, |k| bufs[k.0][s] as usize)).min(end);
                     let mut v = vec![0.0f64; hidden];
                     if end > start {
                         for (c, vc) in v.iter_mut().enumerate() {
@@ -199,16 +218,18 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 batch,
                 seq,
                 hidden,
+                position_ids,
             } => {
                 let (wd, pd, td, g, b) =
                     (wt(word), wt(position), wt(token_type), wt(gamma), wt(beta));
+                let all_ids: Vec<i32> = bufs[ids.0].iter().map(|&v| v as i32).collect();
                 for r in 0..batch * seq {
                     let id = bufs[ids.0][r] as usize;
                     let tt = bufs[token_types.0][r] as usize;
+                    let row = &all_ids[r - r % seq..r - r % seq + seq];
+                    let pos = position_ids.position(row, r % seq);
                     let mut v: Vec<f64> = (0..hidden)
-                        .map(|c| {
-                            wd[id * hidden + c] + pd[(r % seq) * hidden + c] + td[tt * hidden + c]
-                        })
+                        .map(|c| wd[id * hidden + c] + pd[pos * hidden + c] + td[tt * hidden + c])
                         .collect();
                     ln(&mut v, &g, &b, eps);
                     bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
@@ -267,7 +288,9 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 seq,
                 heads,
                 head_dim,
+                bias,
             } => {
+                let bias = bias_of(bias);
                 let hd = heads * head_dim;
                 let q = bufs[qkv.0].clone();
                 let mk = bufs[mask.0].clone();
@@ -285,6 +308,7 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                                             [..head_dim];
                                         qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
                                             * scale
+                                            + bias(h, i, j)
                                     }
                                 })
                                 .collect();
@@ -317,15 +341,21 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 hidden,
                 mode,
                 normalize,
+                skip,
             } => {
                 for b in 0..batch {
                     let mut v = vec![0.0f64; hidden];
-                    let cnt: f64 = (0..seq).map(|s| bufs[mask.0][b * seq + s]).sum();
+                    let first = skip.map_or(0, |k| bufs[k.0][b] as usize);
+                    let valid = |s: usize| s >= first && bufs[mask.0][b * seq + s] != 0.0;
+                    let cnt = (0..seq).filter(|&s| valid(s)).count() as f64;
+                    let cls = match skip {
+                        None => Some(0),
+                        Some(_) => (0..seq).find(|&s| valid(s)),
+                    };
                     for (c, vc) in v.iter_mut().enumerate() {
                         let xs = |s: usize| bufs[x.0][(b * seq + s) * hidden + c];
-                        let valid = |s: usize| bufs[mask.0][b * seq + s] != 0.0;
                         *vc = match mode {
-                            Pooling::Cls => xs(0),
+                            Pooling::Cls => cls.map_or(0.0, xs),
                             Pooling::Mean => {
                                 (0..seq).filter(|&s| valid(s)).map(xs).sum::<f64>() / cnt.max(1e-9)
                             }
@@ -335,12 +365,21 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                                 .fold(f64::NEG_INFINITY, f64::max)
                                 .max(-1e9),
                         };
+                        if cnt == 0.0 && mode == Pooling::Max {
+                            *vc = 0.0;
+                        }
                     }
                     if normalize {
                         let n = v.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
                         v.iter_mut().for_each(|a| *a /= n);
                     }
                     bufs[out.0][b * hidden..(b + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::Normalize { x, rows, width } => {
+                for row in bufs[x.0][..rows * width].chunks_mut(width) {
+                    let n = row.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
+                    row.iter_mut().for_each(|a| *a /= n);
                 }
             }
         }

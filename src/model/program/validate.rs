@@ -17,7 +17,12 @@
 //!   arena another program may have left anything in).
 //! * Weight shapes match: a linear layer's `[n, k]` and `[n]`, a LayerNorm's
 //!   `[hidden]`, embedding tables `[rows, hidden]` with at least one row and a
-//!   position table of at least `seq` rows.
+//!   position table of the rows its [`PositionIds`](super::PositionIds) need
+//!   for `seq` tokens (`seq`, or `pad + 1 + seq`), an attention bias table
+//!   `[heads, 2·radius + 1]`.
+//! * `Normalize` rewrites its buffer in place (an activation or the output
+//!   already written); a pooling's `skip` is the `PoolSkip` input of
+//!   `batch` elements.
 //! * Inputs: each listed input is an `Input` buffer and every `Input`
 //!   buffer is listed; a feature input holds whole rows of the batch; a
 //!   token input holds exactly `batch · seq` elements. A program has either
@@ -49,6 +54,7 @@
 //! at most `tokens` tokens in all.
 
 use super::{BufId, BufKind, InputRole, Layout, Op, Program, WeightId};
+use crate::model::batch::{token_id, token_type};
 use crate::model::{BatchRows, Weights};
 use thiserror::Error;
 
@@ -68,8 +74,11 @@ pub struct BatchError(pub String);
 pub enum ProgramInput {
     /// f32 rows of this width.
     Features { width: usize },
-    /// Token ids below this vocabulary size (the word embedding's rows).
-    Tokens { vocab: usize },
+    /// Token ids below this vocabulary size (the word embedding's rows),
+    /// of token types below `types` (the token-type table's rows: a token
+    /// with [`SEGMENT_BIT`](crate::model::batch::SEGMENT_BIT), type 1,
+    /// needs 2).
+    Tokens { vocab: usize, types: usize },
 }
 
 /// What validation learned about a program: enough to check batches.
@@ -226,7 +235,9 @@ pub fn op_buffers(op: &Op) -> (Vec<BufId>, BufId) {
             x, residual, out, ..
         } => (vec![x, residual], out),
         Op::Attention { qkv, mask, out, .. } => (vec![qkv, mask], out),
-        Op::Pool { x, mask, out, .. } => (vec![x, mask], out),
+        Op::Pool {
+            x, mask, out, skip, ..
+        } => (std::iter::once(x).chain([mask]).chain(skip).collect(), out),
         Op::PackedEmbedLayerNorm {
             ids,
             token_types,
@@ -238,8 +249,16 @@ pub fn op_buffers(op: &Op) -> (Vec<BufId>, BufId) {
             qkv, offsets, out, ..
         } => (vec![qkv, offsets], out),
         Op::PackedPool {
-            x, offsets, out, ..
-        } => (vec![x, offsets], out),
+            x,
+            offsets,
+            out,
+            skip,
+            ..
+        } => (
+            std::iter::once(x).chain([offsets]).chain(skip).collect(),
+            out,
+        ),
+        Op::Normalize { x, .. } => (vec![x], x),
     }
 }
 
@@ -247,7 +266,7 @@ pub fn op_buffers(op: &Op) -> (Vec<BufId>, BufId) {
 /// programs only (`Some(true)`), or both (`None`).
 fn op_packed(op: &Op) -> Option<bool> {
     match op {
-        Op::Linear { .. } | Op::AddLayerNorm { .. } => None,
+        Op::Linear { .. } | Op::AddLayerNorm { .. } | Op::Normalize { .. } => None,
         Op::EmbedLayerNorm { .. } | Op::Attention { .. } | Op::Pool { .. } => Some(false),
         Op::PackedEmbedLayerNorm { .. } | Op::PackedAttention { .. } | Op::PackedPool { .. } => {
             Some(true)
@@ -278,6 +297,7 @@ impl Program {
             }
         };
         let mut vocab = None;
+        let mut types = 1;
         let mut written = vec![false; self.buffers.len()];
         for (i, op) in self.ops.iter().enumerate() {
             let c = Checker {
@@ -295,7 +315,7 @@ impl Program {
                     ));
                 }
             }
-            self.validate_op(&c, op, &mut vocab)?;
+            self.validate_op(&c, op, &mut vocab, &mut types)?;
             let (reads, out) = op_buffers(op);
             for id in reads {
                 let decl = &self.buffers[id.0];
@@ -308,7 +328,7 @@ impl Program {
             }
             written[out.0] = true;
         }
-        let input = self.validate_inputs(vocab)?;
+        let input = self.validate_inputs(vocab.map(|v| (v, types)))?;
         self.validate_output()?;
         Ok(ProgramFacts {
             batch,
@@ -323,6 +343,7 @@ impl Program {
         c: &Checker<'_>,
         op: &Op,
         vocab: &mut Option<usize>,
+        types: &mut usize,
     ) -> Result<(), ProgramError> {
         match *op {
             Op::EmbedLayerNorm {
@@ -337,6 +358,7 @@ impl Program {
                 batch,
                 seq,
                 hidden,
+                position_ids,
                 ..
             } => {
                 c.positive(&[batch, seq, hidden])?;
@@ -344,8 +366,8 @@ impl Program {
                 c.buf(ids, rows, true)?;
                 c.buf(token_types, rows, true)?;
                 *vocab = Some(c.table(word, 1, hidden)?);
-                c.table(position, seq, hidden)?;
-                c.table(token_type, 1, hidden)?;
+                c.table(position, position_ids.rows_needed(seq), hidden)?;
+                *types = c.table(token_type, 1, hidden)?;
                 c.weight(gamma, &[hidden])?;
                 c.weight(beta, &[hidden])?;
                 c.out(out, rows * hidden)
@@ -395,9 +417,13 @@ impl Program {
                 seq,
                 heads,
                 head_dim,
+                bias,
             } => {
                 c.positive(&[batch, seq, heads, head_dim])?;
                 c.distinct(qkv, out, "out aliases qkv")?;
+                if let Some(b) = bias {
+                    c.weight(b.table, &[heads, 2 * b.radius + 1])?;
+                }
                 let rows = batch * seq;
                 c.buf(qkv, rows * 3 * heads * head_dim, false)?;
                 c.buf(mask, rows, true)?;
@@ -410,10 +436,14 @@ impl Program {
                 batch,
                 seq,
                 hidden,
+                skip,
                 ..
             } => {
                 c.positive(&[batch, seq, hidden])?;
                 c.distinct(x, out, "out aliases x")?;
+                if let Some(skip) = skip {
+                    c.role(skip, InputRole::PoolSkip, batch)?;
+                }
                 c.buf(x, batch * seq * hidden, false)?;
                 c.buf(mask, batch * seq, true)?;
                 c.out(out, batch * hidden)
@@ -431,6 +461,7 @@ impl Program {
                 tokens,
                 max_seq_len,
                 hidden,
+                position_ids,
                 ..
             } => {
                 c.positive(&[tokens, max_seq_len, hidden])?;
@@ -440,8 +471,8 @@ impl Program {
                 c.role(token_types, InputRole::TokenTypeIds, tokens)?;
                 c.role(positions, InputRole::Positions, tokens)?;
                 *vocab = Some(c.table(word, 1, hidden)?);
-                c.table(position, max_seq_len, hidden)?;
-                c.table(token_type, 1, hidden)?;
+                c.table(position, position_ids.rows_needed(max_seq_len), hidden)?;
+                *types = c.table(token_type, 1, hidden)?;
                 c.weight(gamma, &[hidden])?;
                 c.weight(beta, &[hidden])?;
                 c.out(out, tokens * hidden)
@@ -455,12 +486,16 @@ impl Program {
                 max_seq_len,
                 heads,
                 head_dim,
+                bias,
             } => {
                 c.positive(&[tokens, seqs, max_seq_len, heads, head_dim])?;
                 c.same("tokens", tokens, self.token_slots())?;
                 c.same("seqs", seqs, self.batch)?;
                 c.same("max_seq_len", max_seq_len, self.seq)?;
                 c.distinct(qkv, out, "out aliases qkv")?;
+                if let Some(b) = bias {
+                    c.weight(b.table, &[heads, 2 * b.radius + 1])?;
+                }
                 c.buf(qkv, tokens * 3 * heads * head_dim, false)?;
                 c.role(offsets, InputRole::SeqOffsets, seqs + 1)?;
                 c.out(out, tokens * heads * head_dim)
@@ -472,6 +507,7 @@ impl Program {
                 tokens,
                 seqs,
                 hidden,
+                skip,
                 ..
             } => {
                 c.positive(&[tokens, seqs, hidden])?;
@@ -480,12 +516,19 @@ impl Program {
                 c.distinct(x, out, "out aliases x")?;
                 c.buf(x, tokens * hidden, false)?;
                 c.role(offsets, InputRole::SeqOffsets, seqs + 1)?;
+                if let Some(skip) = skip {
+                    c.role(skip, InputRole::PoolSkip, seqs)?;
+                }
                 c.out(out, seqs * hidden)
+            }
+            Op::Normalize { x, rows, width } => {
+                c.positive(&[rows, width])?;
+                c.out(x, rows * width)
             }
         }
     }
 
-    fn validate_inputs(&self, vocab: Option<usize>) -> Result<ProgramInput, ProgramError> {
+    fn validate_inputs(&self, vocab: Option<(usize, usize)>) -> Result<ProgramInput, ProgramError> {
         let (batch, seq) = (self.batch, self.seq);
         let mut features = None;
         let mut has_ids = false;
@@ -499,10 +542,18 @@ impl Program {
                     decl.name, decl.kind
                 ));
             };
-            if let Layout::Packed { tokens } = self.layout {
+            if role == InputRole::PoolSkip {
+                if decl.elems != batch {
+                    return invalid(format!(
+                        "input `{}` ({role:?}) has {} elements, expected batch = {batch}",
+                        decl.name, decl.elems
+                    ));
+                }
+            } else if let Layout::Packed { tokens } = self.layout {
                 let want = match role {
                     InputRole::TokenIds | InputRole::TokenTypeIds | InputRole::Positions => tokens,
                     InputRole::SeqOffsets => batch + 1,
+                    InputRole::PoolSkip => unreachable!("checked above"),
                     InputRole::Features | InputRole::AttentionMask => {
                         return invalid(format!(
                             "input `{}` ({role:?}) in a packed program",
@@ -552,7 +603,7 @@ impl Program {
         }
         match (features, vocab) {
             (Some(width), None) if !has_ids => Ok(ProgramInput::Features { width }),
-            (None, Some(vocab)) if has_ids => Ok(ProgramInput::Tokens { vocab }),
+            (None, Some((vocab, types))) if has_ids => Ok(ProgramInput::Tokens { vocab, types }),
             _ => invalid("expected either one feature input, or token inputs read by an embedding"),
         }
     }
@@ -590,6 +641,7 @@ fn op_name(op: &Op) -> &'static str {
         Op::PackedEmbedLayerNorm { .. } => "PackedEmbedLayerNorm",
         Op::PackedAttention { .. } => "PackedAttention",
         Op::PackedPool { .. } => "PackedPool",
+        Op::Normalize { .. } => "Normalize",
     }
 }
 
@@ -624,7 +676,7 @@ impl ProgramFacts {
                     ));
                 }
             }
-            (BatchRows::Tokens(seqs), ProgramInput::Tokens { vocab }) => {
+            (BatchRows::Tokens(seqs), ProgramInput::Tokens { vocab, types }) => {
                 if let Some(budget) = self.tokens {
                     let total = rows.tokens();
                     if total > budget {
@@ -641,9 +693,15 @@ impl ProgramFacts {
                             self.seq
                         ));
                     }
-                    if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+                    if let Some(&id) = ids.iter().find(|&&id| token_id(id) as usize >= vocab) {
                         return bad(format!(
-                            "row {i} has token id {id}, outside the vocabulary of {vocab}"
+                            "row {i} has token id {}, outside the vocabulary of {vocab}",
+                            token_id(id)
+                        ));
+                    }
+                    if types < 2 && ids.iter().any(|&id| token_type(id) != 0) {
+                        return bad(format!(
+                            "row {i} has a second segment (token type 1), the model has {types} token type"
                         ));
                     }
                 }
@@ -706,6 +764,7 @@ mod tests {
         let ctx = b.activation("ctx", rows * h);
         let out = b.output("out", batch * h);
         b.push(Op::EmbedLayerNorm {
+            position_ids: Default::default(),
             ids,
             token_types: types,
             word,
@@ -730,6 +789,7 @@ mod tests {
             k: h,
         });
         b.push(Op::Attention {
+            bias: None,
             qkv,
             mask,
             out: ctx,
@@ -749,6 +809,7 @@ mod tests {
             hidden: h,
         });
         b.push(Op::Pool {
+            skip: None,
             x: hid,
             mask,
             out,
@@ -807,6 +868,7 @@ mod tests {
         let ctx = b.activation("ctx", tokens * h);
         let out = b.output("out", seqs * h);
         b.push(Op::PackedEmbedLayerNorm {
+            position_ids: Default::default(),
             ids,
             token_types: types,
             positions,
@@ -832,6 +894,7 @@ mod tests {
             k: h,
         });
         b.push(Op::PackedAttention {
+            bias: None,
             qkv,
             offsets,
             out: ctx,
@@ -852,6 +915,7 @@ mod tests {
             hidden: h,
         });
         b.push(Op::PackedPool {
+            skip: None,
             x: hid,
             offsets,
             out,
@@ -870,7 +934,15 @@ mod tests {
         let f = p.validate(&w).unwrap();
         assert_eq!(
             (f.batch, f.seq, f.tokens, f.input),
-            (5, 16, Some(32), ProgramInput::Tokens { vocab: 10 })
+            (
+                5,
+                16,
+                Some(32),
+                ProgramInput::Tokens {
+                    vocab: 10,
+                    types: 2
+                }
+            )
         );
         assert_eq!((p.token_slots(), p.is_packed()), (32, true));
         // The padded program has no budget.
@@ -1073,7 +1145,10 @@ mod tests {
         let (p, w) = encoder(2, 8);
         assert_eq!(
             p.validate(&w).unwrap().input,
-            ProgramInput::Tokens { vocab: 10 }
+            ProgramInput::Tokens {
+                vocab: 10,
+                types: 2
+            }
         );
     }
 
