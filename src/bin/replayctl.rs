@@ -1028,11 +1028,13 @@ mod tests {
                 name: long.into(),
                 batching: "packed".into(),
                 grid: grid.describe(),
+                folder: Vec::new(),
             },
             ModelStats {
                 name: "mlp".into(),
                 batching: "padded".into(),
                 grid: mlp.describe(),
+                folder: Vec::new(),
             },
         ]);
         m.set_model_grid(long, &grid);

@@ -213,6 +213,8 @@ impl ModelInfo {
 }
 
 /// The architecture of a loaded model, with weight ids into [`Model::weights`].
+// One per loaded model: the size difference costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum Architecture {
     Mlp(mlp::MlpArch),
