@@ -115,7 +115,9 @@ token_budgets = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 max_seqs_per_batch = 256
 TOML
   done
-  if ! "$BIN/replayd" backend-check --config "$WORK/check.toml" --out "$OUT/backend_check.json" --iters 300 \
+  # Bounded: a kernel that never ends (a grid barrier gone wrong) must not
+  # eat the whole device session.
+  if ! timeout "${BACKEND_CHECK_TIMEOUT:-300}" "$BIN/replayd" backend-check --config "$WORK/check.toml" --out "$OUT/backend_check.json" --iters 300 \
       --profile --reference "minilm-f16-packed=$REF_F32" > "$OUT/backend_check.log" 2>&1; then
     fail "backend check (see backend_check.log)"
   fi
