@@ -85,6 +85,7 @@ name = "minilm-f32"
 kind = "bert"
 path = "$MODEL"
 dtype = "f32"
+batching = "padded"
 batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
 seq_buckets = [16, 32, 64, 128]
 
@@ -93,6 +94,7 @@ name = "minilm-f16"
 kind = "bert"
 path = "$MODEL"
 dtype = "f16"
+batching = "padded"
 batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
 seq_buckets = [16, 32, 64, 128]
 TOML

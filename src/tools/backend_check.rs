@@ -737,7 +737,11 @@ enum RefItem {
     Batch(Vec<Vec<f32>>, Vec<Vec<f32>>),
 }
 
-fn read_reference(path: &std::path::Path) -> anyhow::Result<Vec<RefItem>> {
+/// Reads a reference file. Lines with `text` instead of `ids` (what
+/// scripts/torch_baseline.py writes) are tokenized with the model's own
+/// tokenizer, as the daemon would.
+fn read_reference(path: &std::path::Path, model: &Model) -> anyhow::Result<Vec<RefItem>> {
+    let mut tokenizer = None;
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let floats = |v: &serde_json::Value| -> Option<Vec<f32>> {
@@ -756,7 +760,7 @@ fn read_reference(path: &std::path::Path) -> anyhow::Result<Vec<RefItem>> {
             serde_json::from_str(line).with_context(|| format!("{}:{}", path.display(), i + 1))?;
         let bad = || {
             anyhow!(
-                "{}:{}: expected ids+embedding or input+output",
+                "{}:{}: expected ids+embedding, text+embedding or input+output",
                 path.display(),
                 i + 1
             )
@@ -769,6 +773,27 @@ fn read_reference(path: &std::path::Path) -> anyhow::Result<Vec<RefItem>> {
                 .map(|x| x.as_u64().map(|u| u as u32))
                 .collect::<Option<_>>()
                 .ok_or_else(bad)?;
+            items.push(RefItem::Tokens(ids, floats(emb).ok_or_else(bad)?));
+        } else if let (Some(t), Some(emb)) =
+            (v.get("text").and_then(|t| t.as_str()), v.get("embedding"))
+        {
+            if tokenizer.is_none() {
+                let (Some(file), InputSpec::Tokens { max_seq_len, .. }) =
+                    (&model.info.tokenizer_path, &model.info.input)
+                else {
+                    bail!(
+                        "{}: texts, but model {} has no tokenizer",
+                        path.display(),
+                        model.info.name
+                    );
+                };
+                tokenizer = Some(crate::daemon::tokenize::TextTokenizer::load(
+                    file,
+                    *max_seq_len,
+                )?);
+            }
+            let tok = tokenizer.as_ref().expect("loaded above");
+            let ids = tok.encode(&[t], true)?.remove(0);
             items.push(RefItem::Tokens(ids, floats(emb).ok_or_else(bad)?));
         } else if let (Some(inp), Some(out)) = (v.get("input"), v.get("output")) {
             let rows = |x: &serde_json::Value| -> Option<Vec<Vec<f32>>> {
@@ -802,7 +827,7 @@ fn check_reference(
         mean_cosine: None,
         error: None,
     };
-    let items = match read_reference(path) {
+    let items = match read_reference(path, model) {
         Ok(i) => i,
         Err(e) => {
             res.error = Some(e.to_string());
@@ -1324,7 +1349,7 @@ fn check_reference_packed(
         mean_cosine: None,
         error: None,
     };
-    let items = match read_reference(path) {
+    let items = match read_reference(path, model) {
         Ok(i) => i,
         Err(e) => {
             res.error = Some(e.to_string());

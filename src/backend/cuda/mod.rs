@@ -258,7 +258,8 @@ impl CudaBackend {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .cu("SM count")?
             .max(1) as usize;
-        let disable = std::env::var("REPLAYD_CUDA_DISABLE").unwrap_or_default();
+        let disable = std::env::var("REPLAYD_CUDA_DISABLE")
+            .unwrap_or_else(|_| plan::DEFAULT_DISABLED.to_string());
         let limits = Limits::new(max_dyn_smem(&kernels, optin))
             .with_sms(sms)
             .with_disabled(&disable);

@@ -477,6 +477,14 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "small_ffn",
 ];
 
+/// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
+/// one-kernel sublayers, measured slower than the separate kernels they
+/// replace (H200, 2026-12-01, MiniLM f16 64t: 712 µs in 14 nodes against
+/// 184 µs in 50; `layer_attn_small` 66 µs and `layer_ffn_small` 50 µs a
+/// layer, latency-bound on 12 and 48 blocks; docs/perf-log.md). Set
+/// `REPLAYD_CUDA_DISABLE=` (empty) to run them anyway.
+pub const DEFAULT_DISABLED: &str = "small";
+
 /// Groups of [`DISABLE_SWITCHES`] that `REPLAYD_CUDA_DISABLE` takes by one
 /// name: `small`, the two fused sublayers; `fused`, every path the
 /// small-shape work added (the sublayers and the vectorised LayerNorm and
