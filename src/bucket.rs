@@ -7,7 +7,6 @@
 //! sequences per graph, and only the tail of the budget is padding. MLPs
 //! (no sequence axis) are always padded with `seq = 1`.
 
-use crate::config::{BatchingMode, ModelConfig};
 use serde::{Deserialize, Serialize};
 
 /// One captured shape.
@@ -76,14 +75,6 @@ impl BucketGrid {
     pub fn new(batches: Vec<usize>, seqs: Vec<usize>) -> Self {
         assert!(!batches.is_empty() && !seqs.is_empty(), "empty bucket grid");
         Self { batches, seqs }
-    }
-
-    pub fn for_model(config: &ModelConfig) -> Self {
-        let seqs = match config.seq_grid() {
-            [] => vec![1],
-            grid => grid.to_vec(),
-        };
-        Self::new(config.batch_buckets.clone(), seqs)
     }
 
     pub fn batches(&self) -> &[usize] {
@@ -198,16 +189,6 @@ pub enum Grid {
 }
 
 impl Grid {
-    pub fn for_model(config: &ModelConfig) -> Self {
-        match config.batching_mode() {
-            BatchingMode::Padded => Grid::Padded(BucketGrid::for_model(config)),
-            BatchingMode::Packed => Grid::Packed(TokenGrid::new(
-                config.token_budgets.clone(),
-                config.max_seqs_per_batch,
-            )),
-        }
-    }
-
     /// Every bucket, largest first (the capture order).
     pub fn largest_first(&self) -> Vec<Bucket> {
         match self {

@@ -5,6 +5,7 @@
 //! is checked in [`Config::validate`], so a typo fails at start-up with a
 //! message that names the key rather than being silently ignored.
 
+use crate::bucket::{BucketGrid, Grid, TokenGrid};
 use crate::model::{Activation, ModelKind, ModelSpec, Pooling};
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -413,6 +414,30 @@ fn default_token_budgets() -> Vec<usize> {
 }
 fn default_max_seqs_per_batch() -> usize {
     256
+}
+
+impl ModelConfig {
+    /// The shapes to capture for this model (the config owns the mapping
+    /// from its keys to a grid; `bucket` knows nothing of the config).
+    pub fn grid(&self) -> Grid {
+        match self.batching_mode() {
+            BatchingMode::Padded => Grid::Padded(self.padded_grid()),
+            BatchingMode::Packed => Grid::Packed(TokenGrid::new(
+                self.token_budgets.clone(),
+                self.max_seqs_per_batch,
+            )),
+        }
+    }
+
+    /// The (batch, seq) rectangles of `batch_buckets` × `seq_buckets`
+    /// (`[1]` for models without a sequence axis).
+    pub fn padded_grid(&self) -> BucketGrid {
+        let seqs = match self.seq_grid() {
+            [] => vec![1],
+            grid => grid.to_vec(),
+        };
+        BucketGrid::new(self.batch_buckets.clone(), seqs)
+    }
 }
 
 impl ModelConfig {

@@ -227,13 +227,13 @@ impl Reloader {
             .zip(&new.models)
             .enumerate()
             .filter_map(|(i, (a, b))| {
-                let g = Grid::for_model(b);
-                (Grid::for_model(a) != g).then_some((i, g))
+                let g = b.grid();
+                (a.grid() != g).then_some((i, g))
             })
             .collect();
         let old_grids: Vec<(usize, Grid)> = grids
             .iter()
-            .map(|(i, _)| (*i, Grid::for_model(&old.models[*i])))
+            .map(|(i, _)| (*i, old.models[*i].grid()))
             .collect();
         let mut captured = 0;
         let mut snapshot = None;

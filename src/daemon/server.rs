@@ -507,7 +507,7 @@ pub async fn run(
         .iter()
         .map(|mc| ModelSlot {
             name: mc.name.clone(),
-            grid: Grid::for_model(mc),
+            grid: mc.grid(),
         })
         .collect();
     let batcher_models = model_slots.clone();

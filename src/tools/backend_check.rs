@@ -53,7 +53,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::plan::{self, Limits};
 use crate::backend::cuda::{CapturedGraph, CudaBackend, GraphMemory};
 use crate::backend::Backend;
-use crate::bucket::{Bucket, Grid};
+use crate::bucket::Bucket;
 use crate::config::{BatchingMode, Config, ModelConfig};
 use crate::gpu::DeviceInfo;
 use crate::model::ModelKind;
@@ -1013,7 +1013,7 @@ fn check_eager(
 
 /// The packed buckets of a model, largest first (as the worker captures them).
 fn packed_buckets(mc: &ModelConfig, args: &BackendCheckArgs) -> Vec<Bucket> {
-    Grid::for_model(mc)
+    mc.grid()
         .largest_first()
         .into_iter()
         .filter(|b| args.budgets.is_empty() || args.budgets.contains(&b.tokens()))

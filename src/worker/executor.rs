@@ -314,7 +314,7 @@ fn serve<B: Backend>(
                 startup_code(&e),
             ),
         };
-        models.push((model, weights, Grid::for_model(model_config)));
+        models.push((model, weights, model_config.grid()));
     }
     let mut cache: GraphCache<B> = GraphCache::new();
     let mut graphs = Vec::new();
