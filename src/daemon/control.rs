@@ -14,8 +14,8 @@
 //!   applied or refused;
 //! * `inject_fault` (`device`, `kind`; only with `devices.fault_injection`).
 
-use super::messages::{DeviceMsg, DeviceStatus, SupervisorMsg};
-use super::metrics::Metrics;
+use super::messages::{DeviceMsg, SupervisorMsg};
+use super::metrics::{health, Metrics};
 use super::reload::Reloader;
 use crate::transport::{Dealer, Router, Security, TransportError, TransportLimits};
 use crate::worker::link::FaultKind;
@@ -169,38 +169,6 @@ impl<T> CallResultExt<T> for ractor::rpc::CallResult<T> {
             ractor::rpc::CallResult::SenderError => Err("the actor stopped".into()),
         }
     }
-}
-
-/// `ok` when every device is ready, `degraded` when some are up (ready or
-/// draining) but not all are ready, `starting` while none is up yet but
-/// some are on their way, else `down`.
-pub fn health(metrics: &Metrics) -> Value {
-    let devices = metrics.devices();
-    let ready = devices
-        .iter()
-        .filter(|d| d.state == DeviceStatus::Ready)
-        .count();
-    let up = devices.iter().filter(|d| d.state.is_up()).count();
-    let coming = devices.iter().filter(|d| d.state.is_coming_up()).count();
-    let status = if ready == devices.len() && ready > 0 {
-        "ok"
-    } else if up > 0 {
-        "degraded"
-    } else if coming > 0 {
-        "starting"
-    } else {
-        "down"
-    };
-    json!({
-        "status": status,
-        "devices": devices.iter().map(|d| json!({
-            "device": d.label,
-            "role": d.role,
-            "state": d.state,
-            "restarts": d.restarts,
-            "last_error": d.last_error,
-        })).collect::<Vec<_>>(),
-    })
 }
 
 /// Checks that something listens at `endpoint` before the ZeroMQ exchange,

@@ -25,8 +25,8 @@
 //! request has the deadline `http.request_timeout_ms`. Unknown routes and
 //! methods get JSON errors too (404, 405).
 
-use super::control::health;
 use super::frontend::{Frontend, ServedModel};
+use super::metrics::health;
 use super::metrics::Metrics;
 use crate::config::HttpConfig;
 use crate::model::InputSpec;

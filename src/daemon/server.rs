@@ -6,7 +6,6 @@
 //! accepted request is answered — or the grace period ends, and whatever is
 //! left is answered `unavailable` — the workers are stopped and `run` returns.
 
-use super::batcher::queue::SchedulerConfig;
 use super::batcher::{BatcherActor, BatcherArgs, ModelSlot};
 use super::control::Control;
 use super::device::{DeviceArgs, WorkerCommand};
@@ -71,16 +70,6 @@ pub fn is_config_error(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         c.is::<crate::config::ConfigError>() || c.is::<super::runtime_dir::RuntimeDirError>()
     }) || e.downcast_ref::<ConfigRejected>().is_some()
-}
-
-/// The batcher's limits from the config (start-up and reloads).
-pub fn scheduler_config(config: &Config) -> SchedulerConfig {
-    SchedulerConfig {
-        max_wait: Duration::from_micros(config.batching.max_wait_us),
-        max_queue: config.batching.max_queue,
-        max_inflight: config.batching.max_inflight_per_device,
-        eager_max_queue: config.eager.max_queue,
-    }
 }
 
 /// A device to start: its label and how to run its worker.
@@ -528,7 +517,7 @@ pub async fn run(
         BatcherArgs {
             models: model_slots,
             devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
-            config: scheduler_config(&config),
+            config: super::reload::scheduler_config(&config),
             max_attempts: config.batching.max_attempts,
             metrics: metrics.clone(),
         },
