@@ -808,6 +808,40 @@ fn seq_cap_advice(g: &crate::bucket::TokenGrid, seqs: &Hist, lengths: &Hist) -> 
     })
 }
 
+/// `ok` when every device is ready, `degraded` when some are up (ready or
+/// draining) but not all are ready, `starting` while none is up yet but
+/// some are on their way, else `down`.
+/// (The answer to `replayctl health`, the HTTP front's `/health` and the
+/// systemd status line share it.)
+pub fn health(metrics: &Metrics) -> serde_json::Value {
+    let devices = metrics.devices();
+    let ready = devices
+        .iter()
+        .filter(|d| d.state == DeviceStatus::Ready)
+        .count();
+    let up = devices.iter().filter(|d| d.state.is_up()).count();
+    let coming = devices.iter().filter(|d| d.state.is_coming_up()).count();
+    let status = if ready == devices.len() && ready > 0 {
+        "ok"
+    } else if up > 0 {
+        "degraded"
+    } else if coming > 0 {
+        "starting"
+    } else {
+        "down"
+    };
+    serde_json::json!({
+        "status": status,
+        "devices": devices.iter().map(|d| serde_json::json!({
+            "device": d.label,
+            "role": d.role,
+            "state": d.state,
+            "restarts": d.restarts,
+            "last_error": d.last_error,
+        })).collect::<Vec<_>>(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -892,38 +926,4 @@ mod tests {
         assert_eq!(s["eager"]["sequences"], 2);
         assert_eq!(s["eager"]["batches"], 1);
     }
-}
-
-/// `ok` when every device is ready, `degraded` when some are up (ready or
-/// draining) but not all are ready, `starting` while none is up yet but
-/// some are on their way, else `down`.
-/// (The answer to `replayctl health`, the HTTP front's `/health` and the
-/// systemd status line share it.)
-pub fn health(metrics: &Metrics) -> serde_json::Value {
-    let devices = metrics.devices();
-    let ready = devices
-        .iter()
-        .filter(|d| d.state == DeviceStatus::Ready)
-        .count();
-    let up = devices.iter().filter(|d| d.state.is_up()).count();
-    let coming = devices.iter().filter(|d| d.state.is_coming_up()).count();
-    let status = if ready == devices.len() && ready > 0 {
-        "ok"
-    } else if up > 0 {
-        "degraded"
-    } else if coming > 0 {
-        "starting"
-    } else {
-        "down"
-    };
-    serde_json::json!({
-        "status": status,
-        "devices": devices.iter().map(|d| serde_json::json!({
-            "device": d.label,
-            "role": d.role,
-            "state": d.state,
-            "restarts": d.restarts,
-            "last_error": d.last_error,
-        })).collect::<Vec<_>>(),
-    })
 }

@@ -349,6 +349,16 @@ impl Reloader {
     }
 }
 
+/// The batcher's limits from the config (start-up and reloads).
+pub fn scheduler_config(config: &Config) -> super::messages::SchedulerConfig {
+    super::messages::SchedulerConfig {
+        max_wait: std::time::Duration::from_micros(config.batching.max_wait_us),
+        max_queue: config.batching.max_queue,
+        max_inflight: config.batching.max_inflight_per_device,
+        eager_max_queue: config.eager.max_queue,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,15 +416,5 @@ seq_buckets = [16, 32]
         let path = write_snapshot(&config, dir.path(), 3).unwrap();
         let back = Config::load(&path).unwrap();
         assert_eq!(back, config);
-    }
-}
-
-/// The batcher's limits from the config (start-up and reloads).
-pub fn scheduler_config(config: &Config) -> super::messages::SchedulerConfig {
-    super::messages::SchedulerConfig {
-        max_wait: std::time::Duration::from_micros(config.batching.max_wait_us),
-        max_queue: config.batching.max_queue,
-        max_inflight: config.batching.max_inflight_per_device,
-        eager_max_queue: config.eager.max_queue,
     }
 }
