@@ -29,6 +29,7 @@ workers = 0
 name = "minilm"
 kind = "bert"
 path = "{}"
+batching = "padded"
 batch_buckets = [1, 4]
 seq_buckets = [256]
 
