@@ -583,6 +583,28 @@ async fn bad_inputs_get_clear_errors() {
         "no model named \"nope\"",
     )
     .await;
+    // NaN and ±Inf are refused (a graph's ReLU would turn them into a
+    // finite wrong answer), naming where they are.
+    for (at, bad) in [
+        (5usize, f32::NAN),
+        (130, f32::INFINITY),
+        (255, f32::NEG_INFINITY),
+    ] {
+        let mut rows = vec![0.5f32; 2 * 128];
+        rows[at] = bad;
+        let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+        expect_error(
+            &mut raw,
+            vec![header_frame(&good(100 + at as u64)), Bytes::from(bytes)],
+            ErrorCode::BadRequest,
+            &format!(
+                "input value {at} (row {}, column {}) is",
+                at / 128,
+                at % 128
+            ),
+        )
+        .await;
+    }
     let mut h = good(3);
     h.dtype = Some(DType::F16);
     expect_error(
