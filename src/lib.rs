@@ -28,9 +28,12 @@
 //!   [`tensor`] (dtypes and host tensors), [`clock`] (the cross-process clock
 //!   of per-hop timings).
 //!
-//! Imports only point down this list's dependency order: `daemon` → `worker`
-//! (its link) → `model`/`protocol`/`gpu` → `config`/`bucket`/`tensor`;
-//! `worker` → `backend` → `model`. There are no cycles.
+//! Imports point down this order: `daemon` → `worker` (its link) →
+//! `model`/`protocol`/`gpu` → `bucket`/`tensor`; `worker` → `backend` →
+//! `model`; `config` reads the model vocabulary (`model`, `bucket`) and
+//! nothing of either process. Between these top-level modules there are no
+//! cycles (`scripts/module-graph.py HEAD 1`); inside `daemon`, the messages
+//! map and the shared-memory link still refer to each other.
 
 pub mod backend;
 pub mod bucket;
