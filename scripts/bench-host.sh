@@ -105,10 +105,17 @@ stop_daemon() {
   "$BIN/replayctl" --control "ipc://$WORK/control.sock" stats --json > "$OUT/stats_$1.json" 2>/dev/null
   kill -TERM "$DAEMON"; wait "$DAEMON"; DAEMON=""
 }
-load() { # name, args...
+load() { # name, args... (with CPU_WINDOW=S set: each thread group's CPU use over S s of the run)
   local name=$1; shift
-  if "$BIN/replayd-loadgen" --endpoint "$ENDPOINT" --model minilm --json "$OUT/load_$name.json" "$@" \
-      > "$OUT/load_$name.log" 2>&1; then
+  "$BIN/replayd-loadgen" --endpoint "$ENDPOINT" --model minilm --json "$OUT/load_$name.json" "$@" \
+      > "$OUT/load_$name.log" 2>&1 &
+  local lg=$!
+  if [ -n "${CPU_WINDOW:-}" ]; then
+    sleep "${CPU_SKIP:-4}"
+    python3 scripts/thread-cpu.py "$CPU_WINDOW" "$OUT/cpu_$name.json" daemon="$DAEMON" loadgen="$lg" \
+      > "$OUT/cpu_$name.log" 2>&1 || fail "thread-cpu $name"
+  fi
+  if wait "$lg"; then
     log "load $name: $(grep -v '^{' "$OUT/load_$name.log" | tail -3 | tr '\n' ' ')"
   else
     fail "load $name (see load_$name.log)"; tail -5 "$OUT/load_$name.log"
@@ -123,7 +130,7 @@ if start_daemon gpu "$GPU_DEVICES"; then
   log "target 1: one short text at a time, one client"
   load t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2
   log "target 3: the corpus, one text per request, $T3_CONCURRENCY concurrent over $T3_SOCKETS sockets"
-  load t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
+  CPU_WINDOW=$((T3_SECONDS - 6)) load t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
     --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
   log "packed batching (issue 9): the corpus, 32 texts per request, 16 concurrent"
   load t9 --texts "$WORK/corpus.jsonl" --batch 32 --concurrency 16 --sockets 8 \
@@ -135,7 +142,7 @@ fi
 if start_daemon null 'backend = "null"
 cpu_devices = 1'; then
   load null_t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration 5 --warmup 1
-  load null_t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
+  CPU_WINDOW=4 load null_t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
     --duration 10 --warmup 2
   stop_daemon null
 fi
@@ -224,6 +231,17 @@ for label, d in [("target 3 (GPU)", t3), ("issue 9: 32 texts/request (GPU)", t9)
 if st:
     print(f"| sentence-transformers encode(batch_size=512) f16 | | {fmt(st.get('f16_texts_per_s'))} | | | |")
     print(f"| sentence-transformers encode(batch_size=512) f32 | | {fmt(st.get('f32_texts_per_s'))} | | | |")
+cpu_runs = [(label, load(f"cpu_{n}.json")) for label, n in [("target 3 (GPU)", "t3"), ("null backend, target-3 load", "null_t3")]]
+if any(c for _, c in cpu_runs):
+    print("\n## CPU per stage during the target-3 loads (scripts/thread-cpu.py; cores kept busy on average)\n")
+    print("tokio's workers are `replayd` (the daemon) and `tokio-rt-worker` (the load generator); libzmq's I/O "
+          "threads are `ZMQbg/IO/` (one per socket); the worker process is `daemon/child`.\n")
+    print("| run | process | threads | count | cores | busiest thread |")
+    print("|---|---|---|---|---|---|")
+    for label, c in cpu_runs:
+        for g in (c or {}).get("groups", []):
+            if g["cores"] >= 0.01:
+                print(f"| {label} | {g['process']} | `{g['threads']}` | {g['thread_count']} | {g['cores']:.2f} | {g['busiest']:.2f} |")
 hb = os.path.join(out, "hostbench.md")
 if os.path.exists(hb):
     print("\n## Each host stage on this CPU (replayd-hostbench)\n")
