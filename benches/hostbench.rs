@@ -250,6 +250,7 @@ fn scheduler(t: &mut Table, args: &Args) {
                 max_queue: 1 << 20,
                 max_inflight: 2,
                 eager_max_queue: 16,
+                dispatch_lead: Some(Duration::from_micros(100)),
             },
             vec![Grid::Packed(default_grid())],
         );
@@ -282,7 +283,7 @@ fn scheduler(t: &mut Table, args: &Args) {
                         for r in plan.requests() {
                             s.finish(r);
                         }
-                        s.completed(device);
+                        s.completed(device, Instant::now());
                     }
                 }
             }
@@ -353,6 +354,7 @@ async fn batcher(t: &mut Table, args: &Args) {
                 max_queue: 1 << 20,
                 max_inflight: 2,
                 eager_max_queue: 16,
+                dispatch_lead: Some(Duration::from_micros(100)),
             },
             max_attempts: 3,
             metrics: metrics.clone(),

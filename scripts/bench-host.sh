@@ -73,14 +73,17 @@ if [ "$BACKEND" = cuda ]; then
     "$OUT/st_baseline.json" "$ST_BUDGET" > "$OUT/st_baseline.log" 2>&1 || fail "st_baseline (see st_baseline.log)"
 fi
 
-start_daemon() { # name, devices TOML
-  local name=$1 devices=$2
+start_daemon() { # name, devices TOML, [batching TOML]
+  local name=$1 devices=$2 batching=${3:-}
   rm -f "$WORK/ready.json"
   cat > "$WORK/$name.toml" <<TOML
 [server]
 endpoint = "tcp://127.0.0.1:0"
 control_endpoint = "ipc://$WORK/control.sock"
 runtime_dir = "$WORK/run"
+
+[batching]
+$batching
 
 [devices]
 $devices
@@ -138,6 +141,17 @@ if start_daemon gpu "$GPU_DEVICES"; then
   stop_daemon gpu
 fi
 
+# --- 2b. with AB_BATCHING (e.g. "dispatch_lead_us = 0"): the target-3 and
+# issue-9 loads again on a daemon with those [batching] settings, for a
+# before/after of a scheduling change in the same call.
+if [ -n "${AB_BATCHING:-}" ] && start_daemon gpu_ab "$GPU_DEVICES" "$AB_BATCHING"; then
+  load t3_ab --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
+    --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
+  load t9_ab --texts "$WORK/corpus.jsonl" --batch 32 --concurrency 16 --sockets 8 \
+    --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
+  stop_daemon gpu_ab
+fi
+
 # --- 3. the host path's ceiling: the same load, a device that computes nothing
 if start_daemon null 'backend = "null"
 cpu_devices = 1'; then
@@ -156,9 +170,9 @@ fi
 
 # --- the table
 python3 - "$OUT" "$BACKEND" "$(cat .carry/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)" \
-    "$T3_CONCURRENCY" "$T3_SOCKETS" > "$OUT/bench-host.md" <<'PY' || FAILED=1
+    "$T3_CONCURRENCY" "$T3_SOCKETS" "${AB_BATCHING:-}" > "$OUT/bench-host.md" <<'PY' || FAILED=1
 import datetime, json, os, sys
-out, backend, commit, conc, sockets = sys.argv[1:6]
+out, backend, commit, conc, sockets, ab = sys.argv[1:7]
 def load(name):
     p = os.path.join(out, name)
     return json.load(open(p)) if os.path.exists(p) else None
@@ -213,24 +227,31 @@ print("## Where the time goes (replies' own per-hop timings, µs)\n")
 names = ["decode", "tokenize", "wait", "to_worker", "device", "back", "reply", "daemon_total"]
 print("| run | client p50 | client p99 | " + " | ".join(f"{n} p50/p99" for n in names) + " | errors |")
 print("|---|---|---|" + "---|" * len(names) + "---|")
-for label, d in [("target 1", t1), ("target 3", t3), ("null, target-1 load", n1), ("null, target-3 load", n3)]:
-    if not d:
+for label, d in [("target 1", t1), ("target 3", t3), (f"target 3, [batching] {ab}", load("load_t3_ab.json")),
+                 ("null, target-1 load", n1), ("null, target-3 load", n3)]:
+    if not d or not d["ok"]:
         continue
     h = d.get("hops_us", {})
     cells = [f"{h[n]['p50']}/{h[n]['p99']}" if n in h else "n/a" for n in names]
     print(f"| {label} | {d['latency_us']['p50']} | {d['latency_us']['p99']} | " + " | ".join(cells) + f" | {errs(d)} |")
 print("\nThe client's round trip minus `daemon_total` is the ZeroMQ queues and the wire on both sides.\n")
 print("## Throughput\n")
-print("| run | requests/s | texts/s | p50 µs | p99 µs | padding |")
-print("|---|---|---|---|---|---|")
-for label, d in [("target 3 (GPU)", t3), ("issue 9: 32 texts/request (GPU)", t9), ("target 3 load, null backend (host ceiling)", n3)]:
-    if d:
+print("| run | requests/s | texts/s | p50 µs | p99 µs | padding | texts per batch |")
+print("|---|---|---|---|---|---|---|")
+t3ab, t9ab = load("load_t3_ab.json"), load("load_t9_ab.json")
+for label, d in [("target 3 (GPU)", t3), ("issue 9: 32 texts/request (GPU)", t9),
+                 (f"target 3 (GPU), [batching] {ab}", t3ab), (f"issue 9 (GPU), [batching] {ab}", t9ab),
+                 ("target 3 load, null backend (host ceiling)", n3)]:
+    if d and d["ok"] > 0:
         pad = (d.get("padding") or {}).get("padding_waste")
+        batches = sum(b.get("batches", 0) for b in (d.get("padding") or {}).get("buckets", []))
+        seqs = sum(b.get("seqs", 0) for b in (d.get("padding") or {}).get("buckets", []))
         print(f"| {label} | {d['requests_per_s']:,.0f} | {fmt(d.get('texts_per_s'))} | {d['latency_us']['p50']} | "
-              f"{d['latency_us']['p99']} | {'n/a' if pad is None else f'{pad:.1%}'} |")
+              f"{d['latency_us']['p99']} | {'n/a' if pad is None else f'{pad:.1%}'} | "
+              f"{fmt(seqs / batches, 1) if batches else 'n/a'} |")
 if st:
-    print(f"| sentence-transformers encode(batch_size=512) f16 | | {fmt(st.get('f16_texts_per_s'))} | | | |")
-    print(f"| sentence-transformers encode(batch_size=512) f32 | | {fmt(st.get('f32_texts_per_s'))} | | | |")
+    print(f"| sentence-transformers encode(batch_size=512) f16 | | {fmt(st.get('f16_texts_per_s'))} | | | | |")
+    print(f"| sentence-transformers encode(batch_size=512) f32 | | {fmt(st.get('f32_texts_per_s'))} | | | | |")
 cpu_runs = [(label, load(f"cpu_{n}.json")) for label, n in [("target 3 (GPU)", "t3"), ("null backend, target-3 load", "null_t3")]]
 if any(c for _, c in cpu_runs):
     print("\n## CPU per stage during the target-3 loads (scripts/thread-cpu.py; cores kept busy on average)\n")
@@ -246,7 +267,8 @@ hb = os.path.join(out, "hostbench.md")
 if os.path.exists(hb):
     print("\n## Each host stage on this CPU (replayd-hostbench)\n")
     print(open(hb).read())
-bad = [n for n, d in [("t1", t1), ("t3", t3), ("t9", t9), ("null_t1", n1), ("null_t3", n3)] if d and errs(d)]
+bad = [n for n, d in [("t1", t1), ("t3", t3), ("t9", t9), ("t3_ab", t3ab), ("t9_ab", t9ab), ("null_t1", n1),
+                      ("null_t3", n3)] if d and errs(d)]
 if bad:
     print(f"\nERRORS in {bad}")
 sys.exit(1 if bad else 0)
