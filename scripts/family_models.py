@@ -275,9 +275,13 @@ def torch_times(out_json, folders):
                 def whole():
                     return pooled(model(input_ids=ids).last_hidden_state)
             # The module path must compute what the model's forward does.
-            with torch.no_grad():
-                want, got = whole().float(), fwd().float()
-                agree = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+            try:
+                with torch.no_grad():
+                    want, got = whole().float(), fwd().float()
+                    agree = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+            except Exception:
+                traceback.print_exc()
+                agree = None
             try:
                 with torch.no_grad():
                     r = replay_latency(fwd, ids)

@@ -152,7 +152,7 @@ else
     case $dt in f32) COS=0.9999; TOL=1e-4;; f16) COS=0.999; TOL=1e-2;; bf16) COS=0.99; TOL=5e-2;; esac
     ARGS=()
     for f in "${FOLDERS[@]}"; do ARGS+=(--model "$f-$dt=$MODELS/$f" --model "$f-$dt-packed=$MODELS/$f"); done
-    if ! timeout 240 "$BIN/family_check" --endpoint "ipc://$WORK/replayd.sock" "${ARGS[@]}" --min-cosine $COS \
+    if ! timeout 120 "$BIN/family_check" --endpoint "ipc://$WORK/replayd.sock" "${ARGS[@]}" --min-cosine $COS \
         --score-tol $TOL --json "$OUT/family_check_$dt.json" > "$OUT/family_check_$dt.log" 2>&1; then
       fail "references through the daemon, $dt (see family_check_$dt.log)"
     fi
