@@ -140,7 +140,8 @@ pub fn expected_entry_points() -> Vec<String> {
 /// pooling that skips a prompt (`pool_skip_<t>`, `pool_packed_skip_<t>`)
 /// and MPNet's relative attention bias in every attention kernel
 /// (`attention_bias_<t>_d<N>`, `attention_tc_bias_<t>_d<N>`,
-/// `attention_varlen_bias_<t>_d<N>`, `attention_varlen_tc_bias_<t>_d<N>`).
+/// `attention_varlen_bias_<t>_d<N>`, `attention_varlen_tc_bias_<t>_d<N>`,
+/// and the fused sublayer's `layer_attn_small_bias_<t>_d<N>`).
 pub fn encoder_family_entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in DTYPE_SUFFIXES {
@@ -158,6 +159,9 @@ pub fn encoder_family_entry_points() -> Vec<String> {
         for d in ATTENTION_TC_HEAD_DIMS {
             names.push(format!("attention_tc_bias_{t}_d{d}"));
             names.push(format!("attention_varlen_tc_bias_{t}_d{d}"));
+        }
+        for d in SMALL_ATTN_HEAD_DIMS {
+            names.push(format!("layer_attn_small_bias_{t}_d{d}"));
         }
     }
     names

@@ -991,7 +991,7 @@ impl<'a> Planner<'a> {
         else {
             return None;
         };
-        let (att_qkv, ctx, heads, head_dim, mask, seq) = match *att {
+        let (att_qkv, ctx, heads, head_dim, mask, seq, bias) = match *att {
             Op::Attention {
                 qkv,
                 mask,
@@ -1000,17 +1000,25 @@ impl<'a> Planner<'a> {
                 seq,
                 heads,
                 head_dim,
-                bias: None,
-            } if batch * seq == m => (qkv, out, heads, head_dim, Arg::Ptr(self.int_loc(mask)), seq),
+                bias,
+            } if batch * seq == m => (
+                qkv,
+                out,
+                heads,
+                head_dim,
+                Arg::Ptr(self.int_loc(mask)),
+                seq,
+                bias,
+            ),
             Op::PackedAttention {
                 qkv,
                 out,
                 tokens,
                 heads,
                 head_dim,
-                bias: None,
+                bias,
                 ..
-            } if tokens == m => (qkv, out, heads, head_dim, Arg::Null, 1),
+            } if tokens == m => (qkv, out, heads, head_dim, Arg::Null, 1, bias),
             _ => return None,
         };
         let fits = self.limits.small_attn
@@ -1036,35 +1044,40 @@ impl<'a> Planner<'a> {
         if !fits || smem > self.limits.max_dyn_smem {
             return None;
         }
+        // MPNet's relative bias: the `_bias` variant (a malformed table
+        // leaves the op to the unfused path, which reports it).
+        let (tag, bias_args) = self.bias_args(bias, heads, "").ok()?;
         let (offsets, seqs) = self.live_rows_args();
         let (counter, tmp) = self.fused_scratch(m, hidden);
         let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        let mut args = vec![
+            Arg::Ptr(self.locs[&h]),
+            Arg::Ptr(Loc::Weight(wqkv)),
+            opt(bqkv),
+            Arg::Ptr(Loc::Weight(wo)),
+            opt(bo),
+            Arg::Ptr(Loc::Weight(gamma)),
+            Arg::Ptr(Loc::Weight(beta)),
+            Arg::F32(eps),
+            Arg::Ptr(self.locs[&ln_out]),
+            Arg::Ptr(self.locs[&ctx]),
+            Arg::Ptr(tmp),
+            Arg::Ptr(counter),
+            mask,
+            offsets,
+            Arg::I32(seqs as i32),
+            Arg::I32(seq as i32),
+            Arg::I32(m as i32),
+            Arg::I32(hidden as i32),
+            Arg::F32(1.0 / (head_dim as f32).sqrt()),
+        ];
+        args.extend(bias_args);
         self.kernel(
-            format!("layer_attn_small_{}_d{head_dim}", suffix(t)),
+            format!("layer_attn_small{tag}_{}_d{head_dim}", suffix(t)),
             (heads as u32, 1, 1),
             SL_THREADS,
             smem,
-            vec![
-                Arg::Ptr(self.locs[&h]),
-                Arg::Ptr(Loc::Weight(wqkv)),
-                opt(bqkv),
-                Arg::Ptr(Loc::Weight(wo)),
-                opt(bo),
-                Arg::Ptr(Loc::Weight(gamma)),
-                Arg::Ptr(Loc::Weight(beta)),
-                Arg::F32(eps),
-                Arg::Ptr(self.locs[&ln_out]),
-                Arg::Ptr(self.locs[&ctx]),
-                Arg::Ptr(tmp),
-                Arg::Ptr(counter),
-                mask,
-                offsets,
-                Arg::I32(seqs as i32),
-                Arg::I32(seq as i32),
-                Arg::I32(m as i32),
-                Arg::I32(hidden as i32),
-                Arg::F32(1.0 / (head_dim as f32).sqrt()),
-            ],
+            args,
         );
         Some(4)
     }
@@ -3495,14 +3508,22 @@ pub(crate) mod tests {
                             "{name} {label} {dtype}: {steps:?}"
                         );
                         let biased = steps.iter().filter(|s| s.contains("_bias_")).count();
+                        let fused_biased = steps
+                            .iter()
+                            .filter(|s| s.starts_with("layer_attn_small_bias_"))
+                            .count();
                         let layers = match &model.arch {
                             crate::model::Architecture::Bert(a) => a.layers.len(),
                             _ => unreachable!(),
                         };
                         if name == "mpnet-st" {
-                            // Every layer's attention, never fused away.
+                            // Every layer's attention, fused or not, has the bias.
                             assert_eq!(biased, layers, "{name} {label} {dtype}: {steps:?}");
-                            assert!(!has("layer_attn_small"), "{name} {label}: {steps:?}");
+                            assert_eq!(
+                                has("layer_attn_small_"),
+                                fused_biased > 0,
+                                "{name} {label}: {steps:?}"
+                            );
                         } else {
                             assert_eq!(biased, 0, "{name} {label} {dtype}: {steps:?}");
                         }
@@ -3610,8 +3631,8 @@ pub(crate) mod tests {
 
     /// A MiniLM-sized encoder with MPNet's bias and position ids: the
     /// tensor-core attention kernels take the bias (head size 32), padded
-    /// and packed; the fused attention sublayer (which has no bias) is
-    /// never used for it, the fused FFN still is.
+    /// and packed, and for few tokens the fused attention sublayer's
+    /// `_bias` variant does.
     #[test]
     fn biased_attention_on_tensor_cores() {
         let (mut arch, mut w) = minilm(2);
@@ -3635,24 +3656,36 @@ pub(crate) mod tests {
                 pk.validate(&w).unwrap();
                 let plan_ = plan(&pk, &w, dtype, false, LIMITS).unwrap();
                 let steps = names(&plan_);
-                let (name, _, _, _, args) = kernel(&plan_, "attention_varlen_tc_bias_");
-                assert_eq!(name, format!("attention_varlen_tc_bias_{ts}_d32"));
-                assert_eq!(args.len(), 8);
-                assert_eq!(args[6..], bias);
-                assert!(!steps.iter().any(|s| s.starts_with("layer_attn_small")));
+                let small = tokens == 16;
+                let prefix = if small {
+                    "layer_attn_small_bias_"
+                } else {
+                    "attention_varlen_tc_bias_"
+                };
+                let (name, _, _, _, args) = kernel(&plan_, prefix);
+                assert_eq!(name, format!("{prefix}{ts}_d32"));
+                assert_eq!(args.len(), if small { 21 } else { 8 });
+                assert_eq!(args[args.len() - 2..], bias);
+                assert_eq!(
+                    steps.iter().filter(|s| s.starts_with(prefix)).count(),
+                    2,
+                    "{steps:?}"
+                );
                 assert_eq!(
                     steps.iter().any(|s| s.starts_with("layer_ffn_small")),
-                    tokens == 16,
+                    small,
                     "{steps:?}"
                 );
             }
         }
-        // Without the bias the same shapes fuse the attention sublayer.
+        // Padded (1, 16) fuses too; without the bias, the plain kernel.
+        let plan_ = plan(&arch.program(1, 16), &w, DType::F16, false, LIMITS).unwrap();
+        let (_, _, _, _, args) = kernel(&plan_, "layer_attn_small_bias_f16_d32");
+        assert_eq!(args[19..], bias);
         arch.position_bias = None;
         let plan_ = plan(&arch.packed_program(16, 8), &w, DType::F16, false, LIMITS).unwrap();
-        assert!(names(&plan_)
-            .iter()
-            .any(|s| s.starts_with("layer_attn_small")));
+        kernel(&plan_, "layer_attn_small_f16_d32");
+        assert!(!names(&plan_).iter().any(|s| s.contains("_bias_")));
     }
 
     /// The attention kernels add the bias as `PositionBias::column` says:
