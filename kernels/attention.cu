@@ -13,6 +13,12 @@
 // rounded up to 32, 64 or 128; the tail is zero-padded in shared memory.
 // A query whose keys are all masked gets zeros.
 //
+// attention_bias_<t>_d<N> (MPNet): the same, plus a relative position bias
+// added to every scaled score before the mask, computed in-kernel from the
+// table `pbias` [heads, 2*radius+1] (compute dtype): score(h, i, j) +=
+// pbias[h, clamp(j - i, -radius, radius) + radius] for query i and key j of
+// the row (see `rel_bias` and model::program::PositionBias).
+//
 // Dynamic shared memory (floats): ATT_QT*(DMAX+1) + ATT_KC*(DMAX+1) + ATT_QT*(seq|1);
 // the host computes the same (attention_smem_bytes in exec.rs).
 
@@ -20,9 +26,17 @@
 #define ATT_KC 64
 #define ATT_THREADS 128
 
-template <typename T, int DMAX>
+// MPNet's relative attention bias of query `q` and key `k` (positions within
+// their sequence) from head h's row `row` of the [heads, 2*radius+1] table.
+template <typename T>
+__device__ __forceinline__ float rel_bias(const T* __restrict__ row, int radius, int q, int k) {
+    return to_f32(row[min(max(k - q, -radius), radius) + radius]);
+}
+
+template <typename T, int DMAX, bool BIAS>
 __device__ __forceinline__ void attention_impl(const T* __restrict__ qkv, const int* __restrict__ mask,
-                                               T* __restrict__ out, int seq, int heads, int hd, float scale) {
+                                               T* __restrict__ out, int seq, int heads, int hd, float scale,
+                                               const T* __restrict__ pbias, int radius) {
     constexpr int DP = DMAX + 1;
     constexpr int DJ = DMAX / 16;
     extern __shared__ float smem[];
@@ -39,6 +53,7 @@ __device__ __forceinline__ void attention_impl(const T* __restrict__ qkv, const 
     const size_t row_stride = (size_t)3 * HD;
     const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * hd;
     const int* mrow = mask + (size_t)b * seq;
+    const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
 
     for (int i = tid; i < ATT_QT * DMAX; i += ATT_THREADS) {
         const int qi = i / DMAX, d = i % DMAX;
@@ -82,7 +97,11 @@ __device__ __forceinline__ void attention_impl(const T* __restrict__ qkv, const 
             if (kj < seq) {
                 const bool keep = mrow[kj] != 0;
 #pragma unroll
-                for (int ii = 0; ii < 4; ii++) sP[(tq + 8 * ii) * ld + kj] = keep ? acc[ii][jj] : NEG_INF_F;
+                for (int ii = 0; ii < 4; ii++) {
+                    float v = acc[ii][jj];
+                    if (BIAS) v += rel_bias(brow, radius, q0 + tq + 8 * ii, kj);
+                    sP[(tq + 8 * ii) * ld + kj] = keep ? v : NEG_INF_F;
+                }
             }
         }
     }
@@ -159,7 +178,12 @@ __device__ __forceinline__ void attention_impl(const T* __restrict__ qkv, const 
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                              \
         attention_##SUF##_d##DMAX(const T* qkv, const int* mask, T* out, int seq, int heads, int hd,      \
                                   float scale) {                                                           \
-        attention_impl<T, DMAX>(qkv, mask, out, seq, heads, hd, scale);                                    \
+        attention_impl<T, DMAX, false>(qkv, mask, out, seq, heads, hd, scale, nullptr, 0);                 \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                              \
+        attention_bias_##SUF##_d##DMAX(const T* qkv, const int* mask, T* out, int seq, int heads, int hd, \
+                                       float scale, const T* pbias, int radius) {                          \
+        attention_impl<T, DMAX, true>(qkv, mask, out, seq, heads, hd, scale, pbias, radius);               \
     }
 
 ATTENTION_KERNEL(float, f32, 32)

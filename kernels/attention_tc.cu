@@ -9,6 +9,9 @@
 // a running row max and row sum, O rescaled when the max grows, the score
 // fragments reused in registers as the A operand of P.V. Scores are scaled in
 // f32 after the product.
+//
+// attention_tc_bias_<t>_d<D> (MPNet): plus the relative position bias of
+// attention.cu's rel_bias, added to the scaled scores before the mask.
 
 #define TC_WARPS 4
 #define TC_THREADS (32 * TC_WARPS)
@@ -38,9 +41,10 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return (unsigned)from_f32<T>(lo).bits | ((unsigned)from_f32<T>(hi).bits << 16);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool BIAS>
 __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, const int* __restrict__ mask,
-                                                  T* __restrict__ out, int seq, int heads, float scale) {
+                                                  T* __restrict__ out, int seq, int heads, float scale,
+                                                  const T* __restrict__ pbias, int radius) {
     constexpr int KS = D + TC_PAD;      // sK row stride (halves)
     constexpr int VS = TC_KB + TC_PAD;  // sVt row stride (halves)
     constexpr int ND = D / 8;           // output n-tiles
@@ -59,6 +63,7 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
     const int* mrow = mask + (size_t)b * seq;
     const int q0 = blockIdx.x * TC_QT + warp * 16;
     const bool active = q0 < seq;
+    const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
 
     // Q fragments (A operand, row-major 16 x D), straight from global memory.
     unsigned qa[KD][4];
@@ -123,7 +128,9 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = nt * 8 + t4 * 2 + (e & 1);
-                const float s = sM[key] ? sc[nt][e] * scale : NEG_INF_F;
+                float s = sc[nt][e] * scale;
+                if (BIAS) s += rel_bias(brow, radius, q0 + g + 8 * (e >> 1), kb0 + key);
+                s = sM[key] ? s : NEG_INF_F;
                 sc[nt][e] = s;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s);
             }
@@ -194,7 +201,12 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
 #define ATTENTION_TC_KERNEL(T, SUF, D)                                                                            \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                      \
         attention_tc_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale) {      \
-        attention_tc_impl<T, D>(qkv, mask, out, seq, heads, scale);                                               \
+        attention_tc_impl<T, D, false>(qkv, mask, out, seq, heads, scale, nullptr, 0);                            \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                      \
+        attention_tc_bias_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale,   \
+                                       const T* pbias, int radius) {                                              \
+        attention_tc_impl<T, D, true>(qkv, mask, out, seq, heads, scale, pbias, radius);                          \
     }
 
 ATTENTION_TC_KERNEL(f16_t, f16, 32)

@@ -32,6 +32,10 @@
 //   in dynamic shared memory of VA_QT*(max_len|1) floats (plus the Q and K/V
 //   tiles), so the host sizes it by the program's longest sequence.
 //
+// attention_varlen_bias_<t>_d<DMAX> and attention_varlen_tc_bias_<t>_d<D>
+// (MPNet): plus the relative position bias of attention.cu's rel_bias, by
+// positions within the sequence, added to the scaled scores.
+//
 // Uses mma16816/pack2 and TC_* from attention_tc.cu and ATT_* from
 // attention.cu (one translation unit, those files come first).
 
@@ -63,9 +67,10 @@ __device__ __forceinline__ void varlen_zero(T* out, int q_start, int q_count, in
     }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool BIAS>
 __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ qkv, const int* __restrict__ tiles,
-                                                         T* __restrict__ out, int heads, float scale, int tokens) {
+                                                         T* __restrict__ out, int heads, float scale, int tokens,
+                                                         const T* __restrict__ pbias, int radius) {
     constexpr int KS = D + TC_PAD;      // sK row stride (halves)
     constexpr int VS = TC_KB + TC_PAD;  // sVt row stride (halves)
     constexpr int ND = D / 8;           // output n-tiles
@@ -94,6 +99,7 @@ __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ q
     const int q_end = q_first + q_count;     // one past its last
     const int q0 = q_first + warp * 16;
     const bool active = q0 < q_end;
+    const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
 
     unsigned qa[KD][4];
 #pragma unroll
@@ -154,7 +160,9 @@ __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ q
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int key = kb0 + nt * 8 + t4 * 2 + (e & 1);
-                const float s = key < seq ? sc[nt][e] * scale : NEG_INF_F;
+                float s = sc[nt][e] * scale;
+                if (BIAS) s += rel_bias(brow, radius, q0 + g + 8 * (e >> 1), key);
+                s = key < seq ? s : NEG_INF_F;
                 sc[nt][e] = s;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s);
             }
@@ -224,10 +232,11 @@ __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ q
 // Dynamic shared memory (floats): VA_QT*(DMAX+1) + ATT_KC*(DMAX+1) + VA_QT*(max_len|1),
 // the same formula as attention.cu with the program's longest sequence for seq
 // (attention_smem_bytes in plan.rs).
-template <typename T, int DMAX>
+template <typename T, int DMAX, bool BIAS>
 __device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv, const int* __restrict__ tiles,
                                                       T* __restrict__ out, int heads, int hd, float scale,
-                                                      int tokens, int max_len) {
+                                                      int tokens, int max_len, const T* __restrict__ pbias,
+                                                      int radius) {
     constexpr int DP = DMAX + 1;
     constexpr int DJ = DMAX / 16;
     extern __shared__ float smem[];
@@ -249,6 +258,7 @@ __device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv,
     const T* base = qkv + (size_t)kv_start * row_stride + (size_t)h * hd;
     const int seq = kv_len;
     const int q0 = q_start - kv_start;
+    const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
 
     for (int i = tid; i < VA_QT * DMAX; i += ATT_THREADS) {
         const int qi = i / DMAX, d = i % DMAX;
@@ -290,7 +300,11 @@ __device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv,
             const int kj = c0 + tk + 16 * jj;
             if (kj < seq) {
 #pragma unroll
-                for (int ii = 0; ii < 4; ii++) sP[(tq + 8 * ii) * ld + kj] = acc[ii][jj];
+                for (int ii = 0; ii < 4; ii++) {
+                    float v = acc[ii][jj];
+                    if (BIAS) v += rel_bias(brow, radius, q0 + tq + 8 * ii, kj);
+                    sP[(tq + 8 * ii) * ld + kj] = v;
+                }
             }
         }
     }
@@ -362,14 +376,26 @@ __device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv,
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                   \
         attention_varlen_tc_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale,      \
                                          int tokens) {                                                         \
-        attention_varlen_tc_impl<T, D>(qkv, tiles, out, heads, scale, tokens);                                 \
+        attention_varlen_tc_impl<T, D, false>(qkv, tiles, out, heads, scale, tokens, nullptr, 0);              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                   \
+        attention_varlen_tc_bias_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale, \
+                                              int tokens, const T* pbias, int radius) {                        \
+        attention_varlen_tc_impl<T, D, true>(qkv, tiles, out, heads, scale, tokens, pbias, radius);            \
     }
 
 #define ATTENTION_VARLEN_KERNEL(T, SUF, DMAX)                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                  \
         attention_varlen_##SUF##_d##DMAX(const T* qkv, const int* tiles, T* out, int heads, int hd,           \
                                          float scale, int tokens, int max_len) {                               \
-        attention_varlen_impl<T, DMAX>(qkv, tiles, out, heads, hd, scale, tokens, max_len);                    \
+        attention_varlen_impl<T, DMAX, false>(qkv, tiles, out, heads, hd, scale, tokens, max_len, nullptr, 0); \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                  \
+        attention_varlen_bias_##SUF##_d##DMAX(const T* qkv, const int* tiles, T* out, int heads, int hd,      \
+                                              float scale, int tokens, int max_len, const T* pbias,            \
+                                              int radius) {                                                    \
+        attention_varlen_impl<T, DMAX, true>(qkv, tiles, out, heads, hd, scale, tokens, max_len, pbias,        \
+                                             radius);                                                          \
     }
 
 ATTENTION_VARLEN_TC_KERNEL(f16_t, f16, 32)

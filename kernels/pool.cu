@@ -6,6 +6,10 @@
 //        (0 where a row has none, as the CPU backend does).
 // Then, if `normalize`, out[b] /= max(||out[b]||, 1e-12).
 //
+// pool_skip_<t> (include_prompt = false): `skip` is i32 [batch]; row b pools
+// only its positions s >= skip[b] (clamped to [0, seq]) with mask != 0: mean
+// and max over those, cls the first of them; a row with none gives zeros.
+//
 // One block of POOL_THREADS (8 warps) per batch row. Columns are processed in
 // chunks of 32*POOL_VPL: lane l of every warp owns columns l + 32*k of the
 // chunk, and warp w reduces the tokens s = w, w+8, ...; the 8 partial results
@@ -22,7 +26,8 @@
 
 template <typename T>
 __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __restrict__ mask,
-                                          float* __restrict__ out, int seq, int hidden, int mode, int normalize) {
+                                          const int* __restrict__ skip, float* __restrict__ out, int seq,
+                                          int hidden, int mode, int normalize) {
     __shared__ float part[POOL_WARPS][POOL_CHUNK];
     __shared__ float sh[32];
     const int b = blockIdx.x;
@@ -31,14 +36,24 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
     const int* mb = mask + (size_t)b * seq;
     float* ob = out + (size_t)b * hidden;
 
+    // The first pooled position (0 without `skip`).
+    const int first = skip ? min(max(skip[b], 0), seq) : 0;
     float cnt = 0.0f;
-    for (int s = tid; s < seq; s += POOL_THREADS) cnt += (float)mb[s];
+    for (int s = first + tid; s < seq; s += POOL_THREADS) cnt += (float)(mb[s] != 0);
     cnt = block_sum(cnt, sh);
 
     float sq = 0.0f;
     if (mode == POOL_CLS) {
+        // Without `skip`, token 0 whatever its mask; with it, the first
+        // unmasked position >= first (none: zeros).
+        int t0 = 0;
+        if (skip) {
+            t0 = first;
+            while (t0 < seq && mb[t0] == 0) t0++;
+        }
+        const T* xr = xb + (size_t)t0 * hidden;
         for (int c = tid; c < hidden; c += POOL_THREADS) {
-            const float v = to_f32(xb[c]);
+            const float v = t0 < seq ? to_f32(xr[c]) : 0.0f;
             ob[c] = v;
             sq += v * v;
         }
@@ -49,7 +64,7 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
             float acc[POOL_VPL];
 #pragma unroll
             for (int k = 0; k < POOL_VPL; k++) acc[k] = init;
-            for (int s = warp; s < seq; s += POOL_WARPS) {
+            for (int s = first + warp; s < seq; s += POOL_WARPS) {
                 if (mb[s] == 0) continue;
                 const T* xr = xb + (size_t)s * hidden;
 #pragma unroll
@@ -99,7 +114,12 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
 #define POOL_KERNEL(T, SUF)                                                                              \
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                           \
         pool_##SUF(const T* x, const int* mask, float* out, int seq, int hidden, int mode, int normalize) { \
-        pool_impl<T>(x, mask, out, seq, hidden, mode, normalize);                                        \
+        pool_impl<T>(x, mask, nullptr, out, seq, hidden, mode, normalize);                               \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                           \
+        pool_skip_##SUF(const T* x, const int* mask, const int* skip, float* out, int seq, int hidden,   \
+                        int mode, int normalize) {                                                       \
+        pool_impl<T>(x, mask, skip, out, seq, hidden, mode, normalize);                                  \
     }
 
 POOL_KERNEL(float, f32)

@@ -8,6 +8,10 @@
 //           token), POOL_MAX (element-wise maximum); an empty sequence gives
 //           zeros in every mode. Then, if `normalize`, out[s] /= max(||out[s]||, 1e-12).
 //
+// pool_packed_skip_<t> (include_prompt = false): `skip` is i32 [seqs];
+// sequence s pools its slots from offsets[s] + skip[s] (a negative skip
+// counts as 0; zeros when none are left).
+//
 // One block of POOL_THREADS (8 warps) per sequence slot, with pool.cu's
 // decomposition: columns in chunks of 32*POOL_VPL, warp w reduces the tokens
 // w, w+8, ... of the sequence, the partials meet in shared memory. The
@@ -16,14 +20,15 @@
 
 template <typename T>
 __device__ __forceinline__ void pool_packed_impl(const T* __restrict__ x, const int* __restrict__ offsets,
-                                                 float* __restrict__ out, int tokens, int hidden, int mode,
-                                                 int normalize) {
+                                                 const int* __restrict__ skip, float* __restrict__ out,
+                                                 int tokens, int hidden, int mode, int normalize) {
     __shared__ float part[POOL_WARPS][POOL_CHUNK];
     __shared__ float sh[32];
     const int s = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int start = min(max(offsets[s], 0), tokens);
-    const int end = max(min(offsets[s + 1], tokens), start);
+    const int begin = min(max(offsets[s], 0), tokens);
+    const int end = max(min(offsets[s + 1], tokens), begin);
+    const int start = skip ? begin + min(max(skip[s], 0), end - begin) : begin;
     const int len = end - start;
     const T* xs = x + (size_t)start * hidden;
     float* os = out + (size_t)s * hidden;
@@ -93,7 +98,12 @@ __device__ __forceinline__ void pool_packed_impl(const T* __restrict__ x, const 
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                               \
         pool_packed_##SUF(const T* x, const int* offsets, float* out, int tokens, int hidden, int mode,      \
                           int normalize) {                                                                   \
-        pool_packed_impl<T>(x, offsets, out, tokens, hidden, mode, normalize);                               \
+        pool_packed_impl<T>(x, offsets, nullptr, out, tokens, hidden, mode, normalize);                      \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                               \
+        pool_packed_skip_##SUF(const T* x, const int* offsets, const int* skip, float* out, int tokens,      \
+                               int hidden, int mode, int normalize) {                                        \
+        pool_packed_impl<T>(x, offsets, skip, out, tokens, hidden, mode, normalize);                         \
     }
 
 POOL_PACKED_KERNEL(float, f32)

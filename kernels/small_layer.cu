@@ -10,6 +10,10 @@
 //   own sequence (padded: its batch row, keys with mask 0 excluded; packed:
 //   its `cu_seqlens` range; exact max-subtracted softmax in f32), and its
 //   head's columns of the context, written to `ctx` (M × H, T).
+// layer_attn_small_bias_<t>_d<HD> (MPNet): the same, with the relative
+//   position bias of attention.cu's rel_bias added to every scaled score
+//   (positions inside the row's sequence), from the [heads, 2·radius + 1]
+//   table `pbias` and `radius` (two more arguments).
 // layer_ffn_small_<t> (grid = I / SL_FS):
 //     h = LayerNorm(h + (act(h·W1ᵀ + b1) · W2ᵀ + b2))
 //   = Linear(intermediate, act) → Linear(output) → AddLayerNorm.
@@ -293,14 +297,15 @@ __device__ __forceinline__ void sl_ln_rows(const float* tmp, const T* __restrict
     }
 }
 
-template <typename T, int HD>
+template <typename T, int HD, bool BIAS>
 __device__ __forceinline__ void layer_attn_small_impl(const T* x, const T* __restrict__ wqkv,
                                                       const T* __restrict__ bqkv, const T* __restrict__ wo,
                                                       const T* __restrict__ bo, const T* __restrict__ gamma,
                                                       const T* __restrict__ beta, float eps, T* out, T* ctx,
                                                       float* tmp, unsigned* counter, const int* __restrict__ mask,
                                                       const int* __restrict__ offsets, int seqs, int seq, int M,
-                                                      int H, float scale) {
+                                                      int H, float scale, const T* __restrict__ pbias,
+                                                      int radius) {
     static_assert(HD % 32 == 0 && (3 * HD) % (8 * SL_NG) == 0, "head size");
     constexpr int NGRP = 3 * HD / (8 * SL_NG);
     constexpr int W1 = SL_NG * 8;  // columns per GEMM1 pass
@@ -381,6 +386,7 @@ __device__ __forceinline__ void layer_attn_small_impl(const T* x, const T* __res
 #pragma unroll
             for (int e = 0; e < HD; e++) d = fmaf(sq[i * QS + e], sk[j * QS + e], d);
             s = d * scale;
+            if (BIAS) s += rel_bias(pbias + (size_t)h * (2 * radius + 1), radius, i - a, j - a);
         }
         ss[i * lds + j] = s;
     }
@@ -466,8 +472,15 @@ __device__ __forceinline__ void layer_ffn_small_impl(const T* x, const T* __rest
         const T* x, const T* wqkv, const T* bqkv, const T* wo, const T* bo, const T* gamma, const T* beta,      \
         float eps, T* out, T* ctx, float* tmp, unsigned* counter, const int* mask, const int* offsets, int seqs, \
         int seq, int M, int H, float scale) {                                                                   \
-        layer_attn_small_impl<T, HD>(x, wqkv, bqkv, wo, bo, gamma, beta, eps, out, ctx, tmp, counter, mask,     \
-                                     offsets, seqs, seq, M, H, scale);                                          \
+        layer_attn_small_impl<T, HD, false>(x, wqkv, bqkv, wo, bo, gamma, beta, eps, out, ctx, tmp, counter,    \
+                                            mask, offsets, seqs, seq, M, H, scale, nullptr, 0);                 \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(SL_THREADS) layer_attn_small_bias_##SUF##_d##HD(               \
+        const T* x, const T* wqkv, const T* bqkv, const T* wo, const T* bo, const T* gamma, const T* beta,      \
+        float eps, T* out, T* ctx, float* tmp, unsigned* counter, const int* mask, const int* offsets, int seqs, \
+        int seq, int M, int H, float scale, const T* pbias, int radius) {                                       \
+        layer_attn_small_impl<T, HD, true>(x, wqkv, bqkv, wo, bo, gamma, beta, eps, out, ctx, tmp, counter,     \
+                                           mask, offsets, seqs, seq, M, H, scale, pbias, radius);               \
     }
 
 #define LAYER_FFN_SMALL_KERNEL(T, SUF)                                                                          \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stages what scripts/gpu-check.sh and scripts/bench-host.sh need on a GPU machine that has no cargo
+# Stages what scripts/gpu-check.sh, scripts/gpu-families.sh and scripts/bench-host.sh need on a GPU machine that has no cargo
 # and no network: stripped release binaries in .carry/bin, the commit they
 # were built from, and an f16 copy of all-MiniLM-L6-v2 in .carry/minilm-f16
 # (xz-compressed; the f32 weights are too large to carry; the check computes its reference
@@ -7,7 +7,7 @@
 # .carry/ is git-ignored; pass it to the device tool's `carry`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --bins --example cuda_selftest
+cargo build --release --bins --example cuda_selftest --example family_check
 # Compressed: the carry limit is 64 MiB and the model takes 45.
 rm -rf .carry/bin .carry/bin.tar.gz .carry/bin.tar.xz
 mkdir -p .carry/stage
@@ -15,7 +15,8 @@ for b in replayd replayctl replayd-loadgen replayd-hostbench; do
   strip -o ".carry/stage/$b" "target/release/$b"
 done
 strip -o .carry/stage/cuda_selftest target/release/examples/cuda_selftest
-tar -C .carry/stage -cJf .carry/bin.tar.xz replayd replayctl replayd-loadgen replayd-hostbench cuda_selftest
+strip -o .carry/stage/family_check target/release/examples/family_check
+tar -C .carry/stage -cJf .carry/bin.tar.xz replayd replayctl replayd-loadgen replayd-hostbench cuda_selftest family_check
 rm -rf .carry/stage
 git rev-parse --short HEAD > .carry/COMMIT
 git diff --quiet HEAD || echo "+uncommitted" >> .carry/COMMIT

@@ -5,7 +5,8 @@
 //! `attention_varlen[_tc]_*`; the small-shape ones: `add_ln_vec_*`,
 //! `embed_ln_vec_*`, `bias_act_vec_*`, `layer_attn_small_*`,
 //! `layer_ffn_small_*`; XLM-R / MPNet position ids, `embed_ln_padpos_*`;
-//! row normalisation, `l2norm_rows_*`). Needs no GPU and no
+//! row normalisation, `l2norm_rows_*`; MPNet's relative attention bias,
+//! `attention*_bias_*`; prompt-skipping pooling, `pool*_skip_*`). Needs no GPU and no
 //! CUDA toolkit, only NVRTC (`scripts/install-nvrtc.sh` puts the pinned wheel
 //! into `.nvrtc/`; `REPLAYD_NVRTC_DIR` or `LD_LIBRARY_PATH` may point
 //! elsewhere).

@@ -57,8 +57,8 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         include_str!("../../../kernels/attention_varlen.cu"),
     ),
     // Issue 13's encoder families (after layernorm.cu, whose ln_finish
-    // embed_pos.cu shares). Compiled and checked for their entry points;
-    // the planner does not launch them yet (it refuses those models).
+    // embed_pos.cu shares): XLM-R / MPNet position ids and the Normalize
+    // after a Dense module.
     (
         "embed_pos.cu",
         include_str!("../../../kernels/embed_pos.cu"),
@@ -134,15 +134,35 @@ pub fn expected_entry_points() -> Vec<String> {
     names
 }
 
-/// The kernels of XLM-R / MPNet position ids (`embed_ln_padpos_<t>`,
-/// `embed_ln_packed_padpos_<t>`, embed_pos.cu) and of a `Normalize` after a
-/// `Dense` module (`l2norm_rows_<t>`, rownorm.cu).
+/// The kernels of issue 13's encoder families: XLM-R / MPNet position ids
+/// (`embed_ln_padpos_<t>`, `embed_ln_packed_padpos_<t>`, embed_pos.cu), a
+/// `Normalize` after a `Dense` module (`l2norm_rows_<t>`, rownorm.cu),
+/// pooling that skips a prompt (`pool_skip_<t>`, `pool_packed_skip_<t>`)
+/// and MPNet's relative attention bias in every attention kernel
+/// (`attention_bias_<t>_d<N>`, `attention_tc_bias_<t>_d<N>`,
+/// `attention_varlen_bias_<t>_d<N>`, `attention_varlen_tc_bias_<t>_d<N>`,
+/// and the fused sublayer's `layer_attn_small_bias_<t>_d<N>`).
 pub fn encoder_family_entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in DTYPE_SUFFIXES {
         names.push(format!("embed_ln_padpos_{t}"));
         names.push(format!("embed_ln_packed_padpos_{t}"));
         names.push(format!("l2norm_rows_{t}"));
+        names.push(format!("pool_skip_{t}"));
+        names.push(format!("pool_packed_skip_{t}"));
+        for d in ATTENTION_DMAX {
+            names.push(format!("attention_bias_{t}_d{d}"));
+            names.push(format!("attention_varlen_bias_{t}_d{d}"));
+        }
+    }
+    for t in ["f16", "bf16"] {
+        for d in ATTENTION_TC_HEAD_DIMS {
+            names.push(format!("attention_tc_bias_{t}_d{d}"));
+            names.push(format!("attention_varlen_tc_bias_{t}_d{d}"));
+        }
+        for d in SMALL_ATTN_HEAD_DIMS {
+            names.push(format!("layer_attn_small_bias_{t}_d{d}"));
+        }
     }
     names
 }

@@ -26,7 +26,9 @@ use super::matmul::{split_activation, MatmulShape};
 use super::mem::{align_up, ALIGN};
 use crate::backend::BackendError;
 use crate::model::program::validate::op_buffers;
-use crate::model::program::{BufId, BufKind, InputRole, Layout, Op, WeightId};
+use crate::model::program::{
+    BufId, BufKind, InputRole, Layout, Op, PositionBias, PositionIds, WeightId,
+};
 use crate::model::{Activation, Pooling, Program, Weights};
 use crate::tensor::DType;
 use std::collections::HashMap;
@@ -152,6 +154,17 @@ pub fn ln_threads(hidden: usize) -> Result<u32, BackendError> {
 /// Grid of the element-wise kernel for `n` elements.
 pub fn ew_blocks(n: usize) -> u32 {
     (n.div_ceil(EW_THREADS as usize) as u32).clamp(1, EW_MAX_BLOCKS)
+}
+
+/// Block size of `l2norm_rows` (rownorm.cu) for rows of `width` values: a
+/// multiple of 32 (its block reduction), at most 256.
+pub fn rownorm_threads(width: usize) -> u32 {
+    align_up(width.max(1), 32).min(256) as u32
+}
+
+/// The pad id of RoBERTa-style position ids as a kernel argument.
+fn pad_arg(pad: u32) -> Result<i32, BackendError> {
+    i32::try_from(pad).map_err(|_| BackendError::Unsupported(format!("padding id {pad}")))
 }
 
 /// Whether the vectorised LayerNorm kernels (`add_ln_vec`, `embed_ln_vec`)
@@ -870,6 +883,32 @@ impl<'a> Planner<'a> {
         Ok(())
     }
 
+    /// The kernel-name tag (`""` or `"_bias"`) and the trailing arguments
+    /// (the `[heads, 2·radius + 1]` table and its radius) of an attention
+    /// with MPNet's relative position bias, computed in the kernel from the
+    /// table (attention.cu `rel_bias`).
+    fn bias_args(
+        &self,
+        bias: Option<PositionBias>,
+        heads: usize,
+        what: &str,
+    ) -> Result<(&'static str, Vec<Arg>), BackendError> {
+        let Some(b) = bias else {
+            return Ok(("", Vec::new()));
+        };
+        let shape = &self.weights.get(b.table).shape;
+        let cols = 2 * b.radius + 1;
+        if shape[..] != [heads, cols] || b.radius > i32::MAX as usize / 4 {
+            return Err(BackendError::Unsupported(format!(
+                "{what}: position bias table {shape:?} (expected [{heads}, {cols}])"
+            )));
+        }
+        Ok((
+            "_bias",
+            vec![Arg::Ptr(Loc::Weight(b.table)), Arg::I32(b.radius as i32)],
+        ))
+    }
+
     /// Whether `b` is an activation buffer of the compute type that nothing
     /// reads after `ops[from..]` overwrites it (or at all): a fusion may then
     /// leave it unwritten.
@@ -952,7 +991,7 @@ impl<'a> Planner<'a> {
         else {
             return None;
         };
-        let (att_qkv, ctx, heads, head_dim, mask, seq) = match *att {
+        let (att_qkv, ctx, heads, head_dim, mask, seq, bias) = match *att {
             Op::Attention {
                 qkv,
                 mask,
@@ -961,16 +1000,25 @@ impl<'a> Planner<'a> {
                 seq,
                 heads,
                 head_dim,
-                bias: None,
-            } if batch * seq == m => (qkv, out, heads, head_dim, Arg::Ptr(self.int_loc(mask)), seq),
+                bias,
+            } if batch * seq == m => (
+                qkv,
+                out,
+                heads,
+                head_dim,
+                Arg::Ptr(self.int_loc(mask)),
+                seq,
+                bias,
+            ),
             Op::PackedAttention {
                 qkv,
                 out,
                 tokens,
                 heads,
                 head_dim,
+                bias,
                 ..
-            } if tokens == m => (qkv, out, heads, head_dim, Arg::Null, 1),
+            } if tokens == m => (qkv, out, heads, head_dim, Arg::Null, 1, bias),
             _ => return None,
         };
         let fits = self.limits.small_attn
@@ -996,35 +1044,40 @@ impl<'a> Planner<'a> {
         if !fits || smem > self.limits.max_dyn_smem {
             return None;
         }
+        // MPNet's relative bias: the `_bias` variant (a malformed table
+        // leaves the op to the unfused path, which reports it).
+        let (tag, bias_args) = self.bias_args(bias, heads, "").ok()?;
         let (offsets, seqs) = self.live_rows_args();
         let (counter, tmp) = self.fused_scratch(m, hidden);
         let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        let mut args = vec![
+            Arg::Ptr(self.locs[&h]),
+            Arg::Ptr(Loc::Weight(wqkv)),
+            opt(bqkv),
+            Arg::Ptr(Loc::Weight(wo)),
+            opt(bo),
+            Arg::Ptr(Loc::Weight(gamma)),
+            Arg::Ptr(Loc::Weight(beta)),
+            Arg::F32(eps),
+            Arg::Ptr(self.locs[&ln_out]),
+            Arg::Ptr(self.locs[&ctx]),
+            Arg::Ptr(tmp),
+            Arg::Ptr(counter),
+            mask,
+            offsets,
+            Arg::I32(seqs as i32),
+            Arg::I32(seq as i32),
+            Arg::I32(m as i32),
+            Arg::I32(hidden as i32),
+            Arg::F32(1.0 / (head_dim as f32).sqrt()),
+        ];
+        args.extend(bias_args);
         self.kernel(
-            format!("layer_attn_small_{}_d{head_dim}", suffix(t)),
+            format!("layer_attn_small{tag}_{}_d{head_dim}", suffix(t)),
             (heads as u32, 1, 1),
             SL_THREADS,
             smem,
-            vec![
-                Arg::Ptr(self.locs[&h]),
-                Arg::Ptr(Loc::Weight(wqkv)),
-                opt(bqkv),
-                Arg::Ptr(Loc::Weight(wo)),
-                opt(bo),
-                Arg::Ptr(Loc::Weight(gamma)),
-                Arg::Ptr(Loc::Weight(beta)),
-                Arg::F32(eps),
-                Arg::Ptr(self.locs[&ln_out]),
-                Arg::Ptr(self.locs[&ctx]),
-                Arg::Ptr(tmp),
-                Arg::Ptr(counter),
-                mask,
-                offsets,
-                Arg::I32(seqs as i32),
-                Arg::I32(seq as i32),
-                Arg::I32(m as i32),
-                Arg::I32(hidden as i32),
-                Arg::F32(1.0 / (head_dim as f32).sqrt()),
-            ],
+            args,
         );
         Some(4)
     }
@@ -1140,7 +1193,7 @@ impl<'a> Planner<'a> {
                 batch,
                 seq,
                 hidden,
-                ..
+                position_ids,
             } => {
                 let rows = batch * seq;
                 let ids_l = self.int_loc(ids);
@@ -1150,6 +1203,35 @@ impl<'a> Planner<'a> {
                 let ntypes = self.rows_of(token_type);
                 let threads = ln_threads(hidden)?;
                 let (dst, pending) = self.float_out(out, rows * hidden, t);
+                if let PositionIds::AfterPadding { pad } = position_ids {
+                    // XLM-R / MPNet: positions counted from pad + 1 over the
+                    // row's non-pad ids (embed_pos.cu).
+                    self.kernel(
+                        format!("embed_ln_padpos_{ts}"),
+                        (rows as u32, 1, 1),
+                        threads,
+                        0,
+                        vec![
+                            Arg::Ptr(ids_l),
+                            Arg::Ptr(types_l),
+                            Arg::Ptr(Loc::Weight(word)),
+                            Arg::Ptr(Loc::Weight(position)),
+                            Arg::Ptr(Loc::Weight(token_type)),
+                            Arg::Ptr(Loc::Weight(gamma)),
+                            Arg::Ptr(Loc::Weight(beta)),
+                            Arg::F32(eps),
+                            Arg::Ptr(dst),
+                            Arg::I32(seq as i32),
+                            Arg::I32(hidden as i32),
+                            Arg::I32(vocab as i32),
+                            Arg::I32(npos as i32),
+                            Arg::I32(ntypes as i32),
+                            Arg::I32(pad_arg(pad)?),
+                        ],
+                    );
+                    self.finish_out(pending, rows * hidden)?;
+                    return Ok(1);
+                }
                 if self.limits.ln_vec && ln_vec_fits(hidden) {
                     self.embed_ln_vec(
                         [Arg::Ptr(ids_l), Arg::Ptr(types_l), Arg::Null],
@@ -1188,10 +1270,27 @@ impl<'a> Planner<'a> {
                 self.finish_out(pending, rows * hidden)?;
                 Ok(1)
             }
-            // Refused by `not_on_cuda` before planning; kept an error, not a panic.
-            Op::Normalize { .. } => Err(BackendError::Unsupported(format!(
-                "op {idx} (Normalize): not implemented on CUDA"
-            ))),
+            Op::Normalize { x, rows, width } => {
+                // In place, in the buffer's own type (the f32 output after
+                // the last Dense module, or an activation).
+                let grid = u32::try_from(rows)
+                    .ok()
+                    .filter(|_| width <= i32::MAX as usize)
+                    .ok_or_else(|| {
+                        BackendError::Unsupported(format!(
+                            "op {idx} (Normalize): {rows} rows of {width}"
+                        ))
+                    })?;
+                let xt = self.dtype(x);
+                self.kernel(
+                    format!("l2norm_rows_{}", suffix(xt)),
+                    (grid, 1, 1),
+                    rownorm_threads(width),
+                    0,
+                    vec![Arg::Ptr(self.locs[&x]), Arg::I32(width as i32)],
+                );
+                Ok(1)
+            }
             Op::Linear {
                 x,
                 w,
@@ -1319,7 +1418,7 @@ impl<'a> Planner<'a> {
                 seq,
                 heads,
                 head_dim,
-                ..
+                bias,
             } => {
                 let what = format!("op {idx} (Attention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
@@ -1349,36 +1448,41 @@ impl<'a> Planner<'a> {
                 let mask_l = self.int_loc(mask);
                 let q_l = self.float_in(qkv, rows * 3 * hd, t)?;
                 let (dst, pending) = self.float_out(out, rows * hd, t);
+                let (tag, bias_args) = self.bias_args(bias, heads, &what)?;
                 if tensor_cores {
+                    let mut args = vec![
+                        Arg::Ptr(q_l),
+                        Arg::Ptr(mask_l),
+                        Arg::Ptr(dst),
+                        Arg::I32(seq as i32),
+                        Arg::I32(heads as i32),
+                        Arg::F32(1.0 / (head_dim as f32).sqrt()),
+                    ];
+                    args.extend(bias_args);
                     self.kernel(
-                        format!("attention_tc_{ts}_d{head_dim}"),
+                        format!("attention_tc{tag}_{ts}_d{head_dim}"),
                         (seq.div_ceil(TC_QT) as u32, heads as u32, batch as u32),
                         TC_THREADS,
                         0,
-                        vec![
-                            Arg::Ptr(q_l),
-                            Arg::Ptr(mask_l),
-                            Arg::Ptr(dst),
-                            Arg::I32(seq as i32),
-                            Arg::I32(heads as i32),
-                            Arg::F32(1.0 / (head_dim as f32).sqrt()),
-                        ],
+                        args,
                     );
                 } else {
+                    let mut args = vec![
+                        Arg::Ptr(q_l),
+                        Arg::Ptr(mask_l),
+                        Arg::Ptr(dst),
+                        Arg::I32(seq as i32),
+                        Arg::I32(heads as i32),
+                        Arg::I32(head_dim as i32),
+                        Arg::F32(1.0 / (head_dim as f32).sqrt()),
+                    ];
+                    args.extend(bias_args);
                     self.kernel(
-                        format!("attention_{ts}_d{dmax}"),
+                        format!("attention{tag}_{ts}_d{dmax}"),
                         (seq.div_ceil(ATT_QT) as u32, heads as u32, batch as u32),
                         ATT_THREADS,
                         smem,
-                        vec![
-                            Arg::Ptr(q_l),
-                            Arg::Ptr(mask_l),
-                            Arg::Ptr(dst),
-                            Arg::I32(seq as i32),
-                            Arg::I32(heads as i32),
-                            Arg::I32(head_dim as i32),
-                            Arg::F32(1.0 / (head_dim as f32).sqrt()),
-                        ],
+                        args,
                     );
                 }
                 self.finish_out(pending, rows * hd)?;
@@ -1393,25 +1497,30 @@ impl<'a> Planner<'a> {
                 hidden,
                 mode,
                 normalize,
-                ..
+                skip,
             } => {
                 let mask_l = self.int_loc(mask);
                 let x_l = self.float_in(x, batch * seq * hidden, t)?;
                 let (dst, pending) = self.float_out(out, batch * hidden, DType::F32);
+                let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(mask_l)];
+                // include_prompt = false: the skip counts after the mask.
+                if let Some(k) = skip {
+                    args.push(Arg::Ptr(self.int_loc(k)));
+                }
+                args.extend([
+                    Arg::Ptr(dst),
+                    Arg::I32(seq as i32),
+                    Arg::I32(hidden as i32),
+                    Arg::I32(pool_code(mode)),
+                    Arg::I32(normalize as i32),
+                ]);
+                let name = if skip.is_some() { "pool_skip" } else { "pool" };
                 self.kernel(
-                    format!("pool_{ts}"),
+                    format!("{name}_{ts}"),
                     (batch as u32, 1, 1),
                     POOL_THREADS,
                     0,
-                    vec![
-                        Arg::Ptr(x_l),
-                        Arg::Ptr(mask_l),
-                        Arg::Ptr(dst),
-                        Arg::I32(seq as i32),
-                        Arg::I32(hidden as i32),
-                        Arg::I32(pool_code(mode)),
-                        Arg::I32(normalize as i32),
-                    ],
+                    args,
                 );
                 self.finish_out(pending, batch * hidden)?;
                 Ok(1)
@@ -1429,6 +1538,7 @@ impl<'a> Planner<'a> {
                 out,
                 tokens,
                 hidden,
+                position_ids,
                 ..
             } => {
                 let what = format!("op {idx} (PackedEmbedLayerNorm)");
@@ -1438,6 +1548,33 @@ impl<'a> Planner<'a> {
                     .ok_or_else(|| BackendError::Unsupported(format!("{what}: {tokens} tokens")))?;
                 let threads = ln_threads(hidden)?;
                 let (dst, pending) = self.float_out(out, tokens * hidden, t);
+                if let PositionIds::AfterPadding { pad } = position_ids {
+                    self.kernel(
+                        format!("embed_ln_packed_padpos_{ts}"),
+                        (grid, 1, 1),
+                        threads,
+                        0,
+                        vec![
+                            Arg::Ptr(self.int_loc(ids)),
+                            Arg::Ptr(self.int_loc(token_types)),
+                            Arg::Ptr(self.int_loc(positions)),
+                            Arg::Ptr(Loc::Weight(word)),
+                            Arg::Ptr(Loc::Weight(position)),
+                            Arg::Ptr(Loc::Weight(token_type)),
+                            Arg::Ptr(Loc::Weight(gamma)),
+                            Arg::Ptr(Loc::Weight(beta)),
+                            Arg::F32(eps),
+                            Arg::Ptr(dst),
+                            Arg::I32(hidden as i32),
+                            Arg::I32(self.rows_of(word) as i32),
+                            Arg::I32(self.rows_of(position) as i32),
+                            Arg::I32(self.rows_of(token_type) as i32),
+                            Arg::I32(pad_arg(pad)?),
+                        ],
+                    );
+                    self.finish_out(pending, tokens * hidden)?;
+                    return Ok(1);
+                }
                 if self.limits.ln_vec && ln_vec_fits(hidden) {
                     let ids_l = Arg::Ptr(self.int_loc(ids));
                     let types_l = Arg::Ptr(self.int_loc(token_types));
@@ -1488,7 +1625,7 @@ impl<'a> Planner<'a> {
                 max_seq_len,
                 heads,
                 head_dim,
-                ..
+                bias,
             } => {
                 let what = format!("op {idx} (PackedAttention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
@@ -1527,37 +1664,42 @@ impl<'a> Planner<'a> {
                 let q_l = self.float_in(qkv, tokens * 3 * hd, t)?;
                 let (dst, pending) = self.float_out(out, tokens * hd, t);
                 let scale = 1.0 / (head_dim as f32).sqrt();
+                let (tag, bias_args) = self.bias_args(bias, heads, &what)?;
                 if tensor_cores {
+                    let mut args = vec![
+                        Arg::Ptr(q_l),
+                        Arg::Ptr(table),
+                        Arg::Ptr(dst),
+                        Arg::I32(heads as i32),
+                        Arg::F32(scale),
+                        Arg::I32(tokens as i32),
+                    ];
+                    args.extend(bias_args);
                     self.kernel(
-                        format!("attention_varlen_tc_{ts}_d{head_dim}"),
+                        format!("attention_varlen_tc{tag}_{ts}_d{head_dim}"),
                         (blocks as u32, 1, 1),
                         TC_THREADS,
                         0,
-                        vec![
-                            Arg::Ptr(q_l),
-                            Arg::Ptr(table),
-                            Arg::Ptr(dst),
-                            Arg::I32(heads as i32),
-                            Arg::F32(scale),
-                            Arg::I32(tokens as i32),
-                        ],
+                        args,
                     );
                 } else {
+                    let mut args = vec![
+                        Arg::Ptr(q_l),
+                        Arg::Ptr(table),
+                        Arg::Ptr(dst),
+                        Arg::I32(heads as i32),
+                        Arg::I32(head_dim as i32),
+                        Arg::F32(scale),
+                        Arg::I32(tokens as i32),
+                        Arg::I32(max_seq_len as i32),
+                    ];
+                    args.extend(bias_args);
                     self.kernel(
-                        format!("attention_varlen_{ts}_d{dmax}"),
+                        format!("attention_varlen{tag}_{ts}_d{dmax}"),
                         (blocks as u32, 1, 1),
                         ATT_THREADS,
                         smem,
-                        vec![
-                            Arg::Ptr(q_l),
-                            Arg::Ptr(table),
-                            Arg::Ptr(dst),
-                            Arg::I32(heads as i32),
-                            Arg::I32(head_dim as i32),
-                            Arg::F32(scale),
-                            Arg::I32(tokens as i32),
-                            Arg::I32(max_seq_len as i32),
-                        ],
+                        args,
                     );
                 }
                 self.finish_out(pending, tokens * hd)?;
@@ -1572,7 +1714,7 @@ impl<'a> Planner<'a> {
                 hidden,
                 mode,
                 normalize,
-                ..
+                skip,
             } => {
                 if seqs > i32::MAX as usize || tokens > i32::MAX as usize {
                     return Err(BackendError::Unsupported(format!(
@@ -1581,20 +1723,28 @@ impl<'a> Planner<'a> {
                 }
                 let x_l = self.float_in(x, tokens * hidden, t)?;
                 let (dst, pending) = self.float_out(out, seqs * hidden, DType::F32);
+                let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(self.int_loc(offsets))];
+                if let Some(k) = skip {
+                    args.push(Arg::Ptr(self.int_loc(k)));
+                }
+                args.extend([
+                    Arg::Ptr(dst),
+                    Arg::I32(tokens as i32),
+                    Arg::I32(hidden as i32),
+                    Arg::I32(pool_code(mode)),
+                    Arg::I32(normalize as i32),
+                ]);
+                let name = if skip.is_some() {
+                    "pool_packed_skip"
+                } else {
+                    "pool_packed"
+                };
                 self.kernel(
-                    format!("pool_packed_{ts}"),
+                    format!("{name}_{ts}"),
                     (seqs as u32, 1, 1),
                     POOL_THREADS,
                     0,
-                    vec![
-                        Arg::Ptr(x_l),
-                        Arg::Ptr(self.int_loc(offsets)),
-                        Arg::Ptr(dst),
-                        Arg::I32(tokens as i32),
-                        Arg::I32(hidden as i32),
-                        Arg::I32(pool_code(mode)),
-                        Arg::I32(normalize as i32),
-                    ],
+                    args,
                 );
                 self.finish_out(pending, seqs * hidden)?;
                 Ok(1)
@@ -1603,37 +1753,19 @@ impl<'a> Planner<'a> {
     }
 }
 
-/// Plans `program` for compute type `compute`.
-/// What of `op` the CUDA kernels do not implement yet (issue 13's encoder
-/// families and sentence-transformers heads run on the CPU backend only):
-/// RoBERTa-style position ids (XLM-R, MPNet), MPNet's relative attention
-/// bias, pooling that skips a prompt (`include_prompt = false`) and the
-/// `Normalize` op after a `Dense` module. Refusing the whole program here,
-/// before anything is planned, is what keeps a graph from computing such a
-/// model as if it were plain BERT (wrong numbers, no error).
-pub fn not_on_cuda(op: &Op) -> Option<String> {
-    use crate::model::program::PositionIds;
-    match op {
-        Op::EmbedLayerNorm { position_ids, .. } | Op::PackedEmbedLayerNorm { position_ids, .. }
-            if *position_ids != PositionIds::Index =>
-        {
-            Some(format!(
-                "position ids {position_ids:?} (XLM-RoBERTa / MPNet) are not implemented on CUDA yet; serve the model with backend = \"cpu\""
-            ))
-        }
-        Op::Attention { bias: Some(_), .. } | Op::PackedAttention { bias: Some(_), .. } => Some(
-            "a relative attention bias (MPNet) is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
-        ),
-        Op::Pool { skip: Some(_), .. } | Op::PackedPool { skip: Some(_), .. } => Some(
-            "pooling that excludes the prompt (include_prompt = false) is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
-        ),
-        Op::Normalize { .. } => Some(
-            "Normalize after a Dense module is not implemented on CUDA yet; serve the model with backend = \"cpu\"".into(),
-        ),
-        _ => None,
-    }
+/// What of `op` the CUDA kernels cannot run, refused for the whole program
+/// before anything is planned (so a graph never computes a model as if it
+/// were another). Nothing at present: issue 13's families plan onto their
+/// own kernels — RoBERTa-style position ids (`embed_ln[_packed]_padpos`),
+/// MPNet's relative attention bias (the `attention*_bias` kernels), pooling
+/// that skips a prompt (`pool[_packed]_skip`) and `Normalize`
+/// (`l2norm_rows`). Shape limits of one device (shared memory, grid sizes)
+/// are refused where the op is planned.
+pub fn not_on_cuda(_op: &Op) -> Option<String> {
+    None
 }
 
+/// Plans `program` for compute type `compute`.
 pub fn plan(
     program: &Program,
     weights: &Weights,
@@ -3276,5 +3408,307 @@ pub(crate) mod tests {
         assert!(small_attn_smem(SL_MAXM, 384, 32) <= 227 << 10);
         assert!(small_attn_smem(SL_MAXM, 1024, 128) > 227 << 10);
         assert!(small_attn_smem(32, 1024, 128) <= 227 << 10);
+    }
+
+    /// Issue 13's test folders (tests/data/models), loaded as the daemon
+    /// loads them.
+    const FAMILY_FOLDERS: [&str; 8] = [
+        "bert-st-new",
+        "bert-st-old",
+        "xlmr-st",
+        "mpnet-st",
+        "bert-cross-encoder",
+        "bert-cross-encoder-legacy",
+        "bert-cross-encoder-v4",
+        "xlmr-cross-encoder",
+    ];
+
+    fn family_model(name: &str) -> crate::model::Model {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data/models")
+            .join(name);
+        let spec = crate::model::ModelSpec {
+            name: name.into(),
+            kind: crate::model::ModelKind::Bert,
+            path: dir,
+            dtype: DType::F32,
+            max_seq_len: None,
+            activation: None,
+            pooling: None,
+            normalize: None,
+        };
+        crate::model::Model::load(&spec).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    /// The programs the daemon captures for a folder: padded buckets up to
+    /// its longest sequence and packed budgets (few tokens, where the fused
+    /// sublayers apply, and many).
+    fn family_programs(model: &crate::model::Model) -> Vec<(String, Program)> {
+        let crate::model::Architecture::Bert(arch) = &model.arch else {
+            panic!("not a BERT-family model")
+        };
+        let max = arch.max_seq_len;
+        let mut v = Vec::new();
+        for (b, sq) in [(1, 16), (4, 64), (32, 128), (2, max)] {
+            let sq = sq.min(max);
+            v.push((format!("({b}, {sq})"), model.program(b, sq)));
+        }
+        for (tokens, seqs) in [(16, 1), (64, 4), (1024, 32)] {
+            v.push((
+                format!("{tokens}t/{seqs}"),
+                arch.packed_program(tokens, seqs),
+            ));
+        }
+        v
+    }
+
+    /// Every family folder plans for f32/f16/bf16, padded and packed, with
+    /// the fused small-shape kernels and without, onto kernels the module
+    /// has; each family's own ops become their own kernels.
+    #[test]
+    fn family_folders_plan_in_every_dtype_and_layout() {
+        let entries: std::collections::HashSet<String> =
+            super::super::kernels::expected_entry_points()
+                .into_iter()
+                .collect();
+        for name in FAMILY_FOLDERS {
+            let model = family_model(name);
+            for (label, program) in family_programs(&model) {
+                program
+                    .validate(&model.weights)
+                    .unwrap_or_else(|e| panic!("{name} {label}: {e}"));
+                for op in &program.ops {
+                    assert_eq!(not_on_cuda(op), None, "{name} {label}");
+                }
+                for dtype in [DType::F32, DType::F16, DType::BF16] {
+                    for limits in [
+                        LIMITS,
+                        LIMITS.with_disabled("fused"),
+                        LIMITS.with_disabled("tc_attention"),
+                    ] {
+                        let plan = plan(&program, &model.weights, dtype, false, limits)
+                            .unwrap_or_else(|e| panic!("{name} {label} {dtype}: {e}"));
+                        let steps = names(&plan);
+                        for s in &steps {
+                            assert!(
+                                s == "mm" || entries.contains(s),
+                                "{name} {label} {dtype}: no kernel {s}"
+                            );
+                        }
+                        let has = |prefix: &str| steps.iter().any(|s| s.starts_with(prefix));
+                        let packed = program.is_packed();
+                        let roberta = name.starts_with("xlmr") || name.starts_with("mpnet");
+                        assert_eq!(
+                            has(if packed {
+                                "embed_ln_packed_padpos_"
+                            } else {
+                                "embed_ln_padpos_"
+                            }),
+                            roberta,
+                            "{name} {label} {dtype}: {steps:?}"
+                        );
+                        let biased = steps.iter().filter(|s| s.contains("_bias_")).count();
+                        let fused_biased = steps
+                            .iter()
+                            .filter(|s| s.starts_with("layer_attn_small_bias_"))
+                            .count();
+                        let layers = match &model.arch {
+                            crate::model::Architecture::Bert(a) => a.layers.len(),
+                            _ => unreachable!(),
+                        };
+                        if name == "mpnet-st" {
+                            // Every layer's attention, fused or not, has the bias.
+                            assert_eq!(biased, layers, "{name} {label} {dtype}: {steps:?}");
+                            assert_eq!(
+                                has("layer_attn_small_"),
+                                fused_biased > 0,
+                                "{name} {label}: {steps:?}"
+                            );
+                        } else {
+                            assert_eq!(biased, 0, "{name} {label} {dtype}: {steps:?}");
+                        }
+                        if name == "bert-st-new" {
+                            let pool = if packed {
+                                "pool_packed_skip_"
+                            } else {
+                                "pool_skip_"
+                            };
+                            assert!(has(pool), "{name} {label}: {steps:?}");
+                            // Normalize after the Dense, on the f32 output.
+                            assert_eq!(steps.last().unwrap(), "l2norm_rows_f32", "{name} {label}");
+                        } else {
+                            assert!(!has("pool_skip") && !has("pool_packed_skip"));
+                            assert!(!has("l2norm_rows"), "{name} {label}: {steps:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The family kernels' arguments: the position-bias table and radius
+    /// after the attention's own, the pad id after the embedding's, the
+    /// skip input after the pooling mask or offsets, the row width of the
+    /// normalisation.
+    #[test]
+    fn family_kernel_arguments() {
+        let mpnet = family_model("mpnet-st");
+        let crate::model::Architecture::Bert(arch) = &mpnet.arch else {
+            unreachable!()
+        };
+        let bias = arch.position_bias.expect("MPNet has a position bias");
+        let heads = arch.heads as i32;
+        for dtype in [DType::F32, DType::F16] {
+            let ts = suffix(dtype);
+            let p = mpnet.program(2, 64);
+            let plan_ = plan(&p, &mpnet.weights, dtype, false, LIMITS).unwrap();
+            // Head size 8: the CUDA-core kernels in every dtype.
+            let (name, grid, _, _, args) = kernel(&plan_, "attention_bias_");
+            assert_eq!(name, format!("attention_bias_{ts}_d32"));
+            assert_eq!((grid.1, grid.2), (heads as u32, 2), "{name}");
+            let n = args.len();
+            assert_eq!(
+                args[n - 2..],
+                [
+                    Arg::Ptr(Loc::Weight(bias.table)),
+                    Arg::I32(bias.radius as i32)
+                ],
+                "{name}"
+            );
+            let (_, grid, _, _, args) = kernel(&plan_, "embed_ln_padpos_");
+            assert_eq!(grid.0, 128);
+            assert_eq!(args.len(), 15);
+            assert_eq!(args[14], Arg::I32(1), "XLM-R / MPNet pad id");
+            let pk = arch.packed_program(256, 8);
+            let plan_ = plan(&pk, &mpnet.weights, dtype, false, LIMITS).unwrap();
+            let (name, _, _, _, args) = kernel(&plan_, "attention_varlen_bias_");
+            let n = args.len();
+            assert_eq!(
+                args[n - 2..],
+                [
+                    Arg::Ptr(Loc::Weight(bias.table)),
+                    Arg::I32(bias.radius as i32)
+                ],
+                "{name}"
+            );
+            let (_, grid, _, _, args) = kernel(&plan_, "embed_ln_packed_padpos_");
+            assert_eq!((grid.0, args.len(), args[14]), (256, 15, Arg::I32(1)));
+        }
+        let st = family_model("bert-st-new");
+        let p = st.program(4, 32);
+        let skip = p
+            .input(InputRole::PoolSkip)
+            .expect("include_prompt = false");
+        let plan_ = plan(&p, &st.weights, DType::F16, false, LIMITS).unwrap();
+        let skip_loc = plan_
+            .inputs
+            .iter()
+            .find(|i| i.buf == skip)
+            .map(|i| Loc::Input(i.offset))
+            .unwrap();
+        let (_, grid, _, _, args) = kernel(&plan_, "pool_skip_f16");
+        assert_eq!(grid.0, 4);
+        assert_eq!((args.len(), args[2]), (8, Arg::Ptr(skip_loc)));
+        let (_, grid, block, _, args) = kernel(&plan_, "l2norm_rows_f32");
+        assert_eq!((grid.0, block), (4, 32));
+        assert_eq!(args[1], Arg::I32(24));
+        let crate::model::Architecture::Bert(a) = &st.arch else {
+            unreachable!()
+        };
+        let pk = a.packed_program(64, 4);
+        let skip = pk.input(InputRole::PoolSkip).unwrap();
+        let plan_ = plan(&pk, &st.weights, DType::BF16, false, LIMITS).unwrap();
+        let skip_loc = plan_
+            .inputs
+            .iter()
+            .find(|i| i.buf == skip)
+            .map(|i| Loc::Input(i.offset))
+            .unwrap();
+        let (_, grid, _, _, args) = kernel(&plan_, "pool_packed_skip_bf16");
+        assert_eq!(grid.0, 4);
+        assert_eq!((args.len(), args[2]), (8, Arg::Ptr(skip_loc)));
+    }
+
+    /// A MiniLM-sized encoder with MPNet's bias and position ids: the
+    /// tensor-core attention kernels take the bias (head size 32), padded
+    /// and packed, and for few tokens the fused attention sublayer's
+    /// `_bias` variant does.
+    #[test]
+    fn biased_attention_on_tensor_cores() {
+        let (mut arch, mut w) = minilm(2);
+        let table = w.push("rel", vec![12, 257], vec![0.0; 12 * 257]);
+        arch.position_bias = Some(PositionBias { table, radius: 128 });
+        arch.position_ids = PositionIds::AfterPadding { pad: 1 };
+        let bias = [Arg::Ptr(Loc::Weight(table)), Arg::I32(128)];
+        for dtype in [DType::F16, DType::BF16] {
+            let ts = suffix(dtype);
+            let p = arch.program(2, 64);
+            p.validate(&w).unwrap();
+            let plan_ = plan(&p, &w, dtype, false, LIMITS).unwrap();
+            let (name, grid, _, _, args) = kernel(&plan_, "attention_tc_bias_");
+            assert_eq!(name, format!("attention_tc_bias_{ts}_d32"));
+            assert_eq!(grid, (1, 12, 2));
+            assert_eq!(args.len(), 8);
+            assert_eq!(args[6..], bias);
+            kernel(&plan_, "embed_ln_padpos_");
+            for tokens in [16, 1024] {
+                let pk = arch.packed_program(tokens, 8.min(tokens));
+                pk.validate(&w).unwrap();
+                let plan_ = plan(&pk, &w, dtype, false, LIMITS).unwrap();
+                let steps = names(&plan_);
+                let small = tokens == 16;
+                let prefix = if small {
+                    "layer_attn_small_bias_"
+                } else {
+                    "attention_varlen_tc_bias_"
+                };
+                let (name, _, _, _, args) = kernel(&plan_, prefix);
+                assert_eq!(name, format!("{prefix}{ts}_d32"));
+                assert_eq!(args.len(), if small { 21 } else { 8 });
+                assert_eq!(args[args.len() - 2..], bias);
+                assert_eq!(
+                    steps.iter().filter(|s| s.starts_with(prefix)).count(),
+                    2,
+                    "{steps:?}"
+                );
+                assert_eq!(
+                    steps.iter().any(|s| s.starts_with("layer_ffn_small")),
+                    small,
+                    "{steps:?}"
+                );
+            }
+        }
+        // Padded (1, 16) fuses too; without the bias, the plain kernel.
+        let plan_ = plan(&arch.program(1, 16), &w, DType::F16, false, LIMITS).unwrap();
+        let (_, _, _, _, args) = kernel(&plan_, "layer_attn_small_bias_f16_d32");
+        assert_eq!(args[19..], bias);
+        arch.position_bias = None;
+        let plan_ = plan(&arch.packed_program(16, 8), &w, DType::F16, false, LIMITS).unwrap();
+        kernel(&plan_, "layer_attn_small_f16_d32");
+        assert!(!names(&plan_).iter().any(|s| s.contains("_bias_")));
+    }
+
+    /// The attention kernels add the bias as `PositionBias::column` says:
+    /// the kernels' clamp reads the same column for every offset.
+    #[test]
+    fn relative_bias_column_matches_the_kernels() {
+        let att = include_str!("../../../kernels/attention.cu");
+        assert!(att.contains("row[min(max(k - q, -radius), radius) + radius]"));
+        let kernel_col =
+            |radius: i64, q: i64, k: i64| ((k - q).clamp(-radius, radius) + radius) as usize;
+        for radius in [0usize, 1, 5, 128] {
+            let b = PositionBias {
+                table: WeightId(0),
+                radius,
+            };
+            for q in 0..300usize {
+                for k in (0..300usize).step_by(7) {
+                    assert_eq!(
+                        b.column(q, k),
+                        kernel_col(radius as i64, q as i64, k as i64)
+                    );
+                }
+            }
+        }
     }
 }
