@@ -280,6 +280,59 @@ fn padding_report(before: &Value, after: &Value, model: &str) -> Value {
     })
 }
 
+/// What the run added to the daemon's stage clocks (see
+/// `replayd::daemon::stages`): each serial stage's share of one core, and
+/// the mean wait between stages, over the daemon's uptime between the two
+/// reads.
+fn stages_report(before: &Value, after: &Value) -> Value {
+    let wall_us = (after["uptime_s"].as_f64().unwrap_or(0.0)
+        - before["uptime_s"].as_f64().unwrap_or(0.0))
+        * 1e6;
+    let delta = |path: &[&str], key: &str| {
+        let get = |v: &Value| {
+            path.iter().fold(v, |v, p| &v[*p])[key]
+                .as_u64()
+                .unwrap_or(0)
+        };
+        get(after).saturating_sub(get(before))
+    };
+    let mut busy = serde_json::Map::new();
+    if let Some(stages) = after["stages"]["busy"].as_object() {
+        for name in stages.keys() {
+            let us = delta(&["stages", "busy", name], "busy_us");
+            busy.insert(
+                name.clone(),
+                json!((us as f64 / wall_us.max(1.0) * 1000.0).round() / 1000.0),
+            );
+        }
+    }
+    if let Some(transports) = after["transport"].as_object() {
+        for name in transports.keys() {
+            let us = delta(&["transport", name], "busy_us");
+            busy.insert(
+                format!("{name}_socket_driver"),
+                json!((us as f64 / wall_us.max(1.0) * 1000.0).round() / 1000.0),
+            );
+        }
+    }
+    let mut delays = serde_json::Map::new();
+    if let Some(d) = after["stages"]["delays"].as_object() {
+        for name in d.keys() {
+            let sum = delta(&["stages", "delays", name], "sum_us");
+            let count = delta(&["stages", "delays", name], "count");
+            delays.insert(
+                name.clone(),
+                json!(if count == 0 {
+                    0.0
+                } else {
+                    (sum as f64 / count as f64 * 10.0).round() / 10.0
+                }),
+            );
+        }
+    }
+    json!({"busy_share": busy, "mean_wait_us": delays, "window_s": wall_us / 1e6})
+}
+
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
     let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
@@ -486,12 +539,15 @@ async fn main() {
     // Let any duplicate reply arrive before counting strays.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let stray: u64 = clients.iter().map(|c| c.stray_replies()).sum();
-    let padding = match (&args.control, &stats_before) {
+    let (padding, stages) = match (&args.control, &stats_before) {
         (Some(endpoint), Some(before)) => match daemon_stats(endpoint).await {
-            Ok(after) => padding_report(before, &after, &args.model),
-            Err(e) => json!({"error": e}),
+            Ok(after) => (
+                padding_report(before, &after, &args.model),
+                stages_report(before, &after),
+            ),
+            Err(e) => (json!({"error": e}), Value::Null),
         },
-        _ => Value::Null,
+        _ => (Value::Null, Value::Null),
     };
     let mut t = tally.lock().unwrap();
     t.latencies_us.sort_unstable();
@@ -551,6 +607,7 @@ async fn main() {
         "identical_check": if args.identical { json!({"max_abs_diff": t.max_device_diff, "differing_rows": t.nonidentical}) } else { Value::Null },
         "buckets": t.buckets,
         "padding": padding,
+        "stages": stages,
     });
     println!("{report}");
     eprintln!(
@@ -588,6 +645,17 @@ async fn main() {
             100.0 * padding["padding_waste"].as_f64().unwrap_or(0.0),
             padding["eager_sequences"]
         );
+    }
+    if let Some(busy) = stages["busy_share"].as_object() {
+        let line: Vec<String> = busy.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        eprintln!("  serial stages, share of one core: {}", line.join(", "));
+        let waits: Vec<String> = stages["mean_wait_us"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect();
+        eprintln!("  mean waits between stages, µs: {}", waits.join(", "));
     }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report).unwrap()).expect("write --json");

@@ -157,7 +157,7 @@ if start_daemon null 'backend = "null"
 cpu_devices = 1'; then
   load null_t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration 5 --warmup 1
   CPU_WINDOW=4 load null_t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
-    --duration 10 --warmup 2
+    --duration 10 --warmup 2 --control "ipc://$WORK/control.sock"
   stop_daemon null
 fi
 
@@ -252,6 +252,19 @@ for label, d in [("target 3 (GPU)", t3), ("issue 9: 32 texts/request (GPU)", t9)
 if st:
     print(f"| sentence-transformers encode(batch_size=512) f16 | | {fmt(st.get('f16_texts_per_s'))} | | | | |")
     print(f"| sentence-transformers encode(batch_size=512) f32 | | {fmt(st.get('f32_texts_per_s'))} | | | | |")
+stage_runs = [(label, (load(f"load_{n}.json") or {}).get("stages")) for label, n in
+              [("target 3 (GPU)", "t3"), ("issue 9 (GPU)", "t9"), (f"target 3 (GPU), {ab}", "t3_ab"),
+               ("null backend, target-3 load", "null_t3")]]
+stage_runs = [(l, s) for l, s in stage_runs if s and s.get("busy_share")]
+if stage_runs:
+    print("\n## The serial stages (stats `stages`, `transport.*.busy_us`; share of one core over the run)\n")
+    names = sorted({k for _, s in stage_runs for k in s["busy_share"]})
+    waits = sorted({k for _, s in stage_runs for k in s["mean_wait_us"]})
+    print("| run | " + " | ".join(names) + " | " + " | ".join(f"wait {w} µs" for w in waits) + " |")
+    print("|---|" + "---|" * (len(names) + len(waits)))
+    for label, s in stage_runs:
+        print(f"| {label} | " + " | ".join(str(s["busy_share"].get(n, "")) for n in names) + " | "
+              + " | ".join(str(s["mean_wait_us"].get(w, "")) for w in waits) + " |")
 cpu_runs = [(label, load(f"cpu_{n}.json")) for label, n in [("target 3 (GPU)", "t3"), ("null backend, target-3 load", "null_t3")]]
 if any(c for _, c in cpu_runs):
     print("\n## CPU per stage during the target-3 loads (scripts/thread-cpu.py; cores kept busy on average)\n")

@@ -233,6 +233,14 @@ def torch_times(out_json, folders):
             types = torch.zeros(b, s, dtype=torch.long, device=dev)
 
             base = getattr(model, model.base_model_prefix, model)
+            # MPNet's relative position bias depends on the shape only; its
+            # encoder builds it with host-side tensors a graph cannot
+            # capture, so it is computed once here, outside the graph (as
+            # replayd keeps its bias table on the device).
+            position_bias = None
+            if hasattr(base.encoder, "relative_attention_bias"):
+                with torch.no_grad():
+                    position_bias = base.encoder.compute_position_bias(base.embeddings(input_ids=ids))
 
             def hidden():
                 # The model's own embedding and layer modules (its forward
@@ -242,9 +250,7 @@ def torch_times(out_json, folders):
                 # layers take the relative position bias its encoder
                 # computes once.
                 h = base.embeddings(input_ids=ids)
-                kw = {}
-                if hasattr(base.encoder, "relative_attention_bias"):
-                    kw["position_bias"] = base.encoder.compute_position_bias(h)
+                kw = {} if position_bias is None else {"position_bias": position_bias}
                 for layer in base.encoder.layer:
                     h = layer(h, attention_mask=None, **kw)
                     h = h[0] if isinstance(h, tuple) else h

@@ -299,6 +299,7 @@ pub async fn serve(
         let Ok(mut ready) = link.doorbell.readable().await else {
             return;
         };
+        let began = crate::clock::mono_ns();
         loop {
             match shm::ring_recv(link.doorbell.get_ref().as_raw_fd(), &mut buf) {
                 Ok(Some(n)) => link.handle(&buf[..n], &batcher, &metrics, metrics_index),
@@ -309,5 +310,6 @@ pub async fn serve(
                 Err(_) => return,
             }
         }
+        metrics.stages.ring_reader.add_since(began);
     }
 }

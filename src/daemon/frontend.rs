@@ -503,13 +503,18 @@ pub async fn run(socket: Router, frontend: Arc<Frontend>, shutdown: impl Future<
             _ = turn.tick() => {}
             msg = recv.recv() => match msg {
                 Ok(incoming) => {
+                    let took = crate::clock::mono_ns();
+                    let stages = &frontend.metrics.stages;
+                    stages.socket_to_frontend.add_since(incoming.received_ns);
                     let frontend = frontend.clone();
                     let send = send.clone();
                     let done = done.clone();
                     tokio::spawn(async move {
+                        frontend.metrics.stages.spawn_to_handler.add_since(took);
                         serve_message(frontend, send, incoming).await;
                         drop(done);
                     });
+                    stages.frontend_loop.add_since(took);
                 }
                 // Too many frames or a frame over the limit: answered, so the
                 // client knows (its id is unknown: the header is not read).

@@ -258,6 +258,8 @@ impl Inner {
 pub struct Metrics {
     started: Instant,
     inner: Mutex<Inner>,
+    /// Busy time of the serial stages, outside the lock.
+    pub stages: super::stages::Stages,
 }
 
 fn histogram() -> Histogram<u64> {
@@ -280,6 +282,7 @@ impl Metrics {
     pub fn new() -> Self {
         Self {
             started: Instant::now(),
+            stages: Default::default(),
             inner: Mutex::new(Inner {
                 requests_accepted: 0,
                 replies_ok: 0,
@@ -647,6 +650,7 @@ impl Metrics {
             },
             "reloads": m.reloads,
             "devices": devices,
+            "stages": self.stages.json(),
             "transport": m
                 .transports
                 .iter()

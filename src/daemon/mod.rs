@@ -22,7 +22,8 @@
 //! [`messages`] is the map of every message between these actors. Beside
 //! the route: [`control`] (the `replayctl` socket: stats, drain, restart,
 //! reload), [`reload`] (re-reading the config and switching grids live),
-//! [`metrics`] (counters and histograms), [`prometheus`] (`/metrics` over
+//! [`metrics`] (counters and histograms), [`stages`] (busy time of the
+//! serial stages and the waits between them), [`prometheus`] (`/metrics` over
 //! loopback HTTP), [`http`] (the optional HTTP front, which feeds
 //! [`frontend`]), [`tuning`] (length histograms and suggested grids),
 //! [`gpu_health`] (NVML samples and Xid watching), [`notify`] (systemd:
@@ -45,6 +46,7 @@ pub mod prometheus;
 pub mod reload;
 pub mod runtime_dir;
 pub mod server;
+pub mod stages;
 pub mod supervisor;
 pub mod tokenize;
 pub mod tuning;

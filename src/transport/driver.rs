@@ -317,6 +317,7 @@ impl Driver {
     async fn run(mut self) {
         let mut outbox_open = true;
         let mut was_paused = false;
+        let mut woke = crate::clock::mono_ns();
         loop {
             // 1. Sends first, so replies never wait behind input; held
             // DEALER messages go before anything newer.
@@ -384,7 +385,12 @@ impl Driver {
                 taken += 1;
             }
             if taken == RECV_BATCH {
+                let now = crate::clock::mono_ns();
+                self.stats
+                    .busy_ns
+                    .fetch_add(now.saturating_sub(woke), Ordering::Relaxed);
                 tokio::task::yield_now().await;
+                woke = crate::clock::mono_ns();
                 continue;
             }
             if !outbox_open && !receiving {
@@ -410,6 +416,10 @@ impl Driver {
             // 4. Wait for anything that could let us make progress. Every
             // readiness wait is preceded by a ZMQ_EVENTS read above (steps 2
             // and 3), which is what makes the edge-triggered ZMQ_FD safe.
+            let now = crate::clock::mono_ns();
+            self.stats
+                .busy_ns
+                .fetch_add(now.saturating_sub(woke), Ordering::Relaxed);
             let wake = {
                 let zap_ready = async {
                     match &self.zap {
@@ -437,6 +447,8 @@ impl Driver {
                     _ = self.inbox.closed(), if receiving => Wake::Other,
                 }
             };
+            woke = crate::clock::mono_ns();
+            bump(&self.stats.wakes);
             match wake {
                 Wake::Send(frames) => {
                     if !self.pending.is_empty() {

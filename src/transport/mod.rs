@@ -359,6 +359,8 @@ pub struct TransportStats {
     protocol_failures: AtomicU64,
     auth_failures: AtomicU64,
     reads_paused: AtomicU64,
+    busy_ns: AtomicU64,
+    wakes: AtomicU64,
 }
 
 /// A copy of [`TransportStats`] at one moment.
@@ -391,6 +393,11 @@ pub struct StatsSnapshot {
     pub auth_failures: u64,
     /// Times the driver stopped reading because `max_buffered_bytes` was reached.
     pub reads_paused: u64,
+    /// Time the driver task spent working (not waiting), in microseconds:
+    /// over a window, its share of one core — the socket's serial stage.
+    pub busy_us: u64,
+    /// Times the driver woke up to work.
+    pub wakes: u64,
 }
 
 impl TransportStats {
@@ -411,6 +418,8 @@ impl TransportStats {
             protocol_failures: l(&self.protocol_failures),
             auth_failures: l(&self.auth_failures),
             reads_paused: l(&self.reads_paused),
+            busy_us: l(&self.busy_ns) / 1000,
+            wakes: l(&self.wakes),
         }
     }
 }

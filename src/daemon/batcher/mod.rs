@@ -256,8 +256,16 @@ impl Actor for BatcherActor {
         state: &mut BatcherState,
     ) -> Result<(), ActorProcessingErr> {
         let now = Instant::now();
+        let began = crate::clock::mono_ns();
         match msg {
-            BatcherMsg::Submit(sub) => state.submit(sub),
+            BatcherMsg::Submit(sub) => {
+                state
+                    .metrics
+                    .stages
+                    .batcher_mailbox
+                    .add_since(sub.stamps.submitted_ns);
+                state.submit(sub)
+            }
             BatcherMsg::Tick => {
                 if state.timer_at.is_some_and(|t| t <= now) {
                     state.timer_at = None;
@@ -318,6 +326,7 @@ impl Actor for BatcherActor {
                 let _ = port.send(());
             }
         }
+        state.metrics.stages.batcher.add_since(began);
         Ok(())
     }
 }

@@ -1,0 +1,126 @@
+//! Where the host path's serial stages spend their time, counted without a
+//! lock so that counting does not become one more thing to wait for.
+//!
+//! * A [`StageClock`] adds up the time a single task spends working (not
+//!   waiting) — the frontend's socket loop, the batcher actor, the tasks that
+//!   read the workers' rings. Over a window, busy time / wall time is the
+//!   share of one core the stage keeps: near 1.0, that stage is what limits
+//!   the daemon, however many cores are idle.
+//! * A [`Delay`] adds up how long messages wait between two stages (in a
+//!   channel, a mailbox, a run queue), so a queue in front of a stage shows
+//!   before the stage itself is saturated.
+//!
+//! The stats' `stages` object carries the running totals; `replayd-loadgen
+//! --control` turns the difference over a run into shares and mean waits.
+//! The client socket's own driver is counted by the transport
+//! (`transport.client.busy_us`).
+
+use crate::clock::mono_ns;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Busy time of one serial task.
+#[derive(Debug, Default)]
+pub struct StageClock {
+    busy_ns: AtomicU64,
+    turns: AtomicU64,
+}
+
+impl StageClock {
+    /// One turn of work that began at `since` ([`mono_ns`]) ends now.
+    pub fn add_since(&self, since: u64) {
+        self.busy_ns
+            .fetch_add(mono_ns().saturating_sub(since), Ordering::Relaxed);
+        self.turns.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "busy_us": self.busy_ns.load(Ordering::Relaxed) / 1000,
+            "turns": self.turns.load(Ordering::Relaxed),
+        })
+    }
+}
+
+/// Time messages wait between two stages.
+#[derive(Debug, Default)]
+pub struct Delay {
+    sum_ns: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Delay {
+    /// A message that was handed over at `since` ([`mono_ns`]; 0: unknown,
+    /// not counted) is taken now.
+    pub fn add_since(&self, since: u64) {
+        if since == 0 {
+            return;
+        }
+        self.sum_ns
+            .fetch_add(mono_ns().saturating_sub(since), Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "sum_us": self.sum_ns.load(Ordering::Relaxed) / 1000,
+            "count": self.count.load(Ordering::Relaxed),
+        })
+    }
+}
+
+/// The daemon's stage clocks and delays (see the module docs).
+#[derive(Debug, Default)]
+pub struct Stages {
+    /// The frontend's loop: takes each message from the client socket and
+    /// starts its handler task.
+    pub frontend_loop: StageClock,
+    /// The batcher actor, every message.
+    pub batcher: StageClock,
+    /// The tasks that read answers off the workers' shared-memory rings.
+    pub ring_reader: StageClock,
+    /// Client socket driver → frontend loop (the socket's inbox).
+    pub socket_to_frontend: Delay,
+    /// Frontend loop → the request's handler task running (the runtime's run queues).
+    pub spawn_to_handler: Delay,
+    /// Handler → batcher actor (its mailbox), for submissions.
+    pub batcher_mailbox: Delay,
+}
+
+impl Stages {
+    pub fn json(&self) -> Value {
+        json!({
+            "busy": {
+                "frontend_loop": self.frontend_loop.json(),
+                "batcher": self.batcher.json(),
+                "ring_reader": self.ring_reader.json(),
+            },
+            "delays": {
+                "socket_to_frontend": self.socket_to_frontend.json(),
+                "spawn_to_handler": self.spawn_to_handler.json(),
+                "batcher_mailbox": self.batcher_mailbox.json(),
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clocks_and_delays_add_up_what_they_are_given() {
+        let s = Stages::default();
+        let t = mono_ns();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        s.batcher.add_since(t);
+        s.batcher_mailbox.add_since(t);
+        s.batcher_mailbox.add_since(0); // unknown: not counted
+        let j = s.json();
+        assert!(j["busy"]["batcher"]["busy_us"].as_u64().unwrap() >= 2000);
+        assert_eq!(j["busy"]["batcher"]["turns"], 1);
+        assert_eq!(j["busy"]["frontend_loop"]["turns"], 0);
+        assert_eq!(j["delays"]["batcher_mailbox"]["count"], 1);
+        assert!(j["delays"]["batcher_mailbox"]["sum_us"].as_u64().unwrap() >= 2000);
+    }
+}
