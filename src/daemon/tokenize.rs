@@ -901,6 +901,29 @@ mod tests {
         assert!(got[0][..3].iter().all(|&id| id & SEGMENT_BIT == 0));
     }
 
+    /// The `tokenizer_front` fuzz entry point (which asserts the fast path
+    /// equals the HF path) on its committed corpus and a few inputs made to
+    /// reach the fallback and the ASCII mask.
+    #[test]
+    fn fuzz_harness_replays_the_tokenizer_corpus() {
+        let tok = TextTokenizer::load(&model_dir(), 256).unwrap();
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/tokenizer_front");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            crate::fuzz::tokenizer_text(&tok, &std::fs::read(e.unwrap().path()).unwrap());
+            n += 1;
+        }
+        assert!(n >= 1, "{} has the seed", dir.display());
+        for data in [
+            &b"[CLS] \x00\xff\x7f hello [MASK]"[..],
+            b"\xdb\xc3\xe1 caf\xc3\xa9",
+            b"",
+            &[b'x'; 300],
+        ] {
+            crate::fuzz::tokenizer_text(&tok, data);
+        }
+    }
+
     #[tokio::test]
     async fn pool_encodes_off_the_runtime() {
         let tok = Arc::new(TextTokenizer::load(&model_dir(), 256).unwrap());
