@@ -92,12 +92,66 @@ impl Hasher for FxHasher {
     }
 
     #[inline]
+    fn write_u128(&mut self, n: u128) {
+        self.add(n as u64);
+        self.add((n >> 64) as u64);
+    }
+
+    #[inline]
     fn finish(&self) -> u64 {
-        self.0
+        // As rustc-hash 2 does: the multiply leaves the high bits best
+        // mixed, and hashbrown picks buckets with the low ones.
+        self.0.rotate_left(26)
     }
 }
 
-type Pieces = HashMap<Box<[u8]>, u32, BuildHasherDefault<FxHasher>>;
+type Fx = BuildHasherDefault<FxHasher>;
+
+/// Vocabulary pieces by their bytes. Pieces of up to 16 bytes (nearly all)
+/// are keyed by the bytes themselves packed in a `u128`, zero-padded (no
+/// word holds a zero byte: `clean_text` drops it), so a look-up reads one
+/// table slot and no key on the heap.
+#[derive(Clone, Default)]
+struct Pieces {
+    short: HashMap<u128, u32, Fx>,
+    long: HashMap<Box<[u8]>, u32, Fx>,
+    /// The longest key (no look-up is longer).
+    max: usize,
+}
+
+#[inline]
+fn pack(key: &[u8]) -> u128 {
+    let mut b = [0u8; 16];
+    b[..key.len()].copy_from_slice(key);
+    u128::from_le_bytes(b)
+}
+
+impl Pieces {
+    fn insert(&mut self, key: &[u8], id: u32) {
+        if key.contains(&0) {
+            return; // never matches a word
+        }
+        self.max = self.max.max(key.len());
+        if key.len() <= 16 {
+            self.short.insert(pack(key), id);
+        } else {
+            self.long.insert(key.into(), id);
+        }
+    }
+
+    #[inline]
+    fn get(&self, key: &[u8]) -> Option<u32> {
+        if key.len() <= 16 {
+            self.short.get(&pack(key)).copied()
+        } else {
+            self.long.get(key).copied()
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.short.len() + self.long.len()
+    }
+}
 
 /// What [`FastWordPiece`] does with each ASCII byte of a text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,9 +176,6 @@ pub struct FastWordPiece {
     initial: Pieces,
     /// Pieces after the first, keyed without `continuing_subword_prefix`.
     continuing: Pieces,
-    /// The longest key of each map (no look-up is longer).
-    initial_max: usize,
-    continuing_max: usize,
     unk: u32,
     max_chars: usize,
     prefix: Vec<u32>,
@@ -296,15 +347,14 @@ impl FastWordPiece {
         for (piece, &id) in &vocab {
             // Non-ASCII pieces never match an ASCII word.
             if piece.is_ascii() {
-                initial.insert(piece.as_bytes().into(), id);
+                initial.insert(piece.as_bytes(), id);
             }
             if let Some(rest) = piece.strip_prefix(cont) {
                 if rest.is_ascii() && !rest.is_empty() {
-                    continuing.insert(rest.as_bytes().into(), id);
+                    continuing.insert(rest.as_bytes(), id);
                 }
             }
         }
-        let longest = |m: &Pieces| m.keys().map(|k| k.len()).max().unwrap_or(0);
 
         // The byte table: normalizer, pre-tokenizer.
         let mut class = [Class::Drop; 128];
@@ -367,8 +417,6 @@ impl FastWordPiece {
 
         let fast = FastWordPiece {
             class,
-            initial_max: longest(&initial),
-            continuing_max: longest(&continuing),
             initial,
             continuing,
             unk,
@@ -488,19 +536,19 @@ impl FastWordPiece {
         let mark = out.len();
         let mut start = 0;
         while start < word.len() {
-            let (map, max) = if start == 0 {
-                (&self.initial, self.initial_max)
+            let map = if start == 0 {
+                &self.initial
             } else {
-                (&self.continuing, self.continuing_max)
+                &self.continuing
             };
-            let mut end = word.len().min(start + max);
+            let mut end = word.len().min(start + map.max);
             loop {
                 if end <= start {
                     out.truncate(mark);
                     out.push(self.unk);
                     return;
                 }
-                if let Some(&id) = map.get(&word[start..end]) {
+                if let Some(id) = map.get(&word[start..end]) {
                     out.push(id);
                     break;
                 }
