@@ -738,8 +738,8 @@ mod tests {
                     1 => t.push(*rng.pick(b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~") as char),
                     2 => t.push(*rng.pick(&[' ', ' ', '\t', '\n', '\r', '\u{b}', '\u{c}'])),
                     3 => t.push((rng.below(0x20) as u8) as char),
-                    4 => t.push_str(*rng.pick(&specials[..])),
-                    5 if rng.below(8) == 0 => t.push_str(*rng.pick(&odd[..])),
+                    4 => t.push_str(specials[rng.below(specials.len())]),
+                    5 if rng.below(8) == 0 => t.push_str(odd[rng.below(odd.len())]),
                     6 => {
                         let long = rng.below(4) == 0;
                         let n = 1 + rng.below(if long { 140 } else { 12 });
