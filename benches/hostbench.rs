@@ -13,8 +13,11 @@
 //!
 //! Stages (each figure is per one core unless it says otherwise):
 //! * `protocol` — decode a one-text request, encode its 384-float reply.
-//! * `tokenize` — one 12–16-token text inline; the pool round trip
-//!   (sequential latency) and the pool's throughput from 256 tasks.
+//! * `tokenize` — one 12–16-token text inline, and one corpus-like text
+//!   (as `scripts/make-corpus.py` makes them, ~27 tokens), each through the
+//!   daemon's path (the WordPiece fast path for ASCII text) and through the
+//!   HF tokenizer alone; the pool round trip (sequential latency) and the
+//!   pool's throughput from 256 tasks.
 //! * `scheduler` — the batcher's state machine alone: enqueue, form the
 //!   batch, complete, finish, per one-text request (packed, default ladder).
 //! * `batcher` — the batcher actor with instant fake devices: one-text
@@ -183,6 +186,14 @@ async fn tokenize(t: &mut Table, args: &Args) {
     let tok = Arc::new(TextTokenizer::load(&args.model, 512).expect("tokenizer"));
     let n = tok.encode(&[TEXT], true).unwrap()[0].len();
     assert!((12..=16).contains(&n), "{n} tokens");
+    if let Err(why) = tok.fast_path() {
+        eprintln!(
+            "hostbench: no tokenizer fast path for {}: {why}",
+            args.model.display()
+        );
+    }
+    // The daemon's path (the fast WordPiece path where it applies), and
+    // beside it the HF tokenizer alone on the same texts.
     let ns = per_call(args.iters * 4, || {
         std::hint::black_box(tok.encode(&[TEXT], true).unwrap());
     });
@@ -192,6 +203,39 @@ async fn tokenize(t: &mut Table, args: &Args) {
         ns / 1000.0,
         "µs",
     );
+    let ns = per_call(args.iters * 4, || {
+        std::hint::black_box(tok.encode_reference(&[TEXT], true).unwrap());
+    });
+    t.add(
+        "tokenize",
+        &format!("one {n}-token text, inline, HF tokenizer only"),
+        ns / 1000.0,
+        "µs",
+    );
+    let corpus = corpus_like(&args.model.join("vocab.txt"), 1000);
+    let mean = corpus
+        .iter()
+        .map(|c| tok.encode(&[c.as_str()], true).unwrap()[0].len())
+        .sum::<usize>() as f64
+        / corpus.len() as f64;
+    for (reference, what) in [(false, ""), (true, ", HF tokenizer only")] {
+        let mut i = 0;
+        let ns = per_call(args.iters * 4, || {
+            let text = [corpus[i % corpus.len()].as_str()];
+            i += 1;
+            std::hint::black_box(if reference {
+                tok.encode_reference(&text, true).unwrap()
+            } else {
+                tok.encode(&text, true).unwrap()
+            });
+        });
+        t.add(
+            "tokenize",
+            &format!("one corpus-like text (mean {mean:.1} tokens), inline{what}"),
+            ns / 1000.0,
+            "µs",
+        );
+    }
     let pool = TokenizerPool::new(tok.clone(), 0);
     let mut lat = Vec::new();
     for i in 0..args.iters.min(5000) + 200 {
@@ -236,6 +280,40 @@ async fn tokenize(t: &mut Table, args: &Args) {
             "texts/s",
         );
     }
+}
+
+/// Texts as `scripts/make-corpus.py` makes them (alphabetic vocabulary
+/// words of three or more characters, 3–200 per text, log-normal count with
+/// mean about 25: about 27 tokens), from a fixed seed.
+fn corpus_like(vocab: &std::path::Path, count: usize) -> Vec<String> {
+    let vocab = std::fs::read_to_string(vocab).expect("the model's vocab.txt");
+    let words: Vec<&str> = vocab
+        .lines()
+        .filter(|w| w.chars().count() > 2 && w.chars().all(char::is_alphabetic))
+        .collect();
+    let mut state = 7u64;
+    let mut next = move || {
+        // SplitMix64.
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    (0..count)
+        .map(|_| {
+            // exp(N(3.0, 0.7)), N from the sum of 12 uniforms.
+            let n = (0..12)
+                .map(|_| next() as f64 / u64::MAX as f64)
+                .sum::<f64>()
+                - 6.0;
+            let k = ((3.0 + 0.7 * n).exp() as usize).clamp(3, 200);
+            (0..k)
+                .map(|_| words[(next() % words.len() as u64) as usize])
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect()
 }
 
 fn default_grid() -> TokenGrid {

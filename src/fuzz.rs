@@ -66,9 +66,25 @@ pub fn config_text(data: &[u8]) {
 }
 
 /// The tokenizer front: arbitrary UTF-8 through a model's tokenizer, with
-/// and without truncation.
+/// and without truncation. The ids (or the error) must be the HF
+/// tokenizer's alone ([`TextTokenizer::encode_reference`]), for the text and
+/// for its bytes masked to ASCII (so that the fast path of
+/// [`crate::model::wordpiece`] sees most inputs, not only the ASCII ones):
+/// a mismatch is a crash.
+///
+/// [`TextTokenizer::encode_reference`]: crate::daemon::tokenize::TextTokenizer::encode_reference
 pub fn tokenizer_text(tokenizer: &crate::daemon::tokenize::TextTokenizer, data: &[u8]) {
     let text = String::from_utf8_lossy(data);
+    let ascii: String = data.iter().map(|&b| (b & 0x7f) as char).collect();
+    for t in [text.as_ref(), ascii.as_str()] {
+        for truncate in [true, false] {
+            assert_eq!(
+                tokenizer.encode(&[t], truncate),
+                tokenizer.encode_reference(&[t], truncate),
+                "fast path and HF differ on {t:?} (truncate {truncate})"
+            );
+        }
+    }
     let max = tokenizer.max_seq_len();
     match tokenizer.encode(&[text.as_ref()], true) {
         Ok(ids) => {

@@ -18,15 +18,23 @@
 //! pairs are encoded together (`longest_first` truncation; the second
 //! segment's tokens carry [`SEGMENT_BIT`](crate::model::batch::SEGMENT_BIT)
 //! for models with token types).
+//!
+//! BERT-family WordPiece tokenizers also get a fast path
+//! ([`crate::model::wordpiece`]) that computes a single text's ids without
+//! the `tokenizers` crate when the text is plain ASCII; any other text (and
+//! every pair) takes the HF tokenizer. Both give the same ids, which the
+//! tests and the `tokenizer_front` fuzz target check.
 
 use crate::model::batch::{SEGMENT_BIT, UNPOOLED_BIT};
 use crate::model::tokenizer::TokenizerSpec;
+use crate::model::wordpiece::FastWordPiece;
 use rayon::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use thiserror::Error;
 use tokenizers::{
-    EncodeInput, Encoding, Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy,
+    EncodeInput, Encoding, InputSequence, Tokenizer, TruncationDirection, TruncationParams,
+    TruncationStrategy,
 };
 
 #[derive(Debug, Error, Clone, PartialEq)]
@@ -61,6 +69,8 @@ pub struct TextTokenizer {
     path: PathBuf,
     /// Pairs: the second segment gets token type 1.
     token_types: bool,
+    /// The fast path for single ASCII texts, or why there is none.
+    fast: Result<Arc<FastWordPiece>, String>,
 }
 
 /// What a request asks to tokenize.
@@ -85,6 +95,7 @@ impl std::fmt::Debug for TextTokenizer {
         f.debug_struct("TextTokenizer")
             .field("path", &self.path)
             .field("max_seq_len", &self.max_seq_len)
+            .field("fast_path", &self.fast.is_ok())
             .finish()
     }
 }
@@ -155,13 +166,37 @@ impl TextTokenizer {
                 empty.len()
             )));
         }
+        let fast = FastWordPiece::new(&full).map(Arc::new);
         Ok(TextTokenizer {
             full,
             truncating,
             max_seq_len,
             path,
             token_types,
+            fast,
         })
+    }
+
+    /// Whether single ASCII texts take the fast path
+    /// ([`crate::model::wordpiece`]), or why not.
+    pub fn fast_path(&self) -> Result<(), &str> {
+        self.fast.as_ref().map(|_| ()).map_err(String::as_str)
+    }
+
+    /// [`TextTokenizer::encode`] on the HF tokenizer alone, never the fast
+    /// path: the reference the fast path is checked against (tests, the
+    /// fuzz target, the host benchmark).
+    pub fn encode_reference(
+        &self,
+        texts: &[&str],
+        truncate: bool,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        self.encode_with(
+            texts.iter().map(|&t| EncodeInput::from(t)).collect(),
+            truncate,
+            None,
+            false,
+        )
     }
 
     /// Token ids of each text, special tokens included. With `truncate`,
@@ -228,51 +263,125 @@ impl TextTokenizer {
         truncate: bool,
         unpooled: Option<usize>,
     ) -> Result<Vec<Vec<u32>>, TokenizeError> {
+        self.encode_with(inputs, truncate, unpooled, true)
+    }
+
+    /// The fast path's ids (special tokens included, truncated when
+    /// `truncate`) of each single text it takes; `None` for the inputs that
+    /// need the HF tokenizer (pairs, non-ASCII, possible added tokens).
+    fn fast_ids(
+        &self,
+        fast: &FastWordPiece,
+        inputs: &[EncodeInput],
+        truncate: bool,
+    ) -> Vec<Option<Vec<u32>>> {
+        let (prefix, suffix) = (fast.prefix(), fast.suffix());
+        // Truncation keeps the first `max - specials` ids, as the HF
+        // tokenizer's (single-sequence `longest_first`) does.
+        let budget = if truncate {
+            self.max_seq_len.saturating_sub(prefix.len() + suffix.len())
+        } else {
+            usize::MAX
+        };
+        let one = |buf: &mut Vec<u8>, input: &EncodeInput| -> Option<Vec<u32>> {
+            let EncodeInput::Single(InputSequence::Raw(text)) = input else {
+                return None;
+            };
+            let mut ids = Vec::with_capacity(prefix.len() + suffix.len() + text.len() / 3 + 4);
+            ids.extend_from_slice(prefix);
+            if !fast.tokenize(text, budget, buf, &mut ids) {
+                return None;
+            }
+            ids.extend_from_slice(suffix);
+            Some(ids)
+        };
+        // A text takes about a microsecond: only large requests are worth
+        // spreading over the pool.
+        if inputs.len() >= 64 {
+            inputs
+                .par_iter()
+                .with_min_len(32)
+                .map_init(Vec::new, one)
+                .collect()
+        } else {
+            let mut buf = Vec::new();
+            inputs.iter().map(|i| one(&mut buf, i)).collect()
+        }
+    }
+
+    fn encode_with(
+        &self,
+        inputs: Vec<EncodeInput>,
+        truncate: bool,
+        unpooled: Option<usize>,
+        use_fast: bool,
+    ) -> Result<Vec<Vec<u32>>, TokenizeError> {
         let tokenizer = if truncate {
             &self.truncating
         } else {
             &self.full
         };
         let pairs = inputs.iter().any(|i| matches!(i, EncodeInput::Dual(..)));
-        let encoded = if truncate && pairs {
+        let mut fast = match &self.fast {
+            Ok(f) if use_fast && !pairs => self.fast_ids(f, &inputs, truncate),
+            _ => vec![None; inputs.len()],
+        };
+        // What the fast path did not take goes to the HF tokenizer, by its
+        // index in `inputs`.
+        let hf_index: Vec<usize> = (0..inputs.len()).filter(|&i| fast[i].is_none()).collect();
+        let hf_inputs: Vec<EncodeInput> = if hf_index.len() == inputs.len() {
             inputs
+        } else {
+            hf_index.iter().map(|&i| inputs[i].clone()).collect()
+        };
+        let encoded = if hf_inputs.is_empty() {
+            Ok(Vec::new())
+        } else if truncate && pairs {
+            hf_inputs
                 .par_iter()
                 .map(|i| self.encode_pair_longest_first(i))
                 .collect()
         } else {
-            tokenizer.encode_batch_fast(inputs.clone(), true)
+            tokenizer.encode_batch_fast(hf_inputs.clone(), true)
         };
         let encodings: Vec<Encoding> = match encoded {
             Ok(e) => e,
             Err(e) => {
                 // encode_batch does not say which input failed: find it.
-                let index = inputs
+                let index = hf_inputs
                     .into_iter()
                     .position(|t| tokenizer.encode_fast(t, true).is_err())
-                    .unwrap_or(0);
+                    .map_or(0, |p| hf_index[p]);
                 return Err(TokenizeError::Encode {
                     index,
                     message: e.to_string(),
                 });
             }
         };
-        let mut out = Vec::with_capacity(encodings.len());
-        for (index, encoding) in encodings.into_iter().enumerate() {
-            let ids = encoding.get_ids();
+        let mut encodings = encodings.into_iter();
+        let mut out = Vec::with_capacity(fast.len());
+        for (index, fast) in fast.iter_mut().enumerate() {
+            let mut ids = match fast.take() {
+                Some(ids) => ids,
+                None => {
+                    let encoding = encodings.next().expect("one encoding per HF input");
+                    let mut ids = encoding.get_ids().to_vec();
+                    if self.token_types {
+                        for (id, &ty) in ids.iter_mut().zip(encoding.get_type_ids()) {
+                            if ty != 0 {
+                                *id |= SEGMENT_BIT;
+                            }
+                        }
+                    }
+                    ids
+                }
+            };
             if ids.len() > self.max_seq_len {
                 return Err(TokenizeError::TooLong {
                     index,
                     tokens: ids.len(),
                     max: self.max_seq_len,
                 });
-            }
-            let mut ids = ids.to_vec();
-            if self.token_types {
-                for (id, &ty) in ids.iter_mut().zip(encoding.get_type_ids()) {
-                    if ty != 0 {
-                        *id |= SEGMENT_BIT;
-                    }
-                }
             }
             if let Some(n) = unpooled {
                 ids.iter_mut().take(n).for_each(|id| *id |= UNPOOLED_BIT);
@@ -532,6 +641,287 @@ mod tests {
             err.contains("tokenizer.json") && err.contains("cannot load"),
             "{err}"
         );
+    }
+
+    /// SplitMix64: a seeded generator for the differential tests.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn pick<'a, T>(&mut self, v: &'a [T]) -> &'a T {
+            &v[self.below(v.len())]
+        }
+    }
+
+    fn vocab_words() -> Vec<String> {
+        std::fs::read_to_string(model_dir().join("vocab.txt"))
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Texts as `scripts/make-corpus.py` makes them: 3–200 alphabetic
+    /// vocabulary words (longer than two characters), about 27 tokens on
+    /// average (the Python script's log-normal length, approximated).
+    pub(crate) fn corpus_like(count: usize, seed: u64) -> Vec<String> {
+        let words: Vec<String> = vocab_words()
+            .into_iter()
+            .filter(|w| w.chars().count() > 2 && w.chars().all(char::is_alphabetic))
+            .collect();
+        let mut rng = Rng(seed);
+        (0..count)
+            .map(|_| {
+                // exp(N(3.0, 0.7)) with N from the sum of 12 uniforms.
+                let n: f64 = (0..12)
+                    .map(|_| rng.next() as f64 / u64::MAX as f64)
+                    .sum::<f64>()
+                    - 6.0;
+                let k = ((3.0 + 0.7 * n).exp() as usize).clamp(3, 200);
+                (0..k)
+                    .map(|_| rng.pick(&words).as_str())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect()
+    }
+
+    /// Adversarial texts: every ASCII byte (controls included), punctuation
+    /// runs, vocabulary words with odd case, words not in the vocabulary,
+    /// words over 100 characters, literal special tokens inside words and
+    /// alone, some non-ASCII, empty and whitespace-only texts, and long
+    /// texts (over `max_seq_len`).
+    fn adversarial(count: usize, seed: u64) -> Vec<String> {
+        let words = vocab_words();
+        let specials = [
+            "[CLS]", "[SEP]", "[MASK]", "[PAD]", "[UNK]", "[cls]", "[", "]",
+        ];
+        let odd = [
+            "é", "漢字", "🙂", "\u{fffd}", "\u{a0}", "\u{200b}", "ß", "İ",
+        ];
+        let mut rng = Rng(seed);
+        let mut out = vec![
+            String::new(),
+            " ".into(),
+            " \t\n\r ".into(),
+            "\0\u{1}\u{7f}".into(),
+            "[CLS]".into(),
+            "[SEP]".into(),
+            "[MASK]".into(),
+            "[PAD]".into(),
+            "[UNK]".into(),
+            "a[CLS]b".into(),
+            "x[MASK]y [SEP]".into(),
+            "!!!...???".into(),
+            "a".repeat(100),
+            "a".repeat(101),
+            "ab".repeat(150),
+            "hello ".repeat(300),
+            "##ing ##s #".into(),
+        ];
+        while out.len() < count {
+            let mut t = String::new();
+            let long = rng.below(10) == 0;
+            let parts = rng.below(if long { 400 } else { 30 });
+            for _ in 0..parts {
+                match rng.below(14) {
+                    0 => t.push(rng.below(128) as u8 as char),
+                    1 => t.push(*rng.pick(b"!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~") as char),
+                    2 => t.push(*rng.pick(&[' ', ' ', '\t', '\n', '\r', '\u{b}', '\u{c}'])),
+                    3 => t.push((rng.below(0x20) as u8) as char),
+                    4 => t.push_str(specials[rng.below(specials.len())]),
+                    5 if rng.below(8) == 0 => t.push_str(odd[rng.below(odd.len())]),
+                    6 => {
+                        let long = rng.below(4) == 0;
+                        let n = 1 + rng.below(if long { 140 } else { 12 });
+                        t.extend((0..n).map(|_| (b'a' + rng.below(26) as u8) as char));
+                    }
+                    7 => {
+                        let w = rng.pick(&words);
+                        t.push_str(&w.to_uppercase());
+                    }
+                    _ => {
+                        let w = rng.pick(&words).clone();
+                        let w: String = w
+                            .chars()
+                            .map(|c| {
+                                if rng.below(5) == 0 {
+                                    c.to_ascii_uppercase()
+                                } else {
+                                    c
+                                }
+                            })
+                            .collect();
+                        t.push_str(&w);
+                        if rng.below(3) != 0 {
+                            t.push(' ');
+                        }
+                    }
+                }
+            }
+            out.push(t);
+        }
+        out
+    }
+
+    /// The fast path (with its fallback) against the HF tokenizer alone,
+    /// text by text, with and without truncation; returns how many texts the
+    /// fast path itself took.
+    fn assert_same_as_hf(tok: &TextTokenizer, texts: &[String]) -> usize {
+        let fast = tok.fast.as_ref().expect("MiniLM has the fast path");
+        let mut taken = 0;
+        let mut buf = Vec::new();
+        for (i, t) in texts.iter().enumerate() {
+            if fast.tokenize(t, usize::MAX, &mut buf, &mut Vec::new()) {
+                taken += 1;
+            }
+            for truncate in [true, false] {
+                assert_eq!(
+                    tok.encode(&[t.as_str()], truncate),
+                    tok.encode_reference(&[t.as_str()], truncate),
+                    "text {i} {t:?}, truncate {truncate}"
+                );
+            }
+        }
+        // Whole batches too (over 64 texts: the parallel path).
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        for chunk in refs.chunks(200) {
+            for truncate in [true, false] {
+                assert_eq!(
+                    tok.encode(chunk, truncate),
+                    tok.encode_reference(chunk, truncate)
+                );
+            }
+        }
+        taken
+    }
+
+    #[test]
+    fn fast_path_matches_hf_on_the_reference_set() {
+        let tok = TextTokenizer::load(&model_dir(), 256).unwrap();
+        assert_eq!(tok.fast_path(), Ok(()));
+        let texts: Vec<String> = reference().into_iter().map(|l| l.text).collect();
+        let taken = assert_same_as_hf(&tok, &texts);
+        assert!(
+            taken >= 150,
+            "the fast path took {taken} of {}",
+            texts.len()
+        );
+        // And the reference ids themselves, through the fast path.
+        let short = TextTokenizer::load(&model_dir(), 16).unwrap();
+        assert_same_as_hf(&short, &texts);
+    }
+
+    #[test]
+    fn fast_path_matches_hf_on_corpus_like_texts() {
+        let texts = corpus_like(3000, 7);
+        let mean = texts
+            .iter()
+            .map(|t| t.split(' ').count() + 2)
+            .sum::<usize>()
+            / texts.len();
+        assert!((20..=35).contains(&mean), "mean {mean} tokens");
+        for max in [512, 64] {
+            let tok = TextTokenizer::load(&model_dir(), max).unwrap();
+            // As in the Python corpus, a few words (łodz, wrocław,
+            // stanisław) are not ASCII: those texts fall back.
+            let taken = assert_same_as_hf(&tok, &texts);
+            assert!(taken * 100 >= texts.len() * 98, "{taken}");
+        }
+    }
+
+    #[test]
+    fn fast_path_matches_hf_on_adversarial_ascii() {
+        let texts = adversarial(4000, 11);
+        for max in [512, 16, 2] {
+            let tok = TextTokenizer::load(&model_dir(), max).unwrap();
+            let taken = assert_same_as_hf(&tok, &texts);
+            assert!(taken > 500 && taken < texts.len(), "{taken}");
+        }
+    }
+
+    /// The literal special-token strings are HF's (the added tokens, split
+    /// out of words): the fast path leaves them to it.
+    #[test]
+    fn literal_special_tokens_fall_back() {
+        let tok = TextTokenizer::load(&model_dir(), 256).unwrap();
+        let ids = tok.encode(&["[MASK]", "a[CLS]b", "[cls]"], true).unwrap();
+        assert_eq!(ids[0], [101, 103, 102]);
+        assert_eq!(ids[1], [101, 1037, 101, 1038, 102]);
+        assert_eq!(ids[2].len(), 2 + 4, "[ cl ##s ]: {:?}", ids[2]);
+    }
+
+    /// Prompts (with their unpooled bits) and over-long texts give what the
+    /// HF path gives; pairs take the HF path.
+    #[test]
+    fn fast_path_requests_match_hf() {
+        let tok = TextTokenizer::load(&model_dir(), 16).unwrap();
+        let prompt = PromptUse {
+            text: "query: ".into(),
+            unpooled: Some(4),
+        };
+        let texts = vec!["How are you?".to_string(), "caf\u{e9} au lait".to_string()];
+        let got = tok
+            .encode_request(&TextInput::Texts(texts.clone()), true, Some(&prompt))
+            .unwrap();
+        for (t, got) in texts.iter().zip(&got) {
+            let mut want = tok
+                .encode_reference(&[format!("query: {t}").as_str()], true)
+                .unwrap()
+                .remove(0);
+            want.iter_mut().take(4).for_each(|id| *id |= UNPOOLED_BIT);
+            assert_eq!(got, &want);
+        }
+        let long = "word ".repeat(40);
+        let input = TextInput::Texts(vec!["short".into(), long.clone(), "x".into()]);
+        assert_eq!(
+            tok.encode_request(&input, false, None),
+            Err(TokenizeError::TooLong {
+                index: 1,
+                tokens: 42,
+                max: 16
+            })
+        );
+        assert_eq!(
+            tok.encode_request(&input, false, None),
+            tok.encode_reference(&["short", &long, "x"], false)
+        );
+        let pairs = TextInput::Pairs(vec![("a question".into(), long)]);
+        let got = tok.encode_request(&pairs, true, None).unwrap();
+        assert_eq!(got[0].len(), 16);
+        assert!(got[0][..3].iter().all(|&id| id & SEGMENT_BIT == 0));
+    }
+
+    /// The `tokenizer_front` fuzz entry point (which asserts the fast path
+    /// equals the HF path) on its committed corpus and a few inputs made to
+    /// reach the fallback and the ASCII mask.
+    #[test]
+    fn fuzz_harness_replays_the_tokenizer_corpus() {
+        let tok = TextTokenizer::load(&model_dir(), 256).unwrap();
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/tokenizer_front");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            crate::fuzz::tokenizer_text(&tok, &std::fs::read(e.unwrap().path()).unwrap());
+            n += 1;
+        }
+        assert!(n >= 1, "{} has the seed", dir.display());
+        for data in [
+            &b"[CLS] \x00\xff\x7f hello [MASK]"[..],
+            b"\xdb\xc3\xe1 caf\xc3\xa9",
+            b"",
+            &[b'x'; 300],
+        ] {
+            crate::fuzz::tokenizer_text(&tok, data);
+        }
     }
 
     #[tokio::test]

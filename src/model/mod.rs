@@ -10,7 +10,9 @@
 //!   static inputs.
 //! * [`st`]: the sentence-transformers side of a folder (modules, pooling,
 //!   Dense, Normalize, prompts, maximum length, a cross-encoder's activation).
-//! * [`tokenizer`]: a folder's tokenizer as transformers 5 builds it.
+//! * [`tokenizer`]: a folder's tokenizer as transformers 5 builds it;
+//!   [`wordpiece`]: the fast path that gives a BERT WordPiece tokenizer's ids
+//!   for ASCII text without the `tokenizers` crate.
 //! * [`files`], [`safetensors_file`]: reading JSON and safetensors files, with
 //!   errors that name the file.
 //!
@@ -30,6 +32,7 @@ pub mod safetensors_file;
 pub mod st;
 pub mod tokenizer;
 pub mod weights;
+pub mod wordpiece;
 
 pub use batch::BatchRows;
 pub use program::{Activation, InputRole, Pooling, Program, ProgramFacts};
