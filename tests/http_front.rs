@@ -460,6 +460,7 @@ async fn slow_bodies_hold_the_slots_and_the_next_request_gets_429() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    eprintln!("slow connections opened again after their 429: {reopened}");
     // The slots were held by the slow requests, which are still unanswered.
     for s in &mut slow {
         assert!(!answered(s), "a slow request was answered");
