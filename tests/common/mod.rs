@@ -316,6 +316,36 @@ impl Drop for Daemon {
     }
 }
 
+/// SIGSTOPs `pid` and waits until every thread of it has stopped. kill()
+/// returns before a multi-threaded process is stopped: one of its threads
+/// must first be scheduled to take the signal and stop the others, and
+/// until then they run on (on a loaded machine, for milliseconds: a worker
+/// can still answer a batch sent after kill() has returned).
+pub fn freeze(pid: i32) {
+    // SAFETY: signalling a process the test started (a daemon or its worker).
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !all_threads_stopped(pid) {
+        assert!(Instant::now() < deadline, "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Whether every thread of `pid` is stopped (or gone).
+fn all_threads_stopped(pid: i32) -> bool {
+    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    threads.flatten().all(|t| {
+        let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+        // The state is the field after the command name, which is in parentheses.
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next());
+        matches!(state, None | Some("T" | "t" | "Z" | "X"))
+    })
+}
+
 /// A small deterministic generator for test inputs.
 pub struct Rng(u64);
 
