@@ -328,7 +328,6 @@ fn scheduler(t: &mut Table, args: &Args) {
                 max_queue: 1 << 20,
                 max_inflight: 2,
                 eager_max_queue: 16,
-                dispatch_lead: Some(Duration::from_micros(100)),
             },
             vec![Grid::Packed(default_grid())],
         );
@@ -361,7 +360,7 @@ fn scheduler(t: &mut Table, args: &Args) {
                         for r in plan.requests() {
                             s.finish(r);
                         }
-                        s.completed(device, Instant::now());
+                        s.completed(device);
                     }
                 }
             }
@@ -432,7 +431,6 @@ async fn batcher(t: &mut Table, args: &Args) {
                 max_queue: 1 << 20,
                 max_inflight: 2,
                 eager_max_queue: 16,
-                dispatch_lead: Some(Duration::from_micros(100)),
             },
             max_attempts: 3,
             metrics: metrics.clone(),

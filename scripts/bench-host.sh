@@ -141,7 +141,7 @@ if start_daemon gpu "$GPU_DEVICES"; then
   stop_daemon gpu
 fi
 
-# --- 2b. with AB_BATCHING (e.g. "dispatch_lead_us = 0"): the target-3 and
+# --- 2b. with AB_BATCHING (e.g. "max_wait_us = 2000"): the target-3 and
 # issue-9 loads again on a daemon with those [batching] settings, for a
 # before/after of a scheduling change in the same call.
 if [ -n "${AB_BATCHING:-}" ] && start_daemon gpu_ab "$GPU_DEVICES" "$AB_BATCHING"; then

@@ -163,12 +163,6 @@ pub struct BatchingConfig {
     pub max_inflight_per_device: usize,
     /// Times a batch is retried after its worker died before its requests get `internal`.
     pub max_attempts: u32,
-    /// A busy device is sent its next batch this many microseconds before
-    /// it is expected to finish what it holds (expected from what the same
-    /// bucket took before), so that batch takes everything that arrived
-    /// meanwhile and reaches the worker in time. 0: off (a busy device then
-    /// gets a batch only when one is full or has waited `max_wait_us`).
-    pub dispatch_lead_us: u64,
 }
 
 impl Default for BatchingConfig {
@@ -178,7 +172,6 @@ impl Default for BatchingConfig {
             max_queue: 4096,
             max_inflight_per_device: 2,
             max_attempts: 3,
-            dispatch_lead_us: 100,
         }
     }
 }
@@ -631,12 +624,6 @@ impl Config {
         }
         if self.batching.max_attempts == 0 {
             return Err(invalid("batching.max_attempts", "must be at least 1"));
-        }
-        if self.batching.dispatch_lead_us > 1_000_000 {
-            return Err(invalid(
-                "batching.dispatch_lead_us",
-                "must be at most 1000000 (1 s)",
-            ));
         }
         if let GpuSelection::Named(name) = &self.devices.gpus {
             if name != "all" {

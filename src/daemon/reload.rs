@@ -47,12 +47,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Keys a reload applies (outside `[[models]]`).
-const LIVE_KEYS: [&str; 6] = [
+const LIVE_KEYS: [&str; 5] = [
     "batching.max_wait_us",
     "batching.max_queue",
     "batching.max_inflight_per_device",
     "batching.max_attempts",
-    "batching.dispatch_lead_us",
     "eager.max_queue",
 ];
 
@@ -357,8 +356,6 @@ pub fn scheduler_config(config: &Config) -> super::messages::SchedulerConfig {
         max_queue: config.batching.max_queue,
         max_inflight: config.batching.max_inflight_per_device,
         eager_max_queue: config.eager.max_queue,
-        dispatch_lead: (config.batching.dispatch_lead_us > 0)
-            .then(|| std::time::Duration::from_micros(config.batching.dispatch_lead_us)),
     }
 }
 

@@ -477,7 +477,7 @@ impl BatcherState {
                     } else {
                         // Its requests were answered meanwhile (expired, aborted).
                         self.inflight.remove(&batch);
-                        self.scheduler.completed(device, Instant::now());
+                        self.scheduler.completed(device);
                     }
                 }
             }
@@ -563,17 +563,7 @@ impl BatcherState {
             return; // a stale report from an attempt that was already re-dispatched
         }
         let f = self.inflight.remove(&batch).expect("present");
-        self.scheduler.completed(device, Instant::now());
-        if let Some(bucket) = f.batch.bucket {
-            // The worker's own time for the batch (started → finished where
-            // it stamps them): what the next batch of this bucket is expected to take.
-            let took = if finished_ns > started_ns && started_ns > 0 {
-                Duration::from_nanos(finished_ns - started_ns)
-            } else {
-                Duration::from_micros(compute_us)
-            };
-            self.scheduler.observe(f.batch.model, bucket, took);
-        }
+        self.scheduler.completed(device);
         let stamps = BatchStamps {
             dispatched_ns: f.dispatched_ns,
             started_ns,
@@ -705,7 +695,7 @@ impl BatcherState {
             return;
         }
         let f = self.inflight.remove(&batch).expect("present");
-        self.scheduler.completed(device, Instant::now());
+        self.scheduler.completed(device);
         tracing::error!(batch, device = %self.device_labels[device], "batch failed: {error}");
         let msg = format!("the worker failed to run the batch: {error}");
         for part in &f.batch.parts {

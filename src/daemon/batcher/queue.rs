@@ -29,16 +29,8 @@
 //!   first item always fits, so the head of a lane is never passed over.
 //! * A lane is due when it holds a full batch (the largest batch bucket's
 //!   rows; the largest budget's tokens or the sequence cap), when its oldest
-//!   item has waited `max_wait`, at once when a device is idle, when a busy
-//!   device is **ready** for its next batch, and always while draining. A
-//!   device is ready `dispatch_lead` before it is expected to finish what
-//!   it holds: each batch's expected device time is the running average of
-//!   what that (model, bucket) took before ([`Scheduler::observe`]). So the
-//!   batch queued behind a running one is formed as late as it can be and
-//!   takes every item that arrived meanwhile, instead of going out with the
-//!   first item that found the device not idle — under load that is what
-//!   keeps batches large and the device busy. A batch with no estimate yet
-//!   (a bucket not measured, a retry) leaves its device ready only when idle. Eager lanes are always due; an eager batch takes one
+//!   item has waited `max_wait`, at once when a device is idle, and always
+//!   while draining. Eager lanes are always due; an eager batch takes one
 //!   model's eager items in order, up to the grid's largest batch (padded) or
 //!   sequence cap (packed), and runs at its exact shape (`bucket: None`).
 //! * **Fairness between models**: priority orders requests within a model
@@ -94,11 +86,6 @@ pub struct SchedulerConfig {
     pub max_inflight: usize,
     /// Requests with eager items queued (all models).
     pub eager_max_queue: usize,
-    /// How long before a busy device's expected finish it is ready for its
-    /// next batch (the dispatch → worker latency it must cover); `None`:
-    /// never, a busy device takes a batch only when one is full or has
-    /// waited `max_wait`.
-    pub dispatch_lead: Option<Duration>,
 }
 
 /// A request as the scheduler sees it.
@@ -198,39 +185,6 @@ struct DeviceSlot {
     inflight: usize,
     /// Batches ever sent, to spread ties evenly over devices.
     dispatched: u64,
-    /// Expected device time of each batch in flight, in dispatch order (a
-    /// worker runs them in order); `None` where there is no estimate.
-    expected: VecDeque<Option<Duration>>,
-    /// When it should be done with every batch it holds, if they all have
-    /// an estimate.
-    busy_until: Option<Instant>,
-}
-
-impl DeviceSlot {
-    /// Whether it should get its next batch now (see the module's rules).
-    fn ready(&self, now: Instant, lead: Option<Duration>) -> bool {
-        self.inflight == 0 || self.ready_at(lead).is_some_and(|t| now >= t)
-    }
-
-    /// When a busy device becomes ready, if that is known.
-    fn ready_at(&self, lead: Option<Duration>) -> Option<Instant> {
-        let lead = lead?;
-        let until = self.busy_until?;
-        Some(until.checked_sub(lead).unwrap_or(until))
-    }
-
-    /// `busy_until` for what it holds, the oldest batch starting at `now`.
-    fn reestimate(&mut self, now: Instant) {
-        self.busy_until = if self.expected.is_empty() {
-            None
-        } else {
-            self.expected
-                .iter()
-                .copied()
-                .sum::<Option<Duration>>()
-                .map(|d| now + d)
-        };
-    }
 }
 
 /// A model's queue of items of one kind.
@@ -345,8 +299,6 @@ pub struct Scheduler {
     devices: Vec<DeviceSlot>,
     /// Per model, per device kind (graph, eager): when it last got a batch.
     last_served: Vec<[u64; 2]>,
-    /// Per (model, bucket): the running average of its batches' device time.
-    device_time: HashMap<(usize, Bucket), Duration>,
     clock: u64,
     next_seq: u64,
     draining: bool,
@@ -374,7 +326,6 @@ impl Scheduler {
             retries: VecDeque::new(),
             devices: Vec::new(),
             last_served: vec![[0; 2]; n],
-            device_time: HashMap::new(),
             clock: 0,
             next_seq: 0,
             draining: false,
@@ -393,8 +344,6 @@ impl Scheduler {
             drained: false,
             inflight: 0,
             dispatched: 0,
-            expected: VecDeque::new(),
-            busy_until: None,
         });
         self.devices.len() - 1
     }
@@ -407,8 +356,6 @@ impl Scheduler {
         slot.healthy = healthy;
         if !healthy {
             slot.inflight = 0;
-            slot.expected.clear();
-            slot.busy_until = None;
         }
     }
 
@@ -502,26 +449,9 @@ impl Scheduler {
     }
 
     /// A batch sent to `device` finished (successfully or not).
-    pub fn completed(&mut self, device: DeviceId, now: Instant) {
+    pub fn completed(&mut self, device: DeviceId) {
         let slot = &mut self.devices[device];
         slot.inflight = slot.inflight.saturating_sub(1);
-        slot.expected.pop_front();
-        slot.reestimate(now);
-    }
-
-    /// A batch of `model` in `bucket` took `took` on its device: the
-    /// estimate the ready rule uses for the next ones (a running average,
-    /// one fifth of the new figure).
-    pub fn observe(&mut self, model: usize, bucket: Bucket, took: Duration) {
-        self.device_time
-            .entry((model, bucket))
-            .and_modify(|d| *d = (*d * 4 + took) / 5)
-            .or_insert(took);
-    }
-
-    /// The expected device time of a batch of `model` in `bucket`, once one has run.
-    pub fn expected_time(&self, model: usize, bucket: Bucket) -> Option<Duration> {
-        self.device_time.get(&(model, bucket)).copied()
     }
 
     /// Queues a formed batch to be sent again, ahead of new work.
@@ -738,19 +668,17 @@ impl Scheduler {
                 break;
             };
             self.retries.pop_front();
-            // Its bucket is the batcher's to know: no estimate.
-            self.mark_dispatched(device, now, None);
+            self.mark_dispatched(device);
             actions.push(Action::Redispatch { device, batch });
         }
         for kind in [DeviceKind::Eager, DeviceKind::Graph] {
             while let Some(device) = self.pick_device(kind) {
-                let ready = self.devices[device].ready(now, self.config.dispatch_lead);
-                let Some((model, lane)) = self.next_lane(now, ready, kind) else {
+                let idle = self.devices[device].inflight == 0;
+                let Some((model, lane)) = self.next_lane(now, idle, kind) else {
                     break;
                 };
                 let plan = self.take(model, lane);
-                let expected = plan.bucket.and_then(|b| self.expected_time(model, b));
-                self.mark_dispatched(device, now, expected);
+                self.mark_dispatched(device);
                 self.clock += 1;
                 self.last_served[model][kind_index(kind)] = self.clock;
                 actions.push(Action::Dispatch { device, plan });
@@ -760,55 +688,30 @@ impl Scheduler {
     }
 
     /// When [`Self::poll`] should next be called if nothing else happens:
-    /// the earliest deadline of a live request, the earliest end of a
+    /// the earliest deadline of a live request, or the earliest end of a
     /// batching window after `now` (a lane whose window has passed is due
-    /// already and goes out when a device reports back), or, with items
-    /// queued for graphs, when a busy device with room becomes ready.
+    /// already and goes out when a device reports back).
     pub fn next_wakeup(&self, now: Instant) -> Option<Instant> {
         let deadline = self.deadlines.first().map(|&(d, _)| d);
-        let oldest = self
+        let window = self
             .queues
             .iter()
             .flat_map(|lanes| lanes.iter())
             .filter(|(lane, _)| **lane != Lane::Eager)
-            .filter_map(|(_, q)| q.oldest());
-        let mut queued = false;
-        let mut window = None::<Instant>;
-        for t in oldest {
-            queued = true;
-            let end = t + self.config.max_wait;
-            if end > now && window.is_none_or(|w| end < w) {
-                window = Some(end);
-            }
+            .filter_map(|(_, q)| q.oldest())
+            .map(|oldest| oldest + self.config.max_wait)
+            .filter(|&end| end > now)
+            .min();
+        match (deadline, window) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
-        let ready = if queued {
-            self.devices
-                .iter()
-                .filter(|d| {
-                    d.kind == DeviceKind::Graph
-                        && d.healthy
-                        && !d.drained
-                        && d.inflight < self.config.max_inflight
-                })
-                .filter_map(|d| d.ready_at(self.config.dispatch_lead))
-                .filter(|&t| t > now)
-                .min()
-        } else {
-            None
-        };
-        [deadline, window, ready].into_iter().flatten().min()
     }
 
-    fn mark_dispatched(&mut self, device: DeviceId, now: Instant, expected: Option<Duration>) {
+    fn mark_dispatched(&mut self, device: DeviceId) {
         let slot = &mut self.devices[device];
-        slot.busy_until = match (slot.inflight, slot.busy_until, expected) {
-            (0, _, Some(e)) => Some(now + e),
-            (_, Some(until), Some(e)) => Some(until.max(now) + e),
-            _ => None,
-        };
         slot.inflight += 1;
         slot.dispatched += 1;
-        slot.expected.push_back(expected);
     }
 
     /// The healthy device of `kind` with room and the fewest batches in
@@ -832,9 +735,9 @@ impl Scheduler {
         }
     }
 
-    fn due(&self, model: usize, queue: &Queue, now: Instant, device_ready: bool) -> bool {
+    fn due(&self, model: usize, queue: &Queue, now: Instant, device_idle: bool) -> bool {
         self.draining
-            || device_ready
+            || device_idle
             || self.holds_full_batch(model, queue)
             || queue
                 .oldest()
@@ -847,7 +750,7 @@ impl Scheduler {
     fn next_lane(
         &self,
         now: Instant,
-        device_ready: bool,
+        device_idle: bool,
         kind: DeviceKind,
     ) -> Option<(usize, Lane)> {
         let eager = kind == DeviceKind::Eager;
@@ -861,7 +764,7 @@ impl Scheduler {
                 let Some(key) = queue.head_key() else {
                     continue;
                 };
-                if !eager && !self.due(model, queue, now, device_ready) {
+                if !eager && !self.due(model, queue, now, device_idle) {
                     continue;
                 }
                 if head.is_none_or(|(k, _)| key < k) {
@@ -1033,7 +936,6 @@ mod tests {
             max_queue: 4,
             max_inflight: 2,
             eager_max_queue: 2,
-            dispatch_lead: Some(Duration::from_micros(100)),
         }
     }
 
@@ -1088,104 +990,6 @@ mod tests {
         Placement { graph: n, eager: 0 }
     }
 
-    /// [`scheduler`]'s grids with a `max_wait` long enough to stay out of
-    /// the way, and this dispatch lead.
-    fn scheduler_with_lead(lead: Option<Duration>) -> Scheduler {
-        let mut s = scheduler();
-        s.set_config(SchedulerConfig {
-            max_wait: Duration::from_millis(50),
-            dispatch_lead: lead,
-            ..config()
-        });
-        s
-    }
-
-    /// One 5-token text of the packed model, and the budget it runs in.
-    fn text(id: RequestId, at: Instant) -> QueuedRequest {
-        seqs(id, 2, &[5], at)
-    }
-    const SMALL: Bucket = Bucket::Packed {
-        tokens: 16,
-        seqs: 4,
-    };
-
-    #[test]
-    fn a_busy_device_gets_its_next_batch_just_before_its_expected_finish() {
-        let us = Duration::from_micros;
-        let mut s = scheduler_with_lead(Some(us(100)));
-        with_device(&mut s, DeviceKind::Graph);
-        // Batches of this budget have taken 2 ms.
-        s.observe(2, SMALL, us(2000));
-        let t0 = Instant::now();
-        s.enqueue(text(1, t0)).unwrap();
-        let out = dispatched(&s.poll(t0));
-        assert_eq!(out.len(), 1, "an idle device takes work at once");
-        assert_eq!(out[0].1.bucket, Some(SMALL));
-        // Texts that arrive while it runs are not sent one by one...
-        s.enqueue(text(2, t0 + us(100))).unwrap();
-        assert!(dispatched(&s.poll(t0 + us(100))).is_empty());
-        assert_eq!(s.next_wakeup(t0 + us(100)), Some(t0 + us(1900)));
-        s.enqueue(text(3, t0 + us(1000))).unwrap();
-        assert!(dispatched(&s.poll(t0 + us(1899))).is_empty());
-        // ...but together, `dispatch_lead` before the running batch should end.
-        let out = dispatched(&s.poll(t0 + us(1900)));
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].1.requests(), vec![2, 3]);
-    }
-
-    #[test]
-    fn without_a_lead_or_an_estimate_a_busy_device_waits_for_max_wait() {
-        let us = Duration::from_micros;
-        for (lead, observed) in [(None, true), (Some(us(100)), false)] {
-            let mut s = scheduler_with_lead(lead);
-            with_device(&mut s, DeviceKind::Graph);
-            if observed {
-                s.observe(2, SMALL, us(2000));
-            }
-            let t0 = Instant::now();
-            s.enqueue(text(1, t0)).unwrap();
-            assert_eq!(dispatched(&s.poll(t0)).len(), 1);
-            s.enqueue(text(2, t0 + us(100))).unwrap();
-            assert!(dispatched(&s.poll(t0 + us(1900))).is_empty());
-            assert_eq!(s.next_wakeup(t0 + us(1900)), Some(t0 + us(50_100)));
-            assert_eq!(dispatched(&s.poll(t0 + us(50_100))).len(), 1);
-        }
-    }
-
-    #[test]
-    fn a_completion_moves_the_expected_finish() {
-        let us = Duration::from_micros;
-        let mut s = scheduler_with_lead(Some(us(100)));
-        let d = with_device(&mut s, DeviceKind::Graph);
-        s.observe(2, SMALL, us(2000));
-        let t0 = Instant::now();
-        // Two single-text batches in flight: the idle device's, then one
-        // sent by a zero max_wait.
-        s.enqueue(text(1, t0)).unwrap();
-        assert_eq!(dispatched(&s.poll(t0)).len(), 1);
-        s.set_config(SchedulerConfig {
-            max_wait: Duration::ZERO,
-            ..s.config().clone()
-        });
-        s.enqueue(text(2, t0)).unwrap();
-        assert_eq!(dispatched(&s.poll(t0)).len(), 1);
-        s.set_config(SchedulerConfig {
-            max_wait: Duration::from_millis(50),
-            ..s.config().clone()
-        });
-        s.enqueue(text(3, t0 + us(10))).unwrap();
-        // The first ends early, at 1 ms: the second runs from then, 2 ms.
-        s.completed(d, t0 + us(1000));
-        assert!(dispatched(&s.poll(t0 + us(2899))).is_empty());
-        assert_eq!(s.next_wakeup(t0 + us(1000)), Some(t0 + us(2900)));
-        assert_eq!(dispatched(&s.poll(t0 + us(2900)))[0].1.requests(), vec![3]);
-        // The device went down: no estimate is left behind.
-        s.set_healthy(d, false);
-        s.set_healthy(d, true);
-        s.enqueue(text(4, t0 + us(3000))).unwrap();
-        assert_eq!(dispatched(&s.poll(t0 + us(3000)))[0].1.requests(), vec![4]);
-    }
-
     fn with_device(s: &mut Scheduler, kind: DeviceKind) -> DeviceId {
         let d = s.add_device(kind);
         s.set_healthy(d, true);
@@ -1223,7 +1027,7 @@ mod tests {
             out.into_iter().map(|(_, p)| (p.bucket, p.parts)).collect();
         // The device takes two batches (max_inflight); the third waits.
         assert_eq!(got.len(), 2);
-        s.completed(d, Instant::now());
+        s.completed(d);
         got.extend(
             dispatched(&s.poll(t0 + Duration::from_millis(1)))
                 .into_iter()
@@ -1264,7 +1068,7 @@ mod tests {
         assert!(dispatched(&s.poll(t1)).is_empty());
         // A passed window needs no timer: the completion polls.
         assert_eq!(s.next_wakeup(t1 + Duration::from_millis(1)), None);
-        s.completed(d, Instant::now());
+        s.completed(d);
         let out = dispatched(&s.poll(t1));
         assert_eq!(out[0].1.bucket, Some(Bucket::new(8, 1)));
         assert_eq!(out[0].1.requests(), vec![3, 4]);
@@ -1323,7 +1127,7 @@ mod tests {
                 assert_eq!(plan.requests(), vec![1]);
                 items.extend(plan.parts[0].items.clone());
                 buckets.push(plan.bucket.unwrap());
-                s.completed(d, Instant::now());
+                s.completed(d);
             }
         }
         assert_eq!(items, (0..20).collect::<Vec<_>>(), "in order, each once");
@@ -1348,7 +1152,7 @@ mod tests {
         while s.queued() > 0 {
             for (_, plan) in dispatched(&s.poll(t0 + Duration::from_millis(1))) {
                 plans.push(plan.parts);
-                s.completed(d, Instant::now());
+                s.completed(d);
             }
         }
         assert_eq!(
@@ -1376,8 +1180,8 @@ mod tests {
             vec![vec![part(4, 0..8)], vec![part(5, [0]), part(4, 8..15)]]
         );
         s.enqueue(req(6, 0, 1, 1, t0)).unwrap();
-        s.completed(d, Instant::now());
-        s.completed(d, Instant::now());
+        s.completed(d);
+        s.completed(d);
         let out: Vec<_> = dispatched(&s.poll(t0))
             .into_iter()
             .map(|(_, p)| p.parts)
@@ -1418,8 +1222,8 @@ mod tests {
         let mut urgent = req(2, 0, 3, 1, t0 + Duration::from_micros(5));
         urgent.priority = 9;
         s.enqueue(urgent).unwrap();
-        s.completed(d, Instant::now());
-        s.completed(d, Instant::now());
+        s.completed(d);
+        s.completed(d);
         let out = dispatched(&s.poll(t0 + Duration::from_micros(5)));
         assert_eq!(out[0].1.parts, vec![part(2, 0..3), part(1, 16..20)]);
         assert_eq!(out[0].1.bucket, Some(Bucket::new(8, 1)));
@@ -1480,7 +1284,7 @@ mod tests {
         let out = dispatched(&s.poll(t0));
         assert_eq!(out[0].1.parts, vec![part(1, 0..4)]);
         assert_eq!(out[0].1.bucket, Some(Bucket::packed(16, 4)));
-        s.completed(d, Instant::now());
+        s.completed(d);
         let out = dispatched(&s.poll(t0 + Duration::from_millis(1)));
         assert_eq!(out.last().unwrap().1.parts, vec![part(1, 4..6)]);
         // A lane is full (due on a busy device) at the sequence cap.
@@ -1507,7 +1311,7 @@ mod tests {
         assert_eq!(out[0].1.parts, vec![part(1, [0]), part(2, [0, 1])]);
         assert_eq!(out[0].1.tokens, 64);
         // The passed-over 30-token text leads the next batch.
-        s.completed(d, Instant::now());
+        s.completed(d);
         let out = dispatched(&s.poll(t0 + Duration::from_millis(1)));
         assert_eq!(out[0].1.parts, vec![part(1, [1]), part(2, [2])]);
         assert_eq!(out[0].1.bucket, Some(Bucket::packed(32, 4)));
@@ -1652,7 +1456,7 @@ mod tests {
             }]
         );
         // Its 4 queued rows are gone: the next batch holds only request 2.
-        s.completed(d, Instant::now());
+        s.completed(d);
         let out = dispatched(&s.poll(at));
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].1.parts, vec![part(2, [0])]);
@@ -1680,7 +1484,7 @@ mod tests {
             for (_, plan) in dispatched(&s.poll(now)) {
                 order.push(plan.model);
             }
-            s.completed(d, Instant::now());
+            s.completed(d);
         }
         // Model 0 goes first (never served, lower index), then model 2 at
         // once, not after all of model 0.
@@ -1701,8 +1505,8 @@ mod tests {
             for (_, plan) in dispatched(&s.poll(t0)) {
                 order.push(plan.model);
             }
-            s.completed(d, Instant::now());
-            s.completed(d, Instant::now());
+            s.completed(d);
+            s.completed(d);
         }
         assert_eq!(order, vec![0, 2, 0, 2, 0, 2]);
     }
@@ -1779,7 +1583,7 @@ mod tests {
             s.enqueue(req(id, 0, 1, 1, t0)).unwrap();
             let out = dispatched(&s.poll(t0));
             let device = out[0].0;
-            s.completed(device, Instant::now());
+            s.completed(device);
             used.push(device);
         }
         assert_eq!(used, vec![a, b, a, b]);
@@ -1838,8 +1642,8 @@ mod tests {
         assert!(out.iter().all(|(d, _)| *d == b), "{out:?}");
         // Retries avoid it too.
         s.retry(99, DeviceKind::Graph);
-        s.completed(b, Instant::now());
-        s.completed(b, Instant::now());
+        s.completed(b);
+        s.completed(b);
         let acts = s.poll(t0 + Duration::from_millis(1));
         assert!(
             acts.contains(&Action::Redispatch {
@@ -1850,7 +1654,7 @@ mod tests {
         );
         // Undrained, it takes work again.
         s.set_drained(a, false);
-        s.completed(a, Instant::now());
+        s.completed(a);
         s.enqueue(req(7, 0, 8, 1, t0)).unwrap();
         assert!(dispatched(&s.poll(t0 + Duration::from_millis(2)))
             .iter()
@@ -1879,8 +1683,8 @@ mod tests {
             for (_, plan) in dispatched(&s.poll(t0 + Duration::from_millis(1))) {
                 got.push((plan.bucket, plan.parts));
             }
-            s.completed(0, Instant::now());
-            s.completed(0, Instant::now());
+            s.completed(0);
+            s.completed(0);
         }
         got.sort_by_key(|(b, _)| *b);
         assert_eq!(

@@ -94,7 +94,6 @@ async fn harness_waiting(
                 max_queue: 64,
                 max_inflight: 2,
                 eager_max_queue: 4,
-                dispatch_lead: Some(Duration::from_micros(100)),
             },
             max_attempts,
             metrics: metrics.clone(),
