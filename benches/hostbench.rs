@@ -39,6 +39,7 @@ use replayd::daemon::device::{DeviceActor, DeviceArgs, WorkerCommand};
 use replayd::daemon::fast_link::FastLink;
 use replayd::daemon::messages::{
     Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, DeviceStatus, Stamps, Submission,
+    SubmitQueue,
 };
 use replayd::daemon::metrics::Metrics;
 use replayd::daemon::tokenize::{TextTokenizer, TokenizerPool};
@@ -417,6 +418,9 @@ impl Actor for InstantDevice {
 
 async fn batcher(t: &mut Table, args: &Args) {
     let metrics = Arc::new(Metrics::new());
+    // Submitted as the frontend does: into the queue, waking the batcher
+    // when it was empty.
+    let queue = Arc::new(SubmitQueue::default());
     let (batcher, _) = Actor::spawn(
         None,
         BatcherActor,
@@ -434,6 +438,7 @@ async fn batcher(t: &mut Table, args: &Args) {
             },
             max_attempts: 3,
             metrics: metrics.clone(),
+            submissions: queue.clone(),
         },
     )
     .await
@@ -449,27 +454,32 @@ async fn batcher(t: &mut Table, args: &Args) {
         .unwrap();
     batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
     let ids: Vec<u32> = (0..14).map(|i| 1000 + i).collect();
-    let submit = |batcher: &ActorRef<BatcherMsg>| {
+    fn submit(
+        batcher: &ActorRef<BatcherMsg>,
+        queue: &SubmitQueue,
+        ids: &[u32],
+    ) -> oneshot::Receiver<replayd::protocol::Reply> {
         let (tx, rx) = oneshot::channel();
-        batcher
-            .cast(BatcherMsg::Submit(Submission {
-                model: 0,
-                client_id: 1,
-                input: BatchRows::Tokens(vec![ids.clone()]),
-                priority: 0,
-                received: Instant::now(),
-                deadline: None,
-                output_dtype: DType::F32,
-                reply: tx,
-                stamps: Stamps::default(),
-            }))
-            .unwrap();
+        let woke = queue.push(Submission {
+            model: 0,
+            client_id: 1,
+            input: BatchRows::Tokens(vec![ids.to_vec()]),
+            priority: 0,
+            received: Instant::now(),
+            deadline: None,
+            output_dtype: DType::F32,
+            reply: tx,
+            stamps: Stamps::default(),
+        });
+        if woke {
+            batcher.cast(BatcherMsg::SubmitQueued).unwrap();
+        }
         rx
-    };
+    }
     let mut lat = Vec::new();
     for i in 0..args.iters + 200 {
         let t0 = Instant::now();
-        submit(&batcher).await.unwrap();
+        submit(&batcher, &queue, &ids).await.unwrap();
         if i >= 200 {
             lat.push(t0.elapsed().as_nanos() as u64);
         }
@@ -480,23 +490,10 @@ async fn batcher(t: &mut Table, args: &Args) {
     let tasks: Vec<_> = (0..256)
         .map(|_| {
             let (batcher, done, ids) = (batcher.clone(), done.clone(), ids.clone());
+            let queue = queue.clone();
             tokio::spawn(async move {
                 while Instant::now() < until {
-                    let (tx, rx) = oneshot::channel();
-                    batcher
-                        .cast(BatcherMsg::Submit(Submission {
-                            model: 0,
-                            client_id: 1,
-                            input: BatchRows::Tokens(vec![ids.clone()]),
-                            priority: 0,
-                            received: Instant::now(),
-                            deadline: None,
-                            output_dtype: DType::F32,
-                            reply: tx,
-                            stamps: Stamps::default(),
-                        }))
-                        .unwrap();
-                    rx.await.unwrap();
+                    submit(&batcher, &queue, &ids).await.unwrap();
                     done.fetch_add(1, Ordering::Relaxed);
                 }
             })

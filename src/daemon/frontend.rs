@@ -9,7 +9,7 @@
 //! cannot hold the daemon's memory or delay other clients.
 
 use super::admission::{Admission, Refusal, Ticket};
-use super::messages::{BatcherMsg, Stamps, Submission};
+use super::messages::{BatcherMsg, Stamps, Submission, SubmitQueue};
 use super::metrics::Metrics;
 use super::tokenize::{PromptUse, TextInput, TokenizeError, TokenizerPool};
 use crate::model::{BatchRows, InputSpec, ModelInfo, Task};
@@ -38,6 +38,7 @@ pub struct Frontend {
     models: Vec<ServedModel>,
     by_name: HashMap<String, usize>,
     batcher: ActorRef<BatcherMsg>,
+    submissions: Arc<SubmitQueue>,
     metrics: Arc<Metrics>,
     limits: DecodeLimits,
     admission: Arc<Admission>,
@@ -91,9 +92,11 @@ fn prompt_for(info: &ModelInfo, name: Option<&str>) -> Result<Option<PromptUse>,
 }
 
 impl Frontend {
+    /// `submissions` is the batcher's [`SubmitQueue`].
     pub fn new(
         models: Vec<ServedModel>,
         batcher: ActorRef<BatcherMsg>,
+        submissions: Arc<SubmitQueue>,
         metrics: Arc<Metrics>,
         limits: DecodeLimits,
         admission: Arc<Admission>,
@@ -107,6 +110,7 @@ impl Frontend {
             models,
             by_name,
             batcher,
+            submissions,
             metrics,
             limits,
             admission,
@@ -435,11 +439,17 @@ impl Frontend {
             reply: tx,
             stamps,
         };
-        self.batcher
-            .cast(BatcherMsg::Submit(submission))
-            .map_err(|_| {
-                ProtocolError::new(id, ErrorCode::Unavailable, "the daemon is shutting down")
-            })?;
+        if self.submissions.push(submission) && self.batcher.cast(BatcherMsg::SubmitQueued).is_err()
+        {
+            // The batcher has stopped: nothing will take the queue, so its
+            // requests' handlers are answered here (theirs: "dropped").
+            drop(self.submissions.take());
+            return Err(ProtocolError::new(
+                id,
+                ErrorCode::Unavailable,
+                "the daemon is shutting down",
+            ));
+        }
         Ok(rx)
     }
 }

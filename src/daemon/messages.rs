@@ -100,9 +100,41 @@ pub struct BatchOutput {
     pub finished_ns: u64,
 }
 
+/// Submissions on their way to the batcher, which takes them all at once:
+/// under load one mailbox message and one scheduling pass serve every
+/// request that arrived meanwhile, where a message each made the batcher
+/// the daemon's busiest serial stage. [`SubmitQueue::push`] says when the
+/// queue was empty, and only then is the batcher woken
+/// ([`BatcherMsg::SubmitQueued`]); the batcher always empties it, so none
+/// waits for a wake that was not sent.
+#[derive(Default)]
+pub struct SubmitQueue {
+    items: std::sync::Mutex<Vec<Submission>>,
+}
+
+impl SubmitQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Submission>> {
+        self.items.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a submission; true when the queue was empty (wake the batcher).
+    pub fn push(&self, submission: Submission) -> bool {
+        let mut items = self.lock();
+        items.push(submission);
+        items.len() == 1
+    }
+
+    /// Everything queued, in order.
+    pub fn take(&self) -> Vec<Submission> {
+        std::mem::take(&mut *self.lock())
+    }
+}
+
 /// Messages to the batcher actor.
 pub enum BatcherMsg {
     Submit(Submission),
+    /// The [`SubmitQueue`] had been empty and holds submissions now.
+    SubmitQueued,
     /// A timer fired: expire deadlines, dispatch aged queues.
     Tick,
     /// A (new) device actor serves this device slot.

@@ -511,6 +511,7 @@ pub async fn run(
     for slot in &model_slots {
         metrics.set_model_grid(&slot.name, &slot.grid);
     }
+    let submissions = Arc::new(super::messages::SubmitQueue::default());
     let (batcher, batcher_handle) = Actor::spawn(
         None,
         BatcherActor,
@@ -520,6 +521,7 @@ pub async fn run(
             config: super::reload::scheduler_config(&config),
             max_attempts: config.batching.max_attempts,
             metrics: metrics.clone(),
+            submissions: submissions.clone(),
         },
     )
     .await
@@ -618,6 +620,7 @@ pub async fn run(
         Frontend::new(
             models,
             batcher.clone(),
+            submissions,
             metrics.clone(),
             DecodeLimits {
                 max_bytes: config.server.max_request_bytes,

@@ -318,6 +318,10 @@ impl Driver {
         let mut outbox_open = true;
         let mut was_paused = false;
         let mut woke = crate::clock::mono_ns();
+        // The monitor and ZAP sockets are read when their descriptor fired
+        // (and once at start): each ZMQ_EVENTS read is a poll(2) in libzmq,
+        // too dear to make on every turn of a busy socket.
+        let mut side_due = true;
         loop {
             // 1. Sends first, so replies never wait behind input; held
             // DEALER messages go before anything newer.
@@ -344,18 +348,18 @@ impl Driver {
                 }
             }
             // 2. ZAP requests and monitor events.
-            self.serve_zap();
-            self.read_monitor();
+            if side_due {
+                side_due = false;
+                self.serve_zap();
+                self.read_monitor();
+            }
             // 3. Input, while the receiver has room and the budget allows.
             let receiving = !self.inbox.is_closed();
             let mut blocked = Blocked::No;
             let mut taken = 0;
+            // Messages are taken until libzmq says EAGAIN; ZMQ_EVENTS is read
+            // once after that (below, before any wait), not before each one.
             while receiving && taken < RECV_BATCH {
-                match self.main.get_ref().socket.get_events() {
-                    Ok(events) if events.contains(zmq::POLLIN) => {}
-                    Ok(_) => break,
-                    Err(_) => return self.close().await,
-                }
                 if !self.budget.available() {
                     blocked = Blocked::Budget;
                     if !was_paused {
@@ -376,7 +380,10 @@ impl Driver {
                 let received = self.recv_message();
                 match received {
                     Ok(Some(received)) => slot.send(received),
-                    Ok(None) => break,
+                    Ok(None) => {
+                        drop(slot);
+                        break;
+                    }
                     Err(()) => {
                         drop(slot);
                         return self.close().await;
@@ -401,21 +408,23 @@ impl Driver {
                 }
                 return self.close().await;
             }
-            // Held messages are retried as soon as libzmq has room (checked
-            // before waiting, since ZMQ_FD only signals changes).
-            if !self.pending.is_empty()
-                && self
-                    .main
-                    .get_ref()
-                    .socket
-                    .get_events()
-                    .is_ok_and(|e| e.contains(zmq::POLLOUT))
-            {
+            // The one ZMQ_EVENTS read of this turn, which also makes the
+            // edge-triggered ZMQ_FD safe to wait on: more input that arrived
+            // since the EAGAIN (and room was left for it), or room for held
+            // messages, means another turn before any wait.
+            let events = match self.main.get_ref().socket.get_events() {
+                Ok(events) => events,
+                Err(_) => return self.close().await,
+            };
+            let more_input = receiving && blocked == Blocked::No && events.contains(zmq::POLLIN);
+            if more_input || (!self.pending.is_empty() && events.contains(zmq::POLLOUT)) {
                 continue;
             }
             // 4. Wait for anything that could let us make progress. Every
-            // readiness wait is preceded by a ZMQ_EVENTS read above (steps 2
-            // and 3), which is what makes the edge-triggered ZMQ_FD safe.
+            // readiness wait on a socket is preceded by a ZMQ_EVENTS read of
+            // it (the main socket just above; the monitor and ZAP sockets in
+            // step 2 after their descriptor fired), which is what makes the
+            // edge-triggered ZMQ_FD safe.
             let now = crate::clock::mono_ns();
             self.stats
                 .busy_ns
@@ -439,9 +448,13 @@ impl Driver {
                     }
                     r = self.monitor.readable() => {
                         if let Ok(mut g) = r { g.clear_ready() }
+                        side_due = true;
                         Wake::Other
                     }
-                    _ = zap_ready => Wake::Other,
+                    _ = zap_ready => {
+                        side_due = true;
+                        Wake::Other
+                    }
                     _ = self.budget.notify.notified(), if blocked == Blocked::Budget => Wake::Other,
                     _ = self.inbox.reserve(), if blocked == Blocked::Queue => Wake::Other,
                     _ = self.inbox.closed(), if receiving => Wake::Other,

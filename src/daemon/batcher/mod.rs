@@ -24,7 +24,9 @@ pub mod queue;
 mod tests;
 
 use super::fast_link::FastLink;
-use super::messages::{Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, Stamps, Submission};
+use super::messages::{
+    Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, Stamps, Submission, SubmitQueue,
+};
 use super::metrics::{EagerReason, Metrics};
 use crate::bucket::{Bucket, Grid};
 use crate::clock::{mono_ns, us_between};
@@ -57,6 +59,8 @@ pub struct BatcherArgs {
     pub config: SchedulerConfig,
     pub max_attempts: u32,
     pub metrics: Arc<Metrics>,
+    /// The frontend's submissions ([`BatcherMsg::SubmitQueued`]).
+    pub submissions: Arc<SubmitQueue>,
 }
 
 /// The shape that ran some of a request's rows; the reply names the largest.
@@ -210,6 +214,7 @@ pub struct BatcherState {
     drain_waiters: Vec<RpcReplyPort<()>>,
     max_attempts: u32,
     metrics: Arc<Metrics>,
+    submissions: Arc<SubmitQueue>,
 }
 
 pub struct BatcherActor;
@@ -246,7 +251,19 @@ impl Actor for BatcherActor {
             drain_waiters: Vec::new(),
             max_attempts: args.max_attempts,
             metrics: args.metrics,
+            submissions: args.submissions,
         })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut BatcherState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Submissions queued after the last pass get their reply channels
+        // dropped, which their handlers answer ("the request was dropped").
+        drop(state.submissions.take());
+        Ok(())
     }
 
     async fn handle(
@@ -265,6 +282,16 @@ impl Actor for BatcherActor {
                     .batcher_mailbox
                     .add_since(sub.stamps.submitted_ns);
                 state.submit(sub)
+            }
+            BatcherMsg::SubmitQueued => {
+                for sub in state.submissions.take() {
+                    state
+                        .metrics
+                        .stages
+                        .batcher_mailbox
+                        .add_since(sub.stamps.submitted_ns);
+                    state.submit(sub);
+                }
             }
             BatcherMsg::Tick => {
                 if state.timer_at.is_some_and(|t| t <= now) {
@@ -781,6 +808,10 @@ impl BatcherState {
 
     /// Answers everything still held with `unavailable`.
     fn abort_all(&mut self) -> usize {
+        // Queued submissions are accepted first, so they are answered too.
+        for sub in self.submissions.take() {
+            self.submit(sub);
+        }
         let ids: Vec<RequestId> = self.pending.keys().copied().collect();
         for id in &ids {
             self.fail(

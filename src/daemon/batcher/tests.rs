@@ -97,6 +97,7 @@ async fn harness_waiting(
             },
             max_attempts,
             metrics: metrics.clone(),
+            submissions: Default::default(),
         },
     )
     .await
