@@ -336,6 +336,7 @@ pub fn client_limits(config: &Config) -> TransportLimits {
         queue_messages: 4096,
         heartbeat: (s.client_heartbeat_ms > 0)
             .then(|| Duration::from_millis(s.client_heartbeat_ms)),
+        io_threads: s.io_threads,
     }
 }
 
@@ -351,6 +352,7 @@ fn control_limits(config: &Config) -> TransportLimits {
         max_buffered_bytes: 1 << 20,
         queue_messages: 64,
         heartbeat: None,
+        io_threads: 1,
     }
 }
 

@@ -155,6 +155,9 @@ fn setup(
     security: &Security,
 ) -> Result<(Sockets, String), TransportError> {
     let context = zmq::Context::new();
+    context
+        .set_io_threads(limits.io_threads.clamp(1, 64) as i32)
+        .map_err(setup_err("ZMQ_IO_THREADS"))?;
     // The ZAP handler must be bound before the socket it serves is.
     let zap = match security {
         Security::CurveServer {

@@ -104,6 +104,10 @@ pub struct TransportLimits {
     pub queue_messages: usize,
     /// ZMTP heartbeats: ping every interval, drop a peer silent for three.
     pub heartbeat: Option<Duration>,
+    /// libzmq I/O threads of the socket's context (`ZMQ_IO_THREADS`): its
+    /// connections are spread over them, so a busy many-client socket is
+    /// not held to one thread's TCP work.
+    pub io_threads: usize,
 }
 
 impl Default for TransportLimits {
@@ -121,6 +125,7 @@ impl Default for TransportLimits {
             max_buffered_bytes: 1 << 30,
             queue_messages: 4096,
             heartbeat: Some(Duration::from_secs(10)),
+            io_threads: 1,
         }
     }
 }
