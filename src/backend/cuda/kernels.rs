@@ -753,10 +753,13 @@ mod tests {
             .into_iter()
             .filter(|n| needs_dynamic_smem(n))
             .collect();
-        // The padded and the varlen CUDA-core attention, the fused sublayers.
+        // The padded and the varlen CUDA-core attention, each with and
+        // without MPNet's bias, and the fused sublayers (f16, bf16: attention
+        // with and without the bias per head size, and the FFN).
         assert_eq!(
             dynamic.len(),
-            2 * DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len() + 2 * (SMALL_ATTN_HEAD_DIMS.len() + 1),
+            2 * 2 * DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len()
+                + 2 * (2 * SMALL_ATTN_HEAD_DIMS.len() + 1),
             "{dynamic:?}"
         );
         assert!(dynamic.iter().all(|n| !n.contains("_tc_")));

@@ -1203,36 +1203,13 @@ impl<'a> Planner<'a> {
                 let ntypes = self.rows_of(token_type);
                 let threads = ln_threads(hidden)?;
                 let (dst, pending) = self.float_out(out, rows * hidden, t);
-                if let PositionIds::AfterPadding { pad } = position_ids {
-                    // XLM-R / MPNet: positions counted from pad + 1 over the
-                    // row's non-pad ids (embed_pos.cu).
-                    self.kernel(
-                        format!("embed_ln_padpos_{ts}"),
-                        (rows as u32, 1, 1),
-                        threads,
-                        0,
-                        vec![
-                            Arg::Ptr(ids_l),
-                            Arg::Ptr(types_l),
-                            Arg::Ptr(Loc::Weight(word)),
-                            Arg::Ptr(Loc::Weight(position)),
-                            Arg::Ptr(Loc::Weight(token_type)),
-                            Arg::Ptr(Loc::Weight(gamma)),
-                            Arg::Ptr(Loc::Weight(beta)),
-                            Arg::F32(eps),
-                            Arg::Ptr(dst),
-                            Arg::I32(seq as i32),
-                            Arg::I32(hidden as i32),
-                            Arg::I32(vocab as i32),
-                            Arg::I32(npos as i32),
-                            Arg::I32(ntypes as i32),
-                            Arg::I32(pad_arg(pad)?),
-                        ],
-                    );
-                    self.finish_out(pending, rows * hidden)?;
-                    return Ok(1);
-                }
-                if self.limits.ln_vec && ln_vec_fits(hidden) {
+                // XLM-R / MPNet: positions counted from pad + 1 over the
+                // row's non-pad ids (embed_pos.cu), one more argument.
+                let pad = match position_ids {
+                    PositionIds::AfterPadding { pad } => Some(pad_arg(pad)?),
+                    PositionIds::Index => None,
+                };
+                if pad.is_none() && self.limits.ln_vec && ln_vec_fits(hidden) {
                     self.embed_ln_vec(
                         [Arg::Ptr(ids_l), Arg::Ptr(types_l), Arg::Null],
                         [word, position, token_type, gamma, beta],
@@ -1245,28 +1222,30 @@ impl<'a> Planner<'a> {
                     self.finish_out(pending, rows * hidden)?;
                     return Ok(1);
                 }
-                self.kernel(
-                    format!("embed_ln_{ts}"),
-                    (rows as u32, 1, 1),
-                    threads,
-                    0,
-                    vec![
-                        Arg::Ptr(ids_l),
-                        Arg::Ptr(types_l),
-                        Arg::Ptr(Loc::Weight(word)),
-                        Arg::Ptr(Loc::Weight(position)),
-                        Arg::Ptr(Loc::Weight(token_type)),
-                        Arg::Ptr(Loc::Weight(gamma)),
-                        Arg::Ptr(Loc::Weight(beta)),
-                        Arg::F32(eps),
-                        Arg::Ptr(dst),
-                        Arg::I32(seq as i32),
-                        Arg::I32(hidden as i32),
-                        Arg::I32(vocab as i32),
-                        Arg::I32(npos as i32),
-                        Arg::I32(ntypes as i32),
-                    ],
-                );
+                let mut args = vec![
+                    Arg::Ptr(ids_l),
+                    Arg::Ptr(types_l),
+                    Arg::Ptr(Loc::Weight(word)),
+                    Arg::Ptr(Loc::Weight(position)),
+                    Arg::Ptr(Loc::Weight(token_type)),
+                    Arg::Ptr(Loc::Weight(gamma)),
+                    Arg::Ptr(Loc::Weight(beta)),
+                    Arg::F32(eps),
+                    Arg::Ptr(dst),
+                    Arg::I32(seq as i32),
+                    Arg::I32(hidden as i32),
+                    Arg::I32(vocab as i32),
+                    Arg::I32(npos as i32),
+                    Arg::I32(ntypes as i32),
+                ];
+                let name = match pad {
+                    Some(pad) => {
+                        args.push(Arg::I32(pad));
+                        format!("embed_ln_padpos_{ts}")
+                    }
+                    None => format!("embed_ln_{ts}"),
+                };
+                self.kernel(name, (rows as u32, 1, 1), threads, 0, args);
                 self.finish_out(pending, rows * hidden)?;
                 Ok(1)
             }
@@ -1548,34 +1527,11 @@ impl<'a> Planner<'a> {
                     .ok_or_else(|| BackendError::Unsupported(format!("{what}: {tokens} tokens")))?;
                 let threads = ln_threads(hidden)?;
                 let (dst, pending) = self.float_out(out, tokens * hidden, t);
-                if let PositionIds::AfterPadding { pad } = position_ids {
-                    self.kernel(
-                        format!("embed_ln_packed_padpos_{ts}"),
-                        (grid, 1, 1),
-                        threads,
-                        0,
-                        vec![
-                            Arg::Ptr(self.int_loc(ids)),
-                            Arg::Ptr(self.int_loc(token_types)),
-                            Arg::Ptr(self.int_loc(positions)),
-                            Arg::Ptr(Loc::Weight(word)),
-                            Arg::Ptr(Loc::Weight(position)),
-                            Arg::Ptr(Loc::Weight(token_type)),
-                            Arg::Ptr(Loc::Weight(gamma)),
-                            Arg::Ptr(Loc::Weight(beta)),
-                            Arg::F32(eps),
-                            Arg::Ptr(dst),
-                            Arg::I32(hidden as i32),
-                            Arg::I32(self.rows_of(word) as i32),
-                            Arg::I32(self.rows_of(position) as i32),
-                            Arg::I32(self.rows_of(token_type) as i32),
-                            Arg::I32(pad_arg(pad)?),
-                        ],
-                    );
-                    self.finish_out(pending, tokens * hidden)?;
-                    return Ok(1);
-                }
-                if self.limits.ln_vec && ln_vec_fits(hidden) {
+                let pad = match position_ids {
+                    PositionIds::AfterPadding { pad } => Some(pad_arg(pad)?),
+                    PositionIds::Index => None,
+                };
+                if pad.is_none() && self.limits.ln_vec && ln_vec_fits(hidden) {
                     let ids_l = Arg::Ptr(self.int_loc(ids));
                     let types_l = Arg::Ptr(self.int_loc(token_types));
                     let pos_l = Arg::Ptr(self.int_loc(positions));
@@ -1591,28 +1547,30 @@ impl<'a> Planner<'a> {
                     self.finish_out(pending, tokens * hidden)?;
                     return Ok(1);
                 }
-                self.kernel(
-                    format!("embed_ln_packed_{ts}"),
-                    (grid, 1, 1),
-                    threads,
-                    0,
-                    vec![
-                        Arg::Ptr(self.int_loc(ids)),
-                        Arg::Ptr(self.int_loc(token_types)),
-                        Arg::Ptr(self.int_loc(positions)),
-                        Arg::Ptr(Loc::Weight(word)),
-                        Arg::Ptr(Loc::Weight(position)),
-                        Arg::Ptr(Loc::Weight(token_type)),
-                        Arg::Ptr(Loc::Weight(gamma)),
-                        Arg::Ptr(Loc::Weight(beta)),
-                        Arg::F32(eps),
-                        Arg::Ptr(dst),
-                        Arg::I32(hidden as i32),
-                        Arg::I32(self.rows_of(word) as i32),
-                        Arg::I32(self.rows_of(position) as i32),
-                        Arg::I32(self.rows_of(token_type) as i32),
-                    ],
-                );
+                let mut args = vec![
+                    Arg::Ptr(self.int_loc(ids)),
+                    Arg::Ptr(self.int_loc(token_types)),
+                    Arg::Ptr(self.int_loc(positions)),
+                    Arg::Ptr(Loc::Weight(word)),
+                    Arg::Ptr(Loc::Weight(position)),
+                    Arg::Ptr(Loc::Weight(token_type)),
+                    Arg::Ptr(Loc::Weight(gamma)),
+                    Arg::Ptr(Loc::Weight(beta)),
+                    Arg::F32(eps),
+                    Arg::Ptr(dst),
+                    Arg::I32(hidden as i32),
+                    Arg::I32(self.rows_of(word) as i32),
+                    Arg::I32(self.rows_of(position) as i32),
+                    Arg::I32(self.rows_of(token_type) as i32),
+                ];
+                let name = match pad {
+                    Some(pad) => {
+                        args.push(Arg::I32(pad));
+                        format!("embed_ln_packed_padpos_{ts}")
+                    }
+                    None => format!("embed_ln_packed_{ts}"),
+                };
+                self.kernel(name, (grid, 1, 1), threads, 0, args);
                 self.finish_out(pending, tokens * hidden)?;
                 Ok(1)
             }
