@@ -6,12 +6,6 @@ use replayd::config::Config;
 use replayd::daemon::server::{self, ServerOptions};
 use std::path::PathBuf;
 
-/// mimalloc rather than glibc malloc: the request path allocates and frees
-/// on every runtime thread (and frees what another thread allocated), where
-/// glibc's arenas cost measurably (see Cargo.toml).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// Serve neural-network inference by replaying CUDA Graphs captured per
 /// (batch, sequence-length) bucket. Without a subcommand, runs the daemon.
 #[derive(Parser, Debug)]
