@@ -460,20 +460,21 @@ async fn batcher(t: &mut Table, args: &Args) {
         ids: &[u32],
     ) -> oneshot::Receiver<replayd::protocol::Reply> {
         let (tx, rx) = oneshot::channel();
-        let woke = queue.push(Submission {
-            model: 0,
-            client_id: 1,
-            input: BatchRows::Tokens(vec![ids.to_vec()]),
-            priority: 0,
-            received: Instant::now(),
-            deadline: None,
-            output_dtype: DType::F32,
-            reply: tx,
-            stamps: Stamps::default(),
-        });
-        if woke {
-            batcher.cast(BatcherMsg::SubmitQueued).unwrap();
-        }
+        let queued = queue.submit(
+            batcher,
+            Submission {
+                model: 0,
+                client_id: 1,
+                input: BatchRows::Tokens(vec![ids.to_vec()]),
+                priority: 0,
+                received: Instant::now(),
+                deadline: None,
+                output_dtype: DType::F32,
+                reply: tx,
+                stamps: Stamps::default(),
+            },
+        );
+        assert!(queued, "the batcher stopped");
         rx
     }
     let mut lat = Vec::new();

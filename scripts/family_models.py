@@ -165,53 +165,16 @@ def make(out_dir, layers_override=None):
 
 
 def torch_times(out_json, folders):
-    import statistics
-    import time
     import traceback
 
     import torch
     from transformers import AutoModel, AutoModelForSequenceClassification
 
+    from cuda_graph_timing import replay_latency
+
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
-
-    def replay_latency(fn, static_input, iters=1000):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = fn()
-        for _ in range(50):
-            g.replay()
-        torch.cuda.synchronize()
-
-        def timed(step):
-            samples = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                samples.append((time.perf_counter() - t0) * 1e6)
-            samples.sort()
-            return {"p50_us": statistics.median(samples), "p90_us": samples[int(0.9 * len(samples))],
-                    "p99_us": samples[int(0.99 * len(samples))]}
-
-        r = timed(g.replay)
-        host_in = static_input.detach().cpu().pin_memory()
-        host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-
-        def round_trip():
-            static_input.copy_(host_in, non_blocking=True)
-            g.replay()
-            host_out.copy_(out, non_blocking=True)
-
-        r["with_copies"] = timed(round_trip)
-        return r
 
     def load(cls, folder):
         try:
@@ -290,7 +253,7 @@ def torch_times(out_json, folders):
                 agree = None
             try:
                 with torch.no_grad():
-                    r = replay_latency(fwd, ids)
+                    r, _ = replay_latency(fwd, iters=1000, static_input=ids)
                 r["rows_per_s"] = b / r["p50_us"] * 1e6
                 r["module_path_vs_forward_cosine"] = agree
                 results[key] = r

@@ -439,11 +439,7 @@ impl Frontend {
             reply: tx,
             stamps,
         };
-        if self.submissions.push(submission) && self.batcher.cast(BatcherMsg::SubmitQueued).is_err()
-        {
-            // The batcher has stopped: nothing will take the queue, so its
-            // requests' handlers are answered here (theirs: "dropped").
-            drop(self.submissions.take());
+        if !self.submissions.submit(&self.batcher, submission) {
             return Err(ProtocolError::new(
                 id,
                 ErrorCode::Unavailable,

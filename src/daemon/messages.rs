@@ -3,7 +3,7 @@
 //! what state a device is in.
 //!
 //! A request's route (see [`super`]): the frontend builds a [`Submission`]
-//! and sends [`BatcherMsg::Submit`]; the batcher forms a [`Batch`] and puts
+//! and queues it ([`SubmitQueue::submit`]); the batcher forms a [`Batch`] and puts
 //! it in a slot of the device's shared-memory ring ([`super::fast_link`]),
 //! whose task answers the batcher with [`BatcherMsg::BatchDone`] or
 //! [`BatcherMsg::BatchFailed`]; a batch the ring cannot take goes as
@@ -106,7 +106,7 @@ pub struct BatchOutput {
 /// the daemon's busiest serial stage. [`SubmitQueue::push`] says when the
 /// queue was empty, and only then is the batcher woken
 /// ([`BatcherMsg::SubmitQueued`]); the batcher always empties it, so none
-/// waits for a wake that was not sent.
+/// waits for a wake that was not sent. It is the one way in for requests.
 #[derive(Default)]
 pub struct SubmitQueue {
     items: std::sync::Mutex<Vec<Submission>>,
@@ -117,11 +117,21 @@ impl SubmitQueue {
         self.items.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Queues a submission; true when the queue was empty (wake the batcher).
-    pub fn push(&self, submission: Submission) -> bool {
-        let mut items = self.lock();
-        items.push(submission);
-        items.len() == 1
+    /// Queues a submission for `batcher`, waking it when the queue was
+    /// empty. False when the batcher has stopped: nothing will take the
+    /// queue then, so it is emptied here and the reply channels it held are
+    /// dropped (their handlers answer "the request was dropped").
+    pub fn submit(&self, batcher: &ActorRef<BatcherMsg>, submission: Submission) -> bool {
+        let was_empty = {
+            let mut items = self.lock();
+            items.push(submission);
+            items.len() == 1
+        };
+        if was_empty && batcher.cast(BatcherMsg::SubmitQueued).is_err() {
+            drop(self.take());
+            return false;
+        }
+        true
     }
 
     /// Everything queued, in order.
@@ -132,7 +142,6 @@ impl SubmitQueue {
 
 /// Messages to the batcher actor.
 pub enum BatcherMsg {
-    Submit(Submission),
     /// The [`SubmitQueue`] had been empty and holds submissions now.
     SubmitQueued,
     /// A timer fired: expire deadlines, dispatch aged queues.
@@ -143,9 +152,7 @@ pub enum BatcherMsg {
         actor: ActorRef<DeviceMsg>,
     },
     /// The device's worker captured every graph and takes work.
-    DeviceUp {
-        device: DeviceId,
-    },
+    DeviceUp { device: DeviceId },
     /// Batches for this device go through this shared-memory link (sent
     /// before its `DeviceUp`; dropped at its `DeviceDown`).
     FastLink {
@@ -153,10 +160,7 @@ pub enum BatcherMsg {
         link: Arc<super::fast_link::FastLink>,
     },
     /// The device's worker is gone; re-dispatch what it held.
-    DeviceDown {
-        device: DeviceId,
-        reason: String,
-    },
+    DeviceDown { device: DeviceId, reason: String },
     BatchDone {
         device: DeviceId,
         batch: BatchId,
@@ -177,10 +181,7 @@ pub enum BatcherMsg {
     /// Requests accepted and not yet answered.
     Outstanding(RpcReplyPort<usize>),
     /// Send no new batches to this device (`true`) or take it back (`false`).
-    SetDrained {
-        device: DeviceId,
-        drained: bool,
-    },
+    SetDrained { device: DeviceId, drained: bool },
     /// A reload: new scheduling limits, and the grids of the models whose
     /// grid changed (their queued items move to the new grid's lanes).
     /// Answers once in force.

@@ -275,14 +275,6 @@ impl Actor for BatcherActor {
         let now = Instant::now();
         let began = crate::clock::mono_ns();
         match msg {
-            BatcherMsg::Submit(sub) => {
-                state
-                    .metrics
-                    .stages
-                    .batcher_mailbox
-                    .add_since(sub.stamps.submitted_ns);
-                state.submit(sub)
-            }
             BatcherMsg::SubmitQueued => {
                 for sub in state.submissions.take() {
                     state

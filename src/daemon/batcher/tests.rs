@@ -40,6 +40,7 @@ impl Actor for FakeDevice {
 
 struct Harness {
     batcher: ActorRef<BatcherMsg>,
+    submissions: Arc<SubmitQueue>,
     runs: Vec<mpsc::UnboundedReceiver<(Arc<Batch>, u32)>>,
     metrics: Arc<Metrics>,
 }
@@ -66,6 +67,7 @@ async fn harness_waiting(
     max_wait: Duration,
 ) -> Harness {
     let metrics = Arc::new(Metrics::new());
+    let submissions = Arc::new(SubmitQueue::default());
     let mut slots: Vec<(DeviceKind, String)> = (0..devices)
         .map(|i| (DeviceKind::Graph, format!("fake:{i}")))
         .collect();
@@ -97,7 +99,7 @@ async fn harness_waiting(
             },
             max_attempts,
             metrics: metrics.clone(),
-            submissions: Default::default(),
+            submissions: submissions.clone(),
         },
     )
     .await
@@ -114,6 +116,7 @@ async fn harness_waiting(
     }
     Harness {
         batcher,
+        submissions,
         runs,
         metrics,
     }
@@ -131,8 +134,9 @@ fn submit_input(
     deadline: Option<Instant>,
 ) -> oneshot::Receiver<Reply> {
     let (tx, rx) = oneshot::channel();
-    h.batcher
-        .cast(BatcherMsg::Submit(Submission {
+    let queued = h.submissions.submit(
+        &h.batcher,
+        Submission {
             model,
             client_id,
             input,
@@ -142,8 +146,9 @@ fn submit_input(
             output_dtype: DType::F32,
             reply: tx,
             stamps: Default::default(),
-        }))
-        .unwrap();
+        },
+    );
+    assert!(queued, "the batcher stopped");
     rx
 }
 
