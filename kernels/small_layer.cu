@@ -104,13 +104,15 @@ __device__ __forceinline__ void sl_grid_barrier(unsigned* counter) {
     __syncthreads();
 }
 
-// After sl_grid_barrier: counts the block as done; true in the last one,
-// which then sees what every block wrote (and must reset the counter).
-__device__ __forceinline__ bool sl_last_block(unsigned* counter) {
+// Counts the block as done; true in the last one (the one that brings the
+// counter to `total`), which then sees what every block wrote (and must
+// reset the counter). After sl_grid_barrier the counter counts on: total =
+// 2 · gridDim.x.
+__device__ __forceinline__ bool sl_last_block(unsigned* counter, unsigned total) {
     __shared__ bool s_last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == 2 * gridDim.x - 1;
+    if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == total - 1;
     __syncthreads();
     if (s_last) __threadfence();
     return s_last;
@@ -247,13 +249,13 @@ __device__ __forceinline__ void sl_gemm2(const T* a, int K, const T* __restrict_
     }
 }
 
-// The last block: out[r] = LayerNorm(tmp[r]) for rows < live.
+// The last block: out[r] = LayerNorm(tmp[r]) for rows < live, a row per warp.
 template <typename T>
 __device__ __forceinline__ void sl_ln_rows(const float* tmp, const T* __restrict__ gamma, const T* __restrict__ beta,
                                            float eps, T* out, int live, int H) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nv = H >> 2;
-    for (int r = warp; r < live; r += SL_WARPS) {
+    for (int r = warp; r < live; r += blockDim.x >> 5) {
         const float4* row = reinterpret_cast<const float4*>(tmp + (size_t)r * H);
         float v[SL_LN_J][4];
 #pragma unroll
@@ -420,7 +422,7 @@ __device__ __forceinline__ void layer_attn_small_impl(const T* x, const T* __res
 
     sl_grid_barrier(counter);
     sl_gemm2<T>(ctx, H, wo, bo, xs, lda, tmp, H, live, red);
-    if (!sl_last_block(counter)) return;
+    if (!sl_last_block(counter, 2 * gridDim.x)) return;
     sl_ln_rows<T>(tmp, gamma, beta, eps, out, live, H);
     if (tid == 0) *counter = 0u;
 }
@@ -462,7 +464,7 @@ __device__ __forceinline__ void layer_ffn_small_impl(const T* x, const T* __rest
 
     sl_grid_barrier(counter);
     sl_gemm2<T>(inter, I, w2, b2, xs, lda, tmp, H, live, red);
-    if (!sl_last_block(counter)) return;
+    if (!sl_last_block(counter, 2 * gridDim.x)) return;
     sl_ln_rows<T>(tmp, gamma, beta, eps, out, live, H);
     if (tid == 0) *counter = 0u;
 }

@@ -72,6 +72,12 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "small_layer.cu",
         include_str!("../../../kernels/small_layer.cu"),
     ),
+    // Linears of few rows with their epilogues (uses small_layer.cu's
+    // fragment and LayerNorm helpers).
+    (
+        "gemm_small.cu",
+        include_str!("../../../kernels/gemm_small.cu"),
+    ),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
 
@@ -192,8 +198,10 @@ pub fn packed_entry_points() -> Vec<String> {
 pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
 
 /// The vectorised kernels (`add_ln_vec_<t>`, `embed_ln_vec_<t>`,
-/// `bias_act_vec_<t>`, vec.cu) and the fused sublayers for few token rows
-/// (`layer_attn_small_<t>_d<N>`, `layer_ffn_small_<t>`, small_layer.cu).
+/// `bias_act_vec_<t>`, vec.cu), the fused sublayers for few token rows
+/// (`layer_attn_small_<t>_d<N>`, `layer_ffn_small_<t>`, small_layer.cu) and
+/// the Linear of few rows with its epilogue (`gemm_small_<t>`,
+/// gemm_small.cu).
 pub fn fused_entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in DTYPE_SUFFIXES {
@@ -206,6 +214,7 @@ pub fn fused_entry_points() -> Vec<String> {
             names.push(format!("layer_attn_small_{t}_d{d}"));
         }
         names.push(format!("layer_ffn_small_{t}"));
+        names.push(format!("gemm_small_{t}"));
     }
     names
 }

@@ -65,6 +65,25 @@ pub const SK_WARPS: usize = 4;
 /// µs through cuBLASLt) but loses for MiniLM's (384..1536 wide: 297 µs at
 /// (1, 16) against 179-181 µs for (2, 16) and (1, 32) through cuBLASLt).
 pub const SKINNY_MAX_WEIGHT_BYTES: usize = 192 << 10;
+/// Threads per `gemm_small` block (`GS_THREADS` in gemm_small.cu).
+pub const GS_THREADS: u32 = 256;
+/// Output columns per `gemm_small` block (`GS_NB`).
+pub const GS_NB: usize = 16;
+/// Most rows of `gemm_small` (`GS_MAXM`).
+pub const GS_MAXM: usize = 64;
+
+/// Whether a Linear of `m` rows, `n` outputs and `k` inputs in `t` runs on
+/// `gemm_small`: f16/bf16, at most [`GS_MAXM`] rows, K in chunks of 32.
+pub fn gemm_small_fits(m: usize, n: usize, k: usize, t: DType) -> bool {
+    matches!(t, DType::F16 | DType::BF16)
+        && (1..=GS_MAXM).contains(&m)
+        && n > 0
+        && k > 0
+        && k.is_multiple_of(32)
+        && k <= i32::MAX as usize
+        && n <= i32::MAX as usize
+}
+
 /// Largest number of fused (counter-using) ops in one plan.
 pub const MAX_COUNTERS: usize = 1024;
 /// Rows per block (one per warp) of the vectorised LayerNorm kernels
@@ -474,6 +493,10 @@ pub struct Limits {
     /// Fuse FFN1 + activation → FFN2 → add + LayerNorm into one kernel per
     /// layer for few token rows (`layer_ffn_small`).
     pub small_ffn: bool,
+    /// Linears of few rows (f16/bf16) on the tensor-core kernel
+    /// `gemm_small`, with the bias, the activation, and a following
+    /// add + LayerNorm in the same kernel, instead of cuBLASLt.
+    pub gemm_small: bool,
     /// Streaming multiprocessors: the fused sublayers' grid barrier needs
     /// every block resident at once, so their grids stay within this.
     pub sms: usize,
@@ -488,6 +511,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "ew_vec",
     "small_attn",
     "small_ffn",
+    "gemm_small",
 ];
 
 /// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
@@ -505,7 +529,10 @@ pub const DEFAULT_DISABLED: &str = "small";
 /// every specialised path.
 pub const DISABLE_GROUPS: &[(&str, &[&str])] = &[
     ("small", &["small_attn", "small_ffn"]),
-    ("fused", &["ln_vec", "ew_vec", "small_attn", "small_ffn"]),
+    (
+        "fused",
+        &["ln_vec", "ew_vec", "small_attn", "small_ffn", "gemm_small"],
+    ),
     ("all", DISABLE_SWITCHES),
 ];
 
@@ -520,6 +547,7 @@ impl Limits {
             ew_vec: true,
             small_attn: true,
             small_ffn: true,
+            gemm_small: true,
             sms: usize::MAX,
         }
     }
@@ -548,6 +576,7 @@ impl Limits {
                     "ew_vec" => self.ew_vec = false,
                     "small_attn" => self.small_attn = false,
                     "small_ffn" => self.small_ffn = false,
+                    "gemm_small" => self.gemm_small = false,
                     _ => {}
                 }
             }
@@ -577,6 +606,7 @@ impl Limits {
             self.ew_vec,
             self.small_attn,
             self.small_ffn,
+            self.gemm_small,
         ];
         DISABLE_SWITCHES
             .iter()
@@ -589,6 +619,16 @@ impl Limits {
 
 /// A cast still to run after an op: (from, from type, to, to type).
 type PendingCast = Option<(Loc, DType, Loc, DType)>;
+
+/// What a matmul kernel needs to apply the AddLayerNorm after it (see
+/// `Planner::add_ln_after`).
+struct AddLnAfter {
+    residual: BufId,
+    gamma: WeightId,
+    beta: WeightId,
+    eps: f32,
+    out: BufId,
+}
 
 struct Planner<'a> {
     program: &'a Program,
@@ -742,6 +782,119 @@ impl<'a> Planner<'a> {
         Ok(())
     }
 
+    /// The AddLayerNorm right after op `idx` (a Linear of `m` × `n` into
+    /// `out` with activation `act`) when a matmul kernel can apply it in its
+    /// epilogue: it normalises `out + residual` over rows of `n`, nothing
+    /// else reads `out`, and residual and result are of the compute type.
+    fn add_ln_after(
+        &self,
+        idx: usize,
+        act: Activation,
+        out: BufId,
+        m: usize,
+        n: usize,
+    ) -> Option<AddLnAfter> {
+        let t = self.compute;
+        let Some(&Op::AddLayerNorm {
+            x: ln_x,
+            residual,
+            gamma,
+            beta,
+            eps,
+            out: ln_out,
+            rows,
+            hidden,
+        }) = self.program.ops.get(idx + 1)
+        else {
+            return None;
+        };
+        let fusable = act == Activation::Identity
+            && ln_x == out
+            && ln_out != out
+            && residual != out
+            && rows == m
+            && hidden == n
+            && self.program.buffer(out).kind == BufKind::Activation
+            && self.dtype(residual) == t
+            && self.dtype(ln_out) == t
+            && dead_after(&self.program.ops, idx + 2, out);
+        fusable.then_some(AddLnAfter {
+            residual,
+            gamma,
+            beta,
+            eps,
+            out: ln_out,
+        })
+    }
+
+    /// A Linear of few rows (f16/bf16) through `gemm_small` (gemm_small.cu):
+    /// bias and activation in its epilogue, and the AddLayerNorm after it
+    /// too where [`Planner::add_ln_after`] allows (then it consumes 2 ops).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_small(
+        &mut self,
+        idx: usize,
+        w: WeightId,
+        bias: Option<WeightId>,
+        act: Activation,
+        x_l: Loc,
+        out: BufId,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<usize, BackendError> {
+        let t = self.compute;
+        let grid = u32::try_from(n.div_ceil(GS_NB))
+            .map_err(|_| BackendError::Unsupported(format!("op {idx} (Linear): {n} outputs")))?;
+        let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        let (offsets, seqs) = self.live_rows_args();
+        let name = format!("gemm_small_{}", suffix(t));
+        let fused_ln = self
+            .add_ln_after(idx, act, out, m, n)
+            .filter(|_| ln_vec_fits(n));
+        let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(Loc::Weight(w)), bias_arg];
+        let consumed = match fused_ln {
+            Some(ln) => {
+                let (counter, tmp) = self.fused_scratch(m, n);
+                args.extend([
+                    Arg::Ptr(self.locs[&ln.out]),
+                    Arg::I32(m as i32),
+                    Arg::I32(n as i32),
+                    Arg::I32(k as i32),
+                    Arg::I32(0),
+                    Arg::I32(1),
+                    Arg::Ptr(self.locs[&ln.residual]),
+                    Arg::Ptr(tmp),
+                    Arg::Ptr(Loc::Weight(ln.gamma)),
+                    Arg::Ptr(Loc::Weight(ln.beta)),
+                    Arg::F32(ln.eps),
+                    Arg::Ptr(counter),
+                ]);
+                2
+            }
+            None => {
+                args.extend([
+                    Arg::Ptr(self.locs[&out]),
+                    Arg::I32(m as i32),
+                    Arg::I32(n as i32),
+                    Arg::I32(k as i32),
+                    Arg::I32(act_code(act)),
+                    Arg::I32(0),
+                    Arg::Null,
+                    Arg::Null,
+                    Arg::Null,
+                    Arg::Null,
+                    Arg::F32(0.0),
+                    Arg::Null,
+                ]);
+                1
+            }
+        };
+        args.extend([offsets, Arg::I32(seqs as i32)]);
+        self.kernel(name, (grid, 1, 1), GS_THREADS, 0, args);
+        Ok(consumed)
+    }
+
     /// A Linear with few rows through the skinny kernel, fused with the
     /// AddLayerNorm after it when that reads only this output (which is then
     /// never materialised). Returns the ops consumed.
@@ -763,55 +916,41 @@ impl<'a> Planner<'a> {
         let grid = (n.div_ceil(SK_COLS) as u32, 1, 1);
         let block = (32 * SK_WARPS) as u32;
         let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
-        if let Some(Op::AddLayerNorm {
-            x: ln_x,
+        if let Some(AddLnAfter {
             residual,
             gamma,
             beta,
             eps,
             out: ln_out,
-            rows,
-            hidden,
-        }) = self.program.ops.get(idx + 1).cloned()
+        }) = self.add_ln_after(idx, act, out, m, n)
         {
-            let fusable = act == Activation::Identity
-                && ln_x == out
-                && ln_out != out
-                && rows == m
-                && hidden == n
-                && self.program.buffer(out).kind == BufKind::Activation
-                && self.dtype(residual) == t
-                && self.dtype(ln_out) == t
-                && dead_after(&self.program.ops, idx + 2, out);
-            if fusable {
-                let tmp = self.scratch(m * n, DType::F32);
-                let counter = Loc::Counter(self.counters);
-                self.counters += 1;
-                self.kernel(
-                    format!("skinny_{0}_{0}", suffix(t)),
-                    grid,
-                    block,
-                    0,
-                    vec![
-                        Arg::Ptr(x_l),
-                        Arg::Ptr(Loc::Weight(w)),
-                        bias_arg,
-                        Arg::Ptr(self.locs[&ln_out]),
-                        Arg::I32(m as i32),
-                        Arg::I32(n as i32),
-                        Arg::I32(k as i32),
-                        Arg::I32(0),
-                        Arg::I32(1),
-                        Arg::Ptr(self.locs[&residual]),
-                        Arg::Ptr(tmp),
-                        Arg::Ptr(Loc::Weight(gamma)),
-                        Arg::Ptr(Loc::Weight(beta)),
-                        Arg::F32(eps),
-                        Arg::Ptr(counter),
-                    ],
-                );
-                return Ok(2);
-            }
+            let tmp = self.scratch(m * n, DType::F32);
+            let counter = Loc::Counter(self.counters);
+            self.counters += 1;
+            self.kernel(
+                format!("skinny_{0}_{0}", suffix(t)),
+                grid,
+                block,
+                0,
+                vec![
+                    Arg::Ptr(x_l),
+                    Arg::Ptr(Loc::Weight(w)),
+                    bias_arg,
+                    Arg::Ptr(self.locs[&ln_out]),
+                    Arg::I32(m as i32),
+                    Arg::I32(n as i32),
+                    Arg::I32(k as i32),
+                    Arg::I32(0),
+                    Arg::I32(1),
+                    Arg::Ptr(self.locs[&residual]),
+                    Arg::Ptr(tmp),
+                    Arg::Ptr(Loc::Weight(gamma)),
+                    Arg::Ptr(Loc::Weight(beta)),
+                    Arg::F32(eps),
+                    Arg::Ptr(counter),
+                ],
+            );
+            return Ok(2);
         }
         self.kernel(
             format!("skinny_{}_{}", suffix(t), suffix(out_t)),
@@ -1290,6 +1429,9 @@ impl<'a> Planner<'a> {
                     && (out_t == t || out_t == DType::F32)
                 {
                     return self.skinny(idx, w, bias, act, x_l, out, out_t, m, n, k);
+                }
+                if self.limits.gemm_small && out_t == t && gemm_small_fits(m, n, k, t) {
+                    return self.gemm_small(idx, w, bias, act, x_l, out, m, n, k);
                 }
                 let (epilogue, post) = split_activation(act, bias.is_some());
                 let shape = MatmulShape {
@@ -1825,7 +1967,7 @@ pub(crate) mod tests {
     const LIMITS: Limits = Limits::new(227 * 1024);
     /// The paths the kernels before the vectorised and fused ones took
     /// (tests of those keep checking them).
-    const LEGACY: &str = "ln_vec,ew_vec,small";
+    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small";
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -2601,8 +2743,7 @@ pub(crate) mod tests {
             names,
             vec![
                 "bias_act_f32_f16", // input f32 -> f16
-                "mmBias",           // exact GELU is not fused ...
-                "bias_act_vec_f16", // ... but applied in place, 8 values a thread
+                "gemm_small_f16",   // 20 rows: bias + exact GELU in the epilogue
                 "mmBias",           // last layer into f16 scratch
                 "bias_act_f16_f32", // ... converted into the f32 output
             ]
@@ -2710,8 +2851,8 @@ pub(crate) mod tests {
 
     #[test]
     fn kernels_can_be_switched_off() {
-        let l = LIMITS.with_disabled("skinny, tc_attention,unknown,small");
-        assert!(!l.skinny && !l.tc_attention && !l.small_attn && !l.small_ffn);
+        let l = LIMITS.with_disabled("skinny, tc_attention,unknown,small,gemm_small");
+        assert!(!l.skinny && !l.tc_attention && !l.small_attn && !l.small_ffn && !l.gemm_small);
         assert!(l.ln_vec && l.ew_vec);
         let (p, w) = tiny_bert(1, 16);
         let plan = plan(&p, &w, DType::F16, false, l).unwrap();
@@ -2736,7 +2877,14 @@ pub(crate) mod tests {
     #[test]
     fn bert_layer_plan() {
         let (p, w) = tiny_bert(2, 16);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS.with_disabled("small")).unwrap();
+        let plan = plan(
+            &p,
+            &w,
+            DType::F16,
+            false,
+            LIMITS.with_disabled("small,gemm_small"),
+        )
+        .unwrap();
         assert_eq!(plan.matmul_count(), 4);
         // embed, attention, 2 add-LN, GELU, pool
         assert_eq!(plan.kernel_count(), 6);
@@ -2934,25 +3082,81 @@ pub(crate) mod tests {
             plan(p, &w, dtype, false, limits).unwrap()
         };
         let legacy = LIMITS.with_disabled(LEGACY);
+        let default = LIMITS.with_disabled(DEFAULT_DISABLED);
+        // Nodes: before the small-shape kernels, with the default switches
+        // (gemm_small at <= 64 rows), with every path on (fused sublayers).
         let cases = [
-            ("(1, 16)", a.program(1, 16), 50, 14),
-            ("(2, 32)", a.program(2, 32), 50, 14),
-            ("(32, 128)", a.program(32, 128), 50, 50),
-            ("(128, 128)", a.program(128, 128), 50, 50),
-            ("64t", a.packed_program(64, 64), 50, 14),
-            ("1024t", a.packed_program(1024, 256), 50, 50),
-            ("16384t", a.packed_program(16384, 256), 50, 50),
+            ("(1, 16)", a.program(1, 16), 50, 32, 14),
+            ("(2, 32)", a.program(2, 32), 50, 32, 14),
+            ("(32, 128)", a.program(32, 128), 50, 50, 50),
+            ("(128, 128)", a.program(128, 128), 50, 50, 50),
+            ("64t", a.packed_program(64, 64), 50, 32, 14),
+            ("1024t", a.packed_program(1024, 256), 50, 50, 50),
+            ("16384t", a.packed_program(16384, 256), 50, 50, 50),
         ];
-        for (what, p, before, after) in &cases {
+        for (what, p, before, by_default, all_on) in &cases {
             assert_eq!(
                 steps(p, DType::F16, legacy).node_count(),
                 *before,
                 "{what} legacy"
             );
-            let now = steps(p, DType::F16, LIMITS);
-            assert_eq!(now.node_count(), *after, "{what}: {:?}", now.step_names());
-            assert_eq!(now.node_count(), now.kernel_count() + now.matmul_count());
+            for (limits, want) in [(default, by_default), (LIMITS, all_on)] {
+                let now = steps(p, DType::F16, limits);
+                assert_eq!(now.node_count(), *want, "{what}: {:?}", now.step_names());
+                assert_eq!(now.node_count(), now.kernel_count() + now.matmul_count());
+            }
         }
+        // By default (1, 16) is, per layer, QKV, attention, O + add + LN,
+        // FFN1 + GELU, FFN2 + add + LN: no cuBLASLt, no separate LayerNorm.
+        let gs = steps(&cases[0].1, DType::F16, default);
+        let mut want = vec!["embed_ln_vec_f16".to_string()];
+        for _ in 0..6 {
+            want.extend(
+                [
+                    "gemm_small_f16",
+                    "attention_tc_f16_d32",
+                    "gemm_small_f16",
+                    "gemm_small_f16",
+                    "gemm_small_f16",
+                ]
+                .map(String::from),
+            );
+        }
+        want.push("pool_f16".into());
+        assert_eq!(gs.step_names(), want);
+        assert_eq!((gs.matmul_count(), gs.counters), (0, 12));
+        assert_eq!(gs.accum_bytes, 16 * 384 * 4);
+        let modes: Vec<(u32, Arg, Arg)> = gs.steps[1..6]
+            .iter()
+            .filter_map(|s| match s {
+                Step::Kernel {
+                    name, grid, args, ..
+                } if name.starts_with("gemm_small") => Some((grid.0, args[7], args[8])),
+                _ => None,
+            })
+            .collect();
+        let gelu = Arg::I32(act_code(Activation::Gelu));
+        assert_eq!(
+            modes,
+            vec![
+                (1152 / 16, Arg::I32(0), Arg::I32(0)), // QKV, bias only
+                (384 / 16, Arg::I32(0), Arg::I32(1)),  // O, then add + LN
+                (1536 / 16, gelu, Arg::I32(0)),        // FFN1 + GELU
+                (384 / 16, Arg::I32(0), Arg::I32(1)),  // FFN2, then add + LN
+            ]
+        );
+        // The packed 64-token budget computes its live rows only.
+        let p64 = steps(&cases[4].1, DType::F16, default);
+        assert!(p64.steps.iter().all(|s| match s {
+            Step::Kernel { name, args, .. } if name.starts_with("gemm_small") =>
+                matches!(args[15], Arg::Ptr(_)) && args[16] == Arg::I32(64),
+            _ => true,
+        }));
+        assert!(gs.steps.iter().all(|s| match s {
+            Step::Kernel { name, args, .. } if name.starts_with("gemm_small") =>
+                args[15] == Arg::Null,
+            _ => true,
+        }));
         // (1, 16): the embedding, two fused kernels per layer, the pooling.
         let small = steps(&cases[0].1, DType::F16, LIMITS);
         let mut want = vec!["embed_ln_vec_f16".to_string()];
@@ -3175,7 +3379,7 @@ pub(crate) mod tests {
         let fused = LIMITS.with_disabled("fused");
         assert_eq!(
             fused.disabled(),
-            vec!["ln_vec", "ew_vec", "small_attn", "small_ffn"]
+            vec!["ln_vec", "ew_vec", "small_attn", "small_ffn", "gemm_small"]
         );
         assert_eq!(fused, LIMITS.with_disabled(LEGACY));
         // With everything off, MiniLM (1, 16) plans the kernels of before.
