@@ -177,12 +177,12 @@ __device__ __forceinline__ void attention_impl(const T* __restrict__ qkv, const 
 #define ATTENTION_KERNEL(T, SUF, DMAX)                                                                     \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                              \
         attention_##SUF##_d##DMAX(const T* qkv, const int* mask, T* out, int seq, int heads, int hd,      \
-                                  float scale) {                                                           \
+                                  float scale) { pdl_enter();                                                           \
         attention_impl<T, DMAX, false>(qkv, mask, out, seq, heads, hd, scale, nullptr, 0);                 \
     }                                                                                                      \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                              \
         attention_bias_##SUF##_d##DMAX(const T* qkv, const int* mask, T* out, int seq, int heads, int hd, \
-                                       float scale, const T* pbias, int radius) {                          \
+                                       float scale, const T* pbias, int radius) { pdl_enter();                          \
         attention_impl<T, DMAX, true>(qkv, mask, out, seq, heads, hd, scale, pbias, radius);               \
     }
 

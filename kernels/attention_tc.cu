@@ -200,12 +200,12 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
 
 #define ATTENTION_TC_KERNEL(T, SUF, D)                                                                            \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                      \
-        attention_tc_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale) {      \
+        attention_tc_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale) { pdl_enter();      \
         attention_tc_impl<T, D, false>(qkv, mask, out, seq, heads, scale, nullptr, 0);                            \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                      \
         attention_tc_bias_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale,   \
-                                       const T* pbias, int radius) {                                              \
+                                       const T* pbias, int radius) { pdl_enter();                                              \
         attention_tc_impl<T, D, true>(qkv, mask, out, seq, heads, scale, pbias, radius);                          \
     }
 

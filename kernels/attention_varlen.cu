@@ -375,25 +375,25 @@ __device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv,
 #define ATTENTION_VARLEN_TC_KERNEL(T, SUF, D)                                                                  \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                   \
         attention_varlen_tc_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale,      \
-                                         int tokens) {                                                         \
+                                         int tokens) { pdl_enter();                                                         \
         attention_varlen_tc_impl<T, D, false>(qkv, tiles, out, heads, scale, tokens, nullptr, 0);              \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                   \
         attention_varlen_tc_bias_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale, \
-                                              int tokens, const T* pbias, int radius) {                        \
+                                              int tokens, const T* pbias, int radius) { pdl_enter();                        \
         attention_varlen_tc_impl<T, D, true>(qkv, tiles, out, heads, scale, tokens, pbias, radius);            \
     }
 
 #define ATTENTION_VARLEN_KERNEL(T, SUF, DMAX)                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                  \
         attention_varlen_##SUF##_d##DMAX(const T* qkv, const int* tiles, T* out, int heads, int hd,           \
-                                         float scale, int tokens, int max_len) {                               \
+                                         float scale, int tokens, int max_len) { pdl_enter();                               \
         attention_varlen_impl<T, DMAX, false>(qkv, tiles, out, heads, hd, scale, tokens, max_len, nullptr, 0); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                                  \
         attention_varlen_bias_##SUF##_d##DMAX(const T* qkv, const int* tiles, T* out, int heads, int hd,      \
                                               float scale, int tokens, int max_len, const T* pbias,            \
-                                              int radius) {                                                    \
+                                              int radius) { pdl_enter();                                                    \
         attention_varlen_impl<T, DMAX, true>(qkv, tiles, out, heads, hd, scale, tokens, max_len, pbias,        \
                                              radius);                                                          \
     }

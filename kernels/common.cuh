@@ -43,6 +43,30 @@ template <> __device__ __forceinline__ bf16_t from_f32<bf16_t>(float x) {
 
 #define NEG_INF_F (__int_as_float(0xff800000))
 
+// Programmatic dependent launch (sm_90+). The host launches a kernel with
+// the programmatic-serialization attribute only when it follows another of
+// ours (see plan::Plan::pdl): such a kernel may start while the one before
+// it still runs, so before it reads anything that kernel wrote, or writes
+// anything it reads, it must pass pdl_wait(), which returns once every
+// grid it depends on has completed and its memory is visible. Weights can be
+// read before. pdl_trigger() lets the next kernel start (its blocks then
+// wait in its own pdl_wait). Both are no-ops for a plain launch.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// The prologue of every kernel that does not prefetch weights.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_trigger();
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -16,7 +16,7 @@ __device__ __forceinline__ void bias_act_impl(const Tin* x, const Tin* __restric
 
 #define BIAS_ACT_KERNEL(TIN, TOUT, SUF)                                                                 \
     extern "C" __global__ void bias_act_##SUF(const TIN* x, const TIN* bias, TOUT* y, int n, int cols, \
-                                              int act) {                                                \
+                                              int act) { pdl_enter();                                                \
         bias_act_impl<TIN, TOUT>(x, bias, y, n, cols, act);                                             \
     }
 

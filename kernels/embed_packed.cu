@@ -35,7 +35,7 @@ __device__ __forceinline__ void embed_ln_packed_impl(const int* __restrict__ ids
     extern "C" __global__ void embed_ln_packed_##SUF(const int* ids, const int* types, const int* positions,   \
                                                      const T* word, const T* pos, const T* ttab,               \
                                                      const T* gamma, const T* beta, float eps, T* out,         \
-                                                     int hidden, int vocab, int npos, int ntypes) {            \
+                                                     int hidden, int vocab, int npos, int ntypes) { pdl_enter();            \
         embed_ln_packed_impl<T>(ids, types, positions, word, pos, ttab, gamma, beta, eps, out, hidden, vocab, \
                                 npos, ntypes);                                                                 \
     }

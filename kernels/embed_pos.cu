@@ -46,7 +46,7 @@ __device__ __forceinline__ void embed_ln_padpos_impl(const int* __restrict__ ids
     extern "C" __global__ void embed_ln_padpos_##SUF(const int* ids, const int* types, const T* word,          \
                                                      const T* pos, const T* ttab, const T* gamma,              \
                                                      const T* beta, float eps, T* out, int seq, int hidden,    \
-                                                     int vocab, int npos, int ntypes, int pad) {               \
+                                                     int vocab, int npos, int ntypes, int pad) { pdl_enter();               \
         const int r = blockIdx.x;                                                                              \
         embed_ln_padpos_impl<T>(ids, types, r, r - r % seq, word, pos, ttab, gamma, beta, eps, out, hidden,    \
                                 vocab, npos, ntypes, pad);                                                     \
@@ -54,7 +54,7 @@ __device__ __forceinline__ void embed_ln_padpos_impl(const int* __restrict__ ids
     extern "C" __global__ void embed_ln_packed_padpos_##SUF(                                                   \
         const int* ids, const int* types, const int* positions, const T* word, const T* pos, const T* ttab,    \
         const T* gamma, const T* beta, float eps, T* out, int hidden, int vocab, int npos, int ntypes,         \
-        int pad) {                                                                                             \
+        int pad) { pdl_enter();                                                                                             \
         const int t = blockIdx.x;                                                                              \
         const int start = t - min(max(positions[t], 0), t);                                                    \
         embed_ln_padpos_impl<T>(ids, types, t, start, word, pos, ttab, gamma, beta, eps, out, hidden, vocab,   \

@@ -17,7 +17,9 @@
 // The GS_WARPS warps of a block split K in chunks of 32 (chunk c goes to warp
 // c % GS_WARPS) and keep up to GS_G chunks of loads in flight per round; the
 // fragments use small_layer.cu's permutation of k (sl_mma32: one 16-byte load
-// of A per row and of B per column per 32 values of K). The warps' partial
+// of A per row and of B per column per 32 values of K); the m-tiles are a
+// template parameter, so all of a round's loads are issued before its first
+// mma. The warps' partial
 // sums meet in shared memory and are added in a fixed order, so replays are
 // bit-for-bit reproducible.
 //
@@ -34,79 +36,88 @@
 // Host-checked requirements: T = f16/bf16, 1 <= M <= GS_MAXM, K % 32 == 0,
 // rows 16-byte aligned; mode 1 also N % 4 == 0 and N <= 32·4·SL_LN_J.
 //
-// Uses mma16816 (attention_tc.cu), sl_mma32 / sl_live_rows / sl_last_block /
-// sl_ln_rows (small_layer.cu).
+// Launched with programmatic dependent launch after another kernel: the
+// block reads its first weights before pdl_wait (common.cuh), so their
+// latency overlaps the kernel before.
+//
+// Uses mma16816 (attention_tc.cu), sl_mma32 / sl_live_rows / sl_last_block
+// (small_layer.cu), ld4 / st4 (vec.cu).
 
 #define GS_WARPS 8
 #define GS_THREADS (32 * GS_WARPS)
 #define GS_NB 16   // output columns per block
 #define GS_MAXM 64 // most rows (4 m16-tiles)
-#define GS_G 6     // chunks of 32 values of K in flight per warp and round
+#define GS_LN_J 8  // float4s per lane and row in the LayerNorm tail (N <= 1024)
 
-template <typename T>
-__device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict__ w, const T* __restrict__ bias,
-                                                T* out, int M, int N, int K, int act, int mode, const T* residual,
-                                                float* tmp, const T* __restrict__ gamma,
-                                                const T* __restrict__ beta, float eps, unsigned* counter,
-                                                const int* __restrict__ offsets, int seqs) {
-    constexpr int MTMAX = GS_MAXM / 16;
-    __shared__ float red[GS_WARPS][MTMAX][16 * GS_NB];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
-    const int n0 = blockIdx.x * GS_NB;
-    const int live = sl_live_rows(M, offsets, seqs);
-    const int mts = (live + 15) >> 4;
+// Chunks of 32 values of K each warp keeps in flight per round, for MT
+// m16-tiles: the loads of a round (2·G of the weights, 2·G·MT of x, 16 bytes
+// each) stay under ~100 registers.
+template <int MT>
+struct GsRound {
+    static constexpr int G = MT == 1 ? 6 : (MT == 2 ? 3 : 2);
+};
+
+// The block's partial sums over all of K for MT m-tiles, summed over the
+// warps into red[0] order: red[w][mt][r·GS_NB + c]. Weights of the first
+// round are read before pdl_wait (they are no other kernel's output).
+template <typename T, int MT>
+__device__ __forceinline__ void gs_product(const T* x, const T* __restrict__ w, int N, int K, int live, int n0,
+                                           float (*red)[GS_MAXM / 16][16 * GS_NB]) {
+    constexpr int G = GsRound<MT>::G;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
     const int chunks = K >> 5;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-
-    float c[MTMAX][2][4];
-#pragma unroll
-    for (int mt = 0; mt < MTMAX; mt++)
-#pragma unroll
-        for (int j = 0; j < 2; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) c[mt][j][e] = 0.0f;
-
     // This lane's weight rows (the column g of each n8-tile) and A columns.
     const bool w_ok0 = n0 + g < N, w_ok1 = n0 + 8 + g < N;
     const T* w0 = w + (size_t)min(n0 + g, N - 1) * K + 8 * t4;
     const T* w1 = w + (size_t)min(n0 + 8 + g, N - 1) * K + 8 * t4;
     const T* xa = x + (size_t)g * K + 8 * t4;
 
-    for (int c0 = warp; c0 < chunks; c0 += GS_WARPS * GS_G) {
-        uint4 b[GS_G][2];
+    float c[MT][2][4];
 #pragma unroll
-        for (int i = 0; i < GS_G; i++) {
-            const int k0 = (c0 + i * GS_WARPS) * 32;
-            const bool in = c0 + i * GS_WARPS < chunks;
-            b[i][0] = in && w_ok0 ? __ldg(reinterpret_cast<const uint4*>(w0 + k0)) : zero;
-            b[i][1] = in && w_ok1 ? __ldg(reinterpret_cast<const uint4*>(w1 + k0)) : zero;
-        }
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int mt = 0; mt < MTMAX; mt++) {
-            if (mt >= mts) break;  // block-uniform
-            const int ra = mt * 16 + g;
-            uint4 alo[GS_G], ahi[GS_G];
+        for (int j = 0; j < 2; j++)
 #pragma unroll
-            for (int i = 0; i < GS_G; i++) {
-                const int k0 = (c0 + i * GS_WARPS) * 32;
-                const bool in = c0 + i * GS_WARPS < chunks;
-                const T* p = xa + (size_t)(mt * 16) * K + k0;
-                alo[i] = in && ra < live ? *reinterpret_cast<const uint4*>(p) : zero;
-                ahi[i] = in && ra + 8 < live ? *reinterpret_cast<const uint4*>(p + (size_t)8 * K) : zero;
-            }
-#pragma unroll
-            for (int i = 0; i < GS_G; i++) {
-                sl_mma32<T>(c[mt][0], alo[i], ahi[i], b[i][0]);
-                sl_mma32<T>(c[mt][1], alo[i], ahi[i], b[i][1]);
-            }
-        }
-    }
+            for (int e = 0; e < 4; e++) c[mt][j][e] = 0.0f;
 
-    // Partials to shared memory: c[mt][j] = rows g, g + 8 of the m-tile,
-    // columns j·8 + 2·t4 (+1).
+    uint4 b[G][2];
+    auto load_w = [&](int c0) {
 #pragma unroll
-    for (int mt = 0; mt < MTMAX; mt++) {
-        if (mt >= mts) break;
+        for (int i = 0; i < G; i++) {
+            const int ch = c0 + i * GS_WARPS;
+            b[i][0] = ch < chunks && w_ok0 ? __ldg(reinterpret_cast<const uint4*>(w0 + ch * 32)) : zero;
+            b[i][1] = ch < chunks && w_ok1 ? __ldg(reinterpret_cast<const uint4*>(w1 + ch * 32)) : zero;
+        }
+    };
+    load_w(warp);
+    pdl_wait();
+    pdl_trigger();
+    for (int c0 = warp; c0 < chunks; c0 += GS_WARPS * G) {
+        if (c0 != warp) load_w(c0);
+        uint4 alo[MT][G], ahi[MT][G];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            const int ra = mt * 16 + g;
+#pragma unroll
+            for (int i = 0; i < G; i++) {
+                const int ch = c0 + i * GS_WARPS;
+                const T* p = xa + (size_t)(mt * 16) * K + ch * 32;
+                alo[mt][i] = ch < chunks && ra < live ? *reinterpret_cast<const uint4*>(p) : zero;
+                ahi[mt][i] = ch < chunks && ra + 8 < live ? *reinterpret_cast<const uint4*>(p + (size_t)8 * K) : zero;
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int i = 0; i < G; i++) {
+                sl_mma32<T>(c[mt][0], alo[mt][i], ahi[mt][i], b[i][0]);
+                sl_mma32<T>(c[mt][1], alo[mt][i], ahi[mt][i], b[i][1]);
+            }
+    }
+    // c[mt][j] holds rows g, g + 8 of the m-tile, columns j·8 + 2·t4 (+1).
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int col = j * 8 + 2 * t4;
@@ -114,27 +125,119 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
             *reinterpret_cast<float2*>(&red[warp][mt][(g + 8) * GS_NB + col]) =
                 make_float2(c[mt][j][2], c[mt][j][3]);
         }
-    }
-    __syncthreads();
+}
 
+// The last block of mode 1: out[r] = LayerNorm(tmp[r]) for rows < live,
+// two rows per warp at a time with every load of both rows (and gamma, beta)
+// in flight at once.
+template <typename T>
+__device__ __forceinline__ void gs_ln_rows(const float* tmp, const T* __restrict__ gamma,
+                                           const T* __restrict__ beta, float eps, T* out, int live, int N) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nv = N >> 2;
+    for (int r0 = 2 * warp; r0 < live; r0 += 2 * GS_WARPS) {
+        float v[2][GS_LN_J][4], gm[GS_LN_J][4], bt[GS_LN_J][4];
+#pragma unroll
+        for (int j = 0; j < GS_LN_J; j++) {
+            const int q = lane + 32 * j;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float4 a = q < nv && r0 + h < live
+                                     ? __ldcg(reinterpret_cast<const float4*>(tmp + (size_t)(r0 + h) * N) + q)
+                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                v[h][j][0] = a.x;
+                v[h][j][1] = a.y;
+                v[h][j][2] = a.z;
+                v[h][j][3] = a.w;
+            }
+            if (q < nv) {
+                ld4(gamma + 4 * q, gm[j]);
+                ld4(beta + 4 * q, bt[j]);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = r0 + h;
+            if (r >= live) break;  // warp-uniform
+            float s = 0.0f;
+#pragma unroll
+            for (int j = 0; j < GS_LN_J; j++)
+                if (lane + 32 * j < nv) s += (v[h][j][0] + v[h][j][1]) + (v[h][j][2] + v[h][j][3]);
+            const float mean = warp_sum(s) / (float)N;
+            float q2 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < GS_LN_J; j++) {
+                if (lane + 32 * j < nv) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const float d = v[h][j][e] - mean;
+                        q2 += d * d;
+                    }
+                }
+            }
+            const float rstd = 1.0f / sqrtf(warp_sum(q2) / (float)N + eps);
+#pragma unroll
+            for (int j = 0; j < GS_LN_J; j++) {
+                const int q = lane + 32 * j;
+                if (q < nv) {
+                    float o[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) o[e] = (v[h][j][e] - mean) * rstd * gm[j][e] + bt[j][e];
+                    st4(out + (size_t)r * N + 4 * q, o);
+                }
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict__ w, const T* __restrict__ bias,
+                                                T* out, int M, int N, int K, int act, int mode, const T* residual,
+                                                float* tmp, const T* __restrict__ gamma,
+                                                const T* __restrict__ beta, float eps, unsigned* counter,
+                                                const int* offsets, int seqs) {
+    constexpr int MTMAX = GS_MAXM / 16;
+    __shared__ float red[GS_WARPS][MTMAX][16 * GS_NB];
+    const int tid = threadIdx.x;
+    const int n0 = blockIdx.x * GS_NB;
     // One output value per thread and m-tile (16 × GS_NB = GS_THREADS).
     const int rr = tid / GS_NB, n = n0 + tid % GS_NB;
-    for (int mt = 0; mt < mts; mt++) {
+    const float bn = bias != 0 && n < N ? to_f32(bias[n]) : 0.0f;
+    // The live rows come from this batch's inputs, written before the graph
+    // runs (no kernel writes them): readable before pdl_wait.
+    const int live = sl_live_rows(M, offsets, seqs);
+    const int mts = (live + 15) >> 4;
+    if (mts <= 1) {
+        gs_product<T, 1>(x, w, N, K, live, n0, red);
+    } else if (mts == 2) {
+        gs_product<T, 2>(x, w, N, K, live, n0, red);
+    } else {
+        gs_product<T, 4>(x, w, N, K, live, n0, red);
+    }
+    // The residual while the partials meet.
+    float res[MTMAX];
+#pragma unroll
+    for (int mt = 0; mt < MTMAX; mt++) {
         const int r = mt * 16 + rr;
-        if (r >= live || n >= N) continue;
-        float v = 0.0f;
+        res[mt] = mode == 1 && mt < mts && r < live && n < N ? to_f32(residual[(size_t)r * N + n]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MTMAX; mt++) {
+        const int r = mt * 16 + rr;
+        if (mt >= mts || r >= live || n >= N) continue;
+        float v = bn;
 #pragma unroll
         for (int q = 0; q < GS_WARPS; q++) v += red[q][mt][tid];
-        if (bias != 0) v += to_f32(bias[n]);
         if (mode == 0) {
             out[(size_t)r * N + n] = from_f32<T>(apply_act(v, act));
         } else {
-            tmp[(size_t)r * N + n] = v + to_f32(residual[(size_t)r * N + n]);
+            tmp[(size_t)r * N + n] = v + res[mt];
         }
     }
     if (mode == 0) return;
     if (!sl_last_block(counter, gridDim.x)) return;
-    sl_ln_rows<T>(tmp, gamma, beta, eps, out, live, N);
+    gs_ln_rows<T>(tmp, gamma, beta, eps, out, live, N);
     if (tid == 0) *counter = 0u;
 }
 

@@ -81,11 +81,11 @@ __device__ __forceinline__ void add_ln_impl(const T* __restrict__ x, const T* re
 #define LN_KERNELS(T, SUF)                                                                                      \
     extern "C" __global__ void embed_ln_##SUF(const int* ids, const int* types, const T* word, const T* pos,    \
                                               const T* ttab, const T* gamma, const T* beta, float eps, T* out,  \
-                                              int seq, int hidden, int vocab, int npos, int ntypes) {           \
+                                              int seq, int hidden, int vocab, int npos, int ntypes) { pdl_enter();           \
         embed_ln_impl<T>(ids, types, word, pos, ttab, gamma, beta, eps, out, seq, hidden, vocab, npos, ntypes); \
     }                                                                                                           \
     extern "C" __global__ void add_ln_##SUF(const T* x, const T* residual, const T* gamma, const T* beta,       \
-                                            float eps, T* out, int hidden) {                                    \
+                                            float eps, T* out, int hidden) { pdl_enter();                                    \
         add_ln_impl<T>(x, residual, gamma, beta, eps, out, hidden);                                             \
     }
 

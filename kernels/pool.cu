@@ -113,12 +113,12 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
 
 #define POOL_KERNEL(T, SUF)                                                                              \
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                           \
-        pool_##SUF(const T* x, const int* mask, float* out, int seq, int hidden, int mode, int normalize) { \
+        pool_##SUF(const T* x, const int* mask, float* out, int seq, int hidden, int mode, int normalize) { pdl_enter(); \
         pool_impl<T>(x, mask, nullptr, out, seq, hidden, mode, normalize);                               \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                           \
         pool_skip_##SUF(const T* x, const int* mask, const int* skip, float* out, int seq, int hidden,   \
-                        int mode, int normalize) {                                                       \
+                        int mode, int normalize) { pdl_enter();                                                       \
         pool_impl<T>(x, mask, skip, out, seq, hidden, mode, normalize);                                  \
     }
 

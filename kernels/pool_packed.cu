@@ -97,12 +97,12 @@ __device__ __forceinline__ void pool_packed_impl(const T* __restrict__ x, const 
 #define POOL_PACKED_KERNEL(T, SUF)                                                                           \
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                               \
         pool_packed_##SUF(const T* x, const int* offsets, float* out, int tokens, int hidden, int mode,      \
-                          int normalize) {                                                                   \
+                          int normalize) { pdl_enter();                                                                   \
         pool_packed_impl<T>(x, offsets, nullptr, out, tokens, hidden, mode, normalize);                      \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                               \
         pool_packed_skip_##SUF(const T* x, const int* offsets, const int* skip, float* out, int tokens,      \
-                               int hidden, int mode, int normalize) {                                        \
+                               int hidden, int mode, int normalize) { pdl_enter();                                        \
         pool_packed_impl<T>(x, offsets, skip, out, tokens, hidden, mode, normalize);                         \
     }
 

@@ -16,7 +16,7 @@ __device__ __forceinline__ void l2norm_rows_impl(T* x, int width) {
 }
 
 #define ROWNORM_KERNEL(T, SUF) \
-    extern "C" __global__ void l2norm_rows_##SUF(T* x, int width) { l2norm_rows_impl<T>(x, width); }
+    extern "C" __global__ void l2norm_rows_##SUF(T* x, int width) { pdl_enter(); l2norm_rows_impl<T>(x, width); }
 
 ROWNORM_KERNEL(float, f32)
 ROWNORM_KERNEL(f16_t, f16)

@@ -204,7 +204,7 @@ __device__ __forceinline__ void skinny_impl(const T* __restrict__ x, const T* __
 #define SKINNY_KERNEL(T, TOUT, SUF)                                                                            \
     extern "C" __global__ void __launch_bounds__(SK_THREADS)                                                   \
         skinny_##SUF(const T* x, const T* w, const T* bias, TOUT* out, int M, int N, int K, int act, int mode, \
-                     const T* residual, float* tmp, const T* gamma, const T* beta, float eps, unsigned* counter) { \
+                     const T* residual, float* tmp, const T* gamma, const T* beta, float eps, unsigned* counter) { pdl_enter(); \
         skinny_impl<T, TOUT>(x, w, bias, out, M, N, K, act, mode, residual, tmp, gamma, beta, eps, counter);   \
     }
 

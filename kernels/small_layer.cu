@@ -473,14 +473,14 @@ __device__ __forceinline__ void layer_ffn_small_impl(const T* x, const T* __rest
     extern "C" __global__ void __launch_bounds__(SL_THREADS) layer_attn_small_##SUF##_d##HD(                    \
         const T* x, const T* wqkv, const T* bqkv, const T* wo, const T* bo, const T* gamma, const T* beta,      \
         float eps, T* out, T* ctx, float* tmp, unsigned* counter, const int* mask, const int* offsets, int seqs, \
-        int seq, int M, int H, float scale) {                                                                   \
+        int seq, int M, int H, float scale) { pdl_enter();                                                                   \
         layer_attn_small_impl<T, HD, false>(x, wqkv, bqkv, wo, bo, gamma, beta, eps, out, ctx, tmp, counter,    \
                                             mask, offsets, seqs, seq, M, H, scale, nullptr, 0);                 \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(SL_THREADS) layer_attn_small_bias_##SUF##_d##HD(               \
         const T* x, const T* wqkv, const T* bqkv, const T* wo, const T* bo, const T* gamma, const T* beta,      \
         float eps, T* out, T* ctx, float* tmp, unsigned* counter, const int* mask, const int* offsets, int seqs, \
-        int seq, int M, int H, float scale, const T* pbias, int radius) {                                       \
+        int seq, int M, int H, float scale, const T* pbias, int radius) { pdl_enter();                                       \
         layer_attn_small_impl<T, HD, true>(x, wqkv, bqkv, wo, bo, gamma, beta, eps, out, ctx, tmp, counter,     \
                                            mask, offsets, seqs, seq, M, H, scale, pbias, radius);               \
     }
@@ -489,7 +489,7 @@ __device__ __forceinline__ void layer_ffn_small_impl(const T* x, const T* __rest
     extern "C" __global__ void __launch_bounds__(SL_THREADS) layer_ffn_small_##SUF(                             \
         const T* x, const T* w1, const T* b1, int act, const T* w2, const T* b2, const T* gamma, const T* beta, \
         float eps, T* out, T* inter, float* tmp, unsigned* counter, const int* offsets, int seqs, int M, int H, \
-        int I) {                                                                                                \
+        int I) { pdl_enter();                                                                                                \
         layer_ffn_small_impl<T>(x, w1, b1, act, w2, b2, gamma, beta, eps, out, inter, tmp, counter, offsets,    \
                                 seqs, M, H, I);                                                                 \
     }

@@ -196,17 +196,17 @@ __device__ __forceinline__ void bias_act_vec_impl(const T* x, const T* __restric
 #define VEC_KERNELS(T, SUF)                                                                                     \
     extern "C" __global__ void __launch_bounds__(LNV_THREADS)                                                   \
         add_ln_vec_##SUF(const T* x, const T* residual, const T* gamma, const T* beta, float eps, T* out,       \
-                         int rows, int hidden) {                                                                \
+                         int rows, int hidden) { pdl_enter();                                                                \
         add_ln_vec_impl<T>(x, residual, gamma, beta, eps, out, rows, hidden);                                   \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(LNV_THREADS)                                                   \
         embed_ln_vec_##SUF(const int* ids, const int* types, const int* positions, const T* word, const T* pos, \
                            const T* ttab, const T* gamma, const T* beta, float eps, T* out, int rows, int seq,  \
-                           int hidden, int vocab, int npos, int ntypes) {                                       \
+                           int hidden, int vocab, int npos, int ntypes) { pdl_enter();                                       \
         embed_ln_vec_impl<T>(ids, types, positions, word, pos, ttab, gamma, beta, eps, out, rows, seq, hidden,  \
                              vocab, npos, ntypes);                                                              \
     }                                                                                                           \
-    extern "C" __global__ void bias_act_vec_##SUF(const T* x, const T* bias, T* y, int n, int cols, int act) {  \
+    extern "C" __global__ void bias_act_vec_##SUF(const T* x, const T* bias, T* y, int n, int cols, int act) { pdl_enter();  \
         bias_act_vec_impl<T>(x, bias, y, n, cols, act);                                                         \
     }
 

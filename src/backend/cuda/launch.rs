@@ -40,6 +40,7 @@ fn enqueue_one(
             block,
             smem,
             args,
+            pdl,
             ..
         } => {
             let mut ptrs: Vec<*mut c_void> = args
@@ -51,11 +52,38 @@ fn enqueue_one(
                     RArg::F32(v) => v as *const f32 as *mut c_void,
                 })
                 .collect();
-            // SAFETY: the planner checked every buffer extent against the
-            // kernel's shape arguments; the argument list matches the
-            // kernel's signature (see the `*_KERNEL` macros in kernels/).
-            unsafe { dres::launch_kernel(*func, *grid, *block, *smem, stream, &mut ptrs) }
-                .cu("kernel launch")
+            if !*pdl {
+                // SAFETY: the planner checked every buffer extent against the
+                // kernel's shape arguments; the argument list matches the
+                // kernel's signature (see the `*_KERNEL` macros in kernels/).
+                return unsafe {
+                    dres::launch_kernel(*func, *grid, *block, *smem, stream, &mut ptrs)
+                }
+                .cu("kernel launch");
+            }
+            // SAFETY: an all-zero attribute value is valid (a plain int field).
+            let mut attr: dsys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                dsys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = dsys::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block.0,
+                blockDimY: block.1,
+                blockDimZ: block.2,
+                sharedMemBytes: *smem,
+                hStream: stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as above; `config` and `attr` outlive the call.
+            unsafe {
+                dsys::cuLaunchKernelEx(&config, *func, ptrs.as_mut_ptr(), std::ptr::null_mut())
+            }
+            .result()
+            .cu("kernel launch (programmatic)")
         }
         Resolved::Matmul { plan, w, x, out } => {
             // SAFETY: extents checked by the planner; the workspace belongs to this stream.

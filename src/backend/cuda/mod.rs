@@ -260,9 +260,11 @@ impl CudaBackend {
             .max(1) as usize;
         let disable = std::env::var("REPLAYD_CUDA_DISABLE")
             .unwrap_or_else(|_| plan::DEFAULT_DISABLED.to_string());
-        let limits = Limits::new(max_dyn_smem(&kernels, optin))
+        let mut limits = Limits::new(max_dyn_smem(&kernels, optin))
             .with_sms(sms)
             .with_disabled(&disable);
+        // griddepcontrol (programmatic dependent launch) is sm_90+.
+        limits.pdl &= cc.0 >= 9;
         let unknown = Limits::unknown_switches(&disable);
         if !unknown.is_empty() {
             tracing::warn!(

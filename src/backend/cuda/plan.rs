@@ -428,6 +428,11 @@ pub struct Plan {
     /// region of the arena that all of them share: they run one after the
     /// other); 0 when the plan has none.
     pub accum_bytes: usize,
+    /// Launch each kernel that follows another kernel with programmatic
+    /// dependent launch (sm_90+): it may start, and read its weights, while
+    /// the one before it finishes; every kernel waits for its predecessor in
+    /// `pdl_wait` (kernels/common.cuh) before it touches activations.
+    pub pdl: bool,
 }
 
 impl Plan {
@@ -453,6 +458,16 @@ impl Plan {
             .iter()
             .filter(|s| matches!(s, Step::Matmul { .. }))
             .count()
+    }
+
+    /// Whether step `i` is launched with programmatic dependent launch: a
+    /// kernel right after another of our kernels (each waits in
+    /// `pdl_wait`), never the first step or one after a matmul.
+    pub fn programmatic(&self, i: usize) -> bool {
+        self.pdl
+            && i > 0
+            && matches!(self.steps.get(i), Some(Step::Kernel { .. }))
+            && matches!(self.steps[i - 1], Step::Kernel { .. })
     }
 
     /// Kernels and matmuls: the graph's nodes (cuBLASLt may add a split-K
@@ -497,6 +512,9 @@ pub struct Limits {
     /// `gemm_small`, with the bias, the activation, and a following
     /// add + LayerNorm in the same kernel, instead of cuBLASLt.
     pub gemm_small: bool,
+    /// Programmatic dependent launch between consecutive kernels (see
+    /// [`Plan::pdl`]); the device must be sm_90 or newer.
+    pub pdl: bool,
     /// Streaming multiprocessors: the fused sublayers' grid barrier needs
     /// every block resident at once, so their grids stay within this.
     pub sms: usize,
@@ -512,6 +530,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "small_attn",
     "small_ffn",
     "gemm_small",
+    "pdl",
 ];
 
 /// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
@@ -531,7 +550,14 @@ pub const DISABLE_GROUPS: &[(&str, &[&str])] = &[
     ("small", &["small_attn", "small_ffn"]),
     (
         "fused",
-        &["ln_vec", "ew_vec", "small_attn", "small_ffn", "gemm_small"],
+        &[
+            "ln_vec",
+            "ew_vec",
+            "small_attn",
+            "small_ffn",
+            "gemm_small",
+            "pdl",
+        ],
     ),
     ("all", DISABLE_SWITCHES),
 ];
@@ -548,6 +574,7 @@ impl Limits {
             small_attn: true,
             small_ffn: true,
             gemm_small: true,
+            pdl: true,
             sms: usize::MAX,
         }
     }
@@ -577,6 +604,7 @@ impl Limits {
                     "small_attn" => self.small_attn = false,
                     "small_ffn" => self.small_ffn = false,
                     "gemm_small" => self.gemm_small = false,
+                    "pdl" => self.pdl = false,
                     _ => {}
                 }
             }
@@ -607,6 +635,7 @@ impl Limits {
             self.small_attn,
             self.small_ffn,
             self.gemm_small,
+            self.pdl,
         ];
         DISABLE_SWITCHES
             .iter()
@@ -1956,6 +1985,7 @@ pub fn plan(
         arena_bytes: p.arena.max(ALIGN),
         counters: p.counters,
         accum_bytes: p.fused_tmp.map_or(0, |(_, bytes)| bytes),
+        pdl: p.limits.pdl,
     })
 }
 
@@ -1967,7 +1997,7 @@ pub(crate) mod tests {
     const LIMITS: Limits = Limits::new(227 * 1024);
     /// The paths the kernels before the vectorised and fused ones took
     /// (tests of those keep checking them).
-    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small";
+    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small,pdl";
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -3145,6 +3175,17 @@ pub(crate) mod tests {
                 (384 / 16, Arg::I32(0), Arg::I32(1)),  // FFN2, then add + LN
             ]
         );
+        // Every kernel after the first follows a kernel: all launch
+        // programmatically; none with the switch off.
+        assert!(!gs.programmatic(0) && (1..32).all(|i| gs.programmatic(i)));
+        let no_pdl = steps(&cases[0].1, DType::F16, default.with_disabled("pdl"));
+        assert!((0..32).all(|i| !no_pdl.programmatic(i)));
+        // With cuBLASLt, only the kernels after kernels.
+        let big = steps(&cases[3].1, DType::F16, default);
+        let after_kernel: Vec<usize> = (0..50).filter(|&i| big.programmatic(i)).collect();
+        // per layer: add_ln after mm, bias_act after mm, add_ln after mm:
+        // none; attention after mm: none; the pooling after the last LN.
+        assert_eq!(after_kernel, vec![49], "{:?}", big.step_names());
         // The packed 64-token budget computes its live rows only.
         let p64 = steps(&cases[4].1, DType::F16, default);
         assert!(p64.steps.iter().all(|s| match s {
@@ -3379,7 +3420,14 @@ pub(crate) mod tests {
         let fused = LIMITS.with_disabled("fused");
         assert_eq!(
             fused.disabled(),
-            vec!["ln_vec", "ew_vec", "small_attn", "small_ffn", "gemm_small"]
+            vec![
+                "ln_vec",
+                "ew_vec",
+                "small_attn",
+                "small_ffn",
+                "gemm_small",
+                "pdl"
+            ]
         );
         assert_eq!(fused, LIMITS.with_disabled(LEGACY));
         // With everything off, MiniLM (1, 16) plans the kernels of before.

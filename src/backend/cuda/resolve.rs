@@ -50,6 +50,8 @@ pub enum Resolved {
         block: (u32, u32, u32),
         smem: u32,
         args: Vec<RArg>,
+        /// Launched with programmatic dependent launch (see `Plan::pdl`).
+        pdl: bool,
     },
     Matmul {
         plan: Arc<MatmulPlan>,
@@ -73,7 +75,7 @@ pub fn resolve(
     tune: Option<(u64, &CudaStream)>,
 ) -> Result<Vec<Resolved>, BackendError> {
     let mut out_steps = Vec::with_capacity(plan.steps.len());
-    for s in &plan.steps {
+    for (i, s) in plan.steps.iter().enumerate() {
         let step = match s {
             Step::Kernel {
                 name,
@@ -86,6 +88,7 @@ pub fn resolve(
                     .get(name)
                     .ok_or_else(|| BackendError::Other(format!("kernel {name} is not loaded")))?;
                 Resolved::Kernel {
+                    pdl: plan.programmatic(i),
                     name: name.clone(),
                     func: f.cu_function(),
                     grid: *grid,
@@ -153,6 +156,7 @@ pub fn resolve(
                         let n = shape.m * shape.n;
                         let o = bases.addr(*out);
                         Resolved::Kernel {
+                            pdl: false,
                             name,
                             func: f.cu_function(),
                             grid: (ew_blocks(n), 1, 1),
