@@ -71,12 +71,22 @@ pub const GS_THREADS: u32 = 256;
 pub const GS_NB: usize = 16;
 /// Most rows of `gemm_small` (`GS_MAXM`).
 pub const GS_MAXM: usize = 64;
+/// Most rows of a padded program's Linears on `gemm_small`. Measured on an
+/// H200 (MiniLM f16, 2026-12-01, replay with copies): (1, 16) 134 µs
+/// against 175 µs through cuBLASLt, (2, 16) and (1, 32) 169 against 178,
+/// but (2, 32) and (4, 16) 243 against 178: at 64 rows the 24 blocks of the
+/// 384-wide Linears each stream 64 rows of x, where cuBLASLt's wider tiles
+/// read them fewer times. A packed program goes up to [`GS_MAXM`], since
+/// the kernel computes only its live rows: one short text in the 64-token
+/// budget costs what it does at (1, 16).
+pub const GS_MAXM_PADDED: usize = 32;
 
 /// Whether a Linear of `m` rows, `n` outputs and `k` inputs in `t` runs on
-/// `gemm_small`: f16/bf16, at most [`GS_MAXM`] rows, K in chunks of 32.
-pub fn gemm_small_fits(m: usize, n: usize, k: usize, t: DType) -> bool {
+/// `gemm_small`: f16/bf16, at most `max_rows` rows ([`GS_MAXM_PADDED`] or,
+/// packed, [`GS_MAXM`]), K in chunks of 32.
+pub fn gemm_small_fits(m: usize, n: usize, k: usize, t: DType, max_rows: usize) -> bool {
     matches!(t, DType::F16 | DType::BF16)
-        && (1..=GS_MAXM).contains(&m)
+        && (1..=max_rows.min(GS_MAXM)).contains(&m)
         && n > 0
         && k > 0
         && k.is_multiple_of(32)
@@ -1459,7 +1469,12 @@ impl<'a> Planner<'a> {
                 {
                     return self.skinny(idx, w, bias, act, x_l, out, out_t, m, n, k);
                 }
-                if self.limits.gemm_small && out_t == t && gemm_small_fits(m, n, k, t) {
+                let max_rows = if self.program.is_packed() {
+                    GS_MAXM
+                } else {
+                    GS_MAXM_PADDED
+                };
+                if self.limits.gemm_small && out_t == t && gemm_small_fits(m, n, k, t, max_rows) {
                     return self.gemm_small(idx, w, bias, act, x_l, out, m, n, k);
                 }
                 let (epilogue, post) = split_activation(act, bias.is_some());
@@ -3117,12 +3132,13 @@ pub(crate) mod tests {
         // (gemm_small at <= 64 rows), with every path on (fused sublayers).
         let cases = [
             ("(1, 16)", a.program(1, 16), 50, 32, 14),
-            ("(2, 32)", a.program(2, 32), 50, 32, 14),
+            ("(2, 32)", a.program(2, 32), 50, 50, 14),
             ("(32, 128)", a.program(32, 128), 50, 50, 50),
             ("(128, 128)", a.program(128, 128), 50, 50, 50),
             ("64t", a.packed_program(64, 64), 50, 32, 14),
             ("1024t", a.packed_program(1024, 256), 50, 50, 50),
             ("16384t", a.packed_program(16384, 256), 50, 50, 50),
+            ("(1, 32)", a.program(1, 32), 50, 32, 14),
         ];
         for (what, p, before, by_default, all_on) in &cases {
             assert_eq!(
