@@ -418,7 +418,22 @@ fn threshold(kind: ModelKind, dtype: DType, tf32: bool) -> f64 {
     }
 }
 
-/// Compares `gpu` with `cpu` (both `rows × dim`).
+/// The score tolerance (relative to max(1, |score|)) that goes with a
+/// BERT cosine threshold: f32 1e-4, f16 1e-2, bf16 5e-2, as
+/// `examples/family_check.rs` asserts through the daemon.
+fn score_tolerance(cosine_threshold: f64) -> f64 {
+    if cosine_threshold >= 0.9999 {
+        1e-4
+    } else if cosine_threshold >= 0.999 {
+        1e-2
+    } else {
+        5e-2
+    }
+}
+
+/// Compares `gpu` with `cpu` (both `rows × dim`): MLPs by the largest error
+/// relative to the largest reference value, embeddings by the least cosine
+/// of a row, one score a row by its error relative to max(1, |score|).
 pub fn compare(kind: ModelKind, gpu: &[f32], cpu: &[f32], dim: usize, threshold: f64) -> Check {
     let rows = cpu.len().checked_div(dim).unwrap_or(0);
     let max_abs_err = gpu
@@ -448,6 +463,35 @@ pub fn compare(kind: ModelKind, gpu: &[f32], cpu: &[f32], dim: usize, threshold:
             };
             Check {
                 metric: "max_rel_err",
+                value,
+                threshold,
+                pass: value <= threshold,
+                rows,
+                max_abs_err,
+            }
+        }
+        // One score a row (cross-encoders): a cosine is only the signs'
+        // agreement, which rounding flips for a score near 0; the error
+        // relative to max(1, |score|) is what family_check asserts too.
+        ModelKind::Bert if dim == 1 => {
+            let value = if length_ok {
+                gpu.iter()
+                    .zip(cpu)
+                    .map(|(g, c)| {
+                        let d = (*g as f64 - *c as f64).abs() / (*c as f64).abs().max(1.0);
+                        if d.is_nan() {
+                            f64::INFINITY
+                        } else {
+                            d
+                        }
+                    })
+                    .fold(0.0, f64::max)
+            } else {
+                f64::INFINITY
+            };
+            let threshold = score_tolerance(threshold);
+            Check {
+                metric: "max_score_err",
                 value,
                 threshold,
                 pass: value <= threshold,
@@ -1816,6 +1860,14 @@ mod tests {
 
     #[test]
     fn comparisons() {
+        // Scores: a sign flip near zero is within bf16's tolerance; a
+        // wrong score is not, whatever its sign.
+        let c = compare(ModelKind::Bert, &[0.004, 3.0], &[-0.005, 3.02], 1, 0.99);
+        assert!(c.pass && c.metric == "max_score_err", "{c:?}");
+        let c = compare(ModelKind::Bert, &[0.004, 3.0], &[-0.005, 3.02], 1, 0.9999);
+        assert!(!c.pass, "{c:?}");
+        let c = compare(ModelKind::Bert, &[0.5], &[0.9], 1, 0.99);
+        assert!(!c.pass && (c.value - 0.4).abs() < 1e-6, "{c:?}");
         let c = compare(ModelKind::Mlp, &[1.0, 2.0], &[1.0, 2.0], 2, 1e-5);
         assert!(c.pass && c.value == 0.0);
         let c = compare(ModelKind::Mlp, &[1.0, 2.1], &[1.0, 2.0], 2, 1e-5);
