@@ -885,50 +885,12 @@ impl<'a> Planner<'a> {
         let t = self.compute;
         let grid = u32::try_from(n.div_ceil(GS_NB))
             .map_err(|_| BackendError::Unsupported(format!("op {idx} (Linear): {n} outputs")))?;
-        let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
         let (offsets, seqs) = self.live_rows_args();
         let name = format!("gemm_small_{}", suffix(t));
-        let fused_ln = self
+        let ln = self
             .add_ln_after(idx, act, out, m, n)
             .filter(|_| ln_vec_fits(n));
-        let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(Loc::Weight(w)), bias_arg];
-        let consumed = match fused_ln {
-            Some(ln) => {
-                let (counter, tmp) = self.fused_scratch(m, n);
-                args.extend([
-                    Arg::Ptr(self.locs[&ln.out]),
-                    Arg::I32(m as i32),
-                    Arg::I32(n as i32),
-                    Arg::I32(k as i32),
-                    Arg::I32(0),
-                    Arg::I32(1),
-                    Arg::Ptr(self.locs[&ln.residual]),
-                    Arg::Ptr(tmp),
-                    Arg::Ptr(Loc::Weight(ln.gamma)),
-                    Arg::Ptr(Loc::Weight(ln.beta)),
-                    Arg::F32(ln.eps),
-                    Arg::Ptr(counter),
-                ]);
-                2
-            }
-            None => {
-                args.extend([
-                    Arg::Ptr(self.locs[&out]),
-                    Arg::I32(m as i32),
-                    Arg::I32(n as i32),
-                    Arg::I32(k as i32),
-                    Arg::I32(act_code(act)),
-                    Arg::I32(0),
-                    Arg::Null,
-                    Arg::Null,
-                    Arg::Null,
-                    Arg::Null,
-                    Arg::F32(0.0),
-                    Arg::Null,
-                ]);
-                1
-            }
-        };
+        let (mut args, consumed) = self.matmul_epilogue_args(x_l, w, bias, act, out, m, n, k, ln);
         args.extend([offsets, Arg::I32(seqs as i32)]);
         self.kernel(name, (grid, 1, 1), GS_THREADS, 0, args);
         Ok(consumed)
@@ -954,67 +916,73 @@ impl<'a> Planner<'a> {
         let t = self.compute;
         let grid = (n.div_ceil(SK_COLS) as u32, 1, 1);
         let block = (32 * SK_WARPS) as u32;
-        let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
-        if let Some(AddLnAfter {
-            residual,
-            gamma,
-            beta,
-            eps,
-            out: ln_out,
-        }) = self.add_ln_after(idx, act, out, m, n)
-        {
-            let tmp = self.scratch(m * n, DType::F32);
-            let counter = Loc::Counter(self.counters);
-            self.counters += 1;
-            self.kernel(
-                format!("skinny_{0}_{0}", suffix(t)),
-                grid,
-                block,
-                0,
-                vec![
-                    Arg::Ptr(x_l),
-                    Arg::Ptr(Loc::Weight(w)),
-                    bias_arg,
-                    Arg::Ptr(self.locs[&ln_out]),
-                    Arg::I32(m as i32),
-                    Arg::I32(n as i32),
-                    Arg::I32(k as i32),
-                    Arg::I32(0),
-                    Arg::I32(1),
-                    Arg::Ptr(self.locs[&residual]),
-                    Arg::Ptr(tmp),
-                    Arg::Ptr(Loc::Weight(gamma)),
-                    Arg::Ptr(Loc::Weight(beta)),
-                    Arg::F32(eps),
-                    Arg::Ptr(counter),
-                ],
-            );
-            return Ok(2);
-        }
+        let ln = self.add_ln_after(idx, act, out, m, n);
+        let out_t = if ln.is_some() { t } else { out_t };
+        let (args, consumed) = self.matmul_epilogue_args(x_l, w, bias, act, out, m, n, k, ln);
         self.kernel(
             format!("skinny_{}_{}", suffix(t), suffix(out_t)),
             grid,
             block,
             0,
-            vec![
-                Arg::Ptr(x_l),
-                Arg::Ptr(Loc::Weight(w)),
-                bias_arg,
-                Arg::Ptr(self.locs[&out]),
-                Arg::I32(m as i32),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-                Arg::I32(act_code(act)),
-                Arg::I32(0),
-                Arg::Null,
-                Arg::Null,
-                Arg::Null,
-                Arg::Null,
-                Arg::F32(0.0),
-                Arg::Null,
-            ],
+            args,
         );
-        Ok(1)
+        Ok(consumed)
+    }
+
+    /// The arguments the matmul kernels with epilogues share (skinny.cu,
+    /// gemm_small.cu): `x, w, bias, out, M, N, K, act, mode, residual, tmp,
+    /// gamma, beta, eps, counter`. Mode 0 is `out = act(x·wᵀ + bias)`; with
+    /// `ln`, mode 1 is the AddLayerNorm after it (its output, a counter and
+    /// the shared f32 scratch), and the Linear and it are 2 ops consumed.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_epilogue_args(
+        &mut self,
+        x_l: Loc,
+        w: WeightId,
+        bias: Option<WeightId>,
+        act: Activation,
+        out: BufId,
+        m: usize,
+        n: usize,
+        k: usize,
+        ln: Option<AddLnAfter>,
+    ) -> (Vec<Arg>, usize) {
+        let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(Loc::Weight(w)), bias_arg];
+        let dims = [Arg::I32(m as i32), Arg::I32(n as i32), Arg::I32(k as i32)];
+        match ln {
+            Some(ln) => {
+                let (counter, tmp) = self.fused_scratch(m, n);
+                args.push(Arg::Ptr(self.locs[&ln.out]));
+                args.extend(dims);
+                args.extend([
+                    Arg::I32(0),
+                    Arg::I32(1),
+                    Arg::Ptr(self.locs[&ln.residual]),
+                    Arg::Ptr(tmp),
+                    Arg::Ptr(Loc::Weight(ln.gamma)),
+                    Arg::Ptr(Loc::Weight(ln.beta)),
+                    Arg::F32(ln.eps),
+                    Arg::Ptr(counter),
+                ]);
+                (args, 2)
+            }
+            None => {
+                args.push(Arg::Ptr(self.locs[&out]));
+                args.extend(dims);
+                args.extend([
+                    Arg::I32(act_code(act)),
+                    Arg::I32(0),
+                    Arg::Null,
+                    Arg::Null,
+                    Arg::Null,
+                    Arg::Null,
+                    Arg::F32(0.0),
+                    Arg::Null,
+                ]);
+                (args, 1)
+            }
+        }
     }
 
     /// `embed_ln_vec` over `rows` rows: `ints` = ids, types and positions
