@@ -659,6 +659,18 @@ impl Limits {
 /// A cast still to run after an op: (from, from type, to, to type).
 type PendingCast = Option<(Loc, DType, Loc, DType)>;
 
+/// An `Op::Linear`'s fields, for the planner's matmul kernels.
+#[derive(Clone, Copy)]
+struct LinearOp {
+    w: WeightId,
+    bias: Option<WeightId>,
+    act: Activation,
+    out: BufId,
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
 /// What a matmul kernel needs to apply the AddLayerNorm after it (see
 /// `Planner::add_ln_after`).
 struct AddLnAfter {
@@ -869,19 +881,8 @@ impl<'a> Planner<'a> {
     /// A Linear of few rows (f16/bf16) through `gemm_small` (gemm_small.cu):
     /// bias and activation in its epilogue, and the AddLayerNorm after it
     /// too where [`Planner::add_ln_after`] allows (then it consumes 2 ops).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_small(
-        &mut self,
-        idx: usize,
-        w: WeightId,
-        bias: Option<WeightId>,
-        act: Activation,
-        x_l: Loc,
-        out: BufId,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<usize, BackendError> {
+    fn gemm_small(&mut self, idx: usize, op: LinearOp, x_l: Loc) -> Result<usize, BackendError> {
+        let LinearOp { act, out, m, n, .. } = op;
         let t = self.compute;
         let grid = u32::try_from(n.div_ceil(GS_NB))
             .map_err(|_| BackendError::Unsupported(format!("op {idx} (Linear): {n} outputs")))?;
@@ -890,7 +891,7 @@ impl<'a> Planner<'a> {
         let ln = self
             .add_ln_after(idx, act, out, m, n)
             .filter(|_| ln_vec_fits(n));
-        let (mut args, consumed) = self.matmul_epilogue_args(x_l, w, bias, act, out, m, n, k, ln);
+        let (mut args, consumed) = self.matmul_epilogue_args(x_l, op, ln);
         args.extend([offsets, Arg::I32(seqs as i32)]);
         self.kernel(name, (grid, 1, 1), GS_THREADS, 0, args);
         Ok(consumed)
@@ -899,26 +900,20 @@ impl<'a> Planner<'a> {
     /// A Linear with few rows through the skinny kernel, fused with the
     /// AddLayerNorm after it when that reads only this output (which is then
     /// never materialised). Returns the ops consumed.
-    #[allow(clippy::too_many_arguments)]
     fn skinny(
         &mut self,
         idx: usize,
-        w: WeightId,
-        bias: Option<WeightId>,
-        act: Activation,
+        op: LinearOp,
         x_l: Loc,
-        out: BufId,
         out_t: DType,
-        m: usize,
-        n: usize,
-        k: usize,
     ) -> Result<usize, BackendError> {
+        let LinearOp { act, out, m, n, .. } = op;
         let t = self.compute;
         let grid = (n.div_ceil(SK_COLS) as u32, 1, 1);
         let block = (32 * SK_WARPS) as u32;
         let ln = self.add_ln_after(idx, act, out, m, n);
         let out_t = if ln.is_some() { t } else { out_t };
-        let (args, consumed) = self.matmul_epilogue_args(x_l, w, bias, act, out, m, n, k, ln);
+        let (args, consumed) = self.matmul_epilogue_args(x_l, op, ln);
         self.kernel(
             format!("skinny_{}_{}", suffix(t), suffix(out_t)),
             grid,
@@ -934,19 +929,21 @@ impl<'a> Planner<'a> {
     /// gamma, beta, eps, counter`. Mode 0 is `out = act(x·wᵀ + bias)`; with
     /// `ln`, mode 1 is the AddLayerNorm after it (its output, a counter and
     /// the shared f32 scratch), and the Linear and it are 2 ops consumed.
-    #[allow(clippy::too_many_arguments)]
     fn matmul_epilogue_args(
         &mut self,
         x_l: Loc,
-        w: WeightId,
-        bias: Option<WeightId>,
-        act: Activation,
-        out: BufId,
-        m: usize,
-        n: usize,
-        k: usize,
+        op: LinearOp,
         ln: Option<AddLnAfter>,
     ) -> (Vec<Arg>, usize) {
+        let LinearOp {
+            w,
+            bias,
+            act,
+            out,
+            m,
+            n,
+            k,
+        } = op;
         let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
         let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(Loc::Weight(w)), bias_arg];
         let dims = [Arg::I32(m as i32), Arg::I32(n as i32), Arg::I32(k as i32)];
@@ -1431,11 +1428,20 @@ impl<'a> Planner<'a> {
                 }
                 let x_l = self.float_in(x, m * k, t)?;
                 let out_t = self.dtype(out);
+                let linear = LinearOp {
+                    w,
+                    bias,
+                    act,
+                    out,
+                    m,
+                    n,
+                    k,
+                };
                 if self.limits.skinny
                     && skinny_fits(m, n, k, t)
                     && (out_t == t || out_t == DType::F32)
                 {
-                    return self.skinny(idx, w, bias, act, x_l, out, out_t, m, n, k);
+                    return self.skinny(idx, linear, x_l, out_t);
                 }
                 let max_rows = if self.program.is_packed() {
                     GS_MAXM
@@ -1443,7 +1449,7 @@ impl<'a> Planner<'a> {
                     GS_MAXM_PADDED
                 };
                 if self.limits.gemm_small && out_t == t && gemm_small_fits(m, n, k, t, max_rows) {
-                    return self.gemm_small(idx, w, bias, act, x_l, out, m, n, k);
+                    return self.gemm_small(idx, linear, x_l);
                 }
                 let (epilogue, post) = split_activation(act, bias.is_some());
                 let shape = MatmulShape {
