@@ -6,26 +6,6 @@ use replayd::config::Config;
 use replayd::daemon::server::{self, ServerOptions};
 use std::path::PathBuf;
 
-/// mimalloc rather than glibc malloc: the request path allocates and frees
-/// on every runtime thread (and frees what another thread allocated), where
-/// glibc's arenas cost measurably (see Cargo.toml).
-///
-/// Its purge delay is 0 (main sets it first): pages a burst freed go back to
-/// the OS at once, not after the default delay of 1 s, so a flood's buffers
-/// do not stay in the RSS (the never-reading-client test: 62 MB of growth
-/// with the default delay, 28-29 MB with 0, 37 MB with glibc malloc).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// `mi_option_purge_delay` (mimalloc.h's option enum, which the Rust
-/// bindings do not name; see the test below).
-const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-
-fn purge_freed_memory_at_once() {
-    // SAFETY: setting a mimalloc option is thread-safe and valid at any time.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
-}
-
 /// Serve neural-network inference by replaying CUDA Graphs captured per
 /// (batch, sequence-length) bucket. Without a subcommand, runs the daemon.
 #[derive(Parser, Debug)]
@@ -87,7 +67,6 @@ enum Command {
 }
 
 fn main() {
-    purge_freed_memory_at_once();
     let cli = Cli::parse();
     // Worker processes log the same way (they inherit the environment).
     // SAFETY: no other thread exists yet.
@@ -150,25 +129,5 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM received"),
         _ = int.recv() => tracing::info!("SIGINT received"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_purge_delay_option_is_the_one_set() {
-        // Just before the option the bindings name next (use_numa_nodes),
-        // with its default (1,000 ms in the bundled mimalloc, options.c) until set.
-        assert_eq!(
-            MI_OPTION_PURGE_DELAY,
-            libmimalloc_sys::mi_option_use_numa_nodes - 1
-        );
-        // SAFETY: reading and setting options is valid at any time.
-        let get = || unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
-        assert_eq!(get(), 1000);
-        purge_freed_memory_at_once();
-        assert_eq!(get(), 0);
     }
 }
