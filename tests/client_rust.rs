@@ -428,7 +428,7 @@ async fn two_daemons_one_killed_or_frozen_loses_no_request() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     // Requests pile up on b (its worker frozen), then b is killed.
     let b_worker = worker_pid(&b, "cpu:0");
-    signal(b_worker, libc::SIGSTOP);
+    freeze(b_worker);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let in_flight_on_b = client.stats()[1].in_flight;
     b.kill();
@@ -450,8 +450,8 @@ async fn two_daemons_one_killed_or_frozen_loses_no_request() {
     assert!(client.wait_connected(Duration::from_secs(10), true).await);
     let b_pid = b.pid() as i32;
     let b_worker = worker_pid(&b, "cpu:0");
-    signal(b_worker, libc::SIGSTOP);
-    signal(b_pid, libc::SIGSTOP);
+    freeze(b_worker);
+    freeze(b_pid);
     let tasks: Vec<_> = (100..104).map(load).collect();
     for t in tasks {
         t.await.unwrap();

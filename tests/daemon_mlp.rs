@@ -4,7 +4,7 @@
 mod common;
 
 use bytes::Bytes;
-use common::{data, rel_err, Daemon, MlpReference, Rng};
+use common::{data, freeze, rel_err, Daemon, MlpReference, Rng};
 use replayd::protocol::client::{Client, RawClient, Response};
 use replayd::protocol::{ErrorCode, InputKind, RequestHeader, Status};
 use replayd::tensor::{DType, HostTensor};
@@ -198,11 +198,18 @@ async fn oversize_request_is_split_over_graph_batches() {
     assert_eq!(stats["requests"]["split"], 1);
 }
 
-/// Sends `signal` to each worker (SIGSTOP freezes one so work piles up on it).
+/// Sends `signal` to each worker.
 fn signal_all(pids: &[i32], signal: i32) {
     for &p in pids {
         // SAFETY: signalling a worker process of the daemon under test.
         unsafe { libc::kill(p, signal) };
+    }
+}
+
+/// Stops each worker (every thread stopped on return), so work piles up on it.
+fn freeze_all(pids: &[i32]) {
+    for &p in pids {
+        freeze(p);
     }
 }
 
@@ -220,7 +227,7 @@ async fn killed_worker_loses_nothing_and_comes_back() {
     let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
     let victim = worker_pid(&daemon, "cpu:0");
     // Freeze the worker so that batches pile up on it, then kill it.
-    signal_all(&[victim], libc::SIGSTOP);
+    freeze_all(&[victim]);
 
     let client = Arc::new(daemon.client().await);
     let mut rng = Rng::new(7);
@@ -298,7 +305,7 @@ async fn killed_worker_mid_batch_answers_every_split_request_once() {
     let daemon = Daemon::start(&mlp_config(""));
     let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
     let victim = worker_pid(&daemon, "cpu:0");
-    signal_all(&[victim], libc::SIGSTOP);
+    freeze_all(&[victim]);
     let client = Arc::new(daemon.client().await);
     let mut rng = Rng::new(17);
     let mut tasks = Vec::new();
@@ -350,7 +357,7 @@ async fn killed_worker_mid_batch_answers_every_split_request_once() {
 async fn a_deadline_passing_while_in_flight_is_answered_at_the_deadline() {
     let daemon = Daemon::start(&mlp_config(""));
     let pids = [worker_pid(&daemon, "cpu:0"), worker_pid(&daemon, "cpu:1")];
-    signal_all(&pids, libc::SIGSTOP);
+    freeze_all(&pids);
     let client = daemon.client().await;
     let x = [0.25f32; 3 * 128];
     let mut h = RequestHeader::new(client.next_id(), "mlp", InputKind::Tensor);
@@ -514,7 +521,7 @@ async fn hung_device_is_found_by_the_watchdog_and_loses_nothing() {
 async fn stopped_worker_is_found_by_the_watchdog() {
     let daemon = Daemon::start(&watchdog_config());
     let victim = worker_pid(&daemon, "cpu:1");
-    signal_all(&[victim], libc::SIGSTOP);
+    freeze_all(&[victim]);
     let stopped = std::time::Instant::now();
     serve_checked(&daemon, 12, 200).await;
     daemon.wait_for("cpu:1 to be found hung", T, |s| {
@@ -530,7 +537,12 @@ async fn stopped_worker_is_found_by_the_watchdog() {
     );
     let health = daemon.ctl(&["health", "--json"]);
     assert!(health.status.success() || !health.stdout.is_empty());
-    assert_ne!(worker_pid(&daemon, "cpu:1"), victim);
+    // A new worker replaces it (no pid while it starts).
+    daemon.wait_for("a new cpu:1 worker", T, |s| {
+        s["devices"].as_array().unwrap().iter().any(|d| {
+            d["label"] == "cpu:1" && d["worker_pid"].as_i64().is_some_and(|p| p as i32 != victim)
+        })
+    });
 }
 
 fn header_frame(h: &RequestHeader) -> Bytes {
@@ -675,7 +687,7 @@ async fn flood_beyond_the_queue_limit_is_overloaded() {
     let daemon = Daemon::start(&mlp_config("max_queue = 4\nmax_inflight_per_device = 1"));
     // Freeze both workers so the queue cannot drain.
     let pids = [worker_pid(&daemon, "cpu:0"), worker_pid(&daemon, "cpu:1")];
-    signal_all(&pids, libc::SIGSTOP);
+    freeze_all(&pids);
     let client = Arc::new(daemon.client().await);
     let mut tasks = Vec::new();
     for _ in 0..200 {
@@ -720,7 +732,7 @@ async fn sigterm_answers_everything_accepted_before_exit() {
     let mut daemon = Daemon::start(&mlp_config(""));
     let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
     let pids = [worker_pid(&daemon, "cpu:0"), worker_pid(&daemon, "cpu:1")];
-    signal_all(&pids, libc::SIGSTOP);
+    freeze_all(&pids);
     let client = Arc::new(daemon.client().await);
     let mut rng = Rng::new(3);
     let mut tasks = Vec::new();

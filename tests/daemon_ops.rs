@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::{data, minilm_dir, Daemon, Rng};
+use common::{data, freeze, minilm_dir, Daemon, Rng};
 use replayd::protocol::client::{Client, Response};
 use replayd::protocol::Status;
 use replayd::tensor::{DType, HostTensor};
@@ -515,7 +515,7 @@ async fn health_fails_while_a_device_restarts() {
     assert_eq!(daemon.ctl(&["health"]).status.code(), Some(0));
     let old = daemon.device("cpu:0");
     let pid = old["worker_pid"].as_i64().unwrap() as i32;
-    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    freeze(pid);
     let out = ctl_ok(&daemon, &["restart", "cpu:0", "--no-wait"]);
     assert!(out.contains("restarting"), "{out}");
     let h = daemon.ctl(&["health"]);

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{data, rel_err, Daemon, MlpReference, Rng};
+use common::{data, freeze, rel_err, Daemon, MlpReference, Rng};
 use replayd::protocol::client::Response;
 use replayd::protocol::{Hops, Status};
 use replayd::tensor::HostTensor;
@@ -116,8 +116,7 @@ async fn killed_worker_loses_nothing_and_its_slots_are_reclaimed() {
     let reference = Arc::new(MlpReference::load(&data("mlp_seed.safetensors")));
     let victim = worker_pid(&daemon, "cpu:0");
     // Freeze the worker so that it holds slots, then kill it.
-    // SAFETY: signalling a worker process of the daemon under test.
-    unsafe { libc::kill(victim, libc::SIGSTOP) };
+    freeze(victim);
     let clients = [
         Arc::new(daemon.client().await),
         Arc::new(daemon.client().await),

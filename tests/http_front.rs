@@ -5,7 +5,7 @@
 mod common;
 
 use base64::Engine as _;
-use common::{cosine, http, http_json, minilm_dir, Daemon};
+use common::{cosine, freeze, http, http_json, minilm_dir, Daemon};
 use replayd::protocol::client::{Client, RawClient};
 use replayd::protocol::{encode_request, InputKind, Payload, RequestHeader, Status};
 use serde_json::{json, Value};
@@ -319,7 +319,7 @@ async fn every_error_code_has_its_http_status() {
         })
     };
     let worker = worker_pid(&daemon);
-    signal(worker, libc::SIGSTOP);
+    freeze(worker);
     let c = in_background("lost with its worker");
     std::thread::sleep(Duration::from_millis(400));
     signal(worker, libc::SIGKILL);
@@ -336,7 +336,7 @@ async fn every_error_code_has_its_http_status() {
 
     // With the worker frozen: 429, then 504.
     let worker = worker_pid(&daemon);
-    signal(worker, libc::SIGSTOP);
+    freeze(worker);
     let t0 = Instant::now();
     let a = in_background("first");
     let b = in_background("second");
@@ -362,7 +362,7 @@ async fn every_error_code_has_its_http_status() {
 
     // 503 unavailable: a request after SIGTERM, while the drain waits for one in flight.
     let worker = worker_pid(&daemon);
-    signal(worker, libc::SIGSTOP);
+    freeze(worker);
     let held = {
         let addr = addr.clone();
         std::thread::spawn(move || http_json(&addr, "/embed", &json!({"inputs": "held"})).0)
