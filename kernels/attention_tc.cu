@@ -3,21 +3,32 @@
 // for queries whose keys are all masked), for head sizes of exactly 32, 64, 128.
 //
 // One block of 4 warps per (64 queries, head, batch); each warp owns 16 query
-// rows. Keys and values stream through shared memory TC_KB at a time (V stored
-// transposed); scores S = Q.K^T and the output O += P.V use
+// rows. Keys and values stream through shared memory TC_KB(D) at a time, two
+// blocks in flight (cp.async, so the next block's loads overlap this one's
+// products); scores S = Q.K^T and the output O += P.V use
 // mma.sync.m16n8k16 (row.col), with the online softmax of FlashAttention-2:
 // a running row max and row sum, O rescaled when the max grows, the score
-// fragments reused in registers as the A operand of P.V. Scores are scaled in
-// f32 after the product.
+// fragments reused in registers as the A operand of P.V. V stays row-major in
+// shared memory and `ldmatrix.trans` hands out its B fragments. Scores are
+// scaled in f32 after the product, and exponentials are taken base 2 with
+// log2(e) folded into the scale.
 //
 // attention_tc_bias_<t>_d<D> (MPNet): plus the relative position bias of
 // attention.cu's rel_bias, added to the scaled scores before the mask.
+//
+// tc_attend is the loop; attention_varlen.cu's tensor-core kernel runs it too.
 
 #define TC_WARPS 4
 #define TC_THREADS (32 * TC_WARPS)
 #define TC_QT (16 * TC_WARPS)
-#define TC_KB 64
 #define TC_PAD 8
+// Keys per shared-memory block: two blocks of K and V stay under the 48 KB
+// of static shared memory for every head size.
+#define TC_KB(D) ((D) >= 128 ? 32 : 64)
+// Blocks an SM must hold (the register budget it implies): for head size 32,
+// 6 blocks fill the shared memory and keep 24 warps resident (at the 121
+// registers the compiler picks unbounded, 4: measured latency-bound).
+#define TC_MIN_BLOCKS(D) ((D) == 32 ? 6 : (D) == 64 ? 3 : 2)
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, f16_t) {
     asm volatile(
@@ -35,37 +46,95 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two values as one 32-bit register (lower half = first).
-template <typename T>
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    return (unsigned)from_f32<T>(lo).bits | ((unsigned)from_f32<T>(hi).bits << 16);
+// 16 bytes global -> shared without passing through registers; `full` false
+// zero-fills them (nothing is read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most N of this thread's groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <typename T, int D, bool BIAS>
-__device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, const int* __restrict__ mask,
-                                                  T* __restrict__ out, int seq, int heads, float scale,
-                                                  const T* __restrict__ pbias, int radius) {
-    constexpr int KS = D + TC_PAD;      // sK row stride (halves)
-    constexpr int VS = TC_KB + TC_PAD;  // sVt row stride (halves)
-    constexpr int ND = D / 8;           // output n-tiles
-    constexpr int KD = D / 16;          // k-steps over the head
-    constexpr int NK = TC_KB / 8;       // score n-tiles per key block
-    __shared__ __align__(16) u16 sK[TC_KB * KS];
-    __shared__ __align__(16) u16 sVt[D * VS];
-    __shared__ int sM[TC_KB];
+// Four 8x8 b16 matrices from shared memory (lanes 8i..8i+7 address matrix i's
+// rows), plain or transposed, in mma fragment order.
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* smem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
 
-    const int b = blockIdx.z, h = blockIdx.y;
+#define TC_LOG2E 1.4426950408889634f
+
+// 2^x in one MUFU instruction (relative error about 2^-22; 2^-inf = 0).
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// One head of one tile of at most TC_QT queries against the `seq` keys of
+// their sequence. `base` is the sequence's first qkv row at this head's
+// columns (rows `row_stride` apart, K at +HD, V at +2HD); `obase` the
+// sequence's first output row at this head (rows HD apart). Queries q_first ..
+// q_end-1 (relative to the sequence) are this block's; with MASK, key j counts
+// only where mrow[j] != 0, and a row with no key gets zeros.
+template <typename T, int D, bool BIAS, bool MASK>
+__device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row_stride, int HD, int seq, int q_first,
+                                          int q_end, const int* __restrict__ mrow, float scale,
+                                          const T* __restrict__ brow, int radius, T* __restrict__ obase) {
+    constexpr int KB = TC_KB(D);
+    constexpr int KS = D + TC_PAD;  // row stride of sK and sV (halves): ldmatrix rows hit distinct banks
+    constexpr int ND = D / 8;       // output n-tiles
+    constexpr int KD = D / 16;      // k-steps over the head
+    constexpr int NK = KB / 8;      // score n-tiles per key block
+    constexpr int CH = D / 8;       // 16-byte chunks per row
+    __shared__ __align__(16) u16 sK[2][KB * KS];
+    __shared__ __align__(16) u16 sV[2][KB * KS];
+    __shared__ unsigned sM[2][(KB + 31) / 32];
+
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int HD = heads * D;
-    const size_t row_stride = (size_t)3 * HD;
-    const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * D;
-    const int* mrow = mask + (size_t)b * seq;
-    const int q0 = blockIdx.x * TC_QT + warp * 16;
-    const bool active = q0 < seq;
-    const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
+    const int q0 = q_first + warp * 16;
+    const bool active = q0 < q_end;
+    const int nblocks = (seq + KB - 1) / KB;
 
-    // Q fragments (A operand, row-major 16 x D), straight from global memory.
+    // Issues key block `kb`'s K and V rows into stage `st` (rows past the end
+    // zero-filled) and commits them as one group; an empty group past the last.
+    auto issue = [&](int kb, int st) {
+        if (kb < nblocks) {
+            const int kb0 = kb * KB;
+            for (int i = tid; i < KB * CH; i += TC_THREADS) {
+                const int j = i / CH, d = (i % CH) * 8;
+                const bool in = kb0 + j < seq;
+                const T* r = base + (size_t)(in ? kb0 + j : 0) * row_stride;
+                cp_async16(&sK[st][j * KS + d], r + HD + d, in);
+                cp_async16(&sV[st][j * KS + d], r + 2 * HD + d, in);
+            }
+            // The mask as bits, 32 keys a word (one ballot a warp).
+            if (MASK)
+                for (int j = tid; j < KB; j += TC_THREADS) {
+                    const unsigned bits = __ballot_sync(0xffffffffu, (kb0 + j < seq) && (mrow[kb0 + j] != 0));
+                    if (lane == 0) sM[st][j >> 5] = bits;
+                }
+        }
+        cp_async_commit();
+    };
+    issue(0, 0);
+    issue(1, 1);
+
+    // Q fragments (A operand, row-major 16 x D), straight from global memory,
+    // while the first key blocks are on their way.
     unsigned qa[KD][4];
 #pragma unroll
     for (int kk = 0; kk < KD; kk++)
@@ -73,7 +142,7 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
         for (int r = 0; r < 4; r++) {
             const int row = q0 + g + ((r & 1) ? 8 : 0);
             const int col = kk * 16 + t4 * 2 + ((r & 2) ? 8 : 0);
-            qa[kk][r] = (row < seq) ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col) : 0u;
+            qa[kk][r] = (row < q_end) ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col) : 0u;
         }
 
     float o[ND][4];
@@ -81,104 +150,115 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
     for (int i = 0; i < ND; i++)
 #pragma unroll
         for (int e = 0; e < 4; e++) o[i][e] = 0.0f;
-    float m_run[2] = {NEG_INF_F, NEG_INF_F};
+    float m_run[2] = {NEG_INF_F, NEG_INF_F};  // running max, log2 units
     float l_run[2] = {0.0f, 0.0f};
+    const float scale2 = scale * TC_LOG2E;
+    // This lane's ldmatrix row: matrix lane/8, row lane%8 of it.
+    const int lm = lane >> 3, lr = lane & 7;
 
-    for (int kb0 = 0; kb0 < seq; kb0 += TC_KB) {
-        __syncthreads();  // previous block's K/V consumed
-        // K rows and V (transposed) into shared memory, 16 bytes at a time.
-        for (int i = tid; i < TC_KB * (D / 8); i += TC_THREADS) {
-            const int j = i / (D / 8), d = (i % (D / 8)) * 8;
-            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
-            if (kb0 + j < seq) {
-                const T* r = base + (size_t)(kb0 + j) * row_stride;
-                kv = *reinterpret_cast<const uint4*>(r + HD + d);
-                vv = *reinterpret_cast<const uint4*>(r + 2 * HD + d);
-            }
-            *reinterpret_cast<uint4*>(&sK[j * KS + d]) = kv;
-            const unsigned vw[4] = {vv.x, vv.y, vv.z, vv.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                sVt[(d + 2 * e) * VS + j] = (u16)(vw[e] & 0xffffu);
-                sVt[(d + 2 * e + 1) * VS + j] = (u16)(vw[e] >> 16);
-            }
-        }
-        for (int j = tid; j < TC_KB; j += TC_THREADS) sM[j] = (kb0 + j < seq) && (mrow[kb0 + j] != 0);
+    for (int kb = 0; kb < nblocks; kb++) {
+        const int st = kb & 1, kb0 = kb * KB;
+        cp_async_wait<1>();  // block kb has landed (kb+1 may still fly)
         __syncthreads();
-        if (!active) continue;
-
-        // S = Q K^T for this key block.
-        float sc[NK][4];
+        if (active) {
+            // S = Q K^T: K's rows are the B fragments as stored.
+            float sc[NK][4];
 #pragma unroll
-        for (int nt = 0; nt < NK; nt++) {
+            for (int nt = 0; nt < NK; nt++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) sc[nt][e] = 0.0f;
-            const u16* kr = &sK[(nt * 8 + g) * KS + t4 * 2];
+                for (int e = 0; e < 4; e++) sc[nt][e] = 0.0f;
 #pragma unroll
-            for (int kk = 0; kk < KD; kk++) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + kk * 16);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + kk * 16 + 8);
-                mma16816(sc[nt], qa[kk], b0, b1, T());
+                for (int kp = 0; kp < KD / 2; kp++) {
+                    unsigned b[4];
+                    ldsm_x4(b, &sK[st][(nt * 8 + lr) * KS + kp * 32 + lm * 8]);
+                    mma16816(sc[nt], qa[2 * kp], b[0], b[1], T());
+                    mma16816(sc[nt], qa[2 * kp + 1], b[2], b[3], T());
+                }
+            }
+            // The online softmax over rows g and g + 8 of the warp's 16, in
+            // log2 units. Without a bias the row max is taken on the raw
+            // products (the scale is positive), so scaling and subtracting the
+            // max is one fma per score.
+            unsigned long long live = 0;
+            if (MASK) {
+                live = sM[st][0];
+                if (KB > 32) live |= (unsigned long long)sM[st][KB > 32 ? 1 : 0] << 32;
+            } else {
+                const int n = seq - kb0;
+                live = n >= 64 ? ~0ull : ((1ull << n) - 1);
+            }
+            // A block whose keys are all live (the common case) skips the
+            // per-score test; otherwise this lane's keys start at bit 2 t4.
+            const bool full = KB > 32 ? live == ~0ull : (unsigned)live == ~0u;
+            const unsigned long long lt = live >> (t4 * 2);
+            float mx[2] = {NEG_INF_F, NEG_INF_F};
+#pragma unroll
+            for (int nt = 0; nt < NK; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float s = sc[nt][e];
+                    if (BIAS)
+                        s = fmaf(s, scale, rel_bias(brow, radius, q0 + g + 8 * (e >> 1), kb0 + nt * 8 + t4 * 2 + (e & 1))) *
+                            TC_LOG2E;
+                    if (!full && !((lt >> (nt * 8 + (e & 1))) & 1ull)) s = NEG_INF_F;
+                    sc[nt][e] = s;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s);
+                }
+            // s * mul - sub is the score in log2 units minus the row max.
+            const float mul = BIAS ? 1.0f : scale2;
+            float alpha[2], sub[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m_run[r], mx[r] * mul);
+                alpha[r] = (m_new == NEG_INF_F) ? 1.0f : ex2_approx(m_run[r] - m_new);
+                m_run[r] = m_new;
+                // A row with no live key yet: every p is 0 (ex2(-inf)).
+                sub[r] = (m_new == NEG_INF_F) ? 0.0f : m_new;
+            }
+            float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int nt = 0; nt < NK; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int r = e >> 1;
+                    const float p = ex2_approx(fmaf(sc[nt][e], mul, -sub[r]));
+                    sc[nt][e] = p;
+                    rs[r] += p;
+                }
+#pragma unroll
+            for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * alpha[r] + rs[r];
+#pragma unroll
+            for (int i = 0; i < ND; i++) {
+                o[i][0] *= alpha[0];
+                o[i][1] *= alpha[0];
+                o[i][2] *= alpha[1];
+                o[i][3] *= alpha[1];
+            }
+            // O += P V: the score fragments of key tiles 2ks and 2ks+1 form
+            // the A operand; ldmatrix.trans turns V's rows into B fragments
+            // (matrices: keys +0..7 and +8..15, for d-tiles nd and nd+1).
+#pragma unroll
+            for (int ks = 0; ks < KB / 16; ks++) {
+                unsigned pa[4];
+                pa[0] = pack2<T>(sc[2 * ks][0], sc[2 * ks][1]);
+                pa[1] = pack2<T>(sc[2 * ks][2], sc[2 * ks][3]);
+                pa[2] = pack2<T>(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
+                pa[3] = pack2<T>(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+#pragma unroll
+                for (int nd = 0; nd < ND; nd += 2) {
+                    unsigned b[4];
+                    ldsm_x4_t(b, &sV[st][(ks * 16 + (lm & 1) * 8 + lr) * KS + (nd + (lm >> 1)) * 8]);
+                    mma16816(o[nd], pa, b[0], b[1], T());
+                    mma16816(o[nd + 1], pa, b[2], b[3], T());
+                }
             }
         }
-        // Scale, mask, and the online softmax (rows g and g + 8 of the warp's 16).
-        float mx[2] = {NEG_INF_F, NEG_INF_F};
-#pragma unroll
-        for (int nt = 0; nt < NK; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = nt * 8 + t4 * 2 + (e & 1);
-                float s = sc[nt][e] * scale;
-                if (BIAS) s += rel_bias(brow, radius, q0 + g + 8 * (e >> 1), kb0 + key);
-                s = sM[key] ? s : NEG_INF_F;
-                sc[nt][e] = s;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s);
-            }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m_run[r], mx[r]);
-            alpha[r] = (m_new == NEG_INF_F) ? 1.0f : expf(m_run[r] - m_new);
-            m_run[r] = m_new;
-        }
-        float rs[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int nt = 0; nt < NK; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = e >> 1;
-                const float p = (m_run[r] == NEG_INF_F) ? 0.0f : expf(sc[nt][e] - m_run[r]);
-                sc[nt][e] = p;
-                rs[r] += p;
-            }
-#pragma unroll
-        for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * alpha[r] + rs[r];
-#pragma unroll
-        for (int i = 0; i < ND; i++) {
-            o[i][0] *= alpha[0];
-            o[i][1] *= alpha[0];
-            o[i][2] *= alpha[1];
-            o[i][3] *= alpha[1];
-        }
-        // O += P V: the score fragments of key tiles 2ks and 2ks+1 form the A operand.
-#pragma unroll
-        for (int ks = 0; ks < TC_KB / 16; ks++) {
-            unsigned pa[4];
-            pa[0] = pack2<T>(sc[2 * ks][0], sc[2 * ks][1]);
-            pa[1] = pack2<T>(sc[2 * ks][2], sc[2 * ks][3]);
-            pa[2] = pack2<T>(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
-            pa[3] = pack2<T>(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
-#pragma unroll
-            for (int nd = 0; nd < ND; nd++) {
-                const u16* vr = &sVt[(nd * 8 + g) * VS + ks * 16 + t4 * 2];
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(vr);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(vr + 8);
-                mma16816(o[nd], pa, b0, b1, T());
-            }
-        }
+        __syncthreads();  // stage st consumed: it takes block kb + 2
+        issue(kb + 2, st);
     }
+    cp_async_wait<0>();
     if (!active) return;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -188,9 +268,9 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int row = q0 + g + 8 * r;
-        if (row >= seq) continue;
+        if (row >= q_end) continue;
         const float inv = l_run[r] > 0.0f ? 1.0f / l_run[r] : 0.0f;
-        T* orow = out + ((size_t)b * seq + row) * HD + (size_t)h * D;
+        T* orow = obase + (size_t)row * HD;
 #pragma unroll
         for (int nd = 0; nd < ND; nd++) {
             *reinterpret_cast<unsigned*>(orow + nd * 8 + t4 * 2) = pack2<T>(o[nd][2 * r] * inv, o[nd][2 * r + 1] * inv);
@@ -198,12 +278,25 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
     }
 }
 
+template <typename T, int D, bool BIAS>
+__device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, const int* __restrict__ mask,
+                                                  T* __restrict__ out, int seq, int heads, float scale,
+                                                  const T* __restrict__ pbias, int radius) {
+    const int b = blockIdx.z, h = blockIdx.y;
+    const int HD = heads * D;
+    const size_t row_stride = (size_t)3 * HD;
+    const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * D;
+    const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
+    tc_attend<T, D, BIAS, true>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mask + (size_t)b * seq, scale,
+                                brow, radius, out + (size_t)b * seq * HD + (size_t)h * D);
+}
+
 #define ATTENTION_TC_KERNEL(T, SUF, D)                                                                            \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                    \
         attention_tc_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale) { pdl_enter();      \
         attention_tc_impl<T, D, false>(qkv, mask, out, seq, heads, scale, nullptr, 0);                            \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                    \
         attention_tc_bias_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale,   \
                                        const T* pbias, int radius) { pdl_enter();                                              \
         attention_tc_impl<T, D, true>(qkv, mask, out, seq, heads, scale, pbias, radius);                          \

@@ -23,10 +23,10 @@
 // breaks a bound is skipped.
 //
 // Two kernels:
-// * attention_varlen_tc_<t>_d<D> (f16/bf16, D = 32, 64, 128): tensor cores, as
-//   attention_tc.cu: 4 warps x 16 queries = 64 queries per tile, keys and V^T
-//   streamed through shared memory TC_KB at a time, mma.sync.m16n8k16 for
-//   Q.K^T and P.V, online softmax (running max and sum) in f32.
+// * attention_varlen_tc_<t>_d<D> (f16/bf16, D = 32, 64, 128): tensor cores,
+//   attention_tc.cu's tc_attend (4 warps x 16 queries = 64 queries per tile,
+//   K and V double-buffered through shared memory, mma.sync.m16n8k16 for
+//   Q.K^T and P.V, online softmax in f32) on the tile's own sequence.
 // * attention_varlen_<t>_d<DMAX> (f32, and any head size <= 128): CUDA cores,
 //   as attention.cu: 32 queries per tile, exact softmax over score rows held
 //   in dynamic shared memory of VA_QT*(max_len|1) floats (plus the Q and K/V
@@ -36,7 +36,7 @@
 // (MPNet): plus the relative position bias of attention.cu's rel_bias, by
 // positions within the sequence, added to the scaled scores.
 //
-// Uses mma16816/pack2 and TC_* from attention_tc.cu and ATT_* from
+// Uses tc_attend and TC_* from attention_tc.cu and ATT_* from
 // attention.cu (one translation unit, those files come first).
 
 #define VT_QT TC_QT
@@ -71,14 +71,6 @@ template <typename T, int D, bool BIAS>
 __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ qkv, const int* __restrict__ tiles,
                                                          T* __restrict__ out, int heads, float scale, int tokens,
                                                          const T* __restrict__ pbias, int radius) {
-    constexpr int KS = D + TC_PAD;      // sK row stride (halves)
-    constexpr int VS = TC_KB + TC_PAD;  // sVt row stride (halves)
-    constexpr int ND = D / 8;           // output n-tiles
-    constexpr int KD = D / 16;          // k-steps over the head
-    constexpr int NK = TC_KB / 8;       // score n-tiles per key block
-    __shared__ __align__(16) u16 sK[TC_KB * KS];
-    __shared__ __align__(16) u16 sVt[D * VS];
-
     const int tile = blockIdx.x / heads, h = blockIdx.x % heads;
     int q_start, q_count, kv_start, kv_len;
     // Tensor-core tiles never exceed `tokens` keys; `tokens` bounds kv_len.
@@ -88,145 +80,14 @@ __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ q
         varlen_zero<T>(out, q_start, q_count, HD, h, D);
         return;
     }
-
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t4 = lane & 3;
     const size_t row_stride = (size_t)3 * HD;
-    // Everything below is relative to the sequence's first token.
-    const T* base = qkv + (size_t)kv_start * row_stride + (size_t)h * D;
-    const int seq = kv_len;
-    const int q_first = q_start - kv_start;  // the tile's first query in the sequence
-    const int q_end = q_first + q_count;     // one past its last
-    const int q0 = q_first + warp * 16;
-    const bool active = q0 < q_end;
+    // Everything is relative to the sequence's first token; keys past its
+    // end (the last key block's tail) are masked by the length.
+    const int q_first = q_start - kv_start;
     const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
-
-    unsigned qa[KD][4];
-#pragma unroll
-    for (int kk = 0; kk < KD; kk++)
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int row = q0 + g + ((r & 1) ? 8 : 0);
-            const int col = kk * 16 + t4 * 2 + ((r & 2) ? 8 : 0);
-            qa[kk][r] = (row < q_end) ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col) : 0u;
-        }
-
-    float o[ND][4];
-#pragma unroll
-    for (int i = 0; i < ND; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) o[i][e] = 0.0f;
-    float m_run[2] = {NEG_INF_F, NEG_INF_F};
-    float l_run[2] = {0.0f, 0.0f};
-
-    for (int kb0 = 0; kb0 < seq; kb0 += TC_KB) {
-        __syncthreads();  // previous block's K/V consumed
-        for (int i = tid; i < TC_KB * (D / 8); i += TC_THREADS) {
-            const int j = i / (D / 8), d = (i % (D / 8)) * 8;
-            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
-            if (kb0 + j < seq) {
-                const T* r = base + (size_t)(kb0 + j) * row_stride;
-                kv = *reinterpret_cast<const uint4*>(r + HD + d);
-                vv = *reinterpret_cast<const uint4*>(r + 2 * HD + d);
-            }
-            *reinterpret_cast<uint4*>(&sK[j * KS + d]) = kv;
-            const unsigned vw[4] = {vv.x, vv.y, vv.z, vv.w};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                sVt[(d + 2 * e) * VS + j] = (u16)(vw[e] & 0xffffu);
-                sVt[(d + 2 * e + 1) * VS + j] = (u16)(vw[e] >> 16);
-            }
-        }
-        __syncthreads();
-        if (!active) continue;
-
-        float sc[NK][4];
-#pragma unroll
-        for (int nt = 0; nt < NK; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) sc[nt][e] = 0.0f;
-            const u16* kr = &sK[(nt * 8 + g) * KS + t4 * 2];
-#pragma unroll
-            for (int kk = 0; kk < KD; kk++) {
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + kk * 16);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + kk * 16 + 8);
-                mma16816(sc[nt], qa[kk], b0, b1, T());
-            }
-        }
-        // Scale; keys past the sequence's end get -inf; online softmax.
-        float mx[2] = {NEG_INF_F, NEG_INF_F};
-#pragma unroll
-        for (int nt = 0; nt < NK; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int key = kb0 + nt * 8 + t4 * 2 + (e & 1);
-                float s = sc[nt][e] * scale;
-                if (BIAS) s += rel_bias(brow, radius, q0 + g + 8 * (e >> 1), key);
-                s = key < seq ? s : NEG_INF_F;
-                sc[nt][e] = s;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s);
-            }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m_run[r], mx[r]);
-            alpha[r] = (m_new == NEG_INF_F) ? 1.0f : expf(m_run[r] - m_new);
-            m_run[r] = m_new;
-        }
-        float rs[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int nt = 0; nt < NK; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = e >> 1;
-                const float p = (m_run[r] == NEG_INF_F) ? 0.0f : expf(sc[nt][e] - m_run[r]);
-                sc[nt][e] = p;
-                rs[r] += p;
-            }
-#pragma unroll
-        for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * alpha[r] + rs[r];
-#pragma unroll
-        for (int i = 0; i < ND; i++) {
-            o[i][0] *= alpha[0];
-            o[i][1] *= alpha[0];
-            o[i][2] *= alpha[1];
-            o[i][3] *= alpha[1];
-        }
-#pragma unroll
-        for (int ks = 0; ks < TC_KB / 16; ks++) {
-            unsigned pa[4];
-            pa[0] = pack2<T>(sc[2 * ks][0], sc[2 * ks][1]);
-            pa[1] = pack2<T>(sc[2 * ks][2], sc[2 * ks][3]);
-            pa[2] = pack2<T>(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
-            pa[3] = pack2<T>(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
-#pragma unroll
-            for (int nd = 0; nd < ND; nd++) {
-                const u16* vr = &sVt[(nd * 8 + g) * VS + ks * 16 + t4 * 2];
-                const unsigned b0 = *reinterpret_cast<const unsigned*>(vr);
-                const unsigned b1 = *reinterpret_cast<const unsigned*>(vr + 8);
-                mma16816(o[nd], pa, b0, b1, T());
-            }
-        }
-    }
-    if (!active) return;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = q0 + g + 8 * r;
-        if (row >= q_end) continue;
-        const float inv = l_run[r] > 0.0f ? 1.0f / l_run[r] : 0.0f;
-        T* orow = out + ((size_t)kv_start + row) * HD + (size_t)h * D;
-#pragma unroll
-        for (int nd = 0; nd < ND; nd++) {
-            *reinterpret_cast<unsigned*>(orow + nd * 8 + t4 * 2) = pack2<T>(o[nd][2 * r] * inv, o[nd][2 * r + 1] * inv);
-        }
-    }
+    tc_attend<T, D, BIAS, false>(qkv + (size_t)kv_start * row_stride + (size_t)h * D, row_stride, HD, kv_len, q_first,
+                                 q_first + q_count, nullptr, scale, brow, radius,
+                                 out + (size_t)kv_start * HD + (size_t)h * D);
 }
 
 // Dynamic shared memory (floats): VA_QT*(DMAX+1) + ATT_KC*(DMAX+1) + VA_QT*(max_len|1),
@@ -373,12 +234,12 @@ __device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv,
 }
 
 #define ATTENTION_VARLEN_TC_KERNEL(T, SUF, D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                   \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                 \
         attention_varlen_tc_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale,      \
                                          int tokens) { pdl_enter();                                                         \
         attention_varlen_tc_impl<T, D, false>(qkv, tiles, out, heads, scale, tokens, nullptr, 0);              \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                   \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                 \
         attention_varlen_tc_bias_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale, \
                                               int tokens, const T* pbias, int radius) { pdl_enter();                        \
         attention_varlen_tc_impl<T, D, true>(qkv, tiles, out, heads, scale, tokens, pbias, radius);            \

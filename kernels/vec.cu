@@ -9,7 +9,8 @@
 //   read once and the reductions are warp shuffles (no __syncthreads, no
 //   shared memory). Requires hidden % 4 == 0 and hidden <= 32 * 4 * LNV_J
 //   (checked by the host).
-// * bias_act_vec_<t>: y = act(x + bias) for same-type input and output, 8
+// * bias_act_vec_<t>: y = act(x + bias) for same-type input and output (exact
+//   GELU through gelu_erfc_fast for f16/bf16), 8
 //   values per thread and step (one 16-byte load for f16/bf16); requires
 //   n % 8 == 0 and, with a bias, cols % 8 == 0 (a vector never straddles
 //   two rows). `y` may alias `x`. Grid-stride; the host caps the grid.
@@ -36,8 +37,8 @@ __device__ __forceinline__ void st4(float* p, const float (&v)[4]) {
 template <typename T>
 __device__ __forceinline__ void st4(T* p, const float (&v)[4]) {
     uint2 q;
-    q.x = (unsigned)from_f32<T>(v[0]).bits | ((unsigned)from_f32<T>(v[1]).bits << 16);
-    q.y = (unsigned)from_f32<T>(v[2]).bits | ((unsigned)from_f32<T>(v[3]).bits << 16);
+    q.x = pack2<T>(v[0], v[1]);
+    q.y = pack2<T>(v[2], v[3]);
     *reinterpret_cast<uint2*>(p) = q;
 }
 
@@ -162,10 +163,10 @@ __device__ __forceinline__ void ld8(const float* p, float (&v)[8]) {
 template <typename T>
 __device__ __forceinline__ void st8(T* p, const float (&v)[8]) {
     uint4 q;
-    q.x = (unsigned)from_f32<T>(v[0]).bits | ((unsigned)from_f32<T>(v[1]).bits << 16);
-    q.y = (unsigned)from_f32<T>(v[2]).bits | ((unsigned)from_f32<T>(v[3]).bits << 16);
-    q.z = (unsigned)from_f32<T>(v[4]).bits | ((unsigned)from_f32<T>(v[5]).bits << 16);
-    q.w = (unsigned)from_f32<T>(v[6]).bits | ((unsigned)from_f32<T>(v[7]).bits << 16);
+    q.x = pack2<T>(v[0], v[1]);
+    q.y = pack2<T>(v[2], v[3]);
+    q.z = pack2<T>(v[4], v[5]);
+    q.w = pack2<T>(v[6], v[7]);
     *reinterpret_cast<uint4*>(p) = q;
 }
 __device__ __forceinline__ void st8(float* p, const float (&v)[8]) {
@@ -187,8 +188,13 @@ __device__ __forceinline__ void bias_act_vec_impl(const T* x, const T* __restric
 #pragma unroll
             for (int e = 0; e < 8; e++) v[e] += b[e];
         }
+        if (sizeof(T) == 2 && act == ACT_GELU) {
 #pragma unroll
-        for (int e = 0; e < 8; e++) v[e] = apply_act(v[e], act);
+            for (int e = 0; e < 8; e++) v[e] = gelu_erfc_fast(v[e]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = apply_act(v[e], act);
+        }
         st8(y + e0, v);
     }
 }
