@@ -19,6 +19,7 @@
 #define POOL_WARPS (POOL_THREADS / 32)
 #define POOL_VPL 16
 #define POOL_CHUNK (32 * POOL_VPL)
+#define POOL_UNROLL 4
 
 #define POOL_MEAN 0
 #define POOL_CLS 1
@@ -64,17 +65,26 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
             float acc[POOL_VPL];
 #pragma unroll
             for (int k = 0; k < POOL_VPL; k++) acc[k] = init;
-            for (int s = first + warp; s < seq; s += POOL_WARPS) {
-                if (mb[s] == 0) continue;
-                const T* xr = xb + (size_t)s * hidden;
+            // POOL_UNROLL tokens' loads in flight at once: one token at a time
+            // the loop waits out a memory latency per token.
+            for (int s0 = first + warp; s0 < seq; s0 += POOL_UNROLL * POOL_WARPS) {
+                float v[POOL_UNROLL][POOL_VPL];
+                bool use[POOL_UNROLL];
 #pragma unroll
-                for (int k = 0; k < POOL_VPL; k++) {
-                    const int c = c0 + lane + 32 * k;
-                    if (c < hidden) {
-                        const float v = to_f32(xr[c]);
-                        acc[k] = is_max ? fmaxf(acc[k], v) : acc[k] + v;
+                for (int u = 0; u < POOL_UNROLL; u++) {
+                    const int s = s0 + u * POOL_WARPS;
+                    use[u] = s < seq && mb[s] != 0;
+                    const T* xr = xb + (size_t)(use[u] ? s : first) * hidden;
+#pragma unroll
+                    for (int k = 0; k < POOL_VPL; k++) {
+                        const int c = c0 + lane + 32 * k;
+                        v[u][k] = (use[u] && c < hidden) ? to_f32(xr[c]) : init;
                     }
                 }
+#pragma unroll
+                for (int u = 0; u < POOL_UNROLL; u++)
+#pragma unroll
+                    for (int k = 0; k < POOL_VPL; k++) acc[k] = is_max ? fmaxf(acc[k], v[u][k]) : acc[k] + v[u][k];
             }
             __syncthreads();  // previous chunk's partials consumed
 #pragma unroll
