@@ -313,6 +313,26 @@ fn stages_report(before: &Value, after: &Value) -> Value {
                 format!("{name}_socket_driver"),
                 json!((us as f64 / wall_us.max(1.0) * 1000.0).round() / 1000.0),
             );
+            // A sharded socket (server.client_sockets): the sum above is its
+            // drivers' CPU; the serial limit is the busiest one.
+            let shard_busy = |v: &Value, i: usize| {
+                v["transport"][name]["shards"][i]["busy_us"]
+                    .as_u64()
+                    .unwrap_or(0)
+            };
+            let shards = after["transport"][name]["shards"]
+                .as_array()
+                .map_or(0, Vec::len);
+            if shards > 1 {
+                let busiest = (0..shards)
+                    .map(|i| shard_busy(after, i).saturating_sub(shard_busy(before, i)))
+                    .max()
+                    .unwrap_or(0);
+                busy.insert(
+                    format!("{name}_socket_driver_busiest_of_{shards}"),
+                    json!((busiest as f64 / wall_us.max(1.0) * 1000.0).round() / 1000.0),
+                );
+            }
         }
     }
     let mut delays = serde_json::Map::new();

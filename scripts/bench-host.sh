@@ -16,6 +16,8 @@
 # p99); (3) the same target-3 load on the null backend (computes nothing):
 # the host path's own ceiling on this CPU; (4) replayd-hostbench: each host
 # stage's figures on this CPU. Results: $OUT/bench-host.md and JSON beside it.
+# BENCH_SERVER adds [server] lines to every daemon's config, e.g.
+# BENCH_SERVER="client_sockets = 1" for the single client socket.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/bench-host}
@@ -81,6 +83,7 @@ start_daemon() { # name, devices TOML, [batching TOML]
 endpoint = "tcp://127.0.0.1:0"
 control_endpoint = "ipc://$WORK/control.sock"
 runtime_dir = "$WORK/run"
+${BENCH_SERVER:-}
 
 [batching]
 $batching

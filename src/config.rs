@@ -97,8 +97,16 @@ pub struct ServerConfig {
     pub client_heartbeat_ms: u64,
     /// libzmq I/O threads for the client socket; its connections are spread
     /// over them (one thread's TCP work capped a busy socket at about
-    /// 100,000 requests/s on an H200 host).
+    /// 100,000 requests/s on an H200 host). With several
+    /// `client_sockets`, each shard has this many.
     pub io_threads: usize,
+    /// ROUTER sockets ("shards") that serve `endpoint` together, 1 to 16:
+    /// each has its own libzmq context (`io_threads` I/O threads), its own
+    /// driver task and receive loop, and listens on the same address with
+    /// `SO_REUSEPORT`, so the kernel spreads client connections over them.
+    /// Clients see one endpoint. Applies to tcp endpoints on an IPv4
+    /// address or `*`; ipc:// (and an interface name) always use one socket.
+    pub client_sockets: usize,
     /// CURVE: a file holding the daemon's secret key (40 Z85 characters).
     /// With `curve_allowed_clients_file`, clients must authenticate and
     /// everything on the client socket is encrypted.
@@ -146,6 +154,7 @@ impl Default for ServerConfig {
             recv_hwm: 64,
             handshake_timeout_ms: 10_000,
             io_threads: 2,
+            client_sockets: 4,
             client_heartbeat_ms: 10_000,
             curve_secret_key_file: None,
             curve_allowed_clients_file: None,
@@ -544,6 +553,15 @@ impl Config {
         }
         if !(1..=16).contains(&self.server.io_threads) {
             return Err(invalid("server.io_threads", "must be 1 to 16"));
+        }
+        if !(1..=16).contains(&self.server.client_sockets) {
+            return Err(invalid(
+                "server.client_sockets",
+                format!(
+                    "must be 1 to 16 (ROUTER sockets serving server.endpoint), got {}",
+                    self.server.client_sockets
+                ),
+            ));
         }
         if self.server.handshake_timeout_ms < 100 {
             return Err(invalid(
@@ -948,6 +966,29 @@ path = "mlp.safetensors"
     }
 
     #[test]
+    fn client_sockets_default_to_four_and_take_1_to_16() {
+        let c = Config::parse(MINIMAL).unwrap();
+        assert_eq!(c.server.client_sockets, 4);
+        for n in [1, 2, 16] {
+            let c = Config::parse(&format!("[server]\nclient_sockets = {n}\n{MINIMAL}")).unwrap();
+            assert_eq!(c.server.client_sockets, n);
+        }
+        for bad in ["0", "17", "1000"] {
+            let err = Config::parse(&format!("[server]\nclient_sockets = {bad}\n{MINIMAL}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("server.client_sockets") && err.contains("1 to 16"),
+                "{bad}: {err}"
+            );
+        }
+        let err = Config::parse(&format!("[server]\nclient_sockets = -1\n{MINIMAL}"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("client_sockets"), "{err}");
+    }
+
+    #[test]
     fn unknown_keys_are_named() {
         let err = Config::parse(&format!("[batching]\nmax_wait = 5\n{MINIMAL}")).unwrap_err();
         let msg = err.to_string();
@@ -972,6 +1013,8 @@ path = "mlp.safetensors"
                 "server.control_endpoint",
             ),
             ("[server]\nsend_hwm = 0\n", "server.send_hwm"),
+            ("[server]\nclient_sockets = 0\n", "server.client_sockets"),
+            ("[server]\nclient_sockets = 17\n", "server.client_sockets"),
         ];
         for (prefix, key) in cases {
             let err = Config::parse(&format!("{prefix}{MINIMAL}")).unwrap_err();

@@ -2,6 +2,11 @@
 //! them against the model, tokenizes texts on the tokenizer pool, hands them
 //! to the batcher and sends each reply back to the peer that asked.
 //!
+//! The client endpoint may be served by several ROUTER shards
+//! (`server.client_sockets`, see [`crate::transport::Router::bind_shards`]):
+//! each has its own receive loop here, all sharing one [`Frontend`]; a reply
+//! goes out on the shard its request came in on.
+//!
 //! Every message is handled in its own task, so a request waiting for
 //! tokenization or for its batch never delays another. Sending a reply never
 //! waits: the transport queues at most `server.send_hwm` unsent replies per
@@ -42,9 +47,10 @@ pub struct Frontend {
     metrics: Arc<Metrics>,
     limits: DecodeLimits,
     admission: Arc<Admission>,
-    /// Turns of the socket loop (it turns at least every [`TURN`]), for the
-    /// health loop that feeds systemd's watchdog.
-    turns: std::sync::atomic::AtomicU64,
+    /// Turns of each socket loop, one counter per client socket shard (each
+    /// turns at least every [`TURN`]), for the health loop that feeds
+    /// systemd's watchdog.
+    turns: Box<[std::sync::atomic::AtomicU64]>,
     /// Texts of at most this many bytes in all are tokenized inline.
     inline_tokenize_bytes: usize,
 }
@@ -114,14 +120,29 @@ impl Frontend {
             metrics,
             limits,
             admission,
-            turns: std::sync::atomic::AtomicU64::new(0),
+            turns: Box::new([std::sync::atomic::AtomicU64::new(0)]),
             inline_tokenize_bytes: 0,
         }
     }
 
-    /// How many times the socket loop has turned (see [`TURN`]).
+    /// How many times the slowest socket loop has turned (see [`TURN`]): it
+    /// advances only while every shard's loop turns, so one stuck shard
+    /// stops it.
     pub fn turns(&self) -> u64 {
-        self.turns.load(std::sync::atomic::Ordering::Relaxed)
+        self.turns
+            .iter()
+            .map(|t| t.load(std::sync::atomic::Ordering::Relaxed))
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The number of client socket shards [`run`] will serve (default 1):
+    /// one turn counter each.
+    pub fn with_client_sockets(mut self, shards: usize) -> Self {
+        self.turns = (0..shards.max(1))
+            .map(|_| std::sync::atomic::AtomicU64::new(0))
+            .collect();
+        self
     }
 
     /// Requests whose texts take at most `bytes` in all are tokenized on the
@@ -490,22 +511,59 @@ fn deadline(
 /// How long, after `shutdown`, handlers may take to send their last replies.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Serves the ROUTER socket until `shutdown` resolves, then waits (up to
-/// [`FLUSH_TIMEOUT`]) for the handlers still answering.
+/// Serves the client ROUTER sockets (one, or the shards of one endpoint; at
+/// most the number given to [`Frontend::with_client_sockets`]) until
+/// `shutdown` resolves or every socket has closed, then waits (up to
+/// [`FLUSH_TIMEOUT`]) for the handlers still answering, on every shard.
 ///
-/// Each handler task holds a clone of `done`; when the last one ends (however
-/// it ends) the channel closes, which is how shutdown knows they are all done.
-pub async fn run(socket: Router, frontend: Arc<Frontend>, shutdown: impl Future<Output = ()>) {
-    let (mut recv, send) = socket.split();
+/// Each shard has its own receive loop (a task). Each handler task holds a
+/// clone of `done`; when the last one ends (however it ends) the channel
+/// closes, which is how shutdown knows they are all done.
+pub async fn run(
+    sockets: Vec<Router>,
+    frontend: Arc<Frontend>,
+    shutdown: impl Future<Output = ()>,
+) {
     let (done, mut all_done) = tokio::sync::mpsc::channel::<()>(1);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut loops = tokio::task::JoinSet::new();
+    for (shard, socket) in sockets.into_iter().enumerate() {
+        loops.spawn(serve_socket(
+            shard,
+            socket,
+            frontend.clone(),
+            done.clone(),
+            stop_rx.clone(),
+        ));
+    }
+    drop(done);
     tokio::pin!(shutdown);
+    tokio::select! {
+        _ = &mut shutdown => {}
+        // Every socket closed on its own: nothing more will come.
+        _ = async { while loops.join_next().await.is_some() {} } => {}
+    }
+    let _ = stop_tx.send(true);
+    while loops.join_next().await.is_some() {}
+    let _ = tokio::time::timeout(FLUSH_TIMEOUT, all_done.recv()).await;
+}
+
+/// One shard's receive loop: spawns a handler per message until `stop` is
+/// set or the socket closes.
+async fn serve_socket(
+    shard: usize,
+    socket: Router,
+    frontend: Arc<Frontend>,
+    done: tokio::sync::mpsc::Sender<()>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let (mut recv, send) = socket.split();
     let mut turn = tokio::time::interval(TURN);
+    let turns = &frontend.turns[shard % frontend.turns.len()];
     loop {
-        frontend
-            .turns
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::select! {
-            _ = &mut shutdown => break,
+            _ = stopped(&mut stop) => break,
             _ = turn.tick() => {}
             msg = recv.recv() => match msg {
                 Ok(incoming) => {
@@ -530,12 +588,15 @@ pub async fn run(socket: Router, frontend: Arc<Frontend>, shutdown: impl Future<
                     let _ = send.send(&peer, encode_reply(&reply));
                 }
                 Err(TransportError::Closed) => break,
-                Err(e) => tracing::error!("client socket: {e}"),
+                Err(e) => tracing::error!(shard, "client socket: {e}"),
             },
         }
     }
-    drop(done);
-    let _ = tokio::time::timeout(FLUSH_TIMEOUT, all_done.recv()).await;
+}
+
+/// Resolves once `stop` is set (or its sender is gone).
+async fn stopped(stop: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
 }
 
 async fn serve_message(frontend: Arc<Frontend>, send: RouterSender, incoming: Incoming) {

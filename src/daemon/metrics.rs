@@ -20,7 +20,7 @@ use super::messages::DeviceStatus;
 use super::tuning::{Histogram as Hist, LadderSuggestion};
 use crate::bucket::{Bucket, Grid};
 use crate::protocol::{ErrorCode, Hops};
-use crate::transport::TransportStats;
+use crate::transport::{StatsSnapshot, TransportStats};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -147,6 +147,14 @@ struct Latencies {
     hops: Vec<Histogram<u64>>,
 }
 
+/// A socket the stats report under `transport.<name>`.
+pub(crate) struct Transport {
+    name: &'static str,
+    shards: Vec<Arc<TransportStats>>,
+    /// Report each shard's counters too (`transport.<name>.shards`).
+    sharded: bool,
+}
+
 pub(crate) struct Inner {
     requests_accepted: u64,
     replies_ok: u64,
@@ -163,7 +171,8 @@ pub(crate) struct Inner {
     eager_queue_depth: u64,
     devices: Vec<DeviceStats>,
     statuses: Vec<watch::Receiver<DeviceStatus>>,
-    transports: Vec<(&'static str, Arc<TransportStats>)>,
+    /// Each socket's counters: one, or (`sharded`) one per shard of it.
+    transports: Vec<Transport>,
     latency: Latencies,
     /// Per model: replies, errors, observed lengths.
     per_model: BTreeMap<String, ModelCounters>,
@@ -485,7 +494,22 @@ impl Metrics {
 
     /// Adds a socket whose counters the stats report under `transport.<name>`.
     pub fn set_transport(&self, name: &'static str, stats: Arc<TransportStats>) {
-        self.lock().transports.push((name, stats));
+        self.lock().transports.push(Transport {
+            name,
+            shards: vec![stats],
+            sharded: false,
+        });
+    }
+
+    /// Adds a socket served by several shards (the client endpoint's
+    /// ROUTERs): `transport.<name>` reports their counters summed, as one
+    /// socket's, and `transport.<name>.shards` each shard's, in order.
+    pub fn set_transport_shards(&self, name: &'static str, shards: Vec<Arc<TransportStats>>) {
+        self.lock().transports.push(Transport {
+            name,
+            shards,
+            sharded: true,
+        });
     }
 
     /// Every device slot, with its current status.
@@ -654,9 +678,21 @@ impl Metrics {
             "transport": m
                 .transports
                 .iter()
-                .map(|(name, t)| (name.to_string(), serde_json::to_value(t.snapshot()).unwrap_or_default()))
+                .map(|t| (t.name.to_string(), t.json()))
                 .collect::<serde_json::Map<_, _>>(),
         })
+    }
+}
+
+impl Transport {
+    fn json(&self) -> serde_json::Value {
+        let shards: Vec<StatsSnapshot> = self.shards.iter().map(|s| s.snapshot()).collect();
+        let total = shards.iter().copied().sum::<StatsSnapshot>();
+        let mut v = serde_json::to_value(total).unwrap_or_default();
+        if self.sharded {
+            v["shards"] = serde_json::to_value(shards).unwrap_or_default();
+        }
+        v
     }
 }
 

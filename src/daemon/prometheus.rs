@@ -535,7 +535,12 @@ pub fn render_snapshot(s: &Value) -> String {
         let mut fields: Vec<&str> = transports
             .values()
             .filter_map(|t| t.as_object())
-            .flat_map(|t| t.keys().map(String::as_str))
+            // The counters; not the per-shard list (`shards`).
+            .flat_map(|t| {
+                t.iter()
+                    .filter(|(_, v)| v.is_number())
+                    .map(|(k, _)| k.as_str())
+            })
             .collect();
         fields.sort_unstable();
         fields.dedup();

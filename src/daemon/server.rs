@@ -455,10 +455,17 @@ pub async fn run(
     let metrics = Arc::new(Metrics::new());
 
     let security = client_security(&config).context(ConfigRejected)?;
-    let client_socket = Router::bind(&config.server.endpoint, &client_limits(&config), &security)
-        .await
-        .with_context(|| format!("cannot bind server.endpoint {}", config.server.endpoint))?;
-    let endpoint = client_socket.endpoint().to_string();
+    // One ROUTER, or `server.client_sockets` shards of the one endpoint
+    // (tcp on an IPv4 address), each with its own libzmq context and driver.
+    let client_sockets = Router::bind_shards(
+        &config.server.endpoint,
+        config.server.client_sockets,
+        &client_limits(&config),
+        &security,
+    )
+    .await
+    .with_context(|| format!("cannot bind server.endpoint {}", config.server.endpoint))?;
+    let endpoint = client_sockets[0].endpoint().to_string();
     let control_socket = Router::bind(
         &config.server.control_endpoint,
         &control_limits(&config),
@@ -484,11 +491,12 @@ pub async fn run(
     if let Some(address) = &http_address {
         tracing::info!(%address, "HTTP front listening");
     }
-    metrics.set_transport("client", client_socket.stats());
+    metrics.set_transport_shards("client", client_sockets.iter().map(Router::stats).collect());
     metrics.set_transport("control", control_socket.stats());
     tracing::info!(
         %endpoint,
         %control_endpoint,
+        client_sockets = client_sockets.len(),
         curve = matches!(security, Security::CurveServer { .. }),
         "listening"
     );
@@ -630,7 +638,8 @@ pub async fn run(
             },
             admission.clone(),
         )
-        .with_inline_tokenize(config.server.inline_tokenize_bytes),
+        .with_inline_tokenize(config.server.inline_tokenize_bytes)
+        .with_client_sockets(client_sockets.len()),
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
@@ -646,7 +655,7 @@ pub async fn run(
         ))
     });
     let frontend_task = tokio::spawn(super::frontend::run(
-        client_socket,
+        client_sockets,
         frontend.clone(),
         stopped(stop_rx.clone()),
     ));

@@ -5,7 +5,7 @@
 use super::{bump, Budget, Received, Security, TransportError, TransportLimits, TransportStats};
 use bytes::Bytes;
 use std::collections::{HashSet, VecDeque};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +22,11 @@ pub(super) enum Kind {
 pub(super) enum Attach {
     Bind(String),
     Connect(String),
+    /// Serve a TCP socket that is already bound and listening (a shard of a
+    /// [`super::Router::bind_shards`]): libzmq takes it with `ZMQ_USE_FD`
+    /// and closes it with the socket. The string is the endpoint it serves,
+    /// for messages.
+    Listen(std::os::fd::OwnedFd, String),
 }
 
 /// Frames up to this size are copied out of libzmq's message; larger ones
@@ -97,7 +102,7 @@ pub(super) async fn start(
 ) -> Result<Started, TransportError> {
     let setup_limits = limits.clone();
     let (sockets, endpoint) =
-        tokio::task::spawn_blocking(move || setup(kind, &attach, &setup_limits, &security))
+        tokio::task::spawn_blocking(move || setup(kind, attach, &setup_limits, &security))
             .await
             .map_err(|e| TransportError::Setup(format!("socket setup task: {e}")))??;
     let Sockets {
@@ -150,7 +155,7 @@ fn millis(d: Duration) -> i32 {
 
 fn setup(
     kind: Kind,
-    attach: &Attach,
+    attach: Attach,
     limits: &TransportLimits,
     security: &Security,
 ) -> Result<(Sockets, String), TransportError> {
@@ -176,7 +181,7 @@ fn setup(
         }
         _ => None,
     };
-    let socket = context
+    let mut socket = context
         .socket(match kind {
             Kind::Router => zmq::ROUTER,
             Kind::Dealer => zmq::DEALER,
@@ -259,13 +264,29 @@ fn setup(
                 .map_err(|e| TransportError::Setup(format!("bind {endpoint}: {e}")))?;
             match s.get_last_endpoint() {
                 Ok(Ok(resolved)) => resolved,
-                _ => endpoint.clone(),
+                _ => endpoint,
             }
         }
         Attach::Connect(endpoint) => {
-            s.connect(endpoint)
+            s.connect(&endpoint)
                 .map_err(|e| TransportError::Setup(format!("connect {endpoint}: {e}")))?;
-            endpoint.clone()
+            endpoint
+        }
+        Attach::Listen(fd, endpoint) => {
+            use_fd(&mut socket, &fd)?;
+            // With ZMQ_USE_FD set, a tcp bind takes that descriptor and does
+            // not read the address (it must only parse as tcp://).
+            match socket.bind("tcp://0.0.0.0:0") {
+                Ok(()) => {
+                    // libzmq owns it now: its listener closes it.
+                    let _ = fd.into_raw_fd();
+                }
+                Err(e) => return Err(TransportError::Setup(format!("bind {endpoint}: {e}"))),
+            }
+            match socket.get_last_endpoint() {
+                Ok(Ok(resolved)) => resolved,
+                _ => endpoint,
+            }
         }
     };
     Ok((
@@ -277,6 +298,31 @@ fn setup(
         },
         endpoint,
     ))
+}
+
+/// Sets `ZMQ_USE_FD` (libzmq 4.2+; the `zmq` crate has no setter for it).
+fn use_fd(socket: &mut zmq::Socket, fd: &std::os::fd::OwnedFd) -> Result<(), TransportError> {
+    let value: std::os::raw::c_int = fd.as_raw_fd();
+    // SAFETY: the pointer is the live socket's, and the option value is a
+    // C int read for its size during the call.
+    let rc = unsafe {
+        zmq_sys::zmq_setsockopt(
+            socket.as_mut_ptr(),
+            zmq_sys::ZMQ_USE_FD as std::os::raw::c_int,
+            (&value as *const std::os::raw::c_int).cast(),
+            std::mem::size_of::<std::os::raw::c_int>(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        // SAFETY: no preconditions; reads this thread's libzmq errno.
+        let errno = unsafe { zmq_sys::zmq_errno() };
+        Err(TransportError::Setup(format!(
+            "ZMQ_USE_FD: {}",
+            zmq::Error::from_raw(errno)
+        )))
+    }
 }
 
 /// How long a closing socket keeps trying to deliver what it has queued.

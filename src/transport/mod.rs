@@ -22,6 +22,16 @@
 //! terminating it (after the last half is dropped) run on tokio's blocking
 //! pool, so no call blocks the runtime.
 //!
+//! ## Shards
+//!
+//! [`Router::bind_shards`] serves one tcp endpoint with N ROUTERs, each as
+//! above (its own context, I/O threads and driver): the transport binds N
+//! listening sockets to the address with `SO_REUSEPORT` and hands each to
+//! its ROUTER with `ZMQ_USE_FD`; the kernel spreads incoming connections
+//! over them. Every limit and the security below apply to each shard; the
+//! high-water marks are per peer, `max_buffered_bytes` and `queue_messages`
+//! per shard.
+//!
 //! ## Limits (see [`TransportLimits`])
 //!
 //! * A message larger than `max_message_bytes` — counting each frame's size
@@ -62,6 +72,7 @@
 //! peers (their decoder is not the patched one).
 
 mod driver;
+mod listen;
 #[cfg(test)]
 mod tests;
 
@@ -429,6 +440,37 @@ impl TransportStats {
     }
 }
 
+impl std::ops::Add for StatsSnapshot {
+    type Output = StatsSnapshot;
+
+    /// Two sockets' counters as one's (the shards of one endpoint).
+    fn add(self, o: StatsSnapshot) -> StatsSnapshot {
+        StatsSnapshot {
+            messages_received: self.messages_received + o.messages_received,
+            bytes_received: self.bytes_received + o.bytes_received,
+            messages_sent: self.messages_sent + o.messages_sent,
+            dropped_sends: self.dropped_sends + o.dropped_sends,
+            unroutable_sends: self.unroutable_sends + o.unroutable_sends,
+            rejected_messages: self.rejected_messages + o.rejected_messages,
+            connections_accepted: self.connections_accepted + o.connections_accepted,
+            connections_established: self.connections_established + o.connections_established,
+            disconnects: self.disconnects + o.disconnects,
+            handshake_failures: self.handshake_failures + o.handshake_failures,
+            protocol_failures: self.protocol_failures + o.protocol_failures,
+            auth_failures: self.auth_failures + o.auth_failures,
+            reads_paused: self.reads_paused + o.reads_paused,
+            busy_us: self.busy_us + o.busy_us,
+            wakes: self.wakes + o.wakes,
+        }
+    }
+}
+
+impl std::iter::Sum for StatsSnapshot {
+    fn sum<I: Iterator<Item = StatsSnapshot>>(iter: I) -> StatsSnapshot {
+        iter.fold(StatsSnapshot::default(), |a, b| a + b)
+    }
+}
+
 fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
@@ -483,6 +525,52 @@ impl Router {
             },
             sender: RouterSender { outbox, stats },
         })
+    }
+
+    /// Binds `shards` ROUTERs that serve one endpoint together: for a tcp
+    /// endpoint on an IPv4 address (or `*`) and `shards > 1`, `shards`
+    /// listening sockets bound to that address with `SO_REUSEPORT` (port 0:
+    /// one free port for all), each served by its own ROUTER — its own
+    /// libzmq context, I/O threads and driver task — with the same `limits`
+    /// and `security`. Linux spreads incoming connections over them; a
+    /// client's connection stays on one shard, so replies go out where its
+    /// requests came in. A fixed port another socket is bound to is refused,
+    /// as by [`Router::bind`], even when that socket has `SO_REUSEPORT`.
+    ///
+    /// Otherwise (ipc://, an interface name, `shards <= 1`) one ROUTER,
+    /// exactly as [`Router::bind`]. Each shard reports the same endpoint.
+    pub async fn bind_shards(
+        endpoint: &str,
+        shards: usize,
+        limits: &TransportLimits,
+        security: &Security,
+    ) -> Result<Vec<Router>, TransportError> {
+        let addr = match listen::shardable(endpoint) {
+            Some(addr) if shards > 1 => addr,
+            _ => return Ok(vec![Router::bind(endpoint, limits, security).await?]),
+        };
+        let fds = listen::listeners(endpoint, addr, shards)?;
+        let mut routers = Vec::with_capacity(shards);
+        // On an error the routers made so far are dropped (their drivers
+        // close them) and the descriptors not yet handed over are closed.
+        for fd in fds {
+            let (endpoint, inbox, outbox, stats) = driver::start(
+                driver::Kind::Router,
+                driver::Attach::Listen(fd, endpoint.to_string()),
+                limits.clone(),
+                security.clone(),
+            )
+            .await?;
+            routers.push(Router {
+                endpoint,
+                receiver: RouterReceiver {
+                    inbox,
+                    stats: stats.clone(),
+                },
+                sender: RouterSender { outbox, stats },
+            });
+        }
+        Ok(routers)
     }
 
     /// The endpoint as bound (a tcp port 0 replaced by the real port).
