@@ -158,7 +158,7 @@ pub(crate) struct Transport {
 pub(crate) struct Inner {
     requests_accepted: u64,
     replies_ok: u64,
-    buckets: BTreeMap<(String, Bucket), BucketCounters>,
+    buckets: PerBucket<BucketCounters>,
     eager_requests: BTreeMap<EagerReason, u64>,
     eager_by_model: BTreeMap<String, u64>,
     eager_work: EagerCounters,
@@ -177,10 +177,43 @@ pub(crate) struct Inner {
     /// Per model: replies, errors, observed lengths.
     per_model: BTreeMap<String, ModelCounters>,
     /// Per (model, bucket): latency of the replies it is named in.
-    bucket_latency: BTreeMap<(String, Bucket), Histogram<u64>>,
+    bucket_latency: PerBucket<Histogram<u64>>,
     /// Each model's grid in force (a reload replaces it).
     grids: BTreeMap<String, Grid>,
     reloads: u64,
+}
+
+/// Values per (model, bucket), in that order; nested so that counting a
+/// reply borrows the model's name (the batcher counts one per reply, under
+/// the lock) instead of allocating a key each time.
+#[derive(Debug)]
+struct PerBucket<V>(BTreeMap<String, BTreeMap<Bucket, V>>);
+
+impl<V> Default for PerBucket<V> {
+    fn default() -> Self {
+        PerBucket(BTreeMap::new())
+    }
+}
+
+impl<V> PerBucket<V> {
+    fn entry(&mut self, model: &str, bucket: Bucket, init: impl FnOnce() -> V) -> &mut V {
+        if !self.0.contains_key(model) {
+            self.0.insert(model.to_string(), BTreeMap::new());
+        }
+        let per_model = self.0.get_mut(model).expect("inserted");
+        per_model.entry(bucket).or_insert_with(init)
+    }
+
+    fn get(&self, model: &str, bucket: Bucket) -> Option<&V> {
+        self.0.get(model).and_then(|b| b.get(&bucket))
+    }
+
+    fn iter(&self) -> impl Iterator<Item = ((&str, Bucket), &V)> {
+        self.0.iter().flat_map(|(model, b)| {
+            b.iter()
+                .map(move |(bucket, v)| ((model.as_str(), *bucket), v))
+        })
+    }
 }
 
 /// What is counted per model.
@@ -295,7 +328,7 @@ impl Metrics {
             inner: Mutex::new(Inner {
                 requests_accepted: 0,
                 replies_ok: 0,
-                buckets: BTreeMap::new(),
+                buckets: PerBucket::default(),
                 eager_requests: BTreeMap::new(),
                 eager_by_model: BTreeMap::new(),
                 eager_work: EagerCounters::default(),
@@ -318,7 +351,7 @@ impl Metrics {
                     hops: Hops::NAMES.iter().map(|_| histogram()).collect(),
                 },
                 per_model: BTreeMap::new(),
-                bucket_latency: BTreeMap::new(),
+                bucket_latency: PerBucket::default(),
                 grids: BTreeMap::new(),
                 reloads: 0,
             }),
@@ -352,14 +385,10 @@ impl Metrics {
         c.replies += 1;
         if let Some(bucket) = bucket {
             c.graph += 1;
-            m.buckets
-                .entry((model.to_string(), bucket))
-                .or_default()
-                .requests += 1;
+            m.buckets.entry(model, bucket, Default::default).requests += 1;
             let _ = m
                 .bucket_latency
-                .entry((model.to_string(), bucket))
-                .or_insert_with(bucket_histogram)
+                .entry(model, bucket, bucket_histogram)
                 .record(total_us.max(1));
         }
     }
@@ -412,7 +441,7 @@ impl Metrics {
     /// `tokens` real tokens over all rows.
     pub fn bucket_batch(&self, model: &str, bucket: Bucket, parts: u64, rows: u64, tokens: u64) {
         let mut m = self.lock();
-        let c = m.buckets.entry((model.to_string(), bucket)).or_default();
+        let c = m.buckets.entry(model, bucket, Default::default);
         c.parts += parts;
         c.batches += 1;
         c.rows += rows;
@@ -431,10 +460,7 @@ impl Metrics {
     /// A reply named `bucket` (the largest shape that ran its items).
     pub fn bucket_request(&self, model: &str, bucket: Bucket) {
         let mut m = self.lock();
-        m.buckets
-            .entry((model.to_string(), bucket))
-            .or_default()
-            .requests += 1;
+        m.buckets.entry(model, bucket, Default::default).requests += 1;
     }
 
     /// An eager batch of `sequences` rows and `tokens` real tokens completed.
@@ -539,8 +565,8 @@ impl Metrics {
         };
         // Per model and overall: real and computed tokens over every bucket.
         let mut by_model: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
-        for ((model, _), c) in &m.buckets {
-            let t = by_model.entry(model.as_str()).or_default();
+        for ((model, _), c) in m.buckets.iter() {
+            let t = by_model.entry(model).or_default();
             t.0 += c.tokens;
             t.1 += c.tokens + c.padded_tokens;
         }
@@ -586,7 +612,7 @@ impl Metrics {
             .map(|((model, bucket), c)| {
                 let slots = c.rows + c.padded_rows;
                 let computed = c.tokens + c.padded_tokens;
-                let lat = m.bucket_latency.get(&(model.clone(), *bucket));
+                let lat = m.bucket_latency.get(model, bucket);
                 let q = |q: f64| lat.map_or(0, |h| h.value_at_quantile(q));
                 serde_json::json!({
                     "model": model,
@@ -594,7 +620,7 @@ impl Metrics {
                     "packed": bucket.is_packed(),
                     // Padded: rows × tokens per row; packed: most sequences × token budget.
                     "batch": bucket.rows(),
-                    "seq": match bucket { Bucket::Padded { seq, .. } => *seq, Bucket::Packed { .. } => 0 },
+                    "seq": match bucket { Bucket::Padded { seq, .. } => seq, Bucket::Packed { .. } => 0 },
                     "token_slots": bucket.tokens(),
                     "requests": c.requests,
                     "parts": c.parts,
@@ -619,7 +645,7 @@ impl Metrics {
                     "p99_us": q(0.99),
                     // Whether the bucket is in the model's grid in force (a
                     // reload may have replaced it; its counts stay).
-                    "in_grid": m.grids.get(model).is_none_or(|g| g.contains(*bucket)),
+                    "in_grid": m.grids.get(model).is_none_or(|g| g.contains(bucket)),
                 })
             })
             .collect();
@@ -754,7 +780,7 @@ impl Metrics {
                             .flat_map(|d| d.graphs.iter())
                             .filter(|g| g.model == ms.name && g.bucket == label)
                             .collect();
-                        let counters = m.buckets.get(&(ms.name.clone(), bucket));
+                        let counters = m.buckets.get(&ms.name, bucket);
                         let computed = counters.map_or(0, |c| c.tokens + c.padded_tokens);
                         serde_json::json!({
                             "bucket": label,
