@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{data, Daemon};
+use common::{mlp_cpu_config, Daemon};
 use replayd::protocol::client::RawClient;
 use replayd::protocol::{encode_request, InputKind, Payload, RequestHeader, Status};
 use replayd::tensor::{DType, HostTensor};
@@ -16,24 +16,8 @@ use std::time::{Duration, Instant};
 
 fn config() -> String {
     format!(
-        r#"
-[batching]
-max_queue = 100000
-
-[devices]
-backend = "cpu"
-cpu_threads = 1
-
-[eager]
-workers = 0
-
-[[models]]
-name = "mlp"
-kind = "mlp"
-path = "{}"
-batch_buckets = [1, 8, 64]
-"#,
-        data("mlp_seed.safetensors").display()
+        "\n[batching]\nmax_queue = 100000\n{}",
+        mlp_cpu_config(0, &[1, 8, 64])
     )
 }
 

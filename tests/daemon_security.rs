@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{data, Daemon};
+use common::{mlp_cpu_config, Daemon};
 use replayd::protocol::{decode_reply, encode_request, InputKind, Payload, RequestHeader, Status};
 use replayd::tensor::HostTensor;
 use replayd::transport::{z85_encode, CurveKeyPair, Dealer, Security};
@@ -11,23 +11,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::time::Duration;
 
 fn mlp_config() -> String {
-    format!(
-        r#"
-[devices]
-backend = "cpu"
-cpu_threads = 1
-
-[eager]
-workers = 0
-
-[[models]]
-name = "mlp"
-kind = "mlp"
-path = "{}"
-batch_buckets = [1, 4]
-"#,
-        data("mlp_seed.safetensors").display()
-    )
+    mlp_cpu_config(0, &[1, 4])
 }
 
 #[test]

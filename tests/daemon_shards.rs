@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{data, rel_err, Daemon, MlpReference, Rng};
+use common::{data, mlp_cpu_config, rel_err, Daemon, MlpReference, Rng};
 use replayd::protocol::{decode_reply, encode_request, InputKind, Payload, RequestHeader, Status};
 use replayd::tensor::HostTensor;
 use replayd::transport::{Dealer, Security};
@@ -14,24 +14,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 fn mlp_config(cpu_devices: usize) -> String {
-    format!(
-        r#"
-[devices]
-backend = "cpu"
-cpu_devices = {cpu_devices}
-cpu_threads = 1
-
-[eager]
-workers = 0
-
-[[models]]
-name = "mlp"
-kind = "mlp"
-path = "{}"
-batch_buckets = [1, 4, 16]
-"#,
-        data("mlp_seed.safetensors").display()
-    )
+    mlp_cpu_config(cpu_devices, &[1, 4, 16])
 }
 
 const CONNECTIONS: usize = 16;

@@ -19,6 +19,35 @@ pub fn data(name: &str) -> PathBuf {
     crate_dir().join("tests/data").join(name)
 }
 
+/// The `[devices]`, `[eager]` and `[[models]]` sections most daemon tests
+/// start from: the seed MLP (tests/data/mlp_seed.safetensors, 128 → 256 →
+/// 10) with these batch buckets, on `cpu_devices` single-threaded CPU
+/// devices (0: the backend's default of one), no eager worker.
+pub fn mlp_cpu_config(cpu_devices: usize, buckets: &[usize]) -> String {
+    let devices = if cpu_devices > 0 {
+        format!("cpu_devices = {cpu_devices}\n")
+    } else {
+        String::new()
+    };
+    format!(
+        r#"
+[devices]
+backend = "cpu"
+{devices}cpu_threads = 1
+
+[eager]
+workers = 0
+
+[[models]]
+name = "mlp"
+kind = "mlp"
+path = "{}"
+batch_buckets = {buckets:?}
+"#,
+        data("mlp_seed.safetensors").display()
+    )
+}
+
 /// The default model folder; tests need it fetched (`scripts/fetch-model.sh`).
 pub fn minilm_dir() -> PathBuf {
     let dir = crate_dir().join("models/all-MiniLM-L6-v2");
