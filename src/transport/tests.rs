@@ -520,17 +520,23 @@ fn count_threads() -> usize {
     std::fs::read_dir("/proc/self/task").unwrap().count()
 }
 
+/// A small runtime of the test's own, for the tests that count the
+/// process's fds and threads (its threads are there before they count).
+fn own_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(4)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 // Alone in its own runtime and counted against the whole process, so it
 // tolerates what concurrently running tests open; a leak of even one fd per
 // socket would show as hundreds.
 #[test]
 fn opening_and_closing_a_thousand_sockets_leaks_no_fds_or_threads() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .max_blocking_threads(4)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = own_runtime();
     rt.block_on(async {
         let limits = TransportLimits::default();
         // Warm up the runtime's own threads.
@@ -803,12 +809,7 @@ async fn one_shard_or_ipc_is_one_plain_router() {
 /// and a fixed port is free again once its shards are gone.
 #[test]
 fn sharded_listeners_are_closed_with_their_sockets() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .max_blocking_threads(4)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = own_runtime();
     rt.block_on(async {
         let limits = TransportLimits::default();
         let first = Router::bind_shards("tcp://127.0.0.1:0", 4, &limits, &Security::None)
