@@ -17,7 +17,9 @@
 # the host path's own ceiling on this CPU; (4) replayd-hostbench: each host
 # stage's figures on this CPU. Results: $OUT/bench-host.md and JSON beside it.
 # BENCH_SERVER adds [server] lines to every daemon's config, e.g.
-# BENCH_SERVER="client_sockets = 1" for the single client socket.
+# BENCH_SERVER="client_sockets = 1" for the single client socket;
+# AB_SERVER and AB_BATCHING run targets 1 and 3 again on a second daemon
+# with those [server] / [batching] lines, for a before/after in one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/bench-host}
@@ -75,15 +77,15 @@ if [ "$BACKEND" = cuda ]; then
     "$OUT/st_baseline.json" "$ST_BUDGET" > "$OUT/st_baseline.log" 2>&1 || fail "st_baseline (see st_baseline.log)"
 fi
 
-start_daemon() { # name, devices TOML, [batching TOML]
-  local name=$1 devices=$2 batching=${3:-}
+start_daemon() { # name, devices TOML, [batching TOML], [server TOML]
+  local name=$1 devices=$2 batching=${3:-} server=${4-${BENCH_SERVER:-}}
   rm -f "$WORK/ready.json"
   cat > "$WORK/$name.toml" <<TOML
 [server]
 endpoint = "tcp://127.0.0.1:0"
 control_endpoint = "ipc://$WORK/control.sock"
 runtime_dir = "$WORK/run"
-${BENCH_SERVER:-}
+$server
 
 [batching]
 $batching
@@ -144,11 +146,14 @@ if start_daemon gpu "$GPU_DEVICES"; then
   stop_daemon gpu
 fi
 
-# --- 2b. with AB_BATCHING (e.g. "max_wait_us = 2000"): the target-3 and
-# issue-9 loads again on a daemon with those [batching] settings, for a
-# before/after of a scheduling change in the same call.
-if [ -n "${AB_BATCHING:-}" ] && start_daemon gpu_ab "$GPU_DEVICES" "$AB_BATCHING"; then
-  load t3_ab --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
+# --- 2b. with AB_BATCHING (e.g. "max_wait_us = 2000") or AB_SERVER (e.g.
+# "client_sockets = 1"): the target-1, target-3 and issue-9 loads again on a
+# daemon with those settings, for a before/after in the same call.
+AB="${AB_BATCHING:-}${AB_BATCHING:+ }${AB_SERVER:-}"
+if [ -n "$AB" ] && start_daemon gpu_ab "$GPU_DEVICES" "${AB_BATCHING:-}" "${AB_SERVER:-}
+${BENCH_SERVER:-}"; then
+  load t1_ab --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2
+  CPU_WINDOW=$((T3_SECONDS - 6)) load t3_ab --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
     --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
   load t9_ab --texts "$WORK/corpus.jsonl" --batch 32 --concurrency 16 --sockets 8 \
     --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
@@ -173,7 +178,7 @@ fi
 
 # --- the table
 python3 - "$OUT" "$BACKEND" "$(cat .carry/COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)" \
-    "$T3_CONCURRENCY" "$T3_SOCKETS" "${AB_BATCHING:-}" > "$OUT/bench-host.md" <<'PY' || FAILED=1
+    "$T3_CONCURRENCY" "$T3_SOCKETS" "$AB" > "$OUT/bench-host.md" <<'PY' || FAILED=1
 import datetime, json, os, sys
 out, backend, commit, conc, sockets, ab = sys.argv[1:7]
 def load(name):
@@ -203,6 +208,11 @@ def row(name, value, goal, lower_is_better, unit):
     print(f"| {name} | {shown} {unit} | {'≤' if lower_is_better else '≥'} {goal:,} {unit} | {ratio:.2f}× | {'yes' if ratio >= 1 else 'no'} |")
 row("1. one short text, one client: p50", t1 and t1["latency_us"]["p50"], 200, True, "µs")
 row("1. one short text, one client: p99", t1 and t1["latency_us"]["p99"], 500, True, "µs")
+t1ab = load("load_t1_ab.json")
+t1ab = t1ab if t1ab and t1ab["ok"] > 0 else None
+if t1ab:
+    row(f"1. with {ab}: p50", t1ab["latency_us"]["p50"], 200, True, "µs")
+    row(f"1. with {ab}: p99", t1ab["latency_us"]["p99"], 500, True, "µs")
 base = st.get("best_texts_per_s")
 rate = t3 and t3.get("texts_per_s")
 if base and rate:
@@ -230,7 +240,7 @@ print("## Where the time goes (replies' own per-hop timings, µs)\n")
 names = ["decode", "tokenize", "wait", "to_worker", "device", "back", "reply", "daemon_total"]
 print("| run | client p50 | client p99 | " + " | ".join(f"{n} p50/p99" for n in names) + " | errors |")
 print("|---|---|---|" + "---|" * len(names) + "---|")
-for label, d in [("target 1", t1), ("target 3", t3), (f"target 3, [batching] {ab}", load("load_t3_ab.json")),
+for label, d in [("target 1", t1), (f"target 1, {ab}", t1ab), ("target 3", t3), (f"target 3, {ab}", load("load_t3_ab.json")),
                  ("null, target-1 load", n1), ("null, target-3 load", n3)]:
     if not d or not d["ok"]:
         continue
@@ -243,7 +253,7 @@ print("| run | requests/s | texts/s | p50 µs | p99 µs | padding | texts per ba
 print("|---|---|---|---|---|---|---|")
 t3ab, t9ab = load("load_t3_ab.json"), load("load_t9_ab.json")
 for label, d in [("target 3 (GPU)", t3), ("issue 9: 32 texts/request (GPU)", t9),
-                 (f"target 3 (GPU), [batching] {ab}", t3ab), (f"issue 9 (GPU), [batching] {ab}", t9ab),
+                 (f"target 3 (GPU), {ab}", t3ab), (f"issue 9 (GPU), {ab}", t9ab),
                  ("target 3 load, null backend (host ceiling)", n3)]:
     if d and d["ok"] > 0:
         pad = (d.get("padding") or {}).get("padding_waste")
@@ -268,7 +278,8 @@ if stage_runs:
     for label, s in stage_runs:
         print(f"| {label} | " + " | ".join(str(s["busy_share"].get(n, "")) for n in names) + " | "
               + " | ".join(str(s["mean_wait_us"].get(w, "")) for w in waits) + " |")
-cpu_runs = [(label, load(f"cpu_{n}.json")) for label, n in [("target 3 (GPU)", "t3"), ("null backend, target-3 load", "null_t3")]]
+cpu_runs = [(label, load(f"cpu_{n}.json")) for label, n in [("target 3 (GPU)", "t3"), (f"target 3 (GPU), {ab}", "t3_ab"),
+                                                             ("null backend, target-3 load", "null_t3")]]
 if any(c for _, c in cpu_runs):
     print("\n## CPU per stage during the target-3 loads (scripts/thread-cpu.py; cores kept busy on average)\n")
     print("tokio's workers are `replayd` (the daemon) and `tokio-rt-worker` (the load generator); libzmq's I/O "
@@ -283,7 +294,7 @@ hb = os.path.join(out, "hostbench.md")
 if os.path.exists(hb):
     print("\n## Each host stage on this CPU (replayd-hostbench)\n")
     print(open(hb).read())
-bad = [n for n, d in [("t1", t1), ("t3", t3), ("t9", t9), ("t3_ab", t3ab), ("t9_ab", t9ab), ("null_t1", n1),
+bad = [n for n, d in [("t1", t1), ("t1_ab", t1ab), ("t3", t3), ("t9", t9), ("t3_ab", t3ab), ("t9_ab", t9ab), ("null_t1", n1),
                       ("null_t3", n3)] if d and errs(d)]
 if bad:
     print(f"\nERRORS in {bad}")
