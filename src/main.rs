@@ -6,6 +6,27 @@ use replayd::config::Config;
 use replayd::daemon::server::{self, ServerOptions};
 use std::path::PathBuf;
 
+/// jemalloc rather than glibc malloc: the request path allocates on one
+/// runtime thread and frees on another, which glibc's arenas serve slowly
+/// (mimalloc, tried before, was worth about a quarter of the host
+/// throughput but kept freed memory unpredictably; see docs/perf-log.md).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc's options, read at its first allocation: a background thread
+/// returns freed pages to the OS within `dirty_decay_ms`, so a flood's
+/// buffers leave the RSS shortly after it (the never-reading client test
+/// bounds the growth), and nothing waits in a muzzy state. `_RJEM_MALLOC_CONF`
+/// in the environment overrides them.
+#[export_name = "_rjem_malloc_conf"]
+static MALLOC_CONF: MallocConf =
+    MallocConf(c"background_thread:true,dirty_decay_ms:200,muzzy_decay_ms:0".as_ptr());
+
+#[repr(transparent)]
+struct MallocConf(*const std::ffi::c_char);
+// SAFETY: it points at a string literal, immutable for the program's life.
+unsafe impl Sync for MallocConf {}
+
 /// Serve neural-network inference by replaying CUDA Graphs captured per
 /// (batch, sequence-length) bucket. Without a subcommand, runs the daemon.
 #[derive(Parser, Debug)]
