@@ -288,12 +288,193 @@ impl Buckets {
 }
 
 impl Inner {
+    fn model_error(&mut self, model: &str, code: ErrorCode) {
+        *self.errors.entry(code).or_default() += 1;
+        *Inner::model(self, model).errors.entry(code).or_default() += 1;
+    }
+
+    fn model_reply(&mut self, model: &str, bucket: Option<Bucket>, total_us: u64) {
+        let c = Inner::model(self, model);
+        c.replies += 1;
+        if let Some(bucket) = bucket {
+            c.graph += 1;
+            self.buckets.entry(model, bucket, Default::default).requests += 1;
+            let _ = self
+                .bucket_latency
+                .entry(model, bucket, bucket_histogram)
+                .record(total_us.max(1));
+        }
+    }
+
+    fn observe_items(&mut self, model: &str, lens: &[u32]) {
+        self.requests_accepted += 1;
+        let c = Inner::model(self, model);
+        for &len in lens {
+            c.lengths.record(len as u64);
+        }
+    }
+
+    fn eager_request(&mut self, model: &str, reason: EagerReason) {
+        *self.eager_requests.entry(reason).or_default() += 1;
+        *self.eager_by_model.entry(model.to_string()).or_default() += 1;
+    }
+
+    fn bucket_batch(&mut self, model: &str, bucket: Bucket, parts: u64, rows: u64, tokens: u64) {
+        let c = self.buckets.entry(model, bucket, Default::default);
+        c.parts += parts;
+        c.batches += 1;
+        c.rows += rows;
+        c.padded_rows += bucket.rows() as u64 - rows;
+        c.tokens += tokens;
+        c.padded_tokens += bucket.tokens() as u64 - tokens;
+        let mc = Inner::model(self, model);
+        if bucket.is_packed() {
+            mc.batch_tokens.record(tokens);
+            mc.batch_seqs.record(rows);
+        } else {
+            mc.batch_rows.record(rows);
+        }
+    }
+
+    fn eager_batch(&mut self, sequences: u64, tokens: u64) {
+        self.eager_work.batches += 1;
+        self.eager_work.sequences += sequences;
+        self.eager_work.tokens += tokens;
+    }
+
+    fn reply_ok(&mut self, total_us: u64, queued_us: u64, compute_us: u64, batches: u32) {
+        self.replies_ok += 1;
+        if batches > 1 {
+            self.split_requests += 1;
+        }
+        let l = &mut self.latency;
+        let _ = l.total.record(total_us.max(1));
+        let _ = l.queued.record(queued_us.max(1));
+        let _ = l.compute.record(compute_us.max(1));
+        l.total_buckets.record(total_us);
+        l.queued_buckets.record(queued_us);
+        l.compute_buckets.record(compute_us);
+    }
+
     fn model<'a>(m: &'a mut Inner, model: &str) -> &'a mut ModelCounters {
         if !m.per_model.contains_key(model) {
             let c = ModelCounters::new(m.grids.get(model));
             m.per_model.insert(model.to_string(), c);
         }
         m.per_model.get_mut(model).expect("inserted")
+    }
+}
+
+/// What the batcher observed while handling one message, recorded into
+/// [`Metrics`] under one lock at its end ([`Metrics::record`]): the batcher
+/// is the daemon's serial stage, and taking the shared lock three times a
+/// request made it queue behind the request handlers that hold it too.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    observations: Vec<Observation>,
+    /// The token counts of every `Accepted` request's items, in order.
+    lens: Vec<u32>,
+}
+
+#[derive(Debug)]
+enum Observation {
+    Accepted {
+        model: usize,
+        items: usize,
+    },
+    Eager {
+        model: usize,
+        reason: EagerReason,
+    },
+    ModelError {
+        model: usize,
+        code: ErrorCode,
+    },
+    Reply {
+        model: usize,
+        bucket: Option<Bucket>,
+        total_us: u64,
+        queued_us: u64,
+        compute_us: u64,
+        batches: u32,
+    },
+    BucketBatch {
+        model: usize,
+        bucket: Bucket,
+        parts: u64,
+        rows: u64,
+        tokens: u64,
+    },
+    EagerBatch {
+        rows: u64,
+        tokens: u64,
+    },
+    Retried,
+}
+
+impl Ledger {
+    /// A request for `model` was accepted with items of these token counts.
+    pub fn accepted(&mut self, model: usize, lens: &[u32]) {
+        self.lens.extend_from_slice(lens);
+        self.observations.push(Observation::Accepted {
+            model,
+            items: lens.len(),
+        });
+    }
+
+    pub fn eager_request(&mut self, model: usize, reason: EagerReason) {
+        self.observations.push(Observation::Eager { model, reason });
+    }
+
+    pub fn model_error(&mut self, model: usize, code: ErrorCode) {
+        self.observations
+            .push(Observation::ModelError { model, code });
+    }
+
+    /// A successful reply; see [`Metrics::model_reply`] and [`Metrics::reply_ok`].
+    pub fn reply(
+        &mut self,
+        model: usize,
+        bucket: Option<Bucket>,
+        total_us: u64,
+        queued_us: u64,
+        compute_us: u64,
+        batches: u32,
+    ) {
+        self.observations.push(Observation::Reply {
+            model,
+            bucket,
+            total_us,
+            queued_us,
+            compute_us,
+            batches,
+        });
+    }
+
+    pub fn bucket_batch(
+        &mut self,
+        model: usize,
+        bucket: Bucket,
+        parts: u64,
+        rows: u64,
+        tokens: u64,
+    ) {
+        self.observations.push(Observation::BucketBatch {
+            model,
+            bucket,
+            parts,
+            rows,
+            tokens,
+        });
+    }
+
+    pub fn eager_batch(&mut self, rows: u64, tokens: u64) {
+        self.observations
+            .push(Observation::EagerBatch { rows, tokens });
+    }
+
+    pub fn batch_retried(&mut self) {
+        self.observations.push(Observation::Retried);
     }
 }
 
@@ -372,35 +553,18 @@ impl Metrics {
 
     /// An error reply to a request for `model` (counted overall and for the model).
     pub fn model_error(&self, model: &str, code: ErrorCode) {
-        let mut m = self.lock();
-        *m.errors.entry(code).or_default() += 1;
-        *Inner::model(&mut m, model).errors.entry(code).or_default() += 1;
+        self.lock().model_error(model, code);
     }
 
     /// A successful reply to a request for `model`, named after `bucket`
     /// (the largest shape that ran its items; `None`: some ran eagerly).
     pub fn model_reply(&self, model: &str, bucket: Option<Bucket>, total_us: u64) {
-        let mut m = self.lock();
-        let c = Inner::model(&mut m, model);
-        c.replies += 1;
-        if let Some(bucket) = bucket {
-            c.graph += 1;
-            m.buckets.entry(model, bucket, Default::default).requests += 1;
-            let _ = m
-                .bucket_latency
-                .entry(model, bucket, bucket_histogram)
-                .record(total_us.max(1));
-        }
+        self.lock().model_reply(model, bucket, total_us);
     }
 
     /// A request for `model` was accepted with items of these token counts.
     pub fn observe_items(&self, model: &str, lens: &[u32]) {
-        let mut m = self.lock();
-        m.requests_accepted += 1;
-        let c = Inner::model(&mut m, model);
-        for &len in lens {
-            c.lengths.record(len as u64);
-        }
+        self.lock().observe_items(model, lens);
     }
 
     /// Says which grid a model is served with (start-up, and each reload).
@@ -423,13 +587,7 @@ impl Metrics {
     }
 
     pub fn eager_request(&self, model: &str, reason: EagerReason) {
-        let mut m = self.lock();
-        *m.eager_requests.entry(reason).or_default() += 1;
-        *m.eager_by_model.entry(model.to_string()).or_default() += 1;
-    }
-
-    pub fn batch_retried(&self) {
-        self.lock().retried_batches += 1;
+        self.lock().eager_request(model, reason);
     }
 
     /// Says how each model is batched (start-up).
@@ -440,21 +598,7 @@ impl Metrics {
     /// A bucketed batch completed: `parts` request parts, `rows` real rows,
     /// `tokens` real tokens over all rows.
     pub fn bucket_batch(&self, model: &str, bucket: Bucket, parts: u64, rows: u64, tokens: u64) {
-        let mut m = self.lock();
-        let c = m.buckets.entry(model, bucket, Default::default);
-        c.parts += parts;
-        c.batches += 1;
-        c.rows += rows;
-        c.padded_rows += bucket.rows() as u64 - rows;
-        c.tokens += tokens;
-        c.padded_tokens += bucket.tokens() as u64 - tokens;
-        let mc = Inner::model(&mut m, model);
-        if bucket.is_packed() {
-            mc.batch_tokens.record(tokens);
-            mc.batch_seqs.record(rows);
-        } else {
-            mc.batch_rows.record(rows);
-        }
+        self.lock().bucket_batch(model, bucket, parts, rows, tokens);
     }
 
     /// A reply named `bucket` (the largest shape that ran its items).
@@ -465,25 +609,55 @@ impl Metrics {
 
     /// An eager batch of `sequences` rows and `tokens` real tokens completed.
     pub fn eager_batch(&self, sequences: u64, tokens: u64) {
-        let mut m = self.lock();
-        m.eager_work.batches += 1;
-        m.eager_work.sequences += sequences;
-        m.eager_work.tokens += tokens;
+        self.lock().eager_batch(sequences, tokens);
     }
 
     /// A request was answered successfully; its items ran in `batches` batches.
     pub fn reply_ok(&self, total_us: u64, queued_us: u64, compute_us: u64, batches: u32) {
-        let mut m = self.lock();
-        m.replies_ok += 1;
-        if batches > 1 {
-            m.split_requests += 1;
+        self.lock()
+            .reply_ok(total_us, queued_us, compute_us, batches);
+    }
+
+    /// Applies the batcher's observations of one turn under one lock, and
+    /// empties `ledger`; `model_name` names a model by its index.
+    pub fn record<'a>(&self, ledger: &mut Ledger, model_name: impl Fn(usize) -> &'a str) {
+        if ledger.observations.is_empty() {
+            return;
         }
-        let _ = m.latency.total.record(total_us.max(1));
-        let _ = m.latency.queued.record(queued_us.max(1));
-        let _ = m.latency.compute.record(compute_us.max(1));
-        m.latency.total_buckets.record(total_us);
-        m.latency.queued_buckets.record(queued_us);
-        m.latency.compute_buckets.record(compute_us);
+        let mut m = self.lock();
+        let mut lens = ledger.lens.as_slice();
+        for o in ledger.observations.drain(..) {
+            match o {
+                Observation::Accepted { model, items } => {
+                    let (these, rest) = lens.split_at(items);
+                    lens = rest;
+                    m.observe_items(model_name(model), these);
+                }
+                Observation::Eager { model, reason } => m.eager_request(model_name(model), reason),
+                Observation::ModelError { model, code } => m.model_error(model_name(model), code),
+                Observation::Reply {
+                    model,
+                    bucket,
+                    total_us,
+                    queued_us,
+                    compute_us,
+                    batches,
+                } => {
+                    m.model_reply(model_name(model), bucket, total_us);
+                    m.reply_ok(total_us, queued_us, compute_us, batches);
+                }
+                Observation::BucketBatch {
+                    model,
+                    bucket,
+                    parts,
+                    rows,
+                    tokens,
+                } => m.bucket_batch(model_name(model), bucket, parts, rows, tokens),
+                Observation::EagerBatch { rows, tokens } => m.eager_batch(rows, tokens),
+                Observation::Retried => m.retried_batches += 1,
+            }
+        }
+        ledger.lens.clear();
     }
 
     /// Where a successful reply's time went (recorded as it is sent).

@@ -27,7 +27,7 @@ use super::fast_link::FastLink;
 use super::messages::{
     Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, Stamps, Submission, SubmitQueue,
 };
-use super::metrics::{EagerReason, Metrics};
+use super::metrics::{EagerReason, Ledger, Metrics};
 use crate::bucket::{Bucket, Grid};
 use crate::clock::{mono_ns, us_between};
 use crate::model::BatchRows;
@@ -214,6 +214,11 @@ pub struct BatcherState {
     drain_waiters: Vec<RpcReplyPort<()>>,
     max_attempts: u32,
     metrics: Arc<Metrics>,
+    /// This turn's observations, recorded into `metrics` at its end.
+    ledger: Ledger,
+    /// This turn's replies, sent once `ledger` is recorded: a client that
+    /// has its reply finds it counted in the stats.
+    outbox: Vec<(oneshot::Sender<Reply>, Reply)>,
     submissions: Arc<SubmitQueue>,
 }
 
@@ -251,6 +256,8 @@ impl Actor for BatcherActor {
             drain_waiters: Vec::new(),
             max_attempts: args.max_attempts,
             metrics: args.metrics,
+            ledger: Ledger::default(),
+            outbox: Vec::new(),
             submissions: args.submissions,
         })
     }
@@ -340,6 +347,7 @@ impl Actor for BatcherActor {
         state.run_actions(Instant::now());
         state.arm_timer(&myself);
         state.publish_depths();
+        state.flush();
         if state.pending.is_empty() && state.scheduler.is_draining() {
             for port in state.drain_waiters.drain(..) {
                 let _ = port.send(());
@@ -400,13 +408,12 @@ impl BatcherState {
             arrived: sub.received,
             deadline: sub.deadline,
         };
-        let name = self.models[model].name.clone();
         let lens = queued.lens.clone();
         match self.scheduler.enqueue(queued) {
             Ok(placement) => {
-                self.metrics.observe_items(&name, &lens);
+                self.ledger.accepted(model, &lens);
                 if placement.eager > 0 {
-                    self.metrics.eager_request(&name, EagerReason::SeqTooLong);
+                    self.ledger.eager_request(model, EagerReason::SeqTooLong);
                 }
                 let rows = sub.input.rows();
                 self.pending.insert(
@@ -431,6 +438,7 @@ impl BatcherState {
                 );
             }
             Err(Rejection::Overloaded { limit }) => {
+                let name = &self.models[model].name;
                 let msg = format!("model {name} has {limit} requests queued; retry later");
                 self.reject(sub, ErrorCode::Overloaded, msg)
             }
@@ -448,17 +456,19 @@ impl BatcherState {
         }
     }
 
-    fn reject(&self, sub: Submission, code: ErrorCode, message: String) {
-        self.metrics.model_error(&self.models[sub.model].name, code);
-        let _ = sub.reply.send(Reply::error(sub.client_id, code, message));
+    fn reject(&mut self, sub: Submission, code: ErrorCode, message: String) {
+        self.ledger.model_error(sub.model, code);
+        self.outbox
+            .push((sub.reply, Reply::error(sub.client_id, code, message)));
     }
 
     /// Answers a held request with an error (once; later calls do nothing).
     fn fail(&mut self, id: RequestId, code: ErrorCode, message: &str) {
         self.scheduler.finish(id);
         if let Some(p) = self.pending.remove(&id) {
-            self.metrics.model_error(&self.models[p.model].name, code);
-            let _ = p.reply.send(Reply::error(p.client_id, code, message));
+            self.ledger.model_error(p.model, code);
+            self.outbox
+                .push((p.reply, Reply::error(p.client_id, code, message)));
         }
     }
 
@@ -491,7 +501,7 @@ impl BatcherState {
                         f.attempt += 1;
                         f.dispatched_ns = mono_ns();
                         let (b, attempt) = (f.batch.clone(), f.attempt);
-                        self.metrics.batch_retried();
+                        self.ledger.batch_retried();
                         self.send_to_device(device, b, attempt);
                     } else {
                         // Its requests were answered meanwhile (expired, aborted).
@@ -602,16 +612,15 @@ impl BatcherState {
             }
             return;
         }
-        let model_name = self.models[b.model].name.clone();
         match b.bucket {
-            Some(bucket) => self.metrics.bucket_batch(
-                &model_name,
+            Some(bucket) => self.ledger.bucket_batch(
+                b.model,
                 bucket,
                 b.parts.len() as u64,
                 b.rows as u64,
                 b.tokens as u64,
             ),
-            None => self.metrics.eager_batch(b.rows as u64, b.tokens as u64),
+            None => self.ledger.eager_batch(b.rows as u64, b.tokens as u64),
         }
         let shape = Shape::of(b.bucket, device);
         let mut offset = 0;
@@ -683,11 +692,15 @@ impl BatcherState {
             .dispatched
             .map_or(0, |d| d.duration_since(p.received).as_micros() as u64);
         let total_us = now.duration_since(p.received).as_micros() as u64;
-        self.metrics
-            .model_reply(&self.models[p.model].name, shown.bucket, total_us);
-        self.metrics
-            .reply_ok(total_us, queued_us, p.compute_us, p.batches);
-        let _ = p.reply.send(Reply::Ok {
+        self.ledger.reply(
+            p.model,
+            shown.bucket,
+            total_us,
+            queued_us,
+            p.compute_us,
+            p.batches,
+        );
+        let reply = Reply::Ok {
             id: p.client_id,
             output: tensor,
             bucket,
@@ -697,7 +710,8 @@ impl BatcherState {
             total_us,
             batches: p.batches,
             hops,
-        });
+        };
+        self.outbox.push((p.reply, reply));
     }
 
     fn batch_failed(
@@ -827,6 +841,16 @@ impl BatcherState {
         self.timer_at = Some(at);
         let delay = at.saturating_duration_since(now) + Duration::from_micros(1);
         myself.send_after(delay, || BatcherMsg::Tick);
+    }
+
+    /// Records this turn's observations, then sends its replies.
+    fn flush(&mut self) {
+        let models = &self.models;
+        self.metrics
+            .record(&mut self.ledger, |i| models[i].name.as_str());
+        for (port, reply) in self.outbox.drain(..) {
+            let _ = port.send(reply);
+        }
     }
 
     /// Publishes the queue depths that changed since the last message.
