@@ -180,12 +180,15 @@ impl MlpReference {
     }
 }
 
+/// (input, bucket) -> (first device, first output row), over every task.
+type Seen = std::collections::HashMap<(u64, String), (String, Vec<f32>)>;
+
+/// One request task's counts; the tasks' are merged at the end (one
+/// shared lock taken per reply by hundreds of tasks slowed the generator).
 #[derive(Default)]
 struct Tally {
     max_rel_err: f64,
     bad_mlp: u64,
-    /// (input, bucket) -> (first device, first output row)
-    seen: std::collections::HashMap<(u64, String), (String, Vec<f32>)>,
     devices: BTreeMap<String, u64>,
     max_device_diff: f32,
     nonidentical: u64,
@@ -202,6 +205,34 @@ struct Tally {
     hops: Vec<Vec<u64>>,
     /// Replies (ok or not) to requests sent during the warm-up.
     warmup_replies: u64,
+}
+
+impl Tally {
+    fn merge(&mut self, o: Tally) {
+        self.max_rel_err = self.max_rel_err.max(o.max_rel_err);
+        self.bad_mlp += o.bad_mlp;
+        for (k, v) in o.devices {
+            *self.devices.entry(k).or_default() += v;
+        }
+        self.max_device_diff = self.max_device_diff.max(o.max_device_diff);
+        self.nonidentical += o.nonidentical;
+        self.latencies_us.extend(o.latencies_us);
+        self.ok += o.ok;
+        self.items += o.items;
+        for (k, v) in o.errors {
+            *self.errors.entry(k).or_default() += v;
+        }
+        self.min_cosine = self.min_cosine.min(o.min_cosine);
+        self.bad_cosine += o.bad_cosine;
+        for (k, v) in o.buckets {
+            *self.buckets.entry(k).or_default() += v;
+        }
+        self.split += o.split;
+        for (mine, theirs) in self.hops.iter_mut().zip(o.hops) {
+            mine.extend(theirs);
+        }
+        self.warmup_replies += o.warmup_replies;
+    }
 }
 
 /// The daemon's stats, over its control socket.
@@ -393,17 +424,19 @@ async fn main() {
     };
     let started = Instant::now();
     let issued = Arc::new(AtomicU64::new(0));
-    let tally = Arc::new(Mutex::new(Tally {
+    let new_tally = || Tally {
         min_cosine: 1.0,
         hops: vec![Vec::new(); Hops::NAMES.len() + 1],
         ..Default::default()
-    }));
+    };
+    let seen = Arc::new(Mutex::new(Seen::new()));
     let warmup = Duration::from_secs_f64(args.warmup.max(0.0));
     let mut workers = Vec::new();
     for w in 0..args.concurrency {
         let client = clients[w % clients.len()].clone();
-        let (args, corpus, issued, tally) =
-            (args.clone(), corpus.clone(), issued.clone(), tally.clone());
+        let (args, corpus, issued, seen) =
+            (args.clone(), corpus.clone(), issued.clone(), seen.clone());
+        let mut t = new_tally();
         let mlp_reference = mlp_reference.clone();
         workers.push(tokio::spawn(async move {
             let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
@@ -456,7 +489,6 @@ async fn main() {
                     .request(&header, &payload, Duration::from_secs_f64(args.timeout))
                     .await;
                 let us = t0.elapsed().as_micros() as u64;
-                let mut t = tally.lock().unwrap();
                 let counted = t0.duration_since(started) >= warmup;
                 if !counted {
                     t.warmup_replies += 1;
@@ -506,11 +538,12 @@ async fn main() {
                             let values = out.to_f32_vec().unwrap_or_default();
                             let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
                             let bucket = r.header.bucket.clone().unwrap_or_default();
+                            let mut seen = seen.lock().unwrap();
                             for (row, &k) in values.chunks(dim).zip(&picked) {
                                 let key = (k as u64, bucket.clone());
-                                match t.seen.get(&key) {
+                                match seen.get(&key) {
                                     None => {
-                                        t.seen.insert(key, (device.clone(), row.to_vec()));
+                                        seen.insert(key, (device.clone(), row.to_vec()));
                                     }
                                     Some((_, first)) => {
                                         let d = first
@@ -550,10 +583,12 @@ async fn main() {
                     Err(e) => *t.errors.entry(format!("client: {e}")).or_default() += 1,
                 }
             }
+            t
         }));
     }
+    let mut t = new_tally();
     for w in workers {
-        w.await.unwrap();
+        t.merge(w.await.unwrap());
     }
     let elapsed = (started.elapsed().as_secs_f64() - warmup.as_secs_f64()).max(1e-9);
     // Let any duplicate reply arrive before counting strays.
@@ -569,7 +604,6 @@ async fn main() {
         },
         _ => (Value::Null, Value::Null),
     };
-    let mut t = tally.lock().unwrap();
     t.latencies_us.sort_unstable();
     let mut hop_report = serde_json::Map::new();
     let hop_names: Vec<&str> = Hops::NAMES
