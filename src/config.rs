@@ -82,7 +82,9 @@ pub struct ServerConfig {
     pub tokenizer_threads: usize,
     /// Requests whose texts are at most this many bytes in all are
     /// tokenized on the task that received them (a few microseconds),
-    /// skipping the hop to the tokenizer pool; 0 = always use the pool.
+    /// skipping the hop to the tokenizer pool; plain-ASCII texts of a
+    /// WordPiece model (the fast path) count a quarter of their bytes;
+    /// 0 = always use the pool.
     pub inline_tokenize_bytes: usize,
     /// Replies queued for one client that is not reading; past it they are
     /// dropped (and counted), so a stalled client holds no more memory.
@@ -95,10 +97,11 @@ pub struct ServerConfig {
     /// ZMTP heartbeat interval towards clients, in ms (0 = off); a client
     /// silent for three intervals is disconnected.
     pub client_heartbeat_ms: u64,
-    /// libzmq I/O threads for the client socket; its connections are spread
-    /// over them (one thread's TCP work capped a busy socket at about
-    /// 100,000 requests/s on an H200 host). With several
-    /// `client_sockets`, each shard has this many.
+    /// libzmq I/O threads for each client socket shard; its connections are
+    /// spread over them. One thread's TCP work capped a single busy socket
+    /// near 100,000 requests/s on an H200 host; with the default four
+    /// `client_sockets`, one each measured faster than two (fewer threads
+    /// to wake).
     pub io_threads: usize,
     /// ROUTER sockets ("shards") that serve `endpoint` together, 1 to 16:
     /// each has its own libzmq context (`io_threads` I/O threads), its own
@@ -153,7 +156,7 @@ impl Default for ServerConfig {
             send_hwm: 1000,
             recv_hwm: 64,
             handshake_timeout_ms: 10_000,
-            io_threads: 2,
+            io_threads: 1,
             client_sockets: 4,
             client_heartbeat_ms: 10_000,
             curve_secret_key_file: None,
