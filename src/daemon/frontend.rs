@@ -32,11 +32,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::oneshot;
 
-/// How many bytes of plain-ASCII text on the fast WordPiece path count as
-/// one byte against `server.inline_tokenize_bytes`: with the default 256,
-/// such texts up to 1 KiB (~30 µs) are tokenized inline.
-const FAST_PATH_BYTE_WEIGHT: usize = 4;
-
 /// A served model, as the frontend sees it.
 pub struct ServedModel {
     pub info: ModelInfo,
@@ -270,18 +265,13 @@ impl Frontend {
         truncate: bool,
         prompt: Option<PromptUse>,
     ) -> Result<Vec<Vec<u32>>, TokenizeError> {
-        let tokenizer = pool.tokenizer();
         let bytes: usize = match &input {
-            // The fast WordPiece path is ~20x cheaper a byte than the HF
-            // tokenizer (replayd-hostbench): its texts count a quarter.
-            TextInput::Texts(t) if tokenizer.has_fast_path() && t.iter().all(|s| s.is_ascii()) => {
-                t.iter().map(String::len).sum::<usize>() / FAST_PATH_BYTE_WEIGHT
-            }
             TextInput::Texts(t) => t.iter().map(String::len).sum(),
             TextInput::Pairs(p) => p.iter().map(|(a, b)| a.len() + b.len()).sum(),
         };
-        if self.inline_tokenize_bytes > 0 && bytes <= self.inline_tokenize_bytes {
-            tokenizer.encode_request(&input, truncate, prompt.as_ref())
+        if bytes <= self.inline_tokenize_bytes {
+            pool.tokenizer()
+                .encode_request(&input, truncate, prompt.as_ref())
         } else {
             pool.encode_request(input, truncate, prompt).await
         }

@@ -425,11 +425,6 @@ impl TextTokenizer {
         self.max_seq_len
     }
 
-    /// Whether single plain-ASCII texts take the fast WordPiece path.
-    pub fn has_fast_path(&self) -> bool {
-        self.fast.is_ok()
-    }
-
     /// The tokenizer.json this was loaded from.
     pub fn path(&self) -> &Path {
         &self.path
