@@ -54,7 +54,11 @@ except Exception:
     traceback.print_exc()
     results["error"] = traceback.format_exc(limit=2)
 rates = {k.split("_")[0]: v for k, v in results.items() if k.endswith("_texts_per_s")}
-if rates:
+missing = [k for k in results if k.endswith("_skipped") or k.endswith("_error")]
+if missing:
+    # The baseline is the faster of the two: with one missing, there is none.
+    results["incomplete"] = ", ".join(missing)
+elif rates:
     best = max(rates, key=rates.get)
     results["best_dtype"], results["best_texts_per_s"] = best, rates[best]
 results["seconds"] = time.perf_counter() - t_start
