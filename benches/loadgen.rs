@@ -62,6 +62,10 @@ struct Args {
     concurrency: usize,
     #[arg(long, default_value_t = 8)]
     sockets: usize,
+    /// The generator's own runtime threads (0 = one per core). On a host it
+    /// shares with the daemon, fewer leave the daemon more of the cores.
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
     /// Stop after this many requests...
     #[arg(long)]
     requests: Option<u64>,
@@ -391,9 +395,22 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
     dot / (na * nb).max(1e-30)
 }
 
-#[tokio::main]
-async fn main() {
+/// The same allocator as the daemon's (src/main.rs): the generator
+/// allocates per request on every thread too.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+fn main() {
     let args = Args::parse();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if args.threads > 0 {
+        runtime.worker_threads(args.threads);
+    }
+    let runtime = runtime.enable_all().build().expect("tokio runtime");
+    runtime.block_on(generate(args));
+}
+
+async fn generate(args: Args) {
     let corpus = Arc::new(args.texts.as_ref().map(load_corpus));
     let mlp_reference = Arc::new(args.verify_mlp.as_ref().map(MlpReference::load));
     if corpus.is_none() && args.features.is_none() {
