@@ -19,7 +19,9 @@
 # BENCH_SERVER adds [server] lines to every daemon's config, e.g.
 # BENCH_SERVER="client_sockets = 1" for the single client socket;
 # AB_SERVER and AB_BATCHING run targets 1 and 3 again on a second daemon
-# with those [server] / [batching] lines, for a before/after in one call.
+# with those [server] / [batching] lines, for a before/after in one call;
+# T3_LOADGEN_THREADS="4 8" runs target 3 again from generators of that many
+# runtime threads (the generator shares the host's cores with the daemon).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/bench-host}
@@ -142,6 +144,10 @@ if start_daemon gpu "$GPU_DEVICES"; then
   log "target 3: the corpus, one text per request, $T3_CONCURRENCY concurrent over $T3_SOCKETS sockets"
   CPU_WINDOW=$((T3_SECONDS - 6)) load t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
     --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
+  for n in ${T3_LOADGEN_THREADS:-}; do  # the same load from a generator of n runtime threads
+    load "t3_lg$n" --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
+      --duration "$T3_SECONDS" --warmup 3 --threads "$n"
+  done
   log "packed batching (issue 9): the corpus, 32 texts per request, 16 concurrent"
   load t9 --texts "$WORK/corpus.jsonl" --batch 32 --concurrency 16 --sockets 8 \
     --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
@@ -257,7 +263,9 @@ print("|---|---|---|---|---|---|---|")
 t3ab, t9ab = load("load_t3_ab.json"), load("load_t9_ab.json")
 for label, d in [("target 3 (GPU)", t3), ("issue 9: 32 texts/request (GPU)", t9),
                  (f"target 3 (GPU), {ab}", t3ab), (f"issue 9 (GPU), {ab}", t9ab),
-                 ("target 3 load, null backend (host ceiling)", n3)]:
+                 ("target 3 load, null backend (host ceiling)", n3)] + [
+                 (f"target 3 (GPU), generator of {f[len('load_t3_lg'):-5]} threads", load(f))
+                 for f in sorted(os.listdir(out)) if f.startswith("load_t3_lg") and f.endswith(".json")]:
     if d and d["ok"] > 0:
         pad = (d.get("padding") or {}).get("padding_waste")
         batches = sum(b.get("batches", 0) for b in (d.get("padding") or {}).get("buckets", []))
@@ -298,7 +306,8 @@ if os.path.exists(hb):
     print("\n## Each host stage on this CPU (replayd-hostbench)\n")
     print(open(hb).read())
 bad = [n for n, d in [("t1", t1), ("t1_ab", t1ab), ("t3", t3), ("t9", t9), ("t3_ab", t3ab), ("t9_ab", t9ab), ("null_t1", n1),
-                      ("null_t3", n3)] if d and errs(d)]
+                      ("null_t3", n3)] + [(f, load(f)) for f in sorted(os.listdir(out))
+                                          if f.startswith("load_t3_lg") and f.endswith(".json")] if d and errs(d)]
 if bad:
     print(f"\nERRORS in {bad}")
 sys.exit(1 if bad else 0)

@@ -80,6 +80,10 @@ pub struct ServerConfig {
     pub max_buffered_bytes: usize,
     /// Threads that tokenize texts, off the async runtime (0 = number of cores, at most 8).
     pub tokenizer_threads: usize,
+    /// The async runtime's worker threads (0 = one per core): fewer leave
+    /// more of the cores to the worker processes, the tokenizer pool and
+    /// libzmq's I/O threads on a host that runs other work too.
+    pub runtime_threads: usize,
     /// Requests whose texts are at most this many bytes in all are
     /// tokenized on the task that received them (a few microseconds),
     /// skipping the hop to the tokenizer pool; plain-ASCII texts of a
@@ -152,6 +156,7 @@ impl Default for ServerConfig {
             max_items_per_request: 1024,
             max_buffered_bytes: 1 << 30,
             tokenizer_threads: 0,
+            runtime_threads: 0,
             inline_tokenize_bytes: 256,
             send_hwm: 1000,
             recv_hwm: 64,
@@ -675,6 +680,9 @@ impl Config {
         }
         if self.devices.cpu_devices == 0 || self.devices.cpu_devices > 64 {
             return Err(invalid("devices.cpu_devices", "must be between 1 and 64"));
+        }
+        if self.server.runtime_threads > 256 {
+            return Err(invalid("server.runtime_threads", "must be at most 256"));
         }
         if self.server.inline_tokenize_bytes > 65536 {
             // Longer texts would hold an async-runtime thread for milliseconds.

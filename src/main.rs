@@ -127,10 +127,11 @@ fn main() {
 fn serve(config_path: PathBuf, ready_file: Option<PathBuf>) -> anyhow::Result<()> {
     let config = Config::load(&config_path)?;
     let worker_exe = std::env::current_exe().context("cannot find the replayd executable")?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("replayd")
-        .build()?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if config.server.runtime_threads > 0 {
+        runtime.worker_threads(config.server.runtime_threads);
+    }
+    let runtime = runtime.enable_all().thread_name("replayd").build()?;
     runtime.block_on(async move {
         let options = ServerOptions {
             config_path: std::fs::canonicalize(&config_path).unwrap_or(config_path),
