@@ -22,57 +22,13 @@ use crate::protocol::DecodeLimits;
 use crate::transport::{z85_decode, z85_encode, CurveKeyPair, Router, Security, TransportLimits};
 use crate::worker::WorkerBackend;
 use anyhow::{bail, Context};
-use ractor::{Actor, ActorRef};
+use ractor::Actor;
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{oneshot, watch};
-
-/// Starts the batcher actor on a thread and runtime of its own; returns it
-/// and what resolves once it has stopped. It is the daemon's one serial
-/// stage: on the shared runtime its turns queued behind the request
-/// handlers' tasks (hundreds of µs under load), on its own thread a message
-/// wakes it directly.
-async fn spawn_batcher(
-    args: BatcherArgs,
-) -> anyhow::Result<(ActorRef<BatcherMsg>, impl Future<Output = ()>)> {
-    let (started_tx, started) = oneshot::channel();
-    let thread = std::thread::Builder::new()
-        .name("batcher".into())
-        .spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    let _ = started_tx.send(Err(anyhow::anyhow!("its runtime: {e}")));
-                    return;
-                }
-            };
-            runtime.block_on(async move {
-                match Actor::spawn(None, BatcherActor, args).await {
-                    Ok((actor, handle)) => {
-                        let _ = started_tx.send(Ok(actor));
-                        let _ = handle.await;
-                    }
-                    Err(e) => {
-                        let _ = started_tx.send(Err(anyhow::anyhow!("{e}")));
-                    }
-                }
-            });
-        })
-        .context("cannot start the batcher thread")?;
-    let actor = started
-        .await
-        .map_err(|_| anyhow::anyhow!("the batcher thread ended before it started"))??;
-    let stopped = async move {
-        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
-    };
-    Ok((actor, stopped))
-}
 
 pub struct ServerOptions {
     /// The config file, passed on to worker processes.
@@ -566,14 +522,18 @@ pub async fn run(
         metrics.set_model_grid(&slot.name, &slot.grid);
     }
     let submissions = Arc::new(super::messages::SubmitQueue::default());
-    let (batcher, batcher_handle) = spawn_batcher(BatcherArgs {
-        models: model_slots,
-        devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
-        config: super::reload::scheduler_config(&config),
-        max_attempts: config.batching.max_attempts,
-        metrics: metrics.clone(),
-        submissions: submissions.clone(),
-    })
+    let (batcher, batcher_handle) = Actor::spawn(
+        None,
+        BatcherActor,
+        BatcherArgs {
+            models: model_slots,
+            devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
+            config: super::reload::scheduler_config(&config),
+            max_attempts: config.batching.max_attempts,
+            metrics: metrics.clone(),
+            submissions: submissions.clone(),
+        },
+    )
     .await
     .context("cannot start the batcher")?;
 
