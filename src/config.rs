@@ -901,6 +901,16 @@ path = "mlp.safetensors"
     }
 
     #[test]
+    fn runtime_threads_is_bounded() {
+        let c = Config::parse(&format!("[server]\nruntime_threads = 4\n{MINIMAL}")).unwrap();
+        assert_eq!(c.server.runtime_threads, 4);
+        assert_eq!(Config::parse(MINIMAL).unwrap().server.runtime_threads, 0);
+        let err =
+            Config::parse(&format!("[server]\nruntime_threads = 300\n{MINIMAL}")).unwrap_err();
+        assert!(err.to_string().contains("server.runtime_threads"), "{err}");
+    }
+
+    #[test]
     fn auto_dtype_is_f16_on_cuda_and_f32_on_the_cpu() {
         let mut c = Config::parse(MINIMAL).unwrap();
         c.resolve_for_backend(true);

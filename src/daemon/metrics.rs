@@ -1086,6 +1086,44 @@ pub fn health(metrics: &Metrics) -> serde_json::Value {
 mod tests {
     use super::*;
 
+    /// The batcher's ledger, recorded at the end of a turn, counts exactly
+    /// what the same observations made one by one do.
+    #[test]
+    fn a_recorded_ledger_counts_what_direct_calls_count() {
+        let names = ["enc", "mlp"];
+        let (direct, deferred) = (Metrics::new(), Metrics::new());
+        let mut ledger = Ledger::default();
+        direct.observe_items("enc", &[20, 40]);
+        ledger.accepted(0, &[20, 40]);
+        direct.observe_items("mlp", &[1; 3]);
+        ledger.accepted(1, &[1; 3]);
+        direct.eager_request("enc", EagerReason::SeqTooLong);
+        ledger.eager_request(0, EagerReason::SeqTooLong);
+        direct.bucket_batch("enc", Bucket::packed(64, 8), 1, 2, 60);
+        ledger.bucket_batch(0, Bucket::packed(64, 8), 1, 2, 60);
+        direct.eager_batch(1, 300);
+        ledger.eager_batch(1, 300);
+        direct.model_reply("enc", Some(Bucket::packed(64, 8)), 700);
+        direct.reply_ok(700, 100, 300, 2);
+        ledger.reply(0, Some(Bucket::packed(64, 8)), 700, 100, 300, 2);
+        direct.model_error("mlp", ErrorCode::Overloaded);
+        ledger.model_error(1, ErrorCode::Overloaded);
+        direct.lock().retried_batches += 1;
+        ledger.batch_retried();
+        // Nothing is counted until the ledger is recorded.
+        assert_eq!(deferred.snapshot()["requests"]["accepted"], 0);
+        deferred.record(&mut ledger, |i| names[i]);
+        let (mut want, mut got) = (direct.snapshot(), deferred.snapshot());
+        for s in [&mut want, &mut got] {
+            s.as_object_mut().unwrap().remove("uptime_s");
+        }
+        assert_eq!(got["requests"]["accepted"], 2);
+        assert_eq!(got, want);
+        // Recording empties it.
+        deferred.record(&mut ledger, |i| names[i]);
+        assert_eq!(deferred.snapshot()["requests"]["accepted"], 2);
+    }
+
     #[test]
     fn bucket_counters_and_padding() {
         let m = Metrics::new();
