@@ -6,6 +6,8 @@
 #
 #   scripts/bench-host.sh                          # on the GPU machine, ~3 minutes
 #   BENCH_BACKEND=cpu scripts/bench-host.sh        # dry run of the same flow, no GPU
+#   BENCH_BACKEND=null BENCH_HOSTBENCH=0 AB_SERVER=... scripts/bench-host.sh
+#                                                  # the host path alone, A/B, ~1 minute
 #
 # Steps: (1) sentence-transformers encode(batch_size=512) on the realistic
 # corpus, f16 and f32 (scripts/st_baseline.py; the faster is the baseline);
@@ -135,9 +137,14 @@ load() { # name, args... (with CPU_WINDOW=S set: each thread group's CPU use ove
 }
 
 # --- 2. replayd on the GPU: targets 1 and 3
-if [ "$BACKEND" = cuda ]; then GPU_DEVICES='backend = "cuda"
-gpus = [0]'; else GPU_DEVICES='backend = "cpu"
-cpu_devices = 1'; fi
+case "$BACKEND" in
+  cuda) GPU_DEVICES='backend = "cuda"
+gpus = [0]' ;;
+  null) GPU_DEVICES='backend = "null"
+cpu_devices = 1' ;;
+  *) GPU_DEVICES='backend = "cpu"
+cpu_devices = 1' ;;
+esac
 if start_daemon gpu "$GPU_DEVICES"; then
   log "target 1: one short text at a time, one client"
   load t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2
@@ -169,7 +176,7 @@ ${BENCH_SERVER:-}"; then
 fi
 
 # --- 3. the host path's ceiling: the same load, a device that computes nothing
-if start_daemon null 'backend = "null"
+if [ "$BACKEND" != null ] && start_daemon null 'backend = "null"
 cpu_devices = 1'; then
   load null_t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration 5 --warmup 1
   CPU_WINDOW=4 load null_t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
@@ -178,7 +185,7 @@ cpu_devices = 1'; then
 fi
 
 # --- 4. each host stage on this CPU
-if [ -x "$BIN/replayd-hostbench" ]; then
+if [ "${BENCH_HOSTBENCH:-1}" = 1 ] && [ -x "$BIN/replayd-hostbench" ]; then
   log "replayd-hostbench"
   timeout 120 "$BIN/replayd-hostbench" --model "$MODEL" --replayd "$BIN/replayd" --seconds 1 --iters 3000 \
     --json "$OUT/hostbench.json" > "$OUT/hostbench.md" 2> "$OUT/hostbench.log" || fail "hostbench (see hostbench.log)"
