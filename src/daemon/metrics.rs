@@ -371,17 +371,24 @@ impl Inner {
 /// request made it queue behind the request handlers that hold it too.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    observations: Vec<Observation>,
-    /// The token counts of every `Accepted` request's items, in order.
+    entries: Vec<Entry>,
+    /// The token counts of every accepted request's items, in order.
     lens: Vec<u32>,
 }
 
 #[derive(Debug)]
-enum Observation {
+enum Entry {
+    /// A request accepted with the next `items` values of `lens`.
     Accepted {
         model: usize,
         items: usize,
     },
+    Other(Observation),
+}
+
+/// One thing the batcher saw; `model` is the model's index.
+#[derive(Debug)]
+pub enum Observation {
     Eager {
         model: usize,
         reason: EagerReason,
@@ -390,6 +397,7 @@ enum Observation {
         model: usize,
         code: ErrorCode,
     },
+    /// A successful reply; see [`Metrics::model_reply`] and [`Metrics::reply_ok`].
     Reply {
         model: usize,
         bucket: Option<Bucket>,
@@ -416,65 +424,14 @@ impl Ledger {
     /// A request for `model` was accepted with items of these token counts.
     pub fn accepted(&mut self, model: usize, lens: &[u32]) {
         self.lens.extend_from_slice(lens);
-        self.observations.push(Observation::Accepted {
+        self.entries.push(Entry::Accepted {
             model,
             items: lens.len(),
         });
     }
 
-    pub fn eager_request(&mut self, model: usize, reason: EagerReason) {
-        self.observations.push(Observation::Eager { model, reason });
-    }
-
-    pub fn model_error(&mut self, model: usize, code: ErrorCode) {
-        self.observations
-            .push(Observation::ModelError { model, code });
-    }
-
-    /// A successful reply; see [`Metrics::model_reply`] and [`Metrics::reply_ok`].
-    pub fn reply(
-        &mut self,
-        model: usize,
-        bucket: Option<Bucket>,
-        total_us: u64,
-        queued_us: u64,
-        compute_us: u64,
-        batches: u32,
-    ) {
-        self.observations.push(Observation::Reply {
-            model,
-            bucket,
-            total_us,
-            queued_us,
-            compute_us,
-            batches,
-        });
-    }
-
-    pub fn bucket_batch(
-        &mut self,
-        model: usize,
-        bucket: Bucket,
-        parts: u64,
-        rows: u64,
-        tokens: u64,
-    ) {
-        self.observations.push(Observation::BucketBatch {
-            model,
-            bucket,
-            parts,
-            rows,
-            tokens,
-        });
-    }
-
-    pub fn eager_batch(&mut self, rows: u64, tokens: u64) {
-        self.observations
-            .push(Observation::EagerBatch { rows, tokens });
-    }
-
-    pub fn batch_retried(&mut self) {
-        self.observations.push(Observation::Retried);
+    pub fn push(&mut self, o: Observation) {
+        self.entries.push(Entry::Other(o));
     }
 }
 
@@ -621,18 +578,22 @@ impl Metrics {
     /// Applies the batcher's observations of one turn under one lock, and
     /// empties `ledger`; `model_name` names a model by its index.
     pub fn record<'a>(&self, ledger: &mut Ledger, model_name: impl Fn(usize) -> &'a str) {
-        if ledger.observations.is_empty() {
+        if ledger.entries.is_empty() {
             return;
         }
         let mut m = self.lock();
         let mut lens = ledger.lens.as_slice();
-        for o in ledger.observations.drain(..) {
-            match o {
-                Observation::Accepted { model, items } => {
+        for e in ledger.entries.drain(..) {
+            let o = match e {
+                Entry::Accepted { model, items } => {
                     let (these, rest) = lens.split_at(items);
                     lens = rest;
                     m.observe_items(model_name(model), these);
+                    continue;
                 }
+                Entry::Other(o) => o,
+            };
+            match o {
                 Observation::Eager { model, reason } => m.eager_request(model_name(model), reason),
                 Observation::ModelError { model, code } => m.model_error(model_name(model), code),
                 Observation::Reply {
@@ -1098,18 +1059,40 @@ mod tests {
         direct.observe_items("mlp", &[1; 3]);
         ledger.accepted(1, &[1; 3]);
         direct.eager_request("enc", EagerReason::SeqTooLong);
-        ledger.eager_request(0, EagerReason::SeqTooLong);
+        ledger.push(Observation::Eager {
+            model: 0,
+            reason: EagerReason::SeqTooLong,
+        });
         direct.bucket_batch("enc", Bucket::packed(64, 8), 1, 2, 60);
-        ledger.bucket_batch(0, Bucket::packed(64, 8), 1, 2, 60);
+        ledger.push(Observation::BucketBatch {
+            model: 0,
+            bucket: Bucket::packed(64, 8),
+            parts: 1,
+            rows: 2,
+            tokens: 60,
+        });
         direct.eager_batch(1, 300);
-        ledger.eager_batch(1, 300);
+        ledger.push(Observation::EagerBatch {
+            rows: 1,
+            tokens: 300,
+        });
         direct.model_reply("enc", Some(Bucket::packed(64, 8)), 700);
         direct.reply_ok(700, 100, 300, 2);
-        ledger.reply(0, Some(Bucket::packed(64, 8)), 700, 100, 300, 2);
+        ledger.push(Observation::Reply {
+            model: 0,
+            bucket: Some(Bucket::packed(64, 8)),
+            total_us: 700,
+            queued_us: 100,
+            compute_us: 300,
+            batches: 2,
+        });
         direct.model_error("mlp", ErrorCode::Overloaded);
-        ledger.model_error(1, ErrorCode::Overloaded);
+        ledger.push(Observation::ModelError {
+            model: 1,
+            code: ErrorCode::Overloaded,
+        });
         direct.lock().retried_batches += 1;
-        ledger.batch_retried();
+        ledger.push(Observation::Retried);
         // Nothing is counted until the ledger is recorded.
         assert_eq!(deferred.snapshot()["requests"]["accepted"], 0);
         deferred.record(&mut ledger, |i| names[i]);

@@ -27,7 +27,7 @@ use super::fast_link::FastLink;
 use super::messages::{
     Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, Stamps, Submission, SubmitQueue,
 };
-use super::metrics::{EagerReason, Ledger, Metrics};
+use super::metrics::{EagerReason, Ledger, Metrics, Observation};
 use crate::bucket::{Bucket, Grid};
 use crate::clock::{mono_ns, us_between};
 use crate::model::BatchRows;
@@ -413,7 +413,10 @@ impl BatcherState {
             Ok(placement) => {
                 self.ledger.accepted(model, &lens);
                 if placement.eager > 0 {
-                    self.ledger.eager_request(model, EagerReason::SeqTooLong);
+                    self.ledger.push(Observation::Eager {
+                        model,
+                        reason: EagerReason::SeqTooLong,
+                    });
                 }
                 let rows = sub.input.rows();
                 self.pending.insert(
@@ -457,7 +460,10 @@ impl BatcherState {
     }
 
     fn reject(&mut self, sub: Submission, code: ErrorCode, message: String) {
-        self.ledger.model_error(sub.model, code);
+        self.ledger.push(Observation::ModelError {
+            model: sub.model,
+            code,
+        });
         self.outbox
             .push((sub.reply, Reply::error(sub.client_id, code, message)));
     }
@@ -466,7 +472,10 @@ impl BatcherState {
     fn fail(&mut self, id: RequestId, code: ErrorCode, message: &str) {
         self.scheduler.finish(id);
         if let Some(p) = self.pending.remove(&id) {
-            self.ledger.model_error(p.model, code);
+            self.ledger.push(Observation::ModelError {
+                model: p.model,
+                code,
+            });
             self.outbox
                 .push((p.reply, Reply::error(p.client_id, code, message)));
         }
@@ -501,7 +510,7 @@ impl BatcherState {
                         f.attempt += 1;
                         f.dispatched_ns = mono_ns();
                         let (b, attempt) = (f.batch.clone(), f.attempt);
-                        self.ledger.batch_retried();
+                        self.ledger.push(Observation::Retried);
                         self.send_to_device(device, b, attempt);
                     } else {
                         // Its requests were answered meanwhile (expired, aborted).
@@ -613,14 +622,17 @@ impl BatcherState {
             return;
         }
         match b.bucket {
-            Some(bucket) => self.ledger.bucket_batch(
-                b.model,
+            Some(bucket) => self.ledger.push(Observation::BucketBatch {
+                model: b.model,
                 bucket,
-                b.parts.len() as u64,
-                b.rows as u64,
-                b.tokens as u64,
-            ),
-            None => self.ledger.eager_batch(b.rows as u64, b.tokens as u64),
+                parts: b.parts.len() as u64,
+                rows: b.rows as u64,
+                tokens: b.tokens as u64,
+            }),
+            None => self.ledger.push(Observation::EagerBatch {
+                rows: b.rows as u64,
+                tokens: b.tokens as u64,
+            }),
         }
         let shape = Shape::of(b.bucket, device);
         let mut offset = 0;
@@ -692,14 +704,14 @@ impl BatcherState {
             .dispatched
             .map_or(0, |d| d.duration_since(p.received).as_micros() as u64);
         let total_us = now.duration_since(p.received).as_micros() as u64;
-        self.ledger.reply(
-            p.model,
-            shown.bucket,
+        self.ledger.push(Observation::Reply {
+            model: p.model,
+            bucket: shown.bucket,
             total_us,
             queued_us,
-            p.compute_us,
-            p.batches,
-        );
+            compute_us: p.compute_us,
+            batches: p.batches,
+        });
         let reply = Reply::Ok {
             id: p.client_id,
             output: tensor,
