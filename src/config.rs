@@ -79,6 +79,8 @@ pub struct ServerConfig {
     /// outputs awaiting send); beyond it requests get `overloaded` at once.
     pub max_buffered_bytes: usize,
     /// Threads that tokenize texts, off the async runtime (0 = number of cores, at most 8).
+    /// A request of fewer than 8 texts takes one; larger requests are spread
+    /// over a second pool of as many (idle, both sleep).
     pub tokenizer_threads: usize,
     /// The async runtime's worker threads (0 = one per core): fewer leave
     /// more of the cores to the worker processes, the tokenizer pool and

@@ -6,7 +6,8 @@
 //! model's `max_seq_len`, special tokens ([CLS]/[SEP]) included, or off
 //! when the caller asks for an error on over-long texts instead.
 //!
-//! [`TokenizerPool`] runs encodes on its own rayon pool and hands results
+//! [`TokenizerPool`] runs encodes on its own threads (serial workers for
+//! requests of a few texts, a rayon pool for larger ones) and hands results
 //! back over `tokio::sync::oneshot`, so tokenization never occupies the
 //! async runtime's threads.
 //!
@@ -79,6 +80,20 @@ pub enum TextInput {
     Texts(Vec<String>),
     /// (query, passage) pairs of a cross-encoder.
     Pairs(Vec<(String, String)>),
+}
+
+impl TextInput {
+    /// Texts, or pairs, in the request.
+    pub fn len(&self) -> usize {
+        match self {
+            TextInput::Texts(t) => t.len(),
+            TextInput::Pairs(p) => p.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A prompt to prepend to each text (the first element of a pair).
@@ -296,8 +311,9 @@ impl TextTokenizer {
             Some(ids)
         };
         // A text takes about a microsecond: only large requests are worth
-        // spreading over the pool.
-        if inputs.len() >= 64 {
+        // spreading over the pool (and only from inside it: elsewhere a
+        // parallel iterator would hop to rayon's global pool).
+        if inputs.len() >= 64 && rayon::current_thread_index().is_some() {
             inputs
                 .par_iter()
                 .with_min_len(32)
@@ -334,15 +350,33 @@ impl TextTokenizer {
         } else {
             hf_index.iter().map(|&i| inputs[i].clone()).collect()
         };
+        // In parallel only on the pool's rayon threads; on any other thread
+        // (the pool's serial workers, an inline encode on the runtime) the
+        // crate's batch encode would hand the texts to rayon's global pool
+        // and wait for it.
+        let parallel = rayon::current_thread_index().is_some();
         let encoded = if hf_inputs.is_empty() {
             Ok(Vec::new())
         } else if truncate && pairs {
-            hf_inputs
-                .par_iter()
-                .map(|i| self.encode_pair_longest_first(i))
-                .collect()
-        } else {
+            if parallel {
+                hf_inputs
+                    .par_iter()
+                    .map(|i| self.encode_pair_longest_first(i))
+                    .collect()
+            } else {
+                hf_inputs
+                    .iter()
+                    .map(|i| self.encode_pair_longest_first(i))
+                    .collect()
+            }
+        } else if parallel {
             tokenizer.encode_batch_fast(hf_inputs.clone(), true)
+        } else {
+            // encode_batch_fast less its parallelism (padding is off).
+            hf_inputs
+                .iter()
+                .map(|i| tokenizer.encode_fast(i.clone(), true))
+                .collect()
         };
         let encodings: Vec<Encoding> = match encoded {
             Ok(e) => e,
@@ -458,24 +492,78 @@ pub fn longest_first(first: usize, second: usize, budget: usize) -> (usize, usiz
     }
 }
 
-/// Tokenizes on a dedicated pool of threads, off the async runtime.
+/// Tokenizes on dedicated threads, off the async runtime: requests of a few
+/// texts on serial workers, larger ones spread over a rayon pool.
 #[derive(Clone)]
 pub struct TokenizerPool {
     tokenizer: Arc<TextTokenizer>,
+    serial: Arc<SerialWorkers>,
     pool: Arc<rayon::ThreadPool>,
+}
+
+/// Requests with at least this many inputs go to the rayon pool.
+const PARALLEL_INPUTS: usize = 8;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Threads that take one job at a time from a shared queue and sleep while
+/// it is empty, so a job wakes one thread and an idle one costs nothing. A
+/// rayon pool's idle workers instead spin through `sched_yield` for a while
+/// after every job: under one-text requests that was 7 % of the daemon's CPU
+/// samples (perf, null backend), on a host whose cores the batcher and the
+/// sockets share. A job that panics is caught: its reply channel is dropped
+/// (the request gets [`TokenizeError::Pool`]) and the thread goes on.
+struct SerialWorkers {
+    jobs: std::sync::mpsc::Sender<Job>,
+    threads: usize,
+}
+
+impl SerialWorkers {
+    fn new(threads: usize) -> Self {
+        let (jobs, queue) = std::sync::mpsc::channel::<Job>();
+        let queue = Arc::new(std::sync::Mutex::new(queue));
+        for i in 0..threads {
+            let queue = Arc::clone(&queue);
+            std::thread::Builder::new()
+                .name(format!("tokenize-{i}"))
+                .spawn(move || loop {
+                    // The lock is held while waiting: the other idle workers
+                    // sleep on it, and each job wakes exactly one of them.
+                    let job = match queue.lock() {
+                        Ok(q) => q.recv(),
+                        Err(_) => return,
+                    };
+                    match job {
+                        Ok(job) => {
+                            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                        }
+                        // Every sender is gone: the pool was dropped.
+                        Err(_) => return,
+                    }
+                })
+                .expect("cannot start the tokenizer threads");
+        }
+        SerialWorkers { jobs, threads }
+    }
+
+    fn spawn(&self, job: impl FnOnce() + Send + 'static) {
+        // The workers outlive every sender, so this cannot fail.
+        let _ = self.jobs.send(Box::new(job));
+    }
 }
 
 impl std::fmt::Debug for TokenizerPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TokenizerPool")
             .field("tokenizer", &self.tokenizer)
-            .field("threads", &self.pool.current_num_threads())
+            .field("threads", &self.serial.threads)
             .finish()
     }
 }
 
 impl TokenizerPool {
-    /// A pool of `threads` threads (0 = the number of cores, at most 8).
+    /// `threads` serial workers and a rayon pool of as many (0 = the number
+    /// of cores, at most 8).
     ///
     /// Panics if the operating system refuses to start the threads.
     pub fn new(tokenizer: Arc<TextTokenizer>, threads: usize) -> Self {
@@ -488,17 +576,28 @@ impl TokenizerPool {
         };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
-            .thread_name(|i| format!("tokenize-{i}"))
+            .thread_name(|i| format!("tokenize-par-{i}"))
             .build()
             .expect("cannot start the tokenizer threads");
         TokenizerPool {
             tokenizer,
+            serial: Arc::new(SerialWorkers::new(threads)),
             pool: Arc::new(pool),
         }
     }
 
     pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
         &self.tokenizer
+    }
+
+    /// Runs `job` on a serial worker, or on the rayon pool when it has
+    /// `inputs` enough to spread.
+    fn run(&self, inputs: usize, job: impl FnOnce() + Send + 'static) {
+        if inputs >= PARALLEL_INPUTS {
+            self.pool.spawn(job);
+        } else {
+            self.serial.spawn(job);
+        }
     }
 
     /// Encodes a request's texts or pairs on the pool; see
@@ -511,7 +610,7 @@ impl TokenizerPool {
     ) -> Result<Vec<Vec<u32>>, TokenizeError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let tokenizer = Arc::clone(&self.tokenizer);
-        self.pool.spawn(move || {
+        self.run(input.len(), move || {
             let _ = tx.send(tokenizer.encode_request(&input, truncate, prompt.as_ref()));
         });
         rx.await
@@ -526,7 +625,7 @@ impl TokenizerPool {
     ) -> Result<Vec<Vec<u32>>, TokenizeError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let tokenizer = Arc::clone(&self.tokenizer);
-        self.pool.spawn(move || {
+        self.run(texts.len(), move || {
             let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
             // The receiver may be gone (request cancelled): nothing to do then.
             let _ = tx.send(tokenizer.encode(&refs, truncate));
@@ -940,5 +1039,57 @@ mod tests {
             matches!(b, Err(TokenizeError::TooLong { index: 0, .. })),
             "{b:?}"
         );
+    }
+
+    /// A request of a few texts runs on a serial worker, a larger one on the
+    /// rayon pool; both give the ids the tokenizer gives on the caller's
+    /// thread, for plain ASCII (the fast path) and other text (the HF
+    /// tokenizer), and for pairs.
+    #[tokio::test]
+    async fn serial_workers_and_the_rayon_pool_give_the_same_ids() {
+        let tok = Arc::new(TextTokenizer::load(&model_dir(), 64).unwrap());
+        let pool = TokenizerPool::new(tok.clone(), 2);
+        for n in [1, PARALLEL_INPUTS - 1, PARALLEL_INPUTS, 70] {
+            let texts: Vec<String> = (0..n)
+                .map(|i| match i % 3 {
+                    0 => format!("sentence number {i}"),
+                    1 => format!("café numéro {i} — naïve"),
+                    _ => "long words ".repeat(40),
+                })
+                .collect();
+            let input = TextInput::Texts(texts.clone());
+            let want = tok.encode_request(&input, true, None).unwrap();
+            let got = pool.encode_request(input, true, None).await.unwrap();
+            assert_eq!(got, want, "{n} texts");
+            assert_eq!(got.len(), n);
+            let pairs = TextInput::Pairs(texts.iter().map(|t| (t.clone(), t.repeat(2))).collect());
+            let want = tok.encode_request(&pairs, true, None).unwrap();
+            let got = pool.encode_request(pairs, true, None).await.unwrap();
+            assert_eq!(got, want, "{n} pairs");
+            assert!(got.iter().all(|ids| ids.len() <= 64));
+        }
+    }
+
+    /// A job that panics on a serial worker leaves the worker serving the
+    /// next jobs, and its caller gets an error, not a hang.
+    #[tokio::test]
+    async fn a_panicking_job_does_not_stop_a_serial_worker() {
+        let workers = SerialWorkers::new(1);
+        let (tx, rx) = tokio::sync::oneshot::channel::<u32>();
+        workers.spawn(move || {
+            let _keep = tx;
+            panic!("a tokenizer bug");
+        });
+        assert!(
+            rx.await.is_err(),
+            "the panicked job's reply channel is dropped"
+        );
+        for i in 0..3 {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            workers.spawn(move || {
+                let _ = tx.send(i);
+            });
+            assert_eq!(rx.await.unwrap(), i);
+        }
     }
 }
