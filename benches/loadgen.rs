@@ -29,7 +29,7 @@
 //! ```
 
 use clap::Parser;
-use replayd::protocol::client::Client;
+use replayd::protocol::client::{Client, ClientOptions};
 use replayd::protocol::{Hops, InputKind, Payload, RequestHeader, Status};
 use replayd::tensor::{DType, HostTensor};
 use serde_json::{json, Value};
@@ -66,6 +66,10 @@ struct Args {
     /// shares with the daemon, fewer leave the daemon more of the cores.
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// libzmq I/O threads shared by all the generator's sockets (one context
+    /// per process, as a ZeroMQ application has; 0 = one per 8 sockets).
+    #[arg(long, default_value_t = 0)]
+    io_threads: usize,
     /// Stop after this many requests...
     #[arg(long)]
     requests: Option<u64>,
@@ -419,9 +423,16 @@ async fn generate(args: Args) {
     }
     let output_dtype: DType = args.output_dtype.parse().expect("--output-dtype");
     let mut clients = Vec::new();
+    let mut options = ClientOptions::default();
+    options.limits.io_threads = match args.io_threads {
+        0 => args.sockets.div_ceil(8).max(1),
+        n => n,
+    };
     for _ in 0..args.sockets.max(1) {
         clients.push(Arc::new(
-            Client::connect(&args.endpoint).await.expect("connect"),
+            Client::connect_with(&[&args.endpoint], options.clone())
+                .await
+                .expect("connect"),
         ));
     }
     let duration = args

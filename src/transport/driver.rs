@@ -153,16 +153,43 @@ fn millis(d: Duration) -> i32 {
     d.as_millis().clamp(1, i32::MAX as u128) as i32
 }
 
+/// One libzmq context for every client socket of the process with the same
+/// `io_threads`, as a ZeroMQ application normally has: 16 client sockets
+/// otherwise run 16 I/O threads, each woken for its own socket's messages.
+/// (A server's context stays its own: a CURVE server binds its ZAP handler
+/// in it, at an address fixed per context.)
+fn shared_client_context(io_threads: usize) -> Result<zmq::Context, TransportError> {
+    static CONTEXTS: std::sync::Mutex<Vec<(usize, zmq::Context)>> =
+        std::sync::Mutex::new(Vec::new());
+    let io_threads = io_threads.clamp(1, 64);
+    let mut contexts = CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, c)) = contexts.iter().find(|(n, _)| *n == io_threads) {
+        return Ok(c.clone());
+    }
+    let context = zmq::Context::new();
+    context
+        .set_io_threads(io_threads as i32)
+        .map_err(setup_err("ZMQ_IO_THREADS"))?;
+    contexts.push((io_threads, context.clone()));
+    Ok(context)
+}
+
 fn setup(
     kind: Kind,
     attach: Attach,
     limits: &TransportLimits,
     security: &Security,
 ) -> Result<(Sockets, String), TransportError> {
-    let context = zmq::Context::new();
-    context
-        .set_io_threads(limits.io_threads.clamp(1, 64) as i32)
-        .map_err(setup_err("ZMQ_IO_THREADS"))?;
+    let context = match kind {
+        Kind::Dealer => shared_client_context(limits.io_threads)?,
+        Kind::Router => {
+            let context = zmq::Context::new();
+            context
+                .set_io_threads(limits.io_threads.clamp(1, 64) as i32)
+                .map_err(setup_err("ZMQ_IO_THREADS"))?;
+            context
+        }
+    };
     // The ZAP handler must be bound before the socket it serves is.
     let zap = match security {
         Security::CurveServer {

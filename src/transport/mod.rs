@@ -117,7 +117,9 @@ pub struct TransportLimits {
     pub heartbeat: Option<Duration>,
     /// libzmq I/O threads of the socket's context (`ZMQ_IO_THREADS`): its
     /// connections are spread over them, so a busy many-client socket is
-    /// not held to one thread's TCP work.
+    /// not held to one thread's TCP work. A [`Router`] has a context of its
+    /// own; every [`Dealer`] of the process with the same `io_threads`
+    /// shares one.
     pub io_threads: usize,
 }
 
