@@ -587,7 +587,12 @@ async fn generate(args: Args) {
                                 }
                             }
                         }
-                        if let (Some(c), Some(out)) = (&*corpus, &r.output) {
+                        // Decoding every reply's floats only to find no
+                        // reference was 6 % of the generator's CPU.
+                        let checked = (*corpus)
+                            .as_ref()
+                            .filter(|c| picked.iter().any(|&i| c.embeddings[i].is_some()));
+                        if let (Some(c), Some(out)) = (checked, &r.output) {
                             let values = out.to_f32_vec().unwrap_or_default();
                             let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
                             for (row, &i) in values.chunks(dim).zip(&picked) {
