@@ -262,6 +262,10 @@ pub struct DevicesConfig {
     /// through a shared-memory ring (one per worker, in `server.runtime_dir`);
     /// false: through the worker's socket, as before.
     pub shm_link: bool,
+    /// After each batch, a worker's backend thread polls its doorbell for
+    /// this many µs before it sleeps (0: it sleeps at once). A busy core for
+    /// the next request's wake-up; at most 10000.
+    pub worker_spin_us: u64,
     /// The null backend's modelled time per batch and per real token, in µs.
     pub null_us_per_batch: f64,
     pub null_us_per_token: f64,
@@ -285,6 +289,7 @@ impl Default for DevicesConfig {
             kernel_cache_dir: None,
             workers_per_gpu: 1,
             shm_link: true,
+            worker_spin_us: 0,
             null_us_per_batch: 0.0,
             null_us_per_token: 0.0,
         }
@@ -727,6 +732,9 @@ impl Config {
                 "must be at least twice devices.heartbeat_ms",
             ));
         }
+        if self.devices.worker_spin_us > 10_000 {
+            return Err(invalid("devices.worker_spin_us", "must be at most 10000"));
+        }
         if self.devices.start_timeout_ms < 1000 {
             return Err(invalid("devices.start_timeout_ms", "must be at least 1000"));
         }
@@ -910,6 +918,16 @@ path = "mlp.safetensors"
         let err =
             Config::parse(&format!("[server]\nruntime_threads = 300\n{MINIMAL}")).unwrap_err();
         assert!(err.to_string().contains("server.runtime_threads"), "{err}");
+    }
+
+    #[test]
+    fn worker_spin_us_is_bounded_and_off_by_default() {
+        assert_eq!(Config::parse(MINIMAL).unwrap().devices.worker_spin_us, 0);
+        let c = Config::parse(&format!("{MINIMAL}\n[devices]\nworker_spin_us = 300\n")).unwrap();
+        assert_eq!(c.devices.worker_spin_us, 300);
+        let err =
+            Config::parse(&format!("{MINIMAL}\n[devices]\nworker_spin_us = 20000\n")).unwrap_err();
+        assert!(err.to_string().contains("devices.worker_spin_us"), "{err}");
     }
 
     #[test]

@@ -253,3 +253,53 @@ async fn the_socket_path_still_serves_and_replies_carry_their_hops() {
         }
     }
 }
+
+/// The worker process's CPU time so far (user + system), from /proc.
+fn cpu_seconds(pid: i32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command name's closing parenthesis; utime and
+    // stime are the 14th and 15th of the line.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // SAFETY: sysconf has no preconditions.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / tick
+}
+
+/// `devices.worker_spin_us`: a worker that polls its doorbell between
+/// batches answers as one that sleeps, and stops polling once traffic stops
+/// (an idle worker does not keep a core busy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spinning_worker_answers_and_rests_when_idle() {
+    let daemon = Daemon::start(
+        &config(true).replace("shm_link = true", "shm_link = true\nworker_spin_us = 5000"),
+    );
+    let reference = MlpReference::load(&data("mlp_seed.safetensors"));
+    let client = daemon.client().await;
+    let mut rng = Rng::new(5);
+    for _ in 0..200 {
+        let rows = rng.range(1, 5);
+        let x: Vec<f32> = (0..rows * 128).map(|_| rng.normal()).collect();
+        let r = client
+            .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+            .await
+            .unwrap();
+        assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
+    }
+    let stats = daemon.stats();
+    let pids: Vec<i32> = graph_devices(&stats)
+        .iter()
+        .map(|d| d["worker_pid"].as_i64().unwrap() as i32)
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before: Vec<f64> = pids.iter().map(|&p| cpu_seconds(p)).collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for (&pid, before) in pids.iter().zip(before) {
+        let used = cpu_seconds(pid) - before;
+        // Spinning on would be ~2 s; heartbeats alone are a few ms.
+        assert!(
+            used < 0.5,
+            "worker {pid} used {used:.2} s of CPU in 2 s idle"
+        );
+    }
+}

@@ -125,11 +125,14 @@ impl Outbox {
 
 /// The next command, from the I/O thread or the doorbell: `Ok(None)` when
 /// `wait` passed (or at once, for `None`) with nothing there, `Err(())` when
-/// the daemon is gone.
+/// the daemon is gone. Until `spin_until` the doorbell is polled rather than
+/// slept on (`devices.worker_spin_us`): on a VM a sleeping thread's wake-up
+/// costs tens of µs.
 fn next_command(
     rx: &Receiver<Command>,
     fast: Option<&FastEnd>,
     wait: Option<Duration>,
+    spin_until: Instant,
     buf: &mut [u8],
 ) -> Result<Option<Command>, ()> {
     let Some(fast) = fast else {
@@ -172,9 +175,14 @@ fn next_command(
         let Some(until) = until else {
             return Ok(None);
         };
-        let left = until.saturating_duration_since(Instant::now());
+        let now = Instant::now();
+        let left = until.saturating_duration_since(now);
         if left.is_zero() {
             return Ok(None);
+        }
+        if now < spin_until {
+            std::hint::spin_loop();
+            continue;
         }
         let mut fds = [
             libc::pollfd {
@@ -369,6 +377,10 @@ fn serve<B: Backend>(
             0
         }
     ];
+    // devices.worker_spin_us: the doorbell is polled, not slept on, this
+    // long after the last command or finished batch.
+    let spin = Duration::from_micros(config.devices.worker_spin_us);
+    let mut busy_at = Instant::now();
     loop {
         if last_said.elapsed() >= heartbeat {
             outbox.send(&FromWorker::Heartbeat, None);
@@ -377,17 +389,19 @@ fn serve<B: Backend>(
         let wait = inflight
             .is_empty()
             .then(|| heartbeat.saturating_sub(last_said.elapsed()));
-        let command = match next_command(rx, fast, wait, &mut doorbell_buf) {
+        let command = match next_command(rx, fast, wait, busy_at + spin, &mut doorbell_buf) {
             Ok(Some(c)) => c,
             Ok(None) if inflight.is_empty() => continue,
             Ok(None) => {
                 collect_oldest(&mut backend, &mut inflight, outbox);
                 last_said = Instant::now();
+                busy_at = last_said;
                 continue;
             }
             Err(()) => return,
         };
         let taken_ns = crate::clock::mono_ns();
+        busy_at = Instant::now();
         let (job, model, bucket, rows) = match command.msg {
             ToWorker::Run {
                 batch,
