@@ -20,8 +20,9 @@
 # stage's figures on this CPU. Results: $OUT/bench-host.md and JSON beside it.
 # BENCH_SERVER adds [server] lines to every daemon's config, e.g.
 # BENCH_SERVER="client_sockets = 1" for the single client socket;
-# AB_SERVER and AB_BATCHING run targets 1 and 3 again on a second daemon
-# with those [server] / [batching] lines, for a before/after in one call;
+# AB_SERVER, AB_BATCHING and AB_DEVICES run targets 1 and 3 again on a
+# second daemon with those [server] / [batching] / [devices] lines (e.g.
+# AB_DEVICES="worker_spin_us = 300"), for a before/after in one call;
 # T3_LOADGEN_THREADS="4 8" runs target 3 again from generators of that many
 # runtime threads (the generator shares the host's cores with the daemon).
 set -uo pipefail
@@ -161,11 +162,12 @@ if start_daemon gpu "$GPU_DEVICES"; then
   stop_daemon gpu
 fi
 
-# --- 2b. with AB_BATCHING (e.g. "max_wait_us = 2000") or AB_SERVER (e.g.
+# --- 2b. with AB_BATCHING (e.g. "max_wait_us = 2000"), AB_DEVICES or AB_SERVER (e.g.
 # "client_sockets = 1"): the target-1, target-3 and issue-9 loads again on a
 # daemon with those settings, for a before/after in the same call.
-AB="${AB_BATCHING:-}${AB_BATCHING:+ }${AB_SERVER:-}"
-if [ -n "$AB" ] && start_daemon gpu_ab "$GPU_DEVICES" "${AB_BATCHING:-}" "${AB_SERVER:-}
+AB="${AB_BATCHING:-}${AB_BATCHING:+ }${AB_SERVER:-}${AB_DEVICES:+ }${AB_DEVICES:-}"
+if [ -n "$AB" ] && start_daemon gpu_ab "$GPU_DEVICES
+${AB_DEVICES:-}" "${AB_BATCHING:-}" "${AB_SERVER:-}
 ${BENCH_SERVER:-}"; then
   load t1_ab --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2
   CPU_WINDOW=$((T3_SECONDS - 6)) load t3_ab --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
