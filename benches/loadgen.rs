@@ -424,6 +424,7 @@ async fn generate(args: Args) {
     let output_dtype: DType = args.output_dtype.parse().expect("--output-dtype");
     let mut clients = Vec::new();
     let mut options = ClientOptions::default();
+    options.limits.shared_context = true;
     options.limits.io_threads = match args.io_threads {
         0 => args.sockets.div_ceil(8).max(1),
         n => n,

@@ -337,6 +337,7 @@ pub fn client_limits(config: &Config) -> TransportLimits {
         heartbeat: (s.client_heartbeat_ms > 0)
             .then(|| Duration::from_millis(s.client_heartbeat_ms)),
         io_threads: s.io_threads,
+        shared_context: false,
     }
 }
 
@@ -353,6 +354,7 @@ fn control_limits(config: &Config) -> TransportLimits {
         queue_messages: 64,
         heartbeat: None,
         io_threads: 1,
+        shared_context: false,
     }
 }
 

@@ -154,10 +154,11 @@ fn millis(d: Duration) -> i32 {
 }
 
 /// One libzmq context for every client socket of the process with the same
-/// `io_threads`, as a ZeroMQ application normally has: 16 client sockets
-/// otherwise run 16 I/O threads, each woken for its own socket's messages.
-/// (A server's context stays its own: a CURVE server binds its ZAP handler
-/// in it, at an address fixed per context.)
+/// `io_threads` ([`TransportLimits::shared_context`]), as a ZeroMQ
+/// application normally has: 16 client sockets otherwise run 16 I/O
+/// threads, each woken for its own socket's messages. (A server's context
+/// stays its own: a CURVE server binds its ZAP handler in it, at an address
+/// fixed per context.)
 fn shared_client_context(io_threads: usize) -> Result<zmq::Context, TransportError> {
     static CONTEXTS: std::sync::Mutex<Vec<(usize, zmq::Context)>> =
         std::sync::Mutex::new(Vec::new());
@@ -181,8 +182,8 @@ fn setup(
     security: &Security,
 ) -> Result<(Sockets, String), TransportError> {
     let context = match kind {
-        Kind::Dealer => shared_client_context(limits.io_threads)?,
-        Kind::Router => {
+        Kind::Dealer if limits.shared_context => shared_client_context(limits.io_threads)?,
+        _ => {
             let context = zmq::Context::new();
             context
                 .set_io_threads(limits.io_threads.clamp(1, 64) as i32)

@@ -117,10 +117,13 @@ pub struct TransportLimits {
     pub heartbeat: Option<Duration>,
     /// libzmq I/O threads of the socket's context (`ZMQ_IO_THREADS`): its
     /// connections are spread over them, so a busy many-client socket is
-    /// not held to one thread's TCP work. A [`Router`] has a context of its
-    /// own; every [`Dealer`] of the process with the same `io_threads`
-    /// shares one.
+    /// not held to one thread's TCP work.
     pub io_threads: usize,
+    /// A [`Dealer`] takes the process's shared context for its
+    /// `io_threads` instead of one of its own (a [`Router`] always has its
+    /// own): for a process with many client sockets, such as the load
+    /// generator, whose sockets otherwise each run an I/O thread.
+    pub shared_context: bool,
 }
 
 impl Default for TransportLimits {
@@ -139,6 +142,7 @@ impl Default for TransportLimits {
             queue_messages: 4096,
             heartbeat: Some(Duration::from_secs(10)),
             io_threads: 1,
+            shared_context: false,
         }
     }
 }

@@ -59,6 +59,45 @@ async fn round_trip(endpoint: &str, limits: &TransportLimits, security: &Securit
     timeout(WAIT, rx.recv()).await.unwrap().unwrap().frames
 }
 
+/// DEALERs on the process's shared context (`shared_context`) each get
+/// their own replies, and closing some leaves the others serving.
+#[tokio::test]
+async fn dealers_on_the_shared_context_are_independent() {
+    let limits = TransportLimits::default();
+    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
+        .await
+        .unwrap();
+    let endpoint = router.endpoint().to_string();
+    spawn_echo(router);
+    let shared = TransportLimits {
+        shared_context: true,
+        io_threads: 2,
+        ..TransportLimits::default()
+    };
+    let mut dealers = Vec::new();
+    for _ in 0..6 {
+        dealers.push(
+            Dealer::connect(&endpoint, &shared, &Security::None)
+                .await
+                .unwrap()
+                .split(),
+        );
+    }
+    for round in 0..3u8 {
+        for (i, (_, tx)) in dealers.iter().enumerate() {
+            tx.send(vec![b(&[round, i as u8])]).unwrap();
+        }
+        for (i, (rx, _)) in dealers.iter_mut().enumerate() {
+            let frames = timeout(WAIT, rx.recv()).await.unwrap().unwrap().frames;
+            assert_eq!(frames, vec![b(b"re"), b(&[round, i as u8])]);
+        }
+        // Fewer sockets each round: the context outlives the closed ones.
+        dealers.truncate(dealers.len() - 2);
+    }
+    let reply = round_trip(&endpoint, &shared, &Security::None).await;
+    assert_eq!(reply, vec![b(b"re"), b(b"header"), b(b"payload")]);
+}
+
 /// ZMTP 3.0 greeting (NULL mechanism, as client) and READY(DEALER).
 fn zmtp_handshake(stream: &mut TcpStream) {
     let mut greeting = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
