@@ -84,6 +84,23 @@ fn output_of(r: &Response) -> Vec<f32> {
     r.output.as_ref().unwrap().to_f32_vec().unwrap()
 }
 
+/// One request of 1–4 random rows, its output checked against the float64
+/// reference; the reply.
+async fn checked_request(
+    client: &replayd::protocol::client::Client,
+    reference: &MlpReference,
+    rng: &mut Rng,
+) -> Response {
+    let rows = rng.range(1, 5);
+    let x: Vec<f32> = (0..rows * 128).map(|_| rng.normal()).collect();
+    let r = client
+        .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
+        .await
+        .unwrap();
+    assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
+    r
+}
+
 fn graph_devices(stats: &Value) -> Vec<Value> {
     stats["devices"]
         .as_array()
@@ -220,13 +237,7 @@ async fn the_socket_path_still_serves_and_replies_carry_their_hops() {
         let client = daemon.client().await;
         let mut rng = Rng::new(3);
         for _ in 0..50 {
-            let rows = rng.range(1, 5);
-            let x: Vec<f32> = (0..rows * 128).map(|_| rng.normal()).collect();
-            let r = client
-                .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
-                .await
-                .unwrap();
-            assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
+            let r = checked_request(&client, &reference, &mut rng).await;
             let hops = Hops::from_header(&r.header).expect("hop keys on a success");
             assert_eq!(
                 hops.values().iter().sum::<u64>(),
@@ -278,13 +289,7 @@ async fn a_spinning_worker_answers_and_rests_when_idle() {
     let client = daemon.client().await;
     let mut rng = Rng::new(5);
     for _ in 0..200 {
-        let rows = rng.range(1, 5);
-        let x: Vec<f32> = (0..rows * 128).map(|_| rng.normal()).collect();
-        let r = client
-            .infer("mlp", &HostTensor::from_f32(vec![rows, 128], &x), T)
-            .await
-            .unwrap();
-        assert!(rel_err(&output_of(&r), &reference.forward(&x, rows)) < 1e-5);
+        checked_request(&client, &reference, &mut rng).await;
     }
     let stats = daemon.stats();
     let pids: Vec<i32> = graph_devices(&stats)

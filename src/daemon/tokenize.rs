@@ -547,7 +547,8 @@ impl SerialWorkers {
     }
 
     fn spawn(&self, job: impl FnOnce() + Send + 'static) {
-        // The workers outlive every sender, so this cannot fail.
+        // Fails only once every worker has exited, which they do only when
+        // this sender is gone (a job's panic is caught): never here.
         let _ = self.jobs.send(Box::new(job));
     }
 }

@@ -167,11 +167,16 @@ fn shared_client_context(io_threads: usize) -> Result<zmq::Context, TransportErr
     if let Some((_, c)) = contexts.iter().find(|(n, _)| *n == io_threads) {
         return Ok(c.clone());
     }
+    let context = new_context(io_threads)?;
+    contexts.push((io_threads, context.clone()));
+    Ok(context)
+}
+
+fn new_context(io_threads: usize) -> Result<zmq::Context, TransportError> {
     let context = zmq::Context::new();
     context
-        .set_io_threads(io_threads as i32)
+        .set_io_threads(io_threads.clamp(1, 64) as i32)
         .map_err(setup_err("ZMQ_IO_THREADS"))?;
-    contexts.push((io_threads, context.clone()));
     Ok(context)
 }
 
@@ -183,13 +188,7 @@ fn setup(
 ) -> Result<(Sockets, String), TransportError> {
     let context = match kind {
         Kind::Dealer if limits.shared_context => shared_client_context(limits.io_threads)?,
-        _ => {
-            let context = zmq::Context::new();
-            context
-                .set_io_threads(limits.io_threads.clamp(1, 64) as i32)
-                .map_err(setup_err("ZMQ_IO_THREADS"))?;
-            context
-        }
+        _ => new_context(limits.io_threads)?,
     };
     // The ZAP handler must be bound before the socket it serves is.
     let zap = match security {

@@ -59,16 +59,22 @@ async fn round_trip(endpoint: &str, limits: &TransportLimits, security: &Securit
     timeout(WAIT, rx.recv()).await.unwrap().unwrap().frames
 }
 
+/// A tcp ROUTER echo on a free port; its endpoint.
+async fn echo_server(limits: &TransportLimits) -> String {
+    let router = Router::bind("tcp://127.0.0.1:0", limits, &Security::None)
+        .await
+        .unwrap();
+    let endpoint = router.endpoint().to_string();
+    spawn_echo(router);
+    endpoint
+}
+
 /// DEALERs on the process's shared context (`shared_context`) each get
 /// their own replies, and closing some leaves the others serving.
 #[tokio::test]
 async fn dealers_on_the_shared_context_are_independent() {
     let limits = TransportLimits::default();
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
-    let endpoint = router.endpoint().to_string();
-    spawn_echo(router);
+    let endpoint = echo_server(&limits).await;
     let shared = TransportLimits {
         shared_context: true,
         io_threads: 2,
@@ -287,11 +293,7 @@ async fn an_endless_multipart_message_is_bounded_by_max_message_bytes() {
         max_message_bytes: 1 << 20,
         ..TransportLimits::default()
     };
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
-    let endpoint = router.endpoint().to_string();
-    spawn_echo(router);
+    let endpoint = echo_server(&limits).await;
     let port = tcp_port(&endpoint);
     let rss_before = rss_kib();
     let (closed, sent) = tokio::task::spawn_blocking(move || {
