@@ -438,8 +438,8 @@ mod tests {
     #[test]
     fn packed_rows_pack_sequences_offsets_and_tiles() {
         let (prog, w) = super::super::plan::tests::packed_bert_dims(16, 4, 16, 384, 12, 1536);
-        // The fused attention sublayer needs no tile table: plan without it.
-        let limits = Limits::new(48 << 10).with_disabled("small_attn");
+        // The fused attention kernels need no tile table: plan without them.
+        let limits = Limits::new(48 << 10).with_disabled("small_attn,qkv_attn");
         let p = plan(&prog, &w, DType::F16, false, limits).unwrap();
         let mut order = Vec::new();
         let mut pack = |buf: &mut Vec<u8>, rows: &BatchRows| {

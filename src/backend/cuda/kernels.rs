@@ -78,6 +78,12 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "gemm_small.cu",
         include_str!("../../../kernels/gemm_small.cu"),
     ),
+    // The QKV Linear of few rows with the attention (uses gemm_small.cu's
+    // product and small_layer.cu's counters).
+    (
+        "qkv_attn_small.cu",
+        include_str!("../../../kernels/qkv_attn_small.cu"),
+    ),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
 
@@ -201,7 +207,8 @@ pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
 /// `bias_act_vec_<t>`, vec.cu), the fused sublayers for few token rows
 /// (`layer_attn_small_<t>_d<N>`, `layer_ffn_small_<t>`, small_layer.cu) and
 /// the Linear of few rows with its epilogue (`gemm_small_<t>`,
-/// gemm_small.cu).
+/// gemm_small.cu) and the QKV Linear with the attention
+/// (`qkv_attn_small[_bias]_<t>_d32`, qkv_attn_small.cu).
 pub fn fused_entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in DTYPE_SUFFIXES {
@@ -215,6 +222,8 @@ pub fn fused_entry_points() -> Vec<String> {
         }
         names.push(format!("layer_ffn_small_{t}"));
         names.push(format!("gemm_small_{t}"));
+        names.push(format!("qkv_attn_small_{t}_d32"));
+        names.push(format!("qkv_attn_small_bias_{t}_d32"));
     }
     names
 }

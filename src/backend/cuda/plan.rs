@@ -80,6 +80,11 @@ pub const GS_MAXM: usize = 64;
 /// the kernel computes only its live rows: one short text in the 64-token
 /// budget costs what it does at (1, 16).
 pub const GS_MAXM_PADDED: usize = 32;
+/// Head size of `qkv_attn_small` (`QA_HD` in qkv_attn_small.cu).
+pub const QA_HEAD_DIM: usize = 32;
+/// Blocks per head of `qkv_attn_small` (`QA_PARTS`): the head's q, k and v
+/// columns, [`GS_NB`] a block.
+pub const QA_PARTS: usize = 3 * QA_HEAD_DIM / GS_NB;
 
 /// Whether a Linear of `m` rows, `n` outputs and `k` inputs in `t` runs on
 /// `gemm_small`: f16/bf16, at most `max_rows` rows ([`GS_MAXM_PADDED`] or,
@@ -522,6 +527,9 @@ pub struct Limits {
     /// `gemm_small`, with the bias, the activation, and a following
     /// add + LayerNorm in the same kernel, instead of cuBLASLt.
     pub gemm_small: bool,
+    /// The QKV Linear of few rows with each head's attention in the same
+    /// kernel (`qkv_attn_small`, head size 32), on `gemm_small`'s product.
+    pub qkv_attn: bool,
     /// Programmatic dependent launch between consecutive kernels (see
     /// [`Plan::pdl`]); the device must be sm_90 or newer.
     pub pdl: bool,
@@ -540,6 +548,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "small_attn",
     "small_ffn",
     "gemm_small",
+    "qkv_attn",
     "pdl",
 ];
 
@@ -566,6 +575,7 @@ pub const DISABLE_GROUPS: &[(&str, &[&str])] = &[
             "small_attn",
             "small_ffn",
             "gemm_small",
+            "qkv_attn",
             "pdl",
         ],
     ),
@@ -584,6 +594,7 @@ impl Limits {
             small_attn: true,
             small_ffn: true,
             gemm_small: true,
+            qkv_attn: true,
             pdl: true,
             sms: usize::MAX,
         }
@@ -614,6 +625,7 @@ impl Limits {
                     "small_attn" => self.small_attn = false,
                     "small_ffn" => self.small_ffn = false,
                     "gemm_small" => self.gemm_small = false,
+                    "qkv_attn" => self.qkv_attn = false,
                     "pdl" => self.pdl = false,
                     _ => {}
                 }
@@ -645,6 +657,7 @@ impl Limits {
             self.small_attn,
             self.small_ffn,
             self.gemm_small,
+            self.qkv_attn,
             self.pdl,
         ];
         DISABLE_SWITCHES
@@ -895,6 +908,106 @@ impl<'a> Planner<'a> {
         args.extend([offsets, Arg::I32(seqs as i32)]);
         self.kernel(name, (grid, 1, 1), GS_THREADS, 0, args);
         Ok(consumed)
+    }
+
+    /// ops[idx..idx + 2] = Linear(qkv) → Attention | PackedAttention of
+    /// head size [`QA_HEAD_DIM`], for a Linear that runs on `gemm_small`:
+    /// one `qkv_attn_small` kernel (qkv_attn_small.cu), whose blocks of a
+    /// head compute its q, k, v columns and the last of them its attention.
+    /// `None` when the ops do not have that shape (the Linear then runs
+    /// alone); the attention's own errors are left to its op.
+    fn qkv_attn(
+        &mut self,
+        idx: usize,
+        op: LinearOp,
+        x_l: Loc,
+    ) -> Result<Option<usize>, BackendError> {
+        let t = self.compute;
+        let LinearOp {
+            w,
+            bias,
+            act,
+            out: qkv,
+            m,
+            n,
+            k: hidden,
+        } = op;
+        let Some(att) = self.program.ops.get(idx + 1) else {
+            return Ok(None);
+        };
+        let (att_qkv, ctx, heads, head_dim, mask, seq, pos_bias) = match *att {
+            Op::Attention {
+                qkv,
+                mask,
+                out,
+                batch,
+                seq,
+                heads,
+                head_dim,
+                bias,
+            } if batch * seq == m => (
+                qkv,
+                out,
+                heads,
+                head_dim,
+                Arg::Ptr(self.int_loc(mask)),
+                seq,
+                bias,
+            ),
+            Op::PackedAttention {
+                qkv,
+                out,
+                tokens,
+                heads,
+                head_dim,
+                bias,
+                ..
+            } if tokens == m => (qkv, out, heads, head_dim, Arg::Null, 1, bias),
+            _ => return Ok(None),
+        };
+        let fits = self.limits.qkv_attn
+            && att_qkv == qkv
+            && act == Activation::Identity
+            && head_dim == QA_HEAD_DIM
+            && heads * head_dim == hidden
+            && n == 3 * hidden
+            && self.dtype(ctx) == t
+            && ctx != qkv
+            && heads <= u32::MAX as usize / QA_PARTS;
+        if !fits {
+            return Ok(None);
+        }
+        let Ok((tag, bias_args)) = self.bias_args(pos_bias, heads, "") else {
+            return Ok(None);
+        };
+        let (offsets, seqs) = self.live_rows_args();
+        let counters = Loc::Counter(self.counters);
+        self.counters += heads;
+        let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        let mut args = vec![
+            Arg::Ptr(x_l),
+            Arg::Ptr(Loc::Weight(w)),
+            opt(bias),
+            Arg::Ptr(self.locs[&qkv]),
+            Arg::Ptr(self.locs[&ctx]),
+            Arg::Ptr(counters),
+            mask,
+            offsets,
+            Arg::I32(seqs as i32),
+            Arg::I32(seq as i32),
+            Arg::I32(m as i32),
+            Arg::I32(hidden as i32),
+            Arg::F32(1.0 / (head_dim as f32).sqrt()),
+        ];
+        args.extend(bias_args);
+        self.kernel(
+            format!("qkv_attn_small{tag}_{}_d{head_dim}", suffix(t)),
+            ((heads * QA_PARTS) as u32, 1, 1),
+            GS_THREADS,
+            0,
+            args,
+        );
+        Ok(Some(2))
     }
 
     /// A Linear with few rows through the skinny kernel, fused with the
@@ -1449,6 +1562,9 @@ impl<'a> Planner<'a> {
                     GS_MAXM_PADDED
                 };
                 if self.limits.gemm_small && out_t == t && gemm_small_fits(m, n, k, t, max_rows) {
+                    if let Some(consumed) = self.qkv_attn(idx, linear, x_l)? {
+                        return Ok(consumed);
+                    }
                     return self.gemm_small(idx, linear, x_l);
                 }
                 let (epilogue, post) = split_activation(act, bias.is_some());
@@ -1986,7 +2102,7 @@ pub(crate) mod tests {
     const LIMITS: Limits = Limits::new(227 * 1024);
     /// The paths the kernels before the vectorised and fused ones took
     /// (tests of those keep checking them).
-    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small,pdl";
+    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small,qkv_attn,pdl";
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -3105,14 +3221,14 @@ pub(crate) mod tests {
         // Nodes: before the small-shape kernels, with the default switches
         // (gemm_small at <= 64 rows), with every path on (fused sublayers).
         let cases = [
-            ("(1, 16)", a.program(1, 16), 50, 32, 14),
+            ("(1, 16)", a.program(1, 16), 50, 26, 14),
             ("(2, 32)", a.program(2, 32), 50, 50, 14),
             ("(32, 128)", a.program(32, 128), 50, 50, 50),
             ("(128, 128)", a.program(128, 128), 50, 50, 50),
-            ("64t", a.packed_program(64, 64), 50, 32, 14),
+            ("64t", a.packed_program(64, 64), 50, 26, 14),
             ("1024t", a.packed_program(1024, 256), 50, 50, 50),
             ("16384t", a.packed_program(16384, 256), 50, 50, 50),
-            ("(1, 32)", a.program(1, 32), 50, 32, 14),
+            ("(1, 32)", a.program(1, 32), 50, 26, 14),
         ];
         for (what, p, before, by_default, all_on) in &cases {
             assert_eq!(
@@ -3126,15 +3242,14 @@ pub(crate) mod tests {
                 assert_eq!(now.node_count(), now.kernel_count() + now.matmul_count());
             }
         }
-        // By default (1, 16) is, per layer, QKV, attention, O + add + LN,
+        // By default (1, 16) is, per layer, QKV + attention, O + add + LN,
         // FFN1 + GELU, FFN2 + add + LN: no cuBLASLt, no separate LayerNorm.
         let gs = steps(&cases[0].1, DType::F16, default);
         let mut want = vec!["embed_ln_vec_f16".to_string()];
         for _ in 0..6 {
             want.extend(
                 [
-                    "gemm_small_f16",
-                    "attention_tc_f16_d32",
+                    "qkv_attn_small_f16_d32",
                     "gemm_small_f16",
                     "gemm_small_f16",
                     "gemm_small_f16",
@@ -3144,9 +3259,34 @@ pub(crate) mod tests {
         }
         want.push("pool_f16".into());
         assert_eq!(gs.step_names(), want);
-        assert_eq!((gs.matmul_count(), gs.counters), (0, 12));
+        // A counter per head of each QKV + attention, one per add + LN.
+        assert_eq!((gs.matmul_count(), gs.counters), (0, 6 * 12 + 12));
         assert_eq!(gs.accum_bytes, 16 * 384 * 4);
-        let modes: Vec<(u32, Arg, Arg)> = gs.steps[1..6]
+        // The QKV + attention: 6 blocks a head, its counters after the
+        // layer before's.
+        let (name, grid, block, _, args) = kernel(&gs, "qkv_attn_small");
+        assert_eq!(
+            (name, grid, block),
+            ("qkv_attn_small_f16_d32", (72, 1, 1), 256)
+        );
+        assert_eq!(args[5], Arg::Ptr(Loc::Counter(0)));
+        assert!(
+            matches!(args[6], Arg::Ptr(Loc::Input(_))),
+            "the mask: {:?}",
+            args[6]
+        );
+        assert_eq!(
+            args[7..],
+            [
+                Arg::Null,
+                Arg::I32(0),
+                Arg::I32(16),
+                Arg::I32(16),
+                Arg::I32(384),
+                Arg::F32(1.0 / 32f32.sqrt()),
+            ]
+        );
+        let modes: Vec<(u32, Arg, Arg)> = gs.steps[1..5]
             .iter()
             .filter_map(|s| match s {
                 Step::Kernel {
@@ -3159,17 +3299,23 @@ pub(crate) mod tests {
         assert_eq!(
             modes,
             vec![
-                (1152 / 16, Arg::I32(0), Arg::I32(0)), // QKV, bias only
-                (384 / 16, Arg::I32(0), Arg::I32(1)),  // O, then add + LN
-                (1536 / 16, gelu, Arg::I32(0)),        // FFN1 + GELU
-                (384 / 16, Arg::I32(0), Arg::I32(1)),  // FFN2, then add + LN
+                (384 / 16, Arg::I32(0), Arg::I32(1)), // O, then add + LN
+                (1536 / 16, gelu, Arg::I32(0)),       // FFN1 + GELU
+                (384 / 16, Arg::I32(0), Arg::I32(1)), // FFN2, then add + LN
             ]
         );
         // Every kernel after the first follows a kernel: all launch
         // programmatically; none with the switch off.
-        assert!(!gs.programmatic(0) && (1..32).all(|i| gs.programmatic(i)));
+        assert!(!gs.programmatic(0) && (1..26).all(|i| gs.programmatic(i)));
         let no_pdl = steps(&cases[0].1, DType::F16, default.with_disabled("pdl"));
-        assert!((0..32).all(|i| !no_pdl.programmatic(i)));
+        assert!((0..26).all(|i| !no_pdl.programmatic(i)));
+        // Switched off: the QKV on gemm_small and the attention kernel again.
+        let apart = steps(&cases[0].1, DType::F16, default.with_disabled("qkv_attn"));
+        assert_eq!(apart.node_count(), 32);
+        assert_eq!(
+            apart.step_names()[1..3],
+            ["gemm_small_f16", "attention_tc_f16_d32"]
+        );
         // With cuBLASLt, only the kernels after kernels.
         let big = steps(&cases[3].1, DType::F16, default);
         let after_kernel: Vec<usize> = (0..50).filter(|&i| big.programmatic(i)).collect();
@@ -3181,8 +3327,12 @@ pub(crate) mod tests {
         assert!(p64.steps.iter().all(|s| match s {
             Step::Kernel { name, args, .. } if name.starts_with("gemm_small") =>
                 matches!(args[15], Arg::Ptr(_)) && args[16] == Arg::I32(64),
+            Step::Kernel { name, args, .. } if name.starts_with("qkv_attn_small") =>
+                args[6] == Arg::Null && matches!(args[7], Arg::Ptr(_)) && args[8] == Arg::I32(64),
             _ => true,
         }));
+        // Its attention runs in the QKV kernels: no tile table to copy.
+        assert!(p64.tile_tables.is_empty());
         assert!(gs.steps.iter().all(|s| match s {
             Step::Kernel { name, args, .. } if name.starts_with("gemm_small") =>
                 args[15] == Arg::Null,
@@ -3416,6 +3566,7 @@ pub(crate) mod tests {
                 "small_attn",
                 "small_ffn",
                 "gemm_small",
+                "qkv_attn",
                 "pdl"
             ]
         );

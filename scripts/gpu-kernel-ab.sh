@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Small-shape kernel A/B on a GPU machine, in one call: MiniLM f16 padded
+# (1..2, 16..32) and the packed 64- and 256-token budgets (f16, bf16), each
+# checked against the CPU backend and timed (`replayd backend-check`, replay
+# with copies, p50) once per `REPLAYD_CUDA_DISABLE` value in AB_SWITCHES
+# ("default" = the backend's own paths), then with ncu (when NCU=1) the GPU
+# time of every kernel of the (1, 16) graph, one launch at a time.
+#
+#   OUT=$OUT AB_SWITCHES="default qkv_attn" NCU=1 scripts/gpu-kernel-ab.sh
+#
+# Binaries and the f16 model come from scripts/gpu-carry.sh (carry .carry).
+# Writes $OUT/kernel-ab.md (one row per bucket and switch) and the logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kernel-ab}
+mkdir -p "$OUT"
+BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
+MODEL=/tmp/minilm-f16
+if [ ! -f "$MODEL/model.safetensors" ]; then
+  rm -rf "$MODEL"; cp -R .carry/minilm-f16 "$MODEL"; xz -d "$MODEL/model.safetensors.xz"
+fi
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+ITERS=${ITERS:-300}
+CFG=$OUT/check.toml
+cat > "$CFG" <<TOML
+[[models]]
+name = "minilm-f16"
+kind = "bert"
+path = "$MODEL"
+dtype = "f16"
+batching = "padded"
+batch_buckets = [1, 2]
+seq_buckets = [16, 32]
+
+[[models]]
+name = "minilm-f16-packed"
+kind = "bert"
+path = "$MODEL"
+dtype = "f16"
+batching = "packed"
+token_budgets = [64, 256]
+max_seqs_per_batch = 64
+
+[[models]]
+name = "minilm-bf16-packed"
+kind = "bert"
+path = "$MODEL"
+dtype = "bf16"
+batching = "packed"
+token_budgets = [64, 256]
+max_seqs_per_batch = 64
+TOML
+FAILED=0
+echo "# kernel A/B, $(date -u +%FT%TZ), commit $(cat .carry/COMMIT), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" > "$OUT/kernel-ab.md"
+echo "" >> "$OUT/kernel-ab.md"
+echo "| switches off | bucket | kernels+matmuls | replay p50 µs | p99 µs | check (worst; packed: per case) |" >> "$OUT/kernel-ab.md"
+echo "|---|---|---|---|---|---|" >> "$OUT/kernel-ab.md"
+for sw in ${AB_SWITCHES:-default}; do
+  tag=${sw//,/+}
+  if [ "$sw" = default ]; then unset REPLAYD_CUDA_DISABLE; else export REPLAYD_CUDA_DISABLE="small,$sw"; fi
+  if ! timeout 240 "$BIN/replayd" backend-check --config "$CFG" --out "$OUT/bc-$tag.json" --iters "$ITERS" \
+      --fused on --no-eager --profile --profile-buckets 1x16 > "$OUT/bc-$tag.log" 2>&1; then
+    echo "FAIL: backend-check with $sw (see bc-$tag.log)"; FAILED=1
+  fi
+  unset REPLAYD_CUDA_DISABLE
+  python3 - "$OUT/bc-$tag.json" "$sw" >> "$OUT/kernel-ab.md" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    print(f"| {sys.argv[2]} | (no json: {e}) | | | | |"); sys.exit()
+for m in d.get("models", []):
+    for b in m.get("buckets", []):
+        lat, chk = b.get("latency", {}), b.get("check") or {}
+        cases = " ".join(f"{c['name']}:{c['check']['value']:.6f}" for c in b.get("cases", []))
+        check = f"{chk.get('metric', '')} {chk.get('value', float('nan')):.6f} {'pass' if chk.get('pass') else 'FAIL'}"
+        if b.get("error"):
+            check = "error: " + b["error"][:80]
+        print(f"| {sys.argv[2]} | {m['name']} {b['bucket']} | {b.get('plan_kernels', '')}+{b.get('plan_matmuls', '')} | "
+              f"{lat.get('median_us', 0):.1f} | {lat.get('p99_us', 0):.1f} | {check} {cases} |")
+if d.get("failures"):
+    print(f"| {sys.argv[2]} | failures: {'; '.join(d['failures'])[:300]} | | | | |")
+PY
+done
+if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+  # One (1, 16) graph, few replays: every kernel node's own GPU time.
+  timeout 240 ncu --clock-control none --cache-control none --graph-profiling node \
+      --metrics gpu__time_duration.sum --csv \
+      "$BIN/replayd" backend-check --config "$CFG" --models minilm-f16 --batches 1 --seqs 16 \
+      --iters 3 --warmup 1 --fused on --no-eager --check-rows 1 > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || echo "ncu failed (see ncu.err)"
+  python3 - "$OUT/ncu.csv" >> "$OUT/kernel-ab.md" <<'PY'
+import csv, sys, collections
+rows = []
+with open(sys.argv[1]) as f:
+    lines = [l for l in f if l.startswith('"')]
+for r in csv.DictReader(lines):
+    if r.get("Metric Name") == "gpu__time_duration.sum":
+        rows.append((r["Kernel Name"], float(r["Metric Value"]), r.get("Metric Unit", "")))
+by = collections.defaultdict(list)
+for n, v, u in rows:
+    by[n].append(v / 1000.0 if u == "nsecond" else v)
+print("\n## ncu: GPU time per kernel launch, (1, 16), µs (median over its launches)\n")
+print("| kernel | launches | median | min |")
+print("|---|---|---|---|")
+for n, vs in sorted(by.items(), key=lambda kv: -sorted(kv[1])[len(kv[1]) // 2]):
+    vs.sort()
+    print(f"| {n[:60]} | {len(vs)} | {vs[len(vs) // 2]:.2f} | {vs[0]:.2f} |")
+PY
+fi
+cat "$OUT/kernel-ab.md"
+for f in "$OUT"/bc-*.log; do echo "== $f"; grep -E "PROFILE|FAIL|fail|min cos|1x16|64t|p50" "$f" | head -40; done
+exit $FAILED
