@@ -3,6 +3,20 @@
 //
 //   mode 0: out = act(x·Wᵀ + bias)                       (bias + activation epilogue)
 //   mode 1: out = LayerNorm(x·Wᵀ + bias + residual)      (a Linear and the AddLayerNorm after it)
+//   mode 2: tmp = x·Wᵀ + bias + residual (f32)           (the same, normalised by the next Linear)
+//
+// and, in any mode, x may be that next Linear's view of a mode-2 output
+// (xf != null: "deferred LayerNorm"): x = LayerNorm(xf) with gamma xg, beta
+// xb, eps xeps, computed by every block as it loads its rows, and written
+// (rounded to T) to `xout` by block 0 for the ops that read the
+// LayerNorm's output later (the next residual).
+//
+// Why deferred: the last-block LayerNorm of mode 1 costs ~2.7 µs a kernel
+// at (1, 16) (ncu, H200: O + LN 6.8 µs against 4.1 for FFN1 + GELU, which
+// has 4× the blocks and the same K): a fence, an atomic, and one block
+// reading back 16 rows, all after the product. The next Linear reads whole
+// rows of x anyway, so its blocks compute the row statistics from the
+// values they hold, with two block-wide sums and no extra global load.
 //
 // x [M, K], w [N, K] (a PyTorch Linear's weight), out [M, N], all of type T.
 //
@@ -34,7 +48,8 @@
 // empty tail, which nothing reads.
 //
 // Host-checked requirements: T = f16/bf16, 1 <= M <= GS_MAXM, K % 32 == 0,
-// rows 16-byte aligned; mode 1 also N % 4 == 0 and N <= 32·4·SL_LN_J.
+// rows 16-byte aligned; mode 1 also N % 4 == 0 and N <= 32·4·SL_LN_J;
+// a deferred LayerNorm (xf) K <= 32·GS_WARPS·4.
 //
 // Launched with programmatic dependent launch after another kernel: the
 // block reads its first weights before pdl_wait (common.cuh), so their
@@ -127,6 +142,170 @@ __device__ __forceinline__ void gs_product(const T* x, const T* __restrict__ w, 
         }
 }
 
+// gs_product with x = LayerNorm(xf) (see the header): warp w holds the
+// chunks w + i·GS_WARPS (i < CPW, so K <= 32·GS_WARPS·CPW) of rows g, g + 8
+// of one m-tile at a time in f32; the rows' mean and then variance are
+// summed over the 4 lanes of a row (shuffles) and the warps (st [2][GS_WARPS]
+// [16] in shared memory, in a fixed order), the values normalised, rounded
+// to T and multiplied. Block 0 stores the rounded rows to xout.
+template <typename T, int MT, int CPW>
+__device__ __forceinline__ void gs_product_xn(const float* xf, const T* __restrict__ w, int N, int K, int live,
+                                              int n0, const T* __restrict__ xg, const T* __restrict__ xb,
+                                              float xeps, T* xout, float (*red)[GS_MAXM / 16][16 * GS_NB],
+                                              float (*st)[GS_WARPS][16]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+    const int chunks = K >> 5;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const bool w_ok0 = n0 + g < N, w_ok1 = n0 + 8 + g < N;
+    const T* w0 = w + (size_t)min(n0 + g, N - 1) * K + 8 * t4;
+    const T* w1 = w + (size_t)min(n0 + 8 + g, N - 1) * K + 8 * t4;
+    uint4 b[CPW][2];
+    float gm[CPW][8], bt[CPW][8];
+#pragma unroll
+    for (int i = 0; i < CPW; i++) {
+        const int ch = warp + i * GS_WARPS;
+        const bool ok = ch < chunks;
+        b[i][0] = ok && w_ok0 ? __ldg(reinterpret_cast<const uint4*>(w0 + ch * 32)) : zero;
+        b[i][1] = ok && w_ok1 ? __ldg(reinterpret_cast<const uint4*>(w1 + ch * 32)) : zero;
+        const uint4 gq = ok ? __ldg(reinterpret_cast<const uint4*>(xg + ch * 32 + 8 * t4)) : zero;
+        const uint4 bq = ok ? __ldg(reinterpret_cast<const uint4*>(xb + ch * 32 + 8 * t4)) : zero;
+        unpack2(gq.x, T(), gm[i] + 0);
+        unpack2(gq.y, T(), gm[i] + 2);
+        unpack2(gq.z, T(), gm[i] + 4);
+        unpack2(gq.w, T(), gm[i] + 6);
+        unpack2(bq.x, T(), bt[i] + 0);
+        unpack2(bq.y, T(), bt[i] + 2);
+        unpack2(bq.z, T(), bt[i] + 4);
+        unpack2(bq.w, T(), bt[i] + 6);
+    }
+    pdl_wait();
+    pdl_trigger();
+    float c[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) c[mt][j][e] = 0.0f;
+    const float inv_k = 1.0f / (float)K;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const int ra = mt * 16 + g, rb = ra + 8;
+        float v[2][CPW][8];
+#pragma unroll
+        for (int i = 0; i < CPW; i++) {
+            const int ch = warp + i * GS_WARPS;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = h == 0 ? ra : rb;
+                float4 p = make_float4(0.0f, 0.0f, 0.0f, 0.0f), q = p;
+                if (ch < chunks && r < live) {
+                    const float4* src = reinterpret_cast<const float4*>(xf + (size_t)r * K + ch * 32 + 8 * t4);
+                    p = src[0];
+                    q = src[1];
+                }
+                v[h][i][0] = p.x;
+                v[h][i][1] = p.y;
+                v[h][i][2] = p.z;
+                v[h][i][3] = p.w;
+                v[h][i][4] = q.x;
+                v[h][i][5] = q.y;
+                v[h][i][6] = q.z;
+                v[h][i][7] = q.w;
+            }
+        }
+        // Means (absent chunks hold zeros).
+        float mean[2], rstd[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < CPW; i++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) s += v[h][i][e];
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            if (t4 == 0) st[0][warp][g + 8 * h] = s;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int q = 0; q < GS_WARPS; q++) s += st[0][q][g + 8 * h];
+            mean[h] = s * inv_k;
+            float d2 = 0.0f;
+#pragma unroll
+            for (int i = 0; i < CPW; i++) {
+                if (warp + i * GS_WARPS < chunks) {
+#pragma unroll
+                    for (int e = 0; e < 8; e++) {
+                        const float d = v[h][i][e] - mean[h];
+                        d2 += d * d;
+                    }
+                }
+            }
+            d2 += __shfl_xor_sync(0xffffffffu, d2, 1);
+            d2 += __shfl_xor_sync(0xffffffffu, d2, 2);
+            if (t4 == 0) st[1][warp][g + 8 * h] = d2;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int q = 0; q < GS_WARPS; q++) s += st[1][q][g + 8 * h];
+            rstd[h] = 1.0f / sqrtf(s * inv_k + xeps);
+        }
+        // Normalise, round to T, multiply; block 0 keeps the rows.
+#pragma unroll
+        for (int i = 0; i < CPW; i++) {
+            const int ch = warp + i * GS_WARPS;
+            if (ch >= chunks) continue;  // warp-uniform
+            uint4 a[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = h == 0 ? ra : rb;
+                unsigned u[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float lo = (v[h][i][2 * e] - mean[h]) * rstd[h] * gm[i][2 * e] + bt[i][2 * e];
+                    const float hi = (v[h][i][2 * e + 1] - mean[h]) * rstd[h] * gm[i][2 * e + 1] + bt[i][2 * e + 1];
+                    u[e] = r < live ? pack2<T>(lo, hi) : 0u;
+                }
+                a[h] = make_uint4(u[0], u[1], u[2], u[3]);
+                if (xout != 0 && blockIdx.x == 0 && r < live)
+                    *reinterpret_cast<uint4*>(xout + (size_t)r * K + ch * 32 + 8 * t4) = a[h];
+            }
+            sl_mma32<T>(c[mt][0], a[0], a[1], b[i][0]);
+            sl_mma32<T>(c[mt][1], a[0], a[1], b[i][1]);
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int col = j * 8 + 2 * t4;
+            *reinterpret_cast<float2*>(&red[warp][mt][g * GS_NB + col]) = make_float2(c[mt][j][0], c[mt][j][1]);
+            *reinterpret_cast<float2*>(&red[warp][mt][(g + 8) * GS_NB + col]) =
+                make_float2(c[mt][j][2], c[mt][j][3]);
+        }
+}
+
+template <typename T, int CPW>
+__device__ __forceinline__ void gs_product_xn_mt(int mts, const float* xf, const T* __restrict__ w, int N, int K,
+                                                 int live, int n0, const T* __restrict__ xg,
+                                                 const T* __restrict__ xb, float xeps, T* xout,
+                                                 float (*red)[GS_MAXM / 16][16 * GS_NB], float (*st)[GS_WARPS][16]) {
+    if (mts <= 1) {
+        gs_product_xn<T, 1, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+    } else if (mts == 2) {
+        gs_product_xn<T, 2, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+    } else {
+        gs_product_xn<T, 4, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+    }
+}
+
 // The last block of mode 1: out[r] = LayerNorm(tmp[r]) for rows < live,
 // two rows per warp at a time with every load of both rows (and gamma, beta)
 // in flight at once.
@@ -195,9 +374,12 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
                                                 T* out, int M, int N, int K, int act, int mode, const T* residual,
                                                 float* tmp, const T* __restrict__ gamma,
                                                 const T* __restrict__ beta, float eps, unsigned* counter,
-                                                const int* offsets, int seqs) {
+                                                const int* offsets, int seqs, const float* xf,
+                                                const T* __restrict__ xg, const T* __restrict__ xb, float xeps,
+                                                T* xout) {
     constexpr int MTMAX = GS_MAXM / 16;
     __shared__ float red[GS_WARPS][MTMAX][16 * GS_NB];
+    __shared__ float st[2][GS_WARPS][16];
     const int tid = threadIdx.x;
     const int n0 = blockIdx.x * GS_NB;
     // One output value per thread and m-tile (16 × GS_NB = GS_THREADS).
@@ -207,7 +389,13 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
     // runs (no kernel writes them): readable before pdl_wait.
     const int live = sl_live_rows(M, offsets, seqs);
     const int mts = (live + 15) >> 4;
-    if (mts <= 1) {
+    if (xf != 0) {
+        if (K <= 32 * GS_WARPS * 2) {
+            gs_product_xn_mt<T, 2>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        } else {
+            gs_product_xn_mt<T, 4>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        }
+    } else if (mts <= 1) {
         gs_product<T, 1>(x, w, N, K, live, n0, red);
     } else if (mts == 2) {
         gs_product<T, 2>(x, w, N, K, live, n0, red);
@@ -219,7 +407,7 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
 #pragma unroll
     for (int mt = 0; mt < MTMAX; mt++) {
         const int r = mt * 16 + rr;
-        res[mt] = mode == 1 && mt < mts && r < live && n < N ? to_f32(residual[(size_t)r * N + n]) : 0.0f;
+        res[mt] = mode != 0 && mt < mts && r < live && n < N ? to_f32(residual[(size_t)r * N + n]) : 0.0f;
     }
     __syncthreads();
 #pragma unroll
@@ -235,7 +423,7 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
             tmp[(size_t)r * N + n] = v + res[mt];
         }
     }
-    if (mode == 0) return;
+    if (mode != 1) return;
     if (!sl_last_block(counter, gridDim.x)) return;
     gs_ln_rows<T>(tmp, gamma, beta, eps, out, live, N);
     if (tid == 0) *counter = 0u;
@@ -245,9 +433,10 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
     extern "C" __global__ void __launch_bounds__(GS_THREADS)                                                  \
         gemm_small_##SUF(const T* x, const T* w, const T* bias, T* out, int M, int N, int K, int act, int mode, \
                          const T* residual, float* tmp, const T* gamma, const T* beta, float eps,               \
-                         unsigned* counter, const int* offsets, int seqs) {                                    \
+                         unsigned* counter, const int* offsets, int seqs, const float* xf, const T* xg,        \
+                         const T* xb, float xeps, T* xout) {                                                   \
         gemm_small_impl<T>(x, w, bias, out, M, N, K, act, mode, residual, tmp, gamma, beta, eps, counter,     \
-                           offsets, seqs);                                                                    \
+                           offsets, seqs, xf, xg, xb, xeps, xout);                                            \
     }
 
 GEMM_SMALL_KERNEL(f16_t, f16)

@@ -3,10 +3,12 @@
 # (1..2, 16..32) and the packed 64- and 256-token budgets (f16, bf16), each
 # checked against the CPU backend and timed (`replayd backend-check`, replay
 # with copies, p50) once per `REPLAYD_CUDA_DISABLE` value in AB_SWITCHES
-# ("default" = the backend's own paths), then with ncu (when NCU=1) the GPU
-# time of every kernel of the (1, 16) graph, one launch at a time.
+# (the whole value, e.g. "small,qkv_attn,ln_defer"; "default" = unset, the
+# backend's own paths), then with ncu (when NCU=1) the GPU time of every
+# kernel of the (1, 16) graph, one launch at a time, and the registers and
+# spills of the small-shape kernels (cuobjdump of the cached cubin).
 #
-#   OUT=$OUT AB_SWITCHES="default qkv_attn" NCU=1 scripts/gpu-kernel-ab.sh
+#   OUT=$OUT AB_SWITCHES="default small,qkv_attn,ln_defer" NCU=1 scripts/gpu-kernel-ab.sh
 #
 # Binaries and the f16 model come from scripts/gpu-carry.sh (carry .carry).
 # Writes $OUT/kernel-ab.md (one row per bucket and switch) and the logs.
@@ -57,7 +59,7 @@ echo "| switches off | bucket | kernels+matmuls | replay p50 µs | p99 µs | che
 echo "|---|---|---|---|---|---|" >> "$OUT/kernel-ab.md"
 for sw in ${AB_SWITCHES:-default}; do
   tag=${sw//,/+}
-  if [ "$sw" = default ]; then unset REPLAYD_CUDA_DISABLE; else export REPLAYD_CUDA_DISABLE="small,$sw"; fi
+  if [ "$sw" = default ]; then unset REPLAYD_CUDA_DISABLE; else export REPLAYD_CUDA_DISABLE="$sw"; fi
   if ! timeout 240 "$BIN/replayd" backend-check --config "$CFG" --out "$OUT/bc-$tag.json" --iters "$ITERS" \
       --fused on --no-eager --profile --profile-buckets 1x16 > "$OUT/bc-$tag.log" 2>&1; then
     echo "FAIL: backend-check with $sw (see bc-$tag.log)"; FAILED=1
@@ -89,23 +91,34 @@ if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
       "$BIN/replayd" backend-check --config "$CFG" --models minilm-f16 --batches 1 --seqs 16 \
       --iters 3 --warmup 1 --fused on --no-eager --check-rows 1 > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || echo "ncu failed (see ncu.err)"
   python3 - "$OUT/ncu.csv" >> "$OUT/kernel-ab.md" <<'PY'
-import csv, sys, collections
-rows = []
+import csv, sys
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+seq = []
 with open(sys.argv[1]) as f:
     lines = [l for l in f if l.startswith('"')]
 for r in csv.DictReader(lines):
     if r.get("Metric Name") == "gpu__time_duration.sum":
-        rows.append((r["Kernel Name"], float(r["Metric Value"]), r.get("Metric Unit", "")))
-by = collections.defaultdict(list)
-for n, v, u in rows:
-    by[n].append(v / 1000.0 if u == "nsecond" else v)
-print("\n## ncu: GPU time per kernel launch, (1, 16), µs (median over its launches)\n")
-print("| kernel | launches | median | min |")
+        v = float(r["Metric Value"].replace(",", "")) * scale.get(r.get("Metric Unit", ""), 1e-3)
+        seq.append((r["Kernel Name"], r.get("Grid Size", ""), v))
+# The graph's kernels, in order: the last replay's (one launch per node).
+print("\n## ncu: GPU time of each kernel of the last (1, 16) replay, µs (alone, no overlap)\n")
+print("| # | kernel | grid | µs |")
 print("|---|---|---|---|")
-for n, vs in sorted(by.items(), key=lambda kv: -sorted(kv[1])[len(kv[1]) // 2]):
-    vs.sort()
-    print(f"| {n[:60]} | {len(vs)} | {vs[len(vs) // 2]:.2f} | {vs[0]:.2f} |")
+n = 0
+for i in range(len(seq) - 1, -1, -1):
+    n += 1
+    if seq[i][0].startswith("embed"):
+        break
+for k, (name, grid, v) in enumerate(seq[-n:]):
+    print(f"| {k} | {name[:40]} | {grid} | {v:.2f} |")
+print(f"\nsum {sum(v for _, _, v in seq[-n:]):.1f} µs over {n} kernels")
 PY
+  cubin=$(ls -t ~/.cache/replayd/kernels/*.cubin 2>/dev/null | head -1)
+  if [ -n "$cubin" ] && command -v cuobjdump >/dev/null; then
+    { echo; echo "## registers and spills (cuobjdump -res-usage)"; echo; echo '```';
+      cuobjdump -res-usage "$cubin" 2>&1 | grep -A1 -E "gemm_small|qkv_attn|attention_tc_f16_d32|embed_ln_vec_f16|pool_f16" | grep -v "^--" | paste - - | sed -E 's/\s+/ /g' | head -20;
+      echo '```'; } >> "$OUT/kernel-ab.md"
+  fi
 fi
 cat "$OUT/kernel-ab.md"
 for f in "$OUT"/bc-*.log; do echo "== $f"; grep -E "PROFILE|FAIL|fail|min cos|1x16|64t|p50" "$f" | head -40; done
