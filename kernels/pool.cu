@@ -10,6 +10,12 @@
 // only its positions s >= skip[b] (clamped to [0, seq]) with mask != 0: mean
 // and max over those, cls the first of them; a row with none gives zeros.
 //
+// pool_ln_<t> (a deferred LayerNorm, see gemm_small.cu): x is the f32
+// pre-norm rows [batch*seq, hidden] of the last add + LayerNorm, normalised
+// with gamma `lg`, beta `lb`, eps `leps` as they are loaded (each warp holds
+// whole token rows: hidden <= POOL_CHUNK) and rounded to T, the values the
+// LayerNorm would have stored; mean and max only (host-checked).
+//
 // One block of POOL_THREADS (8 warps) per batch row. Columns are processed in
 // chunks of 32*POOL_VPL: lane l of every warp owns columns l + 32*k of the
 // chunk, and warp w reduces the tokens s = w, w+8, ...; the 8 partial results
@@ -25,15 +31,52 @@
 #define POOL_CLS 1
 #define POOL_MAX 2
 
+// A warp's token row v (lane l holds columns l + 32·k, hidden <= POOL_CHUNK)
+// normalised in place and rounded to T.
 template <typename T>
-__device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __restrict__ mask,
+__device__ __forceinline__ void pool_ln_row(float (&v)[POOL_VPL], const float (&g)[POOL_VPL],
+                                            const float (&b)[POOL_VPL], int hidden, float eps) {
+    const int lane = threadIdx.x & 31;
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < POOL_VPL; k++)
+        if (lane + 32 * k < hidden) s += v[k];
+    const float mean = warp_sum(s) / (float)hidden;
+    float d2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < POOL_VPL; k++) {
+        const float d = v[k] - mean;
+        if (lane + 32 * k < hidden) d2 += d * d;
+    }
+    const float rstd = 1.0f / sqrtf(warp_sum(d2) / (float)hidden + eps);
+#pragma unroll
+    for (int k = 0; k < POOL_VPL; k++)
+        if (lane + 32 * k < hidden) v[k] = to_f32(from_f32<T>((v[k] - mean) * rstd * g[k] + b[k]));
+}
+
+// gamma and beta at this lane's columns (lg != null).
+template <typename T>
+__device__ __forceinline__ void pool_ln_params(const T* __restrict__ lg, const T* __restrict__ lb, int hidden,
+                                               float (&g)[POOL_VPL], float (&b)[POOL_VPL]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 0; k < POOL_VPL; k++) {
+        const int c = lane + 32 * k;
+        g[k] = lg != 0 && c < hidden ? to_f32(lg[c]) : 0.0f;
+        b[k] = lg != 0 && c < hidden ? to_f32(lb[c]) : 0.0f;
+    }
+}
+
+template <typename TX, typename T = TX>
+__device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* __restrict__ mask,
                                           const int* __restrict__ skip, float* __restrict__ out, int seq,
-                                          int hidden, int mode, int normalize) {
+                                          int hidden, int mode, int normalize, const T* __restrict__ lg = nullptr,
+                                          const T* __restrict__ lb = nullptr, float leps = 0.0f) {
     __shared__ float part[POOL_WARPS][POOL_CHUNK];
     __shared__ float sh[32];
     const int b = blockIdx.x;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const T* xb = x + (size_t)b * seq * hidden;
+    const TX* xb = x + (size_t)b * seq * hidden;
     const int* mb = mask + (size_t)b * seq;
     float* ob = out + (size_t)b * hidden;
 
@@ -52,7 +95,7 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
             t0 = first;
             while (t0 < seq && mb[t0] == 0) t0++;
         }
-        const T* xr = xb + (size_t)t0 * hidden;
+        const TX* xr = xb + (size_t)t0 * hidden;
         for (int c = tid; c < hidden; c += POOL_THREADS) {
             const float v = t0 < seq ? to_f32(xr[c]) : 0.0f;
             ob[c] = v;
@@ -61,6 +104,8 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
     } else {
         const bool is_max = mode == POOL_MAX;
         const float init = is_max ? NEG_INF_F : 0.0f;
+        float lgv[POOL_VPL], lbv[POOL_VPL];
+        pool_ln_params<T>(lg, lb, hidden, lgv, lbv);
         for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK) {
             float acc[POOL_VPL];
 #pragma unroll
@@ -74,12 +119,17 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
                 for (int u = 0; u < POOL_UNROLL; u++) {
                     const int s = s0 + u * POOL_WARPS;
                     use[u] = s < seq && mb[s] != 0;
-                    const T* xr = xb + (size_t)(use[u] ? s : first) * hidden;
+                    const TX* xr = xb + (size_t)(use[u] ? s : first) * hidden;
 #pragma unroll
                     for (int k = 0; k < POOL_VPL; k++) {
                         const int c = c0 + lane + 32 * k;
                         v[u][k] = (use[u] && c < hidden) ? to_f32(xr[c]) : init;
                     }
+                }
+                if (lg != 0) {
+#pragma unroll
+                    for (int u = 0; u < POOL_UNROLL; u++)
+                        if (use[u]) pool_ln_row<T>(v[u], lgv, lbv, hidden, leps);  // warp-uniform
                 }
 #pragma unroll
                 for (int u = 0; u < POOL_UNROLL; u++)
@@ -132,6 +182,16 @@ __device__ __forceinline__ void pool_impl(const T* __restrict__ x, const int* __
         pool_impl<T>(x, mask, skip, out, seq, hidden, mode, normalize);                                  \
     }
 
+#define POOL_LN_KERNEL(T, SUF)                                                                             \
+    extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                             \
+        pool_ln_##SUF(const float* x, const int* mask, float* out, int seq, int hidden, int mode,          \
+                      int normalize, const T* gamma, const T* beta, float eps) {                           \
+        pdl_enter();                                                                                       \
+        pool_impl<float, T>(x, mask, nullptr, out, seq, hidden, mode, normalize, gamma, beta, eps);        \
+    }
+
 POOL_KERNEL(float, f32)
 POOL_KERNEL(f16_t, f16)
 POOL_KERNEL(bf16_t, bf16)
+POOL_LN_KERNEL(f16_t, f16)
+POOL_LN_KERNEL(bf16_t, bf16)

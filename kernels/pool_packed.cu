@@ -12,16 +12,21 @@
 // sequence s pools its slots from offsets[s] + skip[s] (a negative skip
 // counts as 0; zeros when none are left).
 //
+// pool_packed_ln_<t>: x is the f32 pre-norm rows of a deferred LayerNorm,
+// normalised as they are loaded, as pool.cu's pool_ln_<t>.
+//
 // One block of POOL_THREADS (8 warps) per sequence slot, with pool.cu's
 // decomposition: columns in chunks of 32*POOL_VPL, warp w reduces the tokens
 // w, w+8, ... of the sequence, the partials meet in shared memory. The
 // offsets are clamped to [0, tokens] (an inverted range is empty), so no
 // contents of the offsets can make a block read outside `x`.
 
-template <typename T>
-__device__ __forceinline__ void pool_packed_impl(const T* __restrict__ x, const int* __restrict__ offsets,
+template <typename TX, typename T = TX>
+__device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const int* __restrict__ offsets,
                                                  const int* __restrict__ skip, float* __restrict__ out,
-                                                 int tokens, int hidden, int mode, int normalize) {
+                                                 int tokens, int hidden, int mode, int normalize,
+                                                 const T* __restrict__ lg = nullptr,
+                                                 const T* __restrict__ lb = nullptr, float leps = 0.0f) {
     __shared__ float part[POOL_WARPS][POOL_CHUNK];
     __shared__ float sh[32];
     const int s = blockIdx.x;
@@ -30,7 +35,7 @@ __device__ __forceinline__ void pool_packed_impl(const T* __restrict__ x, const 
     const int end = max(min(offsets[s + 1], tokens), begin);
     const int start = skip ? begin + min(max(skip[s], 0), end - begin) : begin;
     const int len = end - start;
-    const T* xs = x + (size_t)start * hidden;
+    const TX* xs = x + (size_t)start * hidden;
     float* os = out + (size_t)s * hidden;
 
     if (len == 0) {
@@ -48,20 +53,24 @@ __device__ __forceinline__ void pool_packed_impl(const T* __restrict__ x, const 
         const bool is_max = mode == POOL_MAX;
         const float init = is_max ? NEG_INF_F : 0.0f;
         const float inv_len = 1.0f / (float)len;
+        float lgv[POOL_VPL], lbv[POOL_VPL];
+        pool_ln_params<T>(lg, lb, hidden, lgv, lbv);
         for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK) {
             float acc[POOL_VPL];
 #pragma unroll
             for (int k = 0; k < POOL_VPL; k++) acc[k] = init;
             for (int t = warp; t < len; t += POOL_WARPS) {
-                const T* xr = xs + (size_t)t * hidden;
+                const TX* xr = xs + (size_t)t * hidden;
+                float v[POOL_VPL];
 #pragma unroll
                 for (int k = 0; k < POOL_VPL; k++) {
                     const int c = c0 + lane + 32 * k;
-                    if (c < hidden) {
-                        const float v = to_f32(xr[c]);
-                        acc[k] = is_max ? fmaxf(acc[k], v) : acc[k] + v;
-                    }
+                    v[k] = c < hidden ? to_f32(xr[c]) : 0.0f;
                 }
+                if (lg != 0) pool_ln_row<T>(v, lgv, lbv, hidden, leps);
+#pragma unroll
+                for (int k = 0; k < POOL_VPL; k++)
+                    if (c0 + lane + 32 * k < hidden) acc[k] = is_max ? fmaxf(acc[k], v[k]) : acc[k] + v[k];
             }
             __syncthreads();  // previous chunk's partials consumed
 #pragma unroll
@@ -106,6 +115,17 @@ __device__ __forceinline__ void pool_packed_impl(const T* __restrict__ x, const 
         pool_packed_impl<T>(x, offsets, skip, out, tokens, hidden, mode, normalize);                         \
     }
 
+#define POOL_PACKED_LN_KERNEL(T, SUF)                                                                      \
+    extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                             \
+        pool_packed_ln_##SUF(const float* x, const int* offsets, float* out, int tokens, int hidden,       \
+                             int mode, int normalize, const T* gamma, const T* beta, float eps) {          \
+        pdl_enter();                                                                                       \
+        pool_packed_impl<float, T>(x, offsets, nullptr, out, tokens, hidden, mode, normalize, gamma, beta, \
+                                   eps);                                                                   \
+    }
+
 POOL_PACKED_KERNEL(float, f32)
 POOL_PACKED_KERNEL(f16_t, f16)
 POOL_PACKED_KERNEL(bf16_t, bf16)
+POOL_PACKED_LN_KERNEL(f16_t, f16)
+POOL_PACKED_LN_KERNEL(bf16_t, bf16)

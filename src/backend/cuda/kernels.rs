@@ -207,8 +207,9 @@ pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
 /// `bias_act_vec_<t>`, vec.cu), the fused sublayers for few token rows
 /// (`layer_attn_small_<t>_d<N>`, `layer_ffn_small_<t>`, small_layer.cu) and
 /// the Linear of few rows with its epilogue (`gemm_small_<t>`,
-/// gemm_small.cu) and the QKV Linear with the attention
-/// (`qkv_attn_small[_bias]_<t>_d32`, qkv_attn_small.cu).
+/// gemm_small.cu), the QKV Linear with the attention
+/// (`qkv_attn_small[_bias]_<t>_d32`, qkv_attn_small.cu) and the poolings
+/// that apply a deferred LayerNorm (`pool_ln_<t>`, `pool_packed_ln_<t>`).
 pub fn fused_entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in DTYPE_SUFFIXES {
@@ -224,6 +225,8 @@ pub fn fused_entry_points() -> Vec<String> {
         names.push(format!("gemm_small_{t}"));
         names.push(format!("qkv_attn_small_{t}_d32"));
         names.push(format!("qkv_attn_small_bias_{t}_d32"));
+        names.push(format!("pool_ln_{t}"));
+        names.push(format!("pool_packed_ln_{t}"));
     }
     names
 }

@@ -87,6 +87,9 @@ pub const QA_HEAD_DIM: usize = 32;
 pub const QA_PARTS: usize = 3 * QA_HEAD_DIM / GS_NB;
 /// Warps of a `gemm_small` block (`GS_WARPS`).
 pub const GS_WARPS: usize = 8;
+/// Widest rows `pool_ln` / `pool_packed_ln` normalise (`POOL_CHUNK` in
+/// pool.cu: a warp holds a whole token row).
+pub const POOL_LN_MAX_HIDDEN: usize = 512;
 
 /// Whether a Linear of `m` rows, `n` outputs and `k` inputs in `t` runs on
 /// `gemm_small`: f16/bf16, at most `max_rows` rows ([`GS_MAXM_PADDED`] or,
@@ -707,7 +710,16 @@ struct AddLnAfter {
     out: BufId,
 }
 
-/// A LayerNorm left to the Linear that reads its output (see
+/// A pooling's arguments for the LayerNorm it applies: gamma, beta, eps.
+fn deferred_ln_args(d: &DeferredLn) -> [Arg; 3] {
+    [
+        Arg::Ptr(Loc::Weight(d.gamma)),
+        Arg::Ptr(Loc::Weight(d.beta)),
+        Arg::F32(d.eps),
+    ]
+}
+
+/// A LayerNorm left to the op that reads its output (see
 /// [`Limits::ln_defer`]): the pre-norm rows, the LayerNorm's parameters and
 /// output buffer, and the op that must apply it.
 struct DeferredLn {
@@ -932,20 +944,14 @@ impl<'a> Planner<'a> {
             .add_ln_after(idx, act, out, m, n)
             .filter(|_| ln_vec_fits(n));
         // This Linear's x may be a LayerNorm the op before left to it.
-        let x_norm = match self.deferred_ln.take() {
-            Some(d) if d.consumer == idx && d.out == op.x => [
+        let x_norm = match self.take_deferred_ln(idx, op.x)? {
+            Some(d) => [
                 Arg::Ptr(d.pre_norm),
                 Arg::Ptr(Loc::Weight(d.gamma)),
                 Arg::Ptr(Loc::Weight(d.beta)),
                 Arg::F32(d.eps),
                 Arg::Ptr(self.locs[&d.out]),
             ],
-            Some(d) => {
-                return Err(BackendError::Other(format!(
-                    "planner: op {idx} cannot apply op {}'s deferred LayerNorm",
-                    d.consumer
-                )))
-            }
             None => [Arg::Null, Arg::Null, Arg::Null, Arg::F32(0.0), Arg::Null],
         };
         let defer = ln
@@ -974,23 +980,69 @@ impl<'a> Planner<'a> {
         Ok(consumed)
     }
 
-    /// Whether ops[idx] is a Linear that will run on `gemm_small` reading
-    /// `x` (the output of a LayerNorm of `rows` × `hidden`) as its input, so
-    /// that it can apply that LayerNorm itself ([`Limits::ln_defer`]). The
-    /// conditions mirror the Linear's own path choice in [`Planner::op`]:
-    /// no fused sublayer, not skinny, on `gemm_small`.
+    /// The LayerNorm of `x` that the op before left to ops[idx], if any
+    /// (an error if it left one that this op does not read).
+    fn take_deferred_ln(
+        &mut self,
+        idx: usize,
+        x: BufId,
+    ) -> Result<Option<DeferredLn>, BackendError> {
+        match self.deferred_ln.take() {
+            Some(d) if d.consumer == idx && d.out == x => Ok(Some(d)),
+            Some(d) => Err(BackendError::Other(format!(
+                "planner: op {idx} cannot apply op {}'s deferred LayerNorm",
+                d.consumer
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether ops[idx] can apply the LayerNorm whose output is `x` (`rows`
+    /// × `hidden`) itself ([`Limits::ln_defer`]): a Linear that will run on
+    /// `gemm_small` reading `x` (the conditions mirror the Linear's own path
+    /// choice in [`Planner::op`]: no fused sublayer, not skinny, on
+    /// `gemm_small`), or a mean / max pooling of `x` that nothing reads
+    /// after (the LayerNorm's output is then never stored).
     fn takes_deferred_ln(&self, idx: usize, x: BufId, hidden: usize, rows: usize) -> bool {
         let t = self.compute;
-        let Some(&Op::Linear {
-            x: lx,
-            out,
-            m,
-            n,
-            k,
-            ..
-        }) = self.program.ops.get(idx)
-        else {
-            return false;
+        let ops = &self.program.ops;
+        let pool_fits = |px: BufId, mode: Pooling, skip: Option<BufId>, prows: usize, ph: usize| {
+            self.limits.ln_defer
+                && px == x
+                && mode != Pooling::Cls
+                && skip.is_none()
+                && (prows, ph) == (rows, hidden)
+                && hidden <= POOL_LN_MAX_HIDDEN
+                && self.dtype(x) == t
+                && dead_after(ops, idx + 1, x)
+        };
+        let (m, n, k, out) = match ops.get(idx) {
+            Some(&Op::Linear {
+                x: lx,
+                out,
+                m,
+                n,
+                k,
+                ..
+            }) if lx == x => (m, n, k, out),
+            Some(&Op::Pool {
+                x: px,
+                mode,
+                skip,
+                batch,
+                seq,
+                hidden: ph,
+                ..
+            }) => return pool_fits(px, mode, skip, batch * seq, ph),
+            Some(&Op::PackedPool {
+                x: px,
+                mode,
+                skip,
+                tokens,
+                hidden: ph,
+                ..
+            }) => return pool_fits(px, mode, skip, tokens, ph),
+            _ => return false,
         };
         let max_rows = if self.program.is_packed() {
             GS_MAXM
@@ -1002,7 +1054,6 @@ impl<'a> Planner<'a> {
             && self.limits.gemm_small
             && !self.limits.small_attn
             && !self.limits.small_ffn
-            && lx == x
             && (m, k) == (rows, hidden)
             && k <= 32 * GS_WARPS * 4
             && self.dtype(x) == t
@@ -1862,7 +1913,11 @@ impl<'a> Planner<'a> {
                 skip,
             } => {
                 let mask_l = self.int_loc(mask);
-                let x_l = self.float_in(x, batch * seq * hidden, t)?;
+                let ln = self.take_deferred_ln(idx, x)?;
+                let x_l = match &ln {
+                    Some(d) => d.pre_norm,
+                    None => self.float_in(x, batch * seq * hidden, t)?,
+                };
                 let (dst, pending) = self.float_out(out, batch * hidden, DType::F32);
                 let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(mask_l)];
                 // include_prompt = false: the skip counts after the mask.
@@ -1876,7 +1931,14 @@ impl<'a> Planner<'a> {
                     Arg::I32(pool_code(mode)),
                     Arg::I32(normalize as i32),
                 ]);
-                let name = if skip.is_some() { "pool_skip" } else { "pool" };
+                let name = match (skip, &ln) {
+                    (Some(_), _) => "pool_skip",
+                    (None, Some(d)) => {
+                        args.extend(deferred_ln_args(d));
+                        "pool_ln"
+                    }
+                    (None, None) => "pool",
+                };
                 self.kernel(
                     format!("{name}_{ts}"),
                     (batch as u32, 1, 1),
@@ -2062,7 +2124,11 @@ impl<'a> Planner<'a> {
                         "op {idx} (PackedPool): {seqs} sequences of {tokens} tokens"
                     )));
                 }
-                let x_l = self.float_in(x, tokens * hidden, t)?;
+                let ln = self.take_deferred_ln(idx, x)?;
+                let x_l = match &ln {
+                    Some(d) => d.pre_norm,
+                    None => self.float_in(x, tokens * hidden, t)?,
+                };
                 let (dst, pending) = self.float_out(out, seqs * hidden, DType::F32);
                 let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(self.int_loc(offsets))];
                 if let Some(k) = skip {
@@ -2075,10 +2141,13 @@ impl<'a> Planner<'a> {
                     Arg::I32(pool_code(mode)),
                     Arg::I32(normalize as i32),
                 ]);
-                let name = if skip.is_some() {
-                    "pool_packed_skip"
-                } else {
-                    "pool_packed"
+                let name = match (skip, &ln) {
+                    (Some(_), _) => "pool_packed_skip",
+                    (None, Some(d)) => {
+                        args.extend(deferred_ln_args(d));
+                        "pool_packed_ln"
+                    }
+                    (None, None) => "pool_packed",
                 };
                 self.kernel(
                     format!("{name}_{ts}"),
@@ -3363,8 +3432,8 @@ pub(crate) mod tests {
         }
         // By default (1, 16) is, per layer, QKV, attention, O + add, FFN1 +
         // GELU (normalising its input), FFN2 + add: no cuBLASLt, no separate
-        // LayerNorm; the next layer's QKV normalises FFN2's rows, and only
-        // the last FFN2 ends in a LayerNorm of its own (the pooling reads it).
+        // LayerNorm; the next layer's QKV normalises FFN2's rows, and the
+        // pooling the last FFN2's.
         let gs = steps(&cases[0].1, DType::F16, default);
         let mut want = vec!["embed_ln_vec_f16".to_string()];
         for _ in 0..6 {
@@ -3379,7 +3448,7 @@ pub(crate) mod tests {
                 .map(String::from),
             );
         }
-        want.push("pool_f16".into());
+        want.push("pool_ln_f16".into());
         assert_eq!(gs.step_names(), want);
         assert_eq!((gs.matmul_count(), gs.counters), (0, 12));
         assert_eq!(gs.accum_bytes, 16 * 384 * 4);
@@ -3409,7 +3478,14 @@ pub(crate) mod tests {
             ]
         );
         assert_eq!(gs_modes(&gs, 6..11)[0], (1152 / 16, none, none, true));
-        assert_eq!(gs_modes(&gs, 26..31)[3], (384 / 16, none, last_ln, false));
+        assert_eq!(gs_modes(&gs, 26..31)[3], (384 / 16, none, pre_norm, false));
+        let (Step::Kernel { args: ffn2, .. }, Step::Kernel { args: pool, .. }) =
+            (&gs.steps[30], &gs.steps[31])
+        else {
+            panic!("kernels")
+        };
+        assert_eq!(pool[0], ffn2[10], "the pooling reads the pre-norm rows");
+        assert_eq!(pool.len(), 7 + 3);
         // A deferred LayerNorm: the f32 scratch its producer wrote, its
         // gamma, beta and eps, and the buffer the consumer's block 0 fills.
         let (Step::Kernel { args: o, .. }, Step::Kernel { args: f1, .. }) =
@@ -3423,7 +3499,12 @@ pub(crate) mod tests {
         assert_eq!(f1[21], o[3], "the LayerNorm's output buffer");
         // Switched off: every add + LN in its own kernel's last block again.
         let apart = steps(&cases[0].1, DType::F16, default.with_disabled("ln_defer"));
+        want[31] = "pool_f16".into();
         assert_eq!(apart.step_names(), want);
+        assert_eq!(
+            gs_modes(&apart, 26..31)[3],
+            (384 / 16, none, last_ln, false)
+        );
         assert!(gs_modes(&apart, 0..32)
             .iter()
             .all(|m| !m.3 && m.2 != pre_norm));
