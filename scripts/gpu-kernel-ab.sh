@@ -55,8 +55,8 @@ TOML
 FAILED=0
 echo "# kernel A/B, $(date -u +%FT%TZ), commit $(cat .carry/COMMIT), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" > "$OUT/kernel-ab.md"
 echo "" >> "$OUT/kernel-ab.md"
-echo "| switches off | bucket | kernels+matmuls | replay p50 µs | p99 µs | check (worst; packed: per case) |" >> "$OUT/kernel-ab.md"
-echo "|---|---|---|---|---|---|" >> "$OUT/kernel-ab.md"
+echo "| switches off | bucket | kernels+matmuls | replay p50 µs | p99 µs | replay alone p50 µs (no copies) | check (worst; packed: per case) |" >> "$OUT/kernel-ab.md"
+echo "|---|---|---|---|---|---|---|" >> "$OUT/kernel-ab.md"
 for sw in ${AB_SWITCHES:-default}; do
   tag=${sw//,/+}
   if [ "$sw" = default ]; then unset REPLAYD_CUDA_DISABLE; else export REPLAYD_CUDA_DISABLE="$sw"; fi
@@ -70,7 +70,7 @@ import json, sys
 try:
     d = json.load(open(sys.argv[1]))
 except Exception as e:
-    print(f"| {sys.argv[2]} | (no json: {e}) | | | | |"); sys.exit()
+    print(f"| {sys.argv[2]} | (no json: {e}) | | | | | |"); sys.exit()
 for m in d.get("models", []):
     for b in m.get("buckets", []):
         lat, chk = b.get("latency", {}), b.get("check") or {}
@@ -79,9 +79,9 @@ for m in d.get("models", []):
         if b.get("error"):
             check = "error: " + b["error"][:80]
         print(f"| {sys.argv[2]} | {m['name']} {b['bucket']} | {b.get('plan_kernels', '')}+{b.get('plan_matmuls', '')} | "
-              f"{lat.get('median_us', 0):.1f} | {lat.get('p99_us', 0):.1f} | {check} {cases} |")
+              f"{lat.get('median_us', 0):.1f} | {lat.get('p99_us', 0):.1f} | {(b.get('replay_only') or {}).get('median_us', 0):.1f} | {check} {cases} |")
 if d.get("failures"):
-    print(f"| {sys.argv[2]} | failures: {'; '.join(d['failures'])[:300]} | | | | |")
+    print(f"| {sys.argv[2]} | failures: {'; '.join(d['failures'])[:300]} | | | | | |")
 PY
 done
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
@@ -107,7 +107,7 @@ print("|---|---|---|---|")
 n = 0
 for i in range(len(seq) - 1, -1, -1):
     n += 1
-    if seq[i][0].startswith("embed"):
+    if seq[i][0].startswith(("embed", "stage_in")):
         break
 for k, (name, grid, v) in enumerate(seq[-n:]):
     print(f"| {k} | {name[:40]} | {grid} | {v:.2f} |")

@@ -264,6 +264,10 @@ pub struct BucketResult {
     pub nodes: String,
     pub check: Option<Check>,
     pub latency: Latency,
+    /// The graph's replay alone (launch, stream synchronised; the inputs of
+    /// the last batch, no copies in or out): `latency` minus this is what
+    /// the copies around a replay cost.
+    pub replay_only: Latency,
     /// Rows per second with two batches in flight.
     pub throughput_rows_per_s: f64,
     pub error: Option<String>,
@@ -661,6 +665,7 @@ fn check_bucket(
         nodes: String::new(),
         check: None,
         latency: Latency::default(),
+        replay_only: Latency::default(),
         throughput_rows_per_s: 0.0,
         error: None,
     };
@@ -731,6 +736,13 @@ fn check_bucket(
         }
     }
     res.latency = Latency::from_samples(samples);
+    match c.gpu.time_replay_only(&graph, c.args.warmup, c.args.iters) {
+        Ok(s) => res.replay_only = Latency::from_samples(s),
+        Err(e) => {
+            res.error = Some(format!("replay alone: {e}"));
+            return (res, Some(graph));
+        }
+    }
 
     // Throughput: two batches in flight.
     let n = c.args.iters.max(2);
@@ -1174,6 +1186,7 @@ fn check_packed_bucket(
         nodes: String::new(),
         check: None,
         latency: Latency::default(),
+        replay_only: Latency::default(),
         throughput_rows_per_s: 0.0,
         error: None,
     };
@@ -1576,7 +1589,7 @@ fn print_row(model: &str, dtype: DType, b: &BucketResult) {
         String::new()
     };
     println!(
-        "{:<14} {:<5} {:>11} {:>9.1} {:>9.2} {:>6} {:<22} {:>9.1} {:>9.1} {:>9.1} {:>12.0}{packed}{}",
+        "{:<14} {:<5} {:>11} {:>9.1} {:>9.2} {:>6} {:<22} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>12.0}{packed}{}",
         model,
         dtype.as_str(),
         bucket_label(b),
@@ -1587,6 +1600,7 @@ fn print_row(model: &str, dtype: DType, b: &BucketResult) {
         b.latency.median_us,
         b.latency.p90_us,
         b.latency.p99_us,
+        b.replay_only.median_us,
         b.throughput_rows_per_s,
         b.error
             .as_ref()
@@ -1636,7 +1650,7 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
     };
     let mut models = Vec::new();
     println!(
-        "{:<14} {:<5} {:>11} {:>9} {:>9} {:>6} {:<22} {:>9} {:>9} {:>9} {:>12}",
+        "{:<14} {:<5} {:>11} {:>9} {:>9} {:>6} {:<22} {:>9} {:>9} {:>9} {:>9} {:>12}",
         "model",
         "dtype",
         "bucket",
@@ -1647,6 +1661,7 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
         "p50_us",
         "p90_us",
         "p99_us",
+        "alone_us",
         "rows/s"
     );
     for mc in &config.models {
@@ -1990,6 +2005,7 @@ mod tests {
                 median_us: us,
                 ..Latency::default()
             },
+            replay_only: Latency::default(),
             throughput_rows_per_s: 0.0,
             error: None,
         };

@@ -88,23 +88,34 @@ pub struct Slot {
     pinned: PinnedBuf,
     out_offset: usize,
     out_elems: usize,
+    /// The device's address of `pinned` (mapped host memory), for staged
+    /// graphs ([`StagedIo`]).
+    device_addr: u64,
     pub event: CudaEvent,
     busy: AtomicBool,
 }
 
 impl Slot {
-    fn new(ctx: &Arc<CudaContext>, plan: &Plan) -> Result<Arc<Slot>, BackendError> {
+    pub(crate) fn new(ctx: &Arc<CudaContext>, plan: &Plan) -> Result<Arc<Slot>, BackendError> {
         let out_offset = align_up(plan.input_bytes, 64);
         let pinned = PinnedBuf::alloc(ctx, out_offset + plan.output_elems * 4)
             .cu("cuMemHostAlloc (staging)")?;
+        let device_addr = pinned.device_addr().cu("cuMemHostGetDevicePointer")?;
         let event = ctx.new_event(None).cu("cuEventCreate")?;
         Ok(Arc::new(Slot {
             pinned,
             out_offset,
             out_elems: plan.output_elems,
+            device_addr,
             event,
             busy: AtomicBool::new(false),
         }))
+    }
+
+    /// The device's addresses of the input block and the output (see
+    /// [`super::resolve::Bases::staged`]).
+    pub fn device_addrs(&self) -> (u64, u64) {
+        (self.device_addr, self.device_addr + self.out_offset as u64)
     }
 
     pub fn input_ptr(&self) -> *mut u8 {
@@ -132,6 +143,136 @@ impl Slot {
     pub fn pinned_bytes(&self) -> usize {
         self.pinned.bytes()
     }
+}
+
+/// A staged graph's two staging kernels ([`Plan::with_staged_io`]) and the
+/// slot they read and write now: before a batch in another slot launches,
+/// [`StagedIo::point_at`] sets both nodes' arguments in the executable graph
+/// (which affects later launches only, never one already queued).
+pub struct StagedIo {
+    nodes: [StageNode; 2],
+    /// `Slot::device_addrs` of the slot the executable graph points at.
+    pointed: (u64, u64),
+}
+
+/// One staging kernel node and its launch shape; its arguments are
+/// `(src, dst, count)`.
+struct StageNode {
+    node: sys::CUgraphNode,
+    params: sys::CUDA_KERNEL_NODE_PARAMS,
+    src: u64,
+    dst: u64,
+    count: i32,
+}
+
+// SAFETY: the node handle and function belong to the graph, which moves with
+// its `CapturedGraph` and is only used on the thread that owns the backend.
+unsafe impl Send for StagedIo {}
+
+impl StagedIo {
+    /// Finds `stage_in` and `stage_out` (by function) among the graph's
+    /// kernel nodes; `pointed` is the slot the capture resolved them to.
+    pub(crate) fn find(
+        graph: &cudarc::driver::CudaGraph,
+        stage_in: sys::CUfunction,
+        stage_out: sys::CUfunction,
+        pointed: (u64, u64),
+    ) -> Result<StagedIo, BackendError> {
+        let mut found: [Option<StageNode>; 2] = [None, None];
+        for node in graph_nodes(graph.cu_graph())? {
+            // SAFETY: zeroed is a valid (empty) parameter block to fill.
+            let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+            // SAFETY: a node of this live graph; fails (ignored) for non-kernels.
+            let ok = unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) };
+            if ok != sys::CUresult::CUDA_SUCCESS {
+                continue;
+            }
+            let which = if params.func == stage_in {
+                0
+            } else if params.func == stage_out {
+                1
+            } else {
+                continue;
+            };
+            // SAFETY: the node's three arguments are (ptr, ptr, int), as
+            // kernels/stage.cu declares them.
+            let (src, dst, count) = unsafe {
+                let a = params.kernelParams;
+                (
+                    *(*a as *const u64),
+                    *(*a.add(1) as *const u64),
+                    *(*a.add(2) as *const i32),
+                )
+            };
+            params.kernelParams = std::ptr::null_mut();
+            params.extra = std::ptr::null_mut();
+            found[which] = Some(StageNode {
+                node,
+                params,
+                src,
+                dst,
+                count,
+            });
+        }
+        match found {
+            [Some(a), Some(b)] => Ok(StagedIo {
+                nodes: [a, b],
+                pointed,
+            }),
+            _ => Err(BackendError::Other(
+                "the staged graph lost its staging kernels".into(),
+            )),
+        }
+    }
+
+    /// Points the staging kernels of `exec` at the slot whose input block and
+    /// output the device addresses as `addrs` (nothing to do when they
+    /// already do).
+    pub(crate) fn point_at(
+        &mut self,
+        exec: &cudarc::driver::CudaGraph,
+        addrs: (u64, u64),
+    ) -> Result<(), BackendError> {
+        if self.pointed == addrs {
+            return Ok(());
+        }
+        self.nodes[0].src = addrs.0;
+        self.nodes[1].dst = addrs.1;
+        for n in &mut self.nodes {
+            let mut args: [*mut std::ffi::c_void; 3] = [
+                &mut n.src as *mut u64 as *mut _,
+                &mut n.dst as *mut u64 as *mut _,
+                &mut n.count as *mut i32 as *mut _,
+            ];
+            let mut p = n.params;
+            p.kernelParams = args.as_mut_ptr();
+            // SAFETY: a kernel node of the graph `exec` was instantiated from,
+            // the same function and shape, arguments of its signature (read
+            // during the call).
+            unsafe { sys::cuGraphExecKernelNodeSetParams_v2(exec.cu_graph_exec(), n.node, &p) }
+                .result()
+                .cu("cuGraphExecKernelNodeSetParams")?;
+        }
+        self.pointed = addrs;
+        Ok(())
+    }
+}
+
+/// The nodes of a graph.
+fn graph_nodes(graph: sys::CUgraph) -> Result<Vec<sys::CUgraphNode>, BackendError> {
+    let mut n: usize = 0;
+    // SAFETY: a live graph; first call sizes the array.
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
+        .result()
+        .cu("cuGraphGetNodes")?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    let mut n2 = n;
+    // SAFETY: `nodes` holds `n` entries.
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n2) }
+        .result()
+        .cu("cuGraphGetNodes")?;
+    nodes.truncate(n2);
+    Ok(nodes)
 }
 
 /// A launched batch (see [`super::CudaBackend`]'s `launch`/`collect`).
@@ -167,20 +308,9 @@ impl Drop for CudaPending {
 pub fn node_counts(
     graph: &cudarc::driver::CudaGraph,
 ) -> Result<BTreeMap<&'static str, usize>, BackendError> {
-    let graph = graph.cu_graph();
-    let mut n: usize = 0;
-    // SAFETY: a live graph; first call sizes the array.
-    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }
-        .result()
-        .cu("cuGraphGetNodes")?;
-    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
-    let mut n2 = n;
-    // SAFETY: `nodes` holds `n` entries.
-    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n2) }
-        .result()
-        .cu("cuGraphGetNodes")?;
+    let nodes = graph_nodes(graph.cu_graph())?;
     let mut counts = BTreeMap::new();
-    for node in nodes.iter().take(n2) {
+    for node in nodes.iter() {
         // Read as u32: an enum value from a newer driver must not become UB.
         let mut t: u32 = u32::MAX;
         // SAFETY: writes one CUgraphNodeType (a u32 enum).
@@ -256,6 +386,9 @@ pub struct CapturedGraph {
     /// Arena bytes charged to this graph (see [`GraphMemory`]).
     pub(crate) arena_charge: u64,
     pub(crate) slots: Vec<Arc<Slot>>,
+    /// Zero-copy staging (small graphs): the replay reads and writes the
+    /// batch's slot itself, with no copies around it.
+    pub(crate) staged: Option<StagedIo>,
     /// Sort scratch of the tile tables (packed graphs), kept across replays.
     pub(crate) tile_order: Vec<(usize, usize)>,
     pub(crate) stream: Arc<CudaStream>,
@@ -277,6 +410,8 @@ impl CapturedGraph {
         stream: Arc<CudaStream>,
         ctx: Arc<CudaContext>,
         node_counts: BTreeMap<&'static str, usize>,
+        slots: Vec<Arc<Slot>>,
+        staged: Option<StagedIo>,
     ) -> CapturedGraph {
         arena.users.fetch_add(1, Ordering::Relaxed);
         let tile_order = Vec::with_capacity(if plan.tile_tables.is_empty() {
@@ -291,7 +426,8 @@ impl CapturedGraph {
             output,
             arena,
             arena_charge,
-            slots: Vec::new(),
+            slots,
+            staged,
             tile_order,
             stream,
             ctx,

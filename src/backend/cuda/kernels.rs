@@ -84,6 +84,7 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "qkv_attn_small.cu",
         include_str!("../../../kernels/qkv_attn_small.cu"),
     ),
+    ("stage.cu", include_str!("../../../kernels/stage.cu")),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
 
@@ -141,6 +142,8 @@ pub fn expected_entry_points() -> Vec<String> {
         }
     }
     names.extend(encoder_family_entry_points());
+    names.push("stage_in".to_string());
+    names.push("stage_out".to_string());
     names.push("fault_oob_write".to_string());
     names.push("fault_spin".to_string());
     names

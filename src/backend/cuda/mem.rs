@@ -103,6 +103,17 @@ impl PinnedBuf {
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
+
+    /// The device's address of this memory (with unified addressing, every
+    /// pinned allocation is mapped into the device's address space).
+    pub fn device_addr(&self) -> Result<u64, DriverError> {
+        self.ctx.bind_to_thread()?;
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` came from cuMemHostAlloc in this context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, self.ptr as *mut std::ffi::c_void, 0) }
+            .result()?;
+        Ok(d)
+    }
 }
 
 impl Drop for PinnedBuf {

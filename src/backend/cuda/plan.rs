@@ -366,6 +366,12 @@ pub enum Loc {
     Arena(usize),
     /// Index of a u32 counter (zero between kernels) for last-block reductions.
     Counter(usize),
+    /// The batch's pinned host slot, as the device addresses it: its input
+    /// block, and its output. Only the zero-copy staging nodes of
+    /// [`Plan::with_staged_io`] read or write these, and the backend points
+    /// them at each batch's slot before it launches the graph.
+    StagedInput,
+    StagedOutput,
 }
 
 /// A kernel argument.
@@ -496,6 +502,56 @@ impl Plan {
         self.steps.len()
     }
 
+    /// Whether the graph of this plan stages its inputs and output through
+    /// its own kernels ([`Plan::with_staged_io`]): both at most
+    /// [`STAGED_IO_MAX_BYTES`], where the copy engine's fixed cost per copy
+    /// is more than moving the bytes; larger ones keep the copies.
+    pub fn fits_staged_io(&self) -> bool {
+        self.input_bytes > 0
+            && self.input_bytes <= STAGED_IO_MAX_BYTES
+            && self.input_bytes.is_multiple_of(4)
+            && self.output_elems > 0
+            && self.output_elems * 4 <= STAGED_IO_MAX_BYTES
+    }
+
+    /// The plan with zero-copy staging: a first kernel `stage_in` that reads
+    /// the input block from the batch's pinned slot ([`Loc::StagedInput`])
+    /// into the static inputs, and a last kernel `stage_out` that writes the
+    /// output into the slot ([`Loc::StagedOutput`]) — so a replay needs no
+    /// copy before or after it. Both are plain kernels of the graph (the
+    /// first step is never a programmatic launch; the one after it waits in
+    /// `pdl_wait` as every kernel does).
+    pub fn with_staged_io(mut self) -> Plan {
+        let words = self.input_bytes.div_ceil(4);
+        let grid = |n: usize| (n.div_ceil(STAGE_THREADS as usize).clamp(1, 64) as u32, 1, 1);
+        self.steps.insert(
+            0,
+            Step::Kernel {
+                name: "stage_in".into(),
+                grid: grid(words),
+                block: (STAGE_THREADS, 1, 1),
+                smem: 0,
+                args: vec![
+                    Arg::Ptr(Loc::StagedInput),
+                    Arg::Ptr(Loc::Input(0)),
+                    Arg::I32(words as i32),
+                ],
+            },
+        );
+        self.steps.push(Step::Kernel {
+            name: "stage_out".into(),
+            grid: grid(self.output_elems),
+            block: (STAGE_THREADS, 1, 1),
+            smem: 0,
+            args: vec![
+                Arg::Ptr(Loc::Output(0)),
+                Arg::Ptr(Loc::StagedOutput),
+                Arg::I32(self.output_elems as i32),
+            ],
+        });
+        self
+    }
+
     /// The kernel names and `mm` for matmuls, in order (tests, logs).
     pub fn step_names(&self) -> Vec<String> {
         self.steps
@@ -507,6 +563,12 @@ impl Plan {
             .collect()
     }
 }
+
+/// The largest input block and output (bytes, each) a graph stages through
+/// its own kernels ([`Plan::fits_staged_io`]).
+pub const STAGED_IO_MAX_BYTES: usize = 64 * 1024;
+/// Threads of a block of `stage_in` / `stage_out`.
+pub const STAGE_THREADS: u32 = 256;
 
 /// Device limits the planner needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -543,6 +605,10 @@ pub struct Limits {
     /// Programmatic dependent launch between consecutive kernels (see
     /// [`Plan::pdl`]); the device must be sm_90 or newer.
     pub pdl: bool,
+    /// Graphs of small inputs and outputs read and write the batch's pinned
+    /// slot from their first and last kernels ([`Plan::with_staged_io`])
+    /// instead of copies before and after the replay.
+    pub staged_io: bool,
     /// Streaming multiprocessors: the fused sublayers' grid barrier needs
     /// every block resident at once, so their grids stay within this.
     pub sms: usize,
@@ -561,6 +627,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "qkv_attn",
     "ln_defer",
     "pdl",
+    "staged_io",
 ];
 
 /// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
@@ -609,6 +676,7 @@ impl Limits {
             qkv_attn: true,
             ln_defer: true,
             pdl: true,
+            staged_io: true,
             sms: usize::MAX,
         }
     }
@@ -641,6 +709,7 @@ impl Limits {
                     "qkv_attn" => self.qkv_attn = false,
                     "ln_defer" => self.ln_defer = false,
                     "pdl" => self.pdl = false,
+                    "staged_io" => self.staged_io = false,
                     _ => {}
                 }
             }
@@ -674,6 +743,7 @@ impl Limits {
             self.qkv_attn,
             self.ln_defer,
             self.pdl,
+            self.staged_io,
         ];
         DISABLE_SWITCHES
             .iter()
@@ -3393,6 +3463,54 @@ pub(crate) mod tests {
             classifier: None,
         };
         (arch, w)
+    }
+
+    /// Small graphs stage their inputs and output through their own first
+    /// and last kernels; large ones keep the copies.
+    #[test]
+    fn small_plans_stage_their_io_in_the_graph() {
+        let (a, w) = minilm(6);
+        let default = LIMITS.with_disabled(DEFAULT_DISABLED);
+        let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
+        assert!(small.fits_staged_io(), "{} bytes in", small.input_bytes);
+        let staged = small.clone().with_staged_io();
+        assert_eq!(staged.node_count(), small.node_count() + 2);
+        let names = staged.step_names();
+        assert_eq!(names.first().map(String::as_str), Some("stage_in"));
+        assert_eq!(names.last().map(String::as_str), Some("stage_out"));
+        assert_eq!(&names[1..names.len() - 1], &small.step_names()[..]);
+        let Step::Kernel { args, grid, .. } = &staged.steps[0] else {
+            panic!("stage_in is a kernel")
+        };
+        assert_eq!(
+            args,
+            &[
+                Arg::Ptr(Loc::StagedInput),
+                Arg::Ptr(Loc::Input(0)),
+                Arg::I32((small.input_bytes / 4) as i32)
+            ]
+        );
+        assert!(grid.0 >= 1);
+        let Some(Step::Kernel { args, .. }) = staged.steps.last() else {
+            panic!("stage_out is a kernel")
+        };
+        assert_eq!(
+            args,
+            &[
+                Arg::Ptr(Loc::Output(0)),
+                Arg::Ptr(Loc::StagedOutput),
+                Arg::I32(small.output_elems as i32)
+            ]
+        );
+        // The first node is a plain launch; the embedding after it waits for
+        // it in pdl_wait, and so does stage_out for the pooling.
+        assert!(!staged.programmatic(0));
+        assert!(staged.programmatic(1));
+        assert!(staged.programmatic(staged.steps.len() - 1));
+        // (128, 128): 192 KiB of inputs, 192 KiB of output: copies.
+        let large = plan(&a.program(128, 128), &w, DType::F16, false, default).unwrap();
+        assert!(!large.fits_staged_io());
+        assert!(!LIMITS.with_disabled("staged_io").staged_io);
     }
 
     /// The graphs the host-path targets are about (MiniLM, 6 layers): node

@@ -18,6 +18,10 @@ pub struct Bases<'a> {
     pub arena: u64,
     /// [`MAX_COUNTERS`] zeroed u32s owned by the stream that runs the plan.
     pub counters: u64,
+    /// The device addresses of a pinned slot's input block and output, for
+    /// a staged plan's [`Loc::StagedInput`] / [`Loc::StagedOutput`] (0 for
+    /// plans without staging, which never name them).
+    pub staged: (u64, u64),
 }
 
 impl Bases<'_> {
@@ -28,6 +32,8 @@ impl Bases<'_> {
             Loc::Output(o) => self.output + o as u64,
             Loc::Arena(o) => self.arena + o as u64,
             Loc::Counter(i) => self.counters + 4 * i as u64,
+            Loc::StagedInput => self.staged.0,
+            Loc::StagedOutput => self.staged.1,
         }
     }
 }

@@ -1,0 +1,19 @@
+// Zero-copy staging of a small graph's inputs and output: the graph's first
+// node reads the input block straight from the batch's pinned host slot
+// (mapped into the device's address space) into the static device inputs,
+// and its last node writes the output straight into the slot. This replaces
+// the copy engine's H2D and D2H copies around the replay, which cost more
+// than the data at these sizes (the backend points both nodes at a batch's
+// slot before the launch; see backend::cuda::graph::StagedIo). Words of 4
+// bytes, coalesced across the warp: every input block and output is a whole
+// number of i32/f32.
+
+extern "C" __global__ void stage_in(const unsigned* __restrict__ host, unsigned* dev, int words) {
+    pdl_enter();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) dev[i] = host[i];
+}
+
+extern "C" __global__ void stage_out(const float* __restrict__ dev, float* host, int n) {
+    pdl_enter();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) host[i] = dev[i];
+}
