@@ -22,7 +22,7 @@
 # BENCH_SERVER="client_sockets = 1" for the single client socket;
 # AB_SERVER, AB_BATCHING and AB_DEVICES run targets 1 and 3 again on a
 # second daemon with those [server] / [batching] / [devices] lines (e.g.
-# AB_DEVICES="worker_spin_us = 300"), for a before/after in one call;
+# AB_DEVICES="worker_spin_us = 0"), for a before/after in one call;
 # T3_LOADGEN_THREADS="4 8" runs target 3 again from generators of that many
 # runtime threads (the generator shares the host's cores with the daemon).
 set -uo pipefail
@@ -66,14 +66,7 @@ lscpu > "$OUT/lscpu.txt" 2>&1
 # Texts: the realistic corpus, and 2,000 texts of 10–14 vocabulary words
 # (12–16 tokens with [CLS] and [SEP]; each such word is one WordPiece token).
 python3 scripts/make-corpus.py --vocab "$MODEL/vocab.txt" "$WORK/corpus.jsonl" 2>&1 | tee -a "$OUT/bench-host.log"
-python3 - "$MODEL/vocab.txt" "$WORK/short.jsonl" <<'PY'
-import json, random, sys
-words = [w for w in (l.rstrip("\n") for l in open(sys.argv[1], encoding="utf-8")) if w.isalpha() and len(w) > 2]
-rng = random.Random(11)
-with open(sys.argv[2], "w") as f:
-    for _ in range(2000):
-        f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(10, 14)))}) + "\n")
-PY
+python3 scripts/make-short-texts.py "$MODEL/vocab.txt" "$WORK/short.jsonl"
 
 # --- 1. the sentence-transformers baseline (before replayd holds the GPU)
 if [ "$BACKEND" = cuda ]; then

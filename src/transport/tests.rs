@@ -892,3 +892,55 @@ fn sharded_listeners_are_closed_with_their_sockets() {
         assert!(fds <= fds_before + 20, "fds {fds_before} -> {fds}");
     });
 }
+
+/// Light-load polling (`poll_spin`): a ROUTER that polls answers every
+/// request in order, takes requests that come within the window without a
+/// wake-up (counted in `spin_hits`), and never polls while `light` says no.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_router_answers_everything_and_polls_only_at_light_load() {
+    let light = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let gate = light.clone();
+    let limits = TransportLimits {
+        poll_spin: Some(PollSpin {
+            window: Duration::from_secs(5),
+            light: Arc::new(move || gate.load(Ordering::Relaxed)),
+        }),
+        ..TransportLimits::default()
+    };
+    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
+        .await
+        .unwrap();
+    let endpoint = router.endpoint().to_string();
+    let stats = spawn_echo(router);
+    let (mut rx, tx) = Dealer::connect(&endpoint, &TransportLimits::default(), &Security::None)
+        .await
+        .unwrap()
+        .split();
+    let ask = |i: u32| {
+        tx.send(vec![b(b"n"), Bytes::from(i.to_le_bytes().to_vec())])
+            .unwrap();
+    };
+    // One at a time, as a lone client sends: each comes back, in order.
+    for i in 0..200u32 {
+        ask(i);
+        let reply = timeout(WAIT, rx.recv()).await.unwrap().unwrap().frames;
+        assert_eq!(reply[2], Bytes::from(i.to_le_bytes().to_vec()));
+    }
+    // (The driver counts a send just after libzmq took it.)
+    let polled = eventually(&stats, |s| s.messages_sent == 200).await;
+    assert!(
+        polled.spin_hits > 0,
+        "requests inside the window are taken by polling: {polled:?}"
+    );
+    // Under load (light() false) it sleeps as before: no more hits.
+    light.store(false, Ordering::Relaxed);
+    for i in 0..50u32 {
+        ask(i);
+        timeout(WAIT, rx.recv()).await.unwrap().unwrap();
+    }
+    let after = eventually(&stats, |s| s.messages_sent == 250).await;
+    assert!(
+        after.spin_hits <= polled.spin_hits + 1,
+        "{after:?} against {polled:?}"
+    );
+}

@@ -379,7 +379,7 @@ fn serve<B: Backend>(
     ];
     // devices.worker_spin_us: the doorbell is polled, not slept on, this
     // long after the last command or finished batch.
-    let spin = Duration::from_micros(config.devices.worker_spin_us);
+    let spin = config.devices.worker_spin();
     let mut busy_at = Instant::now();
     loop {
         if last_said.elapsed() >= heartbeat {

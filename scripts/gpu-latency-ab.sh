@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Issue 10's target 1 (one 12–16-token text at a time from one client over
+# tcp loopback) on a GPU machine, once per variant, in one call: for an A/B
+# of settings that move a lone request's latency, without the rest of
+# scripts/bench-host.sh (sentence-transformers, the loads of target 3).
+#
+#   OUT=$OUT VARIANTS='default;no poll spin|poll_spin_us = 0||;no staging|||REPLAYD_CUDA_DISABLE=small,qkv_attn,staged_io' \
+#     scripts/gpu-latency-ab.sh
+#
+# A variant is "name|[server] lines|[devices] lines|environment" (lines
+# separated by "\n" escapes, e.g. "poll_spin_us = 0\nio_threads = 1");
+# variants are separated by ";". Each runs twice, interleaved (A B A B), so
+# drift between runs shows. Binaries and the f16 model come from
+# scripts/gpu-carry.sh (carry .carry). Writes $OUT/latency-ab.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/latency-ab}
+mkdir -p "$OUT"
+SECONDS_EACH=${SECONDS_EACH:-6}
+ROUNDS=${ROUNDS:-2}
+BACKEND=${AB_BACKEND:-cuda}
+BIN=${AB_BIN:-}
+if [ -z "$BIN" ]; then
+  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
+fi
+MODEL=${AB_MODEL:-}
+if [ -z "$MODEL" ]; then
+  MODEL=/tmp/minilm-f16
+  if [ ! -f "$MODEL/model.safetensors" ]; then
+    rm -rf "$MODEL"; cp -R .carry/minilm-f16 "$MODEL"; xz -d "$MODEL/model.safetensors.xz"
+  fi
+fi
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+WORK=$(mktemp -d)
+DAEMON=""
+cleanup() { [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null; rm -rf "$WORK"; }
+trap cleanup EXIT
+python3 scripts/make-short-texts.py "$MODEL/vocab.txt" "$WORK/short.jsonl"
+case "$BACKEND" in
+  cuda) DEVICES='backend = "cuda"
+gpus = [0]' ;;
+  *) DEVICES="backend = \"$BACKEND\"
+cpu_devices = 1" ;;
+esac
+MD=$OUT/latency-ab.md
+{
+  echo "# target 1 A/B, $(date -u +%FT%TZ), commit $(cat .carry/COMMIT 2>/dev/null | tr '\n' ' '), backend $BACKEND, $(nproc) cores"
+  echo ""
+  echo "| variant | round | p50 µs | p99 µs | daemon hops p50 µs |"
+  echo "|---|---|---|---|---|"
+} > "$MD"
+IFS=';' read -r -a VARS <<< "${VARIANTS:-default}"
+for round in $(seq 1 "$ROUNDS"); do
+  for v in "${VARS[@]}"; do
+    IFS='|' read -r name server devices envs <<< "$v"
+    tag=$(echo "$name" | tr -c 'A-Za-z0-9_-' _)
+    rm -f "$WORK/ready.json"
+    cat > "$WORK/c.toml" <<TOML
+[server]
+endpoint = "tcp://127.0.0.1:0"
+control_endpoint = "ipc://$WORK/control.sock"
+runtime_dir = "$WORK/run"
+$(printf '%b' "${server:-}")
+
+[devices]
+$DEVICES
+$(printf '%b' "${devices:-}")
+
+[[models]]
+name = "minilm"
+kind = "bert"
+path = "$MODEL"
+dtype = "f16"
+batching = "packed"
+TOML
+    # shellcheck disable=SC2086
+    env ${envs:-} "$BIN/replayd" --config "$WORK/c.toml" --ready-file "$WORK/ready.json" > "$OUT/replayd_$tag.log" 2>&1 &
+    DAEMON=$!
+    for _ in $(seq 1 900); do [ -f "$WORK/ready.json" ] && break; kill -0 "$DAEMON" 2>/dev/null || break; sleep 0.2; done
+    if [ ! -f "$WORK/ready.json" ]; then
+      echo "| $name | $round | daemon not ready | | $(tail -1 "$OUT/replayd_$tag.log") |" >> "$MD"; DAEMON=""; continue
+    fi
+    EP=$(python3 -c "import json; print(json.load(open('$WORK/ready.json'))['endpoint'])")
+    "$BIN/replayd-loadgen" --endpoint "$EP" --model minilm --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 \
+      --sockets 1 --duration "$SECONDS_EACH" --warmup 1 > "$WORK/load.log" 2>&1
+    kill -TERM "$DAEMON"; wait "$DAEMON"; DAEMON=""
+    python3 - "$WORK/load.log" "$name" "$round" >> "$MD" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+m = re.search(r"latency p50 (\d+) µs, p99 (\d+) µs", text)
+h = re.search(r"hops p50 µs: (.*)", text)
+errs = re.search(r"(\d+) errors", text)
+if not m:
+    print(f"| {sys.argv[2]} | {sys.argv[3]} | no result | | {text.strip().splitlines()[-1] if text.strip() else ''} |")
+else:
+    bad = f" ({errs.group(1)} errors)" if errs and errs.group(1) != "0" else ""
+    print(f"| {sys.argv[2]} | {sys.argv[3]} | {m.group(1)} | {m.group(2)} | {h.group(1) if h else ''}{bad} |")
+PY
+  done
+done
+cat "$MD"
