@@ -719,7 +719,7 @@ impl CudaBackend {
             self.inner.ctx.bind_to_thread().cu("bind context")?;
             if let Some(staged) = graph.staged.as_mut() {
                 // The graph's first and last kernels read and write the slot.
-                staged.point_at(&graph.exec, slot.device_addrs())?;
+                staged.point_at(&graph.exec, slot.device_addrs(), values)?;
                 graph.exec.launch().cu("cuGraphLaunch")?;
             } else {
                 // SAFETY: pinned source of input_bytes; the device block has the same size.

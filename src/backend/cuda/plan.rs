@@ -503,15 +503,16 @@ impl Plan {
     }
 
     /// Whether the graph of this plan stages its inputs and output through
-    /// its own kernels ([`Plan::with_staged_io`]): both at most
-    /// [`STAGED_IO_MAX_BYTES`], where the copy engine's fixed cost per copy
-    /// is more than moving the bytes; larger ones keep the copies.
+    /// its own kernels ([`Plan::with_staged_io`]): an input block of at most
+    /// [`STAGED_INPUT_MAX_BYTES`] and an output of at most
+    /// [`STAGED_OUTPUT_MAX_BYTES`], where the copy engine's fixed cost per
+    /// copy is more than moving the bytes; larger ones keep the copies.
     pub fn fits_staged_io(&self) -> bool {
         self.input_bytes > 0
-            && self.input_bytes <= STAGED_IO_MAX_BYTES
+            && self.input_bytes <= STAGED_INPUT_MAX_BYTES
             && self.input_bytes.is_multiple_of(4)
             && self.output_elems > 0
-            && self.output_elems * 4 <= STAGED_IO_MAX_BYTES
+            && self.output_elems * 4 <= STAGED_OUTPUT_MAX_BYTES
     }
 
     /// The plan with zero-copy staging: a first kernel `stage_in` that reads
@@ -564,9 +565,13 @@ impl Plan {
     }
 }
 
-/// The largest input block and output (bytes, each) a graph stages through
-/// its own kernels ([`Plan::fits_staged_io`]).
-pub const STAGED_IO_MAX_BYTES: usize = 64 * 1024;
+/// The largest input block a graph stages through its own kernels
+/// ([`Plan::fits_staged_io`]); it is read whole at every replay.
+pub const STAGED_INPUT_MAX_BYTES: usize = 64 * 1024;
+/// The largest output a graph stages: `stage_out` writes only the batch's
+/// rows, so this covers the small packed budgets (64 tokens, 64 sequences of
+/// 384 floats: 96 KiB) where a lone short text lands.
+pub const STAGED_OUTPUT_MAX_BYTES: usize = 128 * 1024;
 /// Threads of a block of `stage_in` / `stage_out`.
 pub const STAGE_THREADS: u32 = 256;
 
@@ -3510,6 +3515,15 @@ pub(crate) mod tests {
         // (128, 128): 192 KiB of inputs, 192 KiB of output: copies.
         let large = plan(&a.program(128, 128), &w, DType::F16, false, default).unwrap();
         assert!(!large.fits_staged_io());
+        // The smallest packed budget (64 tokens, up to 64 sequences), where
+        // a lone short text runs in the daemon, is staged.
+        let packed = plan(&a.packed_program(64, 64), &w, DType::F16, false, default).unwrap();
+        assert!(
+            packed.fits_staged_io(),
+            "{} bytes in, {} floats out",
+            packed.input_bytes,
+            packed.output_elems
+        );
         assert!(!LIMITS.with_disabled("staged_io").staged_io);
     }
 
