@@ -649,7 +649,6 @@ async fn link(t: &mut Table, args: &Args) {
                 heartbeat: Duration::from_millis(100),
                 cold_us_per_token: 20.0,
                 ring,
-                poll_spin: None,
             },
         )
         .await

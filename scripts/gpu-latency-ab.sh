@@ -4,11 +4,11 @@
 # of settings that move a lone request's latency, without the rest of
 # scripts/bench-host.sh (sentence-transformers, the loads of target 3).
 #
-#   OUT=$OUT VARIANTS='default;no poll spin|poll_spin_us = 0||;no staging|||REPLAYD_CUDA_DISABLE=small,qkv_attn,staged_io' \
+#   OUT=$OUT VARIANTS='default;no worker spin||worker_spin_us = 0|;no staging|||REPLAYD_CUDA_DISABLE=small,qkv_attn,staged_io' \
 #     scripts/gpu-latency-ab.sh
 #
 # A variant is "name|[server] lines|[devices] lines|environment" (lines
-# separated by "\n" escapes, e.g. "poll_spin_us = 0\nio_threads = 1");
+# separated by "\n" escapes, e.g. "io_threads = 1\nclient_sockets = 1");
 # variants are separated by ";". Each runs twice, interleaved (A B A B), so
 # drift between runs shows. Binaries and the f16 model come from
 # scripts/gpu-carry.sh (carry .carry). Writes $OUT/latency-ab.md.

@@ -109,13 +109,6 @@ pub struct ServerConfig {
     /// `client_sockets`, one each measured faster than two (fewer threads
     /// to wake).
     pub io_threads: usize,
-    /// At light load (at most [`LIGHT_LOAD_REQUESTS`] requests admitted),
-    /// the client sockets' drivers and the worker links' readers poll for
-    /// this many µs after their last message instead of sleeping, so the
-    /// next request or result is taken without a thread's wake-up; at most
-    /// 10000. Unset: [`AUTO_WORKER_SPIN_US`] on a host of at least
-    /// [`AUTO_SPIN_MIN_CPUS`] CPUs, else 0 (see [`ServerConfig::poll_spin`]).
-    pub poll_spin_us: Option<u64>,
     /// ROUTER sockets ("shards") that serve `endpoint` together, 1 to 16:
     /// each has its own libzmq context (`io_threads` I/O threads), its own
     /// driver task and receive loop, and listens on the same address with
@@ -171,7 +164,6 @@ impl Default for ServerConfig {
             recv_hwm: 64,
             handshake_timeout_ms: 10_000,
             io_threads: 1,
-            poll_spin_us: None,
             client_sockets: 4,
             client_heartbeat_ms: 10_000,
             curve_secret_key_file: None,
@@ -290,10 +282,6 @@ pub const AUTO_WORKER_SPIN_US: u64 = 300;
 /// than the wake-up it saves (−9 % throughput on 2 cores), so unset means 0.
 pub const AUTO_SPIN_MIN_CPUS: usize = 8;
 
-/// Requests admitted at once up to which the load is light: the daemon's
-/// own threads poll rather than sleep then (`server.poll_spin_us`).
-pub const LIGHT_LOAD_REQUESTS: usize = 2;
-
 /// A spin setting in µs, or when unset the automatic choice for `cpus`.
 fn spin_for(configured: Option<u64>, cpus: usize) -> std::time::Duration {
     let us = configured.unwrap_or(if cpus >= AUTO_SPIN_MIN_CPUS {
@@ -319,19 +307,6 @@ impl DevicesConfig {
     /// [`Self::worker_spin_for`] this host's CPUs.
     pub fn worker_spin(&self) -> std::time::Duration {
         self.worker_spin_for(host_cpus())
-    }
-}
-
-impl ServerConfig {
-    /// How long the daemon's socket drivers and link readers poll at light
-    /// load: `poll_spin_us`, or when unset the automatic choice for `cpus`.
-    pub fn poll_spin_for(&self, cpus: usize) -> std::time::Duration {
-        spin_for(self.poll_spin_us, cpus)
-    }
-
-    /// [`Self::poll_spin_for`] this host's CPUs.
-    pub fn poll_spin(&self) -> std::time::Duration {
-        self.poll_spin_for(host_cpus())
     }
 }
 
@@ -799,9 +774,6 @@ impl Config {
         if self.devices.worker_spin_us.is_some_and(|us| us > 10_000) {
             return Err(invalid("devices.worker_spin_us", "must be at most 10000"));
         }
-        if self.server.poll_spin_us.is_some_and(|us| us > 10_000) {
-            return Err(invalid("server.poll_spin_us", "must be at most 10000"));
-        }
         if self.devices.start_timeout_ms < 1000 {
             return Err(invalid("devices.start_timeout_ms", "must be at least 1000"));
         }
@@ -1001,15 +973,6 @@ path = "mlp.safetensors"
         let err =
             Config::parse(&format!("{MINIMAL}\n[devices]\nworker_spin_us = 20000\n")).unwrap_err();
         assert!(err.to_string().contains("devices.worker_spin_us"), "{err}");
-        // server.poll_spin_us follows the same rule.
-        let s = Config::parse(MINIMAL).unwrap().server;
-        assert_eq!(s.poll_spin_us, None);
-        assert_eq!(s.poll_spin_for(2), Duration::ZERO);
-        assert_eq!(s.poll_spin_for(16), Duration::from_micros(300));
-        let c = Config::parse(&format!("[server]\npoll_spin_us = 0\n{MINIMAL}")).unwrap();
-        assert_eq!(c.server.poll_spin_for(16), Duration::ZERO);
-        let err = Config::parse(&format!("[server]\npoll_spin_us = 10001\n{MINIMAL}")).unwrap_err();
-        assert!(err.to_string().contains("server.poll_spin_us"), "{err}");
     }
 
     #[test]

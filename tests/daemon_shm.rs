@@ -308,33 +308,3 @@ async fn a_spinning_worker_answers_and_rests_when_idle() {
         );
     }
 }
-
-/// `server.poll_spin_us`: at light load the client socket's driver and the
-/// ring's reader poll instead of sleeping. Requests sent one at a time are
-/// all answered correctly, requests that arrive inside the window are taken
-/// by polling (counted in `transport.client.spin_hits`), and an idle daemon
-/// stops polling (it does not keep a core busy).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_polling_daemon_answers_and_rests_when_idle() {
-    let daemon = Daemon::start_with(&config(true), "poll_spin_us = 5000");
-    let reference = MlpReference::load(&data("mlp_seed.safetensors"));
-    let client = daemon.client().await;
-    let mut rng = Rng::new(9);
-    for _ in 0..200 {
-        checked_request(&client, &reference, &mut rng).await;
-    }
-    let stats = daemon.stats();
-    let hits = stats["transport"]["client"]["spin_hits"].as_u64().unwrap();
-    assert!(
-        hits > 0,
-        "no request was taken by polling: {}",
-        stats["transport"]["client"]
-    );
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let pid = daemon.pid() as i32;
-    let before = cpu_seconds(pid);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let used = cpu_seconds(pid) - before;
-    // Polling on would be ~2 s; timers and heartbeats alone are a few ms.
-    assert!(used < 0.5, "the daemon used {used:.2} s of CPU in 2 s idle");
-}

@@ -103,21 +103,6 @@ impl Admission {
         self.gates[model].admitted.load(Ordering::Acquire)
     }
 
-    /// Requests admitted and unanswered now, over every model.
-    pub fn admitted_total(&self) -> usize {
-        self.gates
-            .iter()
-            .map(|g| g.admitted.load(Ordering::Relaxed))
-            .sum()
-    }
-
-    /// Whether the load is light ([`crate::config::LIGHT_LOAD_REQUESTS`]
-    /// requests admitted or fewer): the daemon's threads may poll then
-    /// instead of sleeping (`server.poll_spin_us`).
-    pub fn is_light(&self) -> bool {
-        self.admitted_total() <= crate::config::LIGHT_LOAD_REQUESTS
-    }
-
     /// Requests refused since start.
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)

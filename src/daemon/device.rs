@@ -88,9 +88,6 @@ pub struct DeviceArgs {
     /// The shared-memory ring each worker generation gets (`None`: batches
     /// go through the worker's socket only).
     pub ring: Option<RingSpec>,
-    /// Light-load polling of the ring's answers (`server.poll_spin_us`;
-    /// `None`: the reader sleeps until the worker rings).
-    pub poll_spin: Option<crate::transport::PollSpin>,
 }
 
 pub struct DeviceState {
@@ -843,7 +840,6 @@ impl DeviceState {
             self.args.batcher.clone(),
             self.args.metrics.clone(),
             self.args.metrics_index,
-            self.args.poll_spin.clone(),
         )));
         let _ = self.args.batcher.cast(BatcherMsg::FastLink {
             device: self.args.device,

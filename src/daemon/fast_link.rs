@@ -40,9 +40,6 @@ pub struct FastLink {
     watchdog: Arc<Mutex<Watchdog>>,
     sent: AtomicU64,
     refused: AtomicU64,
-    /// When a batch was last rung in ([`crate::clock::mono_ns`]), for the
-    /// reader's light-load polling.
-    last_send_ns: AtomicU64,
 }
 
 impl std::fmt::Debug for FastLink {
@@ -90,7 +87,6 @@ impl FastLink {
             watchdog,
             sent: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-            last_send_ns: AtomicU64::new(0),
         }))
     }
 
@@ -156,8 +152,6 @@ impl FastLink {
         match shm::ring_send(self.doorbell.get_ref().as_raw_fd(), &bytes, true) {
             Ok(()) => {
                 self.sent.fetch_add(1, Ordering::Relaxed);
-                self.last_send_ns
-                    .store(crate::clock::mono_ns(), Ordering::Relaxed);
                 true
             }
             Err(e) => {
@@ -294,41 +288,20 @@ impl FastLink {
 
 /// Reads the worker's answers until its end of the doorbell closes (it
 /// exited) or the task is aborted (the device actor saw it exit).
-///
-/// With `poll_spin`, while a batch is out, the load is light and the last
-/// answer or send is within the window, the reader polls the doorbell
-/// (yielding to the runtime between polls) instead of sleeping, so a lone
-/// request's result is taken without a thread's wake-up.
 pub async fn serve(
     link: Arc<FastLink>,
     batcher: ActorRef<BatcherMsg>,
     metrics: Arc<Metrics>,
     metrics_index: usize,
-    poll_spin: Option<crate::transport::PollSpin>,
 ) {
     let mut buf = vec![0u8; shm::MAX_DOORBELL_MESSAGE];
-    let fd = link.doorbell.get_ref().as_raw_fd();
-    let mut last_answer_ns = 0u64;
     loop {
-        if let Some(spin) = &poll_spin {
-            match poll(&link, spin, last_answer_ns, &mut buf).await {
-                Polled::Answer(n) => {
-                    let began = crate::clock::mono_ns();
-                    link.handle(&buf[..n], &batcher, &metrics, metrics_index);
-                    last_answer_ns = crate::clock::mono_ns();
-                    metrics.stages.ring_reader.add_since(began);
-                    continue;
-                }
-                Polled::Closed => return,
-                Polled::Nothing => {}
-            }
-        }
         let Ok(mut ready) = link.doorbell.readable().await else {
             return;
         };
         let began = crate::clock::mono_ns();
         loop {
-            match shm::ring_recv(fd, &mut buf) {
+            match shm::ring_recv(link.doorbell.get_ref().as_raw_fd(), &mut buf) {
                 Ok(Some(n)) => link.handle(&buf[..n], &batcher, &metrics, metrics_index),
                 Ok(None) => {
                     ready.clear_ready();
@@ -337,39 +310,6 @@ pub async fn serve(
                 Err(_) => return,
             }
         }
-        last_answer_ns = crate::clock::mono_ns();
         metrics.stages.ring_reader.add_since(began);
-    }
-}
-
-enum Polled {
-    /// An answer of this many bytes is in the buffer.
-    Answer(usize),
-    /// Nothing came within the window: sleep until the worker rings.
-    Nothing,
-    /// The worker's end is gone.
-    Closed,
-}
-
-/// Light-load polling of the doorbell (see [`serve`]); the window runs from
-/// the later of the last answer and the last send.
-async fn poll(
-    link: &FastLink,
-    spin: &crate::transport::PollSpin,
-    last_answer_ns: u64,
-    buf: &mut [u8],
-) -> Polled {
-    let window = spin.window.as_nanos() as u64;
-    loop {
-        let last = last_answer_ns.max(link.last_send_ns.load(Ordering::Relaxed));
-        let out = link.free_slots() < link.slots();
-        if !out || crate::clock::mono_ns() >= last.saturating_add(window) || !(spin.light)() {
-            return Polled::Nothing;
-        }
-        match shm::ring_recv(link.doorbell.get_ref().as_raw_fd(), buf) {
-            Ok(Some(n)) => return Polled::Answer(n),
-            Ok(None) => tokio::task::yield_now().await,
-            Err(_) => return Polled::Closed,
-        }
     }
 }

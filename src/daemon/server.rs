@@ -338,7 +338,6 @@ pub fn client_limits(config: &Config) -> TransportLimits {
             .then(|| Duration::from_millis(s.client_heartbeat_ms)),
         io_threads: s.io_threads,
         shared_context: false,
-        poll_spin: None,
     }
 }
 
@@ -356,7 +355,6 @@ fn control_limits(config: &Config) -> TransportLimits {
         heartbeat: None,
         io_threads: 1,
         shared_context: false,
-        poll_spin: None,
     }
 }
 
@@ -458,31 +456,13 @@ pub async fn run(
     }
     let metrics = Arc::new(Metrics::new());
 
-    let admission = super::admission::Admission::new(
-        models.len(),
-        config.batching.max_queue,
-        config.server.max_buffered_bytes,
-    );
-    // server.poll_spin_us: at light load the client sockets' drivers and the
-    // worker links' readers poll instead of sleeping.
-    let poll_spin = {
-        let window = config.server.poll_spin();
-        let admission = admission.clone();
-        (!window.is_zero()).then(|| crate::transport::PollSpin {
-            window,
-            light: Arc::new(move || admission.is_light()),
-        })
-    };
     let security = client_security(&config).context(ConfigRejected)?;
     // One ROUTER, or `server.client_sockets` shards of the one endpoint
     // (tcp on an IPv4 address), each with its own libzmq context and driver.
     let client_sockets = Router::bind_shards(
         &config.server.endpoint,
         config.server.client_sockets,
-        &TransportLimits {
-            poll_spin: poll_spin.clone(),
-            ..client_limits(&config)
-        },
+        &client_limits(&config),
         &security,
     )
     .await
@@ -612,7 +592,6 @@ pub async fn run(
                 heartbeat: Duration::from_millis(config.devices.heartbeat_ms),
                 cold_us_per_token,
                 ring: rings.map(|r| r[usize::from(d.kind == DeviceKind::Eager)]),
-                poll_spin: poll_spin.clone(),
             }
         })
         .collect();
@@ -644,6 +623,11 @@ pub async fn run(
     } else {
         None
     };
+    let admission = super::admission::Admission::new(
+        models.len(),
+        config.batching.max_queue,
+        config.server.max_buffered_bytes,
+    );
     let frontend = Arc::new(
         Frontend::new(
             models,

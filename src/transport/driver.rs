@@ -140,7 +140,6 @@ pub(super) async fn start(
         stats: stats.clone(),
         limits,
         pending: VecDeque::new(),
-        last_message_ns: 0,
     };
     tokio::spawn(driver.run());
     Ok((endpoint, in_rx, out_tx, stats))
@@ -373,9 +372,6 @@ struct Driver {
     /// A DEALER's messages that libzmq could not take yet, oldest first
     /// (see `send`); what the senders queue meanwhile goes behind them.
     pending: VecDeque<Vec<Bytes>>,
-    /// When a message was last received or sent ([`crate::clock::mono_ns`]),
-    /// for [`TransportLimits::poll_spin`]'s window.
-    last_message_ns: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -471,9 +467,6 @@ impl Driver {
                 }
                 taken += 1;
             }
-            if taken > 0 {
-                self.last_message_ns = crate::clock::mono_ns();
-            }
             if taken == RECV_BATCH {
                 let now = crate::clock::mono_ns();
                 self.stats
@@ -501,13 +494,6 @@ impl Driver {
             };
             let more_input = receiving && blocked == Blocked::No && events.contains(zmq::POLLIN);
             if more_input || (!self.pending.is_empty() && events.contains(zmq::POLLOUT)) {
-                continue;
-            }
-            // 3b. At light load, poll a while before sleeping.
-            if self
-                .poll_spin(receiving && blocked == Blocked::No, &mut woke)
-                .await
-            {
                 continue;
             }
             // 4. Wait for anything that could let us make progress. Every
@@ -566,47 +552,6 @@ impl Driver {
         }
     }
 
-    /// [`TransportLimits::poll_spin`]: polls the outbox and (with
-    /// `want_input`) the socket, yielding to the runtime between polls, while
-    /// the load is light and the last message is within the window. True
-    /// when a turn has work; false to sleep, and then the last ZMQ_EVENTS
-    /// read was after the last poll, as the edge-triggered wait requires.
-    /// Polling counts as idle in `busy_ns` (`woke` moves past it).
-    async fn poll_spin(&self, want_input: bool, woke: &mut u64) -> bool {
-        let Some(spin) = &self.limits.poll_spin else {
-            return false;
-        };
-        let until = self
-            .last_message_ns
-            .saturating_add(spin.window.as_nanos() as u64);
-        let began = crate::clock::mono_ns();
-        let found = loop {
-            if crate::clock::mono_ns() >= until || !(spin.light)() {
-                break false;
-            }
-            tokio::task::yield_now().await;
-            if !self.outbox.is_empty() {
-                break true;
-            }
-            if want_input {
-                match self.main.get_ref().socket.get_events() {
-                    Ok(events) if !events.contains(zmq::POLLIN) => {}
-                    // Input, or an unusable socket that the next turn closes.
-                    _ => break true,
-                }
-            }
-        };
-        let now = crate::clock::mono_ns();
-        self.stats
-            .busy_ns
-            .fetch_add(began.saturating_sub(*woke), Ordering::Relaxed);
-        *woke = now;
-        if found {
-            bump(&self.stats.spin_hits);
-        }
-        found
-    }
-
     /// Sends one message without waiting; false if the socket is unusable.
     /// A DEALER whose peer is at its high-water mark keeps the message in
     /// `pending` (and sends nothing more) until libzmq has room: a DEALER's
@@ -646,7 +591,6 @@ impl Driver {
             }
         }
         bump(&self.stats.messages_sent);
-        self.last_message_ns = crate::clock::mono_ns();
         true
     }
 

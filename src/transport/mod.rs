@@ -124,31 +124,6 @@ pub struct TransportLimits {
     /// own): for a process with many client sockets, such as the load
     /// generator, whose sockets otherwise each run an I/O thread.
     pub shared_context: bool,
-    /// Polling instead of sleeping at light load (see [`PollSpin`]); `None`:
-    /// the driver always sleeps until libzmq signals its descriptor.
-    pub poll_spin: Option<PollSpin>,
-}
-
-/// Light-load polling: for `window` after its last message, and while
-/// `light()` holds, a socket's driver keeps polling libzmq (yielding to the
-/// runtime between polls) instead of sleeping until the descriptor fires.
-/// A message that arrives meanwhile is then taken without waking a sleeping
-/// runtime thread, which is most of a lone request's cost on a host whose
-/// wake-ups are dear; the price is a runtime thread kept busy while it polls.
-/// `light` keeps it to light loads, where cores are idle anyway (under load
-/// the driver seldom sleeps and polling would only take cores from the work).
-#[derive(Clone)]
-pub struct PollSpin {
-    pub window: Duration,
-    pub light: Arc<dyn Fn() -> bool + Send + Sync>,
-}
-
-impl fmt::Debug for PollSpin {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PollSpin")
-            .field("window", &self.window)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Default for TransportLimits {
@@ -168,7 +143,6 @@ impl Default for TransportLimits {
             heartbeat: Some(Duration::from_secs(10)),
             io_threads: 1,
             shared_context: false,
-            poll_spin: None,
         }
     }
 }
@@ -409,7 +383,6 @@ pub struct TransportStats {
     reads_paused: AtomicU64,
     busy_ns: AtomicU64,
     wakes: AtomicU64,
-    spin_hits: AtomicU64,
 }
 
 /// A copy of [`TransportStats`] at one moment.
@@ -447,9 +420,6 @@ pub struct StatsSnapshot {
     pub busy_us: u64,
     /// Times the driver woke up to work.
     pub wakes: u64,
-    /// Times light-load polling ([`PollSpin`]) found work, each a wake-up
-    /// saved.
-    pub spin_hits: u64,
 }
 
 impl TransportStats {
@@ -472,7 +442,6 @@ impl TransportStats {
             reads_paused: l(&self.reads_paused),
             busy_us: l(&self.busy_ns) / 1000,
             wakes: l(&self.wakes),
-            spin_hits: l(&self.spin_hits),
         }
     }
 }
@@ -498,7 +467,6 @@ impl std::ops::Add for StatsSnapshot {
             reads_paused: self.reads_paused + o.reads_paused,
             busy_us: self.busy_us + o.busy_us,
             wakes: self.wakes + o.wakes,
-            spin_hits: self.spin_hits + o.spin_hits,
         }
     }
 }
