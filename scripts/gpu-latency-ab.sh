@@ -11,7 +11,8 @@
 # separated by "\n" escapes, e.g. "io_threads = 1\nclient_sockets = 1");
 # variants are separated by ";". Each runs twice, interleaved (A B A B), so
 # drift between runs shows. Binaries and the f16 model come from
-# scripts/gpu-carry.sh (carry .carry). Writes $OUT/latency-ab.md.
+# scripts/gpu-carry.sh (carry .carry). Writes $OUT/latency-ab.md and the
+# daemons' logs as $OUT/latency-ab-logs.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/latency-ab}
@@ -34,6 +35,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 WORK=$(mktemp -d)
 DAEMON=""
 cleanup() { [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null; rm -rf "$WORK"; }
+mkdir -p "$WORK/logs"
 trap cleanup EXIT
 python3 scripts/make-short-texts.py "$MODEL/vocab.txt" "$WORK/short.jsonl"
 case "$BACKEND" in
@@ -74,11 +76,11 @@ dtype = "f16"
 batching = "packed"
 TOML
     # shellcheck disable=SC2086
-    env ${envs:-} "$BIN/replayd" --config "$WORK/c.toml" --ready-file "$WORK/ready.json" > "$OUT/replayd_$tag.log" 2>&1 &
+    env ${envs:-} "$BIN/replayd" --config "$WORK/c.toml" --ready-file "$WORK/ready.json" > "$WORK/logs/replayd_$tag.log" 2>&1 &
     DAEMON=$!
     for _ in $(seq 1 900); do [ -f "$WORK/ready.json" ] && break; kill -0 "$DAEMON" 2>/dev/null || break; sleep 0.2; done
     if [ ! -f "$WORK/ready.json" ]; then
-      echo "| $name | $round | daemon not ready | | $(tail -1 "$OUT/replayd_$tag.log") |" >> "$MD"; DAEMON=""; continue
+      echo "| $name | $round | daemon not ready | | $(tail -1 "$WORK/logs/replayd_$tag.log") |" >> "$MD"; DAEMON=""; continue
     fi
     EP=$(python3 -c "import json; print(json.load(open('$WORK/ready.json'))['endpoint'])")
     "$BIN/replayd-loadgen" --endpoint "$EP" --model minilm --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 \
@@ -98,4 +100,6 @@ else:
 PY
   done
 done
+# The daemons' logs in one file (the device tool brings back few files).
+tar -C "$WORK" -czf "$OUT/latency-ab-logs.tar.gz" logs
 cat "$MD"
