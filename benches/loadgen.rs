@@ -30,7 +30,9 @@
 
 use clap::Parser;
 use replayd::protocol::client::{Client, ClientOptions};
-use replayd::protocol::{Hops, InputKind, Payload, RequestHeader, Status};
+use replayd::protocol::{
+    decode_reply, encode_request, Hops, InputKind, Payload, ReplyHeader, RequestHeader, Status,
+};
 use replayd::tensor::{DType, HostTensor};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -104,6 +106,28 @@ struct Args {
     /// the figures (throughput, latency, hops).
     #[arg(long, default_value_t = 0.0)]
     warmup: f64,
+    /// The generator's libzmq I/O threads poll this many µs after each event
+    /// before they sleep (as the daemon's `server.io_spin_us`; 0: they sleep
+    /// at once, as any libzmq client's do).
+    #[arg(long, default_value_t = 0)]
+    io_spin_us: u64,
+    /// How requests are sent (see [`Engine`]).
+    #[arg(long, value_enum, default_value_t = Engine::Async)]
+    engine: Engine,
+}
+
+/// How the generator keeps its requests in flight.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Engine {
+    /// One tokio task per request slot on replayd's Rust client
+    /// (`protocol::client::Client`: failover, retries, a task and a channel
+    /// per call), as a Rust application would.
+    Async,
+    /// One OS thread per socket, a plain blocking libzmq DEALER keeping its
+    /// share of `--concurrency` in flight, as a pyzmq client would: a
+    /// fraction of the async engine's CPU per request, which matters where
+    /// the generator shares the daemon's host.
+    Threads,
 }
 
 struct Corpus {
@@ -213,6 +237,9 @@ struct Tally {
     hops: Vec<Vec<u64>>,
     /// Replies (ok or not) to requests sent during the warm-up.
     warmup_replies: u64,
+    /// Replies to no request in flight (the `threads` engine's count; the
+    /// async engine's clients count their own).
+    stray: u64,
 }
 
 impl Tally {
@@ -240,6 +267,7 @@ impl Tally {
             mine.extend(theirs);
         }
         self.warmup_replies += o.warmup_replies;
+        self.stray += o.stray;
     }
 }
 
@@ -399,6 +427,288 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
     dot / (na * nb).max(1e-30)
 }
 
+/// What every request slot shares: the arguments, the inputs and the
+/// checks' references.
+struct Run {
+    args: Args,
+    corpus: Arc<Option<Corpus>>,
+    mlp_reference: Arc<Option<MlpReference>>,
+    seen: Arc<Mutex<Seen>>,
+    issued: Arc<AtomicU64>,
+    started: Instant,
+    duration: Option<Duration>,
+    warmup: Duration,
+    output_dtype: DType,
+}
+
+/// A request slot's random draws (xorshift, seeded per slot).
+struct Draw(u64);
+
+impl Draw {
+    fn new(slot: usize) -> Draw {
+        Draw(0x9E37_79B9_7F4A_7C15u64 ^ (slot as u64 + 1))
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// One request as sent, and what its reply is checked against.
+struct Req {
+    header: RequestHeader,
+    payload: Payload,
+    /// Texts or rows in it.
+    size: usize,
+    /// The corpus lines of its texts.
+    picked: Vec<usize>,
+}
+
+impl Run {
+    /// Whether another request may start (`--requests`, `--duration`).
+    fn may_issue(&self) -> bool {
+        let n = self.issued.fetch_add(1, Ordering::Relaxed);
+        !(self.args.requests.is_some_and(|r| n >= r)
+            || self.duration.is_some_and(|d| self.started.elapsed() >= d))
+    }
+
+    fn make_request(&self, id: u64, draw: &mut Draw) -> Req {
+        let args = &self.args;
+        let size = if args.random_batch {
+            1 + (draw.next() as usize % args.batch)
+        } else {
+            args.batch
+        };
+        match (&*self.corpus, args.features) {
+            (Some(c), _) => {
+                let picked: Vec<usize> = (0..size)
+                    .map(|_| draw.next() as usize % c.texts.len())
+                    .collect();
+                let mut header = RequestHeader::new(id, &args.model, InputKind::Texts);
+                header.output_dtype = Some(self.output_dtype);
+                let texts = picked.iter().map(|&i| c.texts[i].clone()).collect();
+                Req {
+                    header,
+                    payload: Payload::Texts(texts),
+                    size,
+                    picked,
+                }
+            }
+            (None, Some(f)) => {
+                let x: Vec<f32> = (0..size * f)
+                    .map(|_| (draw.next() % 2000) as f32 / 1000.0 - 1.0)
+                    .collect();
+                let mut header = RequestHeader::new(id, &args.model, InputKind::Tensor);
+                header.dtype = Some(DType::F32);
+                header.shape = Some(vec![size as u64, f as u64]);
+                header.output_dtype = Some(self.output_dtype);
+                Req {
+                    header,
+                    payload: Payload::Tensor(HostTensor::from_f32(vec![size, f], &x)),
+                    size,
+                    picked: vec![],
+                }
+            }
+            (None, None) => unreachable!("checked in generate"),
+        }
+    }
+
+    /// Counts one request's outcome (sent at `t0`) and checks its output.
+    fn record(
+        &self,
+        t: &mut Tally,
+        req: &Req,
+        t0: Instant,
+        reply: Result<(ReplyHeader, Option<HostTensor>), String>,
+    ) {
+        let args = &self.args;
+        let us = t0.elapsed().as_micros() as u64;
+        let counted = t0.duration_since(self.started) >= self.warmup;
+        if !counted {
+            t.warmup_replies += 1;
+        }
+        let (header, output) = match reply {
+            Ok((h, _)) if h.status == Status::Ok && !counted => return,
+            Ok((h, out)) if h.status == Status::Ok => (h, out),
+            Ok((h, _)) => {
+                let code = h.code.map_or("unknown".to_string(), |c| c.to_string());
+                *t.errors.entry(code).or_default() += 1;
+                return;
+            }
+            Err(e) => {
+                *t.errors.entry(format!("client: {e}")).or_default() += 1;
+                return;
+            }
+        };
+        t.ok += 1;
+        t.items += req.size as u64;
+        t.latencies_us.push(us);
+        if let Some(h) = Hops::from_header(&header) {
+            for (k, v) in h.values().into_iter().enumerate() {
+                t.hops[k].push(v);
+            }
+            t.hops[Hops::NAMES.len()].push(header.total_us);
+        }
+        if header.batches.is_some_and(|b| b > 1) {
+            t.split += 1;
+        }
+        *t.buckets
+            .entry(header.bucket.clone().unwrap_or_default())
+            .or_default() += 1;
+        let device = header.device.clone().unwrap_or_default();
+        *t.devices.entry(device.clone()).or_default() += 1;
+        if let (Some(reference), Some(out), Payload::Tensor(x)) =
+            (&*self.mlp_reference, &output, &req.payload)
+        {
+            let got = out.to_f32_vec().unwrap_or_default();
+            let want = reference.forward(&x.to_f32_vec().unwrap(), req.size);
+            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0f64, |m, (a, b)| m.max((*a as f64 - b).abs()))
+                / scale;
+            t.max_rel_err = t.max_rel_err.max(err);
+            if err >= 1e-5 || got.len() != want.len() {
+                t.bad_mlp += 1;
+            }
+        }
+        // Eager runs have request-specific shapes: not comparable; nor are
+        // the rows of a request split over batches of different shapes (the
+        // reply names only the largest).
+        let comparable =
+            header.bucket.as_deref() != Some("eager") && header.batches.is_none_or(|b| b == 1);
+        if let (true, true, Some(out)) = (args.identical, comparable, &output) {
+            let values = out.to_f32_vec().unwrap_or_default();
+            let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
+            let bucket = header.bucket.clone().unwrap_or_default();
+            let mut seen = self.seen.lock().unwrap();
+            for (row, &k) in values.chunks(dim).zip(&req.picked) {
+                let key = (k as u64, bucket.clone());
+                match seen.get(&key) {
+                    None => {
+                        seen.insert(key, (device.clone(), row.to_vec()));
+                    }
+                    Some((_, first)) => {
+                        let d = first
+                            .iter()
+                            .zip(row)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0f32, f32::max);
+                        t.max_device_diff = t.max_device_diff.max(d);
+                        if d != 0.0 {
+                            t.nonidentical += 1;
+                        }
+                    }
+                }
+            }
+        }
+        // Decoding every reply's floats only to find no reference was 6 % of
+        // the generator's CPU.
+        let checked = (*self.corpus)
+            .as_ref()
+            .filter(|c| req.picked.iter().any(|&i| c.embeddings[i].is_some()));
+        if let (Some(c), Some(out)) = (checked, &output) {
+            let values = out.to_f32_vec().unwrap_or_default();
+            let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
+            for (row, &i) in values.chunks(dim).zip(&req.picked) {
+                if let Some(reference) = &c.embeddings[i] {
+                    let cos = cosine(row, reference);
+                    t.min_cosine = t.min_cosine.min(cos);
+                    if cos < args.min_cosine {
+                        t.bad_cosine += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The `threads` engine's socket `index`: keeps `window` requests in flight
+/// on one blocking DEALER until the run ends, then waits for what is still
+/// out (each up to `--timeout`).
+fn socket_thread(
+    run: &Run,
+    zmq_ctx: &zmq::Context,
+    index: usize,
+    window: usize,
+    mut t: Tally,
+) -> Tally {
+    let socket = zmq_ctx.socket(zmq::DEALER).expect("libzmq DEALER");
+    socket.set_linger(0).expect("ZMQ_LINGER");
+    socket.connect(&run.args.endpoint).expect("connect");
+    let timeout = Duration::from_secs_f64(run.args.timeout);
+    let mut draws: Vec<Draw> = (0..window).map(|k| Draw::new(index + k * 4096)).collect();
+    // id → (request, sent at, its draw); ids are this socket's own.
+    let mut in_flight: std::collections::HashMap<u64, (Req, Instant, usize)> =
+        std::collections::HashMap::with_capacity(window);
+    let mut next_id = (index as u64) << 40;
+    let mut free: Vec<usize> = (0..window).rev().collect();
+    let mut open = true;
+    loop {
+        while open && !free.is_empty() {
+            if !run.may_issue() {
+                open = false;
+                break;
+            }
+            let slot = free.pop().unwrap();
+            next_id += 1;
+            let req = run.make_request(next_id, &mut draws[slot]);
+            let frames = encode_request(&req.header, &req.payload);
+            let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
+            let t0 = Instant::now();
+            if let Err(e) = socket.send_multipart(parts, 0) {
+                run.record(&mut t, &req, t0, Err(format!("send: {e}")));
+                free.push(slot);
+                continue;
+            }
+            in_flight.insert(next_id, (req, t0, slot));
+        }
+        if in_flight.is_empty() {
+            break;
+        }
+        // Wait for a reply, at most until the oldest request times out.
+        let oldest = in_flight.values().map(|(_, t0, _)| *t0).min().unwrap();
+        let left = timeout.saturating_sub(oldest.elapsed());
+        let ready = socket
+            .poll(zmq::POLLIN, left.as_millis().max(1) as i64)
+            .expect("zmq_poll");
+        if ready == 0 {
+            let expired: Vec<u64> = in_flight
+                .iter()
+                .filter(|(_, (_, t0, _))| t0.elapsed() >= timeout)
+                .map(|(&id, _)| id)
+                .collect();
+            for id in expired {
+                let (req, t0, slot) = in_flight.remove(&id).unwrap();
+                run.record(&mut t, &req, t0, Err("timed out".into()));
+                free.push(slot);
+            }
+            continue;
+        }
+        while let Ok(frames) = socket.recv_multipart(zmq::DONTWAIT) {
+            let frames: Vec<bytes::Bytes> = frames.into_iter().map(bytes::Bytes::from).collect();
+            let (_, rest) = replayd::protocol::split_delimiter(&frames);
+            let reply = decode_reply(rest);
+            let id = match &reply {
+                Ok((h, _)) => h.id,
+                Err(_) => u64::MAX,
+            };
+            match in_flight.remove(&id) {
+                Some((req, t0, slot)) => {
+                    run.record(&mut t, &req, t0, reply);
+                    free.push(slot);
+                }
+                None => t.stray += 1,
+            }
+        }
+    }
+    t
+}
+
 /// The same allocator as the daemon's (src/main.rs): the generator
 /// allocates per request on every thread too.
 #[global_allocator]
@@ -415,6 +725,7 @@ fn main() {
 }
 
 async fn generate(args: Args) {
+    replayd::transport::set_io_spin(Duration::from_micros(args.io_spin_us));
     let corpus = Arc::new(args.texts.as_ref().map(load_corpus));
     let mlp_reference = Arc::new(args.verify_mlp.as_ref().map(MlpReference::load));
     if corpus.is_none() && args.features.is_none() {
@@ -422,19 +733,22 @@ async fn generate(args: Args) {
         std::process::exit(2);
     }
     let output_dtype: DType = args.output_dtype.parse().expect("--output-dtype");
-    let mut clients = Vec::new();
-    let mut options = ClientOptions::default();
-    options.limits.shared_context = true;
-    options.limits.io_threads = match args.io_threads {
+    let io_threads = match args.io_threads {
         0 => args.sockets.div_ceil(8).max(1),
         n => n,
     };
-    for _ in 0..args.sockets.max(1) {
-        clients.push(Arc::new(
-            Client::connect_with(&[&args.endpoint], options.clone())
-                .await
-                .expect("connect"),
-        ));
+    let mut clients = Vec::new();
+    if args.engine == Engine::Async {
+        let mut options = ClientOptions::default();
+        options.limits.shared_context = true;
+        options.limits.io_threads = io_threads;
+        for _ in 0..args.sockets.max(1) {
+            clients.push(Arc::new(
+                Client::connect_with(&[&args.endpoint], options.clone())
+                    .await
+                    .expect("connect"),
+            ));
+        }
     }
     let duration = args
         .duration
@@ -452,182 +766,93 @@ async fn generate(args: Args) {
         None => None,
     };
     let started = Instant::now();
-    let issued = Arc::new(AtomicU64::new(0));
     let new_tally = || Tally {
         min_cosine: 1.0,
         hops: vec![Vec::new(); Hops::NAMES.len() + 1],
         ..Default::default()
     };
-    let seen = Arc::new(Mutex::new(Seen::new()));
     let warmup = Duration::from_secs_f64(args.warmup.max(0.0));
-    let mut workers = Vec::new();
-    for w in 0..args.concurrency {
-        let client = clients[w % clients.len()].clone();
-        let (args, corpus, issued, seen) =
-            (args.clone(), corpus.clone(), issued.clone(), seen.clone());
-        let mut t = new_tally();
-        let mlp_reference = mlp_reference.clone();
-        workers.push(tokio::spawn(async move {
-            let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1);
-            let mut next = move || {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed
-            };
-            loop {
-                let n = issued.fetch_add(1, Ordering::Relaxed);
-                if args.requests.is_some_and(|r| n >= r)
-                    || duration.is_some_and(|d| started.elapsed() >= d)
-                {
-                    break;
-                }
-                let size = if args.random_batch {
-                    1 + (next() as usize % args.batch)
-                } else {
-                    args.batch
-                };
-                let id = client.next_id();
-                let (header, payload, picked) = match (&*corpus, args.features) {
-                    (Some(c), _) => {
-                        let picked: Vec<usize> =
-                            (0..size).map(|_| next() as usize % c.texts.len()).collect();
-                        let mut h = RequestHeader::new(id, &args.model, InputKind::Texts);
-                        h.output_dtype = Some(output_dtype);
-                        let texts = picked.iter().map(|&i| c.texts[i].clone()).collect();
-                        (h, Payload::Texts(texts), picked)
-                    }
-                    (None, Some(f)) => {
-                        let x: Vec<f32> = (0..size * f)
-                            .map(|_| (next() % 2000) as f32 / 1000.0 - 1.0)
-                            .collect();
-                        let mut h = RequestHeader::new(id, &args.model, InputKind::Tensor);
-                        h.dtype = Some(DType::F32);
-                        h.shape = Some(vec![size as u64, f as u64]);
-                        h.output_dtype = Some(output_dtype);
-                        (
-                            h,
-                            Payload::Tensor(HostTensor::from_f32(vec![size, f], &x)),
-                            vec![],
-                        )
-                    }
-                    (None, None) => unreachable!(),
-                };
-                let t0 = Instant::now();
-                let reply = client
-                    .request(&header, &payload, Duration::from_secs_f64(args.timeout))
-                    .await;
-                let us = t0.elapsed().as_micros() as u64;
-                let counted = t0.duration_since(started) >= warmup;
-                if !counted {
-                    t.warmup_replies += 1;
-                }
-                match reply {
-                    Ok(r) if r.header.status == Status::Ok && !counted => {}
-                    Ok(r) if r.header.status == Status::Ok => {
-                        t.ok += 1;
-                        t.items += size as u64;
-                        t.latencies_us.push(us);
-                        if let Some(h) = Hops::from_header(&r.header) {
-                            for (k, v) in h.values().into_iter().enumerate() {
-                                t.hops[k].push(v);
-                            }
-                            t.hops[Hops::NAMES.len()].push(r.header.total_us);
-                        }
-                        if r.header.batches.is_some_and(|b| b > 1) {
-                            t.split += 1;
-                        }
-                        *t.buckets
-                            .entry(r.header.bucket.clone().unwrap_or_default())
-                            .or_default() += 1;
-                        let device = r.header.device.clone().unwrap_or_default();
-                        *t.devices.entry(device.clone()).or_default() += 1;
-                        if let (Some(reference), Some(out), Payload::Tensor(x)) =
-                            (&*mlp_reference, &r.output, &payload)
-                        {
-                            let got = out.to_f32_vec().unwrap_or_default();
-                            let want = reference.forward(&x.to_f32_vec().unwrap(), size);
-                            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-                            let err = got
-                                .iter()
-                                .zip(&want)
-                                .fold(0f64, |m, (a, b)| m.max((*a as f64 - b).abs()))
-                                / scale;
-                            t.max_rel_err = t.max_rel_err.max(err);
-                            if err >= 1e-5 || got.len() != want.len() {
-                                t.bad_mlp += 1;
-                            }
-                        }
-                        // Eager runs have request-specific shapes: not comparable;
-                        // nor are the rows of a request split over batches of
-                        // different shapes (the reply names only the largest).
-                        let comparable = r.header.bucket.as_deref() != Some("eager")
-                            && r.header.batches.is_none_or(|b| b == 1);
-                        if let (true, true, Some(out)) = (args.identical, comparable, &r.output) {
-                            let values = out.to_f32_vec().unwrap_or_default();
-                            let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
-                            let bucket = r.header.bucket.clone().unwrap_or_default();
-                            let mut seen = seen.lock().unwrap();
-                            for (row, &k) in values.chunks(dim).zip(&picked) {
-                                let key = (k as u64, bucket.clone());
-                                match seen.get(&key) {
-                                    None => {
-                                        seen.insert(key, (device.clone(), row.to_vec()));
-                                    }
-                                    Some((_, first)) => {
-                                        let d = first
-                                            .iter()
-                                            .zip(row)
-                                            .map(|(a, b)| (a - b).abs())
-                                            .fold(0f32, f32::max);
-                                        t.max_device_diff = t.max_device_diff.max(d);
-                                        if d != 0.0 {
-                                            t.nonidentical += 1;
-                                        }
-                                    }
-                                }
-                            }
-                        }
-                        // Decoding every reply's floats only to find no
-                        // reference was 6 % of the generator's CPU.
-                        let checked = (*corpus)
-                            .as_ref()
-                            .filter(|c| picked.iter().any(|&i| c.embeddings[i].is_some()));
-                        if let (Some(c), Some(out)) = (checked, &r.output) {
-                            let values = out.to_f32_vec().unwrap_or_default();
-                            let dim = out.shape.get(1).copied().unwrap_or(1).max(1);
-                            for (row, &i) in values.chunks(dim).zip(&picked) {
-                                if let Some(reference) = &c.embeddings[i] {
-                                    let cos = cosine(row, reference);
-                                    t.min_cosine = t.min_cosine.min(cos);
-                                    if cos < args.min_cosine {
-                                        t.bad_cosine += 1;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    Ok(r) => {
-                        let code = r
-                            .header
-                            .code
-                            .map_or("unknown".to_string(), |c| c.to_string());
-                        *t.errors.entry(code).or_default() += 1;
-                    }
-                    Err(e) => *t.errors.entry(format!("client: {e}")).or_default() += 1,
-                }
-            }
-            t
-        }));
-    }
+    let ctx = Run {
+        args: args.clone(),
+        corpus: corpus.clone(),
+        mlp_reference: mlp_reference.clone(),
+        seen: Arc::new(Mutex::new(Seen::new())),
+        issued: Arc::new(AtomicU64::new(0)),
+        started,
+        duration,
+        warmup,
+        output_dtype,
+    };
+    let ctx = Arc::new(ctx);
     let mut t = new_tally();
-    for w in workers {
-        t.merge(w.await.unwrap());
+    match args.engine {
+        Engine::Async => {
+            let mut workers = Vec::new();
+            for w in 0..args.concurrency {
+                let client = clients[w % clients.len()].clone();
+                let ctx = ctx.clone();
+                let mut t = new_tally();
+                workers.push(tokio::spawn(async move {
+                    let mut draw = Draw::new(w);
+                    while ctx.may_issue() {
+                        let id = client.next_id();
+                        let req = ctx.make_request(id, &mut draw);
+                        let t0 = Instant::now();
+                        let reply = client
+                            .request(
+                                &req.header,
+                                &req.payload,
+                                Duration::from_secs_f64(ctx.args.timeout),
+                            )
+                            .await
+                            .map(|r| (r.header, r.output))
+                            .map_err(|e| e.to_string());
+                        ctx.record(&mut t, &req, t0, reply);
+                    }
+                    t
+                }));
+            }
+            for w in workers {
+                t.merge(w.await.unwrap());
+            }
+        }
+        Engine::Threads => {
+            let zmq_ctx = zmq::Context::new();
+            zmq_ctx
+                .set_io_threads(io_threads as i32)
+                .expect("libzmq io threads");
+            let sockets = args.sockets.max(1);
+            let mut threads = Vec::new();
+            for s in 0..sockets {
+                // This socket's share of the requests in flight.
+                let window =
+                    args.concurrency / sockets + usize::from(s < args.concurrency % sockets);
+                let (ctx, zmq_ctx) = (ctx.clone(), zmq_ctx.clone());
+                let tally = new_tally();
+                threads.push(
+                    std::thread::Builder::new()
+                        .name(format!("loadgen-socket-{s}"))
+                        .spawn(move || socket_thread(&ctx, &zmq_ctx, s, window.max(1), tally))
+                        .expect("spawn a socket thread"),
+                );
+            }
+            let tallies = tokio::task::spawn_blocking(move || {
+                threads
+                    .into_iter()
+                    .map(|th| th.join().expect("a socket thread panicked"))
+                    .collect::<Vec<Tally>>()
+            })
+            .await
+            .unwrap();
+            for tally in tallies {
+                t.merge(tally);
+            }
+        }
     }
     let elapsed = (started.elapsed().as_secs_f64() - warmup.as_secs_f64()).max(1e-9);
     // Let any duplicate reply arrive before counting strays.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let stray: u64 = clients.iter().map(|c| c.stray_replies()).sum();
+    let stray: u64 = t.stray + clients.iter().map(|c| c.stray_replies()).sum::<u64>();
     let (padding, stages) = match (&args.control, &stats_before) {
         (Some(endpoint), Some(before)) => match daemon_stats(endpoint).await {
             Ok(after) => (
@@ -682,6 +907,7 @@ async fn generate(args: Args) {
         "split_replies": t.split,
         "latency_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0)},
         "sockets": args.sockets.max(1),
+        "engine": format!("{:?}", args.engine).to_lowercase(),
         "warmup_s": args.warmup,
         "warmup_replies": t.warmup_replies,
         // Per hop of the daemon's replies, µs (docs/protocol.md); daemon_total is its total_us.

@@ -24,7 +24,12 @@
 # second daemon with those [server] / [batching] / [devices] lines (e.g.
 # AB_DEVICES="worker_spin_us = 0"), for a before/after in one call;
 # T3_LOADGEN_THREADS="4 8" runs target 3 again from generators of that many
-# runtime threads (the generator shares the host's cores with the daemon).
+# runtime threads (the generator shares the host's cores with the daemon);
+# LOADGEN_ARGS adds arguments to every replayd-loadgen run (e.g.
+# "--engine threads"); ENGINES="threads" runs targets 1 and 3 again on the
+# first daemon from the generator's other engine(s) (`replayd-loadgen
+# --engine`: the threads engine is a blocking libzmq client per socket, as
+# pyzmq is, at a fraction of the async engine's CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/bench-host}
@@ -115,7 +120,8 @@ stop_daemon() {
 }
 load() { # name, args... (with CPU_WINDOW=S set: each thread group's CPU use over S s of the run)
   local name=$1; shift
-  "$BIN/replayd-loadgen" --endpoint "$ENDPOINT" --model minilm --json "$OUT/load_$name.json" "$@" \
+  # shellcheck disable=SC2086
+  "$BIN/replayd-loadgen" --endpoint "$ENDPOINT" --model minilm --json "$OUT/load_$name.json" "$@" ${LOADGEN_ARGS:-} \
       > "$OUT/load_$name.log" 2>&1 &
   local lg=$!
   if [ -n "${CPU_WINDOW:-}" ]; then
@@ -145,6 +151,11 @@ if start_daemon gpu "$GPU_DEVICES"; then
   log "target 3: the corpus, one text per request, $T3_CONCURRENCY concurrent over $T3_SOCKETS sockets"
   CPU_WINDOW=$((T3_SECONDS - 6)) load t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
     --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
+  for e in ${ENGINES:-}; do  # targets 1 and 3 from the generator's other engine(s)
+    load "t1_$e" --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2 --engine "$e"
+    CPU_WINDOW=$((T3_SECONDS - 6)) load "t3_$e" --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" \
+      --sockets "$T3_SOCKETS" --duration "$T3_SECONDS" --warmup 3 --engine "$e"
+  done
   for n in ${T3_LOADGEN_THREADS:-}; do  # the same load from a generator of n runtime threads
     load "t3_lg$n" --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
       --duration "$T3_SECONDS" --warmup 3 --threads "$n"
@@ -224,6 +235,17 @@ if t1ab:
     row(f"1. with {ab}: p50", t1ab["latency_us"]["p50"], 200, True, "µs")
     row(f"1. with {ab}: p99", t1ab["latency_us"]["p99"], 500, True, "µs")
 base = st.get("best_texts_per_s")
+engines = os.environ.get("ENGINES", "").split()
+for e in engines:
+    d = load(f"load_t1_{e}.json")
+    if d and d["ok"] > 0:
+        row(f"1. from the {e} engine: p50", d["latency_us"]["p50"], 200, True, "µs")
+        row(f"1. from the {e} engine: p99", d["latency_us"]["p99"], 500, True, "µs")
+    d = load(f"load_t3_{e}.json")
+    if d and d["ok"] > 0 and base:
+        r = d["texts_per_s"]
+        print(f"| 3. from the {e} engine: texts/s vs sentence-transformers | {r:,.0f} texts/s = {r / base:.1f}× "
+              f"(p99 {d['latency_us']['p99'] / 1000:.2f} ms) | ≥ 20× | {r / base / 20:.2f}× | {'yes' if r / base >= 20 else 'no'} |")
 rate = t3 and t3.get("texts_per_s")
 if base and rate:
     print(f"| 3. corpus, 1 text/request, {conc} concurrent / {sockets} sockets: texts/s vs sentence-transformers "
@@ -251,8 +273,11 @@ print("## Where the time goes (replies' own per-hop timings, µs)\n")
 names = ["decode", "tokenize", "wait", "to_worker", "device", "back", "reply", "daemon_total"]
 print("| run | client p50 | client p99 | " + " | ".join(f"{n} p50/p99" for n in names) + " | errors |")
 print("|---|---|---|" + "---|" * len(names) + "---|")
-for label, d in [("target 1", t1), (f"target 1, {ab}", t1ab), ("target 3", t3), (f"target 3, {ab}", load("load_t3_ab.json")),
-                 ("null, target-1 load", n1), ("null, target-3 load", n3)]:
+runs = [("target 1", t1), (f"target 1, {ab}", t1ab), ("target 3", t3), (f"target 3, {ab}", load("load_t3_ab.json")),
+        ("null, target-1 load", n1), ("null, target-3 load", n3)]
+for e in engines:
+    runs += [(f"target 1, {e} engine", load(f"load_t1_{e}.json")), (f"target 3, {e} engine", load(f"load_t3_{e}.json"))]
+for label, d in runs:
     if not d or not d["ok"]:
         continue
     h = d.get("hops_us", {})
@@ -266,6 +291,7 @@ t3ab, t9ab = load("load_t3_ab.json"), load("load_t9_ab.json")
 for label, d in [("target 3 (GPU)", t3), ("issue 9: 32 texts/request (GPU)", t9),
                  (f"target 3 (GPU), {ab}", t3ab), (f"issue 9 (GPU), {ab}", t9ab),
                  ("target 3 load, null backend (host ceiling)", n3)] + [
+                 (f"target 3 (GPU), {e} engine", load(f"load_t3_{e}.json")) for e in engines] + [
                  (f"target 3 (GPU), generator of {f[len('load_t3_lg'):-5]} threads", load(f))
                  for f in sorted(os.listdir(out)) if f.startswith("load_t3_lg") and f.endswith(".json")]:
     if d and d["ok"] > 0:
@@ -293,6 +319,7 @@ if stage_runs:
               + " | ".join(str(s["mean_wait_us"].get(w, "")) for w in waits) + " |")
 cpu_runs = [(label, load(f"cpu_{n}.json")) for label, n in [("target 3 (GPU)", "t3"), (f"target 3 (GPU), {ab}", "t3_ab"),
                                                              ("null backend, target-3 load", "null_t3")]]
+cpu_runs += [(f"target 3 (GPU), {e} engine", load(f"cpu_t3_{e}.json")) for e in engines]
 if any(c for _, c in cpu_runs):
     print("\n## CPU per stage during the target-3 loads (scripts/thread-cpu.py; cores kept busy on average)\n")
     print("tokio's workers are `replayd` (the daemon) and `tokio-rt-worker` (the load generator); libzmq's I/O "
@@ -308,7 +335,7 @@ if os.path.exists(hb):
     print("\n## Each host stage on this CPU (replayd-hostbench)\n")
     print(open(hb).read())
 bad = [n for n, d in [("t1", t1), ("t1_ab", t1ab), ("t3", t3), ("t9", t9), ("t3_ab", t3ab), ("t9_ab", t9ab), ("null_t1", n1),
-                      ("null_t3", n3)] + [(f, load(f)) for f in sorted(os.listdir(out))
+                      ("null_t3", n3)] + [(f"t{k}_{e}", load(f"load_t{k}_{e}.json")) for e in engines for k in (1, 3)] + [(f, load(f)) for f in sorted(os.listdir(out))
                                           if f.startswith("load_t3_lg") and f.endswith(".json")] if d and errs(d)]
 if bad:
     print(f"\nERRORS in {bad}")

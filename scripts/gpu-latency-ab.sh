@@ -7,7 +7,8 @@
 #   OUT=$OUT VARIANTS='default;no worker spin||worker_spin_us = 0|;no staging|||REPLAYD_CUDA_DISABLE=small,qkv_attn,staged_io' \
 #     scripts/gpu-latency-ab.sh
 #
-# A variant is "name|[server] lines|[devices] lines|environment" (lines
+# A variant is "name|[server] lines|[devices] lines|environment|replayd-loadgen
+# arguments" (e.g. "--engine threads"; the last fields may be left out; lines
 # separated by "\n" escapes, e.g. "io_threads = 1\nclient_sockets = 1");
 # variants are separated by ";". Each runs twice, interleaved (A B A B), so
 # drift between runs shows. Binaries and the f16 model come from
@@ -54,7 +55,7 @@ MD=$OUT/latency-ab.md
 IFS=';' read -r -a VARS <<< "${VARIANTS:-default}"
 for round in $(seq 1 "$ROUNDS"); do
   for v in "${VARS[@]}"; do
-    IFS='|' read -r name server devices envs <<< "$v"
+    IFS='|' read -r name server devices envs lgargs <<< "$v"
     tag=$(echo "$name" | tr -c 'A-Za-z0-9_-' _)
     rm -f "$WORK/ready.json"
     cat > "$WORK/c.toml" <<TOML
@@ -83,8 +84,9 @@ TOML
       echo "| $name | $round | daemon not ready | | $(tail -1 "$WORK/logs/replayd_$tag.log") |" >> "$MD"; DAEMON=""; continue
     fi
     EP=$(python3 -c "import json; print(json.load(open('$WORK/ready.json'))['endpoint'])")
+    # shellcheck disable=SC2086
     "$BIN/replayd-loadgen" --endpoint "$EP" --model minilm --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 \
-      --sockets 1 --duration "$SECONDS_EACH" --warmup 1 > "$WORK/load.log" 2>&1
+      --sockets 1 --duration "$SECONDS_EACH" --warmup 1 ${lgargs:-} > "$WORK/load.log" 2>&1
     kill -TERM "$DAEMON"; wait "$DAEMON"; DAEMON=""
     python3 - "$WORK/load.log" "$name" "$round" >> "$MD" <<'PY'
 import re, sys

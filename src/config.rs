@@ -109,6 +109,13 @@ pub struct ServerConfig {
     /// `client_sockets`, one each measured faster than two (fewer threads
     /// to wake).
     pub io_threads: usize,
+    /// After it last handled an event, each libzmq I/O thread of the daemon
+    /// polls its sockets this many µs before it sleeps (0: it sleeps at
+    /// once, libzmq's own behaviour), so a request arriving, or a reply
+    /// leaving, soon after finds it awake instead of waiting for a wake-up.
+    /// At most 10000. Unset: as `devices.worker_spin_us` (on by default on
+    /// hosts of 8 or more CPUs, see [`ServerConfig::io_spin`]).
+    pub io_spin_us: Option<u64>,
     /// ROUTER sockets ("shards") that serve `endpoint` together, 1 to 16:
     /// each has its own libzmq context (`io_threads` I/O threads), its own
     /// driver task and receive loop, and listens on the same address with
@@ -164,6 +171,7 @@ impl Default for ServerConfig {
             recv_hwm: 64,
             handshake_timeout_ms: 10_000,
             io_threads: 1,
+            io_spin_us: None,
             client_sockets: 4,
             client_heartbeat_ms: 10_000,
             curve_secret_key_file: None,
@@ -295,6 +303,19 @@ fn spin_for(configured: Option<u64>, cpus: usize) -> std::time::Duration {
 /// This host's CPUs, as the automatic spin settings count them.
 fn host_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl ServerConfig {
+    /// How long the daemon's libzmq I/O threads poll after an event: the
+    /// configured `io_spin_us`, or when unset the automatic choice for `cpus`.
+    pub fn io_spin_for(&self, cpus: usize) -> std::time::Duration {
+        spin_for(self.io_spin_us, cpus)
+    }
+
+    /// [`Self::io_spin_for`] this host's CPUs.
+    pub fn io_spin(&self) -> std::time::Duration {
+        self.io_spin_for(host_cpus())
+    }
 }
 
 impl DevicesConfig {
@@ -604,6 +625,9 @@ impl Config {
                 "server.send_hwm",
                 "server.send_hwm and server.recv_hwm must be at least 1",
             ));
+        }
+        if self.server.io_spin_us.is_some_and(|us| us > 10_000) {
+            return Err(invalid("server.io_spin_us", "must be at most 10000"));
         }
         if !(1..=16).contains(&self.server.io_threads) {
             return Err(invalid("server.io_threads", "must be 1 to 16"));
@@ -968,6 +992,16 @@ path = "mlp.safetensors"
         assert_eq!(d.worker_spin_for(16), Duration::from_micros(300));
         let c = Config::parse(&format!("{MINIMAL}\n[devices]\nworker_spin_us = 0\n")).unwrap();
         assert_eq!(c.devices.worker_spin_for(16), Duration::ZERO);
+        let c = Config::parse(&format!("{MINIMAL}\n[server]\nio_spin_us = 40\n")).unwrap();
+        assert_eq!(c.server.io_spin_for(2), Duration::from_micros(40));
+        assert_eq!(c.server.io_spin_us, Some(40));
+        assert_eq!(
+            ServerConfig::default().io_spin_for(16),
+            Duration::from_micros(300)
+        );
+        assert_eq!(ServerConfig::default().io_spin_for(2), Duration::ZERO);
+        let e = Config::parse(&format!("{MINIMAL}\n[server]\nio_spin_us = 20000\n")).unwrap_err();
+        assert!(e.to_string().contains("server.io_spin_us"), "{e}");
         let c = Config::parse(&format!("{MINIMAL}\n[devices]\nworker_spin_us = 50\n")).unwrap();
         assert_eq!(c.devices.worker_spin_for(2), Duration::from_micros(50));
         let err =

@@ -457,6 +457,15 @@ pub async fn run(
     let metrics = Arc::new(Metrics::new());
 
     let security = client_security(&config).context(ConfigRejected)?;
+    // Process-wide: every libzmq I/O thread of the daemon (client shards,
+    // control socket, worker links) polls this long after an event while the
+    // load is light; the admission below switches it off and on.
+    let io_spin = config.server.io_spin();
+    crate::transport::set_io_spin(io_spin);
+    tracing::debug!(
+        io_spin_us = io_spin.as_micros() as u64,
+        "libzmq I/O threads' light-load spin"
+    );
     // One ROUTER, or `server.client_sockets` shards of the one endpoint
     // (tcp on an IPv4 address), each with its own libzmq context and driver.
     let client_sockets = Router::bind_shards(
@@ -627,6 +636,7 @@ pub async fn run(
         models.len(),
         config.batching.max_queue,
         config.server.max_buffered_bytes,
+        io_spin,
     );
     let frontend = Arc::new(
         Frontend::new(

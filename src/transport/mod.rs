@@ -70,6 +70,14 @@
 //! The driver answers libzmq's ZAP requests (RFC 27) itself. Every server
 //! socket also sets a ZAP domain, which makes libzmq refuse ZMTP 1.0 and 2.0
 //! peers (their decoder is not the patched one).
+//!
+//! ## I/O threads' spin
+//!
+//! [`set_io_spin`] makes every libzmq I/O thread of the process poll its
+//! sockets for a while after each event instead of sleeping at once (a
+//! patch of libzmq's epoll loop, see `third_party/zmq-sys/README.md`): a
+//! message that arrives, or that the application sends, soon after finds the
+//! thread awake. The daemon sets it from `server.io_spin_us`.
 
 mod driver;
 mod listen;
@@ -78,7 +86,7 @@ mod tests;
 
 use bytes::Bytes;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, Notify};
@@ -208,6 +216,29 @@ fn curve_public(secret_z85: &str) -> Result<String, String> {
     // SAFETY: zmq_curve_public wrote a NUL-terminated string.
     let s = unsafe { std::ffi::CStr::from_ptr(public.as_ptr()) };
     Ok(s.to_string_lossy().into_owned())
+}
+
+// Defined by the patched libzmq (epoll.cpp): a C `long`, read by each I/O
+// thread every turn of its loop.
+extern "C" {
+    static replayd_zmq_io_spin_us: AtomicI64;
+}
+
+/// How long every libzmq I/O thread of this process keeps polling after it
+/// last handled an event, before it sleeps (zero: it sleeps at once,
+/// libzmq's behaviour). Applies at once to running sockets too; at most
+/// 10 ms is taken.
+pub fn set_io_spin(spin: Duration) {
+    let us = spin.as_micros().min(10_000) as i64;
+    // SAFETY: the patched libzmq defines the symbol as a `long` (64-bit on
+    // the targets replayd builds for) that it only reads atomically.
+    unsafe { replayd_zmq_io_spin_us.store(us, Ordering::Relaxed) }
+}
+
+/// The spin [`set_io_spin`] set last.
+pub fn io_spin() -> Duration {
+    // SAFETY: as in `set_io_spin`.
+    Duration::from_micros(unsafe { replayd_zmq_io_spin_us.load(Ordering::Relaxed) }.max(0) as u64)
 }
 
 /// Z85 text of a 32-byte key (40 characters), as pyzmq and libzmq tools print keys.

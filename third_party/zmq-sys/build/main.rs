@@ -45,7 +45,7 @@ fn main() {
         .build();
 
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
-    patch_v2_decoder(&out, Path::new(&sodium_include));
+    patch_libzmq(&out, Path::new(&sodium_include));
 }
 
 const HPP_FROM: &str = "    const bool _zero_copy;\n";
@@ -78,6 +78,53 @@ const SIZE_TO: &str = r#"    //  replayd patch: ZMQ_MAXMSGSIZE also bounds the w
     //  Message size must fit into size_t data type.
 "#;
 
+// The I/O thread's spin (epoll.cpp): a global the application sets through
+// `replayd_zmq_io_spin_us` (transport::set_io_spin), read each turn.
+const EPOLL_TOP_FROM: &str = "#include \"i_poll_events.hpp\"\n";
+const EPOLL_TOP_TO: &str = r#"#include "i_poll_events.hpp"
+#include <time.h>
+
+//  replayd patch: how long (µs) an I/O thread keeps polling its epoll set
+//  without sleeping after it last handled an event; 0 (the default) is
+//  libzmq's own behaviour. Set by the application (replayd's
+//  `transport::set_io_spin`) before or while sockets run.
+extern "C" {
+long replayd_zmq_io_spin_us = 0;
+}
+
+static uint64_t replayd_now_us ()
+{
+    struct timespec ts;
+    clock_gettime (CLOCK_MONOTONIC, &ts);
+    return static_cast<uint64_t> (ts.tv_sec) * 1000000u
+           + static_cast<uint64_t> (ts.tv_nsec) / 1000u;
+}
+"#;
+const EPOLL_LOOP_FROM: &str = "    epoll_event ev_buf[max_io_events];\n";
+const EPOLL_LOOP_TO: &str =
+    "    epoll_event ev_buf[max_io_events];\n    uint64_t replayd_spin_until = 0;\n";
+const EPOLL_WAIT_FROM: &str = r#"        const int n = epoll_wait (_epoll_fd, &ev_buf[0], max_io_events,
+                                  timeout ? timeout : -1);
+"#;
+const EPOLL_WAIT_TO: &str = r#"        //  replayd patch: for replayd_zmq_io_spin_us after an event, poll
+        //  without sleeping, so that the next message (a reply the
+        //  application sends, a request a peer sends) is picked up without
+        //  waking a sleeping thread: on a virtual machine a wake-up of an idle
+        //  CPU costs several µs on each hop.
+        const long spin_us =
+          __atomic_load_n (&replayd_zmq_io_spin_us, __ATOMIC_RELAXED);
+        int n;
+        if (spin_us > 0 && replayd_now_us () < replayd_spin_until) {
+            n = epoll_wait (_epoll_fd, &ev_buf[0], max_io_events, 0);
+            if (n == 0)
+                continue;
+        } else
+            n = epoll_wait (_epoll_fd, &ev_buf[0], max_io_events,
+                            timeout ? timeout : -1);
+        if (n > 0 && spin_us > 0)
+            replayd_spin_until = replayd_now_us () + spin_us;
+"#;
+
 fn replace_once(text: &str, from: &str, to: &str, file: &str) -> String {
     assert_eq!(
         text.matches(from).count(),
@@ -87,7 +134,7 @@ fn replace_once(text: &str, from: &str, to: &str, file: &str) -> String {
     text.replacen(from, to, 1)
 }
 
-fn patch_v2_decoder(out: &Path, sodium_include: &Path) {
+fn patch_libzmq(out: &Path, sodium_include: &Path) {
     // zeromq-src copied libzmq's sources to OUT_DIR/source after compiling.
     let src = out.join("source/src");
     let patched = out.join("patched");
@@ -99,6 +146,11 @@ fn patch_v2_decoder(out: &Path, sodium_include: &Path) {
     let cpp = replace_once(&cpp, CTOR_FROM, CTOR_TO, "v2_decoder.cpp");
     let cpp = replace_once(&cpp, SIZE_FROM, SIZE_TO, "v2_decoder.cpp");
     fs::write(patched.join("v2_decoder.cpp"), cpp).unwrap();
+    let cpp = fs::read_to_string(src.join("epoll.cpp")).unwrap();
+    let cpp = replace_once(&cpp, EPOLL_TOP_FROM, EPOLL_TOP_TO, "epoll.cpp");
+    let cpp = replace_once(&cpp, EPOLL_LOOP_FROM, EPOLL_LOOP_TO, "epoll.cpp");
+    let cpp = replace_once(&cpp, EPOLL_WAIT_FROM, EPOLL_WAIT_TO, "epoll.cpp");
+    fs::write(patched.join("epoll.cpp"), cpp).unwrap();
 
     // The same defines zeromq-src uses on Linux (none of them changes the
     // layout of anything v2_decoder.cpp touches).
@@ -125,24 +177,32 @@ fn patch_v2_decoder(out: &Path, sodium_include: &Path) {
         .define("HAVE_STRNLEN", "1")
         .define("ZMQ_HAVE_UIO", "1")
         .define("ZMQ_HAVE_STRUCT_SOCKADDR_UN", "1")
-        .file(patched.join("v2_decoder.cpp"));
+        .file(patched.join("v2_decoder.cpp"))
+        .file(patched.join("epoll.cpp"));
     let objects = build.compile_intermediates();
-    assert_eq!(objects.len(), 1);
+    assert_eq!(objects.len(), 2);
 
-    // Swap the object inside libzmq.a.
+    // Swap the objects inside libzmq.a.
     let lib = out.join("lib/libzmq.a");
-    let members = Command::new("ar").arg("t").arg(&lib).output().expect("run ar");
-    assert!(members.status.success(), "ar t failed");
-    let members = String::from_utf8_lossy(&members.stdout);
-    let old: Vec<&str> = members
-        .lines()
-        .filter(|m| m.ends_with("v2_decoder.o"))
-        .collect();
-    assert_eq!(old.len(), 1, "v2_decoder.o in libzmq.a: {old:?}");
-    let ok = Command::new("ar").arg("d").arg(&lib).arg(old[0]).status().unwrap();
-    assert!(ok.success(), "ar d failed");
-    let new_obj = out.join("replayd-v2_decoder.o");
-    fs::copy(&objects[0], &new_obj).unwrap();
-    let ok = Command::new("ar").arg("rs").arg(&lib).arg(&new_obj).status().unwrap();
-    assert!(ok.success(), "ar rs failed");
+    for name in ["v2_decoder", "epoll"] {
+        let object = objects
+            .iter()
+            .find(|o| o.to_string_lossy().ends_with(&format!("{name}.o")))
+            .unwrap_or_else(|| panic!("{}.o among {:?}", name, objects));
+        let members = Command::new("ar").arg("t").arg(&lib).output().expect("run ar");
+        assert!(members.status.success(), "ar t failed");
+        let members = String::from_utf8_lossy(&members.stdout);
+        let suffix = format!("-{name}.o");
+        let old: Vec<&str> = members
+            .lines()
+            .filter(|m| m.ends_with(&suffix) || *m == format!("{name}.o"))
+            .collect();
+        assert_eq!(old.len(), 1, "{name}.o in libzmq.a: {old:?}");
+        let ok = Command::new("ar").arg("d").arg(&lib).arg(old[0]).status().unwrap();
+        assert!(ok.success(), "ar d failed");
+        let new_obj = out.join(format!("replayd-{name}.o"));
+        fs::copy(object, &new_obj).unwrap();
+        let ok = Command::new("ar").arg("rs").arg(&lib).arg(&new_obj).status().unwrap();
+        assert!(ok.success(), "ar rs failed");
+    }
 }
