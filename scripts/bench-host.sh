@@ -25,6 +25,7 @@
 # AB_DEVICES="worker_spin_us = 0"), for a before/after in one call;
 # T3_LOADGEN_THREADS="4 8" runs target 3 again from generators of that many
 # runtime threads (the generator shares the host's cores with the daemon);
+# T3_MORE="1024/16 2048/32" runs target 3 again at those concurrency/sockets;
 # LOADGEN_ARGS adds arguments to every replayd-loadgen run (e.g.
 # "--engine threads"); ENGINES="threads" runs targets 1 and 3 again on the
 # first daemon from the generator's other engine(s) (`replayd-loadgen
@@ -39,6 +40,9 @@ T1_SECONDS=${T1_SECONDS:-15}
 T3_SECONDS=${T3_SECONDS:-20}
 T3_CONCURRENCY=${T3_CONCURRENCY:-256}
 T3_SOCKETS=${T3_SOCKETS:-16}
+# The generator's engine for the target-3 loads (replayd-loadgen --engine): the
+# threads engine leaves the daemon more of the host's CPU.
+T3_ENGINE=${T3_ENGINE:-threads}
 ST_BUDGET=${ST_BUDGET:-60}
 BIN=${BENCH_BIN:-}
 if [ -z "$BIN" ]; then  # binaries staged by scripts/gpu-carry.sh
@@ -150,15 +154,19 @@ if start_daemon gpu "$GPU_DEVICES"; then
   load t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2
   log "target 3: the corpus, one text per request, $T3_CONCURRENCY concurrent over $T3_SOCKETS sockets"
   CPU_WINDOW=$((T3_SECONDS - 6)) load t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
-    --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
+    --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock" --engine "$T3_ENGINE"
   for e in ${ENGINES:-}; do  # targets 1 and 3 from the generator's other engine(s)
     load "t1_$e" --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2 --engine "$e"
     CPU_WINDOW=$((T3_SECONDS - 6)) load "t3_$e" --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" \
       --sockets "$T3_SOCKETS" --duration "$T3_SECONDS" --warmup 3 --engine "$e"
   done
+  for cs in ${T3_MORE:-}; do  # target 3 again at CONCURRENCY/SOCKETS
+    CPU_WINDOW=$((T3_SECONDS - 6)) load "t3_c${cs%/*}" --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "${cs%/*}" \
+      --sockets "${cs#*/}" --duration "$T3_SECONDS" --warmup 3 --engine "$T3_ENGINE" --control "ipc://$WORK/control.sock"
+  done
   for n in ${T3_LOADGEN_THREADS:-}; do  # the same load from a generator of n runtime threads
     load "t3_lg$n" --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
-      --duration "$T3_SECONDS" --warmup 3 --threads "$n"
+      --duration "$T3_SECONDS" --warmup 3 --threads "$n" --engine "$T3_ENGINE"
   done
   log "packed batching (issue 9): the corpus, 32 texts per request, 16 concurrent"
   load t9 --texts "$WORK/corpus.jsonl" --batch 32 --concurrency 16 --sockets 8 \
@@ -175,7 +183,7 @@ ${AB_DEVICES:-}" "${AB_BATCHING:-}" "${AB_SERVER:-}
 ${BENCH_SERVER:-}"; then
   load t1_ab --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration "$T1_SECONDS" --warmup 2
   CPU_WINDOW=$((T3_SECONDS - 6)) load t3_ab --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
-    --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
+    --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock" --engine "$T3_ENGINE"
   load t9_ab --texts "$WORK/corpus.jsonl" --batch 32 --concurrency 16 --sockets 8 \
     --duration "$T3_SECONDS" --warmup 3 --control "ipc://$WORK/control.sock"
   stop_daemon gpu_ab
@@ -186,7 +194,7 @@ if [ "$BACKEND" != null ] && start_daemon null 'backend = "null"
 cpu_devices = 1'; then
   load null_t1 --texts "$WORK/short.jsonl" --batch 1 --concurrency 1 --sockets 1 --duration 5 --warmup 1
   CPU_WINDOW=4 load null_t3 --texts "$WORK/corpus.jsonl" --batch 1 --concurrency "$T3_CONCURRENCY" --sockets "$T3_SOCKETS" \
-    --duration 10 --warmup 2 --control "ipc://$WORK/control.sock"
+    --duration 10 --warmup 2 --control "ipc://$WORK/control.sock" --engine "$T3_ENGINE"
   stop_daemon null
 fi
 
@@ -246,9 +254,16 @@ for e in engines:
         r = d["texts_per_s"]
         print(f"| 3. from the {e} engine: texts/s vs sentence-transformers | {r:,.0f} texts/s = {r / base:.1f}× "
               f"(p99 {d['latency_us']['p99'] / 1000:.2f} ms) | ≥ 20× | {r / base / 20:.2f}× | {'yes' if r / base >= 20 else 'no'} |")
+more = [(c, load(f"load_t3_c{c.split('/')[0]}.json")) for c in os.environ.get("T3_MORE", "").split()]
+for c, d in more:
+    if d and d["ok"] > 0 and base:
+        r = d["texts_per_s"]
+        print(f"| 3. at {c.replace('/', ' concurrent / ')} sockets: texts/s vs sentence-transformers | {r:,.0f} texts/s = "
+              f"{r / base:.1f}× | ≥ 20× | {r / base / 20:.2f}× | {'yes' if r / base >= 20 else 'no'} |")
+        row(f"3. at {c.replace('/', ' concurrent / ')} sockets: p99", d["latency_us"]["p99"] / 1000, 20, True, "ms")
 rate = t3 and t3.get("texts_per_s")
 if base and rate:
-    print(f"| 3. corpus, 1 text/request, {conc} concurrent / {sockets} sockets: texts/s vs sentence-transformers "
+    print(f"| 3. corpus, 1 text/request, {conc} concurrent / {sockets} sockets ({os.environ.get('T3_ENGINE', 'threads')} engine): texts/s vs sentence-transformers "
           f"({st.get('best_dtype')}, {base:,.0f} texts/s) | {rate:,.0f} texts/s = {rate / base:.1f}× | ≥ 20× | "
           f"{rate / base / 20:.2f}× | {'yes' if rate / base >= 20 else 'no'} |")
 else:
@@ -275,6 +290,7 @@ print("| run | client p50 | client p99 | " + " | ".join(f"{n} p50/p99" for n in 
 print("|---|---|---|" + "---|" * len(names) + "---|")
 runs = [("target 1", t1), (f"target 1, {ab}", t1ab), ("target 3", t3), (f"target 3, {ab}", load("load_t3_ab.json")),
         ("null, target-1 load", n1), ("null, target-3 load", n3)]
+runs += [(f"target 3 at {c}", d) for c, d in more]
 for e in engines:
     runs += [(f"target 1, {e} engine", load(f"load_t1_{e}.json")), (f"target 3, {e} engine", load(f"load_t3_{e}.json"))]
 for label, d in runs:
@@ -292,6 +308,7 @@ for label, d in [("target 3 (GPU)", t3), ("issue 9: 32 texts/request (GPU)", t9)
                  (f"target 3 (GPU), {ab}", t3ab), (f"issue 9 (GPU), {ab}", t9ab),
                  ("target 3 load, null backend (host ceiling)", n3)] + [
                  (f"target 3 (GPU), {e} engine", load(f"load_t3_{e}.json")) for e in engines] + [
+                 (f"target 3 (GPU) at {c}", d) for c, d in more] + [
                  (f"target 3 (GPU), generator of {f[len('load_t3_lg'):-5]} threads", load(f))
                  for f in sorted(os.listdir(out)) if f.startswith("load_t3_lg") and f.endswith(".json")]:
     if d and d["ok"] > 0:
@@ -320,6 +337,7 @@ if stage_runs:
 cpu_runs = [(label, load(f"cpu_{n}.json")) for label, n in [("target 3 (GPU)", "t3"), (f"target 3 (GPU), {ab}", "t3_ab"),
                                                              ("null backend, target-3 load", "null_t3")]]
 cpu_runs += [(f"target 3 (GPU), {e} engine", load(f"cpu_t3_{e}.json")) for e in engines]
+cpu_runs += [(f"target 3 (GPU) at {c}", load(f"cpu_t3_c{c.split('/')[0]}.json")) for c, _ in more]
 if any(c for _, c in cpu_runs):
     print("\n## CPU per stage during the target-3 loads (scripts/thread-cpu.py; cores kept busy on average)\n")
     print("tokio's workers are `replayd` (the daemon) and `tokio-rt-worker` (the load generator); libzmq's I/O "
@@ -335,7 +353,7 @@ if os.path.exists(hb):
     print("\n## Each host stage on this CPU (replayd-hostbench)\n")
     print(open(hb).read())
 bad = [n for n, d in [("t1", t1), ("t1_ab", t1ab), ("t3", t3), ("t9", t9), ("t3_ab", t3ab), ("t9_ab", t9ab), ("null_t1", n1),
-                      ("null_t3", n3)] + [(f"t{k}_{e}", load(f"load_t{k}_{e}.json")) for e in engines for k in (1, 3)] + [(f, load(f)) for f in sorted(os.listdir(out))
+                      ("null_t3", n3)] + [(f"t{k}_{e}", load(f"load_t{k}_{e}.json")) for e in engines for k in (1, 3)] + [(f"t3 at {c}", d) for c, d in more] + [(f, load(f)) for f in sorted(os.listdir(out))
                                           if f.startswith("load_t3_lg") and f.endswith(".json")] if d and errs(d)]
 if bad:
     print(f"\nERRORS in {bad}")
