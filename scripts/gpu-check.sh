@@ -123,7 +123,11 @@ TOML
   # eat the whole device session. At 7ee00de the check (300 timed replays a
   # bucket then) ran past 300 s, before its f32 packed ladder; 200 replays
   # give the p50 as well, and the whole script stays inside a 600 s call.
+  # BACKEND_CHECK_MODELS="minilm-f32-packed" checks only those models (e.g.
+  # a ladder a bounded run did not reach).
+  # shellcheck disable=SC2046
   if ! timeout "${BACKEND_CHECK_TIMEOUT:-400}" "$BIN/replayd" backend-check --config "$WORK/check.toml" --out "$OUT/backend_check.json" --iters 200 \
+      $([ -n "${BACKEND_CHECK_MODELS:-}" ] && echo --models "$BACKEND_CHECK_MODELS") \
       --profile --reference "minilm-f16-packed=$REF_F32" > "$OUT/backend_check.log" 2>&1; then
     fail "backend check (see backend_check.log)"
   fi
