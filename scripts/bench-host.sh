@@ -14,7 +14,7 @@
 # (2) replayd on GPU 0 serving MiniLM f16 (packed batching) over tcp
 # loopback: target 1, one 12–16-token text at a time from one client (p50,
 # p99 and the replies' own per-hop timings), then target 3, the corpus one
-# text per request from 256 concurrent requests over 16 sockets (texts/s,
+# text per request from 1,024 concurrent requests over 16 sockets (texts/s,
 # p99); (3) the same target-3 load on the null backend (computes nothing):
 # the host path's own ceiling on this CPU; (4) replayd-hostbench: each host
 # stage's figures on this CPU. Results: $OUT/bench-host.md and JSON beside it.
