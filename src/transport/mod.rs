@@ -235,12 +235,6 @@ pub fn set_io_spin(spin: Duration) {
     unsafe { replayd_zmq_io_spin_us.store(us, Ordering::Relaxed) }
 }
 
-/// The spin [`set_io_spin`] set last.
-pub fn io_spin() -> Duration {
-    // SAFETY: as in `set_io_spin`.
-    Duration::from_micros(unsafe { replayd_zmq_io_spin_us.load(Ordering::Relaxed) }.max(0) as u64)
-}
-
 /// Z85 text of a 32-byte key (40 characters), as pyzmq and libzmq tools print keys.
 pub fn z85_encode(key: &[u8; 32]) -> String {
     zmq::z85_encode(key).expect("32 bytes is a multiple of 4")

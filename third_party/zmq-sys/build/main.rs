@@ -114,11 +114,9 @@ const EPOLL_WAIT_TO: &str = r#"        //  replayd patch: for replayd_zmq_io_spi
         const long spin_us =
           __atomic_load_n (&replayd_zmq_io_spin_us, __ATOMIC_RELAXED);
         int n;
-        if (spin_us > 0 && replayd_now_us () < replayd_spin_until) {
+        if (spin_us > 0 && replayd_now_us () < replayd_spin_until)
             n = epoll_wait (_epoll_fd, &ev_buf[0], max_io_events, 0);
-            if (n == 0)
-                continue;
-        } else
+        else
             n = epoll_wait (_epoll_fd, &ev_buf[0], max_io_events,
                             timeout ? timeout : -1);
         if (n > 0 && spin_us > 0)
