@@ -829,7 +829,8 @@ async fn generate(args: Args) {
             zmq_ctx
                 .set_io_threads(io_threads as i32)
                 .expect("libzmq io threads");
-            let sockets = args.sockets.max(1);
+            // No more sockets than requests in flight: each keeps at least one.
+            let sockets = args.sockets.clamp(1, args.concurrency.max(1));
             let mut threads = Vec::new();
             for s in 0..sockets {
                 // This socket's share of the requests in flight.
