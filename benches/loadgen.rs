@@ -439,10 +439,10 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 /// checks' references.
 struct Run {
     args: Args,
-    corpus: Arc<Option<Corpus>>,
-    mlp_reference: Arc<Option<MlpReference>>,
-    seen: Arc<Mutex<Seen>>,
-    issued: Arc<AtomicU64>,
+    corpus: Option<Corpus>,
+    mlp_reference: Option<MlpReference>,
+    seen: Mutex<Seen>,
+    issued: AtomicU64,
     started: Instant,
     duration: Option<Duration>,
     warmup: Duration,
@@ -490,7 +490,7 @@ impl Run {
         } else {
             args.batch
         };
-        match (&*self.corpus, args.features) {
+        match (&self.corpus, args.features) {
             (Some(c), _) => {
                 let picked: Vec<usize> = (0..size)
                     .map(|_| draw.next() as usize % c.texts.len())
@@ -569,7 +569,7 @@ impl Run {
         let device = header.device.clone().unwrap_or_default();
         *t.devices.entry(device.clone()).or_default() += 1;
         if let (Some(reference), Some(out), Payload::Tensor(x)) =
-            (&*self.mlp_reference, &output, &req.payload)
+            (&self.mlp_reference, &output, &req.payload)
         {
             let got = out.to_f32_vec().unwrap_or_default();
             let want = reference.forward(&x.to_f32_vec().unwrap(), req.size);
@@ -616,7 +616,8 @@ impl Run {
         }
         // Decoding every reply's floats only to find no reference was 6 % of
         // the generator's CPU.
-        let checked = (*self.corpus)
+        let checked = self
+            .corpus
             .as_ref()
             .filter(|c| req.picked.iter().any(|&i| c.embeddings[i].is_some()));
         if let (Some(c), Some(out)) = (checked, &output) {
@@ -734,8 +735,8 @@ fn main() {
 
 async fn generate(args: Args) {
     replayd::transport::set_io_spin(Duration::from_micros(args.io_spin_us));
-    let corpus = Arc::new(args.texts.as_ref().map(load_corpus));
-    let mlp_reference = Arc::new(args.verify_mlp.as_ref().map(MlpReference::load));
+    let corpus = args.texts.as_ref().map(load_corpus);
+    let mlp_reference = args.verify_mlp.as_ref().map(MlpReference::load);
     if corpus.is_none() && args.features.is_none() {
         eprintln!("replayd-loadgen: give --texts FILE or --features N");
         std::process::exit(2);
@@ -782,10 +783,10 @@ async fn generate(args: Args) {
     let warmup = Duration::from_secs_f64(args.warmup.max(0.0));
     let ctx = Run {
         args: args.clone(),
-        corpus: corpus.clone(),
-        mlp_reference: mlp_reference.clone(),
-        seen: Arc::new(Mutex::new(Seen::new())),
-        issued: Arc::new(AtomicU64::new(0)),
+        corpus,
+        mlp_reference,
+        seen: Mutex::new(Seen::new()),
+        issued: AtomicU64::new(0),
         started,
         duration,
         warmup,
@@ -912,7 +913,7 @@ async fn generate(args: Args) {
         "elapsed_s": elapsed,
         "requests_per_s": t.ok as f64 / elapsed,
         "items_per_s": t.items as f64 / elapsed,
-        "texts_per_s": if corpus.is_some() { json!(t.items as f64 / elapsed) } else { Value::Null },
+        "texts_per_s": if ctx.corpus.is_some() { json!(t.items as f64 / elapsed) } else { Value::Null },
         "split_replies": t.split,
         "latency_us": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": pct(1.0)},
         "sockets": args.sockets.max(1),
@@ -921,10 +922,10 @@ async fn generate(args: Args) {
         "warmup_replies": t.warmup_replies,
         // Per hop of the daemon's replies, µs (docs/protocol.md); daemon_total is its total_us.
         "hops_us": hop_report,
-        "min_cosine": if corpus.is_some() { json!(t.min_cosine) } else { Value::Null },
+        "min_cosine": if ctx.corpus.is_some() { json!(t.min_cosine) } else { Value::Null },
         "below_min_cosine": t.bad_cosine,
         "stray_replies": stray,
-        "mlp_max_rel_err": if mlp_reference.is_some() { json!(t.max_rel_err) } else { Value::Null },
+        "mlp_max_rel_err": if ctx.mlp_reference.is_some() { json!(t.max_rel_err) } else { Value::Null },
         "mlp_above_1e-5": t.bad_mlp,
         "devices": t.devices,
         "identical_check": if args.identical { json!({"max_abs_diff": t.max_device_diff, "differing_rows": t.nonidentical}) } else { Value::Null },
@@ -938,7 +939,11 @@ async fn generate(args: Args) {
         t.ok,
         errors,
         t.items as f64 / elapsed,
-        if corpus.is_some() { "texts" } else { "rows" },
+        if ctx.corpus.is_some() {
+            "texts"
+        } else {
+            "rows"
+        },
         pct(0.5),
         pct(0.99),
         pct(1.0)
