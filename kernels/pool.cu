@@ -14,7 +14,10 @@
 // pre-norm rows [batch*seq, hidden] of the last add + LayerNorm, normalised
 // with gamma `lg`, beta `lb`, eps `leps` as they are loaded (each warp holds
 // whole token rows: hidden <= POOL_CHUNK) and rounded to T, the values the
-// LayerNorm would have stored; mean and max only (host-checked).
+// LayerNorm would have stored; mean and max only (host-checked). Its last
+// argument `out_rows` is the number of rows it writes (the batch's own, at
+// most the grid): a staged graph's pool_ln writes straight into the batch's
+// pinned host slot (stage.cu), where every row written crosses PCIe.
 //
 // One block of POOL_THREADS (8 warps) per batch row. Columns are processed in
 // chunks of 32*POOL_VPL: lane l of every warp owns columns l + 32*k of the
@@ -67,14 +70,37 @@ __device__ __forceinline__ void pool_ln_params(const T* __restrict__ lg, const T
     }
 }
 
+// The columns i = tid, tid + POOL_THREADS of a chunk: values a thread keeps
+// until the row's norm is known (one chunk: hidden <= POOL_CHUNK), so the
+// output is written once — it may be the batch's pinned host slot (a staged
+// graph's last kernel, see stage.cu), where reading it back would cross PCIe.
+#define POOL_KEEP (POOL_CHUNK / POOL_THREADS)
+
+// Block-wide: the row's pooled values `keep` (this thread's columns of the
+// only chunk), L2-normalised if asked, written to ob.
+__device__ __forceinline__ void pool_write_kept(const float (&keep)[POOL_KEEP], float sq, float* ob, int hidden,
+                                                int normalize, float* sh) {
+    const int tid = threadIdx.x;
+    float inv = 1.0f;
+    if (normalize) inv = 1.0f / fmaxf(sqrtf(block_sum(sq, sh)), 1e-12f);
+#pragma unroll
+    for (int j = 0; j < POOL_KEEP; j++) {
+        const int c = tid + j * POOL_THREADS;
+        if (c < hidden) ob[c] = keep[j] * inv;
+    }
+}
+
 template <typename TX, typename T = TX>
 __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* __restrict__ mask,
                                           const int* __restrict__ skip, float* __restrict__ out, int seq,
                                           int hidden, int mode, int normalize, const T* __restrict__ lg = nullptr,
-                                          const T* __restrict__ lb = nullptr, float leps = 0.0f) {
+                                          const T* __restrict__ lb = nullptr, float leps = 0.0f,
+                                          int out_rows = 0x7fffffff) {
     __shared__ float part[POOL_WARPS][POOL_CHUNK];
     __shared__ float sh[32];
     const int b = blockIdx.x;
+    // Rows past the batch's own are not written (the host reads only those).
+    if (b >= out_rows) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const TX* xb = x + (size_t)b * seq * hidden;
     const int* mb = mask + (size_t)b * seq;
@@ -82,9 +108,6 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
 
     // The first pooled position (0 without `skip`).
     const int first = skip ? min(max(skip[b], 0), seq) : 0;
-    float cnt = 0.0f;
-    for (int s = first + tid; s < seq; s += POOL_THREADS) cnt += (float)(mb[s] != 0);
-    cnt = block_sum(cnt, sh);
 
     float sq = 0.0f;
     if (mode == POOL_CLS) {
@@ -106,44 +129,56 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
         const float init = is_max ? NEG_INF_F : 0.0f;
         float lgv[POOL_VPL], lbv[POOL_VPL];
         pool_ln_params<T>(lg, lb, hidden, lgv, lbv);
+        float keep[POOL_KEEP];
+        float cnt = 0.0f;
         for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK) {
             float acc[POOL_VPL];
 #pragma unroll
             for (int k = 0; k < POOL_VPL; k++) acc[k] = init;
+            float used = 0.0f;  // this warp's unmasked tokens
             // POOL_UNROLL tokens' loads in flight at once: one token at a time
-            // the loop waits out a memory latency per token.
+            // the loop waits out a memory latency per token. The rows are
+            // loaded whatever their mask (the mask then selects), so their
+            // loads do not wait for the mask's.
             for (int s0 = first + warp; s0 < seq; s0 += POOL_UNROLL * POOL_WARPS) {
                 float v[POOL_UNROLL][POOL_VPL];
                 bool use[POOL_UNROLL];
 #pragma unroll
                 for (int u = 0; u < POOL_UNROLL; u++) {
                     const int s = s0 + u * POOL_WARPS;
-                    use[u] = s < seq && mb[s] != 0;
-                    const TX* xr = xb + (size_t)(use[u] ? s : first) * hidden;
+                    const bool in = s < seq;
+                    const TX* xr = xb + (size_t)(in ? s : first) * hidden;
 #pragma unroll
                     for (int k = 0; k < POOL_VPL; k++) {
                         const int c = c0 + lane + 32 * k;
-                        v[u][k] = (use[u] && c < hidden) ? to_f32(xr[c]) : init;
+                        v[u][k] = (in && c < hidden) ? to_f32(xr[c]) : init;
                     }
-                }
-                if (lg != 0) {
-#pragma unroll
-                    for (int u = 0; u < POOL_UNROLL; u++)
-                        if (use[u]) pool_ln_row<T>(v[u], lgv, lbv, hidden, leps);  // warp-uniform
+                    use[u] = in && mb[s] != 0;
                 }
 #pragma unroll
-                for (int u = 0; u < POOL_UNROLL; u++)
+                for (int u = 0; u < POOL_UNROLL; u++) {
+                    if (!use[u]) continue;  // warp-uniform
+                    used += 1.0f;
+                    if (lg != 0) pool_ln_row<T>(v[u], lgv, lbv, hidden, leps);
 #pragma unroll
                     for (int k = 0; k < POOL_VPL; k++) acc[k] = is_max ? fmaxf(acc[k], v[u][k]) : acc[k] + v[u][k];
+                }
             }
             __syncthreads();  // previous chunk's partials consumed
 #pragma unroll
             for (int k = 0; k < POOL_VPL; k++) part[warp][lane + 32 * k] = acc[k];
+            if (c0 == 0 && lane == 0) sh[warp] = used;
             __syncthreads();
-            for (int i = tid; i < POOL_CHUNK; i += POOL_THREADS) {
+            if (c0 == 0) {
+                for (int w = 0; w < POOL_WARPS; w++) cnt += sh[w];
+            }
+#pragma unroll
+            for (int j = 0; j < POOL_KEEP; j++) {
+                const int i = tid + j * POOL_THREADS;
                 const int c = c0 + i;
+                float v = 0.0f;
                 if (c < hidden) {
-                    float v = part[0][i];
+                    v = part[0][i];
 #pragma unroll
                     for (int w = 1; w < POOL_WARPS; w++) v = is_max ? fmaxf(v, part[w][i]) : v + part[w][i];
                     if (is_max) {
@@ -151,10 +186,16 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
                     } else {
                         v = v / fmaxf(cnt, 1e-9f);
                     }
-                    ob[c] = v;
                     sq += v * v;
+                    if (hidden > POOL_CHUNK) ob[c] = v;
                 }
+                keep[j] = v;
             }
+        }
+        if (hidden <= POOL_CHUNK) {
+            // (block_sum's first barrier orders its use of sh after the counts' reads.)
+            pool_write_kept(keep, sq, ob, hidden, normalize, sh);
+            return;
         }
     }
     if (normalize) {
@@ -185,9 +226,10 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
 #define POOL_LN_KERNEL(T, SUF)                                                                             \
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                             \
         pool_ln_##SUF(const float* x, const int* mask, float* out, int seq, int hidden, int mode,          \
-                      int normalize, const T* gamma, const T* beta, float eps) {                           \
+                      int normalize, const T* gamma, const T* beta, float eps, int out_rows) {             \
         pdl_enter();                                                                                       \
-        pool_impl<float, T>(x, mask, nullptr, out, seq, hidden, mode, normalize, gamma, beta, eps);        \
+        pool_impl<float, T>(x, mask, nullptr, out, seq, hidden, mode, normalize, gamma, beta, eps,         \
+                            out_rows);                                                                     \
     }
 
 POOL_KERNEL(float, f32)

@@ -13,7 +13,8 @@
 // counts as 0; zeros when none are left).
 //
 // pool_packed_ln_<t>: x is the f32 pre-norm rows of a deferred LayerNorm,
-// normalised as they are loaded, as pool.cu's pool_ln_<t>.
+// normalised as they are loaded, as pool.cu's pool_ln_<t>, and writes only
+// the first `out_rows` sequences' rows, as it does.
 //
 // One block of POOL_THREADS (8 warps) per sequence slot, with pool.cu's
 // decomposition: columns in chunks of 32*POOL_VPL, warp w reduces the tokens
@@ -26,10 +27,14 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
                                                  const int* __restrict__ skip, float* __restrict__ out,
                                                  int tokens, int hidden, int mode, int normalize,
                                                  const T* __restrict__ lg = nullptr,
-                                                 const T* __restrict__ lb = nullptr, float leps = 0.0f) {
+                                                 const T* __restrict__ lb = nullptr, float leps = 0.0f,
+                                                 int out_rows = 0x7fffffff) {
     __shared__ float part[POOL_WARPS][POOL_CHUNK];
     __shared__ float sh[32];
     const int s = blockIdx.x;
+    // Sequence slots past the batch's own are not written (the host reads
+    // only those; a lone text in a 64-sequence budget writes one row).
+    if (s >= out_rows) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int begin = min(max(offsets[s], 0), tokens);
     const int end = max(min(offsets[s + 1], tokens), begin);
@@ -55,6 +60,7 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
         const float inv_len = 1.0f / (float)len;
         float lgv[POOL_VPL], lbv[POOL_VPL];
         pool_ln_params<T>(lg, lb, hidden, lgv, lbv);
+        float keep[POOL_KEEP];
         for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK) {
             float acc[POOL_VPL];
 #pragma unroll
@@ -76,17 +82,26 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
 #pragma unroll
             for (int k = 0; k < POOL_VPL; k++) part[warp][lane + 32 * k] = acc[k];
             __syncthreads();
-            for (int i = tid; i < POOL_CHUNK; i += POOL_THREADS) {
+#pragma unroll
+            for (int j = 0; j < POOL_KEEP; j++) {
+                const int i = tid + j * POOL_THREADS;
                 const int c = c0 + i;
+                float v = 0.0f;
                 if (c < hidden) {
-                    float v = part[0][i];
+                    v = part[0][i];
 #pragma unroll
                     for (int w = 1; w < POOL_WARPS; w++) v = is_max ? fmaxf(v, part[w][i]) : v + part[w][i];
                     if (!is_max) v *= inv_len;
-                    os[c] = v;
                     sq += v * v;
+                    if (hidden > POOL_CHUNK) os[c] = v;
                 }
+                keep[j] = v;
             }
+        }
+        // One chunk: written once, normalised (pool.cu, pool_write_kept).
+        if (hidden <= POOL_CHUNK) {
+            pool_write_kept(keep, sq, os, hidden, normalize, sh);
+            return;
         }
     }
     if (normalize) {
@@ -118,10 +133,11 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
 #define POOL_PACKED_LN_KERNEL(T, SUF)                                                                      \
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                             \
         pool_packed_ln_##SUF(const float* x, const int* offsets, float* out, int tokens, int hidden,       \
-                             int mode, int normalize, const T* gamma, const T* beta, float eps) {          \
+                             int mode, int normalize, const T* gamma, const T* beta, float eps,            \
+                             int out_rows) {                                                               \
         pdl_enter();                                                                                       \
         pool_packed_impl<float, T>(x, offsets, nullptr, out, tokens, hidden, mode, normalize, gamma, beta, \
-                                   eps);                                                                   \
+                                   eps, out_rows);                                                         \
     }
 
 POOL_PACKED_KERNEL(float, f32)

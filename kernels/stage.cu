@@ -7,6 +7,12 @@
 // slot before the launch; see backend::cuda::graph::StagedIo). Words of 4
 // bytes, coalesced across the warp: every input block and output is a whole
 // number of i32/f32.
+//
+// Where the graph begins with embed_ln_vec (vec.cu) and ends with pool_ln or
+// pool_packed_ln (pool.cu, pool_packed.cu), those kernels do this work
+// themselves (the embedding copies the block and reads its ids from the
+// slot; the pooling writes its rows into it), one dependent node fewer at
+// each end; these two kernels stage the other graphs.
 
 extern "C" __global__ void stage_in(const unsigned* __restrict__ host, unsigned* dev, int words) {
     pdl_enter();

@@ -119,7 +119,14 @@ __device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, c
                                                   const T* __restrict__ pos, const T* __restrict__ ttab,
                                                   const T* __restrict__ gamma, const T* __restrict__ beta, float eps,
                                                   T* __restrict__ out, int rows, int seq, int hidden, int vocab,
-                                                  int npos, int ntypes) {
+                                                  int npos, int ntypes, const unsigned* __restrict__ stage_src,
+                                                  unsigned* __restrict__ stage_dst, int stage_words) {
+    // A staged graph's first kernel: copy the input block from the batch's
+    // pinned slot for the kernels after this one (this kernel's own ids,
+    // types and positions then point into the slot too), instead of a
+    // stage_in node before it (stage.cu).
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < stage_words; i += gridDim.x * blockDim.x)
+        stage_dst[i] = stage_src[i];
     const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
@@ -208,9 +215,11 @@ __device__ __forceinline__ void bias_act_vec_impl(const T* x, const T* __restric
     extern "C" __global__ void __launch_bounds__(LNV_THREADS)                                                   \
         embed_ln_vec_##SUF(const int* ids, const int* types, const int* positions, const T* word, const T* pos, \
                            const T* ttab, const T* gamma, const T* beta, float eps, T* out, int rows, int seq,  \
-                           int hidden, int vocab, int npos, int ntypes) { pdl_enter();                                       \
+                           int hidden, int vocab, int npos, int ntypes, const unsigned* stage_src,              \
+                           unsigned* stage_dst, int stage_words) {                                              \
+        pdl_enter();                                                                                            \
         embed_ln_vec_impl<T>(ids, types, positions, word, pos, ttab, gamma, beta, eps, out, rows, seq, hidden,  \
-                             vocab, npos, ntypes);                                                              \
+                             vocab, npos, ntypes, stage_src, stage_dst, stage_words);                           \
     }                                                                                                           \
     extern "C" __global__ void bias_act_vec_##SUF(const T* x, const T* bias, T* y, int n, int cols, int act) { pdl_enter();  \
         bias_act_vec_impl<T>(x, bias, y, n, cols, act);                                                         \

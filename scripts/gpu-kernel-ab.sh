@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Small-shape kernel A/B on a GPU machine, in one call: MiniLM f16 padded
-# (1..2, 16..32) and the packed 64- and 256-token budgets (f16, bf16), each
+# (1..2, 16..32), f32 (1, 16) and the packed 64- and 256-token budgets
+# (f16, bf16), each
 # checked against the CPU backend and timed (`replayd backend-check`, replay
 # with copies, p50) once per `REPLAYD_CUDA_DISABLE` value in AB_SWITCHES
 # (the whole value, e.g. "small,qkv_attn,ln_defer"; "default" = unset, the
@@ -33,6 +34,17 @@ dtype = "f16"
 batching = "padded"
 batch_buckets = [1, 2]
 seq_buckets = [16, 32]
+
+# f32 on the f16-stored weights: the staged (1, 16) graph whose pooling
+# has no deferred LayerNorm (stage_out writes its output).
+[[models]]
+name = "minilm-f32"
+kind = "bert"
+path = "$MODEL"
+dtype = "f32"
+batching = "padded"
+batch_buckets = [1]
+seq_buckets = [16]
 
 [[models]]
 name = "minilm-f16-packed"
@@ -116,7 +128,7 @@ PY
   cubin=$(ls -t ~/.cache/replayd/kernels/*.cubin 2>/dev/null | head -1)
   if [ -n "$cubin" ] && command -v cuobjdump >/dev/null; then
     { echo; echo "## registers and spills (cuobjdump -res-usage)"; echo; echo '```';
-      cuobjdump -res-usage "$cubin" 2>&1 | grep -A1 -E "gemm_small|qkv_attn|attention_tc_f16_d32|embed_ln_vec_f16|pool_f16" | grep -v "^--" | paste - - | sed -E 's/\s+/ /g' | head -20;
+      cuobjdump -res-usage "$cubin" 2>&1 | grep -A1 -E "gemm_small|qkv_attn|attention_tc_f16_d32|embed_ln_vec_f16|pool_f16|pool_ln_f16|pool_packed_ln_f16" | grep -v "^--" | paste - - | sed -E 's/\s+/ /g' | head -20;
       echo '```'; } >> "$OUT/kernel-ab.md"
   fi
 fi

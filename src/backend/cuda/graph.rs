@@ -8,8 +8,11 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
 use super::error::DriverResultExt;
+use super::kernels::Kernels;
+use super::launch;
 use super::mem::{align_up, DeviceBuf, PinnedBuf};
-use super::plan::{write_tile_table, Plan, TILE_ENTRY};
+use super::plan::{write_tile_table, Arg, Loc, Plan, StagedCount, Step, TILE_ENTRY};
+use super::resolve::{self, Bases, RArg};
 use crate::backend::BackendError;
 use crate::model::batch::{BatchRows, PackTarget};
 use crate::model::InputRole;
@@ -145,29 +148,39 @@ impl Slot {
     }
 }
 
-/// A staged graph's two staging kernels ([`Plan::with_staged_io`]) and the
-/// slot they read and write now: before a batch in another slot, or with
-/// another number of output values, launches, [`StagedIo::point_at`] sets
-/// the nodes' arguments in the executable graph (which affects later
-/// launches only, never one already queued). `stage_out` writes only the
+/// A staged graph's kernels that read or write the batch's pinned slot
+/// ([`Plan::with_staged_io`]: `stage_in` or the embedding first, `stage_out`
+/// or the pooling last) and the slot they address now: before a batch in
+/// another slot, or of another size, launches, [`StagedIo::point_at`] sets
+/// those nodes' arguments in the executable graph (which affects later
+/// launches only, never one already queued). The last node writes only the
 /// batch's own rows: a lone text in a 64-sequence budget sends 1.5 KB over
 /// PCIe, not 96.
 pub struct StagedIo {
-    nodes: [StageNode; 2],
-    /// `Slot::device_addrs` of the slot the executable graph points at.
-    pointed: (u64, u64),
-    /// The plan's output floats: `stage_out`'s count at capture.
+    nodes: Vec<StagedNode>,
+    /// The plan's output floats, and floats a row.
     max_values: usize,
+    output_dim: usize,
 }
 
-/// One staging kernel node and its launch shape; its arguments are
-/// `(src, dst, count)`.
-struct StageNode {
+/// One kernel node that addresses the slot: its launch shape, its
+/// arguments as last set, and which of them follow the batch.
+struct StagedNode {
     node: sys::CUgraphNode,
     params: sys::CUDA_KERNEL_NODE_PARAMS,
-    src: u64,
-    dst: u64,
-    count: i32,
+    args: Vec<RArg>,
+    patches: Vec<(usize, Patch)>,
+}
+
+/// How an argument of a [`StagedNode`] follows the batch.
+#[derive(Clone, Copy)]
+enum Patch {
+    /// The slot's input block plus a byte offset.
+    Input(u64),
+    /// The slot's output plus a byte offset.
+    Output(u64),
+    /// The batch's size.
+    Count(StagedCount),
 }
 
 // SAFETY: the node handle and function belong to the graph, which moves with
@@ -175,15 +188,43 @@ struct StageNode {
 unsafe impl Send for StagedIo {}
 
 impl StagedIo {
-    /// Finds `stage_in` and `stage_out` (by function) among the graph's
-    /// kernel nodes; `pointed` is the slot the capture resolved them to.
+    /// Finds the graph's kernel node of each of `plan`'s staged steps (by
+    /// function: each is the only node of its kernel, as
+    /// [`Plan::with_staged_io`] checks), with the arguments the capture
+    /// resolved against `bases` (those of the capture).
     pub(crate) fn find(
         graph: &cudarc::driver::CudaGraph,
-        stage_in: sys::CUfunction,
-        stage_out: sys::CUfunction,
-        pointed: (u64, u64),
+        plan: &Plan,
+        kernels: &Kernels,
+        bases: &Bases<'_>,
     ) -> Result<StagedIo, BackendError> {
-        let mut found: [Option<StageNode>; 2] = [None, None];
+        let lost =
+            |what: String| BackendError::Other(format!("staged graph {}: {what}", plan.label()));
+        let mut funcs: Vec<(sys::CUfunction, Vec<sys::CUgraphNode>)> = Vec::new();
+        let mut steps = Vec::with_capacity(plan.staged.len());
+        for st in &plan.staged {
+            let Some(Step::Kernel { name, args, .. }) = plan.steps.get(st.step) else {
+                return Err(lost(format!("step {} is not a kernel", st.step)));
+            };
+            let func = kernels
+                .get(name)
+                .ok_or_else(|| lost(format!("kernel {name} is not loaded")))?
+                .cu_function();
+            let mut patches: Vec<(usize, Patch)> = args
+                .iter()
+                .enumerate()
+                .filter_map(|(i, a)| match a {
+                    Arg::Ptr(Loc::StagedInput(o)) => Some((i, Patch::Input(*o as u64))),
+                    Arg::Ptr(Loc::StagedOutput(o)) => Some((i, Patch::Output(*o as u64))),
+                    _ => None,
+                })
+                .collect();
+            if let Some((i, unit)) = st.count {
+                patches.push((i, Patch::Count(unit)));
+            }
+            steps.push((name, func, resolve::resolve_args(args, bases), patches));
+            funcs.push((func, Vec::new()));
+        }
         for node in graph_nodes(graph.cu_graph())? {
             // SAFETY: zeroed is a valid (empty) parameter block to fill.
             let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
@@ -192,69 +233,72 @@ impl StagedIo {
             if ok != sys::CUresult::CUDA_SUCCESS {
                 continue;
             }
-            let which = if params.func == stage_in {
-                0
-            } else if params.func == stage_out {
-                1
-            } else {
-                continue;
+            for (f, found) in funcs.iter_mut() {
+                if params.func == *f {
+                    found.push(node);
+                }
+            }
+        }
+        let mut nodes = Vec::with_capacity(steps.len());
+        for ((name, func, args, patches), (_, found)) in steps.into_iter().zip(funcs) {
+            let [node] = found[..] else {
+                return Err(lost(format!("{} nodes run {name}, not one", found.len())));
             };
-            // SAFETY: the node's three arguments are (ptr, ptr, int), as
-            // kernels/stage.cu declares them.
-            let (src, dst, count) = unsafe {
-                let a = params.kernelParams;
-                (
-                    *(*a as *const u64),
-                    *(*a.add(1) as *const u64),
-                    *(*a.add(2) as *const i32),
-                )
-            };
+            // SAFETY: as above; the pointers it returns are not kept.
+            let mut params: sys::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+            unsafe { sys::cuGraphKernelNodeGetParams_v2(node, &mut params) }
+                .result()
+                .cu("cuGraphKernelNodeGetParams")?;
+            debug_assert_eq!(params.func, func);
             params.kernelParams = std::ptr::null_mut();
             params.extra = std::ptr::null_mut();
-            found[which] = Some(StageNode {
+            nodes.push(StagedNode {
                 node,
                 params,
-                src,
-                dst,
-                count,
+                args,
+                patches,
             });
         }
-        match found {
-            [Some(a), Some(b)] => Ok(StagedIo {
-                max_values: b.count.max(0) as usize,
-                nodes: [a, b],
-                pointed,
-            }),
-            _ => Err(BackendError::Other(
-                "the staged graph lost its staging kernels".into(),
-            )),
-        }
+        Ok(StagedIo {
+            nodes,
+            max_values: plan.output_elems,
+            output_dim: plan.output_dim.max(1),
+        })
     }
 
-    /// Points the staging kernels of `exec` at the slot whose input block and
-    /// output the device addresses as `addrs`, `stage_out` writing `values`
-    /// floats (at most the plan's output; nothing to do for a node that
-    /// already does so).
+    /// Points the staged nodes of `exec` at the slot whose input block and
+    /// output the device addresses as `addrs`, for a batch of `values`
+    /// output floats (at most the plan's output); a node whose arguments
+    /// would not change is left alone.
     pub(crate) fn point_at(
         &mut self,
         exec: &cudarc::driver::CudaGraph,
         addrs: (u64, u64),
         values: usize,
     ) -> Result<(), BackendError> {
-        let values = values.min(self.max_values) as i32;
-        let moved = self.pointed != addrs;
-        let stale = [moved, moved || self.nodes[1].count != values];
-        self.nodes[0].src = addrs.0;
-        self.nodes[1].dst = addrs.1;
-        self.nodes[1].count = values;
-        for (n, _) in self.nodes.iter_mut().zip(stale).filter(|(_, s)| *s) {
-            let mut args: [*mut std::ffi::c_void; 3] = [
-                &mut n.src as *mut u64 as *mut _,
-                &mut n.dst as *mut u64 as *mut _,
-                &mut n.count as *mut i32 as *mut _,
-            ];
+        let values = values.min(self.max_values);
+        for n in self.nodes.iter_mut() {
+            let mut stale = false;
+            for &(i, patch) in &n.patches {
+                let v = match patch {
+                    Patch::Input(o) => RArg::U64(addrs.0 + o),
+                    Patch::Output(o) => RArg::U64(addrs.1 + o),
+                    Patch::Count(StagedCount::Values) => RArg::I32(values as i32),
+                    Patch::Count(StagedCount::Rows) => {
+                        RArg::I32(values.div_ceil(self.output_dim) as i32)
+                    }
+                };
+                if n.args[i] != v {
+                    n.args[i] = v;
+                    stale = true;
+                }
+            }
+            if !stale {
+                continue;
+            }
+            let mut ptrs = launch::arg_ptrs(&n.args);
             let mut p = n.params;
-            p.kernelParams = args.as_mut_ptr();
+            p.kernelParams = ptrs.as_mut_ptr();
             // SAFETY: a kernel node of the graph `exec` was instantiated from,
             // the same function and shape, arguments of its signature (read
             // during the call).
@@ -263,12 +307,15 @@ impl StagedIo {
                     .result()
                     .cu("cuGraphExecKernelNodeSetParams");
             if let Err(e) = set {
-                // Unknown now: the next batch sets both nodes again.
-                self.pointed = (u64::MAX, u64::MAX);
+                // Unknown now: the next batch sets every node again.
+                for n in self.nodes.iter_mut() {
+                    for &(i, _) in &n.patches {
+                        n.args[i] = RArg::I64(-1);
+                    }
+                }
                 return Err(e);
             }
         }
-        self.pointed = addrs;
         Ok(())
     }
 }

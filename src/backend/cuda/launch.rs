@@ -43,15 +43,7 @@ fn enqueue_one(
             pdl,
             ..
         } => {
-            let mut ptrs: Vec<*mut c_void> = args
-                .iter()
-                .map(|a| match a {
-                    RArg::U64(v) => v as *const u64 as *mut c_void,
-                    RArg::I32(v) => v as *const i32 as *mut c_void,
-                    RArg::I64(v) => v as *const i64 as *mut c_void,
-                    RArg::F32(v) => v as *const f32 as *mut c_void,
-                })
-                .collect();
+            let mut ptrs = arg_ptrs(args);
             if !*pdl {
                 // SAFETY: the planner checked every buffer extent against the
                 // kernel's shape arguments; the argument list matches the
@@ -90,6 +82,19 @@ fn enqueue_one(
             unsafe { matmul.run(plan, *w, *x, *out, workspace, workspace_bytes, stream) }
         }
     }
+}
+
+/// The kernel-parameter array of `args` (pointers to each value, valid
+/// while `args` is).
+pub fn arg_ptrs(args: &[RArg]) -> Vec<*mut c_void> {
+    args.iter()
+        .map(|a| match a {
+            RArg::U64(v) => v as *const u64 as *mut c_void,
+            RArg::I32(v) => v as *const i32 as *mut c_void,
+            RArg::I64(v) => v as *const i64 as *mut c_void,
+            RArg::F32(v) => v as *const f32 as *mut c_void,
+        })
+        .collect()
 }
 
 /// A short name for a step (profiles, logs).

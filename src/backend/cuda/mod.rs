@@ -593,7 +593,11 @@ impl CudaBackend {
         )?;
         // Small graphs read and write the batch's pinned slot themselves.
         let staged = self.limits.staged_io && plan.fits_staged_io();
-        let plan = if staged { plan.with_staged_io() } else { plan };
+        let plan = if staged {
+            plan.with_staged_io(self.limits.stage_fold)
+        } else {
+            plan
+        };
         let (arena, charged) = self.arena_for(weights, plan.arena_bytes)?;
         let arena_charge = if charged { arena.bytes() as u64 } else { 0 };
         let inner = &mut *self.inner;
@@ -660,19 +664,7 @@ impl CudaBackend {
             );
         }
         let staged_io = if staged {
-            let f = |name: &str| {
-                inner
-                    .kernels
-                    .get(name)
-                    .map(|f| f.cu_function())
-                    .ok_or_else(|| BackendError::Other(format!("kernel {name} is not loaded")))
-            };
-            Some(StagedIo::find(
-                &exec_graph,
-                f("stage_in")?,
-                f("stage_out")?,
-                first_slot.device_addrs(),
-            )?)
+            Some(StagedIo::find(&exec_graph, &plan, &inner.kernels, &bases)?)
         } else {
             None
         };

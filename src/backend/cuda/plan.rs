@@ -366,12 +366,33 @@ pub enum Loc {
     Arena(usize),
     /// Index of a u32 counter (zero between kernels) for last-block reductions.
     Counter(usize),
-    /// The batch's pinned host slot, as the device addresses it: its input
-    /// block, and its output. Only the zero-copy staging nodes of
-    /// [`Plan::with_staged_io`] read or write these, and the backend points
-    /// them at each batch's slot before it launches the graph.
-    StagedInput,
-    StagedOutput,
+    /// Byte offsets into the batch's pinned host slot, as the device
+    /// addresses it: its input block, and its output. Only the steps of a
+    /// staged plan ([`Plan::with_staged_io`], [`Plan::staged`]) name these,
+    /// and the backend points them at each batch's slot before it launches
+    /// the graph.
+    StagedInput(usize),
+    StagedOutput(usize),
+}
+
+/// A step of a staged plan whose arguments name the batch's slot
+/// ([`Loc::StagedInput`], [`Loc::StagedOutput`]): the backend re-points them
+/// before each launch, and sets its `count` argument to the batch's size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StagedStep {
+    pub step: usize,
+    /// The index of the argument that bounds what the step writes into the
+    /// slot, and in what unit.
+    pub count: Option<(usize, StagedCount)>,
+}
+
+/// What a staged step's `count` argument counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StagedCount {
+    /// Output floats (`stage_out`).
+    Values,
+    /// Output rows (`pool_ln`, `pool_packed_ln`: `out_rows`).
+    Rows,
 }
 
 /// A kernel argument.
@@ -459,6 +480,9 @@ pub struct Plan {
     /// the one before it finishes; every kernel waits for its predecessor in
     /// `pdl_wait` (kernels/common.cuh) before it touches activations.
     pub pdl: bool,
+    /// The steps that read or write the batch's pinned slot (empty unless
+    /// [`Plan::with_staged_io`]).
+    pub staged: Vec<StagedStep>,
 }
 
 impl Plan {
@@ -515,41 +539,117 @@ impl Plan {
             && self.output_elems * 4 <= STAGED_OUTPUT_MAX_BYTES
     }
 
-    /// The plan with zero-copy staging: a first kernel `stage_in` that reads
-    /// the input block from the batch's pinned slot ([`Loc::StagedInput`])
-    /// into the static inputs, and a last kernel `stage_out` that writes the
-    /// output into the slot ([`Loc::StagedOutput`]) — so a replay needs no
-    /// copy before or after it. Both are plain kernels of the graph (the
-    /// first step is never a programmatic launch; the one after it waits in
-    /// `pdl_wait` as every kernel does).
-    pub fn with_staged_io(mut self) -> Plan {
+    /// The plan with zero-copy staging: its first step reads the input block
+    /// from the batch's pinned slot ([`Loc::StagedInput`]) and its last
+    /// writes the output into the slot ([`Loc::StagedOutput`]), so a replay
+    /// needs no copy before or after it.
+    ///
+    /// Where the first step is `embed_ln_vec` it does the staging itself (it
+    /// copies the block to the static inputs for the later kernels, and
+    /// reads its own ids from the slot), and where the last is `pool_ln` or
+    /// `pool_packed_ln` writing the whole output it writes into the slot;
+    /// otherwise a kernel `stage_in` goes first and `stage_out` last (plain
+    /// kernels of the graph; the first step is never a programmatic launch,
+    /// the one after it waits in `pdl_wait` as every kernel does). Each
+    /// folded end is one dependent node fewer (~0.8 µs on an H200,
+    /// scripts/probe-io-copies.cu).
+    pub fn with_staged_io(mut self, fold: bool) -> Plan {
         let words = self.input_bytes.div_ceil(4);
         let grid = |n: usize| (n.div_ceil(STAGE_THREADS as usize).clamp(1, 64) as u32, 1, 1);
-        self.steps.insert(
-            0,
-            Step::Kernel {
-                name: "stage_in".into(),
-                grid: grid(words),
+        let unique = |steps: &[Step], name: &str| {
+            steps
+                .iter()
+                .filter(|s| matches!(s, Step::Kernel { name: n, .. } if n == name))
+                .count()
+                == 1
+        };
+        let steps = &mut self.steps;
+        let fold_in = match steps.first() {
+            Some(Step::Kernel { name, args, .. }) if fold => {
+                name.starts_with("embed_ln_vec_")
+                    && unique(steps, name)
+                    && args.len() >= 3
+                    && args[args.len() - 3..] == [Arg::Null, Arg::Null, Arg::I32(0)]
+            }
+            _ => false,
+        };
+        if fold_in {
+            let Some(Step::Kernel { args, .. }) = steps.first_mut() else {
+                unreachable!("checked above")
+            };
+            for a in args.iter_mut() {
+                if let Arg::Ptr(Loc::Input(o)) = *a {
+                    *a = Arg::Ptr(Loc::StagedInput(o));
+                }
+            }
+            let n = args.len();
+            args[n - 3..].copy_from_slice(&[
+                Arg::Ptr(Loc::StagedInput(0)),
+                Arg::Ptr(Loc::Input(0)),
+                Arg::I32(words as i32),
+            ]);
+        } else {
+            steps.insert(
+                0,
+                Step::Kernel {
+                    name: "stage_in".into(),
+                    grid: grid(words),
+                    block: (STAGE_THREADS, 1, 1),
+                    smem: 0,
+                    args: vec![
+                        Arg::Ptr(Loc::StagedInput(0)),
+                        Arg::Ptr(Loc::Input(0)),
+                        Arg::I32(words as i32),
+                    ],
+                },
+            );
+        }
+        self.staged.push(StagedStep {
+            step: 0,
+            count: None,
+        });
+        // pool_ln / pool_packed_ln: (x, mask or offsets, out, ..., out_rows).
+        let rows = self.output_elems / self.output_dim.max(1);
+        let fold_out = match steps.last() {
+            Some(Step::Kernel {
+                name, args, grid, ..
+            }) if fold => {
+                (name.starts_with("pool_ln_") || name.starts_with("pool_packed_ln_"))
+                    && unique(steps, name)
+                    && args.len() == 11
+                    && args[2] == Arg::Ptr(Loc::Output(0))
+                    && args[10] == Arg::I32(rows as i32)
+                    && grid.0 as usize == rows
+                    && rows * self.output_dim == self.output_elems
+            }
+            _ => false,
+        };
+        if fold_out {
+            let Some(Step::Kernel { args, .. }) = steps.last_mut() else {
+                unreachable!("checked above")
+            };
+            args[2] = Arg::Ptr(Loc::StagedOutput(0));
+            self.staged.push(StagedStep {
+                step: steps.len() - 1,
+                count: Some((10, StagedCount::Rows)),
+            });
+        } else {
+            steps.push(Step::Kernel {
+                name: "stage_out".into(),
+                grid: grid(self.output_elems),
                 block: (STAGE_THREADS, 1, 1),
                 smem: 0,
                 args: vec![
-                    Arg::Ptr(Loc::StagedInput),
-                    Arg::Ptr(Loc::Input(0)),
-                    Arg::I32(words as i32),
+                    Arg::Ptr(Loc::Output(0)),
+                    Arg::Ptr(Loc::StagedOutput(0)),
+                    Arg::I32(self.output_elems as i32),
                 ],
-            },
-        );
-        self.steps.push(Step::Kernel {
-            name: "stage_out".into(),
-            grid: grid(self.output_elems),
-            block: (STAGE_THREADS, 1, 1),
-            smem: 0,
-            args: vec![
-                Arg::Ptr(Loc::Output(0)),
-                Arg::Ptr(Loc::StagedOutput),
-                Arg::I32(self.output_elems as i32),
-            ],
-        });
+            });
+            self.staged.push(StagedStep {
+                step: steps.len() - 1,
+                count: Some((2, StagedCount::Values)),
+            });
+        }
         self
     }
 
@@ -614,6 +714,10 @@ pub struct Limits {
     /// slot from their first and last kernels ([`Plan::with_staged_io`])
     /// instead of copies before and after the replay.
     pub staged_io: bool,
+    /// In a staged graph, the embedding reads the slot and the pooling
+    /// writes it themselves where they can, instead of `stage_in` /
+    /// `stage_out` nodes ([`Plan::with_staged_io`]).
+    pub stage_fold: bool,
     /// Streaming multiprocessors: the fused sublayers' grid barrier needs
     /// every block resident at once, so their grids stay within this.
     pub sms: usize,
@@ -633,6 +737,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "ln_defer",
     "pdl",
     "staged_io",
+    "stage_fold",
 ];
 
 /// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
@@ -682,6 +787,7 @@ impl Limits {
             ln_defer: true,
             pdl: true,
             staged_io: true,
+            stage_fold: true,
             sms: usize::MAX,
         }
     }
@@ -715,6 +821,7 @@ impl Limits {
                     "ln_defer" => self.ln_defer = false,
                     "pdl" => self.pdl = false,
                     "staged_io" => self.staged_io = false,
+                    "stage_fold" => self.stage_fold = false,
                     _ => {}
                 }
             }
@@ -749,6 +856,7 @@ impl Limits {
             self.ln_defer,
             self.pdl,
             self.staged_io,
+            self.stage_fold,
         ];
         DISABLE_SWITCHES
             .iter()
@@ -1360,6 +1468,11 @@ impl<'a> Planner<'a> {
             Arg::I32(self.rows_of(word) as i32),
             Arg::I32(self.rows_of(position) as i32),
             Arg::I32(self.rows_of(token_type) as i32),
+            // Staging (source, destination, words): set by
+            // `Plan::with_staged_io` when this is a staged graph's first step.
+            Arg::Null,
+            Arg::Null,
+            Arg::I32(0),
         ]);
         self.kernel(
             format!("embed_ln_vec_{}", suffix(self.compute)),
@@ -2010,6 +2123,7 @@ impl<'a> Planner<'a> {
                     (Some(_), _) => "pool_skip",
                     (None, Some(d)) => {
                         args.extend(deferred_ln_args(d));
+                        args.push(Arg::I32(batch as i32)); // out_rows: all
                         "pool_ln"
                     }
                     (None, None) => "pool",
@@ -2220,6 +2334,7 @@ impl<'a> Planner<'a> {
                     (Some(_), _) => "pool_packed_skip",
                     (None, Some(d)) => {
                         args.extend(deferred_ln_args(d));
+                        args.push(Arg::I32(seqs as i32)); // out_rows: all
                         "pool_packed_ln"
                     }
                     (None, None) => "pool_packed",
@@ -2354,6 +2469,7 @@ pub fn plan(
         counters: p.counters,
         accum_bytes: p.fused_tmp.map_or(0, |(_, bytes)| bytes),
         pdl: p.limits.pdl,
+        staged: Vec::new(),
     })
 }
 
@@ -3471,31 +3587,85 @@ pub(crate) mod tests {
     }
 
     /// Small graphs stage their inputs and output through their own first
-    /// and last kernels; large ones keep the copies.
+    /// and last kernels: the embedding and the pooling where they can (no
+    /// extra node), `stage_in` / `stage_out` where they cannot; large ones
+    /// keep the copies.
     #[test]
     fn small_plans_stage_their_io_in_the_graph() {
         let (a, w) = minilm(6);
         let default = LIMITS.with_disabled(DEFAULT_DISABLED);
         let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
         assert!(small.fits_staged_io(), "{} bytes in", small.input_bytes);
-        let staged = small.clone().with_staged_io();
-        assert_eq!(staged.node_count(), small.node_count() + 2);
-        let names = staged.step_names();
-        assert_eq!(names.first().map(String::as_str), Some("stage_in"));
-        assert_eq!(names.last().map(String::as_str), Some("stage_out"));
-        assert_eq!(&names[1..names.len() - 1], &small.step_names()[..]);
-        let Step::Kernel { args, grid, .. } = &staged.steps[0] else {
-            panic!("stage_in is a kernel")
-        };
+        assert!(small.staged.is_empty());
+        let staged = small.clone().with_staged_io(true);
+        // Both ends folded: the same kernels, no node more.
+        assert_eq!(staged.step_names(), small.step_names());
+        let last = staged.steps.len() - 1;
         assert_eq!(
-            args,
+            staged.staged,
+            vec![
+                StagedStep {
+                    step: 0,
+                    count: None
+                },
+                StagedStep {
+                    step: last,
+                    count: Some((10, StagedCount::Rows))
+                }
+            ]
+        );
+        let Step::Kernel { args, .. } = &staged.steps[0] else {
+            panic!("the embedding is a kernel")
+        };
+        let ids = small.inputs[0].offset;
+        let types = small.inputs[2].offset;
+        assert_eq!(
+            &args[..3],
             &[
-                Arg::Ptr(Loc::StagedInput),
+                Arg::Ptr(Loc::StagedInput(ids)),
+                Arg::Ptr(Loc::StagedInput(types)),
+                Arg::Null
+            ]
+        );
+        assert_eq!(
+            &args[args.len() - 3..],
+            &[
+                Arg::Ptr(Loc::StagedInput(0)),
                 Arg::Ptr(Loc::Input(0)),
                 Arg::I32((small.input_bytes / 4) as i32)
             ]
         );
-        assert!(grid.0 >= 1);
+        let Step::Kernel { args, .. } = &staged.steps[last] else {
+            panic!("the pooling is a kernel")
+        };
+        assert_eq!(args[2], Arg::Ptr(Loc::StagedOutput(0)));
+        assert_eq!(args[10], Arg::I32(1));
+        // Nothing else names the slot: the later kernels read the static
+        // inputs the embedding copied.
+        let names_slot = |p: &Plan| -> Vec<usize> {
+            (0..p.steps.len())
+                .filter(|&i| match &p.steps[i] {
+                    Step::Kernel { args, .. } => args
+                        .iter()
+                        .any(|a| matches!(a, Arg::Ptr(Loc::StagedInput(_) | Loc::StagedOutput(_)))),
+                    Step::Matmul { .. } => false,
+                })
+                .collect()
+        };
+        assert_eq!(names_slot(&staged), vec![0, last]);
+        // The first step is a plain launch, the rest wait in pdl_wait.
+        assert!(!staged.programmatic(0));
+        assert!(staged.programmatic(1));
+
+        // f32: the embedding folds, the pooling (no deferred LayerNorm) does
+        // not: stage_out writes the output.
+        let f32 = plan(&a.program(1, 16), &w, DType::F32, false, default).unwrap();
+        assert!(f32.fits_staged_io());
+        let staged = f32.clone().with_staged_io(true);
+        let names = staged.step_names();
+        assert_eq!(names.len(), f32.node_count() + 1);
+        assert_eq!(names[0], "embed_ln_vec_f32");
+        assert_eq!(names.last().map(String::as_str), Some("stage_out"));
         let Some(Step::Kernel { args, .. }) = staged.steps.last() else {
             panic!("stage_out is a kernel")
         };
@@ -3503,20 +3673,47 @@ pub(crate) mod tests {
             args,
             &[
                 Arg::Ptr(Loc::Output(0)),
-                Arg::Ptr(Loc::StagedOutput),
-                Arg::I32(small.output_elems as i32)
+                Arg::Ptr(Loc::StagedOutput(0)),
+                Arg::I32(f32.output_elems as i32)
             ]
         );
-        // The first node is a plain launch; the embedding after it waits for
-        // it in pdl_wait, and so does stage_out for the pooling.
+        assert_eq!(
+            staged.staged[1],
+            StagedStep {
+                step: names.len() - 1,
+                count: Some((2, StagedCount::Values))
+            }
+        );
+        assert!(staged.programmatic(names.len() - 1));
+
+        // Without the warp-per-row embedding, stage_in goes first.
+        let no_vec = LIMITS.with_disabled(&format!("{DEFAULT_DISABLED},ln_vec"));
+        let plain = plan(&a.program(1, 16), &w, DType::F16, false, no_vec).unwrap();
+        let staged = plain.clone().with_staged_io(true);
+        let names = staged.step_names();
+        assert_eq!(names[0], "stage_in");
+        assert_eq!(&names[1..], &plain.step_names()[..]);
+        let Step::Kernel { args, grid, .. } = &staged.steps[0] else {
+            panic!("stage_in is a kernel")
+        };
+        assert_eq!(
+            args,
+            &[
+                Arg::Ptr(Loc::StagedInput(0)),
+                Arg::Ptr(Loc::Input(0)),
+                Arg::I32((plain.input_bytes / 4) as i32)
+            ]
+        );
+        assert!(grid.0 >= 1);
         assert!(!staged.programmatic(0));
         assert!(staged.programmatic(1));
-        assert!(staged.programmatic(staged.steps.len() - 1));
+
         // (128, 128): 192 KiB of inputs, 192 KiB of output: copies.
         let large = plan(&a.program(128, 128), &w, DType::F16, false, default).unwrap();
         assert!(!large.fits_staged_io());
         // The smallest packed budget (64 tokens, up to 64 sequences), where
-        // a lone short text runs in the daemon, is staged.
+        // a lone short text runs in the daemon, is staged at both ends; its
+        // pooling writes as many rows as the batch has (64 at capture).
         let packed = plan(&a.packed_program(64, 64), &w, DType::F16, false, default).unwrap();
         assert!(
             packed.fits_staged_io(),
@@ -3524,7 +3721,30 @@ pub(crate) mod tests {
             packed.input_bytes,
             packed.output_elems
         );
+        let staged = packed.clone().with_staged_io(true);
+        assert_eq!(staged.step_names(), packed.step_names());
+        let names = staged.step_names();
+        assert!(names[0].starts_with("embed_ln_vec_"), "{names:?}");
+        assert!(
+            names[names.len() - 1].starts_with("pool_packed_ln_"),
+            "{names:?}"
+        );
+        let Some(Step::Kernel { args, .. }) = staged.steps.last() else {
+            panic!("the pooling is a kernel")
+        };
+        assert_eq!(
+            (args[2], args[10]),
+            (Arg::Ptr(Loc::StagedOutput(0)), Arg::I32(64))
+        );
         assert!(!LIMITS.with_disabled("staged_io").staged_io);
+        // `stage_fold` off: stage_in and stage_out around the same kernels.
+        assert!(!LIMITS.with_disabled("stage_fold").stage_fold);
+        let names = small.clone().with_staged_io(false).step_names();
+        assert_eq!(names.len(), small.node_count() + 2);
+        assert_eq!(
+            (names[0].as_str(), names[names.len() - 1].as_str()),
+            ("stage_in", "stage_out")
+        );
     }
 
     /// The graphs the host-path targets are about (MiniLM, 6 layers): node
@@ -3617,7 +3837,8 @@ pub(crate) mod tests {
             panic!("kernels")
         };
         assert_eq!(pool[0], ffn2[10], "the pooling reads the pre-norm rows");
-        assert_eq!(pool.len(), 7 + 3);
+        assert_eq!(pool.len(), 7 + 3 + 1);
+        assert_eq!(pool[10], Arg::I32(1), "out_rows: the whole batch");
         // A deferred LayerNorm: the f32 scratch its producer wrote, its
         // gamma, beta and eps, and the buffer the consumer's block 0 fills.
         let (Step::Kernel { args: o, .. }, Step::Kernel { args: f1, .. }) =
@@ -3980,7 +4201,7 @@ pub(crate) mod tests {
         assert_eq!(&args[6..], &[Arg::I32(rows as i32), Arg::I32(384)]);
         let (_, grid, block, _, args) = kernel(&plan, "embed_ln_vec_f16");
         assert_eq!((grid, block), (((rows / LNV_WARPS) as u32, 1, 1), 128));
-        assert_eq!(args.len(), 16);
+        assert_eq!(args.len(), 19);
         assert_eq!(args[2], Arg::Null); // positions: row % seq
         assert_eq!(
             &args[10..],
@@ -3990,7 +4211,11 @@ pub(crate) mod tests {
                 Arg::I32(384),
                 Arg::I32(1000),
                 Arg::I32(512),
-                Arg::I32(2)
+                Arg::I32(2),
+                // No staging (a graph this large keeps the copies).
+                Arg::Null,
+                Arg::Null,
+                Arg::I32(0)
             ]
         );
         let (_, grid, block, _, args) = kernel(&plan, "bias_act_vec_f16");

@@ -32,14 +32,14 @@ impl Bases<'_> {
             Loc::Output(o) => self.output + o as u64,
             Loc::Arena(o) => self.arena + o as u64,
             Loc::Counter(i) => self.counters + 4 * i as u64,
-            Loc::StagedInput => self.staged.0,
-            Loc::StagedOutput => self.staged.1,
+            Loc::StagedInput(o) => self.staged.0 + o as u64,
+            Loc::StagedOutput(o) => self.staged.1 + o as u64,
         }
     }
 }
 
 /// A kernel argument with its value.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum RArg {
     U64(u64),
     I32(i32),
@@ -65,6 +65,19 @@ pub enum Resolved {
         x: u64,
         out: u64,
     },
+}
+
+/// A kernel step's arguments with their values.
+pub fn resolve_args(args: &[Arg], bases: &Bases<'_>) -> Vec<RArg> {
+    args.iter()
+        .map(|a| match *a {
+            Arg::Ptr(l) => RArg::U64(bases.addr(l)),
+            Arg::Null => RArg::U64(0),
+            Arg::I32(v) => RArg::I32(v),
+            Arg::I64(v) => RArg::I64(v),
+            Arg::F32(v) => RArg::F32(v),
+        })
+        .collect()
 }
 
 /// Resolves a plan's steps against base addresses; matmul plans come from
@@ -100,16 +113,7 @@ pub fn resolve(
                     grid: *grid,
                     block: *block,
                     smem: *smem,
-                    args: args
-                        .iter()
-                        .map(|a| match *a {
-                            Arg::Ptr(l) => RArg::U64(bases.addr(l)),
-                            Arg::Null => RArg::U64(0),
-                            Arg::I32(v) => RArg::I32(v),
-                            Arg::I64(v) => RArg::I64(v),
-                            Arg::F32(v) => RArg::F32(v),
-                        })
-                        .collect(),
+                    args: resolve_args(args, bases),
                 }
             }
             Step::Matmul {
