@@ -386,7 +386,10 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
     const int rr = tid / GS_NB, n = n0 + tid % GS_NB;
     const float bn = bias != 0 && n < N ? to_f32(bias[n]) : 0.0f;
     // The live rows come from this batch's inputs, written before the graph
-    // runs (no kernel writes them): readable before pdl_wait.
+    // runs or, in a staged graph, by the kernel before (stage_in, which has
+    // completed before anything launches after the embedding, or the
+    // embedding, which triggers only after its copy is visible): readable
+    // before pdl_wait.
     const int live = sl_live_rows(M, offsets, seqs);
     const int mts = (live + 15) >> 4;
     if (xf != 0) {

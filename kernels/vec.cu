@@ -124,9 +124,17 @@ __device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, c
     // A staged graph's first kernel: copy the input block from the batch's
     // pinned slot for the kernels after this one (this kernel's own ids,
     // types and positions then point into the slot too), instead of a
-    // stage_in node before it (stage.cu).
+    // stage_in node before it (stage.cu). The next kernel may read the
+    // inputs before its pdl_wait (gemm_small's live rows), so the copy is
+    // made visible before this block lets it launch.
+    pdl_wait();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < stage_words; i += gridDim.x * blockDim.x)
         stage_dst[i] = stage_src[i];
+    if (stage_words > 0) {
+        __threadfence();
+        __syncthreads();  // every thread's part copied before the block triggers
+    }
+    pdl_trigger();
     const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
@@ -217,7 +225,6 @@ __device__ __forceinline__ void bias_act_vec_impl(const T* x, const T* __restric
                            const T* ttab, const T* gamma, const T* beta, float eps, T* out, int rows, int seq,  \
                            int hidden, int vocab, int npos, int ntypes, const unsigned* stage_src,              \
                            unsigned* stage_dst, int stage_words) {                                              \
-        pdl_enter();                                                                                            \
         embed_ln_vec_impl<T>(ids, types, positions, word, pos, ttab, gamma, beta, eps, out, rows, seq, hidden,  \
                              vocab, npos, ntypes, stage_src, stage_dst, stage_words);                           \
     }                                                                                                           \
