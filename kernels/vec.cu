@@ -120,21 +120,25 @@ __device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, c
                                                   const T* __restrict__ gamma, const T* __restrict__ beta, float eps,
                                                   T* __restrict__ out, int rows, int seq, int hidden, int vocab,
                                                   int npos, int ntypes, const unsigned* __restrict__ stage_src,
-                                                  unsigned* __restrict__ stage_dst, int stage_words) {
+                                                  unsigned* __restrict__ stage_dst, int stage_words,
+                                                  int stage_sync) {
     // A staged graph's first kernel: copy the input block from the batch's
     // pinned slot for the kernels after this one (this kernel's own ids,
     // types and positions then point into the slot too), instead of a
-    // stage_in node before it (stage.cu). The next kernel may read the
-    // inputs before its pdl_wait (gemm_small's live rows), so the copy is
-    // made visible before this block lets it launch.
+    // stage_in node before it (stage.cu). With `stage_sync` (packed plans,
+    // whose next kernel reads the live rows from the inputs before its
+    // pdl_wait: gemm_small), the copy is made visible before this block
+    // lets the next kernel launch; otherwise it launches at once and reads
+    // its weights while this one runs.
     pdl_wait();
+    if (!stage_sync) pdl_trigger();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < stage_words; i += gridDim.x * blockDim.x)
         stage_dst[i] = stage_src[i];
-    if (stage_words > 0) {
+    if (stage_sync) {
         __threadfence();
         __syncthreads();  // every thread's part copied before the block triggers
+        pdl_trigger();
     }
-    pdl_trigger();
     const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
@@ -224,9 +228,9 @@ __device__ __forceinline__ void bias_act_vec_impl(const T* x, const T* __restric
         embed_ln_vec_##SUF(const int* ids, const int* types, const int* positions, const T* word, const T* pos, \
                            const T* ttab, const T* gamma, const T* beta, float eps, T* out, int rows, int seq,  \
                            int hidden, int vocab, int npos, int ntypes, const unsigned* stage_src,              \
-                           unsigned* stage_dst, int stage_words) {                                              \
+                           unsigned* stage_dst, int stage_words, int stage_sync) {                              \
         embed_ln_vec_impl<T>(ids, types, positions, word, pos, ttab, gamma, beta, eps, out, rows, seq, hidden,  \
-                             vocab, npos, ntypes, stage_src, stage_dst, stage_words);                           \
+                             vocab, npos, ntypes, stage_src, stage_dst, stage_words, stage_sync);               \
     }                                                                                                           \
     extern "C" __global__ void bias_act_vec_##SUF(const T* x, const T* bias, T* y, int n, int cols, int act) { pdl_enter();  \
         bias_act_vec_impl<T>(x, bias, y, n, cols, act);                                                         \

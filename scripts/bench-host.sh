@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The host-path benchmark of issue 10 (targets 1 and 3), in one run on a GPU
-# machine, with one table of figures and ratios at the end. Builds nothing:
+# The benchmark of issue 10 (targets 1–4), in one run on a GPU machine, with
+# one table of figures and ratios at the end. Builds nothing:
 # it runs the binaries and the f16 all-MiniLM-L6-v2 that scripts/gpu-carry.sh
 # stages under .carry/ (the GPU machine has no cargo and no network).
 #
@@ -11,7 +11,9 @@
 #
 # Steps: (1) sentence-transformers encode(batch_size=512) on the realistic
 # corpus, f16 and f32 (scripts/st_baseline.py; the faster is the baseline);
-# (2) replayd on GPU 0 serving MiniLM f16 (packed batching) over tcp
+# (1b) targets 2 and 4: MiniLM f16 (1, 16) and (128, 128) graph replay with
+# copies, replayd (`backend-check`) against PyTorch's CUDA graph
+# (scripts/torch_graph_baseline.py; BENCH_KERNELS=0 skips it); (2) replayd on GPU 0 serving MiniLM f16 (packed batching) over tcp
 # loopback: target 1, one 12–16-token text at a time from one client (p50,
 # p99 and the replies' own per-hop timings), then target 3, the corpus one
 # text per request from 1,024 concurrent requests over 16 sockets (texts/s,
@@ -87,6 +89,28 @@ if [ "$BACKEND" = cuda ]; then
     "$OUT/st_baseline.json" "$ST_BUDGET" > "$OUT/st_baseline.log" 2>&1 || fail "st_baseline (see st_baseline.log)"
   python3 -c "import json,sys; sys.exit('incomplete' in json.load(open('$OUT/st_baseline.json')))" 2>/dev/null \
     || fail "the sentence-transformers baseline is incomplete (raise ST_BUDGET)"
+fi
+
+# --- 1b. targets 2 and 4: MiniLM f16 (1, 16) and (128, 128) graphs, replay
+# with copies, replayd (`backend-check`, every bucket checked against the
+# CPU backend) against PyTorch's own CUDA graph of the same forward, one
+# after the other on the idle GPU.
+if [ "$BACKEND" = cuda ] && [ "${BENCH_KERNELS:-1}" = 1 ]; then
+  log "targets 2 and 4: PyTorch CUDA graph, then replayd backend-check"
+  PYTHONUNBUFFERED=1 timeout 180 python3 scripts/torch_graph_baseline.py "$MODEL" "$OUT/torch_graphs.json" \
+    > "$OUT/torch_graphs.log" 2>&1 || fail "torch_graph_baseline (see torch_graphs.log)"
+  cat > "$WORK/kernels.toml" <<TOML
+[[models]]
+name = "minilm-f16"
+kind = "bert"
+path = "$MODEL"
+dtype = "f16"
+batching = "padded"
+batch_buckets = [1, 128]
+seq_buckets = [16, 128]
+TOML
+  timeout 240 "$BIN/replayd" backend-check --config "$WORK/kernels.toml" --out "$OUT/kernels_check.json" \
+    --iters 1000 --no-eager --check-rows 2 > "$OUT/kernels_check.log" 2>&1 || fail "backend-check (see kernels_check.log)"
 fi
 
 start_daemon() { # name, devices TOML, [batching TOML], [server TOML]
@@ -235,6 +259,27 @@ def fmt(v, nd=0):
     return "n/a" if v is None else f"{v:,.{nd}f}"
 print("| target | measured | goal | ratio to goal | met |")
 print("|---|---|---|---|---|")
+kc, tg = load("kernels_check.json") or {}, load("torch_graphs.json") or {}
+def replay(batch, seq):  # replayd's launch → collect p50 and whether its check passed
+    for m in kc.get("models", []):
+        for b in m.get("buckets", []):
+            if not b.get("tokens") and (b.get("batch"), b.get("seq")) == (batch, seq):
+                return b["latency"]["median_us"], bool((b.get("check") or {}).get("pass"))
+    return None, False
+for n, (b, sq), goal in [(2, (1, 16), 1 / 3), (4, (128, 128), 2.0)]:
+    ours, checked = replay(b, sq)
+    theirs = ((tg.get(f"minilm_f16_{b}x{sq}") or {}).get("with_copies") or {}).get("p50_us")
+    if not ours or not theirs:
+        print(f"| {n}. ({b}, {sq}) f16 replay with copies vs PyTorch's CUDA graph | n/a | | | |"); continue
+    check = "checked against the CPU backend" if checked else "**check FAILED**"
+    if n == 2:  # our time over theirs, at most a third
+        r = ours / theirs
+        print(f"| 2. (1, 16) f16 replay with copies vs PyTorch's CUDA graph with copies | {ours:.1f} vs {theirs:.1f} µs "
+              f"= {r:.3f}× ({check}) | ≤ 0.333× | {goal / r:.2f}× | {'yes' if r <= goal and checked else 'no'} |")
+    else:  # their time over ours: throughput, at least twice
+        r = theirs / ours
+        print(f"| 4. (128, 128) f16 throughput vs PyTorch's CUDA graph (with copies) | {ours:.1f} vs {theirs:.1f} µs "
+              f"= {r:.2f}× ({check}) | ≥ 2× | {r / goal:.2f}× | {'yes' if r >= goal and checked else 'no'} |")
 def row(name, value, goal, lower_is_better, unit):
     if value is None:
         print(f"| {name} | n/a | {goal:,} {unit} | | |"); return

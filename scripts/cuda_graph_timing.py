@@ -52,3 +52,40 @@ def replay_latency(fn, iters=2000, static_input=None):
 
         result["with_copies"] = timed(round_trip)
     return result, out
+
+
+def minilm_graph_latency(bert, batch, seq, iters=1000):
+    """replay_latency of the MiniLM forward sentence-transformers computes
+    (BertModel + mean pooling + L2 normalisation) at (batch, seq), random
+    ids, with its copies (the figure of issue 10's targets 2 and 4)."""
+    dev = next(bert.parameters()).device
+    ids = torch.randint(1000, 20000, (batch, seq), device=dev)
+    mask = torch.ones(batch, seq, dtype=torch.long, device=dev)
+
+    def fwd():
+        # BertModel.forward builds its attention mask with host-side work
+        # that cannot be captured (transformers 5), so run its own embedding
+        # and encoder-layer modules; the mask is all ones, so none is needed.
+        h = bert.embeddings(input_ids=ids)
+        for layer in bert.encoder.layer:
+            h = layer(h, attention_mask=None)
+            h = h[0] if isinstance(h, tuple) else h
+        m = mask.unsqueeze(-1).to(h.dtype)
+        e = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(e.float(), dim=-1)
+
+    with torch.no_grad():
+        r, _ = replay_latency(fwd, iters=iters, static_input=ids)
+    r["rows_per_s"] = batch / r["p50_us"] * 1e6
+    return r
+
+
+def load_encoder(model_dir, dtype, dev="cuda"):
+    """transformers' BertModel of `model_dir` in `dtype`, eager attention."""
+    from transformers import AutoModel
+
+    try:
+        m = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    except TypeError:  # older transformers
+        m = AutoModel.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="eager")
+    return m.to(dev).eval()

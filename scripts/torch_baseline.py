@@ -21,7 +21,7 @@ import traceback
 import torch
 from safetensors.torch import load_file
 
-from cuda_graph_timing import replay_latency
+from cuda_graph_timing import load_encoder, minilm_graph_latency, replay_latency
 
 model_dir, mlp_path, texts_path, out_dir = sys.argv[1:5]
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -40,17 +40,11 @@ with torch.no_grad():
     results["mlp_f32_b8"], _ = replay_latency(lambda: mlp(x), static_input=x)
 
 # --- MiniLM through transformers (what sentence-transformers runs), pooled.
-from transformers import AutoModel  # noqa: E402
-
 texts = [json.loads(l)["text"] for l in open(texts_path)]
 
 
 def encoder(dtype):
-    try:
-        m = AutoModel.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
-    except TypeError:  # older transformers
-        m = AutoModel.from_pretrained(model_dir, torch_dtype=dtype, attn_implementation="eager")
-    return m.to(dev).eval()
+    return load_encoder(model_dir, dtype)
 
 
 def sentence_transformer(dtype):
@@ -63,27 +57,8 @@ def sentence_transformer(dtype):
 for dtype, name in [(torch.float32, "f32"), (torch.float16, "f16")]:
     bert = encoder(dtype)
     for b, s in [(1, 16), (32, 128), (128, 128)]:
-        ids = torch.randint(1000, 20000, (b, s), device=dev)
-        mask = torch.ones(b, s, dtype=torch.long, device=dev)
-
-        def fwd():
-            # BertModel.forward builds its attention mask with host-side
-            # work that cannot be captured (transformers 5), so run its own
-            # embedding and encoder-layer modules; the mask is all ones, so
-            # none is needed.
-            h = bert.embeddings(input_ids=ids)
-            for layer in bert.encoder.layer:
-                h = layer(h, attention_mask=None)
-                h = h[0] if isinstance(h, tuple) else h
-            m = mask.unsqueeze(-1).to(h.dtype)
-            e = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(e.float(), dim=-1)
-
         try:
-            with torch.no_grad():
-                r, _ = replay_latency(fwd, iters=1000, static_input=ids)
-            r["rows_per_s"] = b / r["p50_us"] * 1e6
-            results[f"minilm_{name}_{b}x{s}"] = r
+            results[f"minilm_{name}_{b}x{s}"] = minilm_graph_latency(bert, b, s)
         except Exception:
             traceback.print_exc()
             results[f"minilm_{name}_{b}x{s}"] = {"error": traceback.format_exc(limit=2)}

@@ -568,8 +568,8 @@ impl Plan {
             Some(Step::Kernel { name, args, .. }) if fold => {
                 name.starts_with("embed_ln_vec_")
                     && unique(steps, name)
-                    && args.len() >= 3
-                    && args[args.len() - 3..] == [Arg::Null, Arg::Null, Arg::I32(0)]
+                    && args.len() >= 4
+                    && args[args.len() - 4..] == [Arg::Null, Arg::Null, Arg::I32(0), Arg::I32(0)]
             }
             _ => false,
         };
@@ -582,11 +582,16 @@ impl Plan {
                     *a = Arg::Ptr(Loc::StagedInput(o));
                 }
             }
+            // Packed plans: the next kernel (gemm_small) reads the live rows
+            // from the inputs before its pdl_wait, so it may launch only
+            // once the copy is visible (vec.cu).
+            let sync = matches!(self.layout, Layout::Packed { .. });
             let n = args.len();
-            args[n - 3..].copy_from_slice(&[
+            args[n - 4..].copy_from_slice(&[
                 Arg::Ptr(Loc::StagedInput(0)),
                 Arg::Ptr(Loc::Input(0)),
                 Arg::I32(words as i32),
+                Arg::I32(sync as i32),
             ]);
         } else {
             steps.insert(
@@ -1468,10 +1473,11 @@ impl<'a> Planner<'a> {
             Arg::I32(self.rows_of(word) as i32),
             Arg::I32(self.rows_of(position) as i32),
             Arg::I32(self.rows_of(token_type) as i32),
-            // Staging (source, destination, words): set by
+            // Staging (source, destination, words, sync): set by
             // `Plan::with_staged_io` when this is a staged graph's first step.
             Arg::Null,
             Arg::Null,
+            Arg::I32(0),
             Arg::I32(0),
         ]);
         self.kernel(
@@ -3628,11 +3634,12 @@ pub(crate) mod tests {
             ]
         );
         assert_eq!(
-            &args[args.len() - 3..],
+            &args[args.len() - 4..],
             &[
                 Arg::Ptr(Loc::StagedInput(0)),
                 Arg::Ptr(Loc::Input(0)),
-                Arg::I32((small.input_bytes / 4) as i32)
+                Arg::I32((small.input_bytes / 4) as i32),
+                Arg::I32(0) // padded: the next kernel reads no input early
             ]
         );
         let Step::Kernel { args, .. } = &staged.steps[last] else {
@@ -3735,6 +3742,14 @@ pub(crate) mod tests {
         assert_eq!(
             (args[2], args[10]),
             (Arg::Ptr(Loc::StagedOutput(0)), Arg::I32(64))
+        );
+        let Step::Kernel { args, .. } = &staged.steps[0] else {
+            panic!("the embedding is a kernel")
+        };
+        assert_eq!(
+            args[args.len() - 1],
+            Arg::I32(1),
+            "packed: the copy synchronised"
         );
         assert!(!LIMITS.with_disabled("staged_io").staged_io);
         // `stage_fold` off: stage_in and stage_out around the same kernels.
@@ -4201,7 +4216,7 @@ pub(crate) mod tests {
         assert_eq!(&args[6..], &[Arg::I32(rows as i32), Arg::I32(384)]);
         let (_, grid, block, _, args) = kernel(&plan, "embed_ln_vec_f16");
         assert_eq!((grid, block), (((rows / LNV_WARPS) as u32, 1, 1), 128));
-        assert_eq!(args.len(), 19);
+        assert_eq!(args.len(), 20);
         assert_eq!(args[2], Arg::Null); // positions: row % seq
         assert_eq!(
             &args[10..],
@@ -4215,6 +4230,7 @@ pub(crate) mod tests {
                 // No staging (a graph this large keeps the copies).
                 Arg::Null,
                 Arg::Null,
+                Arg::I32(0),
                 Arg::I32(0)
             ]
         );
