@@ -90,13 +90,129 @@ __device__ __forceinline__ void pool_write_kept(const float (&keep)[POOL_KEEP], 
     }
 }
 
+// pool_ln / pool_packed_ln when hidden % 128 == 0 (hidden <= POOL_CHUNK,
+// host-checked): lane l of a warp holds the float4 columns l + 32·j of a
+// token row, so a row is hidden/128 16-byte loads a lane instead of hidden/32
+// 4-byte ones, and the warp normalises it in registers. The generic path
+// above issued ~850 instructions a warp for (1, 16) at hidden 384 (ncu,
+// H200: 7 µs of one SM, stalled on each load in turn). Tokens are the n rows
+// of xs, counted where mask (null: all) is non-zero; two per warp in flight.
+// `part` is the caller's shared partials (POOL_WARPS × POOL_CHUNK floats).
+#define PLV_J (POOL_CHUNK / 128)
+
+template <typename T>
+__device__ __forceinline__ void pool_ln_vec4(const float* __restrict__ xs, const int* __restrict__ mask, int n,
+                                             float* __restrict__ ob, int hidden, int mode, int normalize,
+                                             const T* __restrict__ lg, const T* __restrict__ lb, float eps,
+                                             float (*part)[POOL_CHUNK], float* sh) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nv = hidden >> 7;
+    const bool is_max = mode == POOL_MAX;
+    const float init = is_max ? NEG_INF_F : 0.0f;
+    float g[PLV_J][4], b[PLV_J][4], acc[PLV_J][4];
+#pragma unroll
+    for (int j = 0; j < PLV_J; j++) {
+        T gt[4], bt[4];
+        if (j < nv) {
+            *reinterpret_cast<uint2*>(gt) = *reinterpret_cast<const uint2*>(lg + 4 * (lane + 32 * j));
+            *reinterpret_cast<uint2*>(bt) = *reinterpret_cast<const uint2*>(lb + 4 * (lane + 32 * j));
+        }
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            g[j][e] = j < nv ? to_f32(gt[e]) : 0.0f;
+            b[j][e] = j < nv ? to_f32(bt[e]) : 0.0f;
+            acc[j][e] = init;
+        }
+    }
+    float used = 0.0f;
+    for (int t0 = warp; t0 < n; t0 += 2 * POOL_WARPS) {
+        float v[2][PLV_J][4];
+        bool use[2];
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int t = t0 + u * POOL_WARPS;
+            const bool in = t < n;
+            const float* row = xs + (size_t)(in ? t : 0) * hidden;
+#pragma unroll
+            for (int j = 0; j < PLV_J; j++) {
+                float4 q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (j < nv && in) q = *reinterpret_cast<const float4*>(row + 4 * (lane + 32 * j));
+                v[u][j][0] = q.x; v[u][j][1] = q.y; v[u][j][2] = q.z; v[u][j][3] = q.w;
+            }
+            use[u] = in && (mask == 0 || mask[t] != 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (!use[u]) continue;  // warp-uniform
+            used += 1.0f;
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PLV_J; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sum += v[u][j][e];  // zeros past nv
+            const float mean = warp_sum(sum) / (float)hidden;
+            float d2 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PLV_J; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float d = v[u][j][e] - mean;
+                    if (j < nv) d2 += d * d;
+                }
+            const float rstd = 1.0f / sqrtf(warp_sum(d2) / (float)hidden + eps);
+#pragma unroll
+            for (int j = 0; j < PLV_J; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    // The LayerNorm's output as it would have been stored (T).
+                    const float y = to_f32(from_f32<T>((v[u][j][e] - mean) * rstd * g[j][e] + b[j][e]));
+                    acc[j][e] = is_max ? fmaxf(acc[j][e], y) : acc[j][e] + y;
+                }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < PLV_J; j++)
+        *reinterpret_cast<float4*>(&part[warp][4 * (lane + 32 * j)]) =
+            make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+    if (lane == 0) sh[warp] = used;
+    __syncthreads();
+    float cnt = 0.0f;
+#pragma unroll
+    for (int w = 0; w < POOL_WARPS; w++) cnt += sh[w];
+    // Thread q finishes the float4 column q (hidden / 4 <= POOL_THREADS).
+    const int q = tid;
+    float r[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float sq = 0.0f;
+    if (q < (hidden >> 2)) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) r[e] = part[0][4 * q + e];
+#pragma unroll
+        for (int w = 1; w < POOL_WARPS; w++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) r[e] = is_max ? fmaxf(r[e], part[w][4 * q + e]) : r[e] + part[w][4 * q + e];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            if (is_max) {
+                if (r[e] == NEG_INF_F) r[e] = 0.0f;
+            } else {
+                r[e] = r[e] / fmaxf(cnt, 1e-9f);
+            }
+            sq += r[e] * r[e];
+        }
+    }
+    float inv = 1.0f;
+    if (normalize) inv = 1.0f / fmaxf(sqrtf(block_sum(sq, sh)), 1e-12f);
+    if (q < (hidden >> 2))
+        *reinterpret_cast<float4*>(ob + 4 * q) = make_float4(r[0] * inv, r[1] * inv, r[2] * inv, r[3] * inv);
+}
+
 template <typename TX, typename T = TX>
 __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* __restrict__ mask,
                                           const int* __restrict__ skip, float* __restrict__ out, int seq,
                                           int hidden, int mode, int normalize, const T* __restrict__ lg = nullptr,
                                           const T* __restrict__ lb = nullptr, float leps = 0.0f,
                                           int out_rows = 0x7fffffff) {
-    __shared__ float part[POOL_WARPS][POOL_CHUNK];
+    __shared__ __align__(16) float part[POOL_WARPS][POOL_CHUNK];
     __shared__ float sh[32];
     const int b = blockIdx.x;
     // Rows past the batch's own are not written (the host reads only those).
@@ -105,6 +221,13 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
     const TX* xb = x + (size_t)b * seq * hidden;
     const int* mb = mask + (size_t)b * seq;
     float* ob = out + (size_t)b * hidden;
+    if constexpr (sizeof(TX) == 4 && sizeof(T) == 2) {  // pool_ln_<t>
+        if (lg != 0 && skip == 0 && mode != POOL_CLS && hidden % 128 == 0 && hidden <= POOL_CHUNK) {
+            pool_ln_vec4<T>(reinterpret_cast<const float*>(xb), mb, seq, ob, hidden, mode, normalize, lg, lb, leps,
+                            part, sh);
+            return;
+        }
+    }
 
     // The first pooled position (0 without `skip`).
     const int first = skip ? min(max(skip[b], 0), seq) : 0;

@@ -29,7 +29,7 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
                                                  const T* __restrict__ lg = nullptr,
                                                  const T* __restrict__ lb = nullptr, float leps = 0.0f,
                                                  int out_rows = 0x7fffffff) {
-    __shared__ float part[POOL_WARPS][POOL_CHUNK];
+    __shared__ __align__(16) float part[POOL_WARPS][POOL_CHUNK];
     __shared__ float sh[32];
     const int s = blockIdx.x;
     // Sequence slots past the batch's own are not written (the host reads
@@ -46,6 +46,13 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
     if (len == 0) {
         for (int c = tid; c < hidden; c += POOL_THREADS) os[c] = 0.0f;
         return;
+    }
+    if constexpr (sizeof(TX) == 4 && sizeof(T) == 2) {  // pool_packed_ln_<t> (pool.cu, pool_ln_vec4)
+        if (lg != 0 && mode != POOL_CLS && hidden % 128 == 0 && hidden <= POOL_CHUNK) {
+            pool_ln_vec4<T>(reinterpret_cast<const float*>(xs), nullptr, len, os, hidden, mode, normalize, lg, lb,
+                            leps, part, sh);
+            return;
+        }
     }
     float sq = 0.0f;
     if (mode == POOL_CLS) {
