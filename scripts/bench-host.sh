@@ -49,17 +49,10 @@ T3_SOCKETS=${T3_SOCKETS:-16}
 # threads engine leaves the daemon more of the host's CPU.
 T3_ENGINE=${T3_ENGINE:-threads}
 ST_BUDGET=${ST_BUDGET:-60}
-BIN=${BENCH_BIN:-}
-if [ -z "$BIN" ]; then  # binaries staged by scripts/gpu-carry.sh
-  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
-fi
-MODEL=${BENCH_MODEL:-}
-if [ -z "$MODEL" ]; then  # the f16 copy staged by scripts/gpu-carry.sh, unpacked
-  MODEL=/tmp/minilm-f16
-  if [ ! -f "$MODEL/model.safetensors" ]; then
-    rm -rf "$MODEL"; cp -R .carry/minilm-f16 "$MODEL"; xz -d "$MODEL/model.safetensors.xz"
-  fi
-fi
+. scripts/gpu-common.sh
+# Binaries and the f16 MiniLM: given, or as scripts/gpu-carry.sh staged them.
+BIN=$(carried_bin "${BENCH_BIN:-}") || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+MODEL=$(carried_minilm_f16 "${BENCH_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export REPLAYD_LOG=${REPLAYD_LOG:-info}
 WORK=$(mktemp -d)
@@ -99,16 +92,7 @@ if [ "$BACKEND" = cuda ] && [ "${BENCH_KERNELS:-1}" = 1 ]; then
   log "targets 2 and 4: PyTorch CUDA graph, then replayd backend-check"
   PYTHONUNBUFFERED=1 timeout 180 python3 scripts/torch_graph_baseline.py "$MODEL" "$OUT/torch_graphs.json" \
     > "$OUT/torch_graphs.log" 2>&1 || fail "torch_graph_baseline (see torch_graphs.log)"
-  cat > "$WORK/kernels.toml" <<TOML
-[[models]]
-name = "minilm-f16"
-kind = "bert"
-path = "$MODEL"
-dtype = "f16"
-batching = "padded"
-batch_buckets = [1, 128]
-seq_buckets = [16, 128]
-TOML
+  bert_model minilm-f16 "$MODEL" f16 padded 'batch_buckets = [1, 128]' 'seq_buckets = [16, 128]' > "$WORK/kernels.toml"
   timeout 240 "$BIN/replayd" backend-check --config "$WORK/kernels.toml" --out "$OUT/kernels_check.json" \
     --iters 1000 --no-eager --check-rows 2 > "$OUT/kernels_check.log" 2>&1 || fail "backend-check (see kernels_check.log)"
 fi
@@ -129,17 +113,11 @@ $batching
 [devices]
 $devices
 
-[[models]]
-name = "minilm"
-kind = "bert"
-path = "$MODEL"
-dtype = "f16"
-batching = "packed"
+$(bert_model minilm "$MODEL" f16 packed)
 TOML
   "$BIN/replayd" --config "$WORK/$name.toml" --ready-file "$WORK/ready.json" > "$OUT/replayd_$name.log" 2>&1 &
   DAEMON=$!
-  for _ in $(seq 1 900); do [ -f "$WORK/ready.json" ] && break; kill -0 "$DAEMON" 2>/dev/null || break; sleep 0.2; done
-  if [ ! -f "$WORK/ready.json" ]; then
+  if ! wait_ready "$DAEMON" "$WORK/ready.json"; then
     fail "replayd ($name) did not become ready"; tail -30 "$OUT/replayd_$name.log"; return 1
   fi
   ENDPOINT=$(python3 -c "import json; print(json.load(open('$WORK/ready.json'))['endpoint'])")

@@ -23,17 +23,10 @@ mkdir -p "$OUT"
 BACKEND=${GPU_CHECK_BACKEND:-cuda}
 # GPU_CHECK_STEPS=backend stops after the backend check (a quick kernel check).
 STEPS=${GPU_CHECK_STEPS:-all}
-BIN=${GPU_CHECK_BIN:-}
-if [ -z "$BIN" ]; then  # binaries staged by scripts/gpu-carry.sh
-  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
-fi
-MODEL=${GPU_CHECK_MODEL:-}
-if [ -z "$MODEL" ]; then  # the f16 copy staged by scripts/gpu-carry.sh, unpacked
-  MODEL=/tmp/minilm-f16
-  if [ ! -f "$MODEL/model.safetensors" ]; then
-    rm -rf "$MODEL"; cp -R .carry/minilm-f16 "$MODEL"; xz -d "$MODEL/model.safetensors.xz"
-  fi
-fi
+. scripts/gpu-common.sh
+# Binaries and the f16 MiniLM: given, or as scripts/gpu-carry.sh staged them.
+BIN=$(carried_bin "${GPU_CHECK_BIN:-}") || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+MODEL=$(carried_minilm_f16 "${GPU_CHECK_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
 MLP=tests/data/mlp_seed.safetensors
 TEXTS=tests/data/minilm_set_a.jsonl
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -80,23 +73,11 @@ activation = "relu"
 dtype = "f32"
 batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
 
-[[models]]
-name = "minilm-f32"
-kind = "bert"
-path = "$MODEL"
-dtype = "f32"
-batching = "padded"
-batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
-seq_buckets = [16, 32, 64, 128]
-
-[[models]]
-name = "minilm-f16"
-kind = "bert"
-path = "$MODEL"
-dtype = "f16"
-batching = "padded"
-batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
-seq_buckets = [16, 32, 64, 128]
+$(for dt in f32 f16; do
+  bert_model "minilm-$dt" "$MODEL" "$dt" padded \
+    'batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]' 'seq_buckets = [16, 32, 64, 128]'
+  echo
+done)
 TOML
 if [ "$BACKEND" = cuda ]; then
   log "backend check"
@@ -105,16 +86,7 @@ if [ "$BACKEND" = cuda ]; then
   # Packed batching: every token budget of the default ladder, in each compute
   # dtype, against the CPU backend (and the f16 one through the references).
   for dt in f16 bf16 f32; do
-    cat >> "$WORK/check.toml" <<TOML
-
-[[models]]
-name = "minilm-$dt-packed"
-kind = "bert"
-path = "$MODEL"
-dtype = "$dt"
-batching = "packed"
-max_seqs_per_batch = 256
-TOML
+    { echo; bert_model "minilm-$dt-packed" "$MODEL" "$dt" packed 'max_seqs_per_batch = 256'; } >> "$WORK/check.toml"
     # f32's full ladder alone ran the check past its 400 s bound
     # (2026-12-02, b239445): f32 checks a budget per octave.
     if [ "$dt" = f32 ]; then echo 'token_budgets = [64, 256, 1024, 4096, 16384]' >> "$WORK/check.toml"; fi
@@ -175,8 +147,7 @@ TOML
 log "starting replayd ($BACKEND)"
 "$BIN/replayd" --config "$WORK/replayd.toml" --ready-file "$WORK/ready.json" > "$OUT/replayd.log" 2>&1 &
 DAEMON=$!
-for _ in $(seq 1 600); do [ -f "$WORK/ready.json" ] && break; kill -0 $DAEMON 2>/dev/null || break; sleep 0.2; done
-if [ ! -f "$WORK/ready.json" ]; then
+if ! wait_ready "$DAEMON" "$WORK/ready.json" 600; then
   fail "replayd did not become ready"; tail -40 "$OUT/replayd.log"; exit 1
 fi
 log "replayd ready"

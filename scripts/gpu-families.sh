@@ -33,10 +33,8 @@ OUT=${OUT:-/tmp/gpu-families}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 BACKEND=${GPU_CHECK_BACKEND:-cuda}
-BIN=${GPU_CHECK_BIN:-}
-if [ -z "$BIN" ]; then  # binaries staged by scripts/gpu-carry.sh
-  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
-fi
+. scripts/gpu-common.sh
+BIN=$(carried_bin "${GPU_CHECK_BIN:-}") || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
 PY=${PYTHON:-python3}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export REPLAYD_LOG=${REPLAYD_LOG:-info}
@@ -143,8 +141,7 @@ seq_buckets = [16]'
 log "starting replayd ($BACKEND) with every test folder in f32/f16/bf16"
 "$BIN/replayd" --config "$WORK/replayd.toml" --ready-file "$WORK/ready.json" > "$OUT/replayd.log" 2>&1 &
 DAEMON=$!
-for _ in $(seq 1 900); do [ -f "$WORK/ready.json" ] && break; kill -0 $DAEMON 2>/dev/null || break; sleep 0.2; done
-if [ ! -f "$WORK/ready.json" ]; then
+if ! wait_ready "$DAEMON" "$WORK/ready.json"; then
   fail "replayd did not become ready"; tail -40 "$OUT/replayd.log"
 else
   log "replayd ready"

@@ -17,53 +17,21 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kernel-ab}
 mkdir -p "$OUT"
-BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
-MODEL=/tmp/minilm-f16
-if [ ! -f "$MODEL/model.safetensors" ]; then
-  rm -rf "$MODEL"; cp -R .carry/minilm-f16 "$MODEL"; xz -d "$MODEL/model.safetensors.xz"
-fi
+. scripts/gpu-common.sh
+BIN=$(carried_bin) || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+MODEL=$(carried_minilm_f16) || { echo "no f16 MiniLM under .carry"; exit 1; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 ITERS=${ITERS:-300}
 CFG=$OUT/check.toml
-cat > "$CFG" <<TOML
-[[models]]
-name = "minilm-f16"
-kind = "bert"
-path = "$MODEL"
-dtype = "f16"
-batching = "padded"
-batch_buckets = [1, 2]
-seq_buckets = [16, 32]
-
 # f32 on the f16-stored weights: the staged (1, 16) graph whose pooling
 # has no deferred LayerNorm (stage_out writes its output).
-[[models]]
-name = "minilm-f32"
-kind = "bert"
-path = "$MODEL"
-dtype = "f32"
-batching = "padded"
-batch_buckets = [1]
-seq_buckets = [16]
-
-[[models]]
-name = "minilm-f16-packed"
-kind = "bert"
-path = "$MODEL"
-dtype = "f16"
-batching = "packed"
-token_budgets = [64, 256]
-max_seqs_per_batch = 64
-
-[[models]]
-name = "minilm-bf16-packed"
-kind = "bert"
-path = "$MODEL"
-dtype = "bf16"
-batching = "packed"
-token_budgets = [64, 256]
-max_seqs_per_batch = 64
-TOML
+{
+  bert_model minilm-f16 "$MODEL" f16 padded 'batch_buckets = [1, 2]' 'seq_buckets = [16, 32]'
+  bert_model minilm-f32 "$MODEL" f32 padded 'batch_buckets = [1]' 'seq_buckets = [16]'
+  for dt in f16 bf16; do
+    bert_model "minilm-$dt-packed" "$MODEL" "$dt" packed 'token_budgets = [64, 256]' 'max_seqs_per_batch = 64'
+  done
+} > "$CFG"
 FAILED=0
 echo "# kernel A/B, $(date -u +%FT%TZ), commit $(cat .carry/COMMIT), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)" > "$OUT/kernel-ab.md"
 echo "" >> "$OUT/kernel-ab.md"

@@ -21,17 +21,10 @@ mkdir -p "$OUT"
 SECONDS_EACH=${SECONDS_EACH:-6}
 ROUNDS=${ROUNDS:-2}
 BACKEND=${AB_BACKEND:-cuda}
-BIN=${AB_BIN:-}
-if [ -z "$BIN" ]; then
-  BIN=/tmp/replayd-bin; mkdir -p "$BIN"; tar -C "$BIN" -xJf .carry/bin.tar.xz
-fi
-MODEL=${AB_MODEL:-}
-if [ -z "$MODEL" ]; then
-  MODEL=/tmp/minilm-f16
-  if [ ! -f "$MODEL/model.safetensors" ]; then
-    rm -rf "$MODEL"; cp -R .carry/minilm-f16 "$MODEL"; xz -d "$MODEL/model.safetensors.xz"
-  fi
-fi
+. scripts/gpu-common.sh
+# Binaries and the f16 MiniLM: given, or as scripts/gpu-carry.sh staged them.
+BIN=$(carried_bin "${AB_BIN:-}") || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+MODEL=$(carried_minilm_f16 "${AB_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 WORK=$(mktemp -d)
 DAEMON=""
@@ -69,18 +62,12 @@ $(printf '%b' "${server:-}")
 $DEVICES
 $(printf '%b' "${devices:-}")
 
-[[models]]
-name = "minilm"
-kind = "bert"
-path = "$MODEL"
-dtype = "f16"
-batching = "packed"
+$(bert_model minilm "$MODEL" f16 packed)
 TOML
     # shellcheck disable=SC2086
     env ${envs:-} "$BIN/replayd" --config "$WORK/c.toml" --ready-file "$WORK/ready.json" > "$WORK/logs/replayd_$tag.log" 2>&1 &
     DAEMON=$!
-    for _ in $(seq 1 900); do [ -f "$WORK/ready.json" ] && break; kill -0 "$DAEMON" 2>/dev/null || break; sleep 0.2; done
-    if [ ! -f "$WORK/ready.json" ]; then
+    if ! wait_ready "$DAEMON" "$WORK/ready.json"; then
       echo "| $name | $round | daemon not ready | | $(tail -1 "$WORK/logs/replayd_$tag.log") |" >> "$MD"; DAEMON=""; continue
     fi
     EP=$(python3 -c "import json; print(json.load(open('$WORK/ready.json'))['endpoint'])")
