@@ -84,6 +84,12 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "qkv_attn_small.cu",
         include_str!("../../../kernels/qkv_attn_small.cu"),
     ),
+    // The feed-forward block of few rows in one kernel (gemm_small.cu's
+    // product, attention_tc.cu's mma).
+    (
+        "ffn_small.cu",
+        include_str!("../../../kernels/ffn_small.cu"),
+    ),
     ("stage.cu", include_str!("../../../kernels/stage.cu")),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
@@ -211,7 +217,8 @@ pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
 /// (`layer_attn_small_<t>_d<N>`, `layer_ffn_small_<t>`, small_layer.cu) and
 /// the Linear of few rows with its epilogue (`gemm_small_<t>`,
 /// gemm_small.cu), the QKV Linear with the attention
-/// (`qkv_attn_small[_bias]_<t>_d32`, qkv_attn_small.cu) and the poolings
+/// (`qkv_attn_small[_bias]_<t>_d32`, qkv_attn_small.cu), the feed-forward
+/// block (`ffn_small_<t>`, ffn_small.cu) and the poolings
 /// that apply a deferred LayerNorm (`pool_ln_<t>`, `pool_packed_ln_<t>`).
 pub fn fused_entry_points() -> Vec<String> {
     let mut names = Vec::new();
@@ -228,6 +235,7 @@ pub fn fused_entry_points() -> Vec<String> {
         names.push(format!("gemm_small_{t}"));
         names.push(format!("qkv_attn_small_{t}_d32"));
         names.push(format!("qkv_attn_small_bias_{t}_d32"));
+        names.push(format!("ffn_small_{t}"));
         names.push(format!("pool_ln_{t}"));
         names.push(format!("pool_packed_ln_{t}"));
     }

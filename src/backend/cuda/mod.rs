@@ -253,7 +253,7 @@ impl CudaBackend {
         let matmul = Matmul::new()?;
         let workspace =
             DeviceBuf::zeroed(&ctx, matmul::workspace_bytes_for(cc.0)).cu("cuBLASLt workspace")?;
-        let counters = DeviceBuf::zeroed(&ctx, plan::MAX_COUNTERS * 4).cu("kernel counters")?;
+        let counters = DeviceBuf::zeroed(&ctx, plan::COUNTER_BLOCK_BYTES).cu("kernel counters")?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .cu("SM count")?
@@ -786,7 +786,7 @@ impl CudaBackend {
         )?;
         if inner.eager.counters.is_none() {
             inner.eager.counters =
-                Some(DeviceBuf::zeroed(&ctx, plan::MAX_COUNTERS * 4).cu("eager counters")?);
+                Some(DeviceBuf::zeroed(&ctx, plan::COUNTER_BLOCK_BYTES).cu("eager counters")?);
         }
         let counters = inner.eager.counters.as_ref().map(|b| b.ptr()).unwrap_or(0);
         let bases = Bases {

@@ -87,6 +87,11 @@ pub const QA_HEAD_DIM: usize = 32;
 pub const QA_PARTS: usize = 3 * QA_HEAD_DIM / GS_NB;
 /// Warps of a `gemm_small` block (`GS_WARPS`).
 pub const GS_WARPS: usize = 8;
+/// Most n8-tiles of `ffn_small`'s second product a warp takes (`FS_TPW`).
+pub const FS_TPW: usize = 16;
+/// The argument of `ffn_small` (ffn_small.cu) that says how many floats of
+/// the next accumulator it zeroes (after its own, 7, and that one, 8).
+const FS_ARG_ZERO_N: usize = 9;
 /// Widest rows `pool_ln` / `pool_packed_ln` normalise (`POOL_CHUNK` in
 /// pool.cu: a warp holds a whole token row).
 pub const POOL_LN_MAX_HIDDEN: usize = 512;
@@ -106,6 +111,14 @@ pub fn gemm_small_fits(m: usize, n: usize, k: usize, t: DType, max_rows: usize) 
 
 /// Largest number of fused (counter-using) ops in one plan.
 pub const MAX_COUNTERS: usize = 1024;
+/// Floats of one `ffn_small` accumulator ([`Loc::Accum`]): [`GS_MAXM`]
+/// rows of up to 1,024 (ffn_small.cu's `FS_TPW`: N2 <= 1024).
+pub const ACCUM_FLOATS: usize = GS_MAXM * 1024;
+/// `ffn_small` accumulators a stream keeps (see [`Loc::Accum`]).
+pub const ACCUMS: usize = 3;
+/// Bytes of a stream's zeroed block: [`MAX_COUNTERS`] u32 counters, then
+/// [`ACCUMS`] accumulators of [`ACCUM_FLOATS`].
+pub const COUNTER_BLOCK_BYTES: usize = MAX_COUNTERS * 4 + ACCUMS * ACCUM_FLOATS * 4;
 /// Rows per block (one per warp) of the vectorised LayerNorm kernels
 /// (`LNV_WARPS` in vec.cu).
 pub const LNV_WARPS: usize = 4;
@@ -366,6 +379,10 @@ pub enum Loc {
     Arena(usize),
     /// Index of a u32 counter (zero between kernels) for last-block reductions.
     Counter(usize),
+    /// Index of an f32 accumulator of [`ACCUM_FLOATS`] after the counters,
+    /// zero between graphs: `ffn_small` adds into one and zeroes the next
+    /// (see [`Planner::ffn_small`]).
+    Accum(usize),
     /// Byte offsets into the batch's pinned host slot, as the device
     /// addresses it: its input block, and its output. Only the steps of a
     /// staged plan ([`Plan::with_staged_io`], [`Plan::staged`]) name these,
@@ -712,6 +729,10 @@ pub struct Limits {
     /// pre-norm rows (f32), the second normalises them as it loads them
     /// (see gemm_small.cu), so no kernel ends in a last-block LayerNorm.
     pub ln_defer: bool,
+    /// The feed-forward block of few rows in one kernel (`ffn_small`): the
+    /// second Linear split over K across the first's blocks, its partial
+    /// rows added into an accumulator, the AddLayerNorm deferred.
+    pub ffn_splitk: bool,
     /// Programmatic dependent launch between consecutive kernels (see
     /// [`Plan::pdl`]); the device must be sm_90 or newer.
     pub pdl: bool,
@@ -740,6 +761,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "gemm_small",
     "qkv_attn",
     "ln_defer",
+    "ffn_splitk",
     "pdl",
     "staged_io",
     "stage_fold",
@@ -749,9 +771,11 @@ pub const DISABLE_SWITCHES: &[&str] = &[
 /// one-kernel sublayers, measured slower than the separate kernels they
 /// replace (H200, 2026-12-01, MiniLM f16 64t: 712 µs in 14 nodes against
 /// 184 µs in 50; `layer_attn_small` 66 µs and `layer_ffn_small` 50 µs a
-/// layer, latency-bound on 12 and 48 blocks; docs/perf-log.md). Set
+/// layer, latency-bound on 12 and 48 blocks; docs/perf-log.md), the QKV
+/// Linear with the attention (slower too, 2026-12-02/03), and the one-kernel
+/// feed-forward block `ffn_splitk` until a GPU run has measured it. Set
 /// `REPLAYD_CUDA_DISABLE=` (empty) to run them anyway.
-pub const DEFAULT_DISABLED: &str = "small,qkv_attn";
+pub const DEFAULT_DISABLED: &str = "small,qkv_attn,ffn_splitk";
 
 /// Groups of [`DISABLE_SWITCHES`] that `REPLAYD_CUDA_DISABLE` takes by one
 /// name: `small`, the two fused sublayers; `fused`, every path the
@@ -770,6 +794,7 @@ pub const DISABLE_GROUPS: &[(&str, &[&str])] = &[
             "gemm_small",
             "qkv_attn",
             "ln_defer",
+            "ffn_splitk",
             "pdl",
         ],
     ),
@@ -790,6 +815,7 @@ impl Limits {
             gemm_small: true,
             qkv_attn: true,
             ln_defer: true,
+            ffn_splitk: true,
             pdl: true,
             staged_io: true,
             stage_fold: true,
@@ -824,6 +850,7 @@ impl Limits {
                     "gemm_small" => self.gemm_small = false,
                     "qkv_attn" => self.qkv_attn = false,
                     "ln_defer" => self.ln_defer = false,
+                    "ffn_splitk" => self.ffn_splitk = false,
                     "pdl" => self.pdl = false,
                     "staged_io" => self.staged_io = false,
                     "stage_fold" => self.stage_fold = false,
@@ -859,6 +886,7 @@ impl Limits {
             self.gemm_small,
             self.qkv_attn,
             self.ln_defer,
+            self.ffn_splitk,
             self.pdl,
             self.staged_io,
             self.stage_fold,
@@ -932,6 +960,10 @@ struct Planner<'a> {
     fused_tmp: Option<(Loc, usize)>,
     /// A LayerNorm the next op must apply (planned by the op before it).
     deferred_ln: Option<DeferredLn>,
+    /// `ffn_small` kernels planned so far; the j-th adds into the
+    /// accumulator `Loc::Accum(j)` and zeroes `Loc::Accum(j + 1)`, logical
+    /// numbers that [`assign_accums`] maps onto the stream's accumulators.
+    ffn_smalls: usize,
     steps: Vec<Step>,
     /// Bytes of the input block so far (tile tables are appended).
     input_bytes: usize,
@@ -1166,6 +1198,132 @@ impl<'a> Planner<'a> {
         args.extend(x_norm);
         self.kernel(name, (grid, 1, 1), GS_THREADS, 0, args);
         Ok(consumed)
+    }
+
+    /// ops[idx..idx + 3] = Linear(intermediate, act) → Linear(output) →
+    /// AddLayerNorm(+ the first Linear's input), few rows, with the
+    /// LayerNorm deferrable to ops[idx + 3]: one `ffn_small` kernel
+    /// (ffn_small.cu) that adds the block's pre-norm rows into an
+    /// accumulator and leaves the LayerNorm to the next op. `None` when the
+    /// ops do not have that shape (the Linears then run one by one).
+    fn ffn_small(
+        &mut self,
+        idx: usize,
+        op: LinearOp,
+        x_l: Loc,
+        max_rows: usize,
+    ) -> Result<Option<usize>, BackendError> {
+        let t = self.compute;
+        let ops = &self.program.ops;
+        let LinearOp {
+            x,
+            w: w1,
+            bias: b1,
+            act,
+            out: h,
+            m,
+            n: n1,
+            k,
+        } = op;
+        let (
+            Some(&Op::Linear {
+                x: hx,
+                w: w2,
+                bias: b2,
+                act: Activation::Identity,
+                out: y,
+                m: m2,
+                n: n2,
+                k: k2,
+            }),
+            Some(&Op::AddLayerNorm {
+                x: ln_x,
+                residual,
+                gamma,
+                beta,
+                eps,
+                out: ln_out,
+                rows,
+                hidden,
+            }),
+        ) = (ops.get(idx + 1), ops.get(idx + 2))
+        else {
+            return Ok(None);
+        };
+        let activation = |b: BufId| self.program.buffer(b).kind == BufKind::Activation;
+        let fits = self.limits.ffn_splitk
+            && self.limits.ln_defer
+            && (hx, ln_x, residual) == (h, y, x)
+            && (m2, k2, n2, rows, hidden) == (m, n1, k, m, k)
+            && x_l == self.locs[&x]
+            && activation(h)
+            && activation(y)
+            && [x, h, y, ln_out].iter().all(|&b| self.dtype(b) == t)
+            && ln_out != y
+            && dead_after(ops, idx + 2, h)
+            && dead_after(ops, idx + 3, y)
+            && n1.is_multiple_of(GS_NB)
+            && n2.is_multiple_of(8)
+            && n2 <= 8 * GS_WARPS * FS_TPW
+            && m * n2 <= ACCUM_FLOATS
+            && gemm_small_fits(m, n1, k, t, max_rows)
+            && gemm_small_fits(m, n2, n1, t, max_rows)
+            && self.takes_deferred_ln(idx + 3, ln_out, n2, m);
+        if !fits {
+            return Ok(None);
+        }
+        let grid = u32::try_from(n1 / GS_NB)
+            .map_err(|_| BackendError::Unsupported(format!("op {idx} (Linear): {n1} outputs")))?;
+        let x_norm = match self.take_deferred_ln(idx, x)? {
+            Some(d) => [
+                Arg::Ptr(d.pre_norm),
+                Arg::Ptr(Loc::Weight(d.gamma)),
+                Arg::Ptr(Loc::Weight(d.beta)),
+                Arg::F32(d.eps),
+                Arg::Ptr(self.locs[&d.out]),
+            ],
+            None => [Arg::Null, Arg::Null, Arg::Null, Arg::F32(0.0), Arg::Null],
+        };
+        let j = self.ffn_smalls;
+        self.ffn_smalls += 1;
+        let (offsets, seqs) = self.live_rows_args();
+        let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
+        let mut args = vec![
+            Arg::Ptr(x_l),
+            Arg::Ptr(Loc::Weight(w1)),
+            opt(b1),
+            Arg::I32(act_code(act)),
+            Arg::Ptr(Loc::Weight(w2)),
+            opt(b2),
+            Arg::Ptr(self.locs[&x]),
+            Arg::Ptr(Loc::Accum(j)),
+            Arg::Ptr(Loc::Accum(j + 1)),
+            // The next one's rows (set again by assign_accums).
+            Arg::I32((m * n2) as i32),
+            Arg::I32(m as i32),
+            Arg::I32(n1 as i32),
+            Arg::I32(k as i32),
+            Arg::I32(n2 as i32),
+            offsets,
+            Arg::I32(seqs as i32),
+        ];
+        args.extend(x_norm);
+        self.kernel(
+            format!("ffn_small_{}", suffix(t)),
+            (grid, 1, 1),
+            GS_THREADS,
+            0,
+            args,
+        );
+        self.deferred_ln = Some(DeferredLn {
+            consumer: idx + 3,
+            pre_norm: Loc::Accum(j),
+            gamma,
+            beta,
+            eps,
+            out: ln_out,
+        });
+        Ok(Some(3))
     }
 
     /// The LayerNorm of `x` that the op before left to ops[idx], if any
@@ -1917,6 +2075,9 @@ impl<'a> Planner<'a> {
                     if let Some(consumed) = self.qkv_attn(idx, linear, x_l)? {
                         return Ok(consumed);
                     }
+                    if let Some(consumed) = self.ffn_small(idx, linear, x_l, max_rows)? {
+                        return Ok(consumed);
+                    }
                     return self.gemm_small(idx, linear, x_l);
                 }
                 let (epilogue, post) = split_activation(act, bias.is_some());
@@ -2379,6 +2540,75 @@ pub fn plan(
     tf32: bool,
     limits: Limits,
 ) -> Result<Plan, BackendError> {
+    let mut p = plan_once(program, weights, compute, tf32, limits)?;
+    if assign_accums(&mut p.steps) == 1 {
+        // A lone `ffn_small` could not leave the first accumulator zero
+        // for the next graph (see assign_accums): plan without it.
+        let limits = Limits {
+            ffn_splitk: false,
+            ..limits
+        };
+        p = plan_once(program, weights, compute, tf32, limits)?;
+    }
+    Ok(p)
+}
+
+/// Maps the logical accumulators of a plan's `ffn_small` kernels (the j-th
+/// of J adds into `Accum(j)` and zeroes `Accum(j + 1)`, its consumer reads
+/// `Accum(j)`) onto the stream's [`ACCUMS`], and returns J. The invariant:
+/// accumulator 0 is zero whenever no graph runs on the stream. So the first
+/// kernel adds into 0, each zeroes the next one's (whose last reader has
+/// completed when it runs: two kernels never share one in a row), and the
+/// last zeroes 0 again; with J odd the last takes accumulator 2, so that it
+/// differs from both neighbours. J = 1 cannot keep the invariant (its one
+/// accumulator is both the first and the last): the caller re-plans.
+fn assign_accums(steps: &mut [Step]) -> usize {
+    let is_ffn =
+        |s: &Step| matches!(s, Step::Kernel { name, .. } if name.starts_with("ffn_small_"));
+    let count = steps.iter().filter(|s| is_ffn(s)).count();
+    if count == 0 {
+        return 0;
+    }
+    let phys = |j: usize| match j {
+        j if j == count => 0,
+        j if j == count - 1 && count % 2 == 1 => 2,
+        j => j % 2,
+    };
+    let zero_n = steps
+        .iter()
+        .filter(|s| is_ffn(s))
+        .filter_map(|s| match s {
+            Step::Kernel { args, .. } => match args.get(FS_ARG_ZERO_N) {
+                Some(&Arg::I32(n)) => Some(n),
+                _ => None,
+            },
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    for step in steps.iter_mut() {
+        let Step::Kernel { name, args, .. } = step else {
+            continue;
+        };
+        let ffn = name.starts_with("ffn_small_");
+        for (i, a) in args.iter_mut().enumerate() {
+            match a {
+                Arg::Ptr(Loc::Accum(j)) => *j = phys(*j),
+                Arg::I32(n) if ffn && i == FS_ARG_ZERO_N => *n = zero_n,
+                _ => {}
+            }
+        }
+    }
+    count
+}
+
+fn plan_once(
+    program: &Program,
+    weights: &Weights,
+    compute: DType,
+    tf32: bool,
+    limits: Limits,
+) -> Result<Plan, BackendError> {
     if !compute.is_float() {
         return Err(BackendError::Unsupported(format!(
             "compute dtype {compute}"
@@ -2434,6 +2664,7 @@ pub fn plan(
         counters: 0,
         fused_tmp: None,
         deferred_ln: None,
+        ffn_smalls: 0,
         steps: Vec::new(),
         input_bytes,
         tile_tables: Vec::new(),
@@ -2487,7 +2718,7 @@ pub(crate) mod tests {
     const LIMITS: Limits = Limits::new(227 * 1024);
     /// The paths the kernels before the vectorised and fused ones took
     /// (tests of those keep checking them).
-    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small,qkv_attn,ln_defer,pdl";
+    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small,qkv_attn,ln_defer,ffn_splitk,pdl";
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -3914,7 +4145,11 @@ pub(crate) mod tests {
         );
         // It does not apply a deferred LayerNorm: with both on, only the
         // first layer's QKV (after the embedding) fuses.
-        let mixed = steps(&cases[0].1, DType::F16, LIMITS.with_disabled("small"));
+        let mixed = steps(
+            &cases[0].1,
+            DType::F16,
+            LIMITS.with_disabled("small,ffn_splitk"),
+        );
         let names = mixed.step_names();
         assert_eq!(mixed.node_count(), 31, "{names:?}");
         assert_eq!(names[1], "qkv_attn_small_f16_d32");
@@ -4157,6 +4392,126 @@ pub(crate) mod tests {
         assert_eq!(fused(&p, &w, DType::F16, LIMITS), (0, 1));
     }
 
+    /// `ffn_small`: the feed-forward block in one kernel per layer, its
+    /// accumulators in rotation, its LayerNorm left to the next Linear.
+    #[test]
+    fn ffn_small_plans() {
+        let on = LIMITS.with_disabled("small,qkv_attn");
+        assert!(on.ffn_splitk && !LIMITS.with_disabled(DEFAULT_DISABLED).ffn_splitk);
+        let ffns = |p: &Plan| -> Vec<Vec<Arg>> {
+            p.steps
+                .iter()
+                .filter_map(|s| match s {
+                    Step::Kernel { name, args, .. } if name.starts_with("ffn_small") => {
+                        Some(args.clone())
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let acc = |j| Arg::Ptr(Loc::Accum(j));
+        let (a, w) = minilm(6);
+        let p = plan(&a.program(1, 16), &w, DType::F16, false, on).unwrap();
+        // Per layer QKV, attention, O + add (pre-norm), the FFN: 26 nodes.
+        let mut want = vec!["embed_ln_vec_f16".to_string()];
+        for _ in 0..6 {
+            want.extend(
+                [
+                    "gemm_small_f16",
+                    "attention_tc_f16_d32",
+                    "gemm_small_f16",
+                    "ffn_small_f16",
+                ]
+                .map(String::from),
+            );
+        }
+        want.push("pool_ln_f16".into());
+        assert_eq!(p.step_names(), want);
+        let (name, grid, block, smem, args) = kernel(&p, "ffn_small");
+        assert_eq!(
+            (name, grid, block, smem),
+            ("ffn_small_f16", (96, 1, 1), 256, 0)
+        );
+        // x (the O Linear's LayerNorm, which this kernel applies: block 0
+        // writes it, and adds it as the residual), W1, b1, GELU, W2, b2.
+        assert_eq!(args[0], args[6]);
+        assert_eq!(args[3], Arg::I32(act_code(Activation::Gelu)));
+        assert!([1, 2, 4, 5]
+            .iter()
+            .all(|&i| matches!(args[i], Arg::Ptr(Loc::Weight(_)))));
+        assert_eq!(
+            args[9..16],
+            [
+                Arg::I32(16 * 384),
+                Arg::I32(16),
+                Arg::I32(1536),
+                Arg::I32(384),
+                Arg::I32(384),
+                Arg::Null,
+                Arg::I32(0),
+            ]
+        );
+        let Step::Kernel { args: o, .. } = &p.steps[3] else {
+            panic!("the O Linear")
+        };
+        assert_eq!(
+            (o[8], args[16]),
+            (Arg::I32(2), o[10]),
+            "x = LN(O's pre-norm rows)"
+        );
+        assert_eq!((args.len(), args[20]), (21, args[0]), "block 0 writes x");
+        // The accumulators: 0, 1, 0, 1, … each zeroing the next one's, the
+        // last zeroing the first's; the next QKV (and the pooling) reads it.
+        let f = ffns(&p);
+        assert_eq!(
+            f.iter().map(|a| (a[7], a[8])).collect::<Vec<_>>(),
+            [(0, 1), (1, 0), (0, 1), (1, 0), (0, 1), (1, 0)].map(|(x, z)| (acc(x), acc(z)))
+        );
+        for layer in 1..6 {
+            let Step::Kernel { name, args: q, .. } = &p.steps[1 + 4 * layer] else {
+                panic!("QKV")
+            };
+            assert_eq!((name.as_str(), q[17]), ("gemm_small_f16", f[layer - 1][7]));
+        }
+        let Step::Kernel { args: pool, .. } = &p.steps[25] else {
+            panic!("pool")
+        };
+        assert_eq!(pool[0], acc(1));
+        // An odd count: the last takes accumulator 2, so that 0 ends zero.
+        let (a3, w3) = minilm(3);
+        let p3 = plan(&a3.program(1, 16), &w3, DType::F16, false, on).unwrap();
+        assert_eq!(
+            ffns(&p3).iter().map(|a| (a[7], a[8])).collect::<Vec<_>>(),
+            [(0, 1), (1, 2), (2, 0)].map(|(x, z)| (acc(x), acc(z)))
+        );
+        // One alone cannot: planned as two Linears.
+        let (a1, w1) = minilm(1);
+        let p1 = plan(&a1.program(1, 16), &w1, DType::F16, false, on).unwrap();
+        assert!(ffns(&p1).is_empty());
+        assert_eq!(p1.node_count(), 7, "{:?}", p1.step_names());
+        // Packed 64t: its live rows, and 64 rows of accumulator zeroed.
+        let pk = plan(&a.packed_program(64, 64), &w, DType::BF16, false, on).unwrap();
+        let f = ffns(&pk);
+        assert_eq!(f.len(), 6);
+        assert!(f.iter().all(|a| a[9] == Arg::I32(64 * 384)
+            && a[10] == Arg::I32(64)
+            && matches!(a[14], Arg::Ptr(Loc::Input(_)))
+            && a[15] == Arg::I32(64)));
+        assert_eq!(kernel(&pk, "ffn_small").0, "ffn_small_bf16");
+        // Not in f32, nor without gemm_small, the deferred LayerNorm or the
+        // switch, nor at rows gemm_small does not take.
+        for (dtype, limits, program) in [
+            (DType::F32, on, a.program(1, 16)),
+            (DType::F16, on.with_disabled("ln_defer"), a.program(1, 16)),
+            (DType::F16, on.with_disabled("gemm_small"), a.program(1, 16)),
+            (DType::F16, on.with_disabled("ffn_splitk"), a.program(1, 16)),
+            (DType::F16, on, a.program(4, 16)),
+        ] {
+            let p = plan(&program, &w, dtype, false, limits).unwrap();
+            assert!(ffns(&p).is_empty(), "{dtype:?} {:?}", limits.disabled());
+        }
+    }
+
     #[test]
     fn every_switch_turns_off_its_path() {
         let all = LIMITS.with_disabled("all");
@@ -4182,6 +4537,7 @@ pub(crate) mod tests {
                 "gemm_small",
                 "qkv_attn",
                 "ln_defer",
+                "ffn_splitk",
                 "pdl"
             ]
         );
