@@ -40,7 +40,7 @@
 // N1 % GS_NB == 0, N1 % 32 == 0, N2 == K, N2 % 8 == 0, N2 <= 8·GS_WARPS·FS_TPW,
 // a deferred LayerNorm (xf) K <= 32·GS_WARPS·4.
 //
-// Uses gs_product / gs_product_xn_mt (gemm_small.cu), mma16816
+// Uses gs_product_rows (gemm_small.cu), mma16816
 // (attention_tc.cu), sl_live_rows (small_layer.cu).
 
 #define FS_TPW 16  // most n8-tiles of the second product a warp (N2 <= 1024)
@@ -76,19 +76,7 @@ __device__ __forceinline__ void ffn_small_impl(const T* x, const T* __restrict__
     const int mts = (live + 15) >> 4;
 
     // 1. The block's 16 intermediate columns over all of K (pdl_wait inside).
-    if (xf != 0) {
-        if (K <= 32 * GS_WARPS * 2) {
-            gs_product_xn_mt<T, 2>(mts, xf, w1, N1, K, live, n0, xg, xb, xeps, xout, red, st);
-        } else {
-            gs_product_xn_mt<T, 4>(mts, xf, w1, N1, K, live, n0, xg, xb, xeps, xout, red, st);
-        }
-    } else if (mts <= 1) {
-        gs_product<T, 1>(x, w1, N1, K, live, n0, red);
-    } else if (mts == 2) {
-        gs_product<T, 2>(x, w1, N1, K, live, n0, red);
-    } else {
-        gs_product<T, 4>(x, w1, N1, K, live, n0, red);
-    }
+    gs_product_rows<T>(mts, x, xf, w1, N1, K, live, n0, xg, xb, xeps, xout, red, st);
 
     // This block's W2 columns n0..n0+15 of the warp's n8-tiles (the mma B
     // fragment: column g of the tile, k = 2·t4 (+1) and 2·t4 + 8 (+1)),

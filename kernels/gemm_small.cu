@@ -306,6 +306,28 @@ __device__ __forceinline__ void gs_product_xn_mt(int mts, const float* xf, const
     }
 }
 
+// The block's product over its live rows (mts m-tiles): of x, or of
+// LayerNorm(xf) when xf != null (see the header).
+template <typename T>
+__device__ __forceinline__ void gs_product_rows(int mts, const T* x, const float* xf, const T* __restrict__ w, int N,
+                                                int K, int live, int n0, const T* __restrict__ xg,
+                                                const T* __restrict__ xb, float xeps, T* xout,
+                                                float (*red)[GS_MAXM / 16][16 * GS_NB], float (*st)[GS_WARPS][16]) {
+    if (xf != 0) {
+        if (K <= 32 * GS_WARPS * 2) {
+            gs_product_xn_mt<T, 2>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        } else {
+            gs_product_xn_mt<T, 4>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        }
+    } else if (mts <= 1) {
+        gs_product<T, 1>(x, w, N, K, live, n0, red);
+    } else if (mts == 2) {
+        gs_product<T, 2>(x, w, N, K, live, n0, red);
+    } else {
+        gs_product<T, 4>(x, w, N, K, live, n0, red);
+    }
+}
+
 // The last block of mode 1: out[r] = LayerNorm(tmp[r]) for rows < live,
 // two rows per warp at a time with every load of both rows (and gamma, beta)
 // in flight at once.
@@ -392,19 +414,7 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
     // before pdl_wait.
     const int live = sl_live_rows(M, offsets, seqs);
     const int mts = (live + 15) >> 4;
-    if (xf != 0) {
-        if (K <= 32 * GS_WARPS * 2) {
-            gs_product_xn_mt<T, 2>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
-        } else {
-            gs_product_xn_mt<T, 4>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
-        }
-    } else if (mts <= 1) {
-        gs_product<T, 1>(x, w, N, K, live, n0, red);
-    } else if (mts == 2) {
-        gs_product<T, 2>(x, w, N, K, live, n0, red);
-    } else {
-        gs_product<T, 4>(x, w, N, K, live, n0, red);
-    }
+    gs_product_rows<T>(mts, x, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
     // The residual while the partials meet.
     float res[MTMAX];
 #pragma unroll

@@ -947,6 +947,86 @@ struct DeferredLn {
     out: BufId,
 }
 
+/// ops[idx..idx + 3] as a transformer's feed-forward block: Linear(x →
+/// inter, act) → Linear(inter → proj) → AddLayerNorm(proj + x) into `out`,
+/// `m` rows, `hidden` wide at both ends and `n1` in between.
+#[derive(Clone, Copy)]
+struct FfnBlock {
+    x: BufId,
+    w1: WeightId,
+    b1: Option<WeightId>,
+    act: Activation,
+    inter: BufId,
+    w2: WeightId,
+    b2: Option<WeightId>,
+    proj: BufId,
+    gamma: WeightId,
+    beta: WeightId,
+    eps: f32,
+    out: BufId,
+    m: usize,
+    hidden: usize,
+    n1: usize,
+}
+
+fn ffn_block(ops: &[Op], idx: usize) -> Option<FfnBlock> {
+    let (
+        Some(&Op::Linear {
+            x,
+            w: w1,
+            bias: b1,
+            act,
+            out: inter,
+            m,
+            n: n1,
+            k: hidden,
+        }),
+        Some(&Op::Linear {
+            x: x2,
+            w: w2,
+            bias: b2,
+            act: Activation::Identity,
+            out: proj,
+            m: m2,
+            n: n2,
+            k: k2,
+        }),
+        Some(&Op::AddLayerNorm {
+            x: ln_x,
+            residual,
+            gamma,
+            beta,
+            eps,
+            out,
+            rows,
+            hidden: ln_hidden,
+        }),
+    ) = (ops.get(idx), ops.get(idx + 1), ops.get(idx + 2))
+    else {
+        return None;
+    };
+    let shaped = (x2, ln_x, residual) == (inter, proj, x)
+        && (m2, n2, k2) == (m, hidden, n1)
+        && (rows, ln_hidden) == (m, hidden);
+    shaped.then_some(FfnBlock {
+        x,
+        w1,
+        b1,
+        act,
+        inter,
+        w2,
+        b2,
+        proj,
+        gamma,
+        beta,
+        eps,
+        out,
+        m,
+        hidden,
+        n1,
+    })
+}
+
 struct Planner<'a> {
     program: &'a Program,
     weights: &'a Weights,
@@ -1215,46 +1295,31 @@ impl<'a> Planner<'a> {
     ) -> Result<Option<usize>, BackendError> {
         let t = self.compute;
         let ops = &self.program.ops;
-        let LinearOp {
+        let Some(FfnBlock {
             x,
-            w: w1,
-            bias: b1,
+            w1,
+            b1,
             act,
-            out: h,
+            inter: h,
+            w2,
+            b2,
+            proj: y,
+            gamma,
+            beta,
+            eps,
+            out: ln_out,
             m,
-            n: n1,
-            k,
-        } = op;
-        let (
-            Some(&Op::Linear {
-                x: hx,
-                w: w2,
-                bias: b2,
-                act: Activation::Identity,
-                out: y,
-                m: m2,
-                n: n2,
-                k: k2,
-            }),
-            Some(&Op::AddLayerNorm {
-                x: ln_x,
-                residual,
-                gamma,
-                beta,
-                eps,
-                out: ln_out,
-                rows,
-                hidden,
-            }),
-        ) = (ops.get(idx + 1), ops.get(idx + 2))
+            hidden: k,
+            n1,
+        }) = ffn_block(ops, idx)
         else {
             return Ok(None);
         };
+        let n2 = k;
         let activation = |b: BufId| self.program.buffer(b).kind == BufKind::Activation;
         let fits = self.limits.ffn_splitk
             && self.limits.ln_defer
-            && (hx, ln_x, residual) == (h, y, x)
-            && (m2, k2, n2, rows, hidden) == (m, n1, k, m, k)
+            && x == op.x
             && x_l == self.locs[&x]
             && activation(h)
             && activation(y)
@@ -1851,52 +1916,27 @@ impl<'a> Planner<'a> {
     /// AddLayerNorm, for few rows: one `layer_ffn_small` kernel.
     fn small_ffn(&mut self, idx: usize) -> Option<usize> {
         let t = self.compute;
-        let program = self.program;
-        let ops = &program.ops;
-        let (
-            Some(&Op::Linear {
-                x: h,
-                w: w1,
-                bias: b1,
-                act,
-                out: inter,
-                m,
-                n: n1,
-                k: hidden,
-            }),
-            Some(&Op::Linear {
-                x: x2,
-                w: w2,
-                bias: b2,
-                act: Activation::Identity,
-                out: proj,
-                m: m2,
-                n: n2,
-                k: k2,
-            }),
-            Some(&Op::AddLayerNorm {
-                x: ln_x,
-                residual,
-                gamma,
-                beta,
-                eps,
-                out: ln_out,
-                rows,
-                hidden: ln_hidden,
-            }),
-        ) = (ops.get(idx), ops.get(idx + 1), ops.get(idx + 2))
-        else {
-            return None;
-        };
+        let FfnBlock {
+            x: h,
+            w1,
+            b1,
+            act,
+            inter,
+            w2,
+            b2,
+            proj,
+            gamma,
+            beta,
+            eps,
+            out: ln_out,
+            m,
+            hidden,
+            n1,
+        } = ffn_block(&self.program.ops, idx)?;
         let fits = self.limits.small_ffn
             && small_fits(m, hidden, t)
             && n1.is_multiple_of(32 * SL_WARPS)
             && n1 / SL_FS <= self.limits.sms
-            && x2 == inter
-            && (m2, n2, k2) == (m, hidden, n1)
-            && ln_x == proj
-            && residual == h
-            && (rows, ln_hidden) == (m, hidden)
             && self.dtype(h) == t
             && self.program.buffer(ln_out).kind == BufKind::Activation
             && ![inter, proj].contains(&ln_out)
@@ -3993,6 +4033,16 @@ pub(crate) mod tests {
         );
     }
 
+    /// Step names: `first`, `layer` `layers` times, `last`.
+    fn layers_between(first: &str, layers: usize, layer: &[&str], last: &str) -> Vec<String> {
+        let mut names = vec![first.to_string()];
+        for _ in 0..layers {
+            names.extend(layer.iter().map(|s| s.to_string()));
+        }
+        names.push(last.to_string());
+        names
+    }
+
     /// The graphs the host-path targets are about (MiniLM, 6 layers): node
     /// counts before (the legacy kernels) and after the fusions.
     #[test]
@@ -4033,20 +4083,13 @@ pub(crate) mod tests {
         // LayerNorm; the next layer's QKV normalises FFN2's rows, and the
         // pooling the last FFN2's.
         let gs = steps(&cases[0].1, DType::F16, default);
-        let mut want = vec!["embed_ln_vec_f16".to_string()];
-        for _ in 0..6 {
-            want.extend(
-                [
-                    "gemm_small_f16",
-                    "attention_tc_f16_d32",
-                    "gemm_small_f16",
-                    "gemm_small_f16",
-                    "gemm_small_f16",
-                ]
-                .map(String::from),
-            );
-        }
-        want.push("pool_ln_f16".into());
+        let gemm = "gemm_small_f16";
+        let mut want = layers_between(
+            "embed_ln_vec_f16",
+            6,
+            &[gemm, "attention_tc_f16_d32", gemm, gemm, gemm],
+            "pool_ln_f16",
+        );
         assert_eq!(gs.step_names(), want);
         assert_eq!((gs.matmul_count(), gs.counters), (0, 12));
         assert_eq!(gs.accum_bytes, 16 * 384 * 4);
@@ -4413,19 +4456,13 @@ pub(crate) mod tests {
         let (a, w) = minilm(6);
         let p = plan(&a.program(1, 16), &w, DType::F16, false, on).unwrap();
         // Per layer QKV, attention, O + add (pre-norm), the FFN: 26 nodes.
-        let mut want = vec!["embed_ln_vec_f16".to_string()];
-        for _ in 0..6 {
-            want.extend(
-                [
-                    "gemm_small_f16",
-                    "attention_tc_f16_d32",
-                    "gemm_small_f16",
-                    "ffn_small_f16",
-                ]
-                .map(String::from),
-            );
-        }
-        want.push("pool_ln_f16".into());
+        let gemm = "gemm_small_f16";
+        let want = layers_between(
+            "embed_ln_vec_f16",
+            6,
+            &[gemm, "attention_tc_f16_d32", gemm, "ffn_small_f16"],
+            "pool_ln_f16",
+        );
         assert_eq!(p.step_names(), want);
         let (name, grid, block, smem, args) = kernel(&p, "ffn_small");
         assert_eq!(
