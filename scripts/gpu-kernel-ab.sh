@@ -10,6 +10,8 @@
 # spills of the small-shape kernels (cuobjdump of the cached cubin).
 #
 #   OUT=$OUT AB_SWITCHES="default small,qkv_attn,ln_defer" NCU=1 scripts/gpu-kernel-ab.sh
+#   OUT=$OUT AB_SWITCHES="default small,qkv_attn" NCU=1 NCU_SWITCHES=small,qkv_attn scripts/gpu-kernel-ab.sh
+#                                   # ffn_splitk (off by default) against the default, ncu with it on
 #
 # Binaries and the f16 model come from scripts/gpu-carry.sh (carry .carry).
 # Writes $OUT/kernel-ab.md (one row per bucket and switch) and the logs.
@@ -65,11 +67,14 @@ if d.get("failures"):
 PY
 done
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
-  # One (1, 16) graph, few replays: every kernel node's own GPU time.
+  # One (1, 16) graph, few replays: every kernel node's own GPU time, under
+  # NCU_SWITCHES (a REPLAYD_CUDA_DISABLE value; unset: the backend's default).
+  if [ -n "${NCU_SWITCHES:-}" ]; then export REPLAYD_CUDA_DISABLE="$NCU_SWITCHES"; fi
   timeout 240 ncu --clock-control none --cache-control none --graph-profiling node \
       --metrics gpu__time_duration.sum --csv \
       "$BIN/replayd" backend-check --config "$CFG" --models minilm-f16 --batches 1 --seqs 16 \
       --iters 3 --warmup 1 --fused on --no-eager --check-rows 1 > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || echo "ncu failed (see ncu.err)"
+  unset REPLAYD_CUDA_DISABLE
   python3 - "$OUT/ncu.csv" >> "$OUT/kernel-ab.md" <<'PY'
 import csv, sys
 scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
@@ -96,7 +101,7 @@ PY
   cubin=$(ls -t ~/.cache/replayd/kernels/*.cubin 2>/dev/null | head -1)
   if [ -n "$cubin" ] && command -v cuobjdump >/dev/null; then
     { echo; echo "## registers and spills (cuobjdump -res-usage)"; echo; echo '```';
-      cuobjdump -res-usage "$cubin" 2>&1 | grep -A1 -E "gemm_small|qkv_attn|attention_tc_f16_d32|embed_ln_vec_f16|pool_f16|pool_ln_f16|pool_packed_ln_f16" | grep -v "^--" | paste - - | sed -E 's/\s+/ /g' | head -20;
+      cuobjdump -res-usage "$cubin" 2>&1 | grep -A1 -E "gemm_small|ffn_small|qkv_attn|attention_tc_f16_d32|embed_ln_vec_f16|pool_f16|pool_ln_f16|pool_packed_ln_f16" | grep -v "^--" | paste - - | sed -E 's/\s+/ /g' | head -24;
       echo '```'; } >> "$OUT/kernel-ab.md"
   fi
 fi
