@@ -1244,16 +1244,7 @@ impl<'a> Planner<'a> {
             .add_ln_after(idx, act, out, m, n)
             .filter(|_| ln_vec_fits(n));
         // This Linear's x may be a LayerNorm the op before left to it.
-        let x_norm = match self.take_deferred_ln(idx, op.x)? {
-            Some(d) => [
-                Arg::Ptr(d.pre_norm),
-                Arg::Ptr(Loc::Weight(d.gamma)),
-                Arg::Ptr(Loc::Weight(d.beta)),
-                Arg::F32(d.eps),
-                Arg::Ptr(self.locs[&d.out]),
-            ],
-            None => [Arg::Null, Arg::Null, Arg::Null, Arg::F32(0.0), Arg::Null],
-        };
+        let x_norm = self.deferred_ln_args(idx, op.x)?;
         let defer = ln
             .as_ref()
             .map(|l| (l.out, l.gamma, l.beta, l.eps))
@@ -1339,16 +1330,7 @@ impl<'a> Planner<'a> {
         }
         let grid = u32::try_from(n1 / GS_NB)
             .map_err(|_| BackendError::Unsupported(format!("op {idx} (Linear): {n1} outputs")))?;
-        let x_norm = match self.take_deferred_ln(idx, x)? {
-            Some(d) => [
-                Arg::Ptr(d.pre_norm),
-                Arg::Ptr(Loc::Weight(d.gamma)),
-                Arg::Ptr(Loc::Weight(d.beta)),
-                Arg::F32(d.eps),
-                Arg::Ptr(self.locs[&d.out]),
-            ],
-            None => [Arg::Null, Arg::Null, Arg::Null, Arg::F32(0.0), Arg::Null],
-        };
+        let x_norm = self.deferred_ln_args(idx, x)?;
         let j = self.ffn_smalls;
         self.ffn_smalls += 1;
         let (offsets, seqs) = self.live_rows_args();
@@ -1389,6 +1371,22 @@ impl<'a> Planner<'a> {
             out: ln_out,
         });
         Ok(Some(3))
+    }
+
+    /// `gemm_small`'s and `ffn_small`'s last five arguments (`xf, xg, xb,
+    /// xeps, xout`): the LayerNorm the op before left to ops[idx], which
+    /// reads `x`, or none.
+    fn deferred_ln_args(&mut self, idx: usize, x: BufId) -> Result<[Arg; 5], BackendError> {
+        Ok(match self.take_deferred_ln(idx, x)? {
+            Some(d) => [
+                Arg::Ptr(d.pre_norm),
+                Arg::Ptr(Loc::Weight(d.gamma)),
+                Arg::Ptr(Loc::Weight(d.beta)),
+                Arg::F32(d.eps),
+                Arg::Ptr(self.locs[&d.out]),
+            ],
+            None => [Arg::Null, Arg::Null, Arg::Null, Arg::F32(0.0), Arg::Null],
+        })
     }
 
     /// The LayerNorm of `x` that the op before left to ops[idx], if any
@@ -1916,23 +1914,9 @@ impl<'a> Planner<'a> {
     /// AddLayerNorm, for few rows: one `layer_ffn_small` kernel.
     fn small_ffn(&mut self, idx: usize) -> Option<usize> {
         let t = self.compute;
-        let FfnBlock {
-            x: h,
-            w1,
-            b1,
-            act,
-            inter,
-            w2,
-            b2,
-            proj,
-            gamma,
-            beta,
-            eps,
-            out: ln_out,
-            m,
-            hidden,
-            n1,
-        } = ffn_block(&self.program.ops, idx)?;
+        let f = ffn_block(&self.program.ops, idx)?;
+        let (h, inter, proj, ln_out, m, hidden, n1) =
+            (f.x, f.inter, f.proj, f.out, f.m, f.hidden, f.n1);
         let fits = self.limits.small_ffn
             && small_fits(m, hidden, t)
             && n1.is_multiple_of(32 * SL_WARPS)
@@ -1957,14 +1941,14 @@ impl<'a> Planner<'a> {
             smem,
             vec![
                 Arg::Ptr(self.locs[&h]),
-                Arg::Ptr(Loc::Weight(w1)),
-                opt(b1),
-                Arg::I32(act_code(act)),
-                Arg::Ptr(Loc::Weight(w2)),
-                opt(b2),
-                Arg::Ptr(Loc::Weight(gamma)),
-                Arg::Ptr(Loc::Weight(beta)),
-                Arg::F32(eps),
+                Arg::Ptr(Loc::Weight(f.w1)),
+                opt(f.b1),
+                Arg::I32(act_code(f.act)),
+                Arg::Ptr(Loc::Weight(f.w2)),
+                opt(f.b2),
+                Arg::Ptr(Loc::Weight(f.gamma)),
+                Arg::Ptr(Loc::Weight(f.beta)),
+                Arg::F32(f.eps),
                 Arg::Ptr(self.locs[&ln_out]),
                 Arg::Ptr(self.locs[&inter]),
                 Arg::Ptr(tmp),
