@@ -74,10 +74,11 @@ struct GsRound {
 
 // The block's partial sums over all of K for MT m-tiles, summed over the
 // warps into red[0] order: red[w][mt][r·GS_NB + c]. Weights of the first
-// round are read before pdl_wait (they are no other kernel's output).
+// round are read before pdl_wait (they are no other kernel's output). x's
+// rows are ldx values apart (K, or more in shared memory).
 template <typename T, int MT>
-__device__ __forceinline__ void gs_product(const T* x, const T* __restrict__ w, int N, int K, int live, int n0,
-                                           float (*red)[GS_MAXM / 16][16 * GS_NB]) {
+__device__ __forceinline__ void gs_product(const T* x, int ldx, const T* __restrict__ w, int N, int K, int live,
+                                           int n0, float (*red)[GS_MAXM / 16][16 * GS_NB]) {
     constexpr int G = GsRound<MT>::G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
     const int chunks = K >> 5;
@@ -86,7 +87,7 @@ __device__ __forceinline__ void gs_product(const T* x, const T* __restrict__ w, 
     const bool w_ok0 = n0 + g < N, w_ok1 = n0 + 8 + g < N;
     const T* w0 = w + (size_t)min(n0 + g, N - 1) * K + 8 * t4;
     const T* w1 = w + (size_t)min(n0 + 8 + g, N - 1) * K + 8 * t4;
-    const T* xa = x + (size_t)g * K + 8 * t4;
+    const T* xa = x + (size_t)g * ldx + 8 * t4;
 
     float c[MT][2][4];
 #pragma unroll
@@ -117,9 +118,9 @@ __device__ __forceinline__ void gs_product(const T* x, const T* __restrict__ w, 
 #pragma unroll
             for (int i = 0; i < G; i++) {
                 const int ch = c0 + i * GS_WARPS;
-                const T* p = xa + (size_t)(mt * 16) * K + ch * 32;
+                const T* p = xa + (size_t)(mt * 16) * ldx + ch * 32;
                 alo[mt][i] = ch < chunks && ra < live ? *reinterpret_cast<const uint4*>(p) : zero;
-                ahi[mt][i] = ch < chunks && ra + 8 < live ? *reinterpret_cast<const uint4*>(p + (size_t)8 * K) : zero;
+                ahi[mt][i] = ch < chunks && ra + 8 < live ? *reinterpret_cast<const uint4*>(p + (size_t)8 * ldx) : zero;
             }
         }
 #pragma unroll
@@ -320,11 +321,11 @@ __device__ __forceinline__ void gs_product_rows(int mts, const T* x, const float
             gs_product_xn_mt<T, 4>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
         }
     } else if (mts <= 1) {
-        gs_product<T, 1>(x, w, N, K, live, n0, red);
+        gs_product<T, 1>(x, K, w, N, K, live, n0, red);
     } else if (mts == 2) {
-        gs_product<T, 2>(x, w, N, K, live, n0, red);
+        gs_product<T, 2>(x, K, w, N, K, live, n0, red);
     } else {
-        gs_product<T, 4>(x, w, N, K, live, n0, red);
+        gs_product<T, 4>(x, K, w, N, K, live, n0, red);
     }
 }
 
@@ -391,30 +392,28 @@ __device__ __forceinline__ void gs_ln_rows(const float* tmp, const T* __restrict
     }
 }
 
+// This thread's bias value in gs_store, loaded before the product so that
+// its latency hides behind it.
 template <typename T>
-__device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict__ w, const T* __restrict__ bias,
-                                                T* out, int M, int N, int K, int act, int mode, const T* residual,
-                                                float* tmp, const T* __restrict__ gamma,
-                                                const T* __restrict__ beta, float eps, unsigned* counter,
-                                                const int* offsets, int seqs, const float* xf,
-                                                const T* __restrict__ xg, const T* __restrict__ xb, float xeps,
-                                                T* xout) {
+__device__ __forceinline__ float gs_bias(const T* __restrict__ bias, int N) {
+    const int n = blockIdx.x * GS_NB + threadIdx.x % GS_NB;
+    return bias != 0 && n < N ? to_f32(bias[n]) : 0.0f;
+}
+
+// The block's outputs from its warps' partial sums (red, see gs_product):
+// mode 0 out = act(sum + bn), modes 1 and 2 tmp = sum + bn + residual
+// (bn: gs_bias),
+// and in mode 1 the last block to finish normalises whole rows into `out`
+// (see the header). Shared by gemm_small and attn_o_small (attn_o_small.cu).
+template <typename T>
+__device__ __forceinline__ void gs_store(float (*red)[GS_MAXM / 16][16 * GS_NB], int mts, int live,
+                                         float bn, T* out, int N, int act, int mode,
+                                         const T* residual, float* tmp, const T* __restrict__ gamma,
+                                         const T* __restrict__ beta, float eps, unsigned* counter) {
     constexpr int MTMAX = GS_MAXM / 16;
-    __shared__ float red[GS_WARPS][MTMAX][16 * GS_NB];
-    __shared__ float st[2][GS_WARPS][16];
     const int tid = threadIdx.x;
-    const int n0 = blockIdx.x * GS_NB;
     // One output value per thread and m-tile (16 × GS_NB = GS_THREADS).
-    const int rr = tid / GS_NB, n = n0 + tid % GS_NB;
-    const float bn = bias != 0 && n < N ? to_f32(bias[n]) : 0.0f;
-    // The live rows come from this batch's inputs, written before the graph
-    // runs or, in a staged graph, by the kernel before (stage_in, which has
-    // completed before anything launches after the embedding, or the
-    // embedding, which triggers only after its copy is visible): readable
-    // before pdl_wait.
-    const int live = sl_live_rows(M, offsets, seqs);
-    const int mts = (live + 15) >> 4;
-    gs_product_rows<T>(mts, x, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+    const int rr = tid / GS_NB, n = blockIdx.x * GS_NB + tid % GS_NB;
     // The residual while the partials meet.
     float res[MTMAX];
 #pragma unroll
@@ -440,6 +439,29 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
     if (!sl_last_block(counter, gridDim.x)) return;
     gs_ln_rows<T>(tmp, gamma, beta, eps, out, live, N);
     if (tid == 0) *counter = 0u;
+}
+
+template <typename T>
+__device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict__ w, const T* __restrict__ bias,
+                                                T* out, int M, int N, int K, int act, int mode, const T* residual,
+                                                float* tmp, const T* __restrict__ gamma,
+                                                const T* __restrict__ beta, float eps, unsigned* counter,
+                                                const int* offsets, int seqs, const float* xf,
+                                                const T* __restrict__ xg, const T* __restrict__ xb, float xeps,
+                                                T* xout) {
+    constexpr int MTMAX = GS_MAXM / 16;
+    __shared__ float red[GS_WARPS][MTMAX][16 * GS_NB];
+    __shared__ float st[2][GS_WARPS][16];
+    // The live rows come from this batch's inputs, written before the graph
+    // runs or, in a staged graph, by the kernel before (stage_in, which has
+    // completed before anything launches after the embedding, or the
+    // embedding, which triggers only after its copy is visible): readable
+    // before pdl_wait.
+    const int live = sl_live_rows(M, offsets, seqs);
+    const int mts = (live + 15) >> 4;
+    const float bn = gs_bias(bias, N);
+    gs_product_rows<T>(mts, x, xf, w, N, K, live, blockIdx.x * GS_NB, xg, xb, xeps, xout, red, st);
+    gs_store<T>(red, mts, live, bn, out, N, act, mode, residual, tmp, gamma, beta, eps, counter);
 }
 
 #define GEMM_SMALL_KERNEL(T, SUF)                                                                             \

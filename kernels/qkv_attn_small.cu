@@ -52,11 +52,11 @@ __device__ __forceinline__ void qkv_attn_small_impl(const T* x, const T* __restr
     const int live = sl_live_rows(M, offsets, seqs);
     const int mts = (live + 15) >> 4;
     if (mts <= 1) {
-        gs_product<T, 1>(x, w, N, H, live, n0, red);
+        gs_product<T, 1>(x, H, w, N, H, live, n0, red);
     } else if (mts == 2) {
-        gs_product<T, 2>(x, w, N, H, live, n0, red);
+        gs_product<T, 2>(x, H, w, N, H, live, n0, red);
     } else {
-        gs_product<T, 4>(x, w, N, H, live, n0, red);
+        gs_product<T, 4>(x, H, w, N, H, live, n0, red);
     }
     __syncthreads();
 #pragma unroll

@@ -40,7 +40,7 @@ echo "" >> "$OUT/kernel-ab.md"
 echo "| switches off | bucket | kernels+matmuls | replay p50 µs | p99 µs | replay alone p50 µs (no copies) | check (worst; packed: per case) |" >> "$OUT/kernel-ab.md"
 echo "|---|---|---|---|---|---|---|" >> "$OUT/kernel-ab.md"
 for sw in ${AB_SWITCHES:-default}; do
-  tag=${sw//,/+}
+  tag=${sw//,/-}
   if [ "$sw" = default ]; then unset REPLAYD_CUDA_DISABLE; else export REPLAYD_CUDA_DISABLE="$sw"; fi
   if ! timeout 240 "$BIN/replayd" backend-check --config "$CFG" --out "$OUT/bc-$tag.json" --iters "$ITERS" \
       --fused on --no-eager --profile --profile-buckets 1x16 > "$OUT/bc-$tag.log" 2>&1; then

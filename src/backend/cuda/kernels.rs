@@ -90,6 +90,12 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         "ffn_small.cu",
         include_str!("../../../kernels/ffn_small.cu"),
     ),
+    // The attention and the output Linear of few rows in one kernel
+    // (gemm_small.cu's product and epilogue, attention_tc.cu's mma).
+    (
+        "attn_o_small.cu",
+        include_str!("../../../kernels/attn_o_small.cu"),
+    ),
     ("stage.cu", include_str!("../../../kernels/stage.cu")),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
 ];
@@ -208,6 +214,10 @@ pub fn packed_entry_points() -> Vec<String> {
     names
 }
 
+/// Head sizes of the attention + output Linear kernel for few token rows
+/// (`attn_o_small_<t>_d<N>`, f16/bf16).
+pub const ATTN_O_HEAD_DIMS: &[usize] = &[32, 64];
+
 /// Head sizes of the fused attention sublayer for few token rows
 /// (`layer_attn_small_<t>_d<N>`, f16/bf16).
 pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
@@ -218,7 +228,8 @@ pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
 /// the Linear of few rows with its epilogue (`gemm_small_<t>`,
 /// gemm_small.cu), the QKV Linear with the attention
 /// (`qkv_attn_small[_bias]_<t>_d32`, qkv_attn_small.cu), the feed-forward
-/// block (`ffn_small_<t>`, ffn_small.cu) and the poolings
+/// block (`ffn_small_<t>`, ffn_small.cu), the attention with the output
+/// Linear (`attn_o_small_<t>_d<N>`, attn_o_small.cu) and the poolings
 /// that apply a deferred LayerNorm (`pool_ln_<t>`, `pool_packed_ln_<t>`).
 pub fn fused_entry_points() -> Vec<String> {
     let mut names = Vec::new();
@@ -236,6 +247,9 @@ pub fn fused_entry_points() -> Vec<String> {
         names.push(format!("qkv_attn_small_{t}_d32"));
         names.push(format!("qkv_attn_small_bias_{t}_d32"));
         names.push(format!("ffn_small_{t}"));
+        for d in ATTN_O_HEAD_DIMS {
+            names.push(format!("attn_o_small_{t}_d{d}"));
+        }
         names.push(format!("pool_ln_{t}"));
         names.push(format!("pool_packed_ln_{t}"));
     }
@@ -244,10 +258,13 @@ pub fn fused_entry_points() -> Vec<String> {
 
 /// Kernels launched with dynamic shared memory beyond the default 48 KiB (the
 /// CUDA-core attention, `attention_<t>_d<N>` and `attention_varlen_<t>_d<N>`,
-/// and the fused sublayers `layer_*_small_*`), whose limit is raised at load.
-/// The tensor-core attention kernels use static shared memory.
+/// the fused sublayers `layer_*_small_*` and `attn_o_small_*`, whose context
+/// rows are sized by the batch), whose limit is raised at load. The
+/// tensor-core attention kernels use static shared memory.
 pub fn needs_dynamic_smem(name: &str) -> bool {
-    (name.starts_with("attention_") && !name.contains("_tc_")) || name.starts_with("layer_")
+    (name.starts_with("attention_") && !name.contains("_tc_"))
+        || name.starts_with("layer_")
+        || name.starts_with("attn_o_small_")
 }
 
 /// All kernel files concatenated into one translation unit, with `#line`
@@ -786,12 +803,14 @@ mod tests {
             .filter(|n| needs_dynamic_smem(n))
             .collect();
         // The padded and the varlen CUDA-core attention, each with and
-        // without MPNet's bias, and the fused sublayers (f16, bf16: attention
-        // with and without the bias per head size, and the FFN).
+        // without MPNet's bias, the fused sublayers (f16, bf16: attention
+        // with and without the bias per head size, and the FFN) and the
+        // attention with the output Linear (f16, bf16, per head size).
         assert_eq!(
             dynamic.len(),
             2 * 2 * DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len()
-                + 2 * (2 * SMALL_ATTN_HEAD_DIMS.len() + 1),
+                + 2 * (2 * SMALL_ATTN_HEAD_DIMS.len() + 1)
+                + 2 * ATTN_O_HEAD_DIMS.len(),
             "{dynamic:?}"
         );
         assert!(dynamic.iter().all(|n| !n.contains("_tc_")));

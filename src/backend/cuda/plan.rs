@@ -80,6 +80,11 @@ pub const GS_MAXM: usize = 64;
 /// the kernel computes only its live rows: one short text in the 64-token
 /// budget costs what it does at (1, 16).
 pub const GS_MAXM_PADDED: usize = 32;
+
+/// Static shared memory of `attn_o_small` (gemm_small's partial sums,
+/// `GS_WARPS` × `GS_MAXM / 16` × 256 floats), with room to spare: its
+/// dynamic part must fit beside it.
+pub const AO_STATIC_SMEM: usize = GS_WARPS * (GS_MAXM / 16) * 256 * 4 + 1024;
 /// Head size of `qkv_attn_small` (`QA_HD` in qkv_attn_small.cu).
 pub const QA_HEAD_DIM: usize = 32;
 /// Blocks per head of `qkv_attn_small` (`QA_PARTS`): the head's q, k and v
@@ -733,6 +738,10 @@ pub struct Limits {
     /// second Linear split over K across the first's blocks, its partial
     /// rows added into an accumulator, the AddLayerNorm deferred.
     pub ffn_splitk: bool,
+    /// A layer's attention and the output Linear after it in one kernel for
+    /// few rows (`attn_o_small`): every block of the Linear computes the
+    /// attention into shared memory, the attention node is gone.
+    pub attn_o: bool,
     /// Programmatic dependent launch between consecutive kernels (see
     /// [`Plan::pdl`]); the device must be sm_90 or newer.
     pub pdl: bool,
@@ -762,6 +771,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "qkv_attn",
     "ln_defer",
     "ffn_splitk",
+    "attn_o",
     "pdl",
     "staged_io",
     "stage_fold",
@@ -772,10 +782,12 @@ pub const DISABLE_SWITCHES: &[&str] = &[
 /// replace (H200, 2026-12-01, MiniLM f16 64t: 712 µs in 14 nodes against
 /// 184 µs in 50; `layer_attn_small` 66 µs and `layer_ffn_small` 50 µs a
 /// layer, latency-bound on 12 and 48 blocks; docs/perf-log.md), the QKV
-/// Linear with the attention (slower too, 2026-12-02/03), and the one-kernel
-/// feed-forward block `ffn_splitk` until a GPU run has measured it. Set
-/// `REPLAYD_CUDA_DISABLE=` (empty) to run them anyway.
-pub const DEFAULT_DISABLED: &str = "small,qkv_attn,ffn_splitk";
+/// Linear with the attention (slower too, 2026-12-02/03), the one-kernel
+/// feed-forward block `ffn_splitk` and the attention inside the output
+/// Linear `attn_o` (both correct and slower, 2026-12-04: (1, 16) 118.6 and
+/// 115.3 µs against 97.5–98.3). Set `REPLAYD_CUDA_DISABLE=` (empty) to run
+/// them anyway.
+pub const DEFAULT_DISABLED: &str = "small,qkv_attn,ffn_splitk,attn_o";
 
 /// Groups of [`DISABLE_SWITCHES`] that `REPLAYD_CUDA_DISABLE` takes by one
 /// name: `small`, the two fused sublayers; `fused`, every path the
@@ -795,6 +807,7 @@ pub const DISABLE_GROUPS: &[(&str, &[&str])] = &[
             "qkv_attn",
             "ln_defer",
             "ffn_splitk",
+            "attn_o",
             "pdl",
         ],
     ),
@@ -816,6 +829,7 @@ impl Limits {
             qkv_attn: true,
             ln_defer: true,
             ffn_splitk: true,
+            attn_o: true,
             pdl: true,
             staged_io: true,
             stage_fold: true,
@@ -851,6 +865,7 @@ impl Limits {
                     "qkv_attn" => self.qkv_attn = false,
                     "ln_defer" => self.ln_defer = false,
                     "ffn_splitk" => self.ffn_splitk = false,
+                    "attn_o" => self.attn_o = false,
                     "pdl" => self.pdl = false,
                     "staged_io" => self.staged_io = false,
                     "stage_fold" => self.stage_fold = false,
@@ -887,6 +902,7 @@ impl Limits {
             self.qkv_attn,
             self.ln_defer,
             self.ffn_splitk,
+            self.attn_o,
             self.pdl,
             self.staged_io,
             self.stage_fold,
@@ -902,6 +918,14 @@ impl Limits {
 
 /// A cast still to run after an op: (from, from type, to, to type).
 type PendingCast = Option<(Loc, DType, Loc, DType)>;
+
+/// What `attn_o_small` adds to `gemm_small`'s arguments: its name, its
+/// dynamic shared memory and the attention's `mask, seq, heads, scale`.
+struct AttnPrologue {
+    name: String,
+    smem: usize,
+    args: [Arg; 4],
+}
 
 /// An `Op::Linear`'s fields, for the planner's matmul kernels.
 #[derive(Clone, Copy)]
@@ -1233,18 +1257,29 @@ impl<'a> Planner<'a> {
     /// A Linear of few rows (f16/bf16) through `gemm_small` (gemm_small.cu):
     /// bias and activation in its epilogue, and the AddLayerNorm after it
     /// too where [`Planner::add_ln_after`] allows (then it consumes 2 ops).
-    fn gemm_small(&mut self, idx: usize, op: LinearOp, x_l: Loc) -> Result<usize, BackendError> {
+    /// With `attn`, the Linear reads an attention's output, which the kernel
+    /// (`attn_o_small`) computes itself from `x_l` (the q, k, v rows).
+    fn gemm_small(
+        &mut self,
+        idx: usize,
+        op: LinearOp,
+        x_l: Loc,
+        attn: Option<AttnPrologue>,
+    ) -> Result<usize, BackendError> {
         let LinearOp { act, out, m, n, .. } = op;
         let t = self.compute;
         let grid = u32::try_from(n.div_ceil(GS_NB))
             .map_err(|_| BackendError::Unsupported(format!("op {idx} (Linear): {n} outputs")))?;
         let (offsets, seqs) = self.live_rows_args();
-        let name = format!("gemm_small_{}", suffix(t));
         let ln = self
             .add_ln_after(idx, act, out, m, n)
             .filter(|_| ln_vec_fits(n));
-        // This Linear's x may be a LayerNorm the op before left to it.
-        let x_norm = self.deferred_ln_args(idx, op.x)?;
+        // This Linear's x may be a LayerNorm the op before left to it (never
+        // an attention's output).
+        let x_norm = match attn {
+            None => Some(self.deferred_ln_args(idx, op.x)?),
+            Some(_) => None,
+        };
         let defer = ln
             .as_ref()
             .map(|l| (l.out, l.gamma, l.beta, l.eps))
@@ -1266,9 +1301,129 @@ impl<'a> Planner<'a> {
             });
         }
         args.extend([offsets, Arg::I32(seqs as i32)]);
-        args.extend(x_norm);
-        self.kernel(name, (grid, 1, 1), GS_THREADS, 0, args);
+        let (name, smem) = match (attn, x_norm) {
+            (Some(a), _) => {
+                args.extend(a.args);
+                (a.name, a.smem)
+            }
+            (None, Some(x_norm)) => {
+                args.extend(x_norm);
+                (format!("gemm_small_{}", suffix(t)), 0)
+            }
+            (None, None) => unreachable!("x_norm is planned without attn"),
+        };
+        self.kernel(name, (grid, 1, 1), GS_THREADS, smem, args);
         Ok(consumed)
+    }
+
+    /// ops[idx..idx + 2] = Attention | PackedAttention → the Linear reading
+    /// its output, few rows, where the Linear runs on `gemm_small`: one
+    /// `attn_o_small` kernel (attn_o_small.cu) whose every block computes
+    /// the attention into shared memory and multiplies it by its columns of
+    /// the weight, with gemm_small's epilogue (and the AddLayerNorm after
+    /// the Linear where gemm_small takes it). `None` when the ops do not
+    /// have that shape or the kernel does not take it (the attention then
+    /// runs as its own kernel, which reports its own errors).
+    fn attn_o(&mut self, idx: usize) -> Result<Option<usize>, BackendError> {
+        let t = self.compute;
+        let ops = &self.program.ops;
+        let (qkv, ctx, heads, head_dim, mask, seq, rows, pos_bias) = match ops.get(idx) {
+            Some(&Op::Attention {
+                qkv,
+                mask,
+                out,
+                batch,
+                seq,
+                heads,
+                head_dim,
+                bias,
+            }) => (
+                qkv,
+                out,
+                heads,
+                head_dim,
+                Some(mask),
+                seq,
+                batch * seq,
+                bias,
+            ),
+            Some(&Op::PackedAttention {
+                qkv,
+                out,
+                tokens,
+                heads,
+                head_dim,
+                bias,
+                ..
+            }) => (qkv, out, heads, head_dim, None, 0, tokens, bias),
+            _ => return Ok(None),
+        };
+        let Some(&Op::Linear {
+            x,
+            w,
+            bias,
+            act,
+            out,
+            m,
+            n,
+            k,
+        }) = ops.get(idx + 1)
+        else {
+            return Ok(None);
+        };
+        let max_rows = if self.program.is_packed() {
+            GS_MAXM
+        } else {
+            GS_MAXM_PADDED
+        };
+        let hidden = heads * head_dim;
+        let (_, seqs) = self.live_rows_args();
+        // The q, k, v rows (whole m-tiles, rows padded by 8 values), then
+        // the mask and the packed offsets (attn_o_small.cu).
+        let smem = m.div_ceil(16) * 16 * (3 * hidden + 8) * t.size() + (m + seqs + 1) * 4;
+        let fits = self.limits.attn_o
+            && self.limits.gemm_small
+            && !self.limits.small_attn
+            && !self.limits.small_ffn
+            && pos_bias.is_none()
+            && super::kernels::ATTN_O_HEAD_DIMS.contains(&head_dim)
+            && x == ctx
+            && ctx != qkv
+            && (m, k) == (rows, hidden)
+            && hidden.is_multiple_of(32)
+            && (mask.is_some() == (seq > 0))
+            && self.program.is_packed() == mask.is_none()
+            && [qkv, ctx, out].iter().all(|&b| self.dtype(b) == t)
+            && !(self.limits.skinny && skinny_fits(m, n, k, t))
+            && gemm_small_fits(m, n, k, t, max_rows)
+            && dead_after(ops, idx + 2, ctx)
+            && smem + AO_STATIC_SMEM <= self.limits.max_dyn_smem;
+        if !fits {
+            return Ok(None);
+        }
+        let x_l = self.float_in(qkv, rows * 3 * hidden, t)?;
+        let mask = mask.map(|b| Arg::Ptr(self.int_loc(b))).unwrap_or(Arg::Null);
+        let attn = AttnPrologue {
+            name: format!("attn_o_small_{}_d{head_dim}", suffix(t)),
+            smem,
+            args: [
+                mask,
+                Arg::I32(seq as i32),
+                Arg::I32(heads as i32),
+                Arg::F32(1.0 / (head_dim as f32).sqrt()),
+            ],
+        };
+        let linear = LinearOp {
+            x,
+            w,
+            bias,
+            act,
+            out,
+            m,
+            n,
+            k,
+        };
+        Ok(Some(1 + self.gemm_small(idx + 1, linear, x_l, Some(attn))?))
     }
 
     /// ops[idx..idx + 3] = Linear(intermediate, act) → Linear(output) →
@@ -2102,7 +2257,7 @@ impl<'a> Planner<'a> {
                     if let Some(consumed) = self.ffn_small(idx, linear, x_l, max_rows)? {
                         return Ok(consumed);
                     }
-                    return self.gemm_small(idx, linear, x_l);
+                    return self.gemm_small(idx, linear, x_l, None);
                 }
                 let (epilogue, post) = split_activation(act, bias.is_some());
                 let shape = MatmulShape {
@@ -2212,6 +2367,9 @@ impl<'a> Planner<'a> {
                 head_dim,
                 bias,
             } => {
+                if let Some(consumed) = self.attn_o(idx)? {
+                    return Ok(consumed);
+                }
                 let what = format!("op {idx} (Attention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
                     BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
@@ -2410,6 +2568,9 @@ impl<'a> Planner<'a> {
                 head_dim,
                 bias,
             } => {
+                if let Some(consumed) = self.attn_o(idx)? {
+                    return Ok(consumed);
+                }
                 let what = format!("op {idx} (PackedAttention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
                     BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
@@ -2742,7 +2903,7 @@ pub(crate) mod tests {
     const LIMITS: Limits = Limits::new(227 * 1024);
     /// The paths the kernels before the vectorised and fused ones took
     /// (tests of those keep checking them).
-    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small,qkv_attn,ln_defer,ffn_splitk,pdl";
+    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small,qkv_attn,ln_defer,ffn_splitk,attn_o,pdl";
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -4175,7 +4336,7 @@ pub(crate) mod tests {
         let mixed = steps(
             &cases[0].1,
             DType::F16,
-            LIMITS.with_disabled("small,ffn_splitk"),
+            LIMITS.with_disabled("small,ffn_splitk,attn_o"),
         );
         let names = mixed.step_names();
         assert_eq!(mixed.node_count(), 31, "{names:?}");
@@ -4423,7 +4584,7 @@ pub(crate) mod tests {
     /// accumulators in rotation, its LayerNorm left to the next Linear.
     #[test]
     fn ffn_small_plans() {
-        let on = LIMITS.with_disabled("small,qkv_attn");
+        let on = LIMITS.with_disabled("small,qkv_attn,attn_o");
         assert!(on.ffn_splitk && !LIMITS.with_disabled(DEFAULT_DISABLED).ffn_splitk);
         let ffns = |p: &Plan| -> Vec<Vec<Arg>> {
             p.steps
@@ -4534,6 +4695,79 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn attn_o_plans() {
+        let on = LIMITS.with_disabled("small,qkv_attn,ffn_splitk");
+        assert!(on.attn_o && !LIMITS.with_disabled(DEFAULT_DISABLED).attn_o);
+        let (a, w) = minilm(6);
+        let p = plan(&a.program(1, 16), &w, DType::F16, false, on).unwrap();
+        // Per layer QKV, attention + O (pre-norm), FFN1, FFN2: 26 nodes.
+        let gemm = "gemm_small_f16";
+        let want = layers_between(
+            "embed_ln_vec_f16",
+            6,
+            &[gemm, "attn_o_small_f16_d32", gemm, gemm],
+            "pool_ln_f16",
+        );
+        assert_eq!(p.step_names(), want);
+        let (name, grid, block, smem, args) = kernel(&p, "attn_o_small");
+        // O's 24 blocks; 16 rows of q, k, v (3 × 384 + 8 f16), the mask.
+        assert_eq!(
+            (name, grid, block, smem),
+            (
+                "attn_o_small_f16_d32",
+                (24, 1, 1),
+                256,
+                16 * 1160 * 2 + 17 * 4
+            )
+        );
+        let Step::Kernel { args: qkv, .. } = &p.steps[1] else {
+            panic!("QKV")
+        };
+        // x = the QKV Linear's output; gemm_small's arguments with mode 2
+        // (the FFN1 normalises), then the mask, seq, heads and scale.
+        assert_eq!(args[0], qkv[3]);
+        assert_eq!(args[4..9], [16, 384, 384, 0, 2].map(Arg::I32));
+        assert_eq!(args[15..17], [Arg::Null, Arg::I32(0)]);
+        assert!(matches!(args[17], Arg::Ptr(Loc::Input(_))), "the mask");
+        assert_eq!(
+            args[18..],
+            [Arg::I32(16), Arg::I32(12), Arg::F32(1.0 / 32f32.sqrt())]
+        );
+        let Step::Kernel { args: ffn1, .. } = &p.steps[3] else {
+            panic!("FFN1")
+        };
+        assert_eq!(ffn1[17], args[10], "FFN1 normalises O's pre-norm rows");
+        // Packed 64t (bf16): 64 rows of q, k, v and 65 offsets.
+        let pk = plan(&a.packed_program(64, 64), &w, DType::BF16, false, on).unwrap();
+        let (name, _, _, smem, args) = kernel(&pk, "attn_o_small");
+        assert_eq!(
+            (name, smem),
+            ("attn_o_small_bf16_d32", 64 * 1160 * 2 + (64 + 65) * 4)
+        );
+        assert!(matches!(args[15], Arg::Ptr(Loc::Input(_))), "offsets");
+        assert_eq!(
+            [args[16], args[17], args[18]],
+            [Arg::I32(64), Arg::Null, Arg::I32(0)]
+        );
+        assert_eq!(pk.node_count(), 26, "{:?}", pk.step_names());
+        // Not in f32, nor without gemm_small or the switch, nor at rows
+        // gemm_small does not take.
+        for (dtype, limits, program) in [
+            (DType::F32, on, a.program(1, 16)),
+            (DType::F16, on.with_disabled("gemm_small"), a.program(1, 16)),
+            (DType::F16, on.with_disabled("attn_o"), a.program(1, 16)),
+            (DType::F16, on, a.program(4, 16)),
+        ] {
+            let p = plan(&program, &w, dtype, false, limits).unwrap();
+            assert!(
+                !p.step_names().iter().any(|n| n.starts_with("attn_o")),
+                "{dtype:?} {:?}",
+                limits.disabled()
+            );
+        }
+    }
+
+    #[test]
     fn every_switch_turns_off_its_path() {
         let all = LIMITS.with_disabled("all");
         assert_eq!(all.disabled(), DISABLE_SWITCHES.to_vec());
@@ -4559,6 +4793,7 @@ pub(crate) mod tests {
                 "qkv_attn",
                 "ln_defer",
                 "ffn_splitk",
+                "attn_o",
                 "pdl"
             ]
         );
