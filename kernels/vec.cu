@@ -132,17 +132,6 @@ __device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, c
     // its weights while this one runs.
     pdl_wait();
     if (!stage_sync) pdl_trigger();
-    // This row's id, type and position first: in a staged graph they are in
-    // the pinned slot too, so their reads cross PCIe; issued before the
-    // copy's, the two round trips overlap instead of following each other.
-    const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
-    const bool has_row = row < rows;
-    int id = 0, tt = 0, p = 0;
-    if (has_row) {
-        id = ids[row];
-        tt = types[row];
-        p = positions != 0 ? positions[row] : row % seq;
-    }
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < stage_words; i += gridDim.x * blockDim.x)
         stage_dst[i] = stage_src[i];
     if (stage_sync) {
@@ -150,12 +139,13 @@ __device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, c
         __syncthreads();  // every thread's part copied before the block triggers
         pdl_trigger();
     }
-    if (!has_row) return;
+    const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
     const int lane = threadIdx.x & 31;
     const int nv = hidden >> 2;
-    id = min(max(id, 0), vocab - 1);
-    tt = min(max(tt, 0), ntypes - 1);
-    p = min(max(p, 0), npos - 1);
+    const int id = min(max(ids[row], 0), vocab - 1);
+    const int tt = min(max(types[row], 0), ntypes - 1);
+    const int p = positions != 0 ? min(max(positions[row], 0), npos - 1) : min(row % seq, npos - 1);
     const T* w = word + (size_t)id * hidden;
     const T* ps = pos + (size_t)p * hidden;
     const T* ty = ttab + (size_t)tt * hidden;
