@@ -1051,6 +1051,64 @@ fn ffn_block(ops: &[Op], idx: usize) -> Option<FfnBlock> {
     })
 }
 
+/// An Attention or PackedAttention op as the fused kernels take it:
+/// `rows` query rows, and `mask` / `seq` for a padded batch (sequences of
+/// `seq` rows; `None` / 0 when packed, where the offsets say).
+#[derive(Clone, Copy)]
+struct AttentionView {
+    qkv: BufId,
+    out: BufId,
+    heads: usize,
+    head_dim: usize,
+    mask: Option<BufId>,
+    seq: usize,
+    rows: usize,
+    bias: Option<PositionBias>,
+}
+
+fn attention_view(op: Option<&Op>) -> Option<AttentionView> {
+    match *op? {
+        Op::Attention {
+            qkv,
+            mask,
+            out,
+            batch,
+            seq,
+            heads,
+            head_dim,
+            bias,
+        } => Some(AttentionView {
+            qkv,
+            out,
+            heads,
+            head_dim,
+            mask: Some(mask),
+            seq,
+            rows: batch * seq,
+            bias,
+        }),
+        Op::PackedAttention {
+            qkv,
+            out,
+            tokens,
+            heads,
+            head_dim,
+            bias,
+            ..
+        } => Some(AttentionView {
+            qkv,
+            out,
+            heads,
+            head_dim,
+            mask: None,
+            seq: 0,
+            rows: tokens,
+            bias,
+        }),
+        _ => None,
+    }
+}
+
 struct Planner<'a> {
     program: &'a Program,
     weights: &'a Weights,
@@ -1327,36 +1385,18 @@ impl<'a> Planner<'a> {
     fn attn_o(&mut self, idx: usize) -> Result<Option<usize>, BackendError> {
         let t = self.compute;
         let ops = &self.program.ops;
-        let (qkv, ctx, heads, head_dim, mask, seq, rows, pos_bias) = match ops.get(idx) {
-            Some(&Op::Attention {
-                qkv,
-                mask,
-                out,
-                batch,
-                seq,
-                heads,
-                head_dim,
-                bias,
-            }) => (
-                qkv,
-                out,
-                heads,
-                head_dim,
-                Some(mask),
-                seq,
-                batch * seq,
-                bias,
-            ),
-            Some(&Op::PackedAttention {
-                qkv,
-                out,
-                tokens,
-                heads,
-                head_dim,
-                bias,
-                ..
-            }) => (qkv, out, heads, head_dim, None, 0, tokens, bias),
-            _ => return Ok(None),
+        let Some(AttentionView {
+            qkv,
+            out: ctx,
+            heads,
+            head_dim,
+            mask,
+            seq,
+            rows,
+            bias: pos_bias,
+        }) = attention_view(ops.get(idx))
+        else {
+            return Ok(None);
         };
         let Some(&Op::Linear {
             x,
@@ -1651,38 +1691,23 @@ impl<'a> Planner<'a> {
             n,
             k: hidden,
         } = op;
-        let Some(att) = self.program.ops.get(idx + 1) else {
+        let Some(AttentionView {
+            qkv: att_qkv,
+            out: ctx,
+            heads,
+            head_dim,
+            mask,
+            seq,
+            rows: _,
+            bias: pos_bias,
+        }) = attention_view(self.program.ops.get(idx + 1)).filter(|a| a.rows == m)
+        else {
             return Ok(None);
         };
-        let (att_qkv, ctx, heads, head_dim, mask, seq, pos_bias) = match *att {
-            Op::Attention {
-                qkv,
-                mask,
-                out,
-                batch,
-                seq,
-                heads,
-                head_dim,
-                bias,
-            } if batch * seq == m => (
-                qkv,
-                out,
-                heads,
-                head_dim,
-                Arg::Ptr(self.int_loc(mask)),
-                seq,
-                bias,
-            ),
-            Op::PackedAttention {
-                qkv,
-                out,
-                tokens,
-                heads,
-                head_dim,
-                bias,
-                ..
-            } if tokens == m => (qkv, out, heads, head_dim, Arg::Null, 1, bias),
-            _ => return Ok(None),
+        // The kernels take a packed batch as sequences of 1 under no mask.
+        let (mask, seq) = match mask {
+            Some(b) => (Arg::Ptr(self.int_loc(b)), seq),
+            None => (Arg::Null, 1),
         };
         let fits = self.limits.qkv_attn
             && self.deferred_ln.is_none()
@@ -1974,35 +1999,20 @@ impl<'a> Planner<'a> {
         else {
             return None;
         };
-        let (att_qkv, ctx, heads, head_dim, mask, seq, bias) = match *att {
-            Op::Attention {
-                qkv,
-                mask,
-                out,
-                batch,
-                seq,
-                heads,
-                head_dim,
-                bias,
-            } if batch * seq == m => (
-                qkv,
-                out,
-                heads,
-                head_dim,
-                Arg::Ptr(self.int_loc(mask)),
-                seq,
-                bias,
-            ),
-            Op::PackedAttention {
-                qkv,
-                out,
-                tokens,
-                heads,
-                head_dim,
-                bias,
-                ..
-            } if tokens == m => (qkv, out, heads, head_dim, Arg::Null, 1, bias),
-            _ => return None,
+        let AttentionView {
+            qkv: att_qkv,
+            out: ctx,
+            heads,
+            head_dim,
+            mask,
+            seq,
+            rows: _,
+            bias,
+        } = attention_view(Some(att)).filter(|a| a.rows == m)?;
+        // The kernels take a packed batch as sequences of 1 under no mask.
+        let (mask, seq) = match mask {
+            Some(b) => (Arg::Ptr(self.int_loc(b)), seq),
+            None => (Arg::Null, 1),
         };
         let fits = self.limits.small_attn
             && small_fits(m, hidden, t)
