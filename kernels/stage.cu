@@ -12,14 +12,24 @@
 // pool_packed_ln (pool.cu, pool_packed.cu), those kernels do this work
 // themselves (the embedding copies the block and reads its ids from the
 // slot; the pooling writes its rows into it), one dependent node fewer at
-// each end; these two kernels stage the other graphs.
+// each end; these two kernels stage the other graphs. A block small enough
+// travels as stage_in_inl's (or embed_ln_vec_inl's) parameter instead, and
+// the last kernel sets `done` words the host polls (common.cuh).
 
 extern "C" __global__ void stage_in(const unsigned* __restrict__ host, unsigned* dev, int words) {
     pdl_enter();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) dev[i] = host[i];
 }
 
-extern "C" __global__ void stage_out(const float* __restrict__ dev, float* host, int n) {
+// The input block from the kernel's own parameter (common.cuh, InlineBlock):
+// no read of host memory at all. words <= INLINE_WORDS (host-checked).
+extern "C" __global__ void stage_in_inl(const __grid_constant__ InlineBlock in, unsigned* dev, int words) {
+    pdl_enter();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) dev[i] = in.w[i];
+}
+
+extern "C" __global__ void stage_out(const float* __restrict__ dev, float* host, int n, unsigned* done) {
     pdl_enter();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) host[i] = dev[i];
+    signal_done(done);
 }

@@ -3,7 +3,8 @@
 // with 8 values per thread. Same results as layernorm.cu / elementwise.cu
 // (f32 arithmetic, two-pass variance) up to the order of the f32 sums.
 //
-// * add_ln_vec_<t>, embed_ln_vec_<t>: LNV_WARPS rows per block, one per
+// * add_ln_vec_<t>, embed_ln_vec_<t> (embed_ln_vec_inl_<t>: its input block
+//   as a parameter): LNV_WARPS rows per block, one per
 //   warp; lane l holds the 4-value vectors l, l + 32, ... of its row in
 //   registers (8-byte loads for f16/bf16, 16-byte for f32), so the row is
 //   read once and the reductions are warp shuffles (no __syncthreads, no
@@ -113,39 +114,43 @@ __device__ __forceinline__ void add_ln_vec_impl(const T* __restrict__ x, const T
 // p = positions[r] (packed programs) or r % seq (padded: positions is null).
 // Ids, positions and types are clamped into their tables, as embed_ln and
 // embed_ln_packed do.
-template <typename T>
-__device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, const int* __restrict__ types,
-                                                  const int* __restrict__ positions, const T* __restrict__ word,
-                                                  const T* __restrict__ pos, const T* __restrict__ ttab,
-                                                  const T* __restrict__ gamma, const T* __restrict__ beta, float eps,
-                                                  T* __restrict__ out, int rows, int seq, int hidden, int vocab,
-                                                  int npos, int ntypes, const unsigned* __restrict__ stage_src,
-                                                  unsigned* __restrict__ stage_dst, int stage_words,
-                                                  int stage_sync) {
-    // A staged graph's first kernel: copy the input block from the batch's
-    // pinned slot for the kernels after this one (this kernel's own ids,
-    // types and positions then point into the slot too), instead of a
-    // stage_in node before it (stage.cu). With `stage_sync` (packed plans,
-    // whose next kernel reads the live rows from the inputs before its
-    // pdl_wait: gemm_small), the copy is made visible before this block
-    // lets the next kernel launch; otherwise it launches at once and reads
-    // its weights while this one runs.
+//
+// A staged graph's first kernel also copies the input block from the
+// batch's pinned slot for the kernels after it (this kernel's own ids,
+// types and positions then point into the slot too), instead of a stage_in
+// node before it (stage.cu); embed_ln_vec_inl_<t> takes the block as its
+// parameter instead (common.cuh, InlineBlock) and its ids etc. as word
+// offsets into it (positions: -1 for none). With `stage_sync` (packed plans,
+// whose next kernel reads the live rows from the inputs before its
+// pdl_wait: gemm_small), the copy is made visible before this block lets
+// the next kernel launch; otherwise it launches at once and reads its
+// weights while this one runs.
+template <typename Src>
+__device__ __forceinline__ void embed_stage(Src src, unsigned* __restrict__ stage_dst, int stage_words,
+                                            int stage_sync) {
     pdl_wait();
     if (!stage_sync) pdl_trigger();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < stage_words; i += gridDim.x * blockDim.x)
-        stage_dst[i] = stage_src[i];
+        stage_dst[i] = src(i);
     if (stage_sync) {
         __threadfence();
         __syncthreads();  // every thread's part copied before the block triggers
         pdl_trigger();
     }
-    const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
+}
+
+// One row (a warp) of the embedding, from its raw id, type and position.
+template <typename T>
+__device__ __forceinline__ void embed_ln_vec_row(int raw_id, int raw_type, int raw_pos, const T* __restrict__ word,
+                                                 const T* __restrict__ pos, const T* __restrict__ ttab,
+                                                 const T* __restrict__ gamma, const T* __restrict__ beta,
+                                                 float eps, T* __restrict__ out_row, int hidden, int vocab, int npos,
+                                                 int ntypes) {
     const int lane = threadIdx.x & 31;
     const int nv = hidden >> 2;
-    const int id = min(max(ids[row], 0), vocab - 1);
-    const int tt = min(max(types[row], 0), ntypes - 1);
-    const int p = positions != 0 ? min(max(positions[row], 0), npos - 1) : min(row % seq, npos - 1);
+    const int id = min(max(raw_id, 0), vocab - 1);
+    const int tt = min(max(raw_type, 0), ntypes - 1);
+    const int p = min(max(raw_pos, 0), npos - 1);
     const T* w = word + (size_t)id * hidden;
     const T* ps = pos + (size_t)p * hidden;
     const T* ty = ttab + (size_t)tt * hidden;
@@ -165,7 +170,43 @@ __device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, c
             for (int e = 0; e < 4; e++) v[j][e] = 0.0f;
         }
     }
-    lnv_finish<T>(v, hidden, gamma, beta, eps, out + (size_t)row * hidden);
+    lnv_finish<T>(v, hidden, gamma, beta, eps, out_row);
+}
+
+template <typename T>
+__device__ __forceinline__ void embed_ln_vec_impl(const int* __restrict__ ids, const int* __restrict__ types,
+                                                  const int* __restrict__ positions, const T* __restrict__ word,
+                                                  const T* __restrict__ pos, const T* __restrict__ ttab,
+                                                  const T* __restrict__ gamma, const T* __restrict__ beta, float eps,
+                                                  T* __restrict__ out, int rows, int seq, int hidden, int vocab,
+                                                  int npos, int ntypes, const unsigned* __restrict__ stage_src,
+                                                  unsigned* __restrict__ stage_dst, int stage_words,
+                                                  int stage_sync) {
+    embed_stage([&](int i) { return stage_src[i]; }, stage_dst, stage_words, stage_sync);
+    const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    embed_ln_vec_row<T>(ids[row], types[row], positions != 0 ? positions[row] : row % seq, word, pos, ttab, gamma,
+                        beta, eps, out + (size_t)row * hidden, hidden, vocab, npos, ntypes);
+}
+
+// The same with the input block as the parameter `in`; ids_w, types_w,
+// pos_w are word offsets into it (host-checked: the block's words, rows
+// included, fit INLINE_WORDS), and the index is clamped besides.
+template <typename T>
+__device__ __forceinline__ void embed_ln_vec_inl_impl(const InlineBlock& in, int ids_w, int types_w, int pos_w,
+                                                      const T* __restrict__ word, const T* __restrict__ pos,
+                                                      const T* __restrict__ ttab, const T* __restrict__ gamma,
+                                                      const T* __restrict__ beta, float eps, T* __restrict__ out,
+                                                      int rows, int seq, int hidden, int vocab, int npos, int ntypes,
+                                                      unsigned* __restrict__ stage_dst, int stage_words,
+                                                      int stage_sync) {
+    const auto word_at = [&](int i) { return in.w[min(max(i, 0), INLINE_WORDS - 1)]; };
+    embed_stage(word_at, stage_dst, stage_words, stage_sync);
+    const int row = blockIdx.x * LNV_WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    const int p = pos_w >= 0 ? (int)word_at(pos_w + row) : row % seq;
+    embed_ln_vec_row<T>((int)word_at(ids_w + row), (int)word_at(types_w + row), p, word, pos, ttab, gamma, beta,
+                        eps, out + (size_t)row * hidden, hidden, vocab, npos, ntypes);
 }
 
 template <typename T>
@@ -231,6 +272,13 @@ __device__ __forceinline__ void bias_act_vec_impl(const T* x, const T* __restric
                            unsigned* stage_dst, int stage_words, int stage_sync) {                              \
         embed_ln_vec_impl<T>(ids, types, positions, word, pos, ttab, gamma, beta, eps, out, rows, seq, hidden,  \
                              vocab, npos, ntypes, stage_src, stage_dst, stage_words, stage_sync);               \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(LNV_THREADS) embed_ln_vec_inl_##SUF(                         \
+        const __grid_constant__ InlineBlock in, int ids_w, int types_w, int pos_w, const T* word, const T* pos, \
+        const T* ttab, const T* gamma, const T* beta, float eps, T* out, int rows, int seq, int hidden,         \
+        int vocab, int npos, int ntypes, unsigned* stage_dst, int stage_words, int stage_sync) {                \
+        embed_ln_vec_inl_impl<T>(in, ids_w, types_w, pos_w, word, pos, ttab, gamma, beta, eps, out, rows, seq,  \
+                                 hidden, vocab, npos, ntypes, stage_dst, stage_words, stage_sync);              \
     }                                                                                                           \
     extern "C" __global__ void bias_act_vec_##SUF(const T* x, const T* bias, T* y, int n, int cols, int act) { pdl_enter();  \
         bias_act_vec_impl<T>(x, bias, y, n, cols, act);                                                         \

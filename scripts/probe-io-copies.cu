@@ -44,6 +44,26 @@ __global__ void step_stage_out(const float* x, float4* host, int n) {
   float v = x[0];
   for (int i = threadIdx.x; i < n; i += blockDim.x) host[i] = make_float4(v, v, v, v);
 }
+// The same last step, then a done flag per block (the launch's number) the
+// host polls instead of synchronising an event.
+__global__ void step_stage_out_flag(const float* x, float4* host, int n, volatile unsigned* flag, unsigned seq) {
+  float v = x[0];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) host[i] = make_float4(v, v, v, v);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    *flag = seq;
+  }
+}
+// The input block passed by value as the kernel's parameter (set per launch
+// with cudaGraphExecKernelNodeSetParams): no read of host memory.
+struct InBlock {
+  int4 v[IN_BYTES / 16];
+};
+__global__ void step_params_in(InBlock in, int4* dev, int n, float* x) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dev[i] = in.v[i];
+  if (threadIdx.x == 0) x[0] = x[0] * 0.5f + (float)in.v[0].x;
+}
 __global__ void stage_in(const int4* __restrict__ host, int4* dev, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) dev[i] = host[i];
 }
@@ -145,6 +165,94 @@ int main() {
     chain(K - 2);
     step_stage_out<<<1, 128, 0, s>>>(x, (float4*)hout, nout);
   });
+  // The fused graph with a done flag, and with the input as parameters.
+  unsigned* hflag;
+  CK(cudaHostAlloc((void**)&hflag, 64, cudaHostAllocMapped));
+  unsigned* dflag;
+  CK(cudaHostGetDevicePointer((void**)&dflag, hflag, 0));
+  *hflag = 0;
+  unsigned seq = 0;
+  cudaGraph_t gflag;
+  cudaGraphExec_t fused_flag;
+  cudaGraphNode_t flag_node = nullptr;
+  {
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    step_stage_in<<<1, 64, 0, s>>>((const int4*)hin, din, nin, x);
+    chain(K - 2);
+    step_stage_out_flag<<<1, 128, 0, s>>>(x, (float4*)hout, nout, dflag, 0u);
+    cudaStreamEndCapture(s, &gflag);
+    cudaGraphInstantiate(&fused_flag, gflag, 0);
+    cudaGraphUpload(fused_flag, s);
+    size_t n = 0;
+    cudaGraphGetNodes(gflag, nullptr, &n);
+    std::vector<cudaGraphNode_t> nodes(n);
+    cudaGraphGetNodes(gflag, nodes.data(), &n);
+    for (auto nd : nodes) {
+      cudaKernelNodeParams p;
+      if (cudaGraphKernelNodeGetParams(nd, &p) != cudaSuccess) continue;
+      if (p.func == (void*)step_stage_out_flag) flag_node = nd;
+    }
+  }
+  // Sets the flag kernel's launch number; returns it.
+  auto set_seq = [&] {
+    seq++;
+    void* a[] = {(void*)&x, (void*)&hout, (void*)&nout, (void*)&dflag, (void*)&seq};
+    cudaKernelNodeParams p{};
+    p.func = (void*)step_stage_out_flag; p.gridDim = dim3(1); p.blockDim = dim3(128); p.kernelParams = a;
+    cudaGraphExecKernelNodeSetParams(fused_flag, flag_node, &p);
+    return seq;
+  };
+  InBlock blk{};
+  cudaGraph_t gpar;
+  cudaGraphExec_t params_in;
+  cudaGraphNode_t par_node = nullptr;
+  {
+    cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+    step_params_in<<<1, 64, 0, s>>>(blk, din, nin, x);
+    chain(K - 2);
+    step_stage_out<<<1, 128, 0, s>>>(x, (float4*)hout, nout);
+    cudaStreamEndCapture(s, &gpar);
+    cudaGraphInstantiate(&params_in, gpar, 0);
+    cudaGraphUpload(params_in, s);
+    size_t n = 0;
+    cudaGraphGetNodes(gpar, nullptr, &n);
+    std::vector<cudaGraphNode_t> nodes(n);
+    cudaGraphGetNodes(gpar, nodes.data(), &n);
+    for (auto nd : nodes) {
+      cudaKernelNodeParams p;
+      if (cudaGraphKernelNodeGetParams(nd, &p) != cudaSuccess) continue;
+      if (p.func == (void*)step_params_in) par_node = nd;
+    }
+  }
+  auto set_block = [&] {
+    blk.v[0].x++;
+    void* a[] = {(void*)&blk, (void*)&din, (void*)&nin, (void*)&x};
+    cudaKernelNodeParams p{};
+    p.func = (void*)step_params_in; p.gridDim = dim3(1); p.blockDim = dim3(64); p.kernelParams = a;
+    cudaGraphExecKernelNodeSetParams(params_in, par_node, &p);
+  };
+  // Launch -> flag seen (the event synchronised after the clock stops, so
+  // no launch overlaps the next).
+  auto time_flag = [&](bool repoint_each) {
+    std::vector<double> v;
+    unsigned want = set_seq();
+    for (int i = 0; i < 3300; i++) {
+      auto t0 = std::chrono::steady_clock::now();
+      if (repoint_each) want = set_seq();
+      cudaGraphLaunch(fused_flag, s);
+      while (*(volatile unsigned*)hflag != want) {
+      }
+      auto t1 = std::chrono::steady_clock::now();
+      cudaEventRecord(ev, s);
+      cudaEventSynchronize(ev);
+      if (!repoint_each) {
+        want = set_seq();
+      }
+      if (i >= 300) v.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    std::sort(v.begin(), v.end());
+    return Stat{v[v.size() / 2], v[v.size() * 99 / 100]};
+  };
   CK(cudaStreamSynchronize(s));
   CK(cudaGetLastError());
 
@@ -179,6 +287,14 @@ int main() {
              std::chrono::duration<double, std::micro>(t1 - t0).count() / 1000);
     }
     row("first/last kernel read/write mapped host (32 nodes)", timeit([&] { cudaGraphLaunch(fused, s); }, ev, s));
+    row("the same + done flag, event synchronised", timeit([&] { cudaGraphLaunch(fused_flag, s); }, ev, s));
+    row("the same, host polls the done flag (number set before the clock)", time_flag(false));
+    row("the same, host polls the done flag (number set per launch, in the clock)", time_flag(true));
+    row("input as the first kernel's parameters (set per launch), mapped-host output", timeit([&] {
+          set_block();
+          cudaGraphLaunch(params_in, s);
+        }, ev, s));
+    row("input read from mapped host, mapped-host output (same graph shape)", timeit([&] { cudaGraphLaunch(fused, s); }, ev, s));
   }
   CK(cudaStreamSynchronize(s));
   CK(cudaGetLastError());

@@ -2,7 +2,7 @@
 //! the pinned staging slots that let batches overlap.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
@@ -86,11 +86,15 @@ pub unsafe fn pack_inputs(
     }
 }
 
-/// One in-flight batch's pinned memory: `[input block | output]`.
+/// One in-flight batch's pinned memory: `[input block | output | done words]`
+/// (the last only for plans with [`Plan::done_words`]).
 pub struct Slot {
     pinned: PinnedBuf,
     out_offset: usize,
     out_elems: usize,
+    /// Byte offset of the done words, and how many ([`Plan::done_words`]).
+    done_offset: usize,
+    done_words: usize,
     /// The device's address of `pinned` (mapped host memory), for staged
     /// graphs ([`StagedIo`]).
     device_addr: u64,
@@ -101,14 +105,21 @@ pub struct Slot {
 impl Slot {
     pub(crate) fn new(ctx: &Arc<CudaContext>, plan: &Plan) -> Result<Arc<Slot>, BackendError> {
         let out_offset = align_up(plan.input_bytes, 64);
-        let pinned = PinnedBuf::alloc(ctx, out_offset + plan.output_elems * 4)
-            .cu("cuMemHostAlloc (staging)")?;
+        let done_offset = out_offset + plan.done_offset();
+        let bytes = if plan.done_words > 0 {
+            done_offset + 4 * plan.done_words
+        } else {
+            out_offset + plan.output_elems * 4
+        };
+        let pinned = PinnedBuf::alloc(ctx, bytes).cu("cuMemHostAlloc (staging)")?;
         let device_addr = pinned.device_addr().cu("cuMemHostGetDevicePointer")?;
         let event = ctx.new_event(None).cu("cuEventCreate")?;
         Ok(Arc::new(Slot {
             pinned,
             out_offset,
             out_elems: plan.output_elems,
+            done_offset,
+            done_words: plan.done_words,
             device_addr,
             event,
             busy: AtomicBool::new(false),
@@ -125,6 +136,16 @@ impl Slot {
         self.pinned.as_ptr()
     }
 
+    /// The first `bytes / 4` words of the input block as the host packed
+    /// them (a staged plan's block is whole words; the device never writes
+    /// it).
+    pub fn input_words(&self, bytes: usize) -> &[u32] {
+        let n = (bytes / 4).min(self.out_offset / 4);
+        // SAFETY: in bounds (the input block precedes the output), 4-byte
+        // aligned pinned memory, written only by the host.
+        unsafe { std::slice::from_raw_parts(self.pinned.as_ptr() as *const u32, n) }
+    }
+
     /// The first `n` output values.
     ///
     /// # Safety
@@ -137,6 +158,54 @@ impl Slot {
     pub fn output_ptr(&self) -> *mut f32 {
         // SAFETY: in bounds by construction.
         unsafe { self.pinned.as_ptr().add(self.out_offset) as *mut f32 }
+    }
+
+    /// The done words, as atomics (the device writes them across PCIe).
+    fn done(&self) -> &[AtomicU32] {
+        // SAFETY: `done_words` u32s inside the allocation, 4-byte aligned
+        // (64-byte aligned offset); AtomicU32 has u32's layout, and the host
+        // only ever touches them atomically.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.pinned.as_ptr().add(self.done_offset) as *const AtomicU32,
+                self.done_words,
+            )
+        }
+    }
+
+    /// Whether the graph signals completion through done words.
+    pub fn polls_done(&self) -> bool {
+        self.done_words > 0
+    }
+
+    /// Zeroes the done words before a launch (the slot is ours: the last
+    /// batch in it was collected, so its kernel wrote them long ago).
+    pub fn clear_done(&self) {
+        for w in self.done() {
+            w.store(0, Ordering::Relaxed);
+        }
+        // The launch that follows publishes the zeros to the device.
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Waits until the graph's last kernel has set every done word, i.e.
+    /// its output is in the slot (the kernel fences before each word). The
+    /// event is queried now and then, so a failed graph, which never sets
+    /// them, returns its error; a graph that completed without setting them
+    /// (none does) has its output in place all the same.
+    pub fn wait_done(&self) -> Result<(), cudarc::driver::DriverError> {
+        let done = self.done();
+        let mut spins: u32 = 0;
+        loop {
+            if done.iter().all(|w| w.load(Ordering::Acquire) != 0) {
+                return Ok(());
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) && self.event.try_is_complete()? {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
     }
 
     pub fn release(&self) {
@@ -181,6 +250,8 @@ enum Patch {
     Output(u64),
     /// The batch's size.
     Count(StagedCount),
+    /// The batch's input block, by value ([`Arg::Inline`]).
+    Inline,
 }
 
 // SAFETY: the node handle and function belong to the graph, which moves with
@@ -216,6 +287,7 @@ impl StagedIo {
                 .filter_map(|(i, a)| match a {
                     Arg::Ptr(Loc::StagedInput(o)) => Some((i, Patch::Input(*o as u64))),
                     Arg::Ptr(Loc::StagedOutput(o)) => Some((i, Patch::Output(*o as u64))),
+                    Arg::Inline => Some((i, Patch::Inline)),
                     _ => None,
                 })
                 .collect();
@@ -268,19 +340,32 @@ impl StagedIo {
 
     /// Points the staged nodes of `exec` at the slot whose input block and
     /// output the device addresses as `addrs`, for a batch of `values`
-    /// output floats (at most the plan's output); a node whose arguments
-    /// would not change is left alone.
+    /// output floats (at most the plan's output) whose input block is
+    /// `input` (the words the host packed into the slot, for a node that
+    /// takes them by value); a node whose arguments would not change is
+    /// left alone.
     pub(crate) fn point_at(
         &mut self,
         exec: &cudarc::driver::CudaGraph,
         addrs: (u64, u64),
         values: usize,
+        input: &[u32],
     ) -> Result<(), BackendError> {
         let values = values.min(self.max_values);
         for n in self.nodes.iter_mut() {
             let mut stale = false;
             for &(i, patch) in &n.patches {
+                if let Patch::Inline = patch {
+                    // New contents every batch: always set.
+                    if let RArg::Inline(block) = &mut n.args[i] {
+                        let k = input.len().min(block.len());
+                        block[..k].copy_from_slice(&input[..k]);
+                    }
+                    stale = true;
+                    continue;
+                }
                 let v = match patch {
+                    Patch::Inline => continue,
                     Patch::Input(o) => RArg::U64(addrs.0 + o),
                     Patch::Output(o) => RArg::U64(addrs.1 + o),
                     Patch::Count(StagedCount::Values) => RArg::I32(values as i32),
@@ -309,8 +394,10 @@ impl StagedIo {
             if let Err(e) = set {
                 // Unknown now: the next batch sets every node again.
                 for n in self.nodes.iter_mut() {
-                    for &(i, _) in &n.patches {
-                        n.args[i] = RArg::I64(-1);
+                    for &(i, p) in &n.patches {
+                        if !matches!(p, Patch::Inline) {
+                            n.args[i] = RArg::I64(-1);
+                        }
                     }
                 }
                 return Err(e);

@@ -155,6 +155,7 @@ pub fn expected_entry_points() -> Vec<String> {
     }
     names.extend(encoder_family_entry_points());
     names.push("stage_in".to_string());
+    names.push("stage_in_inl".to_string());
     names.push("stage_out".to_string());
     names.push("fault_oob_write".to_string());
     names.push("fault_spin".to_string());
@@ -222,7 +223,8 @@ pub const ATTN_O_HEAD_DIMS: &[usize] = &[32, 64];
 /// (`layer_attn_small_<t>_d<N>`, f16/bf16).
 pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
 
-/// The vectorised kernels (`add_ln_vec_<t>`, `embed_ln_vec_<t>`,
+/// The vectorised kernels (`add_ln_vec_<t>`, `embed_ln_vec_<t>` and
+/// `embed_ln_vec_inl_<t>`,
 /// `bias_act_vec_<t>`, vec.cu), the fused sublayers for few token rows
 /// (`layer_attn_small_<t>_d<N>`, `layer_ffn_small_<t>`, small_layer.cu) and
 /// the Linear of few rows with its epilogue (`gemm_small_<t>`,
@@ -236,6 +238,7 @@ pub fn fused_entry_points() -> Vec<String> {
     for t in DTYPE_SUFFIXES {
         names.push(format!("add_ln_vec_{t}"));
         names.push(format!("embed_ln_vec_{t}"));
+        names.push(format!("embed_ln_vec_inl_{t}"));
         names.push(format!("bias_act_vec_{t}"));
     }
     for t in ["f16", "bf16"] {

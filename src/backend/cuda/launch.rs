@@ -93,6 +93,7 @@ pub fn arg_ptrs(args: &[RArg]) -> Vec<*mut c_void> {
             RArg::I32(v) => v as *const i32 as *mut c_void,
             RArg::I64(v) => v as *const i64 as *mut c_void,
             RArg::F32(v) => v as *const f32 as *mut c_void,
+            RArg::Inline(b) => b.as_ptr() as *mut c_void,
         })
         .collect()
 }

@@ -594,7 +594,7 @@ impl CudaBackend {
         // Small graphs read and write the batch's pinned slot themselves.
         let staged = self.limits.staged_io && plan.fits_staged_io();
         let plan = if staged {
-            plan.with_staged_io(self.limits.stage_fold)
+            plan.with_staged_io(&self.limits)
         } else {
             plan
         };
@@ -711,7 +711,9 @@ impl CudaBackend {
             self.inner.ctx.bind_to_thread().cu("bind context")?;
             if let Some(staged) = graph.staged.as_mut() {
                 // The graph's first and last kernels read and write the slot.
-                staged.point_at(&graph.exec, slot.device_addrs(), values)?;
+                let input = slot.input_words(plan.input_bytes);
+                staged.point_at(&graph.exec, slot.device_addrs(), values, input)?;
+                slot.clear_done();
                 graph.exec.launch().cu("cuGraphLaunch")?;
             } else {
                 // SAFETY: pinned source of input_bytes; the device block has the same size.
@@ -964,7 +966,13 @@ impl Backend for CudaBackend {
 
     fn collect(&mut self, mut pending: CudaPending) -> Result<Vec<f32>, BackendError> {
         self.alive()?;
-        let r = pending.slot.event.synchronize().cu("wait for batch");
+        // A staged graph's last kernel says when the output is in the slot;
+        // otherwise the graph's event does.
+        let r = if pending.slot.polls_done() {
+            pending.slot.wait_done().cu("wait for batch")
+        } else {
+            pending.slot.event.synchronize().cu("wait for batch")
+        };
         let r = r.map(|_| {
             // SAFETY: the event covers the copy into the slot.
             unsafe { pending.slot.output(pending.values) }.to_vec()

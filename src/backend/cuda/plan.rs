@@ -422,6 +422,11 @@ pub enum StagedCount {
 pub enum Arg {
     Ptr(Loc),
     Null,
+    /// The plan's input block by value ([`INLINE_WORDS`] u32, the kernel's
+    /// `InlineBlock`, kernels/common.cuh): zeros as planned; a staged
+    /// graph's backend writes each batch's block into it before the launch
+    /// ([`Plan::with_staged_io`]).
+    Inline,
     I32(i32),
     I64(i64),
     F32(f32),
@@ -505,6 +510,11 @@ pub struct Plan {
     /// The steps that read or write the batch's pinned slot (empty unless
     /// [`Plan::with_staged_io`]).
     pub staged: Vec<StagedStep>,
+    /// Words after the output in the batch's slot that the last kernel sets,
+    /// one per block, once its output is there (0: none; the host then waits
+    /// for the graph's event). The host zeroes them before each launch and
+    /// polls the first [`Plan::done_polled`] of them.
+    pub done_words: usize,
 }
 
 impl Plan {
@@ -575,8 +585,11 @@ impl Plan {
     /// the one after it waits in `pdl_wait` as every kernel does). Each
     /// folded end is one dependent node fewer (~0.8 µs on an H200,
     /// scripts/probe-io-copies.cu).
-    pub fn with_staged_io(mut self, fold: bool) -> Plan {
+    pub fn with_staged_io(mut self, limits: &Limits) -> Plan {
+        let fold = limits.stage_fold;
         let words = self.input_bytes.div_ceil(4);
+        let inline = limits.inline_input && words <= INLINE_WORDS;
+        let done_offset = self.done_offset();
         let grid = |n: usize| (n.div_ceil(STAGE_THREADS as usize).clamp(1, 64) as u32, 1, 1);
         let unique = |steps: &[Step], name: &str| {
             steps
@@ -590,44 +603,64 @@ impl Plan {
             Some(Step::Kernel { name, args, .. }) if fold => {
                 name.starts_with("embed_ln_vec_")
                     && unique(steps, name)
-                    && args.len() >= 4
-                    && args[args.len() - 4..] == [Arg::Null, Arg::Null, Arg::I32(0), Arg::I32(0)]
+                    && args.len() == 20
+                    && args[16..] == [Arg::Null, Arg::Null, Arg::I32(0), Arg::I32(0)]
             }
             _ => false,
         };
         if fold_in {
-            let Some(Step::Kernel { args, .. }) = steps.first_mut() else {
+            let Some(Step::Kernel { name, args, .. }) = steps.first_mut() else {
                 unreachable!("checked above")
             };
-            for a in args.iter_mut() {
-                if let Arg::Ptr(Loc::Input(o)) = *a {
-                    *a = Arg::Ptr(Loc::StagedInput(o));
-                }
-            }
             // Packed plans: the next kernel (gemm_small) reads the live rows
             // from the inputs before its pdl_wait, so it may launch only
             // once the copy is visible (vec.cu).
             let sync = matches!(self.layout, Layout::Packed { .. });
-            let n = args.len();
-            args[n - 4..].copy_from_slice(&[
-                Arg::Ptr(Loc::StagedInput(0)),
+            let stage = [
                 Arg::Ptr(Loc::Input(0)),
                 Arg::I32(words as i32),
                 Arg::I32(sync as i32),
-            ]);
+            ];
+            // ids, types, positions (or none): word offsets in the block.
+            let offsets = args[..3].iter().map(|a| match *a {
+                Arg::Ptr(Loc::Input(o)) if o % 4 == 0 => Some((o / 4) as i32),
+                Arg::Null => Some(-1),
+                _ => None,
+            });
+            let offsets: Option<Vec<i32>> = offsets.collect();
+            match offsets {
+                Some(o) if inline && o[0] >= 0 && o[1] >= 0 => {
+                    let mut a = vec![Arg::Inline, Arg::I32(o[0]), Arg::I32(o[1]), Arg::I32(o[2])];
+                    a.extend_from_slice(&args[3..16]);
+                    a.extend(stage);
+                    *args = a;
+                    *name = name.replacen("embed_ln_vec_", "embed_ln_vec_inl_", 1);
+                }
+                _ => {
+                    for a in args.iter_mut() {
+                        if let Arg::Ptr(Loc::Input(o)) = *a {
+                            *a = Arg::Ptr(Loc::StagedInput(o));
+                        }
+                    }
+                    args.truncate(16);
+                    args.push(Arg::Ptr(Loc::StagedInput(0)));
+                    args.extend(stage);
+                }
+            }
         } else {
+            let src = if inline {
+                Arg::Inline
+            } else {
+                Arg::Ptr(Loc::StagedInput(0))
+            };
             steps.insert(
                 0,
                 Step::Kernel {
-                    name: "stage_in".into(),
+                    name: if inline { "stage_in_inl" } else { "stage_in" }.into(),
                     grid: grid(words),
                     block: (STAGE_THREADS, 1, 1),
                     smem: 0,
-                    args: vec![
-                        Arg::Ptr(Loc::StagedInput(0)),
-                        Arg::Ptr(Loc::Input(0)),
-                        Arg::I32(words as i32),
-                    ],
+                    args: vec![src, Arg::Ptr(Loc::Input(0)), Arg::I32(words as i32)],
                 },
             );
         }
@@ -635,7 +668,13 @@ impl Plan {
             step: 0,
             count: None,
         });
-        // pool_ln / pool_packed_ln: (x, mask or offsets, out, ..., out_rows).
+        // The done words, after the output in the slot.
+        let done = if limits.poll_done {
+            Arg::Ptr(Loc::StagedOutput(done_offset))
+        } else {
+            Arg::Null
+        };
+        // pool_ln / pool_packed_ln: (x, mask or offsets, out, ..., out_rows, done).
         let rows = self.output_elems / self.output_dim.max(1);
         let fold_out = match steps.last() {
             Some(Step::Kernel {
@@ -643,41 +682,57 @@ impl Plan {
             }) if fold => {
                 (name.starts_with("pool_ln_") || name.starts_with("pool_packed_ln_"))
                     && unique(steps, name)
-                    && args.len() == 11
+                    && args.len() == 12
                     && args[2] == Arg::Ptr(Loc::Output(0))
                     && args[10] == Arg::I32(rows as i32)
+                    && args[11] == Arg::Null
                     && grid.0 as usize == rows
                     && rows * self.output_dim == self.output_elems
             }
             _ => false,
         };
-        if fold_out {
-            let Some(Step::Kernel { args, .. }) = steps.last_mut() else {
+        let last_grid = if fold_out {
+            let last = steps.len() - 1;
+            let Some(Step::Kernel { args, grid, .. }) = steps.last_mut() else {
                 unreachable!("checked above")
             };
             args[2] = Arg::Ptr(Loc::StagedOutput(0));
+            args[11] = done;
             self.staged.push(StagedStep {
-                step: steps.len() - 1,
+                step: last,
                 count: Some((10, StagedCount::Rows)),
             });
+            grid.0
         } else {
+            let g = grid(self.output_elems);
             steps.push(Step::Kernel {
                 name: "stage_out".into(),
-                grid: grid(self.output_elems),
+                grid: g,
                 block: (STAGE_THREADS, 1, 1),
                 smem: 0,
                 args: vec![
                     Arg::Ptr(Loc::Output(0)),
                     Arg::Ptr(Loc::StagedOutput(0)),
                     Arg::I32(self.output_elems as i32),
+                    done,
                 ],
             });
             self.staged.push(StagedStep {
                 step: steps.len() - 1,
                 count: Some((2, StagedCount::Values)),
             });
+            g.0
+        };
+        if limits.poll_done {
+            self.done_words = last_grid as usize;
         }
         self
+    }
+
+    /// Where a staged plan's done words start, in bytes after the start of
+    /// its output in the slot (see [`Plan::done_words`]).
+    pub fn done_offset(&self) -> usize {
+        (self.output_elems * 4).next_multiple_of(64)
     }
 
     /// The kernel names and `mm` for matmuls, in order (tests, logs).
@@ -691,6 +746,28 @@ impl Plan {
             .collect()
     }
 }
+
+/// Alignment of the integer inputs (ids, masks, offsets, tile tables) in
+/// the input block: enough for the kernels' 16-byte loads, and tight, so
+/// the (1, 16) block is 192 bytes rather than 768: it travels whole as a
+/// kernel parameter ([`INLINE_WORDS`]) or across PCIe at every replay.
+/// Float features keep [`ALIGN`] (cuBLASLt reads them).
+pub const INT_INPUT_ALIGN: usize = 64;
+
+fn input_align(role: InputRole) -> usize {
+    if role == InputRole::Features {
+        ALIGN
+    } else {
+        INT_INPUT_ALIGN
+    }
+}
+
+/// Words of the input block a staged graph's first kernel takes as its
+/// parameter ([`Limits::inline_input`]; `INLINE_WORDS` of
+/// kernels/common.cuh): 512 bytes, the padded (1, 16), (1, 32) and (2, 16)
+/// MiniLM buckets (ids, types and mask), where a short text lands at light
+/// load. A larger parameter would cost every launch of the graph its copy.
+pub const INLINE_WORDS: usize = 128;
 
 /// The largest input block a graph stages through its own kernels
 /// ([`Plan::fits_staged_io`]); it is read whole at every replay.
@@ -753,6 +830,15 @@ pub struct Limits {
     /// writes it themselves where they can, instead of `stage_in` /
     /// `stage_out` nodes ([`Plan::with_staged_io`]).
     pub stage_fold: bool,
+    /// In a staged graph whose input block fits [`INLINE_WORDS`], the block
+    /// travels as the first kernel's parameter (`embed_ln_vec_inl`,
+    /// `stage_in_inl`), set with the batch's values before each launch: no
+    /// read of host memory starts the replay.
+    pub inline_input: bool,
+    /// A staged graph's last kernel sets a word per block in the slot once
+    /// its output is there, and the host polls those words instead of
+    /// waiting for the graph's completion event ([`Plan::done_words`]).
+    pub poll_done: bool,
     /// Streaming multiprocessors: the fused sublayers' grid barrier needs
     /// every block resident at once, so their grids stay within this.
     pub sms: usize,
@@ -775,6 +861,8 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "pdl",
     "staged_io",
     "stage_fold",
+    "inline_input",
+    "poll_done",
 ];
 
 /// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
@@ -833,6 +921,8 @@ impl Limits {
             pdl: true,
             staged_io: true,
             stage_fold: true,
+            inline_input: true,
+            poll_done: true,
             sms: usize::MAX,
         }
     }
@@ -869,6 +959,8 @@ impl Limits {
                     "pdl" => self.pdl = false,
                     "staged_io" => self.staged_io = false,
                     "stage_fold" => self.stage_fold = false,
+                    "inline_input" => self.inline_input = false,
+                    "poll_done" => self.poll_done = false,
                     _ => {}
                 }
             }
@@ -906,6 +998,8 @@ impl Limits {
             self.pdl,
             self.staged_io,
             self.stage_fold,
+            self.inline_input,
+            self.poll_done,
         ];
         DISABLE_SWITCHES
             .iter()
@@ -1157,7 +1251,7 @@ impl<'a> Planner<'a> {
         }
         let max_tiles = max_tiles(tokens, seqs, qt);
         let offset = self.input_bytes;
-        self.input_bytes += align_up(max_tiles * TILE_ENTRY * 4, ALIGN);
+        self.input_bytes += align_up(max_tiles * TILE_ENTRY * 4, INT_INPUT_ALIGN);
         self.tile_tables.push(TileTable {
             qt,
             max_tiles,
@@ -2483,6 +2577,7 @@ impl<'a> Planner<'a> {
                     (None, Some(d)) => {
                         args.extend(deferred_ln_args(d));
                         args.push(Arg::I32(batch as i32)); // out_rows: all
+                        args.push(Arg::Null); // done (Plan::with_staged_io)
                         "pool_ln"
                     }
                     (None, None) => "pool",
@@ -2697,6 +2792,7 @@ impl<'a> Planner<'a> {
                     (None, Some(d)) => {
                         args.extend(deferred_ln_args(d));
                         args.push(Arg::I32(seqs as i32)); // out_rows: all
+                        args.push(Arg::Null); // done (Plan::with_staged_io)
                         "pool_packed_ln"
                     }
                     (None, None) => "pool_packed",
@@ -2832,7 +2928,7 @@ fn plan_once(
             elems: decl.elems,
             offset: input_bytes,
         });
-        input_bytes += align_up(decl.elems * 4, ALIGN);
+        input_bytes += align_up(decl.elems * 4, input_align(role));
     }
     let mut arena = 0usize;
     for (i, decl) in program.buffers.iter().enumerate() {
@@ -2902,6 +2998,7 @@ fn plan_once(
         accum_bytes: p.fused_tmp.map_or(0, |(_, bytes)| bytes),
         pdl: p.limits.pdl,
         staged: Vec::new(),
+        done_words: 0,
     })
 }
 
@@ -3478,7 +3575,8 @@ pub(crate) mod tests {
         // One tile table (64-query tiles) after the inputs, in the input block.
         let tiles = max_tiles(tokens, seqs, 64);
         assert_eq!(tiles, 16 + 33);
-        let after_inputs = 3 * align_up(1024 * 4, ALIGN) + align_up(33 * 4, ALIGN);
+        let after_inputs =
+            3 * align_up(1024 * 4, INT_INPUT_ALIGN) + align_up(33 * 4, INT_INPUT_ALIGN);
         assert_eq!(
             plan.tile_tables,
             vec![TileTable {
@@ -3489,7 +3587,7 @@ pub(crate) mod tests {
         );
         assert_eq!(
             plan.input_bytes,
-            after_inputs + align_up(tiles * TILE_ENTRY * 4, ALIGN)
+            after_inputs + align_up(tiles * TILE_ENTRY * 4, INT_INPUT_ALIGN)
         );
         let (_, grid, block, smem, args) = kernel(&plan, "embed_ln_packed");
         assert_eq!((grid, block, smem), ((1024, 1, 1), 96, 0));
@@ -4021,15 +4119,18 @@ pub(crate) mod tests {
     /// Small graphs stage their inputs and output through their own first
     /// and last kernels: the embedding and the pooling where they can (no
     /// extra node), `stage_in` / `stage_out` where they cannot; large ones
-    /// keep the copies.
+    /// keep the copies. (Here with the block read from the slot and the
+    /// completion event; the inline block and the done words are
+    /// `small_plans_take_their_input_inline_and_signal_done`'s.)
     #[test]
     fn small_plans_stage_their_io_in_the_graph() {
         let (a, w) = minilm(6);
         let default = LIMITS.with_disabled(DEFAULT_DISABLED);
+        let slot_io = LIMITS.with_disabled("inline_input,poll_done");
         let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
         assert!(small.fits_staged_io(), "{} bytes in", small.input_bytes);
         assert!(small.staged.is_empty());
-        let staged = small.clone().with_staged_io(true);
+        let staged = small.clone().with_staged_io(&slot_io);
         // Both ends folded: the same kernels, no node more.
         assert_eq!(staged.step_names(), small.step_names());
         let last = staged.steps.len() - 1;
@@ -4094,7 +4195,7 @@ pub(crate) mod tests {
         // not: stage_out writes the output.
         let f32 = plan(&a.program(1, 16), &w, DType::F32, false, default).unwrap();
         assert!(f32.fits_staged_io());
-        let staged = f32.clone().with_staged_io(true);
+        let staged = f32.clone().with_staged_io(&slot_io);
         let names = staged.step_names();
         assert_eq!(names.len(), f32.node_count() + 1);
         assert_eq!(names[0], "embed_ln_vec_f32");
@@ -4107,9 +4208,11 @@ pub(crate) mod tests {
             &[
                 Arg::Ptr(Loc::Output(0)),
                 Arg::Ptr(Loc::StagedOutput(0)),
-                Arg::I32(f32.output_elems as i32)
+                Arg::I32(f32.output_elems as i32),
+                Arg::Null
             ]
         );
+        assert_eq!(staged.done_words, 0);
         assert_eq!(
             staged.staged[1],
             StagedStep {
@@ -4122,7 +4225,7 @@ pub(crate) mod tests {
         // Without the warp-per-row embedding, stage_in goes first.
         let no_vec = LIMITS.with_disabled(&format!("{DEFAULT_DISABLED},ln_vec"));
         let plain = plan(&a.program(1, 16), &w, DType::F16, false, no_vec).unwrap();
-        let staged = plain.clone().with_staged_io(true);
+        let staged = plain.clone().with_staged_io(&slot_io);
         let names = staged.step_names();
         assert_eq!(names[0], "stage_in");
         assert_eq!(&names[1..], &plain.step_names()[..]);
@@ -4154,7 +4257,7 @@ pub(crate) mod tests {
             packed.input_bytes,
             packed.output_elems
         );
-        let staged = packed.clone().with_staged_io(true);
+        let staged = packed.clone().with_staged_io(&slot_io);
         assert_eq!(staged.step_names(), packed.step_names());
         let names = staged.step_names();
         assert!(names[0].starts_with("embed_ln_vec_"), "{names:?}");
@@ -4180,11 +4283,126 @@ pub(crate) mod tests {
         assert!(!LIMITS.with_disabled("staged_io").staged_io);
         // `stage_fold` off: stage_in and stage_out around the same kernels.
         assert!(!LIMITS.with_disabled("stage_fold").stage_fold);
-        let names = small.clone().with_staged_io(false).step_names();
+        let names = small
+            .clone()
+            .with_staged_io(&slot_io.with_disabled("stage_fold"))
+            .step_names();
         assert_eq!(names.len(), small.node_count() + 2);
         assert_eq!(
             (names[0].as_str(), names[names.len() - 1].as_str()),
             ("stage_in", "stage_out")
+        );
+    }
+
+    /// By default a staged graph whose input block fits [`INLINE_WORDS`]
+    /// takes it as its first kernel's parameter (ids, types and positions
+    /// as word offsets into it), and its last kernel sets a done word per
+    /// block after the output; a larger block is read from the slot.
+    #[test]
+    fn small_plans_take_their_input_inline_and_signal_done() {
+        let (a, w) = minilm(6);
+        let default = LIMITS.with_disabled(DEFAULT_DISABLED);
+        assert!(default.inline_input && default.poll_done);
+        let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
+        assert_eq!(small.input_bytes, 3 * 16 * 4, "ids, mask, types");
+        let staged = small.clone().with_staged_io(&default);
+        assert_eq!(staged.steps.len(), small.steps.len());
+        assert_eq!(staged.step_names()[0], "embed_ln_vec_inl_f16");
+        let Step::Kernel { args, .. } = &staged.steps[0] else {
+            panic!("the embedding is a kernel")
+        };
+        let word = |i: usize| Arg::I32((small.inputs[i].offset / 4) as i32);
+        assert_eq!(args.len(), 20, "the kernel's parameters");
+        assert_eq!(&args[..4], &[Arg::Inline, word(0), word(2), Arg::I32(-1)]);
+        let Step::Kernel { args: planned, .. } = &small.steps[0] else {
+            panic!("the embedding is a kernel")
+        };
+        assert_eq!(&args[4..17], &planned[3..16], "tables, shape: unchanged");
+        assert_eq!(
+            &args[17..],
+            &[Arg::Ptr(Loc::Input(0)), Arg::I32(48), Arg::I32(0)]
+        );
+        // No step reads the slot's input block; the pooling writes the
+        // output, then its done word after it.
+        assert!(staged.steps.iter().all(|s| match s {
+            Step::Kernel { args, .. } => !args.contains(&Arg::Ptr(Loc::StagedInput(0))),
+            Step::Matmul { .. } => true,
+        }));
+        let Some(Step::Kernel { args, grid, .. }) = staged.steps.last() else {
+            panic!("the pooling is a kernel")
+        };
+        assert_eq!(staged.done_offset(), 384 * 4);
+        assert_eq!(args[2], Arg::Ptr(Loc::StagedOutput(0)));
+        assert_eq!(args[11], Arg::Ptr(Loc::StagedOutput(384 * 4)));
+        assert_eq!((staged.done_words, grid.0), (1, 1));
+        assert_eq!(
+            staged.staged,
+            vec![
+                StagedStep {
+                    step: 0,
+                    count: None
+                },
+                StagedStep {
+                    step: staged.steps.len() - 1,
+                    count: Some((10, StagedCount::Rows))
+                }
+            ]
+        );
+
+        // (2, 32): 192 words, over INLINE_WORDS: read from the slot; still
+        // a done word per block of the last kernel.
+        let two = plan(&a.program(2, 32), &w, DType::F16, false, default).unwrap();
+        assert_eq!(two.input_bytes / 4, 3 * 64);
+        let staged = two.clone().with_staged_io(&default);
+        assert_eq!(staged.step_names()[0], "embed_ln_vec_f16");
+        let Step::Kernel { args, .. } = &staged.steps[0] else {
+            panic!("the embedding is a kernel")
+        };
+        assert_eq!(args[16], Arg::Ptr(Loc::StagedInput(0)));
+        let Some(Step::Kernel { grid, .. }) = staged.steps.last() else {
+            panic!("the last step is a kernel")
+        };
+        assert_eq!(staged.done_words, grid.0 as usize);
+
+        // Without the warp-per-row embedding: stage_in_inl takes the block.
+        let no_vec = default.with_disabled("ln_vec");
+        let plain = plan(&a.program(1, 16), &w, DType::F16, false, no_vec).unwrap();
+        let staged = plain.clone().with_staged_io(&no_vec);
+        let Step::Kernel { name, args, .. } = &staged.steps[0] else {
+            panic!("stage_in_inl is a kernel")
+        };
+        assert_eq!(name, "stage_in_inl");
+        assert_eq!(args, &[Arg::Inline, Arg::Ptr(Loc::Input(0)), Arg::I32(48)]);
+
+        // f32 (pooling without the deferred LayerNorm): stage_out sets a
+        // done word per block of its grid.
+        let f32 = plan(&a.program(1, 16), &w, DType::F32, false, default).unwrap();
+        let staged = f32.clone().with_staged_io(&default);
+        let Some(Step::Kernel {
+            name, args, grid, ..
+        }) = staged.steps.last()
+        else {
+            panic!("stage_out is a kernel")
+        };
+        assert_eq!(name, "stage_out");
+        assert_eq!(args[3], Arg::Ptr(Loc::StagedOutput(384 * 4)));
+        assert_eq!(staged.done_words, grid.0 as usize);
+
+        // The switches.
+        let off = default.with_disabled("inline_input,poll_done");
+        assert!(!off.inline_input && !off.poll_done);
+        let staged = small.clone().with_staged_io(&off);
+        assert_eq!(staged.step_names()[0], "embed_ln_vec_f16");
+        assert_eq!(staged.done_words, 0);
+    }
+
+    /// The host's INLINE_WORDS is the kernels' (the parameter's size).
+    #[test]
+    fn inline_words_match_the_kernels() {
+        let common = include_str!("../../../kernels/common.cuh");
+        assert!(
+            common.contains(&format!("#define INLINE_WORDS {INLINE_WORDS}\n")),
+            "kernels/common.cuh defines another INLINE_WORDS"
         );
     }
 
@@ -4281,7 +4499,8 @@ pub(crate) mod tests {
             panic!("kernels")
         };
         assert_eq!(pool[0], ffn2[10], "the pooling reads the pre-norm rows");
-        assert_eq!(pool.len(), 7 + 3 + 1);
+        assert_eq!(pool.len(), 7 + 3 + 2);
+        assert_eq!(pool[11], Arg::Null, "done: set by with_staged_io");
         assert_eq!(pool[10], Arg::I32(1), "out_rows: the whole batch");
         // A deferred LayerNorm: the f32 scratch its producer wrote, its
         // gamma, beta and eps, and the buffer the consumer's block 0 fills.

@@ -8,7 +8,8 @@ use cudarc::driver::{sys as dsys, CudaStream};
 use super::kernels::Kernels;
 use super::matmul::{Epilogue, Matmul, MatmulPlan, MatmulShape, TuneArgs};
 use super::plan::{
-    act_code, ew_blocks, suffix, Arg, Loc, Plan, Step, ACCUM_FLOATS, EW_THREADS, MAX_COUNTERS,
+    act_code, ew_blocks, suffix, Arg, Loc, Plan, Step, ACCUM_FLOATS, EW_THREADS, INLINE_WORDS,
+    MAX_COUNTERS,
 };
 use crate::backend::BackendError;
 
@@ -43,11 +44,13 @@ impl Bases<'_> {
 }
 
 /// A kernel argument with its value.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum RArg {
     U64(u64),
     I32(i32),
     I64(i64),
+    /// An input block by value ([`Arg::Inline`]).
+    Inline(Box<[u32; INLINE_WORDS]>),
     F32(f32),
 }
 
@@ -80,6 +83,7 @@ pub fn resolve_args(args: &[Arg], bases: &Bases<'_>) -> Vec<RArg> {
             Arg::I32(v) => RArg::I32(v),
             Arg::I64(v) => RArg::I64(v),
             Arg::F32(v) => RArg::F32(v),
+            Arg::Inline => RArg::Inline(Box::new([0; INLINE_WORDS])),
         })
         .collect()
 }
