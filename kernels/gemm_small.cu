@@ -143,14 +143,54 @@ __device__ __forceinline__ void gs_product(const T* x, int ldx, const T* __restr
         }
 }
 
+// Where gs_product_xn's pre-norm rows come from: 8 values of row r at
+// column col, in f32.
+// XfRows: a deferred LayerNorm's f32 rows (see the header).
+struct XfRows {
+    const float* xf;
+    int K;
+    __device__ __forceinline__ void load(int r, int col, float (&v)[8]) const {
+        const float4* src = reinterpret_cast<const float4*>(xf + (size_t)r * K + col);
+        const float4 p = src[0], q = src[1];
+        v[0] = p.x; v[1] = p.y; v[2] = p.z; v[3] = p.w;
+        v[4] = q.x; v[5] = q.y; v[6] = q.z; v[7] = q.w;
+    }
+};
+// EmbedRows: the embedding word[id] + pos[r % seq] + token_type[type] of a
+// padded graph's row r, its ids and types read from the graph's input block
+// passed as the kernel's parameter (gemm_small_embed_<t>); clamped into the
+// tables and the block, as embed_ln_vec does.
+template <typename T>
+struct EmbedRows {
+    const InlineBlock* in;
+    int ids_w, types_w, seq, vocab, npos, ntypes, K;
+    const T* word;
+    const T* pos;
+    const T* ttab;
+    __device__ __forceinline__ void load(int r, int col, float (&v)[8]) const {
+        const int id = min(max((int)in->w[min(ids_w + r, INLINE_WORDS - 1)], 0), vocab - 1);
+        const int tt = min(max((int)in->w[min(types_w + r, INLINE_WORDS - 1)], 0), ntypes - 1);
+        const int p = min(r % seq, npos - 1);
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(word + (size_t)id * K + col));
+        const uint4 b = __ldg(reinterpret_cast<const uint4*>(pos + (size_t)p * K + col));
+        const uint4 c = __ldg(reinterpret_cast<const uint4*>(ttab + (size_t)tt * K + col));
+        float fa[8], fb[8], fc[8];
+        unpack2(a.x, T(), fa + 0); unpack2(a.y, T(), fa + 2); unpack2(a.z, T(), fa + 4); unpack2(a.w, T(), fa + 6);
+        unpack2(b.x, T(), fb + 0); unpack2(b.y, T(), fb + 2); unpack2(b.z, T(), fb + 4); unpack2(b.w, T(), fb + 6);
+        unpack2(c.x, T(), fc + 0); unpack2(c.y, T(), fc + 2); unpack2(c.z, T(), fc + 4); unpack2(c.w, T(), fc + 6);
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] = fa[e] + fb[e] + fc[e];
+    }
+};
+
 // gs_product with x = LayerNorm(xf) (see the header): warp w holds the
 // chunks w + i·GS_WARPS (i < CPW, so K <= 32·GS_WARPS·CPW) of rows g, g + 8
 // of one m-tile at a time in f32; the rows' mean and then variance are
 // summed over the 4 lanes of a row (shuffles) and the warps (st [2][GS_WARPS]
 // [16] in shared memory, in a fixed order), the values normalised, rounded
 // to T and multiplied. Block 0 stores the rounded rows to xout.
-template <typename T, int MT, int CPW>
-__device__ __forceinline__ void gs_product_xn(const float* xf, const T* __restrict__ w, int N, int K, int live,
+template <typename T, int MT, int CPW, typename Rows>
+__device__ __forceinline__ void gs_product_xn(const Rows& rows, const T* __restrict__ w, int N, int K, int live,
                                               int n0, const T* __restrict__ xg, const T* __restrict__ xb,
                                               float xeps, T* xout, float (*red)[GS_MAXM / 16][16 * GS_NB],
                                               float (*st)[GS_WARPS][16]) {
@@ -199,20 +239,12 @@ __device__ __forceinline__ void gs_product_xn(const float* xf, const T* __restri
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = h == 0 ? ra : rb;
-                float4 p = make_float4(0.0f, 0.0f, 0.0f, 0.0f), q = p;
                 if (ch < chunks && r < live) {
-                    const float4* src = reinterpret_cast<const float4*>(xf + (size_t)r * K + ch * 32 + 8 * t4);
-                    p = src[0];
-                    q = src[1];
+                    rows.load(r, ch * 32 + 8 * t4, v[h][i]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; e++) v[h][i][e] = 0.0f;
                 }
-                v[h][i][0] = p.x;
-                v[h][i][1] = p.y;
-                v[h][i][2] = p.z;
-                v[h][i][3] = p.w;
-                v[h][i][4] = q.x;
-                v[h][i][5] = q.y;
-                v[h][i][6] = q.z;
-                v[h][i][7] = q.w;
             }
         }
         // Means (absent chunks hold zeros).
@@ -293,17 +325,30 @@ __device__ __forceinline__ void gs_product_xn(const float* xf, const T* __restri
         }
 }
 
-template <typename T, int CPW>
-__device__ __forceinline__ void gs_product_xn_mt(int mts, const float* xf, const T* __restrict__ w, int N, int K,
+template <typename T, int CPW, typename Rows>
+__device__ __forceinline__ void gs_product_xn_mt(int mts, const Rows& xf, const T* __restrict__ w, int N, int K,
                                                  int live, int n0, const T* __restrict__ xg,
                                                  const T* __restrict__ xb, float xeps, T* xout,
                                                  float (*red)[GS_MAXM / 16][16 * GS_NB], float (*st)[GS_WARPS][16]) {
     if (mts <= 1) {
-        gs_product_xn<T, 1, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_xn<T, 1, CPW, Rows>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
     } else if (mts == 2) {
-        gs_product_xn<T, 2, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_xn<T, 2, CPW, Rows>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
     } else {
-        gs_product_xn<T, 4, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_xn<T, 4, CPW, Rows>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+    }
+}
+
+// gs_product_xn for K <= 32·GS_WARPS·4 (host-checked).
+template <typename T, typename Rows>
+__device__ __forceinline__ void gs_product_ln(int mts, const Rows& rows, const T* __restrict__ w, int N, int K,
+                                              int live, int n0, const T* __restrict__ xg, const T* __restrict__ xb,
+                                              float xeps, T* xout, float (*red)[GS_MAXM / 16][16 * GS_NB],
+                                              float (*st)[GS_WARPS][16]) {
+    if (K <= 32 * GS_WARPS * 2) {
+        gs_product_xn_mt<T, 2>(mts, rows, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+    } else {
+        gs_product_xn_mt<T, 4>(mts, rows, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
     }
 }
 
@@ -315,11 +360,7 @@ __device__ __forceinline__ void gs_product_rows(int mts, const T* x, const float
                                                 const T* __restrict__ xb, float xeps, T* xout,
                                                 float (*red)[GS_MAXM / 16][16 * GS_NB], float (*st)[GS_WARPS][16]) {
     if (xf != 0) {
-        if (K <= 32 * GS_WARPS * 2) {
-            gs_product_xn_mt<T, 2>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
-        } else {
-            gs_product_xn_mt<T, 4>(mts, xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
-        }
+        gs_product_ln<T>(mts, XfRows{xf, K}, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
     } else if (mts <= 1) {
         gs_product<T, 1>(x, K, w, N, K, live, n0, red);
     } else if (mts == 2) {
@@ -474,5 +515,46 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
                            offsets, seqs, xf, xg, xb, xeps, xout);                                            \
     }
 
+// gemm_small_embed_<t>: a padded staged graph's first kernel, the embedding
+// and the QKV Linear after it (mode 0) in one. Each block computes the M
+// rows' LayerNorm(word + position + type) as gs_product_xn computes a
+// deferred LayerNorm (EmbedRows, the ids and types from the input block
+// `in`, its parameter), multiplies its 16 columns, and block 0 stores the
+// embedding to `xout` for the residual after the attention; the blocks also
+// copy the input block to `stage_dst` for the kernels after (the mask).
+// One node fewer than embed_ln_vec_inl + gemm_small; the gather is three
+// 16-byte loads per row and chunk where the Linear read one.
+template <typename T>
+__device__ __forceinline__ void gemm_small_embed_impl(const InlineBlock& in, int ids_w, int types_w, int seq,
+                                                      const T* __restrict__ word, const T* __restrict__ pos,
+                                                      const T* __restrict__ ttab, int vocab, int npos, int ntypes,
+                                                      unsigned* stage_dst, int stage_words,
+                                                      const T* __restrict__ w, const T* __restrict__ bias, T* out,
+                                                      int M, int N, int K, int act, const T* __restrict__ xg,
+                                                      const T* __restrict__ xb, float xeps, T* xout) {
+    constexpr int MTMAX = GS_MAXM / 16;
+    __shared__ float red[GS_WARPS][MTMAX][16 * GS_NB];
+    __shared__ float st[2][GS_WARPS][16];
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < stage_words; i += gridDim.x * blockDim.x)
+        stage_dst[i] = in.w[min(i, INLINE_WORDS - 1)];
+    const int live = min(M, GS_MAXM);
+    const int mts = (live + 15) >> 4;
+    const float bn = gs_bias(bias, N);
+    const EmbedRows<T> rows{&in, ids_w, types_w, max(seq, 1), vocab, npos, ntypes, K, word, pos, ttab};
+    gs_product_ln<T>(mts, rows, w, N, K, live, blockIdx.x * GS_NB, xg, xb, xeps, xout, red, st);
+    gs_store<T>(red, mts, live, bn, out, N, act, 0, nullptr, nullptr, nullptr, nullptr, 0.0f, nullptr);
+}
+
+#define GEMM_SMALL_EMBED_KERNEL(T, SUF)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GS_THREADS) gemm_small_embed_##SUF(                            \
+        const __grid_constant__ InlineBlock in, int ids_w, int types_w, int seq, const T* word, const T* pos,   \
+        const T* ttab, int vocab, int npos, int ntypes, unsigned* stage_dst, int stage_words, const T* w,       \
+        const T* bias, T* out, int M, int N, int K, int act, const T* xg, const T* xb, float xeps, T* xout) {   \
+        gemm_small_embed_impl<T>(in, ids_w, types_w, seq, word, pos, ttab, vocab, npos, ntypes, stage_dst,     \
+                                 stage_words, w, bias, out, M, N, K, act, xg, xb, xeps, xout);                 \
+    }
+
 GEMM_SMALL_KERNEL(f16_t, f16)
 GEMM_SMALL_KERNEL(bf16_t, bf16)
+GEMM_SMALL_EMBED_KERNEL(f16_t, f16)
+GEMM_SMALL_EMBED_KERNEL(bf16_t, bf16)

@@ -247,6 +247,7 @@ pub fn fused_entry_points() -> Vec<String> {
         }
         names.push(format!("layer_ffn_small_{t}"));
         names.push(format!("gemm_small_{t}"));
+        names.push(format!("gemm_small_embed_{t}"));
         names.push(format!("qkv_attn_small_{t}_d32"));
         names.push(format!("qkv_attn_small_bias_{t}_d32"));
         names.push(format!("ffn_small_{t}"));

@@ -664,6 +664,9 @@ impl Plan {
                 },
             );
         }
+        if limits.embed_qkv {
+            fuse_embed_into_linear(steps);
+        }
         self.staged.push(StagedStep {
             step: 0,
             count: None,
@@ -745,6 +748,77 @@ impl Plan {
             })
             .collect()
     }
+}
+
+/// In a padded staged graph that starts with `embed_ln_vec_inl` and then
+/// the QKV `gemm_small` reading its output (mode 0, no deferred LayerNorm),
+/// both become one `gemm_small_embed` (kernels/gemm_small.cu): every block
+/// of the Linear computes the embedding's LayerNorm as it loads its rows,
+/// block 0 stores it for the residual, one node fewer. Anything else is left
+/// as it is.
+fn fuse_embed_into_linear(steps: &mut Vec<Step>) {
+    let [Step::Kernel {
+        name: en, args: ea, ..
+    }, Step::Kernel {
+        name: gn,
+        grid,
+        block,
+        smem,
+        args: ga,
+    }, ..] = &steps[..]
+    else {
+        return;
+    };
+    let Some(t) = en.strip_prefix("embed_ln_vec_inl_") else {
+        return;
+    };
+    let fits = gn == &format!("gemm_small_{t}")
+        && ea.len() == 20
+        && ga.len() == 22
+        && ea[3] == Arg::I32(-1) // padded: position = row % seq
+        && ea[19] == Arg::I32(0) // no synchronised copy
+        && ga[0] == ea[10] // x: the embedding's output
+        && ga[4] == ea[11] // M: its rows
+        && ga[6] == ea[13] // K: its width
+        && ga[8] == Arg::I32(0) // mode 0
+        && ga[15] == Arg::Null // padded
+        && ga[17] == Arg::Null; // no deferred LayerNorm of its own
+    if !fits {
+        return;
+    }
+    let args = vec![
+        Arg::Inline,
+        ea[1],
+        ea[2],
+        ea[12], // seq
+        ea[4],  // word, position, type tables
+        ea[5],
+        ea[6],
+        ea[14], // their rows
+        ea[15],
+        ea[16],
+        ea[17], // stage_dst, words
+        ea[18],
+        ga[1], // w, bias, out, M, N, K, act
+        ga[2],
+        ga[3],
+        ga[4],
+        ga[5],
+        ga[6],
+        ga[7],
+        ea[7], // the embedding's gamma, beta, eps
+        ea[8],
+        ea[9],
+        ea[10], // xout: the embedding's output, for the residual
+    ];
+    let fused = Step::Kernel {
+        name: format!("gemm_small_embed_{t}"),
+        grid: *grid,
+        block: *block,
+        smem: *smem,
+        args,
+    };
+    steps.splice(0..2, [fused]);
 }
 
 /// Alignment of the integer inputs (ids, masks, offsets, tile tables) in
@@ -839,6 +913,9 @@ pub struct Limits {
     /// its output is there, and the host polls those words instead of
     /// waiting for the graph's completion event ([`Plan::done_words`]).
     pub poll_done: bool,
+    /// With `inline_input`, a padded graph's embedding inside the QKV
+    /// `gemm_small` after it (`gemm_small_embed`), one node fewer.
+    pub embed_qkv: bool,
     /// Streaming multiprocessors: the fused sublayers' grid barrier needs
     /// every block resident at once, so their grids stay within this.
     pub sms: usize,
@@ -863,6 +940,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "stage_fold",
     "inline_input",
     "poll_done",
+    "embed_qkv",
 ];
 
 /// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
@@ -923,6 +1001,7 @@ impl Limits {
             stage_fold: true,
             inline_input: true,
             poll_done: true,
+            embed_qkv: true,
             sms: usize::MAX,
         }
     }
@@ -961,6 +1040,7 @@ impl Limits {
                     "stage_fold" => self.stage_fold = false,
                     "inline_input" => self.inline_input = false,
                     "poll_done" => self.poll_done = false,
+                    "embed_qkv" => self.embed_qkv = false,
                     _ => {}
                 }
             }
@@ -1000,6 +1080,7 @@ impl Limits {
             self.stage_fold,
             self.inline_input,
             self.poll_done,
+            self.embed_qkv,
         ];
         DISABLE_SWITCHES
             .iter()
@@ -4301,7 +4382,7 @@ pub(crate) mod tests {
     #[test]
     fn small_plans_take_their_input_inline_and_signal_done() {
         let (a, w) = minilm(6);
-        let default = LIMITS.with_disabled(DEFAULT_DISABLED);
+        let default = LIMITS.with_disabled(&format!("{DEFAULT_DISABLED},embed_qkv"));
         assert!(default.inline_input && default.poll_done);
         let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
         assert_eq!(small.input_bytes, 3 * 16 * 4, "ids, mask, types");
@@ -4394,6 +4475,76 @@ pub(crate) mod tests {
         let staged = small.clone().with_staged_io(&off);
         assert_eq!(staged.step_names()[0], "embed_ln_vec_f16");
         assert_eq!(staged.done_words, 0);
+    }
+
+    /// With `embed_qkv` (the default) a padded staged graph's inline
+    /// embedding and the QKV Linear after it are one `gemm_small_embed`,
+    /// one node fewer; packed graphs and graphs without the inline block
+    /// keep both.
+    #[test]
+    fn embedding_fuses_into_the_first_linear() {
+        let (a, w) = minilm(6);
+        let default = LIMITS.with_disabled(DEFAULT_DISABLED);
+        assert!(default.embed_qkv);
+        let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
+        let apart = small
+            .clone()
+            .with_staged_io(&default.with_disabled("embed_qkv"));
+        let fused = small.clone().with_staged_io(&default);
+        assert_eq!(fused.steps.len() + 1, apart.steps.len());
+        assert_eq!(fused.steps[1..], apart.steps[2..]);
+        let (
+            Step::Kernel { args: ea, .. },
+            Step::Kernel {
+                args: ga,
+                grid: gg,
+                block: gb,
+                ..
+            },
+            Step::Kernel {
+                name,
+                args,
+                grid,
+                block,
+                smem,
+            },
+        ) = (&apart.steps[0], &apart.steps[1], &fused.steps[0])
+        else {
+            panic!("kernels")
+        };
+        assert_eq!(name, "gemm_small_embed_f16");
+        assert_eq!((grid, block, *smem), (gg, gb, 0));
+        assert_eq!(
+            (grid.0, ga[0]),
+            (1152 / 16, ea[10]),
+            "QKV reads the embedding"
+        );
+        assert_eq!(args.len(), 23, "the kernel's parameters");
+        assert_eq!(
+            &args[..4],
+            &[Arg::Inline, ea[1], ea[2], Arg::I32(16)],
+            "block, ids, types, seq"
+        );
+        assert_eq!(&args[4..7], &ea[4..7], "tables");
+        assert_eq!(&args[7..12], &[ea[14], ea[15], ea[16], ea[17], ea[18]]);
+        assert_eq!(&args[12..19], &ga[1..8], "w, bias, out, M, N, K, act");
+        assert_eq!(&args[19..], &[ea[7], ea[8], ea[9], ea[10]], "LN, xout");
+        assert_eq!(fused.staged[0].step, 0);
+        assert_eq!(fused.staged[1].step, fused.steps.len() - 1);
+        assert!(!fused.programmatic(0) && fused.programmatic(1));
+        // bf16 too; not packed, not without the inline block.
+        let bf = plan(&a.program(1, 16), &w, DType::BF16, false, default).unwrap();
+        assert_eq!(
+            bf.with_staged_io(&default).step_names()[0],
+            "gemm_small_embed_bf16"
+        );
+        let packed = plan(&a.packed_program(64, 64), &w, DType::F16, false, default).unwrap();
+        assert!(!packed.with_staged_io(&default).step_names()[0].starts_with("gemm_small_embed"));
+        let slot = default.with_disabled("inline_input");
+        assert_eq!(
+            small.with_staged_io(&slot).step_names()[0],
+            "embed_ln_vec_f16"
+        );
     }
 
     /// The host's INLINE_WORDS is the kernels' (the parameter's size).
