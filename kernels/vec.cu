@@ -43,17 +43,16 @@ __device__ __forceinline__ void st4(T* p, const float (&v)[4]) {
     *reinterpret_cast<uint2*>(p) = q;
 }
 
-// LayerNorm of the row a warp holds in v (vectors lane + 32 j), written to out.
-template <typename T>
-__device__ __forceinline__ void lnv_finish(float (&v)[LNV_J][4], int hidden, const T* __restrict__ gamma,
-                                           const T* __restrict__ beta, float eps, T* out) {
+// The mean and 1/std of the row a warp holds in v (vectors lane + 32 j).
+__device__ __forceinline__ void lnv_stats(const float (&v)[LNV_J][4], int hidden, float eps, float& mean,
+                                          float& rstd) {
     const int lane = threadIdx.x & 31;
     const int nv = hidden >> 2;
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < LNV_J; j++)
         if (lane + 32 * j < nv) s += (v[j][0] + v[j][1]) + (v[j][2] + v[j][3]);
-    const float mean = warp_sum(s) / (float)hidden;
+    mean = warp_sum(s) / (float)hidden;
     float q = 0.0f;
 #pragma unroll
     for (int j = 0; j < LNV_J; j++) {
@@ -65,7 +64,17 @@ __device__ __forceinline__ void lnv_finish(float (&v)[LNV_J][4], int hidden, con
             }
         }
     }
-    const float rstd = 1.0f / sqrtf(warp_sum(q) / (float)hidden + eps);
+    rstd = 1.0f / sqrtf(warp_sum(q) / (float)hidden + eps);
+}
+
+// LayerNorm of the row a warp holds in v (vectors lane + 32 j), written to out.
+template <typename T>
+__device__ __forceinline__ void lnv_finish(float (&v)[LNV_J][4], int hidden, const T* __restrict__ gamma,
+                                           const T* __restrict__ beta, float eps, T* out) {
+    const int lane = threadIdx.x & 31;
+    const int nv = hidden >> 2;
+    float mean, rstd;
+    lnv_stats(v, hidden, eps, mean, rstd);
 #pragma unroll
     for (int j = 0; j < LNV_J; j++) {
         const int qi = lane + 32 * j;
@@ -77,6 +86,27 @@ __device__ __forceinline__ void lnv_finish(float (&v)[LNV_J][4], int hidden, con
 #pragma unroll
             for (int e = 0; e < 4; e++) o[e] = (v[j][e] - mean) * rstd * gm[e] + bt[e];
             st4(out + c, o);
+        }
+    }
+}
+
+// The same with gamma and beta loaded by the caller (gm, bt), before the
+// row, so that their latency is not one more after the reductions.
+template <typename T>
+__device__ __forceinline__ void lnv_finish_pre(float (&v)[LNV_J][4], int hidden, const float (&gm)[LNV_J][4],
+                                               const float (&bt)[LNV_J][4], float eps, T* out) {
+    const int lane = threadIdx.x & 31;
+    const int nv = hidden >> 2;
+    float mean, rstd;
+    lnv_stats(v, hidden, eps, mean, rstd);
+#pragma unroll
+    for (int j = 0; j < LNV_J; j++) {
+        const int qi = lane + 32 * j;
+        if (qi < nv) {
+            float o[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[e] = (v[j][e] - mean) * rstd * gm[j][e] + bt[j][e];
+            st4(out + 4 * qi, o);
         }
     }
 }
@@ -154,12 +184,14 @@ __device__ __forceinline__ void embed_ln_vec_row(int raw_id, int raw_type, int r
     const T* w = word + (size_t)id * hidden;
     const T* ps = pos + (size_t)p * hidden;
     const T* ty = ttab + (size_t)tt * hidden;
-    float v[LNV_J][4];
+    float v[LNV_J][4], gm[LNV_J][4], bt[LNV_J][4];
 #pragma unroll
     for (int j = 0; j < LNV_J; j++) {
         const int qi = lane + 32 * j;
         if (qi < nv) {
             float a[4], b[4], c[4];
+            ld4(gamma + 4 * qi, gm[j]);
+            ld4(beta + 4 * qi, bt[j]);
             ld4(w + 4 * qi, a);
             ld4(ps + 4 * qi, b);
             ld4(ty + 4 * qi, c);
@@ -167,10 +199,10 @@ __device__ __forceinline__ void embed_ln_vec_row(int raw_id, int raw_type, int r
             for (int e = 0; e < 4; e++) v[j][e] = a[e] + b[e] + c[e];
         } else {
 #pragma unroll
-            for (int e = 0; e < 4; e++) v[j][e] = 0.0f;
+            for (int e = 0; e < 4; e++) v[j][e] = gm[j][e] = bt[j][e] = 0.0f;
         }
     }
-    lnv_finish<T>(v, hidden, gamma, beta, eps, out_row);
+    lnv_finish_pre<T>(v, hidden, gm, bt, eps, out_row);
 }
 
 template <typename T>

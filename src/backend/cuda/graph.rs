@@ -11,7 +11,9 @@ use super::error::DriverResultExt;
 use super::kernels::Kernels;
 use super::launch;
 use super::mem::{align_up, DeviceBuf, PinnedBuf};
-use super::plan::{write_tile_table, Arg, Loc, Plan, StagedCount, Step, TILE_ENTRY};
+use super::plan::{
+    write_tile_table, Arg, Loc, Plan, StagedCount, Step, OUTPUT_SENTINEL, TILE_ENTRY,
+};
 use super::resolve::{self, Bases, RArg};
 use crate::backend::BackendError;
 use crate::model::batch::{BatchRows, PackTarget};
@@ -95,6 +97,8 @@ pub struct Slot {
     /// Byte offset of the done words, and how many ([`Plan::done_words`]).
     done_offset: usize,
     done_words: usize,
+    /// [`Plan::poll_output`].
+    poll_output: bool,
     /// The device's address of `pinned` (mapped host memory), for staged
     /// graphs ([`StagedIo`]).
     device_addr: u64,
@@ -120,6 +124,7 @@ impl Slot {
             out_elems: plan.output_elems,
             done_offset,
             done_words: plan.done_words,
+            poll_output: plan.poll_output,
             device_addr,
             event,
             busy: AtomicBool::new(false),
@@ -199,6 +204,62 @@ impl Slot {
         loop {
             if done.iter().all(|w| w.load(Ordering::Acquire) != 0) {
                 return Ok(());
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) && self.event.try_is_complete()? {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// The first `n` output values as words (see [`Slot::done`]).
+    fn output_words(&self, n: usize) -> &[AtomicU32] {
+        let n = n.min(self.out_elems);
+        // SAFETY: `n` f32 of the output, inside the allocation, 64-byte
+        // aligned; the host touches them atomically until the wait is over.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.pinned.as_ptr().add(self.out_offset) as *const AtomicU32,
+                n,
+            )
+        }
+    }
+
+    /// Whether the host polls the output itself ([`Plan::poll_output`]).
+    pub fn polls_output(&self) -> bool {
+        self.poll_output
+    }
+
+    /// Fills the first `n` output values with [`OUTPUT_SENTINEL`] before a
+    /// launch (the slot is ours: its last batch was collected).
+    pub fn clear_output(&self, n: usize) {
+        for w in self.output_words(n) {
+            w.store(OUTPUT_SENTINEL, Ordering::Relaxed);
+        }
+        // The launch that follows publishes them to the device.
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Waits until the graph has written each of the first `n` output
+    /// values (none is the sentinel any more), as [`Slot::wait_done`] waits
+    /// for done words; the event is queried now and then for errors.
+    pub fn wait_output(&self, n: usize) -> Result<(), cudarc::driver::DriverError> {
+        let out = self.output_words(n);
+        // Values land in any order; the scan restarts from the first one
+        // still missing.
+        let mut from = 0;
+        let mut spins: u32 = 0;
+        loop {
+            match out[from..]
+                .iter()
+                .position(|w| w.load(Ordering::Relaxed) == OUTPUT_SENTINEL)
+            {
+                None => {
+                    std::sync::atomic::fence(Ordering::Acquire);
+                    return Ok(());
+                }
+                Some(i) => from += i,
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) && self.event.try_is_complete()? {

@@ -714,6 +714,9 @@ impl CudaBackend {
                 let input = slot.input_words(plan.input_bytes);
                 staged.point_at(&graph.exec, slot.device_addrs(), values, input)?;
                 slot.clear_done();
+                if slot.polls_output() {
+                    slot.clear_output(values);
+                }
                 graph.exec.launch().cu("cuGraphLaunch")?;
             } else {
                 // SAFETY: pinned source of input_bytes; the device block has the same size.
@@ -968,7 +971,14 @@ impl Backend for CudaBackend {
         self.alive()?;
         // A staged graph's last kernel says when the output is in the slot;
         // otherwise the graph's event does.
-        let r = if pending.slot.polls_done() {
+        // (An empty batch has nothing to poll: its event says when the
+        // graph is done with the slot.)
+        let r = if pending.slot.polls_output() && pending.values > 0 {
+            pending
+                .slot
+                .wait_output(pending.values)
+                .cu("wait for batch")
+        } else if pending.slot.polls_done() {
             pending.slot.wait_done().cu("wait for batch")
         } else {
             pending.slot.event.synchronize().cu("wait for batch")

@@ -515,6 +515,11 @@ pub struct Plan {
     /// for the graph's event). The host zeroes them before each launch and
     /// polls the first [`Plan::done_polled`] of them.
     pub done_words: usize,
+    /// The host zeroes nothing and waits for no event: it fills the
+    /// batch's output in the slot with [`OUTPUT_SENTINEL`] before the launch
+    /// and polls until the last kernel has overwritten every value
+    /// ([`Limits::poll_output`]; staged plans only).
+    pub poll_output: bool,
 }
 
 impl Plan {
@@ -672,7 +677,10 @@ impl Plan {
             count: None,
         });
         // The done words, after the output in the slot.
-        let done = if limits.poll_done {
+        // Polling the output itself needs no done words.
+        let poll_done = limits.poll_done && !limits.poll_output;
+        self.poll_output = limits.poll_output;
+        let done = if poll_done {
             Arg::Ptr(Loc::StagedOutput(done_offset))
         } else {
             Arg::Null
@@ -726,7 +734,7 @@ impl Plan {
             });
             g.0
         };
-        if limits.poll_done {
+        if poll_done {
             self.done_words = last_grid as usize;
         }
         self
@@ -821,6 +829,13 @@ fn fuse_embed_into_linear(steps: &mut Vec<Step>) {
     steps.splice(0..2, [fused]);
 }
 
+/// What the host writes over a staged batch's output before the launch
+/// ([`Plan::poll_output`]): a negative NaN with every payload bit set, a bit
+/// pattern the kernels' arithmetic never produces (a computed NaN is the
+/// canonical 0x7fffffff), so a value that is no longer this was written by
+/// the graph. PCIe writes of aligned words do not tear.
+pub const OUTPUT_SENTINEL: u32 = 0xffff_ffff;
+
 /// Alignment of the integer inputs (ids, masks, offsets, tile tables) in
 /// the input block: enough for the kernels' 16-byte loads, and tight, so
 /// the (1, 16) block is 192 bytes rather than 768: it travels whole as a
@@ -913,6 +928,10 @@ pub struct Limits {
     /// its output is there, and the host polls those words instead of
     /// waiting for the graph's completion event ([`Plan::done_words`]).
     pub poll_done: bool,
+    /// A staged graph's output polled by the host for the sentinel it
+    /// wrote there ([`Plan::poll_output`]): no fence and no done word in the
+    /// last kernel. Takes precedence over `poll_done`.
+    pub poll_output: bool,
     /// With `inline_input`, a padded graph's embedding inside the QKV
     /// `gemm_small` after it (`gemm_small_embed`), one node fewer.
     pub embed_qkv: bool,
@@ -940,6 +959,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "stage_fold",
     "inline_input",
     "poll_done",
+    "poll_output",
     "embed_qkv",
 ];
 
@@ -1003,6 +1023,7 @@ impl Limits {
             stage_fold: true,
             inline_input: true,
             poll_done: true,
+            poll_output: true,
             embed_qkv: true,
             sms: usize::MAX,
         }
@@ -1042,6 +1063,7 @@ impl Limits {
                     "stage_fold" => self.stage_fold = false,
                     "inline_input" => self.inline_input = false,
                     "poll_done" => self.poll_done = false,
+                    "poll_output" => self.poll_output = false,
                     "embed_qkv" => self.embed_qkv = false,
                     _ => {}
                 }
@@ -1082,6 +1104,7 @@ impl Limits {
             self.stage_fold,
             self.inline_input,
             self.poll_done,
+            self.poll_output,
             self.embed_qkv,
         ];
         DISABLE_SWITCHES
@@ -3082,6 +3105,7 @@ fn plan_once(
         pdl: p.limits.pdl,
         staged: Vec::new(),
         done_words: 0,
+        poll_output: false,
     })
 }
 
@@ -4379,13 +4403,25 @@ pub(crate) mod tests {
 
     /// By default a staged graph whose input block fits [`INLINE_WORDS`]
     /// takes it as its first kernel's parameter (ids, types and positions
-    /// as word offsets into it), and its last kernel sets a done word per
-    /// block after the output; a larger block is read from the slot.
+    /// as word offsets into it), and the host polls its output; a larger
+    /// block is read from the slot. With `poll_output` off the last kernel
+    /// sets a done word per block after the output instead.
     #[test]
     fn small_plans_take_their_input_inline_and_signal_done() {
         let (a, w) = minilm(6);
-        let default = LIMITS.with_disabled(DEFAULT_DISABLED);
-        assert!(default.inline_input && default.poll_done && !default.embed_qkv);
+        let polled = LIMITS.with_disabled(DEFAULT_DISABLED);
+        assert!(polled.inline_input && polled.poll_output && !polled.embed_qkv);
+        let small = plan(&a.program(1, 16), &w, DType::F16, false, polled).unwrap();
+        let staged = small.clone().with_staged_io(&polled);
+        assert!(staged.poll_output);
+        assert_eq!(staged.done_words, 0);
+        let Some(Step::Kernel { args, .. }) = staged.steps.last() else {
+            panic!("the pooling is a kernel")
+        };
+        assert_eq!(args[11], Arg::Null, "no done word");
+
+        let default = polled.with_disabled("poll_output");
+        assert!(default.poll_done);
         let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
         assert_eq!(small.input_bytes, 3 * 16 * 4, "ids, mask, types");
         let staged = small.clone().with_staged_io(&default);
@@ -4476,7 +4512,7 @@ pub(crate) mod tests {
         assert!(!off.inline_input && !off.poll_done);
         let staged = small.clone().with_staged_io(&off);
         assert_eq!(staged.step_names()[0], "embed_ln_vec_f16");
-        assert_eq!(staged.done_words, 0);
+        assert_eq!((staged.done_words, staged.poll_output), (0, false));
     }
 
     /// With `embed_qkv` (off by default: measured slower) a padded staged
