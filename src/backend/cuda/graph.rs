@@ -713,6 +713,28 @@ mod tests {
     use crate::model::{Activation, Weights};
     use crate::tensor::DType;
 
+    /// The output sentinel the host polls for is a NaN that no arithmetic
+    /// produces (the GPU's canonical NaN is 0x7fffffff, the CPU's
+    /// 0xffc00000), so a computed NaN is never taken for "not written yet"
+    /// and a written value is never taken for the sentinel.
+    #[test]
+    fn output_sentinel_is_no_computed_value() {
+        assert!(f32::from_bits(OUTPUT_SENTINEL).is_nan());
+        let zero = std::hint::black_box(0.0f32);
+        let inf = std::hint::black_box(f32::INFINITY);
+        for v in [
+            f32::NAN,
+            -f32::NAN,
+            zero / zero,
+            inf - inf,
+            (-1.0f32 + zero).sqrt(),
+            f32::from_bits(0x7fff_ffff),
+        ] {
+            assert!(v.is_nan());
+            assert_ne!(v.to_bits(), OUTPUT_SENTINEL, "{:#x}", v.to_bits());
+        }
+    }
+
     fn feature_plan(batch: usize) -> Plan {
         let mut w = Weights::new();
         let w1 = w.push("w", vec![3, 4], vec![0.0; 12]);
