@@ -67,22 +67,20 @@ __device__ __forceinline__ void lnv_stats(const float (&v)[LNV_J][4], int hidden
     rstd = 1.0f / sqrtf(warp_sum(q) / (float)hidden + eps);
 }
 
-// LayerNorm of the row a warp holds in v (vectors lane + 32 j), written to out.
-template <typename T>
-__device__ __forceinline__ void lnv_finish(float (&v)[LNV_J][4], int hidden, const T* __restrict__ gamma,
-                                           const T* __restrict__ beta, float eps, T* out) {
+// out = (v - mean)·rstd·gamma + beta for the row a warp holds in v (vectors
+// lane + 32 j); `gb(j, c, gm, bt)` gives gamma and beta at column c.
+template <typename T, typename GammaBeta>
+__device__ __forceinline__ void lnv_apply(const float (&v)[LNV_J][4], int hidden, float mean, float rstd,
+                                          GammaBeta gb, T* out) {
     const int lane = threadIdx.x & 31;
     const int nv = hidden >> 2;
-    float mean, rstd;
-    lnv_stats(v, hidden, eps, mean, rstd);
 #pragma unroll
     for (int j = 0; j < LNV_J; j++) {
         const int qi = lane + 32 * j;
         if (qi < nv) {
             const int c = 4 * qi;
             float gm[4], bt[4], o[4];
-            ld4(gamma + c, gm);
-            ld4(beta + c, bt);
+            gb(j, c, gm, bt);
 #pragma unroll
             for (int e = 0; e < 4; e++) o[e] = (v[j][e] - mean) * rstd * gm[e] + bt[e];
             st4(out + c, o);
@@ -90,25 +88,34 @@ __device__ __forceinline__ void lnv_finish(float (&v)[LNV_J][4], int hidden, con
     }
 }
 
+// LayerNorm of the row a warp holds in v (vectors lane + 32 j), written to out.
+template <typename T>
+__device__ __forceinline__ void lnv_finish(float (&v)[LNV_J][4], int hidden, const T* __restrict__ gamma,
+                                           const T* __restrict__ beta, float eps, T* out) {
+    float mean, rstd;
+    lnv_stats(v, hidden, eps, mean, rstd);
+    const auto load = [&](int, int c, float (&gm)[4], float (&bt)[4]) {
+        ld4(gamma + c, gm);
+        ld4(beta + c, bt);
+    };
+    lnv_apply<T>(v, hidden, mean, rstd, load, out);
+}
+
 // The same with gamma and beta loaded by the caller (gm, bt), before the
 // row, so that their latency is not one more after the reductions.
 template <typename T>
 __device__ __forceinline__ void lnv_finish_pre(float (&v)[LNV_J][4], int hidden, const float (&gm)[LNV_J][4],
                                                const float (&bt)[LNV_J][4], float eps, T* out) {
-    const int lane = threadIdx.x & 31;
-    const int nv = hidden >> 2;
     float mean, rstd;
     lnv_stats(v, hidden, eps, mean, rstd);
+    const auto held = [&](int j, int, float (&g)[4], float (&b)[4]) {
 #pragma unroll
-    for (int j = 0; j < LNV_J; j++) {
-        const int qi = lane + 32 * j;
-        if (qi < nv) {
-            float o[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) o[e] = (v[j][e] - mean) * rstd * gm[j][e] + bt[j][e];
-            st4(out + 4 * qi, o);
+        for (int e = 0; e < 4; e++) {
+            g[e] = gm[j][e];
+            b[e] = bt[j][e];
         }
-    }
+    };
+    lnv_apply<T>(v, hidden, mean, rstd, held, out);
 }
 
 // out = LayerNorm(x + residual), `rows` rows; `out` may alias `residual`

@@ -200,9 +200,20 @@ impl Slot {
     /// (none does) has its output in place all the same.
     pub fn wait_done(&self) -> Result<(), cudarc::driver::DriverError> {
         let done = self.done();
+        self.spin_until(|| done.iter().all(|w| w.load(Ordering::Relaxed) != 0))
+    }
+
+    /// Spins until `ready()` (then acquires what the device wrote before),
+    /// querying the event every 1,024 spins: a failed graph returns its
+    /// error, a completed one ends the wait.
+    fn spin_until(
+        &self,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<(), cudarc::driver::DriverError> {
         let mut spins: u32 = 0;
         loop {
-            if done.iter().all(|w| w.load(Ordering::Acquire) != 0) {
+            if ready() {
+                std::sync::atomic::fence(Ordering::Acquire);
                 return Ok(());
             }
             spins = spins.wrapping_add(1);
@@ -249,24 +260,18 @@ impl Slot {
         // Values land in any order; the scan restarts from the first one
         // still missing.
         let mut from = 0;
-        let mut spins: u32 = 0;
-        loop {
+        self.spin_until(|| {
             match out[from..]
                 .iter()
                 .position(|w| w.load(Ordering::Relaxed) == OUTPUT_SENTINEL)
             {
-                None => {
-                    std::sync::atomic::fence(Ordering::Acquire);
-                    return Ok(());
+                None => true,
+                Some(i) => {
+                    from += i;
+                    false
                 }
-                Some(i) => from += i,
             }
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(1024) && self.event.try_is_complete()? {
-                return Ok(());
-            }
-            std::hint::spin_loop();
-        }
+        })
     }
 
     pub fn release(&self) {
@@ -416,17 +421,16 @@ impl StagedIo {
         for n in self.nodes.iter_mut() {
             let mut stale = false;
             for &(i, patch) in &n.patches {
-                if let Patch::Inline = patch {
-                    // New contents every batch: always set.
-                    if let RArg::Inline(block) = &mut n.args[i] {
-                        let k = input.len().min(block.len());
-                        block[..k].copy_from_slice(&input[..k]);
-                    }
-                    stale = true;
-                    continue;
-                }
                 let v = match patch {
-                    Patch::Inline => continue,
+                    Patch::Inline => {
+                        // New contents every batch: always set.
+                        if let RArg::Inline(block) = &mut n.args[i] {
+                            let k = input.len().min(block.len());
+                            block[..k].copy_from_slice(&input[..k]);
+                        }
+                        stale = true;
+                        continue;
+                    }
                     Patch::Input(o) => RArg::U64(addrs.0 + o),
                     Patch::Output(o) => RArg::U64(addrs.1 + o),
                     Patch::Count(StagedCount::Values) => RArg::I32(values as i32),
