@@ -713,9 +713,11 @@ impl CudaBackend {
                 // The graph's first and last kernels read and write the slot.
                 let input = slot.input_words(plan.input_bytes);
                 staged.point_at(&graph.exec, slot.device_addrs(), values, input)?;
-                slot.clear_done();
+                // What the host polls in `collect`, reset (a plan has one or none).
                 if slot.polls_output() {
                     slot.clear_output(values);
+                } else if slot.polls_done() {
+                    slot.clear_done();
                 }
                 graph.exec.launch().cu("cuGraphLaunch")?;
             } else {

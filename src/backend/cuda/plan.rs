@@ -4223,6 +4223,21 @@ pub(crate) mod tests {
         (arch, w)
     }
 
+    /// The staged steps of a plan whose embedding (step 0) and pooling
+    /// (step `last`, its `out_rows` argument the count) address the slot.
+    fn folded_ends(last: usize) -> Vec<StagedStep> {
+        vec![
+            StagedStep {
+                step: 0,
+                count: None,
+            },
+            StagedStep {
+                step: last,
+                count: Some((10, StagedCount::Rows)),
+            },
+        ]
+    }
+
     /// Small graphs stage their inputs and output through their own first
     /// and last kernels: the embedding and the pooling where they can (no
     /// extra node), `stage_in` / `stage_out` where they cannot; large ones
@@ -4241,19 +4256,7 @@ pub(crate) mod tests {
         // Both ends folded: the same kernels, no node more.
         assert_eq!(staged.step_names(), small.step_names());
         let last = staged.steps.len() - 1;
-        assert_eq!(
-            staged.staged,
-            vec![
-                StagedStep {
-                    step: 0,
-                    count: None
-                },
-                StagedStep {
-                    step: last,
-                    count: Some((10, StagedCount::Rows))
-                }
-            ]
-        );
+        assert_eq!(staged.staged, folded_ends(last));
         let Step::Kernel { args, .. } = &staged.steps[0] else {
             panic!("the embedding is a kernel")
         };
@@ -4454,19 +4457,7 @@ pub(crate) mod tests {
         assert_eq!(args[2], Arg::Ptr(Loc::StagedOutput(0)));
         assert_eq!(args[11], Arg::Ptr(Loc::StagedOutput(384 * 4)));
         assert_eq!((staged.done_words, grid.0), (1, 1));
-        assert_eq!(
-            staged.staged,
-            vec![
-                StagedStep {
-                    step: 0,
-                    count: None
-                },
-                StagedStep {
-                    step: staged.steps.len() - 1,
-                    count: Some((10, StagedCount::Rows))
-                }
-            ]
-        );
+        assert_eq!(staged.staged, folded_ends(staged.steps.len() - 1));
 
         // (2, 32): 192 words, over INLINE_WORDS: read from the slot; still
         // a done word per block of the last kernel.
