@@ -130,11 +130,10 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
         }
         cp_async_commit();
     };
-    issue(0, 0);
-    issue(1, 1);
-
     // Q fragments (A operand, row-major 16 x D), straight from global memory,
-    // while the first key blocks are on their way.
+    // issued first: the mask's ballot in `issue` waits for the mask's loads,
+    // and Q's loads issued after it would add a second memory round trip
+    // before the first product (one of a (1, 16) layer's critical path).
     unsigned qa[KD][4];
 #pragma unroll
     for (int kk = 0; kk < KD; kk++)
@@ -144,6 +143,9 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
             const int col = kk * 16 + t4 * 2 + ((r & 2) ? 8 : 0);
             qa[kk][r] = (row < q_end) ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col) : 0u;
         }
+    // The first key blocks, while Q's loads are on their way.
+    issue(0, 0);
+    issue(1, 1);
 
     float o[ND][4];
 #pragma unroll

@@ -280,7 +280,9 @@ __device__ __forceinline__ void attn_o_small_impl(const T* qkv, const T* __restr
     } else {
         gs_product<T, 4>(sq, rs, w, N, K, live, n0, red);
     }
-    gs_store<T>(red, mts, live, bn, out, N, act, mode, residual, tmp, gamma, beta, eps, counter);
+    float res[GS_MAXM / 16];
+    gs_residual<T>(residual, mode, mts, live, N, res);
+    gs_store<T>(red, mts, live, bn, out, N, act, mode, res, tmp, gamma, beta, eps, counter);
 }
 
 #define ATTN_O_SMALL_KERNEL(T, SUF, D)                                                                          \

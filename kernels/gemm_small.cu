@@ -72,13 +72,20 @@ struct GsRound {
     static constexpr int G = MT == 1 ? 6 : (MT == 2 ? 3 : 2);
 };
 
+// The products' `after_wait`: loads the caller issues right after pdl_wait,
+// so that their latency overlaps the product's own loads (gs_residual).
+struct GsNoop {
+    __device__ __forceinline__ void operator()() const {}
+};
+
 // The block's partial sums over all of K for MT m-tiles, summed over the
 // warps into red[0] order: red[w][mt][r·GS_NB + c]. Weights of the first
 // round are read before pdl_wait (they are no other kernel's output). x's
 // rows are ldx values apart (K, or more in shared memory).
-template <typename T, int MT>
+template <typename T, int MT, typename AfterWait = GsNoop>
 __device__ __forceinline__ void gs_product(const T* x, int ldx, const T* __restrict__ w, int N, int K, int live,
-                                           int n0, float (*red)[GS_MAXM / 16][16 * GS_NB]) {
+                                           int n0, float (*red)[GS_MAXM / 16][16 * GS_NB],
+                                           const AfterWait& after_wait = AfterWait()) {
     constexpr int G = GsRound<MT>::G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
     const int chunks = K >> 5;
@@ -109,6 +116,7 @@ __device__ __forceinline__ void gs_product(const T* x, int ldx, const T* __restr
     load_w(warp);
     pdl_wait();
     pdl_trigger();
+    after_wait();
     for (int c0 = warp; c0 < chunks; c0 += GS_WARPS * G) {
         if (c0 != warp) load_w(c0);
         uint4 alo[MT][G], ahi[MT][G];
@@ -189,11 +197,11 @@ struct EmbedRows {
 // summed over the 4 lanes of a row (shuffles) and the warps (st [2][GS_WARPS]
 // [16] in shared memory, in a fixed order), the values normalised, rounded
 // to T and multiplied. Block 0 stores the rounded rows to xout.
-template <typename T, int MT, int CPW, typename Rows>
+template <typename T, int MT, int CPW, typename Rows, typename AfterWait>
 __device__ __forceinline__ void gs_product_xn(const Rows& rows, const T* __restrict__ w, int N, int K, int live,
                                               int n0, const T* __restrict__ xg, const T* __restrict__ xb,
                                               float xeps, T* xout, float (*red)[GS_MAXM / 16][16 * GS_NB],
-                                              float (*st)[GS_WARPS][16]) {
+                                              float (*st)[GS_WARPS][16], const AfterWait& after_wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
     const int chunks = K >> 5;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
@@ -221,6 +229,7 @@ __device__ __forceinline__ void gs_product_xn(const Rows& rows, const T* __restr
     }
     pdl_wait();
     pdl_trigger();
+    after_wait();
     float c[MT][2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -325,48 +334,50 @@ __device__ __forceinline__ void gs_product_xn(const Rows& rows, const T* __restr
         }
 }
 
-template <typename T, int CPW, typename Rows>
+template <typename T, int CPW, typename Rows, typename AfterWait>
 __device__ __forceinline__ void gs_product_xn_mt(int mts, const Rows& xf, const T* __restrict__ w, int N, int K,
                                                  int live, int n0, const T* __restrict__ xg,
                                                  const T* __restrict__ xb, float xeps, T* xout,
-                                                 float (*red)[GS_MAXM / 16][16 * GS_NB], float (*st)[GS_WARPS][16]) {
+                                                 float (*red)[GS_MAXM / 16][16 * GS_NB], float (*st)[GS_WARPS][16],
+                                                 const AfterWait& after_wait) {
     if (mts <= 1) {
-        gs_product_xn<T, 1, CPW, Rows>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_xn<T, 1, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st, after_wait);
     } else if (mts == 2) {
-        gs_product_xn<T, 2, CPW, Rows>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_xn<T, 2, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st, after_wait);
     } else {
-        gs_product_xn<T, 4, CPW, Rows>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_xn<T, 4, CPW>(xf, w, N, K, live, n0, xg, xb, xeps, xout, red, st, after_wait);
     }
 }
 
 // gs_product_xn for K <= 32·GS_WARPS·4 (host-checked).
-template <typename T, typename Rows>
+template <typename T, typename Rows, typename AfterWait = GsNoop>
 __device__ __forceinline__ void gs_product_ln(int mts, const Rows& rows, const T* __restrict__ w, int N, int K,
                                               int live, int n0, const T* __restrict__ xg, const T* __restrict__ xb,
                                               float xeps, T* xout, float (*red)[GS_MAXM / 16][16 * GS_NB],
-                                              float (*st)[GS_WARPS][16]) {
+                                              float (*st)[GS_WARPS][16], const AfterWait& after_wait = AfterWait()) {
     if (K <= 32 * GS_WARPS * 2) {
-        gs_product_xn_mt<T, 2>(mts, rows, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_xn_mt<T, 2>(mts, rows, w, N, K, live, n0, xg, xb, xeps, xout, red, st, after_wait);
     } else {
-        gs_product_xn_mt<T, 4>(mts, rows, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_xn_mt<T, 4>(mts, rows, w, N, K, live, n0, xg, xb, xeps, xout, red, st, after_wait);
     }
 }
 
 // The block's product over its live rows (mts m-tiles): of x, or of
 // LayerNorm(xf) when xf != null (see the header).
-template <typename T>
+template <typename T, typename AfterWait = GsNoop>
 __device__ __forceinline__ void gs_product_rows(int mts, const T* x, const float* xf, const T* __restrict__ w, int N,
                                                 int K, int live, int n0, const T* __restrict__ xg,
                                                 const T* __restrict__ xb, float xeps, T* xout,
-                                                float (*red)[GS_MAXM / 16][16 * GS_NB], float (*st)[GS_WARPS][16]) {
+                                                float (*red)[GS_MAXM / 16][16 * GS_NB], float (*st)[GS_WARPS][16],
+                                                const AfterWait& after_wait = AfterWait()) {
     if (xf != 0) {
-        gs_product_ln<T>(mts, XfRows{xf, K}, w, N, K, live, n0, xg, xb, xeps, xout, red, st);
+        gs_product_ln<T>(mts, XfRows{xf, K}, w, N, K, live, n0, xg, xb, xeps, xout, red, st, after_wait);
     } else if (mts <= 1) {
-        gs_product<T, 1>(x, K, w, N, K, live, n0, red);
+        gs_product<T, 1>(x, K, w, N, K, live, n0, red, after_wait);
     } else if (mts == 2) {
-        gs_product<T, 2>(x, K, w, N, K, live, n0, red);
+        gs_product<T, 2>(x, K, w, N, K, live, n0, red, after_wait);
     } else {
-        gs_product<T, 4>(x, K, w, N, K, live, n0, red);
+        gs_product<T, 4>(x, K, w, N, K, live, n0, red, after_wait);
     }
 }
 
@@ -441,27 +452,36 @@ __device__ __forceinline__ float gs_bias(const T* __restrict__ bias, int N) {
     return bias != 0 && n < N ? to_f32(bias[n]) : 0.0f;
 }
 
+// This thread's residual values in gs_store (one per m-tile; zeros in mode
+// 0). The residual is an earlier kernel's output, so this runs after
+// pdl_wait: gemm_small issues it as the product's `after_wait`, beside the
+// product's loads of x, rather than after the product, where its L2 round
+// trip would add to the chain (modes 1 and 2: O and FFN2 of every layer).
+template <typename T>
+__device__ __forceinline__ void gs_residual(const T* residual, int mode, int mts, int live, int N,
+                                            float (&res)[GS_MAXM / 16]) {
+    const int rr = threadIdx.x / GS_NB, n = blockIdx.x * GS_NB + threadIdx.x % GS_NB;
+#pragma unroll
+    for (int mt = 0; mt < GS_MAXM / 16; mt++) {
+        const int r = mt * 16 + rr;
+        res[mt] = mode != 0 && mt < mts && r < live && n < N ? to_f32(residual[(size_t)r * N + n]) : 0.0f;
+    }
+}
+
 // The block's outputs from its warps' partial sums (red, see gs_product):
-// mode 0 out = act(sum + bn), modes 1 and 2 tmp = sum + bn + residual
-// (bn: gs_bias),
+// mode 0 out = act(sum + bn), modes 1 and 2 tmp = sum + bn + res
+// (bn: gs_bias, res: gs_residual),
 // and in mode 1 the last block to finish normalises whole rows into `out`
 // (see the header). Shared by gemm_small and attn_o_small (attn_o_small.cu).
 template <typename T>
 __device__ __forceinline__ void gs_store(float (*red)[GS_MAXM / 16][16 * GS_NB], int mts, int live,
                                          float bn, T* out, int N, int act, int mode,
-                                         const T* residual, float* tmp, const T* __restrict__ gamma,
+                                         const float (&res)[GS_MAXM / 16], float* tmp, const T* __restrict__ gamma,
                                          const T* __restrict__ beta, float eps, unsigned* counter) {
     constexpr int MTMAX = GS_MAXM / 16;
     const int tid = threadIdx.x;
     // One output value per thread and m-tile (16 × GS_NB = GS_THREADS).
     const int rr = tid / GS_NB, n = blockIdx.x * GS_NB + tid % GS_NB;
-    // The residual while the partials meet.
-    float res[MTMAX];
-#pragma unroll
-    for (int mt = 0; mt < MTMAX; mt++) {
-        const int r = mt * 16 + rr;
-        res[mt] = mode != 0 && mt < mts && r < live && n < N ? to_f32(residual[(size_t)r * N + n]) : 0.0f;
-    }
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MTMAX; mt++) {
@@ -501,8 +521,10 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
     const int live = sl_live_rows(M, offsets, seqs);
     const int mts = (live + 15) >> 4;
     const float bn = gs_bias(bias, N);
-    gs_product_rows<T>(mts, x, xf, w, N, K, live, blockIdx.x * GS_NB, xg, xb, xeps, xout, red, st);
-    gs_store<T>(red, mts, live, bn, out, N, act, mode, residual, tmp, gamma, beta, eps, counter);
+    float res[MTMAX];
+    const auto load_residual = [&]() { gs_residual<T>(residual, mode, mts, live, N, res); };
+    gs_product_rows<T>(mts, x, xf, w, N, K, live, blockIdx.x * GS_NB, xg, xb, xeps, xout, red, st, load_residual);
+    gs_store<T>(red, mts, live, bn, out, N, act, mode, res, tmp, gamma, beta, eps, counter);
 }
 
 #define GEMM_SMALL_KERNEL(T, SUF)                                                                             \
@@ -542,7 +564,8 @@ __device__ __forceinline__ void gemm_small_embed_impl(const InlineBlock& in, int
     const float bn = gs_bias(bias, N);
     const EmbedRows<T> rows{&in, ids_w, types_w, max(seq, 1), vocab, npos, ntypes, K, word, pos, ttab};
     gs_product_ln<T>(mts, rows, w, N, K, live, blockIdx.x * GS_NB, xg, xb, xeps, xout, red, st);
-    gs_store<T>(red, mts, live, bn, out, N, act, 0, nullptr, nullptr, nullptr, nullptr, 0.0f, nullptr);
+    const float none[MTMAX] = {};
+    gs_store<T>(red, mts, live, bn, out, N, act, 0, none, nullptr, nullptr, nullptr, 0.0f, nullptr);
 }
 
 #define GEMM_SMALL_EMBED_KERNEL(T, SUF)                                                                         \

@@ -98,13 +98,16 @@ __device__ __forceinline__ void pool_write_kept(const float (&keep)[POOL_KEEP], 
 // H200: 7 µs of one SM, stalled on each load in turn). Tokens are the n rows
 // of xs, counted where mask (null: all) is non-zero; two per warp in flight.
 // `part` is the caller's shared partials (POOL_WARPS × POOL_CHUNK floats).
+// With `enter` it passes pdl_enter itself, after its loads of gamma and beta
+// (weights), so that their round trip overlaps the kernel before rather than
+// preceding the rows' (pool_ln_<t>, the last node of a small graph).
 #define PLV_J (POOL_CHUNK / 128)
 
 template <typename T>
 __device__ __forceinline__ void pool_ln_vec4(const float* __restrict__ xs, const int* __restrict__ mask, int n,
                                              float* __restrict__ ob, int hidden, int mode, int normalize,
                                              const T* __restrict__ lg, const T* __restrict__ lb, float eps,
-                                             float (*part)[POOL_CHUNK], float* sh) {
+                                             float (*part)[POOL_CHUNK], float* sh, bool enter) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nv = hidden >> 7;
     const bool is_max = mode == POOL_MAX;
@@ -124,6 +127,7 @@ __device__ __forceinline__ void pool_ln_vec4(const float* __restrict__ xs, const
             acc[j][e] = init;
         }
     }
+    if (enter) pdl_enter();
     float used = 0.0f;
     for (int t0 = warp; t0 < n; t0 += 2 * POOL_WARPS) {
         float v[2][PLV_J][4];
@@ -221,12 +225,13 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
     const TX* xb = x + (size_t)b * seq * hidden;
     const int* mb = mask + (size_t)b * seq;
     float* ob = out + (size_t)b * hidden;
-    if constexpr (sizeof(TX) == 4 && sizeof(T) == 2) {  // pool_ln_<t>
+    if constexpr (sizeof(TX) == 4 && sizeof(T) == 2) {  // pool_ln_<t>, not yet past pdl_enter
         if (lg != 0 && skip == 0 && mode != POOL_CLS && hidden % 128 == 0 && hidden <= POOL_CHUNK) {
             pool_ln_vec4<T>(reinterpret_cast<const float*>(xb), mb, seq, ob, hidden, mode, normalize, lg, lb, leps,
-                            part, sh);
+                            part, sh, true);
             return;
         }
+        pdl_enter();
     }
 
     // The first pooled position (0 without `skip`).
@@ -351,7 +356,7 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
         pool_ln_##SUF(const float* x, const int* mask, float* out, int seq, int hidden, int mode,          \
                       int normalize, const T* gamma, const T* beta, float eps, int out_rows,               \
                       unsigned* done) {                                                                    \
-        pdl_enter();                                                                                       \
+        /* pdl_enter in pool_impl, after the LayerNorm's weights are read */                               \
         pool_impl<float, T>(x, mask, nullptr, out, seq, hidden, mode, normalize, gamma, beta, eps,         \
                             out_rows);                                                                     \
         signal_done(done);                                                                                 \

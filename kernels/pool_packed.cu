@@ -50,7 +50,7 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
     if constexpr (sizeof(TX) == 4 && sizeof(T) == 2) {  // pool_packed_ln_<t> (pool.cu, pool_ln_vec4)
         if (lg != 0 && mode != POOL_CLS && hidden % 128 == 0 && hidden <= POOL_CHUNK) {
             pool_ln_vec4<T>(reinterpret_cast<const float*>(xs), nullptr, len, os, hidden, mode, normalize, lg, lb,
-                            leps, part, sh);
+                            leps, part, sh, false);
             return;
         }
     }
