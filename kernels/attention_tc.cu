@@ -89,11 +89,15 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // sequence's first output row at this head (rows HD apart). Queries q_first ..
 // q_end-1 (relative to the sequence) are this block's; with MASK, key j counts
 // only where mrow[j] != 0, and a row with no key gets zeros.
-template <typename T, int D, bool BIAS, bool MASK>
+// KB (keys per shared-memory block) is TC_KB(D) unless the caller knows the
+// sequence is shorter (attention_tc_impl: 16 for seq <= 16 at head sizes 32
+// and 64, where 64 would compute four times the scores and exponentials a
+// live key needs).
+template <typename T, int D, bool BIAS, bool MASK, int KB = TC_KB(D)>
 __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row_stride, int HD, int seq, int q_first,
                                           int q_end, const int* __restrict__ mrow, float scale,
                                           const T* __restrict__ brow, int radius, T* __restrict__ obase) {
-    constexpr int KB = TC_KB(D);
+    static_assert(KB % 16 == 0 && KB <= 64, "a key block is whole mma k-steps, its mask one 64-bit word");
     constexpr int KS = D + TC_PAD;  // row stride of sK and sV (halves): ldmatrix rows hit distinct banks
     constexpr int ND = D / 8;       // output n-tiles
     constexpr int KD = D / 16;      // k-steps over the head
@@ -121,10 +125,12 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
                 cp_async16(&sK[st][j * KS + d], r + HD + d, in);
                 cp_async16(&sV[st][j * KS + d], r + 2 * HD + d, in);
             }
-            // The mask as bits, 32 keys a word (one ballot a warp).
+            // The mask as bits, 32 keys a word (one ballot a warp; every lane
+            // of the warp takes part, also where KB < 32).
             if (MASK)
-                for (int j = tid; j < KB; j += TC_THREADS) {
-                    const unsigned bits = __ballot_sync(0xffffffffu, (kb0 + j < seq) && (mrow[kb0 + j] != 0));
+                for (int j = tid; j < ((KB + 31) & ~31); j += TC_THREADS) {
+                    const bool in = j < KB && kb0 + j < seq;
+                    const unsigned bits = __ballot_sync(0xffffffffu, in && mrow[kb0 + j] != 0);
                     if (lane == 0) sM[st][j >> 5] = bits;
                 }
         }
@@ -191,7 +197,8 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
             }
             // A block whose keys are all live (the common case) skips the
             // per-score test; otherwise this lane's keys start at bit 2 t4.
-            const bool full = KB > 32 ? live == ~0ull : (unsigned)live == ~0u;
+            constexpr unsigned long long all_keys = KB >= 64 ? ~0ull : ((1ull << KB) - 1);
+            const bool full = (live & all_keys) == all_keys;
             const unsigned long long lt = live >> (t4 * 2);
             float mx[2] = {NEG_INF_F, NEG_INF_F};
 #pragma unroll
@@ -289,8 +296,18 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
     const size_t row_stride = (size_t)3 * HD;
     const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * D;
     const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
-    tc_attend<T, D, BIAS, true>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mask + (size_t)b * seq, scale,
-                                brow, radius, out + (size_t)b * seq * HD + (size_t)h * D);
+    const int* mrow = mask + (size_t)b * seq;
+    T* obase = out + (size_t)b * seq * HD + (size_t)h * D;
+    // Short sequences take 16-key blocks; not for head size 128, whose two
+    // instances' shared memory would pass the 48 KB of a static allocation.
+    if constexpr (D <= 64) {
+        if (seq <= 16) {
+            tc_attend<T, D, BIAS, true, 16>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mrow, scale, brow,
+                                            radius, obase);
+            return;
+        }
+    }
+    tc_attend<T, D, BIAS, true>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mrow, scale, brow, radius, obase);
 }
 
 #define ATTENTION_TC_KERNEL(T, SUF, D)                                                                            \
