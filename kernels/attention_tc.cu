@@ -90,9 +90,7 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // q_end-1 (relative to the sequence) are this block's; with MASK, key j counts
 // only where mrow[j] != 0, and a row with no key gets zeros.
 // KB (keys per shared-memory block) is TC_KB(D) unless the caller knows the
-// sequence is shorter (attention_tc_impl: 16 for seq <= 16 at head sizes 32
-// and 64, where 64 would compute four times the scores and exponentials a
-// live key needs).
+// sequence is shorter (attention_tc_s16_<t>_d<D>: 16).
 template <typename T, int D, bool BIAS, bool MASK, int KB = TC_KB(D)>
 __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row_stride, int HD, int seq, int q_first,
                                           int q_end, const int* __restrict__ mrow, float scale,
@@ -287,7 +285,7 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
     }
 }
 
-template <typename T, int D, bool BIAS>
+template <typename T, int D, bool BIAS, int KB = TC_KB(D)>
 __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, const int* __restrict__ mask,
                                                   T* __restrict__ out, int seq, int heads, float scale,
                                                   const T* __restrict__ pbias, int radius) {
@@ -296,18 +294,8 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
     const size_t row_stride = (size_t)3 * HD;
     const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * D;
     const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
-    const int* mrow = mask + (size_t)b * seq;
-    T* obase = out + (size_t)b * seq * HD + (size_t)h * D;
-    // Short sequences take 16-key blocks; not for head size 128, whose two
-    // instances' shared memory would pass the 48 KB of a static allocation.
-    if constexpr (D <= 64) {
-        if (seq <= 16) {
-            tc_attend<T, D, BIAS, true, 16>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mrow, scale, brow,
-                                            radius, obase);
-            return;
-        }
-    }
-    tc_attend<T, D, BIAS, true>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mrow, scale, brow, radius, obase);
+    tc_attend<T, D, BIAS, true, KB>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mask + (size_t)b * seq, scale,
+                                    brow, radius, out + (size_t)b * seq * HD + (size_t)h * D);
 }
 
 #define ATTENTION_TC_KERNEL(T, SUF, D)                                                                            \
@@ -321,9 +309,33 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
         attention_tc_impl<T, D, true>(qkv, mask, out, seq, heads, scale, pbias, radius);                          \
     }
 
+// attention_tc_s16_<t>_d<D>, attention_tc_bias_s16_<t>_d<D>: the same for
+// sequences of at most 16 tokens (the planner's choice; head sizes 32 and
+// 64), in 16-key blocks: at (1, 16) the 64-key block computed four times the
+// scores, exponentials and P·V a live key needs. Kernels of their own
+// rather than a branch in the kernels above: with the branch in them, those
+// measured ~1 µs slower a node at (1, 32), and the varlen kernel with the
+// same branch at 64 tokens (docs/perf-log.md, 2026-12-04).
+#define ATTENTION_TC_S16_KERNEL(T, SUF, D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                    \
+        attention_tc_s16_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale) {   \
+        pdl_enter();                                                                                              \
+        attention_tc_impl<T, D, false, 16>(qkv, mask, out, seq, heads, scale, nullptr, 0);                        \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                    \
+        attention_tc_bias_s16_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads,             \
+                                           float scale, const T* pbias, int radius) {                             \
+        pdl_enter();                                                                                              \
+        attention_tc_impl<T, D, true, 16>(qkv, mask, out, seq, heads, scale, pbias, radius);                      \
+    }
+
 ATTENTION_TC_KERNEL(f16_t, f16, 32)
 ATTENTION_TC_KERNEL(f16_t, f16, 64)
 ATTENTION_TC_KERNEL(f16_t, f16, 128)
 ATTENTION_TC_KERNEL(bf16_t, bf16, 32)
 ATTENTION_TC_KERNEL(bf16_t, bf16, 64)
 ATTENTION_TC_KERNEL(bf16_t, bf16, 128)
+ATTENTION_TC_S16_KERNEL(f16_t, f16, 32)
+ATTENTION_TC_S16_KERNEL(f16_t, f16, 64)
+ATTENTION_TC_S16_KERNEL(bf16_t, bf16, 32)
+ATTENTION_TC_S16_KERNEL(bf16_t, bf16, 64)

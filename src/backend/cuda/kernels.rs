@@ -109,6 +109,10 @@ pub const ATTENTION_DMAX: &[usize] = &[32, 64, 128];
 /// Head sizes of the tensor-core attention kernel (`attention_tc_<t>_d<N>`, f16/bf16).
 pub const ATTENTION_TC_HEAD_DIMS: &[usize] = &[32, 64, 128];
 
+/// Head sizes of its 16-key-block variant for short padded sequences
+/// (`attention_tc_s16_<t>_d<N>`, plan::ATTN_S16_MAX_SEQ).
+pub const ATTENTION_TC_S16_HEAD_DIMS: &[usize] = &[32, 64];
+
 /// (input, output) storage-type pairs of `bias_act_<in>_<out>`.
 pub const BIAS_ACT_PAIRS: &[(&str, &str)] = &[
     ("f32", "f32"),
@@ -152,6 +156,9 @@ pub fn expected_entry_points() -> Vec<String> {
         for d in ATTENTION_TC_HEAD_DIMS {
             names.push(format!("attention_tc_{t}_d{d}"));
         }
+        for d in ATTENTION_TC_S16_HEAD_DIMS {
+            names.push(format!("attention_tc_s16_{t}_d{d}"));
+        }
     }
     names.extend(encoder_family_entry_points());
     names.push("stage_in".to_string());
@@ -187,6 +194,9 @@ pub fn encoder_family_entry_points() -> Vec<String> {
         for d in ATTENTION_TC_HEAD_DIMS {
             names.push(format!("attention_tc_bias_{t}_d{d}"));
             names.push(format!("attention_varlen_tc_bias_{t}_d{d}"));
+        }
+        for d in ATTENTION_TC_S16_HEAD_DIMS {
+            names.push(format!("attention_tc_bias_s16_{t}_d{d}"));
         }
         for d in SMALL_ATTN_HEAD_DIMS {
             names.push(format!("layer_attn_small_bias_{t}_d{d}"));

@@ -935,10 +935,17 @@ pub struct Limits {
     /// With `inline_input`, a padded graph's embedding inside the QKV
     /// `gemm_small` after it (`gemm_small_embed`), one node fewer.
     pub embed_qkv: bool,
+    /// Padded sequences of at most [`ATTN_S16_MAX_SEQ`] tokens take the
+    /// tensor-core attention in 16-key blocks (`attention_tc_s16_<t>_d<D>`,
+    /// head sizes 32 and 64) instead of 64-key ones.
+    pub attn_s16: bool,
     /// Streaming multiprocessors: the fused sublayers' grid barrier needs
     /// every block resident at once, so their grids stay within this.
     pub sms: usize,
 }
+
+/// The longest padded sequence that takes `attention_tc_s16` ([`Limits::attn_s16`]).
+pub const ATTN_S16_MAX_SEQ: usize = 16;
 
 /// The names `REPLAYD_CUDA_DISABLE` takes, one per specialised path (and
 /// the groups of [`DISABLE_GROUPS`]).
@@ -961,6 +968,7 @@ pub const DISABLE_SWITCHES: &[&str] = &[
     "poll_done",
     "poll_output",
     "embed_qkv",
+    "attn_s16",
 ];
 
 /// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
@@ -997,6 +1005,7 @@ pub const DISABLE_GROUPS: &[(&str, &[&str])] = &[
             "ffn_splitk",
             "attn_o",
             "pdl",
+            "attn_s16",
         ],
     ),
     ("all", DISABLE_SWITCHES),
@@ -1025,6 +1034,7 @@ impl Limits {
             poll_done: true,
             poll_output: true,
             embed_qkv: true,
+            attn_s16: true,
             sms: usize::MAX,
         }
     }
@@ -1065,6 +1075,7 @@ impl Limits {
                     "poll_done" => self.poll_done = false,
                     "poll_output" => self.poll_output = false,
                     "embed_qkv" => self.embed_qkv = false,
+                    "attn_s16" => self.attn_s16 = false,
                     _ => {}
                 }
             }
@@ -1106,6 +1117,7 @@ impl Limits {
             self.poll_done,
             self.poll_output,
             self.embed_qkv,
+            self.attn_s16,
         ];
         DISABLE_SWITCHES
             .iter()
@@ -2619,8 +2631,16 @@ impl<'a> Planner<'a> {
                         Arg::F32(1.0 / (head_dim as f32).sqrt()),
                     ];
                     args.extend(bias_args);
+                    let s16 = if self.limits.attn_s16
+                        && seq <= ATTN_S16_MAX_SEQ
+                        && super::kernels::ATTENTION_TC_S16_HEAD_DIMS.contains(&head_dim)
+                    {
+                        "_s16"
+                    } else {
+                        ""
+                    };
                     self.kernel(
-                        format!("attention_tc{tag}_{ts}_d{head_dim}"),
+                        format!("attention_tc{tag}{s16}_{ts}_d{head_dim}"),
                         (seq.div_ceil(TC_QT) as u32, heads as u32, batch as u32),
                         TC_THREADS,
                         0,
@@ -3117,7 +3137,8 @@ pub(crate) mod tests {
     const LIMITS: Limits = Limits::new(227 * 1024);
     /// The paths the kernels before the vectorised and fused ones took
     /// (tests of those keep checking them).
-    const LEGACY: &str = "ln_vec,ew_vec,small,gemm_small,qkv_attn,ln_defer,ffn_splitk,attn_o,pdl";
+    const LEGACY: &str =
+        "ln_vec,ew_vec,small,gemm_small,qkv_attn,ln_defer,ffn_splitk,attn_o,pdl,attn_s16";
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -4057,9 +4078,38 @@ pub(crate) mod tests {
                 _ => None,
             })
             .unwrap();
-        assert_eq!(att.0, "attention_tc_f16_d32");
+        // At most 16 tokens: the 16-key-block kernel; longer sequences and
+        // the switch keep the 64-key one (same grid and arguments).
+        assert_eq!(att.0, "attention_tc_s16_f16_d32");
         assert_eq!(att.1, (1, 12, 2));
         assert_eq!(att.2, 0);
+        let attention = |p: &Plan| {
+            p.steps
+                .iter()
+                .find_map(|s| match s {
+                    Step::Kernel { name, grid, .. } if name.starts_with("attention") => {
+                        Some((name.clone(), *grid))
+                    }
+                    _ => None,
+                })
+                .unwrap()
+        };
+        let separate = LIMITS.with_disabled("small,gemm_small");
+        let off = super::plan(
+            &p,
+            &w,
+            DType::F16,
+            false,
+            separate.with_disabled("attn_s16"),
+        )
+        .unwrap();
+        assert_eq!(attention(&off), ("attention_tc_f16_d32".into(), (1, 12, 2)));
+        let (p17, w17) = tiny_bert(2, 17);
+        let long = super::plan(&p17, &w17, DType::F16, false, separate).unwrap();
+        assert_eq!(
+            attention(&long),
+            ("attention_tc_f16_d32".into(), (1, 12, 2))
+        );
         // f32 keeps the CUDA-core kernel, with dynamic shared memory.
         let plan32 = super::plan(&p, &w, DType::F32, false, LIMITS).unwrap();
         assert!(plan32
@@ -4641,7 +4691,7 @@ pub(crate) mod tests {
         let mut want = layers_between(
             "embed_ln_vec_f16",
             6,
-            &[gemm, "attention_tc_f16_d32", gemm, gemm, gemm],
+            &[gemm, "attention_tc_s16_f16_d32", gemm, gemm, gemm],
             "pool_ln_f16",
         );
         assert_eq!(gs.step_names(), want);
@@ -5015,7 +5065,7 @@ pub(crate) mod tests {
         let want = layers_between(
             "embed_ln_vec_f16",
             6,
-            &[gemm, "attention_tc_f16_d32", gemm, "ffn_small_f16"],
+            &[gemm, "attention_tc_s16_f16_d32", gemm, "ffn_small_f16"],
             "pool_ln_f16",
         );
         assert_eq!(p.step_names(), want);
@@ -5204,7 +5254,8 @@ pub(crate) mod tests {
                 "ln_defer",
                 "ffn_splitk",
                 "attn_o",
-                "pdl"
+                "pdl",
+                "attn_s16"
             ]
         );
         assert_eq!(fused, LIMITS.with_disabled(LEGACY));
