@@ -17,14 +17,7 @@
 #include <cstdio>
 #include <vector>
 
-#define CK(x)                                                                  \
-  do {                                                                         \
-    cudaError_t e = (x);                                                       \
-    if (e != cudaSuccess) {                                                    \
-      printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      return 1;                                                                \
-    }                                                                          \
-  } while (0)
+#include "probe-common.cuh"
 
 constexpr int K = 32;
 constexpr int IN_BYTES = 256;
