@@ -96,8 +96,12 @@
 //! Connection details: one DEALER per endpoint, `ZMQ_LINGER = 0`, no ZMTP
 //! heartbeats; connection state comes from libzmq's socket monitor (a
 //! handshake done is *connected*, a disconnect is *lost*), polled every
-//! [`MONITOR_TICK`]. CURVE: [`ClientOptions::security`] =
-//! [`Security::CurveClient`].
+//! [`MONITOR_TICK`]. A disconnect fails only the sends whose replies had not
+//! arrived before it: the transport hands over every message that came
+//! before a disconnect before it counts the disconnect, and the client fails
+//! the endpoint's outstanding sends once it has read that far, so a daemon
+//! that answers everything and then exits loses no reply. CURVE:
+//! [`ClientOptions::security`] = [`Security::CurveClient`].
 
 use crate::protocol::{
     decode_reply, encode_request, ErrorCode, InputKind, Payload, ReplyHeader, RequestHeader, Status,
@@ -429,18 +433,48 @@ enum Decoded {
 struct SendSlot {
     call: mpsc::UnboundedSender<Outcome>,
     ep: usize,
+    /// The endpoint's disconnects seen when it was sent: a later disconnect
+    /// loses it, an earlier one does not.
+    epoch: u64,
+}
+
+/// A disconnect whose sends are failed once the reader has caught up.
+#[derive(Clone, Copy)]
+struct PendingLoss {
+    /// The transport's `delivered` count when the disconnect was seen: every
+    /// reply that arrived before it is among these.
+    watermark: u64,
+    /// Sends made before this many disconnects were seen are lost.
+    epoch: u64,
 }
 
 struct EpState {
     connected: bool,
     seen_established: u64,
     seen_disconnects: u64,
+    /// Messages the reader has taken from the transport (replies and
+    /// rejected ones), to compare with a [`PendingLoss`]'s watermark.
+    processed: u64,
+    pending_loss: Option<PendingLoss>,
     /// Set when the endpoint has been silent too long with work outstanding.
     suspect: bool,
     draining_until: Option<Instant>,
     /// Since when the endpoint owes a reply without having sent one.
     quiet_since: Instant,
     stats: EndpointStats,
+}
+
+impl EpState {
+    /// The epoch to lose sends before, once the reader has read every reply
+    /// that arrived before the pending disconnect.
+    fn due_loss(&mut self) -> Option<u64> {
+        let loss = self.pending_loss?;
+        if self.processed < loss.watermark {
+            return None;
+        }
+        self.pending_loss = None;
+        Some(loss.epoch)
+    }
 }
 
 struct State {
@@ -548,11 +582,13 @@ impl Shared {
     ) -> bool {
         {
             let mut st = self.lock();
+            let epoch = st.eps[ep].seen_disconnects;
             st.sends.insert(
                 wire,
                 SendSlot {
                     call: call.clone(),
                     ep,
+                    epoch,
                 },
             );
             let e = &mut st.eps[ep];
@@ -596,6 +632,8 @@ impl Shared {
         let (wire, reply) = decode(&frames);
         let mut st = self.lock();
         let e = &mut st.eps[ep];
+        e.processed += 1;
+        let loss = e.due_loss();
         e.stats.replies += 1;
         e.quiet_since = Instant::now();
         let recovered = std::mem::replace(&mut e.suspect, false);
@@ -619,17 +657,39 @@ impl Shared {
         if recovered {
             self.changed.notify_waiters();
         }
+        if let Some(epoch) = loss {
+            self.lose(ep, epoch);
+        }
     }
 
-    /// Every send on `ep` is lost (a disconnect, or its socket closed).
+    /// A message from `ep` was refused by the transport (it still counts as
+    /// read, for a pending loss).
+    fn on_rejected(&self, ep: usize) {
+        let loss = {
+            let mut st = self.lock();
+            let e = &mut st.eps[ep];
+            e.processed += 1;
+            e.due_loss()
+        };
+        if let Some(epoch) = loss {
+            self.lose(ep, epoch);
+        }
+    }
+
+    /// Every send on `ep` is lost (its socket closed).
     fn lose_all(&self, ep: usize) {
+        self.lose(ep, u64::MAX);
+    }
+
+    /// The sends on `ep` made before `epoch` disconnects were seen are lost.
+    fn lose(&self, ep: usize, epoch: u64) {
         let mut lost = Vec::new();
         {
             let mut st = self.lock();
             let wires: Vec<u64> = st
                 .sends
                 .iter()
-                .filter(|(_, s)| s.ep == ep)
+                .filter(|(_, s)| s.ep == ep && s.epoch < epoch)
                 .map(|(w, _)| *w)
                 .collect();
             for w in wires {
@@ -638,7 +698,7 @@ impl Shared {
                 }
             }
             let e = &mut st.eps[ep];
-            e.stats.in_flight = 0;
+            e.stats.in_flight = e.stats.in_flight.saturating_sub(lost.len());
             e.stats.lost += lost.len() as u64;
             e.suspect = false;
         }
@@ -665,7 +725,16 @@ impl Shared {
                 e.stats.connects += new_est;
                 e.stats.disconnects += new_disc;
                 if new_disc > 0 {
-                    lost_eps.push(i);
+                    // Replies that came before the disconnect may still be
+                    // on their way to the reader: the sends are lost once it
+                    // has read up to here (at once if it already has).
+                    e.pending_loss = Some(PendingLoss {
+                        watermark: snap.delivered,
+                        epoch: e.seen_disconnects,
+                    });
+                }
+                if let Some(epoch) = e.due_loss() {
+                    lost_eps.push((i, epoch));
                 }
                 let connected = match (new_est > 0, new_disc > 0) {
                     (true, false) => true,
@@ -699,8 +768,8 @@ impl Shared {
                 );
             }
         }
-        for ep in lost_eps {
-            self.lose_all(ep);
+        for (ep, epoch) in lost_eps {
+            self.lose(ep, epoch);
         }
         for (ep, calls) in suspects {
             tracing::debug!(endpoint = %self.endpoints[ep].address, "replayd client: endpoint silent, suspect");
@@ -801,6 +870,21 @@ impl Client {
         endpoints: &[S],
         options: ClientOptions,
     ) -> Result<Client, Error> {
+        let (mut client, receivers) = Self::open(endpoints, options).await?;
+        for (i, recv) in receivers.into_iter().enumerate() {
+            let reader = read_replies(client.shared.clone(), i, recv);
+            client.tasks.push(tokio::spawn(reader));
+        }
+        Ok(client)
+    }
+
+    /// A client with its sockets and monitor task but no reply readers: the
+    /// receivers come back, one per endpoint, in order (tests start their
+    /// readers late).
+    async fn open<S: AsRef<str>>(
+        endpoints: &[S],
+        options: ClientOptions,
+    ) -> Result<(Client, Vec<DealerReceiver>), Error> {
         let addresses: Vec<String> = endpoints
             .iter()
             .flat_map(|e| e.as_ref().split(','))
@@ -843,6 +927,8 @@ impl Client {
                     connected: false,
                     seen_established: 0,
                     seen_disconnects: 0,
+                    processed: 0,
+                    pending_loss: None,
                     suspect: false,
                     draining_until: None,
                     quiet_since: now,
@@ -862,26 +948,23 @@ impl Client {
             next_wire: AtomicU64::new(1),
             stray: AtomicU64::new(0),
         });
-        let mut tasks = Vec::new();
-        for (i, recv) in receivers.into_iter().enumerate() {
-            tasks.push(tokio::spawn(read_replies(shared.clone(), i, recv)));
-        }
         let monitor = shared.clone();
-        tasks.push(tokio::spawn(async move {
+        let tasks = vec![tokio::spawn(async move {
             let mut tick = tokio::time::interval(MONITOR_TICK);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 monitor.tick();
             }
-        }));
+        })];
         // The first tick right away, so a daemon that is up is seen at once.
         shared.tick();
-        Ok(Client {
+        let client = Client {
             shared,
             next_id: AtomicU64::new(1),
             tasks,
-        })
+        };
+        Ok((client, receivers))
     }
 
     /// The endpoints, as given.
@@ -1371,7 +1454,7 @@ async fn read_replies(shared: Arc<Shared>, ep: usize, mut recv: DealerReceiver) 
     loop {
         match recv.recv().await {
             Ok(msg) => shared.on_reply(ep, msg.frames),
-            Err(crate::transport::TransportError::Rejected { .. }) => {}
+            Err(crate::transport::TransportError::Rejected { .. }) => shared.on_rejected(ep),
             Err(_) => break,
         }
     }
@@ -1428,4 +1511,129 @@ impl RawClient {
 #[doc(hidden)]
 pub fn outstanding(client: &Client) -> usize {
     client.shared.lock().sends.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{decode_request, encode_reply, Reply};
+    use crate::transport::Router;
+    use tokio::time::timeout;
+
+    const WAIT: Duration = Duration::from_secs(5);
+
+    /// A peer that reads `n` requests, answers those whose text is
+    /// "answer", then closes, lingering (as the daemon does when it exits).
+    async fn answer_then_close(n: usize) -> (String, tokio::task::JoinHandle<()>) {
+        let router = Router::bind(
+            "tcp://127.0.0.1:0",
+            &TransportLimits::default(),
+            &Security::None,
+        )
+        .await
+        .unwrap();
+        let endpoint = router.endpoint().to_string();
+        let (mut rx, tx) = router.split();
+        let peer = tokio::spawn(async move {
+            for _ in 0..n {
+                let m = rx.recv().await.unwrap();
+                let request = decode_request(&m.frames, &Default::default()).unwrap();
+                if request.payload == Payload::Texts(vec!["answer".into()]) {
+                    let reply = Reply::error(request.header.id, ErrorCode::Internal, "answered");
+                    tx.send(&m.peer, encode_reply(&reply)).unwrap();
+                }
+            }
+        });
+        (endpoint, peer)
+    }
+
+    /// `n` requests, the even ones to be answered; their join handles.
+    fn requests(
+        client: &Arc<Client>,
+        n: usize,
+    ) -> Vec<tokio::task::JoinHandle<Result<Response, Error>>> {
+        (0..n)
+            .map(|i| {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let text = if i % 2 == 0 { "answer" } else { "drop" };
+                    let header = RequestHeader::new(i as u64, "m", InputKind::Texts);
+                    let payload = Payload::Texts(vec![text.into()]);
+                    client.request(&header, &payload, WAIT).await
+                })
+            })
+            .collect()
+    }
+
+    /// The answered requests get their replies, the others fail with
+    /// `ConnectionLost`.
+    async fn check(calls: Vec<tokio::task::JoinHandle<Result<Response, Error>>>) {
+        for (i, call) in calls.into_iter().enumerate() {
+            let result = timeout(WAIT, call).await.unwrap().unwrap();
+            if i % 2 == 0 {
+                let reply = result.unwrap_or_else(|e| panic!("request {i}: {e}"));
+                assert_eq!(reply.header.id, i as u64);
+                assert_eq!(reply.header.code, Some(ErrorCode::Internal));
+            } else {
+                assert!(
+                    matches!(result, Err(Error::ConnectionLost { .. })),
+                    "request {i}: {result:?}"
+                );
+            }
+        }
+    }
+
+    /// A disconnect seen before the replies that came ahead of it were read
+    /// fails only the requests that had no reply, once those are read.
+    #[tokio::test]
+    async fn replies_that_came_before_a_disconnect_are_not_lost() {
+        const N: usize = 40;
+        let (endpoint, peer) = answer_then_close(N).await;
+        // No reader yet: it is as late as it likes.
+        let (client, mut receivers) = Client::open(&[endpoint], ClientOptions::default())
+            .await
+            .unwrap();
+        let client = Arc::new(client);
+        assert!(client.wait_connected(WAIT, true).await);
+        let calls = requests(&client, N);
+        timeout(WAIT, peer).await.unwrap().unwrap();
+        let end = Instant::now() + WAIT;
+        while client.stats()[0].connected {
+            assert!(Instant::now() < end, "the disconnect was never seen");
+            tokio::time::sleep(MONITOR_TICK).await;
+        }
+        // Seen while every reply is unread: nothing is lost yet.
+        tokio::time::sleep(MONITOR_TICK * 4).await;
+        assert_eq!(outstanding(&client), N);
+        let reader = tokio::spawn(read_replies(client.shared.clone(), 0, receivers.remove(0)));
+        check(calls).await;
+        let stats = &client.stats()[0];
+        assert_eq!((stats.replies, stats.lost), (N as u64 / 2, N as u64 / 2));
+        assert_eq!(outstanding(&client), 0);
+        reader.abort();
+    }
+
+    /// With the reader keeping up, a disconnect fails the requests without
+    /// a reply at once.
+    #[tokio::test]
+    async fn a_disconnect_fails_the_unanswered_requests_promptly() {
+        const N: usize = 40;
+        let (endpoint, peer) = answer_then_close(N).await;
+        let client = Arc::new(
+            Client::connect_with(&[endpoint], ClientOptions::default())
+                .await
+                .unwrap(),
+        );
+        assert!(client.wait_connected(WAIT, true).await);
+        let calls = requests(&client, N);
+        timeout(WAIT, peer).await.unwrap().unwrap();
+        let closed = Instant::now();
+        check(calls).await;
+        // Known soon after the close, long before the calls' timeout.
+        assert!(
+            closed.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            closed.elapsed()
+        );
+    }
 }

@@ -140,6 +140,7 @@ pub(super) async fn start(
         stats: stats.clone(),
         limits,
         pending: VecDeque::new(),
+        disconnects_due: 0,
     };
     tokio::spawn(driver.run());
     Ok((endpoint, in_rx, out_tx, stats))
@@ -372,6 +373,9 @@ struct Driver {
     /// A DEALER's messages that libzmq could not take yet, oldest first
     /// (see `send`); what the senders queue meanwhile goes behind them.
     pending: VecDeque<Vec<Bytes>>,
+    /// Disconnects read from the monitor but not yet counted: a disconnect
+    /// counts only once what arrived before it is in the inbox (see `run`).
+    disconnects_due: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -433,6 +437,8 @@ impl Driver {
             let receiving = !self.inbox.is_closed();
             let mut blocked = Blocked::No;
             let mut taken = 0;
+            // Whether libzmq had nothing more to read (EAGAIN) this turn.
+            let mut drained = false;
             // Messages are taken until libzmq says EAGAIN; ZMQ_EVENTS is read
             // once after that (below, before any wait), not before each one.
             while receiving && taken < RECV_BATCH {
@@ -455,9 +461,13 @@ impl Driver {
                 };
                 let received = self.recv_message();
                 match received {
-                    Ok(Some(received)) => slot.send(received),
+                    Ok(Some(received)) => {
+                        slot.send(received);
+                        bump(&self.stats.delivered);
+                    }
                     Ok(None) => {
                         drop(slot);
+                        drained = true;
                         break;
                     }
                     Err(()) => {
@@ -466,6 +476,17 @@ impl Driver {
                     }
                 }
                 taken += 1;
+            }
+            // A disconnect read from the monitor is counted once the main
+            // socket has nothing left to read (or nobody reads it): libzmq
+            // hands over a connection's messages before it reports the
+            // connection gone, so everything that arrived before the
+            // disconnect is in the inbox, and counted in `delivered`, before
+            // `disconnects` moves. A client matches its replies against
+            // `delivered` to tell a lost request from an answered one.
+            if self.disconnects_due > 0 && (drained || self.inbox.is_closed()) {
+                let due = std::mem::take(&mut self.disconnects_due);
+                self.stats.disconnects.fetch_add(due, Ordering::Release);
             }
             if taken == RECV_BATCH {
                 let now = crate::clock::mono_ns();
@@ -663,7 +684,7 @@ impl Driver {
         )))
     }
 
-    fn read_monitor(&self) {
+    fn read_monitor(&mut self) {
         let socket = &self.monitor.get_ref().socket;
         loop {
             match socket.get_events() {
@@ -680,7 +701,8 @@ impl Driver {
             let s = &self.stats;
             match event {
                 EVENT_ACCEPTED => bump(&s.connections_accepted),
-                EVENT_DISCONNECTED => bump(&s.disconnects),
+                // Counted in `run`, after the messages that came before it.
+                EVENT_DISCONNECTED => self.disconnects_due += 1,
                 EVENT_HANDSHAKE_FAILED_NO_DETAIL => bump(&s.handshake_failures),
                 EVENT_HANDSHAKE_SUCCEEDED => bump(&s.connections_established),
                 EVENT_HANDSHAKE_FAILED_PROTOCOL => bump(&s.protocol_failures),
@@ -730,6 +752,9 @@ impl Driver {
         // waits for them); until now the socket lingered 0 so that a peer
         // that is gone never holds anything.
         let _ = self.main.get_ref().socket.set_linger(CLOSE_LINGER_MS);
+        // Nothing more will be delivered: disconnects still due count now.
+        let due = std::mem::take(&mut self.disconnects_due);
+        self.stats.disconnects.fetch_add(due, Ordering::Release);
         let context = self.context.take();
         let Driver {
             main, monitor, zap, ..

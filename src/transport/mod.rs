@@ -18,7 +18,10 @@
 //! a blocking libzmq call: every send and receive uses `ZMQ_DONTWAIT`.
 //! Received messages go into a bounded tokio channel that the receiver half
 //! reads; the sender halves put messages into an unbounded channel that the
-//! driver drains before it reads more input. Creating the context and
+//! driver drains before it reads more input. A disconnect is counted
+//! ([`StatsSnapshot::disconnects`]) only after every message that arrived
+//! before it is in that channel ([`StatsSnapshot::delivered`]), so a reader
+//! can tell what came before a connection was lost. Creating the context and
 //! terminating it (after the last half is dropped) run on tokio's blocking
 //! pool, so no call blocks the runtime.
 //!
@@ -395,6 +398,7 @@ impl Budget {
 pub struct TransportStats {
     messages_received: AtomicU64,
     bytes_received: AtomicU64,
+    delivered: AtomicU64,
     messages_sent: AtomicU64,
     dropped_sends: AtomicU64,
     unroutable_sends: AtomicU64,
@@ -415,6 +419,10 @@ pub struct TransportStats {
 pub struct StatsSnapshot {
     pub messages_received: u64,
     pub bytes_received: u64,
+    /// Messages handed to the receiver half (rejected ones included), in
+    /// order. Every message that arrived before a disconnect is counted here
+    /// before that disconnect is counted in `disconnects`.
+    pub delivered: u64,
     pub messages_sent: u64,
     /// Sends dropped: a ROUTER's peer was at `send_hwm`, or a DEALER was
     /// dropped while messages still waited for a peer.
@@ -448,19 +456,25 @@ pub struct StatsSnapshot {
 }
 
 impl TransportStats {
-    /// A consistent-enough copy of every counter.
+    /// A consistent-enough copy of every counter, with one guarantee:
+    /// `delivered` is read after `disconnects`, so it covers every message
+    /// that arrived before the disconnects counted.
     pub fn snapshot(&self) -> StatsSnapshot {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        // Pairs with the driver's Release increment, made after the
+        // deliveries that precede the disconnect.
+        let disconnects = self.disconnects.load(Ordering::Acquire);
         StatsSnapshot {
             messages_received: l(&self.messages_received),
             bytes_received: l(&self.bytes_received),
+            delivered: l(&self.delivered),
             messages_sent: l(&self.messages_sent),
             dropped_sends: l(&self.dropped_sends),
             unroutable_sends: l(&self.unroutable_sends),
             rejected_messages: l(&self.rejected_messages),
             connections_accepted: l(&self.connections_accepted),
             connections_established: l(&self.connections_established),
-            disconnects: l(&self.disconnects),
+            disconnects,
             handshake_failures: l(&self.handshake_failures),
             protocol_failures: l(&self.protocol_failures),
             auth_failures: l(&self.auth_failures),
@@ -479,6 +493,7 @@ impl std::ops::Add for StatsSnapshot {
         StatsSnapshot {
             messages_received: self.messages_received + o.messages_received,
             bytes_received: self.bytes_received + o.bytes_received,
+            delivered: self.delivered + o.delivered,
             messages_sent: self.messages_sent + o.messages_sent,
             dropped_sends: self.dropped_sends + o.dropped_sends,
             unroutable_sends: self.unroutable_sends + o.unroutable_sends,

@@ -892,3 +892,65 @@ fn sharded_listeners_are_closed_with_their_sockets() {
         assert!(fds <= fds_before + 20, "fds {fds_before} -> {fds}");
     });
 }
+
+/// Messages that arrived before their connection closed are handed over
+/// before the disconnect is counted, even while the receiver is full and
+/// slow to read: whoever sees the disconnect already has every message that
+/// came before it in the inbox, and `delivered` counts them.
+#[tokio::test]
+async fn messages_before_a_disconnect_are_delivered_before_it_is_counted() {
+    use futures::FutureExt;
+    const N: u8 = 64;
+    let router = Router::bind(
+        "tcp://127.0.0.1:0",
+        &TransportLimits::default(),
+        &Security::None,
+    )
+    .await
+    .unwrap();
+    let endpoint = router.endpoint().to_string();
+    let (mut server_rx, server_tx) = router.split();
+    // Room for 4 messages: the rest stay in libzmq until the test reads.
+    let limits = TransportLimits {
+        queue_messages: 4,
+        ..TransportLimits::default()
+    };
+    let dealer = Dealer::connect(&endpoint, &limits, &Security::None)
+        .await
+        .unwrap();
+    let stats = dealer.stats();
+    let (mut rx, tx) = dealer.split();
+    for i in 0..N {
+        tx.send(vec![b(&[i])]).unwrap();
+    }
+    // The peer answers everything, then closes (lingering, as the daemon
+    // does when it exits).
+    for _ in 0..N {
+        let m = timeout(WAIT, server_rx.recv()).await.unwrap().unwrap();
+        server_tx.send(&m.peer, m.frames).unwrap();
+    }
+    drop((server_rx, server_tx));
+    // Nothing read yet: give the close time to reach this side, where it
+    // must not be counted while replies wait behind the full inbox.
+    let end = Instant::now() + Duration::from_millis(250);
+    while stats.snapshot().disconnects == 0 && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut got = Vec::new();
+    while got.len() < usize::from(N) {
+        let s = stats.snapshot();
+        let m = if s.disconnects > 0 {
+            assert_eq!(s.delivered, u64::from(N), "{s:?}");
+            // Counted after the last reply was handed over: no waiting.
+            rx.recv().now_or_never().unwrap_or_else(|| {
+                panic!("disconnect counted with replies undelivered after {got:?}: {s:?}")
+            })
+        } else {
+            timeout(WAIT, rx.recv()).await.unwrap()
+        };
+        got.push(m.unwrap().frames[0][0]);
+    }
+    assert_eq!(got, (0..N).collect::<Vec<_>>());
+    let s = eventually(&stats, |s| s.disconnects == 1).await;
+    assert_eq!(s.delivered, u64::from(N), "{s:?}");
+}
