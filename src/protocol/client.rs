@@ -441,7 +441,7 @@ struct SendSlot {
 /// A disconnect whose sends are failed once the reader has caught up.
 #[derive(Clone, Copy)]
 struct PendingLoss {
-    /// The transport's `delivered` count when the disconnect was seen: every
+    /// The transport's `messages_received` when the disconnect was seen: every
     /// reply that arrived before it is among these.
     watermark: u64,
     /// Sends made before this many disconnects were seen are lost.
@@ -729,7 +729,7 @@ impl Shared {
                     // on their way to the reader: the sends are lost once it
                     // has read up to here (at once if it already has).
                     e.pending_loss = Some(PendingLoss {
-                        watermark: snap.delivered,
+                        watermark: snap.messages_received,
                         epoch: e.seen_disconnects,
                     });
                 }

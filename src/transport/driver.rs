@@ -461,10 +461,7 @@ impl Driver {
                 };
                 let received = self.recv_message();
                 match received {
-                    Ok(Some(received)) => {
-                        slot.send(received);
-                        bump(&self.stats.delivered);
-                    }
+                    Ok(Some(received)) => slot.send(received),
                     Ok(None) => {
                         drop(slot);
                         drained = true;
@@ -481,9 +478,10 @@ impl Driver {
             // socket has nothing left to read (or nobody reads it): libzmq
             // hands over a connection's messages before it reports the
             // connection gone, so everything that arrived before the
-            // disconnect is in the inbox, and counted in `delivered`, before
+            // disconnect is in the inbox, and counted in `messages_received`
+            // (by recv_message, just before it goes there), before
             // `disconnects` moves. A client matches its replies against
-            // `delivered` to tell a lost request from an answered one.
+            // `messages_received` to tell a lost request from an answered one.
             if self.disconnects_due > 0 && (drained || self.inbox.is_closed()) {
                 let due = std::mem::take(&mut self.disconnects_due);
                 self.stats.disconnects.fetch_add(due, Ordering::Release);

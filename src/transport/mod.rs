@@ -20,7 +20,7 @@
 //! reads; the sender halves put messages into an unbounded channel that the
 //! driver drains before it reads more input. A disconnect is counted
 //! ([`StatsSnapshot::disconnects`]) only after every message that arrived
-//! before it is in that channel ([`StatsSnapshot::delivered`]), so a reader
+//! before it is in that channel ([`StatsSnapshot::messages_received`]), so a reader
 //! can tell what came before a connection was lost. Creating the context and
 //! terminating it (after the last half is dropped) run on tokio's blocking
 //! pool, so no call blocks the runtime.
@@ -398,7 +398,6 @@ impl Budget {
 pub struct TransportStats {
     messages_received: AtomicU64,
     bytes_received: AtomicU64,
-    delivered: AtomicU64,
     messages_sent: AtomicU64,
     dropped_sends: AtomicU64,
     unroutable_sends: AtomicU64,
@@ -417,12 +416,12 @@ pub struct TransportStats {
 /// A copy of [`TransportStats`] at one moment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StatsSnapshot {
+    /// Messages taken from libzmq, each handed to the receiver half (a
+    /// rejected one as a refusal) as it is counted. Every message that
+    /// arrived before a disconnect is counted here before that disconnect
+    /// is counted in `disconnects`.
     pub messages_received: u64,
     pub bytes_received: u64,
-    /// Messages handed to the receiver half (rejected ones included), in
-    /// order. Every message that arrived before a disconnect is counted here
-    /// before that disconnect is counted in `disconnects`.
-    pub delivered: u64,
     pub messages_sent: u64,
     /// Sends dropped: a ROUTER's peer was at `send_hwm`, or a DEALER was
     /// dropped while messages still waited for a peer.
@@ -457,7 +456,7 @@ pub struct StatsSnapshot {
 
 impl TransportStats {
     /// A consistent-enough copy of every counter, with one guarantee:
-    /// `delivered` is read after `disconnects`, so it covers every message
+    /// `messages_received` is read after `disconnects`, so it covers every message
     /// that arrived before the disconnects counted.
     pub fn snapshot(&self) -> StatsSnapshot {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -467,7 +466,6 @@ impl TransportStats {
         StatsSnapshot {
             messages_received: l(&self.messages_received),
             bytes_received: l(&self.bytes_received),
-            delivered: l(&self.delivered),
             messages_sent: l(&self.messages_sent),
             dropped_sends: l(&self.dropped_sends),
             unroutable_sends: l(&self.unroutable_sends),
@@ -493,7 +491,6 @@ impl std::ops::Add for StatsSnapshot {
         StatsSnapshot {
             messages_received: self.messages_received + o.messages_received,
             bytes_received: self.bytes_received + o.bytes_received,
-            delivered: self.delivered + o.delivered,
             messages_sent: self.messages_sent + o.messages_sent,
             dropped_sends: self.dropped_sends + o.dropped_sends,
             unroutable_sends: self.unroutable_sends + o.unroutable_sends,

@@ -896,7 +896,7 @@ fn sharded_listeners_are_closed_with_their_sockets() {
 /// Messages that arrived before their connection closed are handed over
 /// before the disconnect is counted, even while the receiver is full and
 /// slow to read: whoever sees the disconnect already has every message that
-/// came before it in the inbox, and `delivered` counts them.
+/// came before it in the inbox, and `messages_received` counts them.
 #[tokio::test]
 async fn messages_before_a_disconnect_are_delivered_before_it_is_counted() {
     use futures::FutureExt;
@@ -940,7 +940,7 @@ async fn messages_before_a_disconnect_are_delivered_before_it_is_counted() {
     while got.len() < usize::from(N) {
         let s = stats.snapshot();
         let m = if s.disconnects > 0 {
-            assert_eq!(s.delivered, u64::from(N), "{s:?}");
+            assert_eq!(s.messages_received, u64::from(N), "{s:?}");
             // Counted after the last reply was handed over: no waiting.
             rx.recv().now_or_never().unwrap_or_else(|| {
                 panic!("disconnect counted with replies undelivered after {got:?}: {s:?}")
@@ -952,5 +952,5 @@ async fn messages_before_a_disconnect_are_delivered_before_it_is_counted() {
     }
     assert_eq!(got, (0..N).collect::<Vec<_>>());
     let s = eventually(&stats, |s| s.disconnects == 1).await;
-    assert_eq!(s.delivered, u64::from(N), "{s:?}");
+    assert_eq!(s.messages_received, u64::from(N), "{s:?}");
 }
