@@ -107,21 +107,6 @@ struct InlineBlock {
     unsigned w[INLINE_WORDS];
 };
 
-// A staged graph's last kernel tells the host it is done (plan::Plan::done_words):
-// each block, once its own writes into the pinned slot are visible system-wide,
-// sets its word of `done` (zeroed by the host before the launch). The host
-// polls these words and reads the output ~2 µs before the graph's completion
-// event would fire (kernel drain, graph completion, the event's release).
-// Every thread of the block must call it (a barrier); `done` null: nothing.
-__device__ __forceinline__ void signal_done(unsigned* done) {
-    if (done == nullptr) return;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        *reinterpret_cast<volatile unsigned*>(done + blockIdx.x) = 1u;
-    }
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -30,8 +30,8 @@
 // N = 384 gives 24 blocks and each weight row is read by exactly one block.
 // The GS_WARPS warps of a block split K in chunks of 32 (chunk c goes to warp
 // c % GS_WARPS) and keep up to GS_G chunks of loads in flight per round; the
-// fragments use small_layer.cu's permutation of k (sl_mma32: one 16-byte load
-// of A per row and of B per column per 32 values of K); the m-tiles are a
+// fragments use a permutation of k (gs_mma32: one 16-byte load of A per row
+// and of B per column per 32 values of K); the m-tiles are a
 // template parameter, so all of a round's loads are issued before its first
 // mma. The warps' partial
 // sums meet in shared memory and are added in a fixed order, so replays are
@@ -44,25 +44,60 @@
 //
 // Rows: a padded program computes all M rows; a packed one (offsets !=
 // null) only its live rows, the real tokens cu_seqlens[seqs] rounded up to
-// 16 (sl_live_rows), as small_layer.cu does: rows past them are the batch's
-// empty tail, which nothing reads.
+// 16 (gs_live_rows): rows past them are the batch's empty tail, which
+// nothing reads (tail slots attend to nothing and pool nothing, and every
+// other op works row by row).
 //
 // Host-checked requirements: T = f16/bf16, 1 <= M <= GS_MAXM, K % 32 == 0,
-// rows 16-byte aligned; mode 1 also N % 4 == 0 and N <= 32·4·SL_LN_J;
+// rows 16-byte aligned; mode 1 also N % 4 == 0 and N <= 32·4·GS_LN_J;
 // a deferred LayerNorm (xf) K <= 32·GS_WARPS·4.
 //
 // Launched with programmatic dependent launch after another kernel: the
 // block reads its first weights before pdl_wait (common.cuh), so their
 // latency overlaps the kernel before.
 //
-// Uses mma16816 (attention_tc.cu), sl_mma32 / sl_live_rows / sl_last_block
-// (small_layer.cu), ld4 / st4 (vec.cu).
+// Uses mma16816 (attention_tc.cu), ld4 / st4 (vec.cu).
 
 #define GS_WARPS 8
 #define GS_THREADS (32 * GS_WARPS)
 #define GS_NB 16   // output columns per block
 #define GS_MAXM 64 // most rows (4 m16-tiles)
 #define GS_LN_J 8  // float4s per lane and row in the LayerNorm tail (N <= 1024)
+
+// Rows the kernel computes (see the header): all M (padded), or a packed
+// batch's real tokens rounded up to 16, at most M.
+__device__ __forceinline__ int gs_live_rows(int M, const int* offsets, int seqs) {
+    if (offsets == 0) return M;
+    const int total = min(max(offsets[seqs], 0), M);
+    return min((total + 15) & ~15, M);
+}
+
+// Counts the block as done; true in the last one (the one that brings the
+// counter to `total`), which then sees what every block wrote (and must
+// reset the counter, so the graph replays).
+__device__ __forceinline__ bool gs_last_block(unsigned* counter, unsigned total) {
+    __shared__ bool s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(counter, 1u) == total - 1;
+    __syncthreads();
+    if (s_last) __threadfence();
+    return s_last;
+}
+
+// Two mma k-steps over 32 values of K with permuted fragments: each lane
+// loads 16 bytes of its A row and of its B row per 32 values of K, the 8
+// values k = 2t..2t+1, 2t+8..2t+9 of two consecutive mma k-steps (a
+// permutation of k applied to A and B alike, which a dot product does not
+// see), so no fragment is assembled from 4-byte pieces. alo / ahi are 8
+// values of A rows g and g + 8, b 8 values of B column g.
+template <typename T>
+__device__ __forceinline__ void gs_mma32(float (&c)[4], const uint4& alo, const uint4& ahi, const uint4& b) {
+    const unsigned a0[4] = {alo.x, ahi.x, alo.y, ahi.y};
+    mma16816(c, a0, b.x, b.y, T());
+    const unsigned a1[4] = {alo.z, ahi.z, alo.w, ahi.w};
+    mma16816(c, a1, b.z, b.w, T());
+}
 
 // Chunks of 32 values of K each warp keeps in flight per round, for MT
 // m16-tiles: the loads of a round (2·G of the weights, 2·G·MT of x, 16 bytes
@@ -135,8 +170,8 @@ __device__ __forceinline__ void gs_product(const T* x, int ldx, const T* __restr
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int i = 0; i < G; i++) {
-                sl_mma32<T>(c[mt][0], alo[mt][i], ahi[mt][i], b[i][0]);
-                sl_mma32<T>(c[mt][1], alo[mt][i], ahi[mt][i], b[i][1]);
+                gs_mma32<T>(c[mt][0], alo[mt][i], ahi[mt][i], b[i][0]);
+                gs_mma32<T>(c[mt][1], alo[mt][i], ahi[mt][i], b[i][1]);
             }
     }
     // c[mt][j] holds rows g, g + 8 of the m-tile, columns j·8 + 2·t4 (+1).
@@ -164,33 +199,6 @@ struct XfRows {
         v[4] = q.x; v[5] = q.y; v[6] = q.z; v[7] = q.w;
     }
 };
-// EmbedRows: the embedding word[id] + pos[r % seq] + token_type[type] of a
-// padded graph's row r, its ids and types read from the graph's input block
-// passed as the kernel's parameter (gemm_small_embed_<t>); clamped into the
-// tables and the block, as embed_ln_vec does.
-template <typename T>
-struct EmbedRows {
-    const InlineBlock* in;
-    int ids_w, types_w, seq, vocab, npos, ntypes, K;
-    const T* word;
-    const T* pos;
-    const T* ttab;
-    __device__ __forceinline__ void load(int r, int col, float (&v)[8]) const {
-        const int id = min(max((int)in->w[min(ids_w + r, INLINE_WORDS - 1)], 0), vocab - 1);
-        const int tt = min(max((int)in->w[min(types_w + r, INLINE_WORDS - 1)], 0), ntypes - 1);
-        const int p = min(r % seq, npos - 1);
-        const uint4 a = __ldg(reinterpret_cast<const uint4*>(word + (size_t)id * K + col));
-        const uint4 b = __ldg(reinterpret_cast<const uint4*>(pos + (size_t)p * K + col));
-        const uint4 c = __ldg(reinterpret_cast<const uint4*>(ttab + (size_t)tt * K + col));
-        float fa[8], fb[8], fc[8];
-        unpack2(a.x, T(), fa + 0); unpack2(a.y, T(), fa + 2); unpack2(a.z, T(), fa + 4); unpack2(a.w, T(), fa + 6);
-        unpack2(b.x, T(), fb + 0); unpack2(b.y, T(), fb + 2); unpack2(b.z, T(), fb + 4); unpack2(b.w, T(), fb + 6);
-        unpack2(c.x, T(), fc + 0); unpack2(c.y, T(), fc + 2); unpack2(c.z, T(), fc + 4); unpack2(c.w, T(), fc + 6);
-#pragma unroll
-        for (int e = 0; e < 8; e++) v[e] = fa[e] + fb[e] + fc[e];
-    }
-};
-
 // gs_product with x = LayerNorm(xf) (see the header): warp w holds the
 // chunks w + i·GS_WARPS (i < CPW, so K <= 32·GS_WARPS·CPW) of rows g, g + 8
 // of one m-tile at a time in f32; the rows' mean and then variance are
@@ -319,8 +327,8 @@ __device__ __forceinline__ void gs_product_xn(const Rows& rows, const T* __restr
                 if (xout != 0 && blockIdx.x == 0 && r < live)
                     *reinterpret_cast<uint4*>(xout + (size_t)r * K + ch * 32 + 8 * t4) = a[h];
             }
-            sl_mma32<T>(c[mt][0], a[0], a[1], b[i][0]);
-            sl_mma32<T>(c[mt][1], a[0], a[1], b[i][1]);
+            gs_mma32<T>(c[mt][0], a[0], a[1], b[i][0]);
+            gs_mma32<T>(c[mt][1], a[0], a[1], b[i][1]);
         }
     }
 #pragma unroll
@@ -472,7 +480,7 @@ __device__ __forceinline__ void gs_residual(const T* residual, int mode, int mts
 // mode 0 out = act(sum + bn), modes 1 and 2 tmp = sum + bn + res
 // (bn: gs_bias, res: gs_residual),
 // and in mode 1 the last block to finish normalises whole rows into `out`
-// (see the header). Shared by gemm_small and attn_o_small (attn_o_small.cu).
+// (see the header).
 template <typename T>
 __device__ __forceinline__ void gs_store(float (*red)[GS_MAXM / 16][16 * GS_NB], int mts, int live,
                                          float bn, T* out, int N, int act, int mode,
@@ -497,7 +505,7 @@ __device__ __forceinline__ void gs_store(float (*red)[GS_MAXM / 16][16 * GS_NB],
         }
     }
     if (mode != 1) return;
-    if (!sl_last_block(counter, gridDim.x)) return;
+    if (!gs_last_block(counter, gridDim.x)) return;
     gs_ln_rows<T>(tmp, gamma, beta, eps, out, live, N);
     if (tid == 0) *counter = 0u;
 }
@@ -515,10 +523,9 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
     __shared__ float st[2][GS_WARPS][16];
     // The live rows come from this batch's inputs, written before the graph
     // runs or, in a staged graph, by the kernel before (stage_in, which has
-    // completed before anything launches after the embedding, or the
-    // embedding, which triggers only after its copy is visible): readable
-    // before pdl_wait.
-    const int live = sl_live_rows(M, offsets, seqs);
+    // completed before anything launches after it, or the embedding, which
+    // triggers only after its copy is visible): readable before pdl_wait.
+    const int live = gs_live_rows(M, offsets, seqs);
     const int mts = (live + 15) >> 4;
     const float bn = gs_bias(bias, N);
     float res[MTMAX];
@@ -537,47 +544,5 @@ __device__ __forceinline__ void gemm_small_impl(const T* x, const T* __restrict_
                            offsets, seqs, xf, xg, xb, xeps, xout);                                            \
     }
 
-// gemm_small_embed_<t>: a padded staged graph's first kernel, the embedding
-// and the QKV Linear after it (mode 0) in one. Each block computes the M
-// rows' LayerNorm(word + position + type) as gs_product_xn computes a
-// deferred LayerNorm (EmbedRows, the ids and types from the input block
-// `in`, its parameter), multiplies its 16 columns, and block 0 stores the
-// embedding to `xout` for the residual after the attention; the blocks also
-// copy the input block to `stage_dst` for the kernels after (the mask).
-// One node fewer than embed_ln_vec_inl + gemm_small; the gather is three
-// 16-byte loads per row and chunk where the Linear read one.
-template <typename T>
-__device__ __forceinline__ void gemm_small_embed_impl(const InlineBlock& in, int ids_w, int types_w, int seq,
-                                                      const T* __restrict__ word, const T* __restrict__ pos,
-                                                      const T* __restrict__ ttab, int vocab, int npos, int ntypes,
-                                                      unsigned* stage_dst, int stage_words,
-                                                      const T* __restrict__ w, const T* __restrict__ bias, T* out,
-                                                      int M, int N, int K, int act, const T* __restrict__ xg,
-                                                      const T* __restrict__ xb, float xeps, T* xout) {
-    constexpr int MTMAX = GS_MAXM / 16;
-    __shared__ float red[GS_WARPS][MTMAX][16 * GS_NB];
-    __shared__ float st[2][GS_WARPS][16];
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < stage_words; i += gridDim.x * blockDim.x)
-        stage_dst[i] = in.w[min(i, INLINE_WORDS - 1)];
-    const int live = min(M, GS_MAXM);
-    const int mts = (live + 15) >> 4;
-    const float bn = gs_bias(bias, N);
-    const EmbedRows<T> rows{&in, ids_w, types_w, max(seq, 1), vocab, npos, ntypes, K, word, pos, ttab};
-    gs_product_ln<T>(mts, rows, w, N, K, live, blockIdx.x * GS_NB, xg, xb, xeps, xout, red, st);
-    const float none[MTMAX] = {};
-    gs_store<T>(red, mts, live, bn, out, N, act, 0, none, nullptr, nullptr, nullptr, 0.0f, nullptr);
-}
-
-#define GEMM_SMALL_EMBED_KERNEL(T, SUF)                                                                         \
-    extern "C" __global__ void __launch_bounds__(GS_THREADS) gemm_small_embed_##SUF(                            \
-        const __grid_constant__ InlineBlock in, int ids_w, int types_w, int seq, const T* word, const T* pos,   \
-        const T* ttab, int vocab, int npos, int ntypes, unsigned* stage_dst, int stage_words, const T* w,       \
-        const T* bias, T* out, int M, int N, int K, int act, const T* xg, const T* xb, float xeps, T* xout) {   \
-        gemm_small_embed_impl<T>(in, ids_w, types_w, seq, word, pos, ttab, vocab, npos, ntypes, stage_dst,     \
-                                 stage_words, w, bias, out, M, N, K, act, xg, xb, xeps, xout);                 \
-    }
-
 GEMM_SMALL_KERNEL(f16_t, f16)
 GEMM_SMALL_KERNEL(bf16_t, bf16)
-GEMM_SMALL_EMBED_KERNEL(f16_t, f16)
-GEMM_SMALL_EMBED_KERNEL(bf16_t, bf16)

@@ -354,12 +354,10 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
 #define POOL_LN_KERNEL(T, SUF)                                                                             \
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                             \
         pool_ln_##SUF(const float* x, const int* mask, float* out, int seq, int hidden, int mode,          \
-                      int normalize, const T* gamma, const T* beta, float eps, int out_rows,               \
-                      unsigned* done) {                                                                    \
+                      int normalize, const T* gamma, const T* beta, float eps, int out_rows) {             \
         /* pdl_enter in pool_impl, after the LayerNorm's weights are read */                               \
         pool_impl<float, T>(x, mask, nullptr, out, seq, hidden, mode, normalize, gamma, beta, eps,         \
                             out_rows);                                                                     \
-        signal_done(done);                                                                                 \
     }
 
 POOL_KERNEL(float, f32)

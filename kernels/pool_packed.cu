@@ -141,11 +141,10 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
     extern "C" __global__ void __launch_bounds__(POOL_THREADS)                                             \
         pool_packed_ln_##SUF(const float* x, const int* offsets, float* out, int tokens, int hidden,       \
                              int mode, int normalize, const T* gamma, const T* beta, float eps,            \
-                             int out_rows, unsigned* done) {                                               \
+                             int out_rows) {                                                               \
         pdl_enter();                                                                                       \
         pool_packed_impl<float, T>(x, offsets, nullptr, out, tokens, hidden, mode, normalize, gamma, beta, \
                                    eps, out_rows);                                                         \
-        signal_done(done);                                                                                 \
     }
 
 POOL_PACKED_KERNEL(float, f32)

@@ -13,8 +13,10 @@
 // themselves (the embedding copies the block and reads its ids from the
 // slot; the pooling writes its rows into it), one dependent node fewer at
 // each end; these two kernels stage the other graphs. A block small enough
-// travels as stage_in_inl's (or embed_ln_vec_inl's) parameter instead, and
-// the last kernel sets `done` words the host polls (common.cuh).
+// travels as stage_in_inl's (or embed_ln_vec_inl's) parameter instead. The
+// host knows the output has arrived when no value of it is the sentinel it
+// wrote there before the launch (plan::OUTPUT_SENTINEL), so no kernel needs
+// a fence or a flag at the end.
 
 extern "C" __global__ void stage_in(const unsigned* __restrict__ host, unsigned* dev, int words) {
     pdl_enter();
@@ -28,8 +30,7 @@ extern "C" __global__ void stage_in_inl(const __grid_constant__ InlineBlock in, 
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x) dev[i] = in.w[i];
 }
 
-extern "C" __global__ void stage_out(const float* __restrict__ dev, float* host, int n, unsigned* done) {
+extern "C" __global__ void stage_out(const float* __restrict__ dev, float* host, int n) {
     pdl_enter();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) host[i] = dev[i];
-    signal_done(done);
 }

@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 
 mod http;
+mod kernel_paths;
 pub use http::HttpConfig;
+pub use kernel_paths::{KernelPath, KernelPaths};
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
@@ -263,6 +265,9 @@ pub struct DevicesConfig {
     pub heartbeat_ms: u64,
     /// Where NVRTC-compiled kernels are cached (by source hash and architecture).
     pub kernel_cache_dir: Option<PathBuf>,
+    /// The CUDA planner's specialised kernel paths to switch off (all on
+    /// by default; see [`KernelPath`]).
+    pub kernel_paths_off: Vec<KernelPath>,
     /// Worker processes per GPU (CUDA backend), each with its own graphs:
     /// more links and device actors for the same GPUs (host-side scaling).
     pub workers_per_gpu: usize,
@@ -347,6 +352,7 @@ impl Default for DevicesConfig {
             hang_timeout_ms: 2_000,
             heartbeat_ms: 100,
             kernel_cache_dir: None,
+            kernel_paths_off: Vec::new(),
             workers_per_gpu: 1,
             shm_link: true,
             worker_spin_us: None,

@@ -3,8 +3,8 @@
 //! `extern "C"` entry points the CUDA backend looks up (the packed-batch
 //! kernels among them: `embed_ln_packed_*`, `pool_packed_*`,
 //! `attention_varlen[_tc]_*`; the small-shape ones: `add_ln_vec_*`,
-//! `embed_ln_vec_*`, `bias_act_vec_*`, `layer_attn_small_*`,
-//! `layer_ffn_small_*`; XLM-R / MPNet position ids, `embed_ln_padpos_*`;
+//! `embed_ln_vec_*`, `bias_act_vec_*`, `gemm_small_*`, `pool_ln_*`; XLM-R /
+//! MPNet position ids, `embed_ln_padpos_*`;
 //! row normalisation, `l2norm_rows_*`; MPNet's relative attention bias,
 //! `attention*_bias_*`; prompt-skipping pooling, `pool*_skip_*`). Needs no GPU and no
 //! CUDA toolkit, only NVRTC (`scripts/install-nvrtc.sh` puts the pinned wheel
@@ -106,14 +106,14 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
     }
     let packed = kernels::packed_entry_points();
     assert!(packed.iter().all(|n| expected.contains(n)), "{packed:?}");
-    // So are the vectorised kernels and the fused sublayers for few rows.
-    for file in ["vec.cu", "small_layer.cu"] {
+    // So are the vectorised kernels and the Linears of few rows.
+    for file in ["vec.cu", "gemm_small.cu"] {
         assert!(source.contains(&format!("#line 1 \"{file}\"")), "{file}");
     }
     let fused = kernels::fused_entry_points();
     assert!(fused.iter().all(|n| expected.contains(n)), "{fused:?}");
-    assert!(fused.contains(&"layer_attn_small_f16_d32".to_string()));
-    assert!(fused.contains(&"layer_ffn_small_bf16".to_string()));
+    assert!(fused.contains(&"gemm_small_f16".to_string()));
+    assert!(fused.contains(&"pool_packed_ln_bf16".to_string()));
 
     // PTX: the exact set of entry points.
     let t = Target::Ptx(90);

@@ -28,14 +28,16 @@
 //! 3. time launch → collect of `fill` batches (median, p90, p99) and the
 //!    throughput with two in flight, in real tokens/s and sequences/s.
 //!
-//! With `--fused both` (the default) every bucket whose plan the fused
-//! small-shape kernels change (the one-kernel attention and FFN sublayers
-//! for few token rows, the vectorised LayerNorm and element-wise kernels;
-//! see `REPLAYD_CUDA_DISABLE=fused`) is checked twice, with those kernels
-//! and without, each against the CPU backend and timed; a table per model
-//! then sets the two side by side with their node counts (plan steps,
-//! kernels, matmuls), so a gain or a mismatch is traced to the fused path.
-//! The reference files run through both sets of graphs.
+//! The kernel paths are the daemon's (`[devices] kernel_paths_off`), less
+//! any `--paths-off`. Every bucket whose plan the `--compare-off` paths
+//! change (by default the small-shape ones: the vectorised LayerNorm and
+//! element-wise kernels, `gemm_small` and its deferred LayerNorm,
+//! programmatic launch, the 16-key attention) is checked twice, with those
+//! paths and without, each against the CPU backend and timed; a table per
+//! model then sets the two side by side with their node counts (plan steps,
+//! kernels, matmuls), so a gain or a mismatch is traced to the path. The
+//! reference files run through both sets of graphs. `--no-compare` runs
+//! each bucket once.
 //!
 //! Then each model runs once on the eager path at a shape no bucket has
 //! (larger than the largest bucket where the model allows; for a packed
@@ -54,7 +56,7 @@ use crate::backend::cuda::plan::{self, Limits};
 use crate::backend::cuda::{CapturedGraph, CudaBackend, GraphMemory};
 use crate::backend::Backend;
 use crate::bucket::Bucket;
-use crate::config::{BatchingMode, Config, ModelConfig};
+use crate::config::{BatchingMode, Config, KernelPath, ModelConfig};
 use crate::gpu::DeviceInfo;
 use crate::model::ModelKind;
 use crate::model::{BatchRows, InputSpec, Model};
@@ -113,12 +115,24 @@ pub struct BackendCheckArgs {
         default_values_t = ["1x16".to_string(), "32x128".to_string(), "128x128".to_string()]
     )]
     pub profile_buckets: Vec<String>,
-    /// Kernel paths each bucket runs with: `on`, the backend's (with the
-    /// fused small-shape kernels where they apply: what the daemon serves),
-    /// `off`, those of `REPLAYD_CUDA_DISABLE=fused` (the kernels before
-    /// them), or `both` (buckets whose plans differ run twice, compared).
-    #[arg(long, value_enum, default_value_t = FusedMode::Both)]
-    pub fused: FusedMode,
+    /// Kernel paths to switch off for the whole run (comma-separated), in
+    /// addition to the config's `[devices] kernel_paths_off`: tc_attention,
+    /// skinny, ln_vec, ew_vec, gemm_small, ln_defer, pdl, staged_io,
+    /// stage_fold, inline_input, poll_output, attn_s16.
+    #[arg(long, value_delimiter = ',')]
+    pub paths_off: Vec<KernelPath>,
+    /// Kernel paths to measure against: each bucket whose plan they change
+    /// runs a second time with them off too, checked and timed side by
+    /// side (comma-separated; default: the small-shape paths).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ln_vec,ew_vec,gemm_small,ln_defer,pdl,attn_s16"
+    )]
+    pub compare_off: Vec<KernelPath>,
+    /// Run each bucket once, with the served paths only.
+    #[arg(long)]
+    pub no_compare: bool,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0x5eed)]
     pub seed: u64,
@@ -131,45 +145,22 @@ pub struct BackendCheckArgs {
     pub references: Vec<(String, PathBuf)>,
 }
 
-/// Which kernel paths `backend-check` runs each bucket with (`--fused`).
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FusedMode {
-    Both,
-    On,
-    Off,
-}
-
-/// The paths `REPLAYD_CUDA_DISABLE=fused` switches off, off `on`.
-fn unfused(on: Limits) -> Limits {
-    on.with_disabled("fused")
-}
-
-/// Whether `limits` has any of the fused small-shape paths on.
-fn has_fused(limits: &Limits) -> bool {
-    *limits != unfused(*limits)
-}
-
-/// The (fused, limits) a bucket runs with, the first of them the one whose
-/// graphs serve the reference check and the eager path. With `both`, the
-/// unfused run is left out where it would plan the very same steps
-/// (`same_plan`: nothing of the program fuses, e.g. an MLP), and when the
-/// backend has the fused paths off already (`REPLAYD_CUDA_DISABLE`).
+/// The (served, limits) a bucket runs with: first the served paths, whose
+/// graphs serve the reference check and the eager path, then, unless
+/// `--no-compare`, the same with the `--compare-off` paths off too. The
+/// second run is left out where it would plan the very same steps
+/// (`same_plan`: none of the paths applies, e.g. an MLP's), and when the
+/// served paths have them off already.
 fn variants(
-    mode: FusedMode,
-    on: Limits,
+    args: &BackendCheckArgs,
+    served: Limits,
     same_plan: impl FnOnce(Limits, Limits) -> bool,
 ) -> Vec<(bool, Limits)> {
-    let off = unfused(on);
-    if !has_fused(&on) {
-        return vec![(false, on)];
+    let compared = served.without(&args.compare_off);
+    if args.no_compare || compared == served || same_plan(served, compared) {
+        return vec![(true, served)];
     }
-    match mode {
-        FusedMode::On => vec![(true, on)],
-        FusedMode::Off => vec![(false, off)],
-        FusedMode::Both if same_plan(on, off) => vec![(true, on)],
-        FusedMode::Both => vec![(true, on), (false, off)],
-    }
+    vec![(true, served), (false, compared)]
 }
 
 fn parse_reference(s: &str) -> Result<(String, PathBuf), String> {
@@ -255,8 +246,9 @@ pub struct BucketResult {
     pub throughput_seqs_per_s: f64,
     /// With `--profile`: (step, mean GPU µs) of one batch (packed: `fill`).
     pub profile: Vec<(String, f64)>,
-    /// Whether the fused small-shape kernels were on (see `--fused`).
-    pub fused: bool,
+    /// Whether this run had the served kernel paths (false: the
+    /// `--compare-off` paths off too).
+    pub served: bool,
     /// The plan's kernels and cuBLASLt matmuls (a matmul may be more than
     /// one graph node; `nodes` counts the graph's own).
     pub plan_kernels: usize,
@@ -311,7 +303,7 @@ pub struct ModelResult {
     pub buckets: Vec<BucketResult>,
     pub eager: Option<EagerResult>,
     pub reference: Option<ReferenceResult>,
-    /// The reference through the graphs of the other `--fused` variant.
+    /// The reference through the graphs of the `--compare-off` run.
     pub reference_other: Option<ReferenceResult>,
 }
 
@@ -627,6 +619,8 @@ struct Ctx<'a> {
     gpu: &'a mut CudaBackend,
     cpu: &'a mut CpuBackend,
     args: &'a BackendCheckArgs,
+    /// The kernel paths the daemon would serve with (`--paths-off` applied).
+    served: Limits,
     rng: Rng,
     failures: Vec<String>,
 }
@@ -660,7 +654,7 @@ fn check_bucket(
         throughput_tokens_per_s: 0.0,
         throughput_seqs_per_s: 0.0,
         profile: Vec::new(),
-        fused: has_fused(&c.gpu.limits()),
+        served: c.gpu.limits() == c.served,
         plan_kernels: 0,
         plan_matmuls: 0,
         capture_ms: 0.0,
@@ -1186,7 +1180,7 @@ fn check_packed_bucket(
         throughput_tokens_per_s: 0.0,
         throughput_seqs_per_s: 0.0,
         profile: Vec::new(),
-        fused: has_fused(&c.gpu.limits()),
+        served: c.gpu.limits() == c.served,
         plan_kernels: 0,
         plan_matmuls: 0,
         capture_ms: 0.0,
@@ -1483,9 +1477,9 @@ fn check_reference_packed(
 }
 
 /// A bucket's name in the table and in failures: `1x16`, or `1x16/off`
-/// for the run without the fused kernels.
+/// for the run with the `--compare-off` paths off.
 fn bucket_label(b: &BucketResult) -> String {
-    if b.fused {
+    if b.served {
         b.bucket.clone()
     } else {
         format!("{}/off", b.bucket)
@@ -1522,12 +1516,13 @@ fn report_reference(c: &mut Ctx<'_>, model: &str, what: &str, r: &ReferenceResul
     }
 }
 
-/// The lines comparing each bucket run with and without the fused kernels:
-/// plan steps (kernels + matmuls), graph nodes, replay p50 and their ratio.
-pub fn fused_comparison(buckets: &[BucketResult]) -> Vec<String> {
+/// The lines comparing each bucket run with the served paths and with the
+/// `--compare-off` ones off: plan steps (kernels + matmuls), graph nodes,
+/// replay p50 and their ratio.
+pub fn path_comparison(buckets: &[BucketResult]) -> Vec<String> {
     let mut lines = Vec::new();
-    for on in buckets.iter().filter(|b| b.fused) {
-        let Some(off) = buckets.iter().find(|b| !b.fused && b.bucket == on.bucket) else {
+    for on in buckets.iter().filter(|b| b.served) {
+        let Some(off) = buckets.iter().find(|b| !b.served && b.bucket == on.bucket) else {
             continue;
         };
         let steps = |b: &BucketResult| {
@@ -1549,7 +1544,7 @@ pub fn fused_comparison(buckets: &[BucketResult]) -> Vec<String> {
             "-".into()
         };
         lines.push(format!(
-            "{:<9} fused {:>9.1} us, {} | off {:>9.1} us, {} | fused/off {ratio}",
+            "{:<9} served {:>9.1} us, {} | off {:>9.1} us, {} | served/off {ratio}",
             on.bucket,
             on.latency.median_us,
             steps(on),
@@ -1560,12 +1555,16 @@ pub fn fused_comparison(buckets: &[BucketResult]) -> Vec<String> {
     lines
 }
 
-fn print_fused_comparison(model: &str, buckets: &[BucketResult]) {
-    let lines = fused_comparison(buckets);
+fn print_path_comparison(model: &str, off: &[KernelPath], buckets: &[BucketResult]) {
+    let lines = path_comparison(buckets);
     if lines.is_empty() {
         return;
     }
-    println!("{model}: replay p50 with the fused small-shape kernels and without");
+    let off: Vec<&str> = off.iter().map(|p| p.name()).collect();
+    println!(
+        "{model}: replay p50 with the served kernel paths and with {} off",
+        off.join(",")
+    );
     for l in lines {
         println!("  {l}");
     }
@@ -1640,20 +1639,30 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
         device.pci_bus_id.clone().unwrap_or_default()
     );
     let workspace_bytes = gpu.workspace_bytes();
-    let served_limits = gpu.limits();
-    println!(
-        "kernel paths: {} (--fused {:?})",
-        if has_fused(&served_limits) {
-            "fused small-shape kernels on"
+    let served_limits = gpu.limits().without(&args.paths_off);
+    gpu.set_limits(served_limits);
+    let names = |paths: &[KernelPath]| {
+        let v: Vec<&str> = paths.iter().map(|p| p.name()).collect();
+        if v.is_empty() {
+            "none".to_string()
         } else {
-            "fused small-shape kernels off (REPLAYD_CUDA_DISABLE)"
-        },
-        args.fused
+            v.join(",")
+        }
+    };
+    println!(
+        "kernel paths off: {}; compared against: {}",
+        names(&served_limits.paths.off()),
+        if args.no_compare {
+            "nothing (--no-compare)".to_string()
+        } else {
+            format!("{} off", names(&args.compare_off))
+        }
     );
     let mut ctx = Ctx {
         gpu: &mut gpu,
         cpu: &mut cpu,
         args: &args,
+        served: served_limits,
         rng: Rng::new(args.seed),
         failures: Vec::new(),
     };
@@ -1701,11 +1710,10 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
             reference: None,
             reference_other: None,
         };
-        // [0]: the graphs of the first variant of each bucket (the served
-        // kernels unless `--fused off`), [1]: those of the second.
+        // [0]: the graphs of the served kernel paths, [1]: those of the
+        // `--compare-off` run.
         let mut graphs: [Vec<((usize, usize), CapturedGraph)>; 2] = Default::default();
         let mut packed_graphs: [Vec<(Bucket, CapturedGraph)>; 2] = Default::default();
-        let mut variant_fused = [true, false];
         let shapes: Vec<Bucket> = match mc.batching_mode() {
             BatchingMode::Padded => buckets(mc, &args)
                 .into_iter()
@@ -1728,9 +1736,8 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
                 // Let the capture report what does not plan.
                 _ => false,
             };
-            let runs = variants(args.fused, served_limits, same_plan);
-            for (i, &(fused, limits)) in runs.iter().enumerate() {
-                variant_fused[i] = fused;
+            let runs = variants(&args, served_limits, same_plan);
+            for (i, &(served, limits)) in runs.iter().enumerate() {
                 ctx.gpu.set_limits(limits);
                 let (mut b, graph) = match bucket {
                     Bucket::Padded { batch, seq } => {
@@ -1740,7 +1747,7 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
                         check_packed_bucket(&mut ctx, mc, &model, &gw, &cw, bucket)
                     }
                 };
-                debug_assert_eq!(b.fused, fused);
+                debug_assert_eq!(b.served, served);
                 if let Some(p) = plan_of(limits) {
                     (b.plan_kernels, b.plan_matmuls) = (p.kernel_count(), p.matmul_count());
                 }
@@ -1769,7 +1776,7 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
         }
         // The eager path and the references run with the served kernels.
         ctx.gpu.set_limits(served_limits);
-        print_fused_comparison(&mc.name, &mr.buckets);
+        print_path_comparison(&mc.name, &args.compare_off, &mr.buckets);
         if !args.no_eager && ctx.gpu.fault().is_none() {
             let e = check_eager(&mut ctx, mc, &model, &gw, &cw);
             println!(
@@ -1808,10 +1815,10 @@ pub fn run(args: BackendCheckArgs) -> anyhow::Result<()> {
                 } else {
                     check_reference(&mut ctx, mc, &model, &gw, &mut graphs[i], path)
                 };
-                let what = if variant_fused[i] {
+                let what = if i == 0 {
                     "reference"
                 } else {
-                    "reference (fused off)"
+                    "reference (compared paths off)"
                 };
                 report_reference(&mut ctx, &mc.name, what, &r);
                 if i == 0 {
@@ -1947,9 +1954,9 @@ mod tests {
     fn profile_summary_groups_steps_by_kernel() {
         let steps: Vec<(String, f64)> = vec![
             ("embed_ln_vec_f16 grid 4x1x1".into(), 2.0),
-            ("layer_attn_small_f16_d32 grid 12x1x1".into(), 5.0),
-            ("layer_ffn_small_f16 grid 48x1x1".into(), 4.0),
-            ("layer_attn_small_f16_d32 grid 12x1x1".into(), 7.0),
+            ("gemm_small_f16 grid 72x1x1".into(), 5.0),
+            ("pool_ln_f16 grid 1x1x1".into(), 4.0),
+            ("gemm_small_f16 grid 24x1x1".into(), 7.0),
             ("cublasLt f16 m16 n1152 k384 Bias".into(), 3.0),
         ];
         let (total, lines) = profile_summary(&steps);
@@ -1957,43 +1964,95 @@ mod tests {
         assert_eq!(
             lines,
             vec![
-                "layer_attn_small_f16_d32 2x 6.0 us (12.0)",
-                "layer_ffn_small_f16 1x 4.0 us (4.0)",
+                "gemm_small_f16 2x 6.0 us (12.0)",
+                "pool_ln_f16 1x 4.0 us (4.0)",
                 "cublasLt f16 m16 n1152 k384 Bias 1x 3.0 us (3.0)",
                 "embed_ln_vec_f16 1x 2.0 us (2.0)",
             ]
         );
     }
 
-    #[test]
-    fn fused_variants_run_the_served_kernels_first() {
-        let on = Limits::new(48 << 10);
-        let off = unfused(on);
-        assert!(has_fused(&on) && !has_fused(&off));
-        let differ = |_: Limits, _: Limits| false;
-        let same = |_: Limits, _: Limits| true;
-        assert_eq!(
-            variants(FusedMode::Both, on, differ),
-            vec![(true, on), (false, off)]
-        );
-        // Nothing fuses: one run.
-        assert_eq!(variants(FusedMode::Both, on, same), vec![(true, on)]);
-        assert_eq!(variants(FusedMode::On, on, differ), vec![(true, on)]);
-        assert_eq!(variants(FusedMode::Off, on, differ), vec![(false, off)]);
-        // REPLAYD_CUDA_DISABLE=fused on the backend: only the unfused run,
-        // whatever --fused asks.
-        for mode in [FusedMode::Both, FusedMode::On, FusedMode::Off] {
-            assert_eq!(variants(mode, off, differ), vec![(false, off)]);
+    fn test_args() -> BackendCheckArgs {
+        BackendCheckArgs {
+            config: "x".into(),
+            gpu: 0,
+            out: None,
+            iters: 1,
+            warmup: 0,
+            check_rows: 1,
+            cpu_threads: 1,
+            models: vec![],
+            batches: vec![],
+            seqs: vec![],
+            budgets: vec![],
+            no_eager: false,
+            profile: false,
+            profile_buckets: vec!["1x16".into(), "128x128".into()],
+            paths_off: vec![],
+            compare_off: KernelPath::SMALL_SHAPE.to_vec(),
+            no_compare: false,
+            seed: 1,
+            references: vec![],
         }
-        // Switching off one fused path leaves the others to compare.
-        let some = on.with_disabled("small_attn");
-        assert!(has_fused(&some));
-        assert_eq!(variants(FusedMode::Both, some, differ)[1], (false, off));
     }
 
     #[test]
-    fn fused_comparison_pairs_the_runs_of_a_bucket() {
-        let run = |bucket: &str, fused: bool, us: f64, kernels: usize, mm: usize| BucketResult {
+    fn kernel_path_flags_parse_and_default_to_the_small_shape_paths() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: BackendCheckArgs,
+        }
+        let cli = Cli::parse_from(["backend-check"]);
+        assert_eq!(cli.args.compare_off, KernelPath::SMALL_SHAPE.to_vec());
+        assert!(cli.args.paths_off.is_empty() && !cli.args.no_compare);
+        let cli = Cli::parse_from(["backend-check", "--paths-off", "pdl,attn_s16"]);
+        assert_eq!(
+            cli.args.paths_off,
+            vec![KernelPath::Pdl, KernelPath::AttnS16]
+        );
+        let err = Cli::try_parse_from(["backend-check", "--paths-off", "small_attn"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("unknown kernel path") && err.contains("gemm_small"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn compared_paths_run_after_the_served_ones() {
+        let mut args = test_args();
+        let served = Limits::new(48 << 10);
+        let off = served.without(&KernelPath::SMALL_SHAPE);
+        let differ = |_: Limits, _: Limits| false;
+        let same = |_: Limits, _: Limits| true;
+        assert_eq!(
+            variants(&args, served, differ),
+            vec![(true, served), (false, off)]
+        );
+        // Nothing the paths apply to: one run.
+        assert_eq!(variants(&args, served, same), vec![(true, served)]);
+        // The served paths have them off already: one run.
+        assert_eq!(variants(&args, off, differ), vec![(true, off)]);
+        // Switching off one path leaves the others to compare.
+        let some = served.without(&[KernelPath::Pdl]);
+        assert_eq!(variants(&args, some, differ)[1], (false, off));
+        args.no_compare = true;
+        assert_eq!(variants(&args, served, differ), vec![(true, served)]);
+        args.no_compare = false;
+        args.compare_off = vec![KernelPath::TcAttention];
+        assert_eq!(
+            variants(&args, served, differ)[1],
+            (false, served.without(&[KernelPath::TcAttention]))
+        );
+    }
+
+    #[test]
+    fn path_comparison_pairs_the_runs_of_a_bucket() {
+        let run = |bucket: &str, served: bool, us: f64, kernels: usize, mm: usize| BucketResult {
             bucket: bucket.into(),
             batch: 1,
             seq: 16,
@@ -2002,7 +2061,7 @@ mod tests {
             throughput_tokens_per_s: 0.0,
             throughput_seqs_per_s: 0.0,
             profile: Vec::new(),
-            fused,
+            served,
             plan_kernels: kernels,
             plan_matmuls: mm,
             capture_ms: 0.0,
@@ -2025,14 +2084,14 @@ mod tests {
             run("8x16", false, 100.0, 26, 24),
             run("128x128", true, 900.0, 26, 24),
         ];
-        let lines = fused_comparison(&buckets);
+        let lines = path_comparison(&buckets);
         assert_eq!(lines.len(), 2, "{lines:?}");
         assert_eq!(
             lines[1],
-            "1x16      fused      60.0 us, 14 steps (14 kernels + 0 mm), graph 14 | \
-             off     170.0 us, 50 steps (26 kernels + 24 mm), graph 74 | fused/off 0.35x"
+            "1x16      served      60.0 us, 14 steps (14 kernels + 0 mm), graph 14 | \
+             off     170.0 us, 50 steps (26 kernels + 24 mm), graph 74 | served/off 0.35x"
         );
-        assert!(lines[0].starts_with("8x16 ") && lines[0].ends_with("fused/off 0.80x"));
+        assert!(lines[0].starts_with("8x16 ") && lines[0].ends_with("served/off 0.80x"));
         assert_eq!(bucket_label(&buckets[2]), "1x16/off");
         assert_eq!(bucket_label(&buckets[1]), "1x16");
     }
@@ -2043,25 +2102,7 @@ mod tests {
             "[[models]]\nname = \"m\"\nkind = \"bert\"\npath = \"x\"\nbatch_buckets = [1, 8]\nseq_buckets = [16, 128]\n",
         )
         .unwrap();
-        let mut args = BackendCheckArgs {
-            config: "x".into(),
-            gpu: 0,
-            out: None,
-            iters: 1,
-            warmup: 0,
-            check_rows: 1,
-            cpu_threads: 1,
-            models: vec![],
-            batches: vec![],
-            seqs: vec![],
-            budgets: vec![],
-            no_eager: false,
-            profile: false,
-            profile_buckets: vec!["1x16".into(), "128x128".into()],
-            fused: FusedMode::Both,
-            seed: 1,
-            references: vec![],
-        };
+        let mut args = test_args();
         assert!(!profiles_padded(&args, 1, 16));
         args.profile = true;
         assert!(profiles_padded(&args, 1, 16) && profiles_padded(&args, 128, 128));

@@ -13,7 +13,7 @@ use super::{WorkerArgs, WorkerBackend};
 use crate::backend::cuda::{CudaBackend, CudaOptions};
 use crate::backend::{Backend, BackendError};
 use crate::bucket::Grid;
-use crate::config::{Config, DevicesConfig};
+use crate::config::{Config, DevicesConfig, KernelPaths};
 use crate::model::Model;
 use bytes::Bytes;
 use std::collections::VecDeque;
@@ -261,6 +261,7 @@ pub fn cuda_options(devices: &DevicesConfig) -> CudaOptions {
         allow_tf32: devices.allow_tf32,
         kernel_cache_dir: devices.kernel_cache_dir.clone(),
         matmul_autotune: devices.matmul_autotune,
+        kernel_paths: KernelPaths::ALL_ON.without(&devices.kernel_paths_off),
     }
 }
 

@@ -88,15 +88,11 @@ pub unsafe fn pack_inputs(
     }
 }
 
-/// One in-flight batch's pinned memory: `[input block | output | done words]`
-/// (the last only for plans with [`Plan::done_words`]).
+/// One in-flight batch's pinned memory: `[input block | output]`.
 pub struct Slot {
     pinned: PinnedBuf,
     out_offset: usize,
     out_elems: usize,
-    /// Byte offset of the done words, and how many ([`Plan::done_words`]).
-    done_offset: usize,
-    done_words: usize,
     /// [`Plan::poll_output`].
     poll_output: bool,
     /// The device's address of `pinned` (mapped host memory), for staged
@@ -109,12 +105,7 @@ pub struct Slot {
 impl Slot {
     pub(crate) fn new(ctx: &Arc<CudaContext>, plan: &Plan) -> Result<Arc<Slot>, BackendError> {
         let out_offset = align_up(plan.input_bytes, 64);
-        let done_offset = out_offset + plan.done_offset();
-        let bytes = if plan.done_words > 0 {
-            done_offset + 4 * plan.done_words
-        } else {
-            out_offset + plan.output_elems * 4
-        };
+        let bytes = out_offset + plan.output_elems * 4;
         let pinned = PinnedBuf::alloc(ctx, bytes).cu("cuMemHostAlloc (staging)")?;
         let device_addr = pinned.device_addr().cu("cuMemHostGetDevicePointer")?;
         let event = ctx.new_event(None).cu("cuEventCreate")?;
@@ -122,8 +113,6 @@ impl Slot {
             pinned,
             out_offset,
             out_elems: plan.output_elems,
-            done_offset,
-            done_words: plan.done_words,
             poll_output: plan.poll_output,
             device_addr,
             event,
@@ -165,44 +154,6 @@ impl Slot {
         unsafe { self.pinned.as_ptr().add(self.out_offset) as *mut f32 }
     }
 
-    /// The done words, as atomics (the device writes them across PCIe).
-    fn done(&self) -> &[AtomicU32] {
-        // SAFETY: `done_words` u32s inside the allocation, 4-byte aligned
-        // (64-byte aligned offset); AtomicU32 has u32's layout, and the host
-        // only ever touches them atomically.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.pinned.as_ptr().add(self.done_offset) as *const AtomicU32,
-                self.done_words,
-            )
-        }
-    }
-
-    /// Whether the graph signals completion through done words.
-    pub fn polls_done(&self) -> bool {
-        self.done_words > 0
-    }
-
-    /// Zeroes the done words before a launch (the slot is ours: the last
-    /// batch in it was collected, so its kernel wrote them long ago).
-    pub fn clear_done(&self) {
-        for w in self.done() {
-            w.store(0, Ordering::Relaxed);
-        }
-        // The launch that follows publishes the zeros to the device.
-        std::sync::atomic::fence(Ordering::SeqCst);
-    }
-
-    /// Waits until the graph's last kernel has set every done word, i.e.
-    /// its output is in the slot (the kernel fences before each word). The
-    /// event is queried now and then, so a failed graph, which never sets
-    /// them, returns its error; a graph that completed without setting them
-    /// (none does) has its output in place all the same.
-    pub fn wait_done(&self) -> Result<(), cudarc::driver::DriverError> {
-        let done = self.done();
-        self.spin_until(|| done.iter().all(|w| w.load(Ordering::Relaxed) != 0))
-    }
-
     /// Spins until `ready()` (then acquires what the device wrote before),
     /// querying the event every 1,024 spins: a failed graph returns its
     /// error, a completed one ends the wait.
@@ -224,7 +175,8 @@ impl Slot {
         }
     }
 
-    /// The first `n` output values as words (see [`Slot::done`]).
+    /// The first `n` output values as words, as atomics (the device writes
+    /// them across PCIe).
     fn output_words(&self, n: usize) -> &[AtomicU32] {
         let n = n.min(self.out_elems);
         // SAFETY: `n` f32 of the output, inside the allocation, 64-byte
@@ -253,8 +205,8 @@ impl Slot {
     }
 
     /// Waits until the graph has written each of the first `n` output
-    /// values (none is the sentinel any more), as [`Slot::wait_done`] waits
-    /// for done words; the event is queried now and then for errors.
+    /// values (none is the sentinel any more); the event is queried now and
+    /// then, so a failed graph, which never writes them, returns its error.
     pub fn wait_output(&self, n: usize) -> Result<(), cudarc::driver::DriverError> {
         let out = self.output_words(n);
         // Values land in any order; the scan restarts from the first one
@@ -811,7 +763,7 @@ mod tests {
     fn packed_rows_pack_sequences_offsets_and_tiles() {
         let (prog, w) = super::super::plan::tests::packed_bert_dims(16, 4, 16, 384, 12, 1536);
         // The fused attention kernels need no tile table: plan without them.
-        let limits = Limits::new(48 << 10).with_disabled("small_attn,qkv_attn");
+        let limits = Limits::new(48 << 10);
         let p = plan(&prog, &w, DType::F16, false, limits).unwrap();
         let mut order = Vec::new();
         let mut pack = |buf: &mut Vec<u8>, rows: &BatchRows| {

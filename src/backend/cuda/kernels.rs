@@ -64,37 +64,14 @@ pub const KERNEL_FILES: &[(&str, &str)] = &[
         include_str!("../../../kernels/embed_pos.cu"),
     ),
     ("rownorm.cu", include_str!("../../../kernels/rownorm.cu")),
-    // Vectorised LayerNorm / element-wise kernels, and the fused sublayers
-    // for few token rows (after skinny.cu and attention_tc.cu, whose
-    // helpers they use).
+    // Vectorised LayerNorm / element-wise kernels (after skinny.cu and
+    // attention_tc.cu, whose helpers they use).
     ("vec.cu", include_str!("../../../kernels/vec.cu")),
-    (
-        "small_layer.cu",
-        include_str!("../../../kernels/small_layer.cu"),
-    ),
-    // Linears of few rows with their epilogues (uses small_layer.cu's
-    // fragment and LayerNorm helpers).
+    // Linears of few rows with their epilogues (attention_tc.cu's mma,
+    // vec.cu's vector loads).
     (
         "gemm_small.cu",
         include_str!("../../../kernels/gemm_small.cu"),
-    ),
-    // The QKV Linear of few rows with the attention (uses gemm_small.cu's
-    // product and small_layer.cu's counters).
-    (
-        "qkv_attn_small.cu",
-        include_str!("../../../kernels/qkv_attn_small.cu"),
-    ),
-    // The feed-forward block of few rows in one kernel (gemm_small.cu's
-    // product, attention_tc.cu's mma).
-    (
-        "ffn_small.cu",
-        include_str!("../../../kernels/ffn_small.cu"),
-    ),
-    // The attention and the output Linear of few rows in one kernel
-    // (gemm_small.cu's product and epilogue, attention_tc.cu's mma).
-    (
-        "attn_o_small.cu",
-        include_str!("../../../kernels/attn_o_small.cu"),
     ),
     ("stage.cu", include_str!("../../../kernels/stage.cu")),
     ("fault.cu", include_str!("../../../kernels/fault.cu")),
@@ -176,7 +153,7 @@ pub fn expected_entry_points() -> Vec<String> {
 /// and MPNet's relative attention bias in every attention kernel
 /// (`attention_bias_<t>_d<N>`, `attention_tc_bias_<t>_d<N>`,
 /// `attention_varlen_bias_<t>_d<N>`, `attention_varlen_tc_bias_<t>_d<N>`,
-/// and the fused sublayer's `layer_attn_small_bias_<t>_d<N>`).
+/// and the 16-key `attention_tc_bias_s16_<t>_d<N>`).
 pub fn encoder_family_entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in DTYPE_SUFFIXES {
@@ -197,9 +174,6 @@ pub fn encoder_family_entry_points() -> Vec<String> {
         }
         for d in ATTENTION_TC_S16_HEAD_DIMS {
             names.push(format!("attention_tc_bias_s16_{t}_d{d}"));
-        }
-        for d in SMALL_ATTN_HEAD_DIMS {
-            names.push(format!("layer_attn_small_bias_{t}_d{d}"));
         }
     }
     names
@@ -225,24 +199,11 @@ pub fn packed_entry_points() -> Vec<String> {
     names
 }
 
-/// Head sizes of the attention + output Linear kernel for few token rows
-/// (`attn_o_small_<t>_d<N>`, f16/bf16).
-pub const ATTN_O_HEAD_DIMS: &[usize] = &[32, 64];
-
-/// Head sizes of the fused attention sublayer for few token rows
-/// (`layer_attn_small_<t>_d<N>`, f16/bf16).
-pub const SMALL_ATTN_HEAD_DIMS: &[usize] = &[32, 64, 128];
-
 /// The vectorised kernels (`add_ln_vec_<t>`, `embed_ln_vec_<t>` and
-/// `embed_ln_vec_inl_<t>`,
-/// `bias_act_vec_<t>`, vec.cu), the fused sublayers for few token rows
-/// (`layer_attn_small_<t>_d<N>`, `layer_ffn_small_<t>`, small_layer.cu) and
-/// the Linear of few rows with its epilogue (`gemm_small_<t>`,
-/// gemm_small.cu), the QKV Linear with the attention
-/// (`qkv_attn_small[_bias]_<t>_d32`, qkv_attn_small.cu), the feed-forward
-/// block (`ffn_small_<t>`, ffn_small.cu), the attention with the output
-/// Linear (`attn_o_small_<t>_d<N>`, attn_o_small.cu) and the poolings
-/// that apply a deferred LayerNorm (`pool_ln_<t>`, `pool_packed_ln_<t>`).
+/// `embed_ln_vec_inl_<t>`, `bias_act_vec_<t>`, vec.cu), the Linear of few
+/// rows with its epilogue (`gemm_small_<t>`, gemm_small.cu) and the
+/// poolings that apply a deferred LayerNorm (`pool_ln_<t>`,
+/// `pool_packed_ln_<t>`).
 pub fn fused_entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in DTYPE_SUFFIXES {
@@ -252,33 +213,20 @@ pub fn fused_entry_points() -> Vec<String> {
         names.push(format!("bias_act_vec_{t}"));
     }
     for t in ["f16", "bf16"] {
-        for d in SMALL_ATTN_HEAD_DIMS {
-            names.push(format!("layer_attn_small_{t}_d{d}"));
-        }
-        names.push(format!("layer_ffn_small_{t}"));
         names.push(format!("gemm_small_{t}"));
-        names.push(format!("gemm_small_embed_{t}"));
-        names.push(format!("qkv_attn_small_{t}_d32"));
-        names.push(format!("qkv_attn_small_bias_{t}_d32"));
-        names.push(format!("ffn_small_{t}"));
-        for d in ATTN_O_HEAD_DIMS {
-            names.push(format!("attn_o_small_{t}_d{d}"));
-        }
         names.push(format!("pool_ln_{t}"));
         names.push(format!("pool_packed_ln_{t}"));
     }
     names
 }
 
-/// Kernels launched with dynamic shared memory beyond the default 48 KiB (the
-/// CUDA-core attention, `attention_<t>_d<N>` and `attention_varlen_<t>_d<N>`,
-/// the fused sublayers `layer_*_small_*` and `attn_o_small_*`, whose context
-/// rows are sized by the batch), whose limit is raised at load. The
-/// tensor-core attention kernels use static shared memory.
+/// Kernels launched with dynamic shared memory beyond the default 48 KiB
+/// (the CUDA-core attention, `attention_<t>_d<N>` and
+/// `attention_varlen_<t>_d<N>`, whose key chunks are sized by the
+/// sequence), whose limit is raised at load. The tensor-core attention
+/// kernels use static shared memory.
 pub fn needs_dynamic_smem(name: &str) -> bool {
-    (name.starts_with("attention_") && !name.contains("_tc_"))
-        || name.starts_with("layer_")
-        || name.starts_with("attn_o_small_")
+    name.starts_with("attention_") && !name.contains("_tc_")
 }
 
 /// All kernel files concatenated into one translation unit, with `#line`
@@ -817,18 +765,14 @@ mod tests {
             .filter(|n| needs_dynamic_smem(n))
             .collect();
         // The padded and the varlen CUDA-core attention, each with and
-        // without MPNet's bias, the fused sublayers (f16, bf16: attention
-        // with and without the bias per head size, and the FFN) and the
-        // attention with the output Linear (f16, bf16, per head size).
+        // without MPNet's bias.
         assert_eq!(
             dynamic.len(),
-            2 * 2 * DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len()
-                + 2 * (2 * SMALL_ATTN_HEAD_DIMS.len() + 1)
-                + 2 * ATTN_O_HEAD_DIMS.len(),
+            2 * 2 * DTYPE_SUFFIXES.len() * ATTENTION_DMAX.len(),
             "{dynamic:?}"
         );
         assert!(dynamic.iter().all(|n| !n.contains("_tc_")));
-        assert!(needs_dynamic_smem("layer_ffn_small_f16") && !needs_dynamic_smem("add_ln_vec_f16"));
+        assert!(!needs_dynamic_smem("add_ln_vec_f16") && !needs_dynamic_smem("gemm_small_f16"));
         assert!(
             needs_dynamic_smem("attention_f16_d32") && !needs_dynamic_smem("attention_tc_f16_d32")
         );

@@ -48,6 +48,7 @@ use self::mem::{align_up, DeviceBuf};
 use self::plan::{Limits, Plan};
 use self::resolve::Bases;
 use crate::backend::{Backend, BackendError};
+use crate::config::{KernelPath, KernelPaths};
 use crate::gpu::libs::{self, CudaLib};
 use crate::gpu::{cuda_device_count, format_uuid, DeviceInfo};
 use crate::model::{BatchRows, Model, Program, Weights};
@@ -65,6 +66,8 @@ pub struct CudaOptions {
     /// instead of taking its heuristic's first choice. Timing makes the
     /// choice (and the last bits of results) vary between GPUs and restarts.
     pub matmul_autotune: bool,
+    /// The planner's kernel paths (`[devices] kernel_paths_off`).
+    pub kernel_paths: KernelPaths,
 }
 
 /// The dynamic shared memory every dynamic-smem kernel may use: the opt-in
@@ -254,32 +257,18 @@ impl CudaBackend {
         let workspace =
             DeviceBuf::zeroed(&ctx, matmul::workspace_bytes_for(cc.0)).cu("cuBLASLt workspace")?;
         let counters = DeviceBuf::zeroed(&ctx, plan::COUNTER_BLOCK_BYTES).cu("kernel counters")?;
-        let sms = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .cu("SM count")?
-            .max(1) as usize;
-        let disable = std::env::var("REPLAYD_CUDA_DISABLE")
-            .unwrap_or_else(|_| plan::DEFAULT_DISABLED.to_string());
-        let mut limits = Limits::new(max_dyn_smem(&kernels, optin))
-            .with_sms(sms)
-            .with_disabled(&disable);
-        // griddepcontrol (programmatic dependent launch) is sm_90+.
-        limits.pdl &= cc.0 >= 9;
-        let unknown = Limits::unknown_switches(&disable);
-        if !unknown.is_empty() {
-            tracing::warn!(
-                target: "replayd::cuda",
-                "REPLAYD_CUDA_DISABLE: unknown names {unknown:?} (known: {:?} and the groups {:?})",
-                plan::DISABLE_SWITCHES,
-                plan::DISABLE_GROUPS.iter().map(|(g, _)| *g).collect::<Vec<_>>()
-            );
-        }
-        if !limits.disabled().is_empty() {
+        let mut limits = Limits::new(max_dyn_smem(&kernels, optin));
+        limits.paths = options.kernel_paths;
+        if !limits.paths.off().is_empty() {
             tracing::info!(
                 target: "replayd::cuda",
-                "REPLAYD_CUDA_DISABLE: {:?} switched off",
-                limits.disabled()
+                "kernel paths switched off ([devices] kernel_paths_off): {:?}",
+                limits.paths.off()
             );
+        }
+        // griddepcontrol (programmatic dependent launch) is sm_90+.
+        if cc.0 < 9 {
+            limits = limits.without(&[KernelPath::Pdl]);
         }
         let info = DeviceInfo {
             backend: "cuda".into(),
@@ -310,7 +299,7 @@ impl CudaBackend {
     }
 
     /// The kernel paths the planner may take (the device's limits, less
-    /// what `REPLAYD_CUDA_DISABLE` switched off).
+    /// what `[devices] kernel_paths_off` switched off).
     pub fn limits(&self) -> Limits {
         self.limits
     }
@@ -592,12 +581,8 @@ impl CudaBackend {
             self.limits,
         )?;
         // Small graphs read and write the batch's pinned slot themselves.
-        let staged = self.limits.staged_io && plan.fits_staged_io();
-        let plan = if staged {
-            plan.with_staged_io(&self.limits)
-        } else {
-            plan
-        };
+        let plan = plan.for_graph(&self.limits);
+        let staged = !plan.staged.is_empty();
         let (arena, charged) = self.arena_for(weights, plan.arena_bytes)?;
         let arena_charge = if charged { arena.bytes() as u64 } else { 0 };
         let inner = &mut *self.inner;
@@ -713,11 +698,9 @@ impl CudaBackend {
                 // The graph's first and last kernels read and write the slot.
                 let input = slot.input_words(plan.input_bytes);
                 staged.point_at(&graph.exec, slot.device_addrs(), values, input)?;
-                // What the host polls in `collect`, reset (a plan has one or none).
+                // The output the host polls in `collect`, reset.
                 if slot.polls_output() {
                     slot.clear_output(values);
-                } else if slot.polls_done() {
-                    slot.clear_done();
                 }
                 graph.exec.launch().cu("cuGraphLaunch")?;
             } else {
@@ -971,7 +954,7 @@ impl Backend for CudaBackend {
 
     fn collect(&mut self, mut pending: CudaPending) -> Result<Vec<f32>, BackendError> {
         self.alive()?;
-        // A staged graph's last kernel says when the output is in the slot;
+        // A staged graph's output says itself when it is in the slot;
         // otherwise the graph's event does.
         // (An empty batch has nothing to poll: its event says when the
         // graph is done with the slot.)
@@ -980,8 +963,6 @@ impl Backend for CudaBackend {
                 .slot
                 .wait_output(pending.values)
                 .cu("wait for batch")
-        } else if pending.slot.polls_done() {
-            pending.slot.wait_done().cu("wait for batch")
         } else {
             pending.slot.event.synchronize().cu("wait for batch")
         };

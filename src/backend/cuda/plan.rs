@@ -25,6 +25,7 @@
 use super::matmul::{split_activation, MatmulShape};
 use super::mem::{align_up, ALIGN};
 use crate::backend::BackendError;
+use crate::config::{KernelPath, KernelPaths};
 use crate::model::program::validate::op_buffers;
 use crate::model::program::{
     BufId, BufKind, InputRole, Layout, Op, PositionBias, PositionIds, WeightId,
@@ -81,22 +82,8 @@ pub const GS_MAXM: usize = 64;
 /// budget costs what it does at (1, 16).
 pub const GS_MAXM_PADDED: usize = 32;
 
-/// Static shared memory of `attn_o_small` (gemm_small's partial sums,
-/// `GS_WARPS` × `GS_MAXM / 16` × 256 floats), with room to spare: its
-/// dynamic part must fit beside it.
-pub const AO_STATIC_SMEM: usize = GS_WARPS * (GS_MAXM / 16) * 256 * 4 + 1024;
-/// Head size of `qkv_attn_small` (`QA_HD` in qkv_attn_small.cu).
-pub const QA_HEAD_DIM: usize = 32;
-/// Blocks per head of `qkv_attn_small` (`QA_PARTS`): the head's q, k and v
-/// columns, [`GS_NB`] a block.
-pub const QA_PARTS: usize = 3 * QA_HEAD_DIM / GS_NB;
 /// Warps of a `gemm_small` block (`GS_WARPS`).
 pub const GS_WARPS: usize = 8;
-/// Most n8-tiles of `ffn_small`'s second product a warp takes (`FS_TPW`).
-pub const FS_TPW: usize = 16;
-/// The argument of `ffn_small` (ffn_small.cu) that says how many floats of
-/// the next accumulator it zeroes (after its own, 7, and that one, 8).
-const FS_ARG_ZERO_N: usize = 9;
 /// Widest rows `pool_ln` / `pool_packed_ln` normalise (`POOL_CHUNK` in
 /// pool.cu: a warp holds a whole token row).
 pub const POOL_LN_MAX_HIDDEN: usize = 512;
@@ -116,14 +103,8 @@ pub fn gemm_small_fits(m: usize, n: usize, k: usize, t: DType, max_rows: usize) 
 
 /// Largest number of fused (counter-using) ops in one plan.
 pub const MAX_COUNTERS: usize = 1024;
-/// Floats of one `ffn_small` accumulator ([`Loc::Accum`]): [`GS_MAXM`]
-/// rows of up to 1,024 (ffn_small.cu's `FS_TPW`: N2 <= 1024).
-pub const ACCUM_FLOATS: usize = GS_MAXM * 1024;
-/// `ffn_small` accumulators a stream keeps (see [`Loc::Accum`]).
-pub const ACCUMS: usize = 3;
-/// Bytes of a stream's zeroed block: [`MAX_COUNTERS`] u32 counters, then
-/// [`ACCUMS`] accumulators of [`ACCUM_FLOATS`].
-pub const COUNTER_BLOCK_BYTES: usize = MAX_COUNTERS * 4 + ACCUMS * ACCUM_FLOATS * 4;
+/// Bytes of a stream's zeroed block of [`MAX_COUNTERS`] u32 counters.
+pub const COUNTER_BLOCK_BYTES: usize = MAX_COUNTERS * 4;
 /// Rows per block (one per warp) of the vectorised LayerNorm kernels
 /// (`LNV_WARPS` in vec.cu).
 pub const LNV_WARPS: usize = 4;
@@ -132,21 +113,6 @@ pub const LNV_WARPS: usize = 4;
 pub const LNV_J: usize = 8;
 /// Values per thread and step of `bias_act_vec` (one 16-byte f16 vector).
 pub const EW_VEC: usize = 8;
-/// Threads per block of the fused sublayers (`SL_THREADS` in small_layer.cu).
-pub const SL_THREADS: u32 = 128;
-/// Warps per fused-sublayer block (`SL_WARPS`).
-pub const SL_WARPS: usize = 4;
-/// Most token rows of the fused sublayers (`SL_MAXM`).
-pub const SL_MAXM: usize = 64;
-/// Intermediate columns per block of the fused FFN (`SL_FS`).
-pub const SL_FS: usize = 32;
-/// n-tiles per GEMM1 pass of the fused attention (`SL_NG`).
-pub const SL_NG: usize = 12;
-/// n-tiles per phase-2 pass of the fused sublayers (`SL_G2`).
-pub const SL_G2: usize = 4;
-/// float4s per lane of the fused sublayers' LayerNorm (`SL_LN_J`): hidden
-/// sizes up to `32 · 4 · SL_LN_J`.
-pub const SL_LN_J: usize = 8;
 /// Block size of the element-wise kernel.
 pub const EW_THREADS: u32 = 256;
 /// Grid cap of the element-wise kernel (it loops over the rest).
@@ -228,43 +194,6 @@ fn pad_arg(pad: u32) -> Result<i32, BackendError> {
 /// take rows of `hidden` values.
 pub fn ln_vec_fits(hidden: usize) -> bool {
     hidden > 0 && hidden.is_multiple_of(4) && hidden <= 32 * 4 * LNV_J
-}
-
-/// Row stride (2-byte elements) of a fused-sublayer shared-memory row of
-/// `cols` values (`sl_ld` in small_layer.cu): ≡ 64 bytes mod 128.
-pub fn sl_ld(cols: usize) -> usize {
-    if cols.is_multiple_of(64) {
-        cols + 32
-    } else {
-        cols
-    }
-}
-
-/// Dynamic shared memory (bytes) of `layer_attn_small` for `m` rows
-/// (see small_layer.cu).
-pub fn small_attn_smem(m: usize, hidden: usize, head_dim: usize) -> usize {
-    let mp = align_up(m, 16);
-    mp * sl_ld(hidden) * 2
-        + SL_WARPS * 16 * SL_NG * 8 * 4
-        + 3 * mp * (head_dim + 1) * 4
-        + mp * (mp + 1) * 4
-        + 3 * mp * 4
-}
-
-/// Dynamic shared memory (bytes) of `layer_ffn_small` for `m` rows.
-pub fn small_ffn_smem(m: usize, hidden: usize) -> usize {
-    let mp = align_up(m, 16);
-    mp * sl_ld(hidden) * 2 + SL_WARPS * 16 * SL_FS.max(SL_G2 * 8) * 4
-}
-
-/// Whether the fused sublayers take `m` rows of `hidden` values in `t`
-/// (K of every product a multiple of 32 per warp, rows the final LayerNorm
-/// holds in registers).
-fn small_fits(m: usize, hidden: usize, t: DType) -> bool {
-    matches!(t, DType::F16 | DType::BF16)
-        && (1..=SL_MAXM).contains(&m)
-        && hidden.is_multiple_of(32 * SL_WARPS)
-        && hidden <= 32 * 4 * SL_LN_J
 }
 
 /// The attention kernel's head-size class (the `d<N>` suffix).
@@ -384,10 +313,6 @@ pub enum Loc {
     Arena(usize),
     /// Index of a u32 counter (zero between kernels) for last-block reductions.
     Counter(usize),
-    /// Index of an f32 accumulator of [`ACCUM_FLOATS`] after the counters,
-    /// zero between graphs: `ffn_small` adds into one and zeroes the next
-    /// (see [`Planner::ffn_small`]).
-    Accum(usize),
     /// Byte offsets into the batch's pinned host slot, as the device
     /// addresses it: its input block, and its output. Only the steps of a
     /// staged plan ([`Plan::with_staged_io`], [`Plan::staged`]) name these,
@@ -510,15 +435,10 @@ pub struct Plan {
     /// The steps that read or write the batch's pinned slot (empty unless
     /// [`Plan::with_staged_io`]).
     pub staged: Vec<StagedStep>,
-    /// Words after the output in the batch's slot that the last kernel sets,
-    /// one per block, once its output is there (0: none; the host then waits
-    /// for the graph's event). The host zeroes them before each launch and
-    /// polls the first [`Plan::done_polled`] of them.
-    pub done_words: usize,
-    /// The host zeroes nothing and waits for no event: it fills the
-    /// batch's output in the slot with [`OUTPUT_SENTINEL`] before the launch
-    /// and polls until the last kernel has overwritten every value
-    /// ([`Limits::poll_output`]; staged plans only).
+    /// The host waits for no event: it fills the batch's output in the slot
+    /// with [`OUTPUT_SENTINEL`] before the launch and polls until the last
+    /// kernel has overwritten every value ([`Limits::poll_output`]; staged
+    /// plans only).
     pub poll_output: bool,
 }
 
@@ -576,6 +496,18 @@ impl Plan {
             && self.output_elems * 4 <= STAGED_OUTPUT_MAX_BYTES
     }
 
+    /// The plan a graph captures: staged ([`Plan::with_staged_io`]) where it
+    /// [fits](Plan::fits_staged_io) and [`KernelPath::StagedIo`] is on, as it
+    /// is otherwise (the replay then copies its input block in and its
+    /// output out).
+    pub fn for_graph(self, limits: &Limits) -> Plan {
+        if limits.on(KernelPath::StagedIo) && self.fits_staged_io() {
+            self.with_staged_io(limits)
+        } else {
+            self
+        }
+    }
+
     /// The plan with zero-copy staging: its first step reads the input block
     /// from the batch's pinned slot ([`Loc::StagedInput`]) and its last
     /// writes the output into the slot ([`Loc::StagedOutput`]), so a replay
@@ -591,10 +523,9 @@ impl Plan {
     /// folded end is one dependent node fewer (~0.8 µs on an H200,
     /// scripts/probe-io-copies.cu).
     pub fn with_staged_io(mut self, limits: &Limits) -> Plan {
-        let fold = limits.stage_fold;
+        let fold = limits.on(KernelPath::StageFold);
         let words = self.input_bytes.div_ceil(4);
-        let inline = limits.inline_input && words <= INLINE_WORDS;
-        let done_offset = self.done_offset();
+        let inline = limits.on(KernelPath::InlineInput) && words <= INLINE_WORDS;
         let grid = |n: usize| (n.div_ceil(STAGE_THREADS as usize).clamp(1, 64) as u32, 1, 1);
         let unique = |steps: &[Step], name: &str| {
             steps
@@ -669,23 +600,12 @@ impl Plan {
                 },
             );
         }
-        if limits.embed_qkv {
-            fuse_embed_into_linear(steps);
-        }
         self.staged.push(StagedStep {
             step: 0,
             count: None,
         });
-        // The done words, after the output in the slot.
-        // Polling the output itself needs no done words.
-        let poll_done = limits.poll_done && !limits.poll_output;
-        self.poll_output = limits.poll_output;
-        let done = if poll_done {
-            Arg::Ptr(Loc::StagedOutput(done_offset))
-        } else {
-            Arg::Null
-        };
-        // pool_ln / pool_packed_ln: (x, mask or offsets, out, ..., out_rows, done).
+        self.poll_output = limits.on(KernelPath::PollOutput);
+        // pool_ln / pool_packed_ln: (x, mask or offsets, out, ..., out_rows).
         let rows = self.output_elems / self.output_dim.max(1);
         let fold_out = match steps.last() {
             Some(Step::Kernel {
@@ -693,27 +613,24 @@ impl Plan {
             }) if fold => {
                 (name.starts_with("pool_ln_") || name.starts_with("pool_packed_ln_"))
                     && unique(steps, name)
-                    && args.len() == 12
+                    && args.len() == 11
                     && args[2] == Arg::Ptr(Loc::Output(0))
                     && args[10] == Arg::I32(rows as i32)
-                    && args[11] == Arg::Null
                     && grid.0 as usize == rows
                     && rows * self.output_dim == self.output_elems
             }
             _ => false,
         };
-        let last_grid = if fold_out {
+        if fold_out {
             let last = steps.len() - 1;
-            let Some(Step::Kernel { args, grid, .. }) = steps.last_mut() else {
+            let Some(Step::Kernel { args, .. }) = steps.last_mut() else {
                 unreachable!("checked above")
             };
             args[2] = Arg::Ptr(Loc::StagedOutput(0));
-            args[11] = done;
             self.staged.push(StagedStep {
                 step: last,
                 count: Some((10, StagedCount::Rows)),
             });
-            grid.0
         } else {
             let g = grid(self.output_elems);
             steps.push(Step::Kernel {
@@ -725,25 +642,14 @@ impl Plan {
                     Arg::Ptr(Loc::Output(0)),
                     Arg::Ptr(Loc::StagedOutput(0)),
                     Arg::I32(self.output_elems as i32),
-                    done,
                 ],
             });
             self.staged.push(StagedStep {
                 step: steps.len() - 1,
                 count: Some((2, StagedCount::Values)),
             });
-            g.0
-        };
-        if poll_done {
-            self.done_words = last_grid as usize;
         }
         self
-    }
-
-    /// Where a staged plan's done words start, in bytes after the start of
-    /// its output in the slot (see [`Plan::done_words`]).
-    pub fn done_offset(&self) -> usize {
-        (self.output_elems * 4).next_multiple_of(64)
     }
 
     /// The kernel names and `mm` for matmuls, in order (tests, logs).
@@ -756,77 +662,6 @@ impl Plan {
             })
             .collect()
     }
-}
-
-/// In a padded staged graph that starts with `embed_ln_vec_inl` and then
-/// the QKV `gemm_small` reading its output (mode 0, no deferred LayerNorm),
-/// both become one `gemm_small_embed` (kernels/gemm_small.cu): every block
-/// of the Linear computes the embedding's LayerNorm as it loads its rows,
-/// block 0 stores it for the residual, one node fewer. Anything else is left
-/// as it is.
-fn fuse_embed_into_linear(steps: &mut Vec<Step>) {
-    let [Step::Kernel {
-        name: en, args: ea, ..
-    }, Step::Kernel {
-        name: gn,
-        grid,
-        block,
-        smem,
-        args: ga,
-    }, ..] = &steps[..]
-    else {
-        return;
-    };
-    let Some(t) = en.strip_prefix("embed_ln_vec_inl_") else {
-        return;
-    };
-    let fits = gn == &format!("gemm_small_{t}")
-        && ea.len() == 20
-        && ga.len() == 22
-        && ea[3] == Arg::I32(-1) // padded: position = row % seq
-        && ea[19] == Arg::I32(0) // no synchronised copy
-        && ga[0] == ea[10] // x: the embedding's output
-        && ga[4] == ea[11] // M: its rows
-        && ga[6] == ea[13] // K: its width
-        && ga[8] == Arg::I32(0) // mode 0
-        && ga[15] == Arg::Null // padded
-        && ga[17] == Arg::Null; // no deferred LayerNorm of its own
-    if !fits {
-        return;
-    }
-    let args = vec![
-        Arg::Inline,
-        ea[1],
-        ea[2],
-        ea[12], // seq
-        ea[4],  // word, position, type tables
-        ea[5],
-        ea[6],
-        ea[14], // their rows
-        ea[15],
-        ea[16],
-        ea[17], // stage_dst, words
-        ea[18],
-        ga[1], // w, bias, out, M, N, K, act
-        ga[2],
-        ga[3],
-        ga[4],
-        ga[5],
-        ga[6],
-        ga[7],
-        ea[7], // the embedding's gamma, beta, eps
-        ea[8],
-        ea[9],
-        ea[10], // xout: the embedding's output, for the residual
-    ];
-    let fused = Step::Kernel {
-        name: format!("gemm_small_embed_{t}"),
-        grid: *grid,
-        block: *block,
-        smem: *smem,
-        args,
-    };
-    steps.splice(0..2, [fused]);
 }
 
 /// What the host writes over a staged batch's output before the launch
@@ -868,276 +703,41 @@ pub const STAGED_OUTPUT_MAX_BYTES: usize = 128 * 1024;
 /// Threads of a block of `stage_in` / `stage_out`.
 pub const STAGE_THREADS: u32 = 256;
 
-/// Device limits the planner needs.
+/// What the planner may use on this device: its shared memory, and the
+/// kernel paths switched on (`[devices] kernel_paths_off`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// Largest dynamic shared memory a block may use (after opt-in).
     pub max_dyn_smem: usize,
-    /// Use the tensor-core attention kernel where it applies.
-    pub tc_attention: bool,
-    /// Use the skinny matmul kernel (and its LayerNorm fusion) for few rows.
-    pub skinny: bool,
-    /// Use the warp-per-row LayerNorm kernels (`add_ln_vec`, `embed_ln_vec`).
-    pub ln_vec: bool,
-    /// Use the 8-wide element-wise kernel (`bias_act_vec`) for activations
-    /// applied after a matmul.
-    pub ew_vec: bool,
-    /// Fuse QKV → attention → output projection → add + LayerNorm into one
-    /// kernel per layer for few token rows (`layer_attn_small`).
-    pub small_attn: bool,
-    /// Fuse FFN1 + activation → FFN2 → add + LayerNorm into one kernel per
-    /// layer for few token rows (`layer_ffn_small`).
-    pub small_ffn: bool,
-    /// Linears of few rows (f16/bf16) on the tensor-core kernel
-    /// `gemm_small`, with the bias, the activation, and a following
-    /// add + LayerNorm in the same kernel, instead of cuBLASLt.
-    pub gemm_small: bool,
-    /// The QKV Linear of few rows with each head's attention in the same
-    /// kernel (`qkv_attn_small`, head size 32), on `gemm_small`'s product.
-    pub qkv_attn: bool,
-    /// Defer the LayerNorm of a `gemm_small` Linear + AddLayerNorm to the
-    /// `gemm_small` Linear that reads its output: the first writes the
-    /// pre-norm rows (f32), the second normalises them as it loads them
-    /// (see gemm_small.cu), so no kernel ends in a last-block LayerNorm.
-    pub ln_defer: bool,
-    /// The feed-forward block of few rows in one kernel (`ffn_small`): the
-    /// second Linear split over K across the first's blocks, its partial
-    /// rows added into an accumulator, the AddLayerNorm deferred.
-    pub ffn_splitk: bool,
-    /// A layer's attention and the output Linear after it in one kernel for
-    /// few rows (`attn_o_small`): every block of the Linear computes the
-    /// attention into shared memory, the attention node is gone.
-    pub attn_o: bool,
-    /// Programmatic dependent launch between consecutive kernels (see
-    /// [`Plan::pdl`]); the device must be sm_90 or newer.
-    pub pdl: bool,
-    /// Graphs of small inputs and outputs read and write the batch's pinned
-    /// slot from their first and last kernels ([`Plan::with_staged_io`])
-    /// instead of copies before and after the replay.
-    pub staged_io: bool,
-    /// In a staged graph, the embedding reads the slot and the pooling
-    /// writes it themselves where they can, instead of `stage_in` /
-    /// `stage_out` nodes ([`Plan::with_staged_io`]).
-    pub stage_fold: bool,
-    /// In a staged graph whose input block fits [`INLINE_WORDS`], the block
-    /// travels as the first kernel's parameter (`embed_ln_vec_inl`,
-    /// `stage_in_inl`), set with the batch's values before each launch: no
-    /// read of host memory starts the replay.
-    pub inline_input: bool,
-    /// A staged graph's last kernel sets a word per block in the slot once
-    /// its output is there, and the host polls those words instead of
-    /// waiting for the graph's completion event ([`Plan::done_words`]).
-    pub poll_done: bool,
-    /// A staged graph's output polled by the host for the sentinel it
-    /// wrote there ([`Plan::poll_output`]): no fence and no done word in the
-    /// last kernel. Takes precedence over `poll_done`.
-    pub poll_output: bool,
-    /// With `inline_input`, a padded graph's embedding inside the QKV
-    /// `gemm_small` after it (`gemm_small_embed`), one node fewer.
-    pub embed_qkv: bool,
-    /// Padded sequences of at most [`ATTN_S16_MAX_SEQ`] tokens take the
-    /// tensor-core attention in 16-key blocks (`attention_tc_s16_<t>_d<D>`,
-    /// head sizes 32 and 64) instead of 64-key ones.
-    pub attn_s16: bool,
-    /// Streaming multiprocessors: the fused sublayers' grid barrier needs
-    /// every block resident at once, so their grids stay within this.
-    pub sms: usize,
+    pub paths: KernelPaths,
 }
 
-/// The longest padded sequence that takes `attention_tc_s16` ([`Limits::attn_s16`]).
+/// The longest padded sequence that takes `attention_tc_s16` ([`KernelPath::AttnS16`]).
 pub const ATTN_S16_MAX_SEQ: usize = 16;
 
-/// The names `REPLAYD_CUDA_DISABLE` takes, one per specialised path (and
-/// the groups of [`DISABLE_GROUPS`]).
-pub const DISABLE_SWITCHES: &[&str] = &[
-    "tc_attention",
-    "skinny",
-    "ln_vec",
-    "ew_vec",
-    "small_attn",
-    "small_ffn",
-    "gemm_small",
-    "qkv_attn",
-    "ln_defer",
-    "ffn_splitk",
-    "attn_o",
-    "pdl",
-    "staged_io",
-    "stage_fold",
-    "inline_input",
-    "poll_done",
-    "poll_output",
-    "embed_qkv",
-    "attn_s16",
-];
-
-/// What is switched off when `REPLAYD_CUDA_DISABLE` is not set: the two
-/// one-kernel sublayers, measured slower than the separate kernels they
-/// replace (H200, 2026-12-01, MiniLM f16 64t: 712 µs in 14 nodes against
-/// 184 µs in 50; `layer_attn_small` 66 µs and `layer_ffn_small` 50 µs a
-/// layer, latency-bound on 12 and 48 blocks; docs/perf-log.md), the QKV
-/// Linear with the attention (slower too, 2026-12-02/03), the one-kernel
-/// feed-forward block `ffn_splitk` and the attention inside the output
-/// Linear `attn_o` (both correct and slower, 2026-12-04: (1, 16) 118.6 and
-/// 115.3 µs against 97.5–98.3), and the embedding inside the first QKV
-/// Linear `embed_qkv` (correct and slower, 2026-12-04: (1, 16) 96.1–97.2
-/// against 94.7–95.1 µs, (1, 32) 132 against 126). Set
-/// `REPLAYD_CUDA_DISABLE=` (empty) to run them anyway.
-pub const DEFAULT_DISABLED: &str = "small,qkv_attn,ffn_splitk,attn_o,embed_qkv";
-
-/// Groups of [`DISABLE_SWITCHES`] that `REPLAYD_CUDA_DISABLE` takes by one
-/// name: `small`, the two fused sublayers; `fused`, every path the
-/// small-shape work added (the sublayers and the vectorised LayerNorm and
-/// element-wise kernels), so that plans are those of before it; `all`,
-/// every specialised path.
-pub const DISABLE_GROUPS: &[(&str, &[&str])] = &[
-    ("small", &["small_attn", "small_ffn"]),
-    (
-        "fused",
-        &[
-            "ln_vec",
-            "ew_vec",
-            "small_attn",
-            "small_ffn",
-            "gemm_small",
-            "qkv_attn",
-            "ln_defer",
-            "ffn_splitk",
-            "attn_o",
-            "pdl",
-            "attn_s16",
-        ],
-    ),
-    ("all", DISABLE_SWITCHES),
-];
-
 impl Limits {
-    /// All kernels enabled, with this shared-memory limit.
+    /// Every kernel path on, with this shared-memory limit.
     pub const fn new(max_dyn_smem: usize) -> Limits {
         Limits {
             max_dyn_smem,
-            tc_attention: true,
-            skinny: true,
-            ln_vec: true,
-            ew_vec: true,
-            small_attn: true,
-            small_ffn: true,
-            gemm_small: true,
-            qkv_attn: true,
-            ln_defer: true,
-            ffn_splitk: true,
-            attn_o: true,
-            pdl: true,
-            staged_io: true,
-            stage_fold: true,
-            inline_input: true,
-            poll_done: true,
-            poll_output: true,
-            embed_qkv: true,
-            attn_s16: true,
-            sms: usize::MAX,
+            paths: KernelPaths::ALL_ON,
         }
     }
 
-    /// The device's SM count (see [`Limits::sms`]).
-    pub const fn with_sms(mut self, sms: usize) -> Limits {
-        self.sms = sms;
+    /// These paths also off.
+    pub fn without(mut self, paths: &[KernelPath]) -> Limits {
+        self.paths = self.paths.without(paths);
         self
     }
 
-    /// Applies `REPLAYD_CUDA_DISABLE` (comma-separated names from
-    /// [`DISABLE_SWITCHES`] or [`DISABLE_GROUPS`]), a switch for debugging,
-    /// for measuring a path against the one it replaces, and for falling
-    /// back without a rebuild should one of the specialised kernels
-    /// misbehave on some device. Unknown names are ignored (and logged by
-    /// the backend, see [`Limits::unknown_switches`]).
-    pub fn with_disabled(mut self, list: &str) -> Limits {
-        for item in list.split(',').map(str::trim) {
-            let group = DISABLE_GROUPS.iter().find(|(g, _)| *g == item);
-            let names = group.map_or(std::slice::from_ref(&item), |(_, n)| *n);
-            for name in names {
-                match *name {
-                    "tc_attention" => self.tc_attention = false,
-                    "skinny" => self.skinny = false,
-                    "ln_vec" => self.ln_vec = false,
-                    "ew_vec" => self.ew_vec = false,
-                    "small_attn" => self.small_attn = false,
-                    "small_ffn" => self.small_ffn = false,
-                    "gemm_small" => self.gemm_small = false,
-                    "qkv_attn" => self.qkv_attn = false,
-                    "ln_defer" => self.ln_defer = false,
-                    "ffn_splitk" => self.ffn_splitk = false,
-                    "attn_o" => self.attn_o = false,
-                    "pdl" => self.pdl = false,
-                    "staged_io" => self.staged_io = false,
-                    "stage_fold" => self.stage_fold = false,
-                    "inline_input" => self.inline_input = false,
-                    "poll_done" => self.poll_done = false,
-                    "poll_output" => self.poll_output = false,
-                    "embed_qkv" => self.embed_qkv = false,
-                    "attn_s16" => self.attn_s16 = false,
-                    _ => {}
-                }
-            }
-        }
-        self
-    }
-
-    /// The names in `list` that [`Limits::with_disabled`] does not know.
-    pub fn unknown_switches(list: &str) -> Vec<String> {
-        list.split(',')
-            .map(str::trim)
-            .filter(|i| {
-                !i.is_empty()
-                    && !DISABLE_SWITCHES.contains(i)
-                    && !DISABLE_GROUPS.iter().any(|(g, _)| g == i)
-            })
-            .map(str::to_string)
-            .collect()
-    }
-
-    /// The specialised paths this configuration has switched off.
-    pub fn disabled(&self) -> Vec<&'static str> {
-        let on = [
-            self.tc_attention,
-            self.skinny,
-            self.ln_vec,
-            self.ew_vec,
-            self.small_attn,
-            self.small_ffn,
-            self.gemm_small,
-            self.qkv_attn,
-            self.ln_defer,
-            self.ffn_splitk,
-            self.attn_o,
-            self.pdl,
-            self.staged_io,
-            self.stage_fold,
-            self.inline_input,
-            self.poll_done,
-            self.poll_output,
-            self.embed_qkv,
-            self.attn_s16,
-        ];
-        DISABLE_SWITCHES
-            .iter()
-            .zip(on)
-            .filter(|(_, on)| !on)
-            .map(|(n, _)| *n)
-            .collect()
+    /// Whether `path` is on.
+    pub fn on(&self, path: KernelPath) -> bool {
+        self.paths.on(path)
     }
 }
 
 /// A cast still to run after an op: (from, from type, to, to type).
 type PendingCast = Option<(Loc, DType, Loc, DType)>;
-
-/// What `attn_o_small` adds to `gemm_small`'s arguments: its name, its
-/// dynamic shared memory and the attention's `mask, seq, heads, scale`.
-struct AttnPrologue {
-    name: String,
-    smem: usize,
-    args: [Arg; 4],
-}
 
 /// An `Op::Linear`'s fields, for the planner's matmul kernels.
 #[derive(Clone, Copy)]
@@ -1183,144 +783,6 @@ struct DeferredLn {
     out: BufId,
 }
 
-/// ops[idx..idx + 3] as a transformer's feed-forward block: Linear(x →
-/// inter, act) → Linear(inter → proj) → AddLayerNorm(proj + x) into `out`,
-/// `m` rows, `hidden` wide at both ends and `n1` in between.
-#[derive(Clone, Copy)]
-struct FfnBlock {
-    x: BufId,
-    w1: WeightId,
-    b1: Option<WeightId>,
-    act: Activation,
-    inter: BufId,
-    w2: WeightId,
-    b2: Option<WeightId>,
-    proj: BufId,
-    gamma: WeightId,
-    beta: WeightId,
-    eps: f32,
-    out: BufId,
-    m: usize,
-    hidden: usize,
-    n1: usize,
-}
-
-fn ffn_block(ops: &[Op], idx: usize) -> Option<FfnBlock> {
-    let (
-        Some(&Op::Linear {
-            x,
-            w: w1,
-            bias: b1,
-            act,
-            out: inter,
-            m,
-            n: n1,
-            k: hidden,
-        }),
-        Some(&Op::Linear {
-            x: x2,
-            w: w2,
-            bias: b2,
-            act: Activation::Identity,
-            out: proj,
-            m: m2,
-            n: n2,
-            k: k2,
-        }),
-        Some(&Op::AddLayerNorm {
-            x: ln_x,
-            residual,
-            gamma,
-            beta,
-            eps,
-            out,
-            rows,
-            hidden: ln_hidden,
-        }),
-    ) = (ops.get(idx), ops.get(idx + 1), ops.get(idx + 2))
-    else {
-        return None;
-    };
-    let shaped = (x2, ln_x, residual) == (inter, proj, x)
-        && (m2, n2, k2) == (m, hidden, n1)
-        && (rows, ln_hidden) == (m, hidden);
-    shaped.then_some(FfnBlock {
-        x,
-        w1,
-        b1,
-        act,
-        inter,
-        w2,
-        b2,
-        proj,
-        gamma,
-        beta,
-        eps,
-        out,
-        m,
-        hidden,
-        n1,
-    })
-}
-
-/// An Attention or PackedAttention op as the fused kernels take it:
-/// `rows` query rows, and `mask` / `seq` for a padded batch (sequences of
-/// `seq` rows; `None` / 0 when packed, where the offsets say).
-#[derive(Clone, Copy)]
-struct AttentionView {
-    qkv: BufId,
-    out: BufId,
-    heads: usize,
-    head_dim: usize,
-    mask: Option<BufId>,
-    seq: usize,
-    rows: usize,
-    bias: Option<PositionBias>,
-}
-
-fn attention_view(op: Option<&Op>) -> Option<AttentionView> {
-    match *op? {
-        Op::Attention {
-            qkv,
-            mask,
-            out,
-            batch,
-            seq,
-            heads,
-            head_dim,
-            bias,
-        } => Some(AttentionView {
-            qkv,
-            out,
-            heads,
-            head_dim,
-            mask: Some(mask),
-            seq,
-            rows: batch * seq,
-            bias,
-        }),
-        Op::PackedAttention {
-            qkv,
-            out,
-            tokens,
-            heads,
-            head_dim,
-            bias,
-            ..
-        } => Some(AttentionView {
-            qkv,
-            out,
-            heads,
-            head_dim,
-            mask: None,
-            seq: 0,
-            rows: tokens,
-            bias,
-        }),
-        _ => None,
-    }
-}
-
 struct Planner<'a> {
     program: &'a Program,
     weights: &'a Weights,
@@ -1334,10 +796,6 @@ struct Planner<'a> {
     fused_tmp: Option<(Loc, usize)>,
     /// A LayerNorm the next op must apply (planned by the op before it).
     deferred_ln: Option<DeferredLn>,
-    /// `ffn_small` kernels planned so far; the j-th adds into the
-    /// accumulator `Loc::Accum(j)` and zeroes `Loc::Accum(j + 1)`, logical
-    /// numbers that [`assign_accums`] maps onto the stream's accumulators.
-    ffn_smalls: usize,
     steps: Vec<Step>,
     /// Bytes of the input block so far (tile tables are appended).
     input_bytes: usize,
@@ -1412,7 +870,7 @@ impl<'a> Planner<'a> {
     ) -> Result<(), BackendError> {
         let n = i32::try_from(elems)
             .map_err(|_| BackendError::Unsupported(format!("{elems} elements")))?;
-        if self.limits.ew_vec && from_t == to_t && elems.is_multiple_of(EW_VEC) {
+        if self.limits.on(KernelPath::EwVec) && from_t == to_t && elems.is_multiple_of(EW_VEC) {
             // In place or a copy of one type: 8 values per thread and step.
             self.kernel(
                 format!("bias_act_vec_{}", suffix(from_t)),
@@ -1527,15 +985,7 @@ impl<'a> Planner<'a> {
     /// A Linear of few rows (f16/bf16) through `gemm_small` (gemm_small.cu):
     /// bias and activation in its epilogue, and the AddLayerNorm after it
     /// too where [`Planner::add_ln_after`] allows (then it consumes 2 ops).
-    /// With `attn`, the Linear reads an attention's output, which the kernel
-    /// (`attn_o_small`) computes itself from `x_l` (the q, k, v rows).
-    fn gemm_small(
-        &mut self,
-        idx: usize,
-        op: LinearOp,
-        x_l: Loc,
-        attn: Option<AttnPrologue>,
-    ) -> Result<usize, BackendError> {
+    fn gemm_small(&mut self, idx: usize, op: LinearOp, x_l: Loc) -> Result<usize, BackendError> {
         let LinearOp { act, out, m, n, .. } = op;
         let t = self.compute;
         let grid = u32::try_from(n.div_ceil(GS_NB))
@@ -1544,12 +994,8 @@ impl<'a> Planner<'a> {
         let ln = self
             .add_ln_after(idx, act, out, m, n)
             .filter(|_| ln_vec_fits(n));
-        // This Linear's x may be a LayerNorm the op before left to it (never
-        // an attention's output).
-        let x_norm = match attn {
-            None => Some(self.deferred_ln_args(idx, op.x)?),
-            Some(_) => None,
-        };
+        // This Linear's x may be a LayerNorm the op before left to it.
+        let x_norm = self.deferred_ln_args(idx, op.x)?;
         let defer = ln
             .as_ref()
             .map(|l| (l.out, l.gamma, l.beta, l.eps))
@@ -1571,216 +1017,18 @@ impl<'a> Planner<'a> {
             });
         }
         args.extend([offsets, Arg::I32(seqs as i32)]);
-        let (name, smem) = match (attn, x_norm) {
-            (Some(a), _) => {
-                args.extend(a.args);
-                (a.name, a.smem)
-            }
-            (None, Some(x_norm)) => {
-                args.extend(x_norm);
-                (format!("gemm_small_{}", suffix(t)), 0)
-            }
-            (None, None) => unreachable!("x_norm is planned without attn"),
-        };
-        self.kernel(name, (grid, 1, 1), GS_THREADS, smem, args);
-        Ok(consumed)
-    }
-
-    /// ops[idx..idx + 2] = Attention | PackedAttention → the Linear reading
-    /// its output, few rows, where the Linear runs on `gemm_small`: one
-    /// `attn_o_small` kernel (attn_o_small.cu) whose every block computes
-    /// the attention into shared memory and multiplies it by its columns of
-    /// the weight, with gemm_small's epilogue (and the AddLayerNorm after
-    /// the Linear where gemm_small takes it). `None` when the ops do not
-    /// have that shape or the kernel does not take it (the attention then
-    /// runs as its own kernel, which reports its own errors).
-    fn attn_o(&mut self, idx: usize) -> Result<Option<usize>, BackendError> {
-        let t = self.compute;
-        let ops = &self.program.ops;
-        let Some(AttentionView {
-            qkv,
-            out: ctx,
-            heads,
-            head_dim,
-            mask,
-            seq,
-            rows,
-            bias: pos_bias,
-        }) = attention_view(ops.get(idx))
-        else {
-            return Ok(None);
-        };
-        let Some(&Op::Linear {
-            x,
-            w,
-            bias,
-            act,
-            out,
-            m,
-            n,
-            k,
-        }) = ops.get(idx + 1)
-        else {
-            return Ok(None);
-        };
-        let max_rows = if self.program.is_packed() {
-            GS_MAXM
-        } else {
-            GS_MAXM_PADDED
-        };
-        let hidden = heads * head_dim;
-        let (_, seqs) = self.live_rows_args();
-        // The q, k, v rows (whole m-tiles, rows padded by 8 values), then
-        // the mask and the packed offsets (attn_o_small.cu).
-        let smem = m.div_ceil(16) * 16 * (3 * hidden + 8) * t.size() + (m + seqs + 1) * 4;
-        let fits = self.limits.attn_o
-            && self.limits.gemm_small
-            && !self.limits.small_attn
-            && !self.limits.small_ffn
-            && pos_bias.is_none()
-            && super::kernels::ATTN_O_HEAD_DIMS.contains(&head_dim)
-            && x == ctx
-            && ctx != qkv
-            && (m, k) == (rows, hidden)
-            && hidden.is_multiple_of(32)
-            && (mask.is_some() == (seq > 0))
-            && self.program.is_packed() == mask.is_none()
-            && [qkv, ctx, out].iter().all(|&b| self.dtype(b) == t)
-            && !(self.limits.skinny && skinny_fits(m, n, k, t))
-            && gemm_small_fits(m, n, k, t, max_rows)
-            && dead_after(ops, idx + 2, ctx)
-            && smem + AO_STATIC_SMEM <= self.limits.max_dyn_smem;
-        if !fits {
-            return Ok(None);
-        }
-        let x_l = self.float_in(qkv, rows * 3 * hidden, t)?;
-        let mask = mask.map(|b| Arg::Ptr(self.int_loc(b))).unwrap_or(Arg::Null);
-        let attn = AttnPrologue {
-            name: format!("attn_o_small_{}_d{head_dim}", suffix(t)),
-            smem,
-            args: [
-                mask,
-                Arg::I32(seq as i32),
-                Arg::I32(heads as i32),
-                Arg::F32(1.0 / (head_dim as f32).sqrt()),
-            ],
-        };
-        let linear = LinearOp {
-            x,
-            w,
-            bias,
-            act,
-            out,
-            m,
-            n,
-            k,
-        };
-        Ok(Some(1 + self.gemm_small(idx + 1, linear, x_l, Some(attn))?))
-    }
-
-    /// ops[idx..idx + 3] = Linear(intermediate, act) → Linear(output) →
-    /// AddLayerNorm(+ the first Linear's input), few rows, with the
-    /// LayerNorm deferrable to ops[idx + 3]: one `ffn_small` kernel
-    /// (ffn_small.cu) that adds the block's pre-norm rows into an
-    /// accumulator and leaves the LayerNorm to the next op. `None` when the
-    /// ops do not have that shape (the Linears then run one by one).
-    fn ffn_small(
-        &mut self,
-        idx: usize,
-        op: LinearOp,
-        x_l: Loc,
-        max_rows: usize,
-    ) -> Result<Option<usize>, BackendError> {
-        let t = self.compute;
-        let ops = &self.program.ops;
-        let Some(FfnBlock {
-            x,
-            w1,
-            b1,
-            act,
-            inter: h,
-            w2,
-            b2,
-            proj: y,
-            gamma,
-            beta,
-            eps,
-            out: ln_out,
-            m,
-            hidden: k,
-            n1,
-        }) = ffn_block(ops, idx)
-        else {
-            return Ok(None);
-        };
-        let n2 = k;
-        let activation = |b: BufId| self.program.buffer(b).kind == BufKind::Activation;
-        let fits = self.limits.ffn_splitk
-            && self.limits.ln_defer
-            && x == op.x
-            && x_l == self.locs[&x]
-            && activation(h)
-            && activation(y)
-            && [x, h, y, ln_out].iter().all(|&b| self.dtype(b) == t)
-            && ln_out != y
-            && dead_after(ops, idx + 2, h)
-            && dead_after(ops, idx + 3, y)
-            && n1.is_multiple_of(GS_NB)
-            && n2.is_multiple_of(8)
-            && n2 <= 8 * GS_WARPS * FS_TPW
-            && m * n2 <= ACCUM_FLOATS
-            && gemm_small_fits(m, n1, k, t, max_rows)
-            && gemm_small_fits(m, n2, n1, t, max_rows)
-            && self.takes_deferred_ln(idx + 3, ln_out, n2, m);
-        if !fits {
-            return Ok(None);
-        }
-        let grid = u32::try_from(n1 / GS_NB)
-            .map_err(|_| BackendError::Unsupported(format!("op {idx} (Linear): {n1} outputs")))?;
-        let x_norm = self.deferred_ln_args(idx, x)?;
-        let j = self.ffn_smalls;
-        self.ffn_smalls += 1;
-        let (offsets, seqs) = self.live_rows_args();
-        let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
-        let mut args = vec![
-            Arg::Ptr(x_l),
-            Arg::Ptr(Loc::Weight(w1)),
-            opt(b1),
-            Arg::I32(act_code(act)),
-            Arg::Ptr(Loc::Weight(w2)),
-            opt(b2),
-            Arg::Ptr(self.locs[&x]),
-            Arg::Ptr(Loc::Accum(j)),
-            Arg::Ptr(Loc::Accum(j + 1)),
-            // The next one's rows (set again by assign_accums).
-            Arg::I32((m * n2) as i32),
-            Arg::I32(m as i32),
-            Arg::I32(n1 as i32),
-            Arg::I32(k as i32),
-            Arg::I32(n2 as i32),
-            offsets,
-            Arg::I32(seqs as i32),
-        ];
         args.extend(x_norm);
         self.kernel(
-            format!("ffn_small_{}", suffix(t)),
+            format!("gemm_small_{}", suffix(t)),
             (grid, 1, 1),
             GS_THREADS,
             0,
             args,
         );
-        self.deferred_ln = Some(DeferredLn {
-            consumer: idx + 3,
-            pre_norm: Loc::Accum(j),
-            gamma,
-            beta,
-            eps,
-            out: ln_out,
-        });
-        Ok(Some(3))
+        Ok(consumed)
     }
 
-    /// `gemm_small`'s and `ffn_small`'s last five arguments (`xf, xg, xb,
+    /// `gemm_small`'s last five arguments (`xf, xg, xb,
     /// xeps, xout`): the LayerNorm the op before left to ops[idx], which
     /// reads `x`, or none.
     fn deferred_ln_args(&mut self, idx: usize, x: BufId) -> Result<[Arg; 5], BackendError> {
@@ -1823,7 +1071,7 @@ impl<'a> Planner<'a> {
         let t = self.compute;
         let ops = &self.program.ops;
         let pool_fits = |px: BufId, mode: Pooling, skip: Option<BufId>, prows: usize, ph: usize| {
-            self.limits.ln_defer
+            self.limits.on(KernelPath::LnDefer)
                 && px == x
                 && mode != Pooling::Cls
                 && skip.is_none()
@@ -1866,105 +1114,16 @@ impl<'a> Planner<'a> {
             GS_MAXM_PADDED
         };
         let out_t = self.dtype(out);
-        self.limits.ln_defer
-            && self.limits.gemm_small
-            && !self.limits.small_attn
-            && !self.limits.small_ffn
+        self.limits.on(KernelPath::LnDefer)
+            && self.limits.on(KernelPath::GemmSmall)
             && (m, k) == (rows, hidden)
             && k <= 32 * GS_WARPS * 4
             && self.dtype(x) == t
-            && !(self.limits.skinny
+            && !(self.limits.on(KernelPath::Skinny)
                 && skinny_fits(m, n, k, t)
                 && (out_t == t || out_t == DType::F32))
             && out_t == t
             && gemm_small_fits(m, n, k, t, max_rows)
-    }
-
-    /// ops[idx..idx + 2] = Linear(qkv) → Attention | PackedAttention of
-    /// head size [`QA_HEAD_DIM`], for a Linear that runs on `gemm_small`:
-    /// one `qkv_attn_small` kernel (qkv_attn_small.cu), whose blocks of a
-    /// head compute its q, k, v columns and the last of them its attention.
-    /// `None` when the ops do not have that shape (the Linear then runs
-    /// alone); the attention's own errors are left to its op.
-    fn qkv_attn(
-        &mut self,
-        idx: usize,
-        op: LinearOp,
-        x_l: Loc,
-    ) -> Result<Option<usize>, BackendError> {
-        let t = self.compute;
-        let LinearOp {
-            x: _,
-            w,
-            bias,
-            act,
-            out: qkv,
-            m,
-            n,
-            k: hidden,
-        } = op;
-        let Some(AttentionView {
-            qkv: att_qkv,
-            out: ctx,
-            heads,
-            head_dim,
-            mask,
-            seq,
-            rows: _,
-            bias: pos_bias,
-        }) = attention_view(self.program.ops.get(idx + 1)).filter(|a| a.rows == m)
-        else {
-            return Ok(None);
-        };
-        // The kernels take a packed batch as sequences of 1 under no mask.
-        let (mask, seq) = match mask {
-            Some(b) => (Arg::Ptr(self.int_loc(b)), seq),
-            None => (Arg::Null, 1),
-        };
-        let fits = self.limits.qkv_attn
-            && self.deferred_ln.is_none()
-            && att_qkv == qkv
-            && act == Activation::Identity
-            && head_dim == QA_HEAD_DIM
-            && heads * head_dim == hidden
-            && n == 3 * hidden
-            && self.dtype(ctx) == t
-            && ctx != qkv
-            && heads <= u32::MAX as usize / QA_PARTS;
-        if !fits {
-            return Ok(None);
-        }
-        let Ok((tag, bias_args)) = self.bias_args(pos_bias, heads, "") else {
-            return Ok(None);
-        };
-        let (offsets, seqs) = self.live_rows_args();
-        let counters = Loc::Counter(self.counters);
-        self.counters += heads;
-        let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
-        let mut args = vec![
-            Arg::Ptr(x_l),
-            Arg::Ptr(Loc::Weight(w)),
-            opt(bias),
-            Arg::Ptr(self.locs[&qkv]),
-            Arg::Ptr(self.locs[&ctx]),
-            Arg::Ptr(counters),
-            mask,
-            offsets,
-            Arg::I32(seqs as i32),
-            Arg::I32(seq as i32),
-            Arg::I32(m as i32),
-            Arg::I32(hidden as i32),
-            Arg::F32(1.0 / (head_dim as f32).sqrt()),
-        ];
-        args.extend(bias_args);
-        self.kernel(
-            format!("qkv_attn_small{tag}_{}_d{head_dim}", suffix(t)),
-            ((heads * QA_PARTS) as u32, 1, 1),
-            GS_THREADS,
-            0,
-            args,
-        );
-        Ok(Some(2))
     }
 
     /// A Linear with few rows through the skinny kernel, fused with the
@@ -2129,13 +1288,6 @@ impl<'a> Planner<'a> {
         ))
     }
 
-    /// Whether `b` is an activation buffer of the compute type that nothing
-    /// reads after `ops[from..]` overwrites it (or at all): a fusion may then
-    /// leave it unwritten.
-    fn scratch_only(&self, b: BufId, from: usize) -> bool {
-        self.program.buffer(b).kind == BufKind::Activation && dead_after(&self.program.ops, from, b)
-    }
-
     /// Packed programs: the `cu_seqlens` input and the most sequences;
     /// padded: `(Null, 0)`.
     fn live_rows_args(&self) -> (Arg, usize) {
@@ -2160,184 +1312,6 @@ impl<'a> Planner<'a> {
             }
         };
         (counter, tmp)
-    }
-
-    /// ops[idx..idx + 4] = Linear(qkv) → Attention | PackedAttention →
-    /// Linear(o) → AddLayerNorm, for few rows: one `layer_attn_small`
-    /// kernel (see small_layer.cu). `None` when the ops do not have that
-    /// shape or the kernel does not take it.
-    fn small_attn(&mut self, idx: usize) -> Option<usize> {
-        let t = self.compute;
-        let program = self.program;
-        let ops = &program.ops;
-        let (
-            Some(&Op::Linear {
-                x: h,
-                w: wqkv,
-                bias: bqkv,
-                act: Activation::Identity,
-                out: qkv,
-                m,
-                n: n_qkv,
-                k: hidden,
-            }),
-            Some(att),
-            Some(&Op::Linear {
-                x: ctx_in,
-                w: wo,
-                bias: bo,
-                act: Activation::Identity,
-                out: proj,
-                m: m_o,
-                n: n_o,
-                k: k_o,
-            }),
-            Some(&Op::AddLayerNorm {
-                x: ln_x,
-                residual,
-                gamma,
-                beta,
-                eps,
-                out: ln_out,
-                rows,
-                hidden: ln_hidden,
-            }),
-        ) = (
-            ops.get(idx),
-            ops.get(idx + 1),
-            ops.get(idx + 2),
-            ops.get(idx + 3),
-        )
-        else {
-            return None;
-        };
-        let AttentionView {
-            qkv: att_qkv,
-            out: ctx,
-            heads,
-            head_dim,
-            mask,
-            seq,
-            rows: _,
-            bias,
-        } = attention_view(Some(att)).filter(|a| a.rows == m)?;
-        // The kernels take a packed batch as sequences of 1 under no mask.
-        let (mask, seq) = match mask {
-            Some(b) => (Arg::Ptr(self.int_loc(b)), seq),
-            None => (Arg::Null, 1),
-        };
-        let fits = self.limits.small_attn
-            && small_fits(m, hidden, t)
-            && super::kernels::SMALL_ATTN_HEAD_DIMS.contains(&head_dim)
-            && heads * head_dim == hidden
-            && n_qkv == 3 * hidden
-            && att_qkv == qkv
-            && ctx_in == ctx
-            && (m_o, n_o, k_o) == (m, hidden, hidden)
-            && ln_x == proj
-            && residual == h
-            && (rows, ln_hidden) == (m, hidden)
-            && self.dtype(h) == t
-            && self.program.buffer(ln_out).kind == BufKind::Activation
-            && ![qkv, ctx, proj].contains(&ln_out)
-            && ![qkv, ctx, proj].contains(&h)
-            && self.scratch_only(qkv, idx + 4)
-            && self.scratch_only(ctx, idx + 4)
-            && self.scratch_only(proj, idx + 4)
-            && heads <= self.limits.sms;
-        let smem = small_attn_smem(m, hidden, head_dim);
-        if !fits || smem > self.limits.max_dyn_smem {
-            return None;
-        }
-        // MPNet's relative bias: the `_bias` variant (a malformed table
-        // leaves the op to the unfused path, which reports it).
-        let (tag, bias_args) = self.bias_args(bias, heads, "").ok()?;
-        let (offsets, seqs) = self.live_rows_args();
-        let (counter, tmp) = self.fused_scratch(m, hidden);
-        let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
-        let mut args = vec![
-            Arg::Ptr(self.locs[&h]),
-            Arg::Ptr(Loc::Weight(wqkv)),
-            opt(bqkv),
-            Arg::Ptr(Loc::Weight(wo)),
-            opt(bo),
-            Arg::Ptr(Loc::Weight(gamma)),
-            Arg::Ptr(Loc::Weight(beta)),
-            Arg::F32(eps),
-            Arg::Ptr(self.locs[&ln_out]),
-            Arg::Ptr(self.locs[&ctx]),
-            Arg::Ptr(tmp),
-            Arg::Ptr(counter),
-            mask,
-            offsets,
-            Arg::I32(seqs as i32),
-            Arg::I32(seq as i32),
-            Arg::I32(m as i32),
-            Arg::I32(hidden as i32),
-            Arg::F32(1.0 / (head_dim as f32).sqrt()),
-        ];
-        args.extend(bias_args);
-        self.kernel(
-            format!("layer_attn_small{tag}_{}_d{head_dim}", suffix(t)),
-            (heads as u32, 1, 1),
-            SL_THREADS,
-            smem,
-            args,
-        );
-        Some(4)
-    }
-
-    /// ops[idx..idx + 3] = Linear(intermediate, act) → Linear(output) →
-    /// AddLayerNorm, for few rows: one `layer_ffn_small` kernel.
-    fn small_ffn(&mut self, idx: usize) -> Option<usize> {
-        let t = self.compute;
-        let f = ffn_block(&self.program.ops, idx)?;
-        let (h, inter, proj, ln_out, m, hidden, n1) =
-            (f.x, f.inter, f.proj, f.out, f.m, f.hidden, f.n1);
-        let fits = self.limits.small_ffn
-            && small_fits(m, hidden, t)
-            && n1.is_multiple_of(32 * SL_WARPS)
-            && n1 / SL_FS <= self.limits.sms
-            && self.dtype(h) == t
-            && self.program.buffer(ln_out).kind == BufKind::Activation
-            && ![inter, proj].contains(&ln_out)
-            && ![inter, proj].contains(&h)
-            && self.scratch_only(inter, idx + 3)
-            && self.scratch_only(proj, idx + 3);
-        let smem = small_ffn_smem(m, hidden);
-        if !fits || smem > self.limits.max_dyn_smem {
-            return None;
-        }
-        let (offsets, seqs) = self.live_rows_args();
-        let (counter, tmp) = self.fused_scratch(m, hidden);
-        let opt = |b: Option<WeightId>| b.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
-        self.kernel(
-            format!("layer_ffn_small_{}", suffix(t)),
-            ((n1 / SL_FS) as u32, 1, 1),
-            SL_THREADS,
-            smem,
-            vec![
-                Arg::Ptr(self.locs[&h]),
-                Arg::Ptr(Loc::Weight(f.w1)),
-                opt(f.b1),
-                Arg::I32(act_code(f.act)),
-                Arg::Ptr(Loc::Weight(f.w2)),
-                opt(f.b2),
-                Arg::Ptr(Loc::Weight(f.gamma)),
-                Arg::Ptr(Loc::Weight(f.beta)),
-                Arg::F32(f.eps),
-                Arg::Ptr(self.locs[&ln_out]),
-                Arg::Ptr(self.locs[&inter]),
-                Arg::Ptr(tmp),
-                Arg::Ptr(counter),
-                offsets,
-                Arg::I32(seqs as i32),
-                Arg::I32(m as i32),
-                Arg::I32(hidden as i32),
-                Arg::I32(n1 as i32),
-            ],
-        );
-        Some(3)
     }
 
     /// Plans op `idx` (and possibly the one after it, when fused); returns
@@ -2375,7 +1349,7 @@ impl<'a> Planner<'a> {
                     PositionIds::AfterPadding { pad } => Some(pad_arg(pad)?),
                     PositionIds::Index => None,
                 };
-                if pad.is_none() && self.limits.ln_vec && ln_vec_fits(hidden) {
+                if pad.is_none() && self.limits.on(KernelPath::LnVec) && ln_vec_fits(hidden) {
                     self.embed_ln_vec(
                         [Arg::Ptr(ids_l), Arg::Ptr(types_l), Arg::Null],
                         [word, position, token_type, gamma, beta],
@@ -2446,9 +1420,6 @@ impl<'a> Planner<'a> {
                 n,
                 k,
             } => {
-                if let Some(n) = self.small_attn(idx).or_else(|| self.small_ffn(idx)) {
-                    return Ok(n);
-                }
                 let x_l = self.float_in(x, m * k, t)?;
                 let out_t = self.dtype(out);
                 let linear = LinearOp {
@@ -2461,7 +1432,7 @@ impl<'a> Planner<'a> {
                     n,
                     k,
                 };
-                if self.limits.skinny
+                if self.limits.on(KernelPath::Skinny)
                     && skinny_fits(m, n, k, t)
                     && (out_t == t || out_t == DType::F32)
                 {
@@ -2472,14 +1443,11 @@ impl<'a> Planner<'a> {
                 } else {
                     GS_MAXM_PADDED
                 };
-                if self.limits.gemm_small && out_t == t && gemm_small_fits(m, n, k, t, max_rows) {
-                    if let Some(consumed) = self.qkv_attn(idx, linear, x_l)? {
-                        return Ok(consumed);
-                    }
-                    if let Some(consumed) = self.ffn_small(idx, linear, x_l, max_rows)? {
-                        return Ok(consumed);
-                    }
-                    return self.gemm_small(idx, linear, x_l, None);
+                if self.limits.on(KernelPath::GemmSmall)
+                    && out_t == t
+                    && gemm_small_fits(m, n, k, t, max_rows)
+                {
+                    return self.gemm_small(idx, linear, x_l);
                 }
                 let (epilogue, post) = split_activation(act, bias.is_some());
                 let shape = MatmulShape {
@@ -2538,7 +1506,7 @@ impl<'a> Planner<'a> {
                 let x_l = self.float_in(x, elems, t)?;
                 let r_l = self.float_in(residual, elems, t)?;
                 let (dst, pending) = self.float_out(out, elems, t);
-                if self.limits.ln_vec && ln_vec_fits(hidden) {
+                if self.limits.on(KernelPath::LnVec) && ln_vec_fits(hidden) {
                     let grid = u32::try_from(rows.div_ceil(LNV_WARPS)).map_err(|_| {
                         BackendError::Unsupported(format!("op {idx} (AddLayerNorm): {rows} rows"))
                     })?;
@@ -2589,9 +1557,6 @@ impl<'a> Planner<'a> {
                 head_dim,
                 bias,
             } => {
-                if let Some(consumed) = self.attn_o(idx)? {
-                    return Ok(consumed);
-                }
                 let what = format!("op {idx} (Attention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
                     BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
@@ -2603,7 +1568,7 @@ impl<'a> Planner<'a> {
                 }
                 let rows = batch * seq;
                 let hd = heads * head_dim;
-                let tensor_cores = self.limits.tc_attention
+                let tensor_cores = self.limits.on(KernelPath::TcAttention)
                     && matches!(t, DType::F16 | DType::BF16)
                     && super::kernels::ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
                 let smem = if tensor_cores {
@@ -2631,7 +1596,7 @@ impl<'a> Planner<'a> {
                         Arg::F32(1.0 / (head_dim as f32).sqrt()),
                     ];
                     args.extend(bias_args);
-                    let s16 = if self.limits.attn_s16
+                    let s16 = if self.limits.on(KernelPath::AttnS16)
                         && seq <= ATTN_S16_MAX_SEQ
                         && super::kernels::ATTENTION_TC_S16_HEAD_DIMS.contains(&head_dim)
                     {
@@ -2703,7 +1668,6 @@ impl<'a> Planner<'a> {
                     (None, Some(d)) => {
                         args.extend(deferred_ln_args(d));
                         args.push(Arg::I32(batch as i32)); // out_rows: all
-                        args.push(Arg::Null); // done (Plan::with_staged_io)
                         "pool_ln"
                     }
                     (None, None) => "pool",
@@ -2745,7 +1709,7 @@ impl<'a> Planner<'a> {
                     PositionIds::AfterPadding { pad } => Some(pad_arg(pad)?),
                     PositionIds::Index => None,
                 };
-                if pad.is_none() && self.limits.ln_vec && ln_vec_fits(hidden) {
+                if pad.is_none() && self.limits.on(KernelPath::LnVec) && ln_vec_fits(hidden) {
                     let ids_l = Arg::Ptr(self.int_loc(ids));
                     let types_l = Arg::Ptr(self.int_loc(token_types));
                     let pos_l = Arg::Ptr(self.int_loc(positions));
@@ -2799,14 +1763,11 @@ impl<'a> Planner<'a> {
                 head_dim,
                 bias,
             } => {
-                if let Some(consumed) = self.attn_o(idx)? {
-                    return Ok(consumed);
-                }
                 let what = format!("op {idx} (PackedAttention)");
                 let dmax = attention_dmax(head_dim).ok_or_else(|| {
                     BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
                 })?;
-                let tensor_cores = self.limits.tc_attention
+                let tensor_cores = self.limits.on(KernelPath::TcAttention)
                     && matches!(t, DType::F16 | DType::BF16)
                     && super::kernels::ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
                 let qt = if tensor_cores {
@@ -2918,7 +1879,6 @@ impl<'a> Planner<'a> {
                     (None, Some(d)) => {
                         args.extend(deferred_ln_args(d));
                         args.push(Arg::I32(seqs as i32)); // out_rows: all
-                        args.push(Arg::Null); // done (Plan::with_staged_io)
                         "pool_packed_ln"
                     }
                     (None, None) => "pool_packed",
@@ -2951,75 +1911,6 @@ pub fn not_on_cuda(_op: &Op) -> Option<String> {
 
 /// Plans `program` for compute type `compute`.
 pub fn plan(
-    program: &Program,
-    weights: &Weights,
-    compute: DType,
-    tf32: bool,
-    limits: Limits,
-) -> Result<Plan, BackendError> {
-    let mut p = plan_once(program, weights, compute, tf32, limits)?;
-    if assign_accums(&mut p.steps) == 1 {
-        // A lone `ffn_small` could not leave the first accumulator zero
-        // for the next graph (see assign_accums): plan without it.
-        let limits = Limits {
-            ffn_splitk: false,
-            ..limits
-        };
-        p = plan_once(program, weights, compute, tf32, limits)?;
-    }
-    Ok(p)
-}
-
-/// Maps the logical accumulators of a plan's `ffn_small` kernels (the j-th
-/// of J adds into `Accum(j)` and zeroes `Accum(j + 1)`, its consumer reads
-/// `Accum(j)`) onto the stream's [`ACCUMS`], and returns J. The invariant:
-/// accumulator 0 is zero whenever no graph runs on the stream. So the first
-/// kernel adds into 0, each zeroes the next one's (whose last reader has
-/// completed when it runs: two kernels never share one in a row), and the
-/// last zeroes 0 again; with J odd the last takes accumulator 2, so that it
-/// differs from both neighbours. J = 1 cannot keep the invariant (its one
-/// accumulator is both the first and the last): the caller re-plans.
-fn assign_accums(steps: &mut [Step]) -> usize {
-    let is_ffn =
-        |s: &Step| matches!(s, Step::Kernel { name, .. } if name.starts_with("ffn_small_"));
-    let count = steps.iter().filter(|s| is_ffn(s)).count();
-    if count == 0 {
-        return 0;
-    }
-    let phys = |j: usize| match j {
-        j if j == count => 0,
-        j if j == count - 1 && count % 2 == 1 => 2,
-        j => j % 2,
-    };
-    let zero_n = steps
-        .iter()
-        .filter(|s| is_ffn(s))
-        .filter_map(|s| match s {
-            Step::Kernel { args, .. } => match args.get(FS_ARG_ZERO_N) {
-                Some(&Arg::I32(n)) => Some(n),
-                _ => None,
-            },
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
-    for step in steps.iter_mut() {
-        let Step::Kernel { name, args, .. } = step else {
-            continue;
-        };
-        let ffn = name.starts_with("ffn_small_");
-        for (i, a) in args.iter_mut().enumerate() {
-            match a {
-                Arg::Ptr(Loc::Accum(j)) => *j = phys(*j),
-                Arg::I32(n) if ffn && i == FS_ARG_ZERO_N => *n = zero_n,
-                _ => {}
-            }
-        }
-    }
-    count
-}
-
-fn plan_once(
     program: &Program,
     weights: &Weights,
     compute: DType,
@@ -3081,7 +1972,6 @@ fn plan_once(
         counters: 0,
         fused_tmp: None,
         deferred_ln: None,
-        ffn_smalls: 0,
         steps: Vec::new(),
         input_bytes,
         tile_tables: Vec::new(),
@@ -3122,9 +2012,8 @@ fn plan_once(
         arena_bytes: p.arena.max(ALIGN),
         counters: p.counters,
         accum_bytes: p.fused_tmp.map_or(0, |(_, bytes)| bytes),
-        pdl: p.limits.pdl,
+        pdl: p.limits.on(KernelPath::Pdl),
         staged: Vec::new(),
-        done_words: 0,
         poll_output: false,
     })
 }
@@ -3135,10 +2024,6 @@ pub(crate) mod tests {
     use crate::model::program::ProgramBuilder;
 
     const LIMITS: Limits = Limits::new(227 * 1024);
-    /// The paths the kernels before the vectorised and fused ones took
-    /// (tests of those keep checking them).
-    const LEGACY: &str =
-        "ln_vec,ew_vec,small,gemm_small,qkv_attn,ln_defer,ffn_splitk,attn_o,pdl,attn_s16";
 
     fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         let mut w = Weights::new();
@@ -3669,7 +2554,14 @@ pub(crate) mod tests {
     fn packed_bert_plan() {
         let (tokens, seqs) = (1024, 32);
         let (p, w) = packed_bert_dims(tokens, seqs, 256, 384, 12, 1536);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS.with_disabled(LEGACY)).unwrap();
+        let plan = plan(
+            &p,
+            &w,
+            DType::F16,
+            false,
+            LIMITS.without(&KernelPath::SMALL_SHAPE),
+        )
+        .unwrap();
         assert_eq!(plan.layout, Layout::Packed { tokens: 1024 });
         assert_eq!((plan.batch, plan.seq), (32, 256));
         assert_eq!(plan.label(), "1024t (32 seqs of at most 256)");
@@ -3767,8 +2659,14 @@ pub(crate) mod tests {
         assert_eq!(plan.output_elems, 32 * 384);
         // Every layer's attention shares the one table.
         let (p2, w2) = packed_bert_dims(64, 64, 64, 384, 12, 1536);
-        let plan2 =
-            super::plan(&p2, &w2, DType::BF16, false, LIMITS.with_disabled(LEGACY)).unwrap();
+        let plan2 = super::plan(
+            &p2,
+            &w2,
+            DType::BF16,
+            false,
+            LIMITS.without(&KernelPath::SMALL_SHAPE),
+        )
+        .unwrap();
         assert_eq!(plan2.tile_tables.len(), 1);
         assert_eq!(plan2.tile_tables[0].max_tiles, 64);
         assert_eq!(
@@ -3785,7 +2683,7 @@ pub(crate) mod tests {
         let (p, w) = packed_bert_dims(512, 16, 256, 384, 12, 1536);
         for (dtype, limits) in [
             (DType::F32, LIMITS),
-            (DType::F16, LIMITS.with_disabled("tc_attention")),
+            (DType::F16, LIMITS.without(&[KernelPath::TcAttention])),
         ] {
             let plan = plan(&p, &w, dtype, false, limits).unwrap();
             let ts = suffix(dtype);
@@ -3978,12 +2876,26 @@ pub(crate) mod tests {
         // Without the fused sublayers, MiniLM's widths go through cuBLASLt
         // even at 16 rows ...
         let (p, w) = tiny_bert(1, 16);
-        let plan16 = plan(&p, &w, DType::F16, false, LIMITS.with_disabled(LEGACY)).unwrap();
+        let plan16 = plan(
+            &p,
+            &w,
+            DType::F16,
+            false,
+            LIMITS.without(&KernelPath::SMALL_SHAPE),
+        )
+        .unwrap();
         assert_eq!(plan16.matmul_count(), 4);
         assert_eq!(plan16.counters, 0);
         // ... a narrower encoder through the skinny kernel, fused with its LayerNorms.
         let (p, w) = bert_dims(1, 16, 64, 2, 256);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS.with_disabled(LEGACY)).unwrap();
+        let plan = plan(
+            &p,
+            &w,
+            DType::F16,
+            false,
+            LIMITS.without(&KernelPath::SMALL_SHAPE),
+        )
+        .unwrap();
         let names: Vec<String> = plan
             .steps
             .iter()
@@ -4023,9 +2935,13 @@ pub(crate) mod tests {
 
     #[test]
     fn kernels_can_be_switched_off() {
-        let l = LIMITS.with_disabled("skinny, tc_attention,unknown,small,gemm_small");
-        assert!(!l.skinny && !l.tc_attention && !l.small_attn && !l.small_ffn && !l.gemm_small);
-        assert!(l.ln_vec && l.ew_vec);
+        let l = LIMITS.without(&[
+            KernelPath::Skinny,
+            KernelPath::TcAttention,
+            KernelPath::GemmSmall,
+        ]);
+        assert!(!l.on(KernelPath::Skinny) && !l.on(KernelPath::TcAttention));
+        assert!(l.on(KernelPath::LnVec) && l.on(KernelPath::EwVec));
         let (p, w) = tiny_bert(1, 16);
         let plan = plan(&p, &w, DType::F16, false, l).unwrap();
         assert_eq!(plan.matmul_count(), 4);
@@ -4033,7 +2949,6 @@ pub(crate) mod tests {
             .steps
             .iter()
             .any(|s| matches!(s, Step::Kernel { name, .. } if name == "attention_f16_d32")));
-        assert_eq!(LIMITS.with_disabled(""), LIMITS);
     }
 
     #[test]
@@ -4054,7 +2969,7 @@ pub(crate) mod tests {
             &w,
             DType::F16,
             false,
-            LIMITS.with_disabled("small,gemm_small"),
+            LIMITS.without(&[KernelPath::GemmSmall]),
         )
         .unwrap();
         assert_eq!(plan.matmul_count(), 4);
@@ -4094,13 +3009,13 @@ pub(crate) mod tests {
                 })
                 .unwrap()
         };
-        let separate = LIMITS.with_disabled("small,gemm_small");
+        let separate = LIMITS.without(&[KernelPath::GemmSmall]);
         let off = super::plan(
             &p,
             &w,
             DType::F16,
             false,
-            separate.with_disabled("attn_s16"),
+            separate.without(&[KernelPath::AttnS16]),
         )
         .unwrap();
         assert_eq!(attention(&off), ("attention_tc_f16_d32".into(), (1, 12, 2)));
@@ -4204,13 +3119,11 @@ pub(crate) mod tests {
         let vec = include_str!("../../../kernels/vec.cu");
         assert!(vec.contains(&format!("#define LNV_WARPS {LNV_WARPS}\n")));
         assert!(vec.contains(&format!("#define LNV_J {LNV_J} ")));
-        let sl = include_str!("../../../kernels/small_layer.cu");
-        assert!(sl.contains(&format!("#define SL_THREADS {SL_THREADS}\n")));
-        assert!(sl.contains("#define SL_WARPS (SL_THREADS / 32)\n") && SL_WARPS == 4);
-        assert!(sl.contains(&format!("#define SL_MAXM {SL_MAXM}\n")));
-        assert!(sl.contains(&format!("#define SL_FS {SL_FS} ")));
-        assert!(sl.contains(&format!("#define SL_NG {SL_NG} ")));
-        assert!(sl.contains(&format!("#define SL_LN_J {SL_LN_J} ")));
+        let gs = include_str!("../../../kernels/gemm_small.cu");
+        assert!(gs.contains(&format!("#define GS_WARPS {GS_WARPS}\n")));
+        assert!(gs.contains("#define GS_THREADS (32 * GS_WARPS)\n") && GS_THREADS == 256);
+        assert!(gs.contains(&format!("#define GS_NB {GS_NB} ")));
+        assert!(gs.contains(&format!("#define GS_MAXM {GS_MAXM} ")));
     }
 
     /// MiniLM's program, from the real builder ([`BertArch`]), with zero
@@ -4291,14 +3204,14 @@ pub(crate) mod tests {
     /// Small graphs stage their inputs and output through their own first
     /// and last kernels: the embedding and the pooling where they can (no
     /// extra node), `stage_in` / `stage_out` where they cannot; large ones
-    /// keep the copies. (Here with the block read from the slot and the
-    /// completion event; the inline block and the done words are
-    /// `small_plans_take_their_input_inline_and_signal_done`'s.)
+    /// keep the copies. (Here with the block read from the slot; the inline
+    /// block and the polled output are
+    /// `small_plans_take_their_input_inline_and_poll_their_output`'s.)
     #[test]
     fn small_plans_stage_their_io_in_the_graph() {
         let (a, w) = minilm(6);
-        let default = LIMITS.with_disabled(DEFAULT_DISABLED);
-        let slot_io = LIMITS.with_disabled("inline_input,poll_done");
+        let default = LIMITS;
+        let slot_io = LIMITS.without(&[KernelPath::InlineInput]);
         let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
         assert!(small.fits_staged_io(), "{} bytes in", small.input_bytes);
         assert!(small.staged.is_empty());
@@ -4369,10 +3282,8 @@ pub(crate) mod tests {
                 Arg::Ptr(Loc::Output(0)),
                 Arg::Ptr(Loc::StagedOutput(0)),
                 Arg::I32(f32.output_elems as i32),
-                Arg::Null
             ]
         );
-        assert_eq!(staged.done_words, 0);
         assert_eq!(
             staged.staged[1],
             StagedStep {
@@ -4383,7 +3294,7 @@ pub(crate) mod tests {
         assert!(staged.programmatic(names.len() - 1));
 
         // Without the warp-per-row embedding, stage_in goes first.
-        let no_vec = LIMITS.with_disabled(&format!("{DEFAULT_DISABLED},ln_vec"));
+        let no_vec = LIMITS.without(&[KernelPath::LnVec]);
         let plain = plan(&a.program(1, 16), &w, DType::F16, false, no_vec).unwrap();
         let staged = plain.clone().with_staged_io(&slot_io);
         let names = staged.step_names();
@@ -4440,12 +3351,10 @@ pub(crate) mod tests {
             Arg::I32(1),
             "packed: the copy synchronised"
         );
-        assert!(!LIMITS.with_disabled("staged_io").staged_io);
         // `stage_fold` off: stage_in and stage_out around the same kernels.
-        assert!(!LIMITS.with_disabled("stage_fold").stage_fold);
         let names = small
             .clone()
-            .with_staged_io(&slot_io.with_disabled("stage_fold"))
+            .with_staged_io(&slot_io.without(&[KernelPath::StageFold]))
             .step_names();
         assert_eq!(names.len(), small.node_count() + 2);
         assert_eq!(
@@ -4457,27 +3366,16 @@ pub(crate) mod tests {
     /// By default a staged graph whose input block fits [`INLINE_WORDS`]
     /// takes it as its first kernel's parameter (ids, types and positions
     /// as word offsets into it), and the host polls its output; a larger
-    /// block is read from the slot. With `poll_output` off the last kernel
-    /// sets a done word per block after the output instead.
+    /// block is read from the slot. With `poll_output` off the host waits
+    /// for the graph's event.
     #[test]
-    fn small_plans_take_their_input_inline_and_signal_done() {
+    fn small_plans_take_their_input_inline_and_poll_their_output() {
         let (a, w) = minilm(6);
-        let polled = LIMITS.with_disabled(DEFAULT_DISABLED);
-        assert!(polled.inline_input && polled.poll_output && !polled.embed_qkv);
-        let small = plan(&a.program(1, 16), &w, DType::F16, false, polled).unwrap();
-        let staged = small.clone().with_staged_io(&polled);
-        assert!(staged.poll_output);
-        assert_eq!(staged.done_words, 0);
-        let Some(Step::Kernel { args, .. }) = staged.steps.last() else {
-            panic!("the pooling is a kernel")
-        };
-        assert_eq!(args[11], Arg::Null, "no done word");
-
-        let default = polled.with_disabled("poll_output");
-        assert!(default.poll_done);
+        let default = LIMITS;
         let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
         assert_eq!(small.input_bytes, 3 * 16 * 4, "ids, mask, types");
         let staged = small.clone().with_staged_io(&default);
+        assert!(staged.poll_output);
         assert_eq!(staged.steps.len(), small.steps.len());
         assert_eq!(staged.step_names()[0], "embed_ln_vec_inl_f16");
         let Step::Kernel { args, .. } = &staged.steps[0] else {
@@ -4495,22 +3393,19 @@ pub(crate) mod tests {
             &[Arg::Ptr(Loc::Input(0)), Arg::I32(48), Arg::I32(0)]
         );
         // No step reads the slot's input block; the pooling writes the
-        // output, then its done word after it.
+        // output.
         assert!(staged.steps.iter().all(|s| match s {
             Step::Kernel { args, .. } => !args.contains(&Arg::Ptr(Loc::StagedInput(0))),
             Step::Matmul { .. } => true,
         }));
-        let Some(Step::Kernel { args, grid, .. }) = staged.steps.last() else {
+        let Some(Step::Kernel { args, .. }) = staged.steps.last() else {
             panic!("the pooling is a kernel")
         };
-        assert_eq!(staged.done_offset(), 384 * 4);
+        assert_eq!(args.len(), 11);
         assert_eq!(args[2], Arg::Ptr(Loc::StagedOutput(0)));
-        assert_eq!(args[11], Arg::Ptr(Loc::StagedOutput(384 * 4)));
-        assert_eq!((staged.done_words, grid.0), (1, 1));
         assert_eq!(staged.staged, folded_ends(staged.steps.len() - 1));
 
-        // (2, 32): 192 words, over INLINE_WORDS: read from the slot; still
-        // a done word per block of the last kernel.
+        // (2, 32): 192 words, over INLINE_WORDS: read from the slot.
         let two = plan(&a.program(2, 32), &w, DType::F16, false, default).unwrap();
         assert_eq!(two.input_bytes / 4, 3 * 64);
         let staged = two.clone().with_staged_io(&default);
@@ -4519,13 +3414,9 @@ pub(crate) mod tests {
             panic!("the embedding is a kernel")
         };
         assert_eq!(args[16], Arg::Ptr(Loc::StagedInput(0)));
-        let Some(Step::Kernel { grid, .. }) = staged.steps.last() else {
-            panic!("the last step is a kernel")
-        };
-        assert_eq!(staged.done_words, grid.0 as usize);
 
         // Without the warp-per-row embedding: stage_in_inl takes the block.
-        let no_vec = default.with_disabled("ln_vec");
+        let no_vec = default.without(&[KernelPath::LnVec]);
         let plain = plan(&a.program(1, 16), &w, DType::F16, false, no_vec).unwrap();
         let staged = plain.clone().with_staged_io(&no_vec);
         let Step::Kernel { name, args, .. } = &staged.steps[0] else {
@@ -4534,97 +3425,11 @@ pub(crate) mod tests {
         assert_eq!(name, "stage_in_inl");
         assert_eq!(args, &[Arg::Inline, Arg::Ptr(Loc::Input(0)), Arg::I32(48)]);
 
-        // f32 (pooling without the deferred LayerNorm): stage_out sets a
-        // done word per block of its grid.
-        let f32 = plan(&a.program(1, 16), &w, DType::F32, false, default).unwrap();
-        let staged = f32.clone().with_staged_io(&default);
-        let Some(Step::Kernel {
-            name, args, grid, ..
-        }) = staged.steps.last()
-        else {
-            panic!("stage_out is a kernel")
-        };
-        assert_eq!(name, "stage_out");
-        assert_eq!(args[3], Arg::Ptr(Loc::StagedOutput(384 * 4)));
-        assert_eq!(staged.done_words, grid.0 as usize);
-
         // The switches.
-        let off = default.with_disabled("inline_input,poll_done");
-        assert!(!off.inline_input && !off.poll_done);
+        let off = default.without(&[KernelPath::InlineInput, KernelPath::PollOutput]);
         let staged = small.clone().with_staged_io(&off);
         assert_eq!(staged.step_names()[0], "embed_ln_vec_f16");
-        assert_eq!((staged.done_words, staged.poll_output), (0, false));
-    }
-
-    /// With `embed_qkv` (off by default: measured slower) a padded staged
-    /// graph's inline embedding and the QKV Linear after it are one
-    /// `gemm_small_embed`, one node fewer; packed graphs and graphs without
-    /// the inline block keep both.
-    #[test]
-    fn embedding_fuses_into_the_first_linear() {
-        let (a, w) = minilm(6);
-        assert!(!LIMITS.with_disabled(DEFAULT_DISABLED).embed_qkv);
-        let default = LIMITS.with_disabled("small,qkv_attn,ffn_splitk,attn_o");
-        assert!(default.embed_qkv);
-        let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
-        let apart = small
-            .clone()
-            .with_staged_io(&default.with_disabled("embed_qkv"));
-        let fused = small.clone().with_staged_io(&default);
-        assert_eq!(fused.steps.len() + 1, apart.steps.len());
-        assert_eq!(fused.steps[1..], apart.steps[2..]);
-        let (
-            Step::Kernel { args: ea, .. },
-            Step::Kernel {
-                args: ga,
-                grid: gg,
-                block: gb,
-                ..
-            },
-            Step::Kernel {
-                name,
-                args,
-                grid,
-                block,
-                smem,
-            },
-        ) = (&apart.steps[0], &apart.steps[1], &fused.steps[0])
-        else {
-            panic!("kernels")
-        };
-        assert_eq!(name, "gemm_small_embed_f16");
-        assert_eq!((grid, block, *smem), (gg, gb, 0));
-        assert_eq!(
-            (grid.0, ga[0]),
-            (1152 / 16, ea[10]),
-            "QKV reads the embedding"
-        );
-        assert_eq!(args.len(), 23, "the kernel's parameters");
-        assert_eq!(
-            &args[..4],
-            &[Arg::Inline, ea[1], ea[2], Arg::I32(16)],
-            "block, ids, types, seq"
-        );
-        assert_eq!(&args[4..7], &ea[4..7], "tables");
-        assert_eq!(&args[7..12], &[ea[14], ea[15], ea[16], ea[17], ea[18]]);
-        assert_eq!(&args[12..19], &ga[1..8], "w, bias, out, M, N, K, act");
-        assert_eq!(&args[19..], &[ea[7], ea[8], ea[9], ea[10]], "LN, xout");
-        assert_eq!(fused.staged[0].step, 0);
-        assert_eq!(fused.staged[1].step, fused.steps.len() - 1);
-        assert!(!fused.programmatic(0) && fused.programmatic(1));
-        // bf16 too; not packed, not without the inline block.
-        let bf = plan(&a.program(1, 16), &w, DType::BF16, false, default).unwrap();
-        assert_eq!(
-            bf.with_staged_io(&default).step_names()[0],
-            "gemm_small_embed_bf16"
-        );
-        let packed = plan(&a.packed_program(64, 64), &w, DType::F16, false, default).unwrap();
-        assert!(!packed.with_staged_io(&default).step_names()[0].starts_with("gemm_small_embed"));
-        let slot = default.with_disabled("inline_input");
-        assert_eq!(
-            small.with_staged_io(&slot).step_names()[0],
-            "embed_ln_vec_f16"
-        );
+        assert!(!staged.poll_output);
     }
 
     /// The host's INLINE_WORDS is the kernels' (the parameter's size).
@@ -4656,31 +3461,34 @@ pub(crate) mod tests {
             p.validate(&w).unwrap();
             plan(p, &w, dtype, false, limits).unwrap()
         };
-        let legacy = LIMITS.with_disabled(LEGACY);
-        let default = LIMITS.with_disabled(DEFAULT_DISABLED);
-        // Nodes: before the small-shape kernels, with the default switches
-        // (gemm_small at <= 64 rows), with every path on (fused sublayers).
+        let legacy = LIMITS.without(&KernelPath::SMALL_SHAPE);
+        let default = LIMITS;
+        // Nodes: before the small-shape kernels, and with every path on
+        // (gemm_small at <= 32 padded or 64 packed rows).
         let cases = [
-            ("(1, 16)", a.program(1, 16), 50, 32, 14),
-            ("(2, 32)", a.program(2, 32), 50, 50, 14),
-            ("(32, 128)", a.program(32, 128), 50, 50, 50),
-            ("(128, 128)", a.program(128, 128), 50, 50, 50),
-            ("64t", a.packed_program(64, 64), 50, 32, 14),
-            ("1024t", a.packed_program(1024, 256), 50, 50, 50),
-            ("16384t", a.packed_program(16384, 256), 50, 50, 50),
-            ("(1, 32)", a.program(1, 32), 50, 32, 14),
+            ("(1, 16)", a.program(1, 16), 50, 32),
+            ("(2, 32)", a.program(2, 32), 50, 50),
+            ("(32, 128)", a.program(32, 128), 50, 50),
+            ("(128, 128)", a.program(128, 128), 50, 50),
+            ("64t", a.packed_program(64, 64), 50, 32),
+            ("1024t", a.packed_program(1024, 256), 50, 50),
+            ("16384t", a.packed_program(16384, 256), 50, 50),
+            ("(1, 32)", a.program(1, 32), 50, 32),
         ];
-        for (what, p, before, by_default, all_on) in &cases {
+        for (what, p, before, by_default) in &cases {
             assert_eq!(
                 steps(p, DType::F16, legacy).node_count(),
                 *before,
                 "{what} legacy"
             );
-            for (limits, want) in [(default, by_default), (LIMITS, all_on)] {
-                let now = steps(p, DType::F16, limits);
-                assert_eq!(now.node_count(), *want, "{what}: {:?}", now.step_names());
-                assert_eq!(now.node_count(), now.kernel_count() + now.matmul_count());
-            }
+            let now = steps(p, DType::F16, default);
+            assert_eq!(
+                now.node_count(),
+                *by_default,
+                "{what}: {:?}",
+                now.step_names()
+            );
+            assert_eq!(now.node_count(), now.kernel_count() + now.matmul_count());
         }
         // By default (1, 16) is, per layer, QKV, attention, O + add, FFN1 +
         // GELU (normalising its input), FFN2 + add: no cuBLASLt, no separate
@@ -4730,8 +3538,7 @@ pub(crate) mod tests {
             panic!("kernels")
         };
         assert_eq!(pool[0], ffn2[10], "the pooling reads the pre-norm rows");
-        assert_eq!(pool.len(), 7 + 3 + 2);
-        assert_eq!(pool[11], Arg::Null, "done: set by with_staged_io");
+        assert_eq!(pool.len(), 7 + 3 + 1);
         assert_eq!(pool[10], Arg::I32(1), "out_rows: the whole batch");
         // A deferred LayerNorm: the f32 scratch its producer wrote, its
         // gamma, beta and eps, and the buffer the consumer's block 0 fills.
@@ -4745,7 +3552,11 @@ pub(crate) mod tests {
         assert!(matches!(f1[20], Arg::F32(e) if e > 0.0));
         assert_eq!(f1[21], o[3], "the LayerNorm's output buffer");
         // Switched off: every add + LN in its own kernel's last block again.
-        let apart = steps(&cases[0].1, DType::F16, default.with_disabled("ln_defer"));
+        let apart = steps(
+            &cases[0].1,
+            DType::F16,
+            default.without(&[KernelPath::LnDefer]),
+        );
         want[31] = "pool_f16".into();
         assert_eq!(apart.step_names(), want);
         assert_eq!(
@@ -4758,65 +3569,8 @@ pub(crate) mod tests {
         // Every kernel after the first follows a kernel: all launch
         // programmatically; none with the switch off.
         assert!(!gs.programmatic(0) && (1..32).all(|i| gs.programmatic(i)));
-        let no_pdl = steps(&cases[0].1, DType::F16, default.with_disabled("pdl"));
+        let no_pdl = steps(&cases[0].1, DType::F16, default.without(&[KernelPath::Pdl]));
         assert!((0..32).all(|i| !no_pdl.programmatic(i)));
-        // With qkv_attn on (and no deferred LayerNorms): the QKV and the
-        // attention in one kernel a layer.
-        let fused = steps(
-            &cases[0].1,
-            DType::F16,
-            LIMITS.with_disabled("small,ln_defer"),
-        );
-        assert_eq!(fused.node_count(), 26);
-        assert_eq!(fused.counters, 6 * 12 + 12);
-        let (name, grid, block, _, args) = kernel(&fused, "qkv_attn_small");
-        assert_eq!(
-            (name, grid, block),
-            ("qkv_attn_small_f16_d32", (72, 1, 1), 256)
-        );
-        assert_eq!(args[5], Arg::Ptr(Loc::Counter(0)));
-        assert!(
-            matches!(args[6], Arg::Ptr(Loc::Input(_))),
-            "the mask: {:?}",
-            args[6]
-        );
-        assert_eq!(
-            args[7..],
-            [
-                Arg::Null,
-                Arg::I32(0),
-                Arg::I32(16),
-                Arg::I32(16),
-                Arg::I32(384),
-                Arg::F32(1.0 / 32f32.sqrt()),
-            ]
-        );
-        // It does not apply a deferred LayerNorm: with both on, only the
-        // first layer's QKV (after the embedding) fuses.
-        let mixed = steps(
-            &cases[0].1,
-            DType::F16,
-            LIMITS.with_disabled("small,ffn_splitk,attn_o"),
-        );
-        let names = mixed.step_names();
-        assert_eq!(mixed.node_count(), 31, "{names:?}");
-        assert_eq!(names[1], "qkv_attn_small_f16_d32");
-        assert_eq!(
-            names.iter().filter(|n| n.starts_with("qkv_attn")).count(),
-            1
-        );
-        let p64 = steps(
-            &cases[4].1,
-            DType::F16,
-            LIMITS.with_disabled("small,ln_defer"),
-        );
-        assert!(p64.steps.iter().all(|s| match s {
-            Step::Kernel { name, args, .. } if name.starts_with("qkv_attn_small") =>
-                args[6] == Arg::Null && matches!(args[7], Arg::Ptr(_)) && args[8] == Arg::I32(64),
-            _ => true,
-        }));
-        // Its attention runs in the QKV kernels: no tile table to copy.
-        assert!(p64.tile_tables.is_empty());
         // With cuBLASLt, only the kernels after kernels.
         let big = steps(&cases[3].1, DType::F16, default);
         let after_kernel: Vec<usize> = (0..50).filter(|&i| big.programmatic(i)).collect();
@@ -4835,24 +3589,6 @@ pub(crate) mod tests {
                 args[15] == Arg::Null,
             _ => true,
         }));
-        // (1, 16): the embedding, two fused kernels per layer, the pooling.
-        let small = steps(&cases[0].1, DType::F16, LIMITS);
-        let mut want = vec!["embed_ln_vec_f16".to_string()];
-        for _ in 0..6 {
-            want.push("layer_attn_small_f16_d32".into());
-            want.push("layer_ffn_small_f16".into());
-        }
-        want.push("pool_f16".into());
-        assert_eq!(small.step_names(), want);
-        assert_eq!(small.counters, 12);
-        assert_eq!(small.accum_bytes, 16 * 384 * 4);
-        assert_eq!(small.matmul_count(), 0);
-        // The packed 64-token budget: the same kernels; no tile table to copy.
-        let p64 = steps(&cases[4].1, DType::F16, LIMITS);
-        want[13] = "pool_packed_f16".into();
-        assert_eq!(p64.step_names(), want);
-        assert!(p64.tile_tables.is_empty());
-        assert_eq!(p64.accum_bytes, 64 * 384 * 4);
         // (128, 128): cuBLASLt, with the vectorised LayerNorms and GELU.
         let big = steps(&cases[3].1, DType::F16, LIMITS);
         let layer: Vec<&str> = vec![
@@ -4873,395 +3609,47 @@ pub(crate) mod tests {
         let packed = steps(&cases[6].1, DType::F16, LIMITS).step_names();
         assert_eq!(packed[2], "attention_varlen_tc_f16_d32");
         assert_eq!(packed[6], "bias_act_vec_f16");
-        // f32 keeps its matmuls (the fused sublayers are f16/bf16 only).
+        // f32 keeps its matmuls (gemm_small is f16/bf16 only).
         let f32 = steps(&cases[0].1, DType::F32, LIMITS);
         assert_eq!((f32.node_count(), f32.matmul_count()), (50, 24));
         assert!(f32.step_names().contains(&"add_ln_vec_f32".to_string()));
-        // bf16 fuses as f16 does.
+        // bf16 takes gemm_small as f16 does.
         let bf = steps(&cases[0].1, DType::BF16, LIMITS);
-        assert_eq!(bf.node_count(), 14);
-        assert_eq!(bf.step_names()[1], "layer_attn_small_bf16_d32");
+        assert_eq!(bf.node_count(), 32);
+        assert_eq!(bf.step_names()[1], "gemm_small_bf16");
     }
 
-    #[test]
-    fn fused_sublayer_arguments() {
-        let (a, w) = minilm(1);
-        // Padded (2, 16): 32 rows, the mask, no offsets.
-        let p = a.program(2, 16);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
-        let h = Loc::Arena(0);
-        let (_, grid, block, smem, args) = kernel(&plan, "layer_attn_small");
-        assert_eq!((grid, block), ((12, 1, 1), SL_THREADS));
-        assert_eq!(smem as usize, small_attn_smem(32, 384, 32));
-        assert_eq!(args.len(), 19);
-        assert_eq!(args[0], Arg::Ptr(h)); // x: the hidden state ...
-        assert_eq!(args[8], Arg::Ptr(h)); // ... normalised in place
-                                          // The context (phase 1 → phase 2) is an activation of the program;
-                                          // the f32 accumulator lies past every activation.
-        let Arg::Ptr(Loc::Arena(ctx)) = args[9] else {
-            panic!("ctx {:?}", args[9])
-        };
-        assert!(ctx != 0 && ctx + 32 * 384 * 2 <= plan.activation_bytes);
-        let accum = args[10];
-        let Arg::Ptr(Loc::Arena(acc)) = accum else {
-            panic!("accumulator {accum:?}")
-        };
-        assert_eq!(plan.accum_bytes, 32 * 384 * 4);
-        assert!(acc >= plan.activation_bytes && acc + plan.accum_bytes <= plan.arena_bytes);
-        assert_eq!(args[11], Arg::Ptr(Loc::Counter(0)));
-        let mask = plan.inputs[1].offset;
-        assert_eq!(plan.inputs[1].role, InputRole::AttentionMask);
-        assert_eq!(
-            &args[12..],
-            &[
-                Arg::Ptr(Loc::Input(mask)),
-                Arg::Null,
-                Arg::I32(0),
-                Arg::I32(16),
-                Arg::I32(32),
-                Arg::I32(384),
-                Arg::F32(1.0 / (32f32).sqrt()),
-            ]
-        );
-        let (_, grid, block, smem, args) = kernel(&plan, "layer_ffn_small");
-        assert_eq!((grid, block), ((1536 / 32, 1, 1), SL_THREADS));
-        assert_eq!(smem as usize, small_ffn_smem(32, 384));
-        assert_eq!(args.len(), 18);
-        assert_eq!(args[3], Arg::I32(act_code(Activation::Gelu)));
-        assert_eq!((args[0], args[9]), (Arg::Ptr(h), Arg::Ptr(h)));
-        // The intermediate activation; the one accumulator of both sublayers.
-        assert!(matches!(args[10], Arg::Ptr(Loc::Arena(o)) if o != 0 && o < plan.activation_bytes));
-        assert_eq!(args[11], accum);
-        assert_eq!(args[12], Arg::Ptr(Loc::Counter(1)));
-        assert_eq!(
-            &args[13..],
-            &[
-                Arg::Null,
-                Arg::I32(0),
-                Arg::I32(32),
-                Arg::I32(384),
-                Arg::I32(1536)
-            ]
-        );
-        // Packed 64 tokens: no mask; the offsets and the most sequences.
-        let p = a.packed_program(64, 8);
-        let plan = super::plan(&p, &w, DType::F16, false, LIMITS).unwrap();
-        let offsets = plan.inputs[3].offset;
-        assert_eq!(plan.inputs[3].role, InputRole::SeqOffsets);
-        let args = kernel(&plan, "layer_attn_small").4;
-        assert_eq!(
-            &args[12..17],
-            &[
-                Arg::Null,
-                Arg::Ptr(Loc::Input(offsets)),
-                Arg::I32(8),
-                Arg::I32(1),
-                Arg::I32(64),
-            ]
-        );
-        let args = kernel(&plan, "layer_ffn_small").4;
-        assert_eq!(
-            &args[13..16],
-            &[Arg::Ptr(Loc::Input(offsets)), Arg::I32(8), Arg::I32(64)]
-        );
-        // Shared memory fits the default 48 KiB at 16 rows, not at 64.
-        assert!(small_attn_smem(16, 384, 32) <= 48 << 10);
-        assert!(small_attn_smem(64, 384, 32) > 48 << 10);
-        assert!(small_attn_smem(64, 384, 32) <= 227 << 10);
-    }
-
-    /// What the fused sublayers do not take falls back to the separate ops,
-    /// sublayer by sublayer.
-    #[test]
-    fn fused_sublayers_refuse_what_they_cannot_run() {
-        let fused = |p: &Program, w: &Weights, t: DType, l: Limits| {
-            let plan = plan(p, w, t, false, l).unwrap();
-            let n = |k: &str| {
-                plan.step_names()
-                    .iter()
-                    .filter(|s| s.starts_with(k))
-                    .count()
-            };
-            (n("layer_attn_small"), n("layer_ffn_small"))
-        };
-        let (a, w) = minilm(2);
-        assert_eq!(fused(&a.program(1, 64), &w, DType::F16, LIMITS), (2, 2));
-        // More than SL_MAXM rows.
-        assert_eq!(fused(&a.program(5, 13), &w, DType::F16, LIMITS), (0, 0));
-        assert_eq!(
-            fused(&a.packed_program(128, 8), &w, DType::F16, LIMITS),
-            (0, 0)
-        );
-        // f32.
-        assert_eq!(fused(&a.program(1, 16), &w, DType::F32, LIMITS), (0, 0));
-        // Switched off one at a time.
-        let off = |s| LIMITS.with_disabled(s);
-        assert_eq!(
-            fused(&a.program(1, 16), &w, DType::F16, off("small_attn")),
-            (0, 2)
-        );
-        assert_eq!(
-            fused(&a.program(1, 16), &w, DType::F16, off("small_ffn")),
-            (2, 0)
-        );
-        assert_eq!(
-            fused(&a.program(1, 16), &w, DType::F16, off("small")),
-            (0, 0)
-        );
-        // Too little shared memory for the attention sublayer (46.5 KiB at 16 rows).
-        assert_eq!(
-            fused(&a.program(1, 16), &w, DType::F16, Limits::new(40 << 10)),
-            (0, 2)
-        );
-        // Head size 48 (no fused attention kernel), hidden 384: the FFN still fuses.
-        let (p, w) = bert_dims(1, 16, 384, 8, 1536);
-        assert_eq!(fused(&p, &w, DType::F16, LIMITS), (0, 1));
-        // Hidden 320 (not a multiple of 128): neither.
-        let (p, w) = bert_dims(1, 16, 320, 10, 1280);
-        assert_eq!(fused(&p, &w, DType::F16, LIMITS), (0, 0));
-        // Head size 64 and 128 fuse.
-        let (p, w) = bert_dims(2, 16, 256, 4, 512);
-        assert_eq!(fused(&p, &w, DType::BF16, LIMITS), (1, 1));
-        let (p, w) = bert_dims(1, 16, 256, 2, 1024);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
-        assert_eq!(kernel(&plan, "layer_attn").0, "layer_attn_small_f16_d128");
-        // An intermediate size that is not a multiple of SL_FS.
-        let (p, w) = bert_dims(1, 16, 384, 12, 1000);
-        assert_eq!(fused(&p, &w, DType::F16, LIMITS), (1, 0));
-        // A projection that a later op reads (here: the pooling reads the
-        // attention's context buffer) must be materialised: no fusion.
-        let (mut p, w) = tiny_bert(1, 16);
-        let ctx = BufId(5);
-        assert_eq!(p.buffer(ctx).name, "ctx");
-        if let Some(Op::Pool { x, .. }) = p.ops.last_mut() {
-            *x = ctx;
-        }
-        p.validate(&w).unwrap();
-        assert_eq!(fused(&p, &w, DType::F16, LIMITS), (0, 1));
-    }
-
-    /// `ffn_small`: the feed-forward block in one kernel per layer, its
-    /// accumulators in rotation, its LayerNorm left to the next Linear.
-    #[test]
-    fn ffn_small_plans() {
-        let on = LIMITS.with_disabled("small,qkv_attn,attn_o");
-        assert!(on.ffn_splitk && !LIMITS.with_disabled(DEFAULT_DISABLED).ffn_splitk);
-        let ffns = |p: &Plan| -> Vec<Vec<Arg>> {
-            p.steps
-                .iter()
-                .filter_map(|s| match s {
-                    Step::Kernel { name, args, .. } if name.starts_with("ffn_small") => {
-                        Some(args.clone())
-                    }
-                    _ => None,
-                })
-                .collect()
-        };
-        let acc = |j| Arg::Ptr(Loc::Accum(j));
-        let (a, w) = minilm(6);
-        let p = plan(&a.program(1, 16), &w, DType::F16, false, on).unwrap();
-        // Per layer QKV, attention, O + add (pre-norm), the FFN: 26 nodes.
-        let gemm = "gemm_small_f16";
-        let want = layers_between(
-            "embed_ln_vec_f16",
-            6,
-            &[gemm, "attention_tc_s16_f16_d32", gemm, "ffn_small_f16"],
-            "pool_ln_f16",
-        );
-        assert_eq!(p.step_names(), want);
-        let (name, grid, block, smem, args) = kernel(&p, "ffn_small");
-        assert_eq!(
-            (name, grid, block, smem),
-            ("ffn_small_f16", (96, 1, 1), 256, 0)
-        );
-        // x (the O Linear's LayerNorm, which this kernel applies: block 0
-        // writes it, and adds it as the residual), W1, b1, GELU, W2, b2.
-        assert_eq!(args[0], args[6]);
-        assert_eq!(args[3], Arg::I32(act_code(Activation::Gelu)));
-        assert!([1, 2, 4, 5]
-            .iter()
-            .all(|&i| matches!(args[i], Arg::Ptr(Loc::Weight(_)))));
-        assert_eq!(
-            args[9..16],
-            [
-                Arg::I32(16 * 384),
-                Arg::I32(16),
-                Arg::I32(1536),
-                Arg::I32(384),
-                Arg::I32(384),
-                Arg::Null,
-                Arg::I32(0),
-            ]
-        );
-        let Step::Kernel { args: o, .. } = &p.steps[3] else {
-            panic!("the O Linear")
-        };
-        assert_eq!(
-            (o[8], args[16]),
-            (Arg::I32(2), o[10]),
-            "x = LN(O's pre-norm rows)"
-        );
-        assert_eq!((args.len(), args[20]), (21, args[0]), "block 0 writes x");
-        // The accumulators: 0, 1, 0, 1, … each zeroing the next one's, the
-        // last zeroing the first's; the next QKV (and the pooling) reads it.
-        let f = ffns(&p);
-        assert_eq!(
-            f.iter().map(|a| (a[7], a[8])).collect::<Vec<_>>(),
-            [(0, 1), (1, 0), (0, 1), (1, 0), (0, 1), (1, 0)].map(|(x, z)| (acc(x), acc(z)))
-        );
-        for layer in 1..6 {
-            let Step::Kernel { name, args: q, .. } = &p.steps[1 + 4 * layer] else {
-                panic!("QKV")
-            };
-            assert_eq!((name.as_str(), q[17]), ("gemm_small_f16", f[layer - 1][7]));
-        }
-        let Step::Kernel { args: pool, .. } = &p.steps[25] else {
-            panic!("pool")
-        };
-        assert_eq!(pool[0], acc(1));
-        // An odd count: the last takes accumulator 2, so that 0 ends zero.
-        let (a3, w3) = minilm(3);
-        let p3 = plan(&a3.program(1, 16), &w3, DType::F16, false, on).unwrap();
-        assert_eq!(
-            ffns(&p3).iter().map(|a| (a[7], a[8])).collect::<Vec<_>>(),
-            [(0, 1), (1, 2), (2, 0)].map(|(x, z)| (acc(x), acc(z)))
-        );
-        // One alone cannot: planned as two Linears.
-        let (a1, w1) = minilm(1);
-        let p1 = plan(&a1.program(1, 16), &w1, DType::F16, false, on).unwrap();
-        assert!(ffns(&p1).is_empty());
-        assert_eq!(p1.node_count(), 7, "{:?}", p1.step_names());
-        // Packed 64t: its live rows, and 64 rows of accumulator zeroed.
-        let pk = plan(&a.packed_program(64, 64), &w, DType::BF16, false, on).unwrap();
-        let f = ffns(&pk);
-        assert_eq!(f.len(), 6);
-        assert!(f.iter().all(|a| a[9] == Arg::I32(64 * 384)
-            && a[10] == Arg::I32(64)
-            && matches!(a[14], Arg::Ptr(Loc::Input(_)))
-            && a[15] == Arg::I32(64)));
-        assert_eq!(kernel(&pk, "ffn_small").0, "ffn_small_bf16");
-        // Not in f32, nor without gemm_small, the deferred LayerNorm or the
-        // switch, nor at rows gemm_small does not take.
-        for (dtype, limits, program) in [
-            (DType::F32, on, a.program(1, 16)),
-            (DType::F16, on.with_disabled("ln_defer"), a.program(1, 16)),
-            (DType::F16, on.with_disabled("gemm_small"), a.program(1, 16)),
-            (DType::F16, on.with_disabled("ffn_splitk"), a.program(1, 16)),
-            (DType::F16, on, a.program(4, 16)),
-        ] {
-            let p = plan(&program, &w, dtype, false, limits).unwrap();
-            assert!(ffns(&p).is_empty(), "{dtype:?} {:?}", limits.disabled());
-        }
-    }
-
-    #[test]
-    fn attn_o_plans() {
-        let on = LIMITS.with_disabled("small,qkv_attn,ffn_splitk");
-        assert!(on.attn_o && !LIMITS.with_disabled(DEFAULT_DISABLED).attn_o);
-        let (a, w) = minilm(6);
-        let p = plan(&a.program(1, 16), &w, DType::F16, false, on).unwrap();
-        // Per layer QKV, attention + O (pre-norm), FFN1, FFN2: 26 nodes.
-        let gemm = "gemm_small_f16";
-        let want = layers_between(
-            "embed_ln_vec_f16",
-            6,
-            &[gemm, "attn_o_small_f16_d32", gemm, gemm],
-            "pool_ln_f16",
-        );
-        assert_eq!(p.step_names(), want);
-        let (name, grid, block, smem, args) = kernel(&p, "attn_o_small");
-        // O's 24 blocks; 16 rows of q, k, v (3 × 384 + 8 f16), the mask.
-        assert_eq!(
-            (name, grid, block, smem),
-            (
-                "attn_o_small_f16_d32",
-                (24, 1, 1),
-                256,
-                16 * 1160 * 2 + 17 * 4
-            )
-        );
-        let Step::Kernel { args: qkv, .. } = &p.steps[1] else {
-            panic!("QKV")
-        };
-        // x = the QKV Linear's output; gemm_small's arguments with mode 2
-        // (the FFN1 normalises), then the mask, seq, heads and scale.
-        assert_eq!(args[0], qkv[3]);
-        assert_eq!(args[4..9], [16, 384, 384, 0, 2].map(Arg::I32));
-        assert_eq!(args[15..17], [Arg::Null, Arg::I32(0)]);
-        assert!(matches!(args[17], Arg::Ptr(Loc::Input(_))), "the mask");
-        assert_eq!(
-            args[18..],
-            [Arg::I32(16), Arg::I32(12), Arg::F32(1.0 / 32f32.sqrt())]
-        );
-        let Step::Kernel { args: ffn1, .. } = &p.steps[3] else {
-            panic!("FFN1")
-        };
-        assert_eq!(ffn1[17], args[10], "FFN1 normalises O's pre-norm rows");
-        // Packed 64t (bf16): 64 rows of q, k, v and 65 offsets.
-        let pk = plan(&a.packed_program(64, 64), &w, DType::BF16, false, on).unwrap();
-        let (name, _, _, smem, args) = kernel(&pk, "attn_o_small");
-        assert_eq!(
-            (name, smem),
-            ("attn_o_small_bf16_d32", 64 * 1160 * 2 + (64 + 65) * 4)
-        );
-        assert!(matches!(args[15], Arg::Ptr(Loc::Input(_))), "offsets");
-        assert_eq!(
-            [args[16], args[17], args[18]],
-            [Arg::I32(64), Arg::Null, Arg::I32(0)]
-        );
-        assert_eq!(pk.node_count(), 26, "{:?}", pk.step_names());
-        // Not in f32, nor without gemm_small or the switch, nor at rows
-        // gemm_small does not take.
-        for (dtype, limits, program) in [
-            (DType::F32, on, a.program(1, 16)),
-            (DType::F16, on.with_disabled("gemm_small"), a.program(1, 16)),
-            (DType::F16, on.with_disabled("attn_o"), a.program(1, 16)),
-            (DType::F16, on, a.program(4, 16)),
-        ] {
-            let p = plan(&program, &w, dtype, false, limits).unwrap();
-            assert!(
-                !p.step_names().iter().any(|n| n.starts_with("attn_o")),
-                "{dtype:?} {:?}",
-                limits.disabled()
-            );
-        }
-    }
-
+    /// Each kernel path, switched off alone, changes what MiniLM's small
+    /// graphs run (the staged plan where the path is about staging); with
+    /// every path off, (1, 16) plans the kernels of before them.
     #[test]
     fn every_switch_turns_off_its_path() {
-        let all = LIMITS.with_disabled("all");
-        assert_eq!(all.disabled(), DISABLE_SWITCHES.to_vec());
-        assert_eq!(all.max_dyn_smem, LIMITS.max_dyn_smem);
-        assert!(LIMITS.disabled().is_empty());
-        for name in DISABLE_SWITCHES {
-            let l = LIMITS.with_disabled(&format!(" {name} "));
-            assert_eq!(l.disabled(), vec![*name], "{name}");
-        }
-        assert_eq!(
-            Limits::unknown_switches("ln_vec, nope,,small,fused"),
-            vec!["nope"]
-        );
-        let fused = LIMITS.with_disabled("fused");
-        assert_eq!(
-            fused.disabled(),
-            vec![
-                "ln_vec",
-                "ew_vec",
-                "small_attn",
-                "small_ffn",
-                "gemm_small",
-                "qkv_attn",
-                "ln_defer",
-                "ffn_splitk",
-                "attn_o",
-                "pdl",
-                "attn_s16"
-            ]
-        );
-        assert_eq!(fused, LIMITS.with_disabled(LEGACY));
-        // With everything off, MiniLM (1, 16) plans the kernels of before.
         let (a, w) = minilm(1);
-        let plan = plan(&a.program(1, 16), &w, DType::F16, false, all).unwrap();
+        let staged = |limits: Limits, program: &Program, dtype: DType| {
+            let p = plan(program, &w, dtype, false, limits).unwrap();
+            assert!(p.fits_staged_io());
+            p.for_graph(&limits)
+        };
+        let (p16, p17, p64) = (a.program(1, 16), a.program(1, 17), a.packed_program(64, 64));
+        let (mlp8, mw) = mlp(8, Activation::Relu);
+        for path in KernelPath::ALL {
+            let off = LIMITS.without(&[path]);
+            assert_eq!(off.paths.off(), vec![path]);
+            let changed = [
+                (&p16, DType::F16),
+                (&p16, DType::F32),
+                (&p17, DType::F32),
+                (&p64, DType::F16),
+            ]
+            .iter()
+            .any(|&(p, dtype)| staged(LIMITS, p, dtype) != staged(off, p, dtype))
+                || plan(&mlp8, &mw, DType::F32, false, LIMITS)
+                    != plan(&mlp8, &mw, DType::F32, false, off);
+            assert!(changed, "{path}: no plan changes");
+        }
+        let all = LIMITS.without(&KernelPath::ALL);
+        assert_eq!(all.max_dyn_smem, LIMITS.max_dyn_smem);
+        let plan = plan(&p16, &w, DType::F16, false, all).unwrap();
         assert_eq!(
             plan.step_names(),
             vec![
@@ -5358,10 +3746,10 @@ pub(crate) mod tests {
         }
     }
 
-    /// small_layer.cu's `sl_mma32` (two k-steps from 16-byte lane vectors,
+    /// gemm_small.cu's `gs_mma32` (two k-steps from 16-byte lane vectors,
     /// k permuted alike in A and B), modelled on the host: it adds exactly
-    /// A·Wᵀ, every product once, into the C fragment `sl_store_partials`
-    /// reads (lane 4g + t: rows g and g + 8, columns 2t, 2t + 1).
+    /// A·Wᵀ, every product once, into the C fragment (lane 4g + t: rows g
+    /// and g + 8, columns 2t, 2t + 1).
     #[test]
     fn fused_gemm_fragments_compute_the_product() {
         let mut rng = 0x9e37_79b9u64;
@@ -5403,55 +3791,6 @@ pub(crate) mod tests {
                 assert_eq!(cl[2 + e], want(g + 8, 2 * t + e));
             }
         }
-    }
-
-    /// The shared-memory layout of the fused sublayers: rows padded so that
-    /// the 8 lanes of a 16-byte access phase (rows g, g + 1, 16 bytes at
-    /// 16·t) hit distinct banks, and every region 16-byte aligned.
-    #[test]
-    fn fused_shared_memory_layout() {
-        for cols in (32..=1024).step_by(32) {
-            let ld = sl_ld(cols);
-            assert_eq!((2 * ld) % 128, 64, "{cols}");
-            let mut groups: Vec<usize> = (0..2)
-                .flat_map(|g| (0..4).map(move |t| ((g * 2 * ld + 16 * t) / 16) % 8))
-                .collect();
-            groups.sort();
-            groups.dedup();
-            assert_eq!(groups.len(), 8, "{cols}");
-        }
-        for m in 1..=SL_MAXM {
-            let mp = align_up(m, 16);
-            for (hidden, hd) in [(384, 32), (768, 64), (1024, 128), (256, 32)] {
-                let parts = [
-                    mp * sl_ld(hidden) * 2,
-                    SL_WARPS * 16 * SL_NG * 8 * 4,
-                    mp * (hd + 1) * 4,
-                    mp * (hd + 1) * 4,
-                    mp * (hd + 1) * 4,
-                    mp * (mp + 1) * 4,
-                ];
-                // xs holds 16-byte rows, red float2 partials: 16-byte
-                // aligned; q, k, v and the scores are f32, the rest i32.
-                assert!(parts[..2].iter().all(|p| p % 16 == 0), "{m} {hidden} {hd}");
-                assert!(parts.iter().all(|p| p % 4 == 0), "{m} {hidden} {hd}");
-                assert_eq!(
-                    parts.iter().sum::<usize>() + 3 * mp * 4,
-                    small_attn_smem(m, hidden, hd)
-                );
-            }
-            assert_eq!(
-                small_ffn_smem(m, 384),
-                mp * sl_ld(384) * 2 + SL_WARPS * 16 * SL_FS * 4
-            );
-        }
-        // SL_MAXM rows of MiniLM fit an H100/H200 SM (227 KiB); of hidden
-        // 1024 with heads of 128 they do not (the planner then keeps the
-        // separate ops, see fused_sublayers_refuse_what_they_cannot_run),
-        // 32 rows do.
-        assert!(small_attn_smem(SL_MAXM, 384, 32) <= 227 << 10);
-        assert!(small_attn_smem(SL_MAXM, 1024, 128) > 227 << 10);
-        assert!(small_attn_smem(32, 1024, 128) <= 227 << 10);
     }
 
     /// Issue 13's test folders (tests/data/models), loaded as the daemon
@@ -5527,8 +3866,8 @@ pub(crate) mod tests {
                 for dtype in [DType::F32, DType::F16, DType::BF16] {
                     for limits in [
                         LIMITS,
-                        LIMITS.with_disabled("fused"),
-                        LIMITS.with_disabled("tc_attention"),
+                        LIMITS.without(&KernelPath::SMALL_SHAPE),
+                        LIMITS.without(&[KernelPath::TcAttention]),
                     ] {
                         let plan = plan(&program, &model.weights, dtype, false, limits)
                             .unwrap_or_else(|e| panic!("{name} {label} {dtype}: {e}"));
@@ -5552,22 +3891,13 @@ pub(crate) mod tests {
                             "{name} {label} {dtype}: {steps:?}"
                         );
                         let biased = steps.iter().filter(|s| s.contains("_bias_")).count();
-                        let fused_biased = steps
-                            .iter()
-                            .filter(|s| s.starts_with("layer_attn_small_bias_"))
-                            .count();
                         let layers = match &model.arch {
                             crate::model::Architecture::Bert(a) => a.layers.len(),
                             _ => unreachable!(),
                         };
                         if name == "mpnet-st" {
-                            // Every layer's attention, fused or not, has the bias.
+                            // Every layer's attention has the bias.
                             assert_eq!(biased, layers, "{name} {label} {dtype}: {steps:?}");
-                            assert_eq!(
-                                has("layer_attn_small_"),
-                                fused_biased > 0,
-                                "{name} {label}: {steps:?}"
-                            );
                         } else {
                             assert_eq!(biased, 0, "{name} {label} {dtype}: {steps:?}");
                         }
@@ -5700,35 +4030,26 @@ pub(crate) mod tests {
                 pk.validate(&w).unwrap();
                 let plan_ = plan(&pk, &w, dtype, false, LIMITS).unwrap();
                 let steps = names(&plan_);
-                let small = tokens == 16;
-                let prefix = if small {
-                    "layer_attn_small_bias_"
-                } else {
-                    "attention_varlen_tc_bias_"
-                };
+                let prefix = "attention_varlen_tc_bias_";
                 let (name, _, _, _, args) = kernel(&plan_, prefix);
                 assert_eq!(name, format!("{prefix}{ts}_d32"));
-                assert_eq!(args.len(), if small { 21 } else { 8 });
+                assert_eq!(args.len(), 8);
                 assert_eq!(args[args.len() - 2..], bias);
                 assert_eq!(
                     steps.iter().filter(|s| s.starts_with(prefix)).count(),
                     2,
                     "{steps:?}"
                 );
-                assert_eq!(
-                    steps.iter().any(|s| s.starts_with("layer_ffn_small")),
-                    small,
-                    "{steps:?}"
-                );
             }
         }
-        // Padded (1, 16) fuses too; without the bias, the plain kernel.
+        // Padded (1, 16): the 16-key kernel with the bias; without the
+        // bias, the plain one.
         let plan_ = plan(&arch.program(1, 16), &w, DType::F16, false, LIMITS).unwrap();
-        let (_, _, _, _, args) = kernel(&plan_, "layer_attn_small_bias_f16_d32");
-        assert_eq!(args[19..], bias);
+        let (_, _, _, _, args) = kernel(&plan_, "attention_tc_bias_s16_f16_d32");
+        assert_eq!(args[6..], bias);
         arch.position_bias = None;
         let plan_ = plan(&arch.packed_program(16, 8), &w, DType::F16, false, LIMITS).unwrap();
-        kernel(&plan_, "layer_attn_small_f16_d32");
+        kernel(&plan_, "attention_varlen_tc_f16_d32");
         assert!(!names(&plan_).iter().any(|s| s.contains("_bias_")));
     }
 

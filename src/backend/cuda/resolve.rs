@@ -7,10 +7,7 @@ use cudarc::driver::{sys as dsys, CudaStream};
 
 use super::kernels::Kernels;
 use super::matmul::{Epilogue, Matmul, MatmulPlan, MatmulShape, TuneArgs};
-use super::plan::{
-    act_code, ew_blocks, suffix, Arg, Loc, Plan, Step, ACCUM_FLOATS, EW_THREADS, INLINE_WORDS,
-    MAX_COUNTERS,
-};
+use super::plan::{act_code, ew_blocks, suffix, Arg, Loc, Plan, Step, EW_THREADS, INLINE_WORDS};
 use crate::backend::BackendError;
 
 /// Base addresses for resolving [`Loc`]s.
@@ -19,8 +16,8 @@ pub struct Bases<'a> {
     pub inputs: u64,
     pub output: u64,
     pub arena: u64,
-    /// [`MAX_COUNTERS`] zeroed u32s owned by the stream that runs the plan,
-    /// then its `ffn_small` accumulators (`plan::COUNTER_BLOCK_BYTES` in all).
+    /// [`MAX_COUNTERS`](super::plan::MAX_COUNTERS) zeroed u32s owned by the stream that runs the plan
+    /// (`plan::COUNTER_BLOCK_BYTES`).
     pub counters: u64,
     /// The device addresses of a pinned slot's input block and output, for
     /// a staged plan's [`Loc::StagedInput`] / [`Loc::StagedOutput`] (0 for
@@ -36,7 +33,6 @@ impl Bases<'_> {
             Loc::Output(o) => self.output + o as u64,
             Loc::Arena(o) => self.arena + o as u64,
             Loc::Counter(i) => self.counters + 4 * i as u64,
-            Loc::Accum(i) => self.counters + (4 * (MAX_COUNTERS + i * ACCUM_FLOATS)) as u64,
             Loc::StagedInput(o) => self.staged.0 + o as u64,
             Loc::StagedOutput(o) => self.staged.1 + o as u64,
         }
