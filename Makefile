@@ -14,15 +14,15 @@ test: model nvrtc lint
 	# Each host stage's figures, printed (debug build, a few seconds: that it
 	# runs and what it measures; speed is read from a release build).
 	cargo run --quiet --bin replayd-hostbench -- --seconds 0.25 --iters 300
-	scripts/python-tests.sh
-	scripts/check-deploy.sh
-	scripts/fuzz.sh
+	scripts/dev/python-tests.sh
+	scripts/dev/check-deploy.sh
+	scripts/dev/fuzz.sh
 
 model:
-	scripts/fetch-model.sh
+	scripts/dev/fetch-model.sh
 
 nvrtc:
-	scripts/install-nvrtc.sh
+	scripts/dev/install-nvrtc.sh
 
 build:
 	cargo build --release
@@ -34,20 +34,20 @@ lint:
 # The Python client's tests (clients/python) against the daemon binary
 # ($REPLAYD_BIN, else target/debug/replayd, else target/release/replayd).
 python-test: model
-	scripts/python-tests.sh
+	scripts/dev/python-tests.sh
 
 # Install the binaries (from target/release; run `make build` first), the service
 # config, the systemd unit and its sysusers/tmpfiles files. DESTDIR stages it.
 PREFIX ?= /usr/local
 DESTDIR ?=
 install:
-	PREFIX="$(PREFIX)" DESTDIR="$(DESTDIR)" scripts/install.sh
+	PREFIX="$(PREFIX)" DESTDIR="$(DESTDIR)" scripts/dev/install.sh
 
 # Check the deployment files: systemd-analyze verify and security (exposure at most
 # 3.5), sysusers/tmpfiles, and every Kubernetes manifest against its schema.
 check-deploy:
-	scripts/check-deploy.sh
+	scripts/dev/check-deploy.sh
 
 # A longer fuzz run: make fuzz FUZZ_SECONDS=600
 fuzz:
-	FUZZ_SECONDS=$(or $(FUZZ_SECONDS),600) scripts/fuzz.sh
+	FUZZ_SECONDS=$(or $(FUZZ_SECONDS),600) scripts/dev/fuzz.sh

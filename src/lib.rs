@@ -32,7 +32,7 @@
 //! `model`/`protocol`/`gpu` → `bucket`/`tensor`; `worker` → `backend` →
 //! `model`; `config` reads the model vocabulary (`model`, `bucket`) and
 //! nothing of either process. Between these top-level modules there are no
-//! cycles (`scripts/module-graph.py HEAD 1`); inside `daemon`, the messages
+//! cycles (`scripts/dev/module-graph.py HEAD 1`); inside `daemon`, the messages
 //! map and the shared-memory link still refer to each other.
 
 pub mod backend;

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Builds the small random-weight model folders under tests/data/models/ and their
-reference outputs, with the pinned versions of scripts/requirements-testmodels.txt.
+reference outputs, with the pinned versions of scripts/models/requirements-testmodels.txt.
 
     python3 -m venv /tmp/tmvenv
-    /tmp/tmvenv/bin/pip install -r scripts/requirements-testmodels.txt
-    /tmp/tmvenv/bin/python scripts/make-test-models.py
+    /tmp/tmvenv/bin/pip install -r scripts/models/requirements-testmodels.txt
+    /tmp/tmvenv/bin/python scripts/models/make-test-models.py
 
 Deterministic: weights come from numpy's PCG64 with fixed seeds, tokenizers are
 trained single-threaded on the text below, torch runs on one CPU thread, and every
@@ -92,7 +92,7 @@ from sentence_transformers.sentence_transformer.modules import (  # noqa: E402
     Transformer,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "tests" / "data" / "models"
 PINNED = {
     "torch": "2.15.0",
@@ -211,7 +211,7 @@ def check_versions() -> dict[str, str]:
             bad.append(f"{name} {have} (pinned {want})")
     if bad:
         sys.exit(
-            "make-test-models: versions differ from scripts/requirements-testmodels.txt: "
+            "make-test-models: versions differ from scripts/models/requirements-testmodels.txt: "
             + ", ".join(bad)
         )
     return found
@@ -652,7 +652,7 @@ def build_mpnet_st(tmp: Path) -> Path:
 def minilm_dir() -> Path:
     d = ROOT / "models" / "all-MiniLM-L6-v2"
     if not (d / "tokenizer.json").exists():
-        subprocess.run(["bash", str(ROOT / "scripts" / "fetch-model.sh")], check=True,
+        subprocess.run(["bash", str(ROOT / "scripts" / "dev" / "fetch-model.sh")], check=True,
                        env={**os.environ, "PYTHON": sys.executable})
     return d
 
@@ -1284,9 +1284,9 @@ folders exactly as sentence-transformers does (max length, tokenizer overrides, 
 prompts, Dense, Normalize, cross-encoder activations) and for the XLM-R and MPNet encoders.
 The rules behind them are in `docs/notes/sentence-transformers-folders.md`.
 
-Made by `scripts/make-test-models.py` (it deletes and rewrites this folder; deterministic:
+Made by `scripts/models/make-test-models.py` (it deletes and rewrites this folder; deterministic:
 two runs give byte-identical files) with {versions}. Install those with
-`pip install -r scripts/requirements-testmodels.txt` (the plain PyPI torch wheel works on
+`pip install -r scripts/models/requirements-testmodels.txt` (the plain PyPI torch wheel works on
 the CPU). The tokenizers are small and made here: the WordPiece vocabularies are built
 deterministically from a few KB of multilingual text in the script (the tokenizers
 library's WordPieceTrainer and UnigramTrainer break ties through hash maps and give a
@@ -1294,7 +1294,7 @@ different vocabulary on every run), the XLM-R Unigram model is trained by Senten
 with XLM-R's `nmt_nfkc` normalisation and laid out as transformers' XLMRobertaConverter
 does, and every tokenizer.json is written by transformers' own tokenizer class
 (`bert-cross-encoder/` reuses the real all-MiniLM-L6-v2 tokenizer from
-`scripts/fetch-model.sh`). Weights are drawn from numpy's PCG64 with fixed seeds, larger than a trained
+`scripts/dev/fetch-model.sh`). Weights are drawn from numpy's PCG64 with fixed seeds, larger than a trained
 model's so that attention is far from uniform; the padding rows of word and position
 embeddings are zero, as in trained models. The script also checks every reference row
 against `tokenizers.Tokenizer.from_file(tokenizer.json)` (with the overrides the notes

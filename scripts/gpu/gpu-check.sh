@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check: everything the CUDA backend must show, in one run on a GPU
 # machine, with a table at the end. Builds nothing: it runs binaries built
-# elsewhere (see scripts/gpu-carry.sh, which stages them with an f16 copy of
+# elsewhere (see scripts/gpu/gpu-carry.sh, which stages them with an f16 copy of
 # all-MiniLM-L6-v2 under .carry/).
 #
-#   scripts/gpu-check.sh                 # on the GPU machine
-#   GPU_CHECK_BACKEND=cpu scripts/gpu-check.sh   # dry run of the same flow on the CPU backend
+#   scripts/gpu/gpu-check.sh                 # on the GPU machine
+#   GPU_CHECK_BACKEND=cpu scripts/gpu/gpu-check.sh   # dry run of the same flow on the CPU backend
 #
 # Steps: (0) environment; (1) PyTorch baselines and f32 reference embeddings
 # computed with sentence-transformers on the very weights we serve; (2) the
@@ -17,15 +17,15 @@
 # serve identical results, and one faults while the other keeps serving.
 # Results: $OUT/gpu-check.md (the table) and JSON beside it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 BACKEND=${GPU_CHECK_BACKEND:-cuda}
 # GPU_CHECK_STEPS=backend stops after the backend check (a quick kernel check).
 STEPS=${GPU_CHECK_STEPS:-all}
-. scripts/gpu-common.sh
-# Binaries and the f16 MiniLM: given, or as scripts/gpu-carry.sh staged them.
-BIN=$(carried_bin "${GPU_CHECK_BIN:-}") || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+. scripts/gpu/gpu-common.sh
+# Binaries and the f16 MiniLM: given, or as scripts/gpu/gpu-carry.sh staged them.
+BIN=$(carried_bin "${GPU_CHECK_BIN:-}") || { echo "no binaries (run scripts/gpu/gpu-carry.sh, carry .carry)"; exit 1; }
 MODEL=$(carried_minilm_f16 "${GPU_CHECK_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
 MLP=tests/data/mlp_seed.safetensors
 TEXTS=tests/data/minilm_set_a.jsonl
@@ -56,7 +56,7 @@ md ""
 REF_F32=$TEXTS
 if [ "$BACKEND" = cuda ]; then
   log "PyTorch baselines and reference embeddings"
-  if PYTHONUNBUFFERED=1 python3 scripts/torch_baseline.py "$MODEL" "$MLP" "$TEXTS" "$OUT" > "$OUT/torch_baseline.log" 2>&1; then
+  if PYTHONUNBUFFERED=1 python3 scripts/bench/torch-baseline.py "$MODEL" "$MLP" "$TEXTS" "$OUT" > "$OUT/torch_baseline.log" 2>&1; then
     REF_F32=$OUT/reference_f32.jsonl
   else
     fail "torch baseline (see torch_baseline.log)"; tail -20 "$OUT/torch_baseline.log"

@@ -1,9 +1,10 @@
 # Shared by the scripts that run on a GPU machine (bench-host.sh,
 # gpu-check.sh, gpu-kernel-ab.sh, gpu-latency-ab.sh, gpu-families.sh).
-# Sourced from the repository root; defines functions and nothing else.
+# Sourced from the repository root (`. scripts/gpu/gpu-common.sh`); defines
+# functions and nothing else.
 
 # carried_bin [DIR]: prints DIR when given, else unpacks the binaries that
-# scripts/gpu-carry.sh staged under .carry/ into /tmp/replayd-bin and prints
+# scripts/gpu/gpu-carry.sh staged under .carry/ into /tmp/replayd-bin and prints
 # that (the GPU machine has no cargo).
 carried_bin() {
   if [ -n "${1:-}" ]; then echo "$1"; return; fi
@@ -11,7 +12,7 @@ carried_bin() {
 }
 
 # carried_minilm_f16 [DIR]: prints DIR when given, else the f16
-# all-MiniLM-L6-v2 that scripts/gpu-carry.sh staged, unpacked once into
+# all-MiniLM-L6-v2 that scripts/gpu/gpu-carry.sh staged, unpacked once into
 # /tmp/minilm-f16 (the fp32 weights are over the carry limit).
 carried_minilm_f16() {
   if [ -n "${1:-}" ]; then echo "$1"; return; fi

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""sentence-transformers' encode() throughput on a corpus, for scripts/bench-host.sh.
+"""sentence-transformers' encode() throughput on a corpus, for scripts/bench/bench-host.sh.
 
 Loads MODEL_DIR with sentence-transformers in f16 and in f32 on the GPU,
 warms each up, then times encode(texts, batch_size=512) over the whole
-corpus (a JSONL of {"text": ...}, e.g. from scripts/make-corpus.py) and
+corpus (a JSONL of {"text": ...}, e.g. from scripts/bench/make-corpus.py) and
 writes {"f16_texts_per_s", "f32_texts_per_s", "best_texts_per_s",
 "best_dtype", ...} to OUT_JSON. The faster of the two is the baseline the
 bench's throughput targets are ratios of.
 
-Usage: st_baseline.py MODEL_DIR CORPUS_JSONL OUT_JSON [SECONDS_BUDGET]
+Usage: st-baseline.py MODEL_DIR CORPUS_JSONL OUT_JSON [SECONDS_BUDGET]
 """
 import json
 import sys

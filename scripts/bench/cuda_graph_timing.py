@@ -1,6 +1,8 @@
 """Timing of PyTorch's own CUDA-graph replay, the baseline replayd is compared
-with (scripts/torch_baseline.py for MiniLM and the MLP, scripts/family_models.py
-for the encoder families)."""
+with. Not run by itself: a module imported by scripts/bench/torch-baseline.py
+and scripts/bench/torch-graph-baseline.py (MiniLM and the MLP) and by
+scripts/models/family-models.py (the encoder families); its name is
+snake_case so that `import cuda_graph_timing` works."""
 import statistics
 import time
 

@@ -6,10 +6,10 @@
 # The version is pinned to the CUDA release of the GPU machines' driver
 # (580 = CUDA 13.0): an NVRTC newer than the driver produces PTX it rejects.
 #
-# Usage: scripts/install-nvrtc.sh            (idempotent; quick when already there)
+# Usage: scripts/dev/install-nvrtc.sh            (idempotent; quick when already there)
 set -eu
 VERSION="${REPLAYD_NVRTC_VERSION:-13.0.88}"
-repo="$(cd "$(dirname "$0")/.." && pwd)"
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
 dest="$repo/.nvrtc"
 lib="$dest/nvidia/cu13/lib"
 if [ -f "$lib/libnvrtc.so.13" ] && [ -f "$dest/.version" ] && [ "$(cat "$dest/.version")" = "$VERSION" ]; then

@@ -3,7 +3,7 @@
 // not part of the product (the product's figures come from
 // `replayd backend-check`). Built and run on a GPU machine:
 //
-//   nvcc -O2 -arch=sm_90 -o probe-chain scripts/probe-chain-sync.cu && ./probe-chain
+//   nvcc -O2 -arch=sm_90 -o probe-chain scripts/gpu/probe-chain-sync.cu && ./probe-chain
 //
 // A graph of n dependent kernels with the (1, 16) MiniLM graph's grids (the
 // embedding's 4 blocks; per layer QKV 72, attention 12, O 24, FFN1 96,

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # The benchmark of issue 10 (targets 1–4), in one run on a GPU machine, with
 # one table of figures and ratios at the end. Builds nothing:
-# it runs the binaries and the f16 all-MiniLM-L6-v2 that scripts/gpu-carry.sh
+# it runs the binaries and the f16 all-MiniLM-L6-v2 that scripts/gpu/gpu-carry.sh
 # stages under .carry/ (the GPU machine has no cargo and no network).
 #
-#   scripts/bench-host.sh                          # on the GPU machine, ~3 minutes
-#   BENCH_BACKEND=cpu scripts/bench-host.sh        # dry run of the same flow, no GPU
-#   BENCH_BACKEND=null BENCH_HOSTBENCH=0 AB_SERVER=... scripts/bench-host.sh
+#   scripts/bench/bench-host.sh                          # on the GPU machine, ~3 minutes
+#   BENCH_BACKEND=cpu scripts/bench/bench-host.sh        # dry run of the same flow, no GPU
+#   BENCH_BACKEND=null BENCH_HOSTBENCH=0 AB_SERVER=... scripts/bench/bench-host.sh
 #                                                  # the host path alone, A/B, ~1 minute
 #
 # Steps: (1) sentence-transformers encode(batch_size=512) on the realistic
-# corpus, f16 and f32 (scripts/st_baseline.py; the faster is the baseline);
+# corpus, f16 and f32 (scripts/bench/st-baseline.py; the faster is the baseline);
 # (1b) targets 2 and 4: MiniLM f16 (1, 16) and (128, 128) graph replay with
 # copies, replayd (`backend-check`) against PyTorch's CUDA graph
-# (scripts/torch_graph_baseline.py; BENCH_KERNELS=0 skips it); (2) replayd on GPU 0 serving MiniLM f16 (packed batching) over tcp
+# (scripts/bench/torch-graph-baseline.py; BENCH_KERNELS=0 skips it); (2) replayd on GPU 0 serving MiniLM f16 (packed batching) over tcp
 # loopback: target 1, one 12–16-token text at a time from one client (p50,
 # p99 and the replies' own per-hop timings), then target 3, the corpus one
 # text per request from 1,024 concurrent requests over 16 sockets (texts/s,
@@ -34,7 +34,7 @@
 # --engine`: the threads engine is a blocking libzmq client per socket, as
 # pyzmq is, at a fraction of the async engine's CPU).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/bench-host}
 mkdir -p "$OUT"
 BACKEND=${BENCH_BACKEND:-cuda}
@@ -49,9 +49,9 @@ T3_SOCKETS=${T3_SOCKETS:-16}
 # threads engine leaves the daemon more of the host's CPU.
 T3_ENGINE=${T3_ENGINE:-threads}
 ST_BUDGET=${ST_BUDGET:-60}
-. scripts/gpu-common.sh
-# Binaries and the f16 MiniLM: given, or as scripts/gpu-carry.sh staged them.
-BIN=$(carried_bin "${BENCH_BIN:-}") || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+. scripts/gpu/gpu-common.sh
+# Binaries and the f16 MiniLM: given, or as scripts/gpu/gpu-carry.sh staged them.
+BIN=$(carried_bin "${BENCH_BIN:-}") || { echo "no binaries (run scripts/gpu/gpu-carry.sh, carry .carry)"; exit 1; }
 MODEL=$(carried_minilm_f16 "${BENCH_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export REPLAYD_LOG=${REPLAYD_LOG:-info}
@@ -72,13 +72,13 @@ lscpu > "$OUT/lscpu.txt" 2>&1
 
 # Texts: the realistic corpus, and 2,000 texts of 10–14 vocabulary words
 # (12–16 tokens with [CLS] and [SEP]; each such word is one WordPiece token).
-python3 scripts/make-corpus.py --vocab "$MODEL/vocab.txt" "$WORK/corpus.jsonl" 2>&1 | tee -a "$OUT/bench-host.log"
-python3 scripts/make-short-texts.py "$MODEL/vocab.txt" "$WORK/short.jsonl"
+python3 scripts/bench/make-corpus.py --vocab "$MODEL/vocab.txt" "$WORK/corpus.jsonl" 2>&1 | tee -a "$OUT/bench-host.log"
+python3 scripts/bench/make-short-texts.py "$MODEL/vocab.txt" "$WORK/short.jsonl"
 
 # --- 1. the sentence-transformers baseline (before replayd holds the GPU)
 if [ "$BACKEND" = cuda ]; then
   log "sentence-transformers encode(batch_size=512)"
-  PYTHONUNBUFFERED=1 timeout $((ST_BUDGET + 30)) python3 scripts/st_baseline.py "$MODEL" "$WORK/corpus.jsonl" \
+  PYTHONUNBUFFERED=1 timeout $((ST_BUDGET + 30)) python3 scripts/bench/st-baseline.py "$MODEL" "$WORK/corpus.jsonl" \
     "$OUT/st_baseline.json" "$ST_BUDGET" > "$OUT/st_baseline.log" 2>&1 || fail "st_baseline (see st_baseline.log)"
   python3 -c "import json,sys; sys.exit('incomplete' in json.load(open('$OUT/st_baseline.json')))" 2>/dev/null \
     || fail "the sentence-transformers baseline is incomplete (raise ST_BUDGET)"
@@ -90,7 +90,7 @@ fi
 # after the other on the idle GPU.
 if [ "$BACKEND" = cuda ] && [ "${BENCH_KERNELS:-1}" = 1 ]; then
   log "targets 2 and 4: PyTorch CUDA graph, then replayd backend-check"
-  PYTHONUNBUFFERED=1 timeout 180 python3 scripts/torch_graph_baseline.py "$MODEL" "$OUT/torch_graphs.json" \
+  PYTHONUNBUFFERED=1 timeout 180 python3 scripts/bench/torch-graph-baseline.py "$MODEL" "$OUT/torch_graphs.json" \
     > "$OUT/torch_graphs.log" 2>&1 || fail "torch_graph_baseline (see torch_graphs.log)"
   bert_model minilm-f16 "$MODEL" f16 padded 'batch_buckets = [1, 128]' 'seq_buckets = [16, 128]' > "$WORK/kernels.toml"
   timeout 240 "$BIN/replayd" backend-check --config "$WORK/kernels.toml" --out "$OUT/kernels_check.json" \
@@ -135,7 +135,7 @@ load() { # name, args... (with CPU_WINDOW=S set: each thread group's CPU use ove
   local lg=$!
   if [ -n "${CPU_WINDOW:-}" ]; then
     sleep "${CPU_SKIP:-4}"
-    python3 scripts/thread-cpu.py "$CPU_WINDOW" "$OUT/cpu_$name.json" daemon="$DAEMON" loadgen="$lg" \
+    python3 scripts/bench/thread-cpu.py "$CPU_WINDOW" "$OUT/cpu_$name.json" daemon="$DAEMON" loadgen="$lg" \
       > "$OUT/cpu_$name.log" 2>&1 || fail "thread-cpu $name"
   fi
   if wait "$lg"; then
@@ -376,7 +376,7 @@ cpu_runs = [(label, load(f"cpu_{n}.json")) for label, n in [("target 3 (GPU)", "
 cpu_runs += [(f"target 3 (GPU), {e} engine", load(f"cpu_t3_{e}.json")) for e in engines]
 cpu_runs += [(f"target 3 (GPU) at {c}", load(f"cpu_t3_c{c.split('/')[0]}.json")) for c, _ in more]
 if any(c for _, c in cpu_runs):
-    print("\n## CPU per stage during the target-3 loads (scripts/thread-cpu.py; cores kept busy on average)\n")
+    print("\n## CPU per stage during the target-3 loads (scripts/bench/thread-cpu.py; cores kept busy on average)\n")
     print("tokio's workers are `replayd` (the daemon) and `tokio-rt-worker` (the load generator); libzmq's I/O "
           "threads are `ZMQbg/IO/` (one per socket); the worker process is `daemon/child`.\n")
     print("| run | process | threads | count | cores | busiest thread |")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch's own CUDA-graph replay of MiniLM in f16 at the shapes of issue
-10's targets 2 and 4, for scripts/bench-host.sh to set beside replayd's
-(the same forward scripts/torch_baseline.py times for the GPU check).
+10's targets 2 and 4, for scripts/bench/bench-host.sh to set beside replayd's
+(the same forward scripts/bench/torch-baseline.py times for the GPU check).
 
-Usage: torch_graph_baseline.py MODEL_DIR OUT_JSON [BxS ...]   (default 1x16 128x128)
+Usage: torch-graph-baseline.py MODEL_DIR OUT_JSON [BxS ...]   (default 1x16 128x128)
 Writes {"minilm_f16_1x16": {"p50_us": .., "with_copies": {"p50_us": ..}}, ...}.
 """
 import json

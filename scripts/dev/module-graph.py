@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The crate's module import graph at a git revision, and its cycles.
 
-    scripts/module-graph.py REV [DEPTH]   # e.g. HEAD 2: edges between daemon::batcher, daemon::device, ...
+    scripts/dev/module-graph.py REV [DEPTH]   # e.g. HEAD 2: edges between daemon::batcher, daemon::device, ...
 
 Reads `use crate::…` / `super::…` paths (not comments, not test modules)
 of every file under src/ except src/bin, folds them to DEPTH path segments,
@@ -9,7 +9,7 @@ and prints the top-level modules, the strongly connected components with
 more than one member (cycles), and every edge.
 """
 import os,re,sys,subprocess,collections
-rev=sys.argv[1]; repo=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+rev=sys.argv[1]; repo=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 files=subprocess.run(['git','-C',repo,'ls-tree','-r','--name-only',rev,'src'],capture_output=True,text=True).stdout.split()
 files=[f for f in files if f.endswith('.rs') and not f.startswith('src/bin/')]
 def mod_of(f):

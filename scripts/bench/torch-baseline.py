@@ -10,7 +10,7 @@
   (32, 128), in f32 and f16.
 * sentence-transformers' own encode() throughput on the reference texts.
 
-Usage: torch_baseline.py MODEL_DIR MLP_SAFETENSORS TEXTS_JSONL OUT_DIR
+Usage: torch-baseline.py MODEL_DIR MLP_SAFETENSORS TEXTS_JSONL OUT_DIR
 Writes OUT_DIR/torch_baseline.json and OUT_DIR/reference_f32.jsonl.
 """
 import json

@@ -2,28 +2,28 @@
 # Issue 10's target 1 (one 12–16-token text at a time from one client over
 # tcp loopback) on a GPU machine, once per variant, in one call: for an A/B
 # of settings that move a lone request's latency, without the rest of
-# scripts/bench-host.sh (sentence-transformers, the loads of target 3).
+# scripts/bench/bench-host.sh (sentence-transformers, the loads of target 3).
 #
 #   OUT=$OUT VARIANTS='default;no worker spin||worker_spin_us = 0|;no staging|||REPLAYD_CUDA_DISABLE=small,qkv_attn,staged_io' \
-#     scripts/gpu-latency-ab.sh
+#     scripts/gpu/gpu-latency-ab.sh
 #
 # A variant is "name|[server] lines|[devices] lines|environment|replayd-loadgen
 # arguments" (e.g. "--engine threads"; the last fields may be left out; lines
 # separated by "\n" escapes, e.g. "io_threads = 1\nclient_sockets = 1");
 # variants are separated by ";". Each runs twice, interleaved (A B A B), so
 # drift between runs shows. Binaries and the f16 model come from
-# scripts/gpu-carry.sh (carry .carry). Writes $OUT/latency-ab.md and the
+# scripts/gpu/gpu-carry.sh (carry .carry). Writes $OUT/latency-ab.md and the
 # daemons' logs as $OUT/latency-ab-logs.tar.gz.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/latency-ab}
 mkdir -p "$OUT"
 SECONDS_EACH=${SECONDS_EACH:-6}
 ROUNDS=${ROUNDS:-2}
 BACKEND=${AB_BACKEND:-cuda}
-. scripts/gpu-common.sh
-# Binaries and the f16 MiniLM: given, or as scripts/gpu-carry.sh staged them.
-BIN=$(carried_bin "${AB_BIN:-}") || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+. scripts/gpu/gpu-common.sh
+# Binaries and the f16 MiniLM: given, or as scripts/gpu/gpu-carry.sh staged them.
+BIN=$(carried_bin "${AB_BIN:-}") || { echo "no binaries (run scripts/gpu/gpu-carry.sh, carry .carry)"; exit 1; }
 MODEL=$(carried_minilm_f16 "${AB_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 WORK=$(mktemp -d)
@@ -31,7 +31,7 @@ DAEMON=""
 cleanup() { [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null; rm -rf "$WORK"; }
 mkdir -p "$WORK/logs"
 trap cleanup EXIT
-python3 scripts/make-short-texts.py "$MODEL/vocab.txt" "$WORK/short.jsonl"
+python3 scripts/bench/make-short-texts.py "$MODEL/vocab.txt" "$WORK/short.jsonl"
 case "$BACKEND" in
   cuda) DEVICES='backend = "cuda"
 gpus = [0]' ;;

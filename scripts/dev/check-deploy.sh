@@ -2,7 +2,7 @@
 # Checks the deployment files, as CI would on a fresh Debian 12 machine (systemd
 # need not be running: nothing here talks to a service manager).
 #
-#   1. scripts/install.sh into throw-away roots (PREFIX=/usr and /usr/local), with
+#   1. scripts/dev/install.sh into throw-away roots (PREFIX=/usr and /usr/local), with
 #      the built binaries or stand-ins;
 #   2. systemd-analyze verify on the installed unit: any warning fails;
 #   3. systemd-sysusers and systemd-tmpfiles on those roots (as root);
@@ -17,8 +17,10 @@
 # venv, and kubernetes-validate into a cached venv (offline after the first run).
 # Variables: MAX_EXPOSURE (3.5), K8S_VERSION (the schema version; default: the
 # validator's newest), CHECK_DEPLOY_CACHE (where the venv lives).
+#
+#   scripts/dev/check-deploy.sh     # or: make check-deploy (make test runs it)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 MAX_EXPOSURE=${MAX_EXPOSURE:-3.5}
 KUBERNETES_VALIDATE_VERSION=1.37.0
@@ -86,7 +88,7 @@ for prefix in /usr /usr/local; do
   # host's own systemd units, which the systemd package installs.
   mkdir -p "$root/usr/lib/systemd"
   cp -a /usr/lib/systemd/system "$root/usr/lib/systemd/"
-  if BIN_SRC=$BIN_SRC PREFIX=$prefix DESTDIR=$root scripts/install.sh > "$WORK/install$(echo $prefix | tr / _).log" 2>&1; then
+  if BIN_SRC=$BIN_SRC PREFIX=$prefix DESTDIR=$root scripts/dev/install.sh > "$WORK/install$(echo $prefix | tr / _).log" 2>&1; then
     pass "PREFIX=$prefix"
   else
     fail "install.sh PREFIX=$prefix"; cat "$WORK/install$(echo $prefix | tr / _).log"
@@ -95,7 +97,7 @@ done
 # A second run keeps the operator's config.
 root=$WORK/root-usr
 echo "# operator's edit" >> "$root/etc/replayd/replayd.toml"
-BIN_SRC=$BIN_SRC PREFIX=/usr DESTDIR=$root scripts/install.sh > /dev/null 2>&1
+BIN_SRC=$BIN_SRC PREFIX=/usr DESTDIR=$root scripts/dev/install.sh > /dev/null 2>&1
 if tail -1 "$root/etc/replayd/replayd.toml" | grep -q "operator's edit" && [ -f "$root/etc/replayd/replayd.toml.new" ]; then
   pass "an existing config is kept (the new default goes to replayd.toml.new)"
 else

@@ -4,18 +4,18 @@ ptxas itself, on a machine without a GPU.
 
 Compiles kernels/ as the backend does (the files in the order of
 `KERNEL_FILES` in src/backend/cuda/kernels.rs, one translation unit) with
-the NVRTC that scripts/install-nvrtc.sh puts in .nvrtc/, with `-Xptxas=-v`,
+the NVRTC that scripts/dev/install-nvrtc.sh puts in .nvrtc/, with `-Xptxas=-v`,
 and prints one line per entry point whose name contains one of the given
 words (all of them without words). The whole compile takes a few minutes.
 
-    scripts/kernel-resources.py ffn_small gemm_small
+    scripts/gpu/kernel-resources.py ffn_small gemm_small
 """
 import ctypes
 import os
 import re
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIB = os.path.join(REPO, ".nvrtc", "nvidia", "cu13", "lib")
 
 
@@ -29,7 +29,7 @@ def sources():
 
 def main():
     if not os.path.exists(os.path.join(LIB, "libnvrtc.so.13")):
-        sys.exit(f"no NVRTC in {LIB}: run scripts/install-nvrtc.sh")
+        sys.exit(f"no NVRTC in {LIB}: run scripts/dev/install-nvrtc.sh")
     # libnvrtc loads its builtins library by name: from the same folder.
     if LIB not in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
         os.environ["LD_LIBRARY_PATH"] = LIB + ":" + os.environ.get("LD_LIBRARY_PATH", "")

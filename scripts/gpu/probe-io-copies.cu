@@ -1,10 +1,9 @@
 // What the copies around a small graph replay cost, and what reading and
 // writing pinned host memory from the graph's own kernels would save: a
 // probe, not part of the product (the product's figures come from
-// `replayd backend-check`). Built and run on a GPU machine by
-// scripts/gpu-probe-io.sh:
+// `replayd backend-check`). Built and run on a GPU machine:
 //
-//   nvcc -O2 -arch=sm_90 -o probe scripts/probe-io-copies.cu && ./probe
+//   nvcc -O2 -arch=sm_90 -o probe scripts/gpu/probe-io-copies.cu && ./probe
 //
 // A chain of `K` dependent one-block kernels stands for the (1, 16) graph's
 // 32 nodes; the input block is 256 bytes and the output 1,536 (one 384-float

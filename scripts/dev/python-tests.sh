@@ -6,8 +6,10 @@
 #
 # The daemon binary: $REPLAYD_BIN, else target/debug/replayd (what cargo test
 # builds), else target/release/replayd.
+#
+#   scripts/dev/python-tests.sh [pytest args]     # or: make python-test (make test runs it)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 repo=$(pwd)
 python=${PYTHON:-python3}
 venv="$repo/.venv"
@@ -34,7 +36,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sum" ] || ! "$vpy" -c 'import r
   echo "$sum" >"$stamp"
 fi
 
-PYTHON="$vpy" scripts/fetch-model.sh
+PYTHON="$vpy" scripts/dev/fetch-model.sh
 
 if [ -z "${REPLAYD_BIN:-}" ]; then
   for b in target/debug/replayd target/release/replayd; do

@@ -10,8 +10,8 @@ one WordPiece token, so a text is k + 2 tokens with [CLS] and [SEP]: mean
 about 27, median 22, p99 about 105, max 202 (the shape of the corpus measured
 on the H200 in the "Padding-free batching" issue).
 
-    scripts/make-corpus.py /tmp/corpus.jsonl
-    scripts/make-corpus.py --vocab models/all-MiniLM-L6-v2/vocab.txt --count 20000 OUT
+    scripts/bench/make-corpus.py /tmp/corpus.jsonl
+    scripts/bench/make-corpus.py --vocab models/all-MiniLM-L6-v2/vocab.txt --count 20000 OUT
 """
 
 import argparse
@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-DEFAULT_VOCAB = Path(__file__).resolve().parent.parent / "models/all-MiniLM-L6-v2/vocab.txt"
+DEFAULT_VOCAB = Path(__file__).resolve().parents[2] / "models/all-MiniLM-L6-v2/vocab.txt"
 
 
 def words_of(vocab: Path) -> list:

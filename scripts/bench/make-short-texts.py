@@ -4,7 +4,7 @@ JSONL ({"text": ...} per line), 12-16 tokens with [CLS] and [SEP] (each
 alphabetic vocabulary word longer than two characters is one WordPiece
 token). Deterministic (random.Random(11)).
 
-    scripts/make-short-texts.py VOCAB.txt OUT.jsonl
+    scripts/bench/make-short-texts.py VOCAB.txt OUT.jsonl
 """
 import json
 import random

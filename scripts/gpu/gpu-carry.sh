@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Stages what scripts/gpu-check.sh, scripts/gpu-families.sh and scripts/bench-host.sh need on a GPU machine that has no cargo
-# and no network: stripped release binaries in .carry/bin, the commit they
-# were built from, and an f16 copy of all-MiniLM-L6-v2 in .carry/minilm-f16
-# (xz-compressed; the f32 weights are too large to carry; the check computes its reference
-# embeddings there with sentence-transformers on these same weights).
+# Stages what the GPU-side scripts (scripts/gpu/*.sh, scripts/bench/bench-host.sh)
+# need on a GPU machine that has no cargo and no network: stripped release
+# binaries in .carry/bin, the commit they were built from, and an f16 copy of
+# all-MiniLM-L6-v2 in .carry/minilm-f16 (xz-compressed; the f32 weights are too
+# large to carry; the check computes its reference embeddings there with
+# sentence-transformers on these same weights).
 # .carry/ is git-ignored; pass it to the device tool's `carry`.
+#
+#   scripts/gpu/gpu-carry.sh     # here, after any change; then carry .carry to the GPU machine
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 cargo build --release --bins --example cuda_selftest --example family_check
 # Compressed: the carry limit is 64 MiB and the model takes 45.
 rm -rf .carry/bin .carry/bin.tar.gz .carry/bin.tar.xz
@@ -21,7 +24,7 @@ rm -rf .carry/stage
 git rev-parse --short HEAD > .carry/COMMIT
 git diff --quiet HEAD || echo "+uncommitted" >> .carry/COMMIT
 if [ ! -f .carry/minilm-f16/model.safetensors.xz ]; then
-  scripts/fetch-model.sh
+  scripts/dev/fetch-model.sh
   python3 - <<'PY'
 import json, os, shutil, struct
 src, dst = "models/all-MiniLM-L6-v2", ".carry/minilm-f16"

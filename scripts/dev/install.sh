@@ -8,7 +8,7 @@
 #   $SYSUSERSDIR/replayd.conf, $TMPFILESDIR/replayd.conf
 #   $PREFIX/share/doc/replayd/                      README, operating, fleet, protocol
 #
-#   scripts/install.sh                              # PREFIX=/usr/local, into /
+#   scripts/dev/install.sh                              # PREFIX=/usr/local, into /
 #   make install PREFIX=/usr DESTDIR=/tmp/stage     # staged, e.g. for a package; no root needed
 #
 # Variables: PREFIX (/usr/local), DESTDIR (empty), SYSCONFDIR (/etc), BIN_SRC (where
@@ -16,7 +16,7 @@
 # (default $PREFIX/lib/{systemd/system,sysusers.d,tmpfiles.d} for PREFIX /usr or
 # /usr/local, which systemd searches, else under /etc).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PREFIX=${PREFIX:-/usr/local}
 PREFIX=${PREFIX%/}
@@ -58,7 +58,7 @@ service_config() {
     esac
     [ "$(grep -cE "$pattern" "$src")" = 1 ] || die "$src: expected one line matching /$pattern/"
   done
-  echo "# replayd service configuration, installed by scripts/install.sh from the"
+  echo "# replayd service configuration, installed by scripts/dev/install.sh from the"
   echo "# documented default (config/replayd.toml; $DOCDIR/operating.md explains the"
   echo "# keys). Paths are those of the systemd unit: sockets in /run/replayd"
   echo "# (RuntimeDirectory=), kernels in /var/cache/replayd/kernels (CacheDirectory=),"
@@ -122,7 +122,7 @@ replayd installed${DESTDIR:+ under DESTDIR=$DESTDIR}:
 Next, as root:
   systemd-sysusers                 # the replayd user and group
   systemd-tmpfiles --create        # /var/lib/replayd/models, /var/cache/replayd/kernels
-  # put the model folder in /var/lib/replayd/models/all-MiniLM-L6-v2 (scripts/fetch-model.sh
+  # put the model folder in /var/lib/replayd/models/all-MiniLM-L6-v2 (scripts/dev/fetch-model.sh
   # fetches it into models/), and review $CONFIG
   systemctl daemon-reload
   systemctl enable --now replayd   # returns once every graph is captured (Type=notify)

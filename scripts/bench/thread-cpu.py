@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU use of each thread group of running processes, over a window.
 
-Usage: scripts/thread-cpu.py SECONDS OUT.json NAME=PID [NAME=PID ...]
+Usage: scripts/bench/thread-cpu.py SECONDS OUT.json NAME=PID [NAME=PID ...]
 
 Samples /proc/PID/task/*/stat (utime + stime) at the start and the end of
 the window and writes, per process and per thread group, the cores it kept

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Issue 13's encoder families on the CUDA backend, in one run on a GPU
 # machine, with a table at the end. Builds nothing: it runs binaries built
-# elsewhere (scripts/gpu-carry.sh stages them under .carry/, family_check
+# elsewhere (scripts/gpu/gpu-carry.sh stages them under .carry/, family_check
 # among them); the test folders (tests/data/models) are in git.
 #
-#   OUT=dir scripts/gpu-families.sh                          # on the GPU machine
-#   GPU_CHECK_BACKEND=cpu OUT=dir scripts/gpu-families.sh    # dry run on the CPU backend
+#   OUT=dir scripts/gpu/gpu-families.sh                          # on the GPU machine
+#   GPU_CHECK_BACKEND=cpu OUT=dir scripts/gpu/gpu-families.sh    # dry run on the CPU backend
 #
 # (a) backend check: every family test folder (XLM-R, MPNet, BERT with
 #     include_prompt = false + Dense + Normalize, BERT old layout, and the
 #     BERT / XLM-R cross-encoders) in f32, f16 and bf16, padded buckets and
 #     packed budgets, each bucket's graph against the CPU backend (min
-#     cosine); then full-size random folders of each family (scripts/
-#     family_models.py make: XLM-R 384×12, MPNet 768×12, a BERT cross-encoder
+#     cosine); then full-size random folders of each family
+#     (scripts/models/family-models.py make: XLM-R 384×12, MPNet 768×12, a BERT cross-encoder
 #     384×6) at (1, 16) and (32, 128), and MPNet packed, in f16 and f32.
 # (b) the daemon serving every test folder in f32, f16 and bf16 (padded and
 #     packed), its outputs against the folders' committed sentence-transformers
@@ -22,19 +22,19 @@
 # (c) speed: replayd's graph replay (backend check launch -> collect, copies
 #     included) of the full-size folders at (1, 16) and (32, 128) in f16
 #     against PyTorch's torch.cuda.CUDAGraph replay of the same transformers
-#     model in f16 (family_models.py torch).
+#     model in f16 (family-models.py torch).
 # With GPU_CHECK_BACKEND=cpu: (a) and the PyTorch timing are skipped (they
 # need a GPU); (b) runs on the CPU backend, and (c) only makes two-layer
 # full-width folders and serves them once through the daemon.
 # Results: $OUT/gpu-families.md (the table), JSON and logs beside it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu-families}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 BACKEND=${GPU_CHECK_BACKEND:-cuda}
-. scripts/gpu-common.sh
-BIN=$(carried_bin "${GPU_CHECK_BIN:-}") || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+. scripts/gpu/gpu-common.sh
+BIN=$(carried_bin "${GPU_CHECK_BIN:-}") || { echo "no binaries (run scripts/gpu/gpu-carry.sh, carry .carry)"; exit 1; }
 PY=${PYTHON:-python3}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export REPLAYD_LOG=${REPLAYD_LOG:-info}
@@ -49,7 +49,7 @@ log() { echo "[gpu-families +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/gpu-fa
 fail() { log "FAIL: $*"; FAILED=1; }
 : > "$OUT/gpu-families.log"
 for b in replayd family_check; do
-  [ -x "$BIN/$b" ] || { fail "$BIN/$b missing (re-run scripts/gpu-carry.sh)"; exit 1; }
+  [ -x "$BIN/$b" ] || { fail "$BIN/$b missing (re-run scripts/gpu/gpu-carry.sh)"; exit 1; }
 done
 if [ "$BACKEND" = cuda ]; then
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv > "$OUT/nvidia-smi.csv" 2>&1
@@ -59,8 +59,8 @@ fi
 BIG=$WORK/big
 if [ "$BACKEND" = cuda ]; then LAYERS=""; else LAYERS="--layers 2"; fi
 log "making full-size family folders $LAYERS"
-if ! $PY scripts/family_models.py make "$BIG" $LAYERS > "$OUT/family_models_make.log" 2>&1; then
-  fail "family_models.py make (see family_models_make.log)"; tail -5 "$OUT/family_models_make.log"
+if ! $PY scripts/models/family-models.py make "$BIG" $LAYERS > "$OUT/family_models_make.log" 2>&1; then
+  fail "family-models.py make (see family_models_make.log)"; tail -5 "$OUT/family_models_make.log"
 fi
 cp "$BIG/families.json" "$OUT/" 2>/dev/null
 
@@ -110,7 +110,7 @@ max_seqs_per_batch = 8' >> "$WORK/check_big.toml"
   fi
   tail -30 "$OUT/backend_check_big.log"
   log "PyTorch CUDA-graph replay of the full-size folders (f16)"
-  if ! timeout "${TORCH_TIMEOUT:-150}" $PY scripts/family_models.py torch "$OUT/torch_families.json" \
+  if ! timeout "${TORCH_TIMEOUT:-150}" $PY scripts/models/family-models.py torch "$OUT/torch_families.json" \
       "$BIG/xlmr" "$BIG/mpnet" "$BIG/bert-ce" > "$OUT/torch_families.log" 2>&1; then
     fail "PyTorch timing (see torch_families.log)"; tail -20 "$OUT/torch_families.log"
   fi

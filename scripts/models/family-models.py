@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Full-size random-weight folders of issue 13's encoder families, and
-PyTorch's CUDA-graph replay of them (scripts/gpu-families.sh, step c).
+PyTorch's CUDA-graph replay of them (scripts/gpu/gpu-families.sh, step c).
 
-  family_models.py make OUT_DIR [--layers N]
+  family-models.py make OUT_DIR [--layers N]
       Writes OUT_DIR/{xlmr,mpnet,bert-ce}/: the test folders'
       (tests/data/models) tokenizer and sentence-transformers module files
       with each family's real dimensions:
@@ -21,13 +21,13 @@ PyTorch's CUDA-graph replay of them (scripts/gpu-families.sh, step c).
       tensor name: deterministic, and numpy alone is needed (no torch), so
       it runs on any machine. --layers overrides the depth (a quick dry run).
 
-  family_models.py torch OUT_JSON FOLDER...
+  family-models.py torch OUT_JSON FOLDER...
       On a GPU: each folder loaded with transformers in f16 (eager
       attention), its forward (encoder + mean pooling + L2 normalisation,
       or the classifier + the folder's activation) captured in a
       torch.cuda.CUDAGraph at (1, 16) and (32, 128); replay + synchronize
       p50/p90/p99, and the round trip with the pinned copies a server makes
-      (ids in, output out), as scripts/torch_baseline.py does for MiniLM.
+      (ids in, output out), as scripts/bench/torch-baseline.py does for MiniLM.
 """
 import json
 import os
@@ -38,7 +38,7 @@ import zlib
 
 import numpy as np
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 TEST_MODELS = os.path.join(REPO, "tests", "data", "models")
 
 FAMILIES = {
@@ -170,6 +170,8 @@ def torch_times(out_json, folders):
     import torch
     from transformers import AutoModel, AutoModelForSequenceClassification
 
+    # The CUDA-graph timing the MiniLM baselines use lives beside them.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     from cuda_graph_timing import replay_latency
 
     dev = torch.device("cuda")
@@ -208,7 +210,7 @@ def torch_times(out_json, folders):
             def hidden():
                 # The model's own embedding and layer modules (its forward
                 # builds the attention mask with host-side work that a
-                # graph cannot capture, as torch_baseline.py notes for
+                # graph cannot capture, as torch-baseline.py notes for
                 # BertModel); no mask is needed, it is all ones. MPNet's
                 # layers take the relative position bias its encoder
                 # computes once.

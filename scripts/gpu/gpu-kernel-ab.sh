@@ -9,18 +9,18 @@
 # kernel of the (1, 16) graph, one launch at a time, and the registers and
 # spills of the small-shape kernels (cuobjdump of the cached cubin).
 #
-#   OUT=$OUT AB_SWITCHES="default small,qkv_attn,ln_defer" NCU=1 scripts/gpu-kernel-ab.sh
-#   OUT=$OUT AB_SWITCHES="default small,qkv_attn" NCU=1 NCU_SWITCHES=small,qkv_attn scripts/gpu-kernel-ab.sh
+#   OUT=$OUT AB_SWITCHES="default small,qkv_attn,ln_defer" NCU=1 scripts/gpu/gpu-kernel-ab.sh
+#   OUT=$OUT AB_SWITCHES="default small,qkv_attn" NCU=1 NCU_SWITCHES=small,qkv_attn scripts/gpu/gpu-kernel-ab.sh
 #                                   # ffn_splitk (off by default) against the default, ncu with it on
 #
-# Binaries and the f16 model come from scripts/gpu-carry.sh (carry .carry).
+# Binaries and the f16 model come from scripts/gpu/gpu-carry.sh (carry .carry).
 # Writes $OUT/kernel-ab.md (one row per bucket and switch) and the logs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kernel-ab}
 mkdir -p "$OUT"
-. scripts/gpu-common.sh
-BIN=$(carried_bin) || { echo "no binaries (run scripts/gpu-carry.sh, carry .carry)"; exit 1; }
+. scripts/gpu/gpu-common.sh
+BIN=$(carried_bin) || { echo "no binaries (run scripts/gpu/gpu-carry.sh, carry .carry)"; exit 1; }
 MODEL=$(carried_minilm_f16) || { echo "no f16 MiniLM under .carry"; exit 1; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 ITERS=${ITERS:-300}

@@ -4,15 +4,15 @@
 # executions, seconds, new corpus entries, crashes. Exits non-zero on a crash
 # (the input is kept under fuzz/artifacts/TARGET/).
 #
-#   scripts/fuzz.sh                  # CI: FUZZ_SECONDS=20 per target
-#   FUZZ_SECONDS=600 scripts/fuzz.sh # the documented longer run
+#   scripts/dev/fuzz.sh                  # CI: FUZZ_SECONDS=20 per target
+#   FUZZ_SECONDS=600 scripts/dev/fuzz.sh # the documented longer run
 #
 # cargo-fuzz is installed into ~/.cargo/bin if missing. It needs a nightly
 # compiler's flags; RUSTC_BOOTSTRAP=1 lets the stable toolchain accept them.
 # The committed seeds (fuzz/corpus/TARGET) are read, never written: what the
 # run discovers goes to a scratch directory.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 secs=${FUZZ_SECONDS:-20}
 export RUSTC_BOOTSTRAP=1
@@ -20,7 +20,7 @@ export RUSTC_BOOTSTRAP=1
 if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked
 fi
-scripts/fetch-model.sh # the tokenizer target uses the default model's tokenizer
+scripts/dev/fetch-model.sh # the tokenizer target uses the default model's tokenizer
 
 # No sanitizer: the targets are safe Rust, so libFuzzer's coverage and its
 # panic/abort/OOM/timeout detection are what matter, and the build is faster.
