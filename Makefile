@@ -1,5 +1,5 @@
 # The README's two commands are `make run` and `make test`.
-.PHONY: run test model nvrtc build lint python-test install check-deploy fuzz
+.PHONY: run test model nvrtc build lint check-paths python-test install check-deploy fuzz
 
 # Start the daemon on the default config (CUDA where a GPU is present, else CPU).
 run: model
@@ -30,6 +30,12 @@ build:
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
+
+# Repository paths named in .rs, .md and .toml files that do not exist (about
+# a second). Not yet part of lint: a few files still name paths moved by
+# issue 31 (config/replayd.toml, docs/transport.md, src/backend/).
+check-paths:
+	scripts/dev/check-paths.py
 
 # The Python client's tests (clients/python) against the daemon binary
 # ($REPLAYD_BIN, else target/debug/replayd, else target/release/replayd).

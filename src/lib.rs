@@ -1,7 +1,8 @@
 //! replayd serves neural-network inference by replaying CUDA Graphs captured
 //! once per input-shape bucket.
 //!
-//! The crate follows the two processes of the design (see `DESIGN.md`):
+//! The crate follows the two processes of the design (see
+//! `docs/architecture.md`):
 //!
 //! * [`daemon`] — the main process: the client socket (frontend), the
 //!   tokenizer pool, the batcher, the supervisor and its device actors (one
