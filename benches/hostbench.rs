@@ -4,7 +4,7 @@
 //! the null backend (which computes nothing), so only the host path is timed.
 //!
 //! ```sh
-//! scripts/fetch-model.sh                      # the tokenizer and model config
+//! scripts/dev/fetch-model.sh                      # the tokenizer and model config
 //! cargo build --release --bins
 //! target/release/replayd-hostbench            # every stage, ~1 minute
 //! target/debug/replayd-hostbench --seconds 0.25 --iters 300   # what CI runs (seconds)
@@ -14,7 +14,7 @@
 //! Stages (each figure is per one core unless it says otherwise):
 //! * `protocol` — decode a one-text request, encode its 384-float reply.
 //! * `tokenize` — one 12–16-token text inline, and one corpus-like text
-//!   (as `scripts/make-corpus.py` makes them, ~27 tokens), each through the
+//!   (as `scripts/bench/make-corpus.py` makes them, ~27 tokens), each through the
 //!   daemon's path (the WordPiece fast path for ASCII text) and through the
 //!   HF tokenizer alone; the pool round trip (sequential latency) and the
 //!   pool's throughput from 256 tasks.
@@ -283,7 +283,7 @@ async fn tokenize(t: &mut Table, args: &Args) {
     }
 }
 
-/// Texts as `scripts/make-corpus.py` makes them (alphabetic vocabulary
+/// Texts as `scripts/bench/make-corpus.py` makes them (alphabetic vocabulary
 /// words of three or more characters, 3–200 per text, log-normal count with
 /// mean about 25: about 27 tokens), from a fixed seed.
 fn corpus_like(vocab: &std::path::Path, count: usize) -> Vec<String> {

@@ -9,7 +9,7 @@
 //!
 //! Texts come from a JSONL file with a `text` field per line (e.g.
 //! tests/data/minilm_set_a.jsonl, or the realistic corpus that
-//! `scripts/make-corpus.py` writes); `--features N` sends random f32 rows
+//! `scripts/bench/make-corpus.py` writes); `--features N` sends random f32 rows
 //! instead (MLP models). `--batch` texts go in each request.
 //!
 //! Every successful reply's per-hop timings (`decode_us` … `reply_us`, see
@@ -31,7 +31,7 @@
 //! each bucket's real and computed tokens and padding waste, and the total:
 //!
 //! ```sh
-//! scripts/make-corpus.py /tmp/corpus.jsonl
+//! scripts/bench/make-corpus.py /tmp/corpus.jsonl
 //! replayd-loadgen --model all-MiniLM-L6-v2 --texts /tmp/corpus.jsonl --batch 32 \
 //!     --concurrency 256 --duration 20 --control ipc://$XDG_RUNTIME_DIR/replayd/control.sock
 //! ```

@@ -1,6 +1,6 @@
 //! Checks a running daemon against the sentence-transformers references
 //! committed beside the test model folders (`tests/data/models/*/reference.jsonl`,
-//! see that folder's README): what `scripts/gpu-families.sh` runs through
+//! see that folder's README): what `scripts/gpu/gpu-families.sh` runs through
 //! the real daemon on the GPU machine (and on the CPU backend as a dry run).
 //!
 //! ```sh

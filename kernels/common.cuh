@@ -99,7 +99,7 @@ __device__ __forceinline__ void pdl_enter() {
 // parameter (plan::INLINE_WORDS, set per batch by the host's StagedIo): the
 // kernel reads the batch's ids from its constant bank instead of from the
 // pinned slot across PCIe, one host round trip (~1.6 µs on an H200, probe in
-// scripts/probe-io-copies.cu) off the start of every replay.
+// scripts/gpu/probe-io-copies.cu) off the start of every replay.
 // __grid_constant__, so dynamic indexing reads the parameter space in place
 // rather than a local copy.
 #define INLINE_WORDS 128

@@ -289,7 +289,7 @@ pub struct DevicesConfig {
 /// `devices.worker_spin_us` when unset, on a host of at least
 /// [`AUTO_SPIN_MIN_CPUS`] CPUs: on the 16-vCPU H200 host it took 44 µs off a
 /// short text's p50 and added 10 % to many small requests' throughput
-/// (docs/gpu-results/2026-12-02-h200-bench-host-b239445.md).
+/// (docs/perf-log.md#run-record-2026-12-02-h200-bench-host-b239445).
 pub const AUTO_WORKER_SPIN_US: u64 = 300;
 /// Below this many CPUs the spinning core costs the rest of the host more
 /// than the wake-up it saves (−9 % throughput on 2 cores), so unset means 0.

@@ -1,7 +1,8 @@
 //! replayd serves neural-network inference by replaying CUDA Graphs captured
 //! once per input-shape bucket.
 //!
-//! The crate follows the two processes of the design (see `DESIGN.md`):
+//! The crate follows the two processes of the design (see
+//! `docs/architecture.md`):
 //!
 //! * [`daemon`] — the main process: the client socket (frontend), the
 //!   tokenizer pool, the batcher, the supervisor and its device actors (one
@@ -32,7 +33,7 @@
 //! `model`/`protocol`/`gpu` → `bucket`/`tensor`; `worker` → `backend` →
 //! `model`; `config` reads the model vocabulary (`model`, `bucket`) and
 //! nothing of either process. Between these top-level modules there are no
-//! cycles (`scripts/module-graph.py HEAD 1`); inside `daemon`, the messages
+//! cycles (`scripts/dev/module-graph.py HEAD 1`); inside `daemon`, the messages
 //! map and the shared-memory link still refer to each other.
 
 pub mod backend;

@@ -379,7 +379,7 @@ fn broken_model_folders_fail_at_startup_naming_the_file() {
 async fn fetch_script_fetches_a_model_that_then_serves() {
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("all-MiniLM-L6-v2");
-    let status = std::process::Command::new(crate_dir().join("scripts/fetch-model.sh"))
+    let status = std::process::Command::new(crate_dir().join("scripts/dev/fetch-model.sh"))
         .arg(&dest)
         .status()
         .unwrap();

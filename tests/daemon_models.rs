@@ -1,7 +1,7 @@
 //! Model folders of every family served by the daemon on the CPU backend,
 //! checked against the sentence-transformers references committed beside
 //! them (`tests/data/models/*/reference.jsonl`, made by
-//! `scripts/make-test-models.py`; what each folder exercises is in
+//! `scripts/models/make-test-models.py`; what each folder exercises is in
 //! `tests/data/models/README.md`).
 //!
 //! * Token ids (and token types) from the tokenizer the daemon builds are

@@ -7,7 +7,7 @@
 //! MPNet position ids, `embed_ln_padpos_*`;
 //! row normalisation, `l2norm_rows_*`; MPNet's relative attention bias,
 //! `attention*_bias_*`; prompt-skipping pooling, `pool*_skip_*`). Needs no GPU and no
-//! CUDA toolkit, only NVRTC (`scripts/install-nvrtc.sh` puts the pinned wheel
+//! CUDA toolkit, only NVRTC (`scripts/dev/install-nvrtc.sh` puts the pinned wheel
 //! into `.nvrtc/`; `REPLAYD_NVRTC_DIR` or `LD_LIBRARY_PATH` may point
 //! elsewhere).
 //!
@@ -49,7 +49,7 @@ fn find_nvrtc() -> Result<String, String> {
         .map(|_| "a standard CUDA location".into())
         .map_err(|e| {
             format!(
-                "NVRTC (libnvrtc.so.13) not found. Run `scripts/install-nvrtc.sh` (pip-installs \
+                "NVRTC (libnvrtc.so.13) not found. Run `scripts/dev/install-nvrtc.sh` (pip-installs \
              nvidia-cuda-nvrtc=={}.{}.* into {}/.nvrtc) or set REPLAYD_NVRTC_DIR to a directory \
              holding libnvrtc.so.13 and libnvrtc-builtins.so.13.0. Searched {dirs:?}; {e}",
                 EXPECTED_NVRTC.0,

@@ -1,6 +1,6 @@
 #![no_main]
 //! See `replayd::fuzz::tokenizer_text`; uses the default model's tokenizer
-//! (`scripts/fetch-model.sh` fetches it).
+//! (`scripts/dev/fetch-model.sh` fetches it).
 use libfuzzer_sys::fuzz_target;
 use replayd::daemon::tokenize::TextTokenizer;
 use std::sync::OnceLock;
@@ -9,7 +9,7 @@ fn tokenizer() -> &'static TextTokenizer {
     static T: OnceLock<TextTokenizer> = OnceLock::new();
     T.get_or_init(|| {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2");
-        TextTokenizer::load(&dir, 256).expect("the default model (scripts/fetch-model.sh)")
+        TextTokenizer::load(&dir, 256).expect("the default model (scripts/dev/fetch-model.sh)")
     })
 }
 

@@ -661,7 +661,7 @@ mod tests {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2");
         assert!(
             dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file(),
-            "{} is missing: run scripts/fetch-model.sh",
+            "{} is missing: run scripts/dev/fetch-model.sh",
             dir.display()
         );
         dir
@@ -770,7 +770,7 @@ mod tests {
             .collect()
     }
 
-    /// Texts as `scripts/make-corpus.py` makes them: 3–200 alphabetic
+    /// Texts as `scripts/bench/make-corpus.py` makes them: 3–200 alphabetic
     /// vocabulary words (longer than two characters), about 27 tokens on
     /// average (the Python script's log-normal length, approximated).
     pub(crate) fn corpus_like(count: usize, seed: u64) -> Vec<String> {

@@ -10,7 +10,7 @@
 //!
 //! Nothing here allocates device memory or creates a CUDA context: the
 //! daemon process must never hold one (a fault in any context poisons the
-//! whole process; see DESIGN.md).
+//! whole process; see `docs/architecture.md`).
 
 pub mod libs;
 pub mod nvml;

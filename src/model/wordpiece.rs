@@ -569,7 +569,7 @@ pub(crate) mod tests {
             Path::new(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2/tokenizer.json");
         assert!(
             path.is_file(),
-            "{} is missing: run scripts/fetch-model.sh",
+            "{} is missing: run scripts/dev/fetch-model.sh",
             path.display()
         );
         let mut t = Tokenizer::from_file(&path).unwrap();

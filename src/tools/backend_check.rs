@@ -797,7 +797,7 @@ enum RefItem {
 }
 
 /// Reads a reference file. Lines with `text` instead of `ids` (what
-/// scripts/torch_baseline.py writes) are tokenized with the model's own
+/// scripts/bench/torch-baseline.py writes) are tokenized with the model's own
 /// tokenizer, as the daemon would.
 fn read_reference(path: &std::path::Path, model: &Model) -> anyhow::Result<Vec<RefItem>> {
     let mut tokenizer = None;

@@ -48,12 +48,12 @@ batch_buckets = {buckets:?}
     )
 }
 
-/// The default model folder; tests need it fetched (`scripts/fetch-model.sh`).
+/// The default model folder; tests need it fetched (`scripts/dev/fetch-model.sh`).
 pub fn minilm_dir() -> PathBuf {
     let dir = crate_dir().join("models/all-MiniLM-L6-v2");
     assert!(
         dir.join("model.safetensors").exists(),
-        "{} is missing: run scripts/fetch-model.sh (the README's test command does)",
+        "{} is missing: run scripts/dev/fetch-model.sh (the README's test command does)",
         dir.display()
     );
     dir

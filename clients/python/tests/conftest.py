@@ -61,7 +61,7 @@ def free_port() -> int:
 
 def minilm_toml() -> str:
     if not (MINILM_DIR / "model.safetensors").exists():
-        pytest.exit(f"{MINILM_DIR} is missing: run scripts/fetch-model.sh", returncode=2)
+        pytest.exit(f"{MINILM_DIR} is missing: run scripts/dev/fetch-model.sh", returncode=2)
     return f"""
 [[models]]
 name = "{MINILM}"

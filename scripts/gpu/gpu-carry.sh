@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Stages what the GPU-side scripts (scripts/gpu/*.sh, scripts/bench/bench-host.sh)
+# need on a GPU machine that has no cargo and no network: stripped release
+# binaries in .carry/bin, the commit they were built from, and an f16 copy of
+# all-MiniLM-L6-v2 in .carry/minilm-f16 (xz-compressed; the f32 weights are too
+# large to carry; the check computes its reference embeddings there with
+# sentence-transformers on these same weights).
+# .carry/ is git-ignored; pass it to the device tool's `carry`.
+#
+#   scripts/gpu/gpu-carry.sh     # here, after any change; then carry .carry to the GPU machine
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cargo build --release --bins --example cuda_selftest --example family_check
+# Compressed: the carry limit is 64 MiB and the model takes 45.
+rm -rf .carry/bin .carry/bin.tar.gz .carry/bin.tar.xz
+mkdir -p .carry/stage
+for b in replayd replayctl replayd-loadgen replayd-hostbench; do
+  strip -o ".carry/stage/$b" "target/release/$b"
+done
+strip -o .carry/stage/cuda_selftest target/release/examples/cuda_selftest
+strip -o .carry/stage/family_check target/release/examples/family_check
+tar -C .carry/stage -cJf .carry/bin.tar.xz replayd replayctl replayd-loadgen replayd-hostbench cuda_selftest family_check
+rm -rf .carry/stage
+git rev-parse --short HEAD > .carry/COMMIT
+git diff --quiet HEAD || echo "+uncommitted" >> .carry/COMMIT
+if [ ! -f .carry/minilm-f16/model.safetensors.xz ]; then
+  scripts/dev/fetch-model.sh
+  python3 - <<'PY'
+import json, os, shutil, struct
+src, dst = "models/all-MiniLM-L6-v2", ".carry/minilm-f16"
+os.makedirs(dst, exist_ok=True)
+for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+          "vocab.txt", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"]:
+    shutil.copy(os.path.join(src, f), dst)
+shutil.copytree(os.path.join(src, "1_Pooling"), os.path.join(dst, "1_Pooling"), dirs_exist_ok=True)
+# Rewrite model.safetensors with f32 tensors as f16 (no numpy needed).
+raw = open(os.path.join(src, "model.safetensors"), "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+header = json.loads(raw[8:8 + n])
+data = raw[8 + n:]
+out_header, chunks, offset = {}, [], 0
+for name, info in sorted((k, v) for k, v in header.items() if k != "__metadata__"):
+    a, b = info["data_offsets"]
+    blob = data[a:b]
+    if info["dtype"] == "F32":
+        vals = struct.unpack(f"<{len(blob) // 4}f", blob)
+        blob = struct.pack(f"<{len(vals)}e", *vals)
+        info = dict(info, dtype="F16")
+    out_header[name] = dict(info, data_offsets=[offset, offset + len(blob)])
+    chunks.append(blob)
+    offset += len(blob)
+out_header["__metadata__"] = {"format": "pt"}
+h = json.dumps(out_header).encode()
+h += b" " * (-len(h) % 8)
+with open(os.path.join(dst, "model.safetensors"), "wb") as f:
+    f.write(struct.pack("<Q", len(h)) + h)
+    for c in chunks:
+        f.write(c)
+PY
+  # The tree, the binaries and the model must fit the 64 MiB carry limit:
+  # f16 weights compress by about a tenth.
+  xz -9 -T2 .carry/minilm-f16/model.safetensors
+fi
+du -sh .carry

@@ -1,0 +1,1448 @@
+#!/usr/bin/env python3
+"""Builds the small random-weight model folders under tests/data/models/ and their
+reference outputs, with the pinned versions of scripts/models/requirements-testmodels.txt.
+
+    python3 -m venv /tmp/tmvenv
+    /tmp/tmvenv/bin/pip install -r scripts/models/requirements-testmodels.txt
+    /tmp/tmvenv/bin/python scripts/models/make-test-models.py
+
+Deterministic: weights come from numpy's PCG64 with fixed seeds, tokenizers are
+trained single-threaded on the text below, torch runs on one CPU thread, and every
+JSON file is written with a fixed key order, so two runs on one machine give
+byte-identical files. The script deletes and rewrites tests/data/models/ whole.
+
+Every folder is written by the library's own save (`save_pretrained`,
+`SentenceTransformer.save`, `CrossEncoder.save`); the folders in an *older* format
+(bert-st-old, mpnet-st, the two legacy cross-encoders) are then given the files those
+older releases wrote (their sentence_bert_config.json, 1_Pooling/config.json,
+modules.json, config_sentence_transformers.json, tokenizer_config.json). Every
+reference is computed from the folder as reloaded from disk, and the script checks:
+
+* the token ids equal those of `tokenizers.Tokenizer.from_file(tokenizer.json)` with
+  its own padding/truncation replaced by sentence-transformers' (and `Lowercase`
+  prepended where sentence_bert_config.json says do_lower_case);
+* an independent float64 numpy forward pass written from
+  docs/notes/sentence-transformers-folders.md (embeddings, position ids, MPNet's
+  relative bias, attention, pooling, Dense, Normalize, classifier heads) agrees with
+  sentence-transformers on every case;
+* a batched encode equals the per-text one.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["RAYON_NUM_THREADS"] = "1"
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+os.environ["TQDM_DISABLE"] = "1"
+
+import argparse
+import importlib.metadata
+import io
+import json
+import math
+import shutil
+import subprocess
+import sys
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+torch.use_deterministic_algorithms(True)
+
+import sentencepiece as spm  # noqa: E402
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, normalizers, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    BertModel,
+    BertTokenizer,
+    GPT2Config,
+    GPT2Model,
+    GPT2Tokenizer,
+    MPNetConfig,
+    MPNetModel,
+    MPNetTokenizer,
+    XLMRobertaConfig,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+    XLMRobertaTokenizer,
+)
+
+transformers.logging.set_verbosity_error()
+
+from sentence_transformers import CrossEncoder, SentenceTransformer  # noqa: E402
+from sentence_transformers.sentence_transformer.modules import (  # noqa: E402
+    Dense,
+    LayerNorm,
+    Normalize,
+    Pooling,
+    Transformer,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "tests" / "data" / "models"
+PINNED = {
+    "torch": "2.15.0",
+    "transformers": "5.24.0",
+    "sentence-transformers": "6.2.0",
+    "tokenizers": "0.23.3",
+    "safetensors": "0.8.0",
+    "numpy": "2.4.6",
+    "sentencepiece": "0.2.3",
+}
+
+# ---------------------------------------------------------------------------------------------
+# Text. CORPUS trains the small tokenizers; the test cases below use some words that are in it
+# and some that are not (so [UNK]/<unk> and sub-word splits both occur).
+# ---------------------------------------------------------------------------------------------
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A man is playing a guitar on the street.
+Machine learning models turn sentences into vectors, and similar sentences get similar vectors.
+How do I reset my password? Click the link in the email we sent you and choose a new password.
+The weather is lovely today. It is so sunny outside that we walked to the park by the river.
+He drove to the stadium to watch the football match with his friends from school.
+Berlin has a population of about three and a half million people and many museums.
+Paris is the capital and largest city of France, famous for its art, food and history.
+The train to London leaves at nine in the morning and arrives shortly after noon.
+Graph replay removes the launch overhead of small kernels; the GPU then does the real work.
+A request is padded to the smallest bucket that holds it, and long requests run eagerly.
+Reading a model folder exactly as the library reads it is harder than it looks.
+Search engines rank passages for a query; a cross-encoder reads the query and passage together.
+Questions and answers: what is the capital of Italy? Rome is the capital of Italy.
+The cat sat on the mat while the children played in the garden behind the old house.
+Scientists discovered a new species of frog in the rainforest last year.
+Please send me the report before Friday so that we can review the numbers together.
+Numbers such as 2024, 3.14159 and 42 appear in text, as do dates like 1 January 2025.
+Le renard brun rapide saute par-dessus le chien paresseux. Il fait beau aujourd'hui à Paris.
+La ville de Montréal est connue pour ses festivals, son café et ses hivers très froids.
+Où se trouve la gare ? Elle est à côté de l'hôtel de ville, près du marché.
+Der schnelle braune Fuchs springt über den faulen Hund. Die Straße ist heute sehr ruhig.
+Ich möchte ein Glas Wasser und ein Stück Kuchen, bitte. Das Wetter in München ist schön.
+Die Grüße aus Köln kamen spät, aber die Freude über die Nachricht war groß.
+El rápido zorro marrón salta sobre el perro perezoso. ¿Dónde está la biblioteca?
+Mañana vamos a la playa con nuestros amigos de la universidad de Sevilla.
+A cidade de São Paulo é a maior do Brasil, e o café da manhã lá é delicioso.
+Il treno per Roma parte alle nove; la città è famosa per la sua storia e la sua cucina.
+Быстрая коричневая лиса прыгает через ленивую собаку. Москва — столица России.
+Сегодня хорошая погода, и мы гуляем в парке у реки.
+Η γρήγορη καφέ αλεπού πηδά πάνω από τον τεμπέλη σκύλο. Η Αθήνα είναι η πρωτεύουσα.
+我喜欢自然语言处理。北京是中国的首都。今天天气很好，我们去公园散步。
+机器学习模型把句子变成向量，相似的句子得到相似的向量。
+東京は日本の首都です。私は毎朝コーヒーを飲みます。日本語の文章も少し含めます。
+서울은 한국의 수도입니다. 오늘 날씨가 정말 좋습니다.
+القاهرة هي عاصمة مصر. الطقس جميل اليوم.
+दिल्ली भारत की राजधानी है। आज मौसम बहुत अच्छा है।
+İstanbul, Türkiye'nin en kalabalık şehridir ve çok güzel bir boğazı vardır.
+Kraków i Warszawa to duże miasta w Polsce; żółw je sałatę.
+Ærøskøbing ligger på Ærø, og smørrebrød smager godt i København.
+"""
+
+LONG_EN = (
+    "Sentence encoders read a text, turn every token into a vector, and pool those vectors into "
+    "one embedding. Serving them fast means batching requests, padding them to a few fixed shapes "
+    "and replaying a captured graph for each shape, while the results stay exactly what the "
+    "reference library computes. "
+)
+LONG_MULTI = (
+    "Le renard brun rapide saute par-dessus le chien paresseux. Der schnelle braune Fuchs springt "
+    "über den faulen Hund. El rápido zorro marrón salta sobre el perro perezoso. 我喜欢自然语言处理。"
+    "東京は日本の首都です。Быстрая коричневая лиса прыгает через ленивую собаку. "
+)
+
+ORDINARY = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A man is playing a guitar on the street.",
+    "How do I reset my password?",
+    "Graph replay removes the launch overhead of small kernels.",
+    "replay the graph",
+    "pad to the bucket",
+]
+HARD = [
+    ("empty", ""),
+    ("space", " "),
+    ("whitespace", "  \t\n  \r\n "),
+    ("single-char", "a"),
+    ("punctuation", "?!..."),
+    ("mixed-case", "HELLO World, MiXeD CaSe Text!"),
+    ("accents", "Café naïve résumé — Ærøskøbing, Straße, São Paulo, İstanbul."),
+    ("cjk-zh", "我喜欢自然语言处理。"),
+    ("cjk-ja", "東京は日本の首都です。"),
+    ("hangul", "서울은 한국의 수도입니다."),
+    ("emoji", "I love 🍕 and 🚀! 👍🏽 ❤️"),
+    ("fullwidth-ligature", "Ｆｕｌｌ－ｗｉｄｔｈ ｔｅｘｔ and the ﬁne ligature ①"),
+    ("control-chars", "zero\u200bwidth, bell\u0007, nbsp\u00a0here, soft\u00adhyphen"),
+    ("numbers", "The year 2024 had 366 days; π ≈ 3.14159 and 1e-9."),
+    ("long-word", "Pneumonoultramicroscopicsilicovolcanoconiosis"),
+    ("word-over-100-chars", "ab" * 55 + " end"),
+]
+
+
+def special_text(kind: str) -> str:
+    if kind == "bert":
+        return "special tokens in text: [CLS] [SEP] [PAD] [MASK] [UNK] end"
+    return "special tokens in text: <s> </s> <pad> <mask> <unk> end"
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def check_versions() -> dict[str, str]:
+    found = {}
+    bad = []
+    for name, want in PINNED.items():
+        have = importlib.metadata.version(name)
+        found[name] = have
+        if have.split("+")[0] != want:
+            bad.append(f"{name} {have} (pinned {want})")
+    if bad:
+        sys.exit(
+            "make-test-models: versions differ from scripts/models/requirements-testmodels.txt: "
+            + ", ".join(bad)
+        )
+    return found
+
+
+def fmt_float(x: float) -> str:
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"non-finite value {x}")
+    s = f"{x:.9g}"
+    if "e" not in s and "." not in s:
+        s += ".0"
+    return s
+
+
+def to_json(v) -> str:
+    """JSON with float32 values written to 9 significant digits (exact for f32)."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(json.dumps(k) + ": " + to_json(x) for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(to_json(x) for x in v) + "]"
+    if isinstance(v, (np.ndarray,)):
+        return to_json(v.tolist())
+    if isinstance(v, (bool, np.bool_)):
+        return "true" if v else "false"
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        return fmt_float(v)
+    return json.dumps(v, ensure_ascii=False)
+
+
+def write_json(path: Path, obj, indent: int = 2) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def corpus_lines() -> list[str]:
+    return [line for line in CORPUS.splitlines() if line.strip()]
+
+
+def build_wordpiece_vocab(specials: list[str], vocab_size: int, lowercase: bool) -> dict[str, int]:
+    """A WordPiece vocabulary in BERT's format, built deterministically from CORPUS (the tokenizers
+    library's WordPieceTrainer breaks ties through hash maps, so it differs from run to run):
+    the specials, every character alone and as ##c, then whole words, word prefixes and ##suffixes
+    by frequency (ties by the string)."""
+    from collections import Counter
+
+    norm = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)
+    pre = pre_tokenizers.BertPreTokenizer()
+    words = Counter()
+    for line in corpus_lines():
+        for w, _ in pre.pre_tokenize_str(norm.normalize_str(line)):
+            words[w] += 1
+    chars = sorted({c for w in words for c in w})
+    vocab = list(specials) + chars + ["##" + c for c in chars]
+    prefixes, suffixes = Counter(), Counter()
+    for w, n in words.items():
+        for i in range(2, min(len(w), 7)):
+            prefixes[w[:i]] += n
+            suffixes["##" + w[len(w) - i :]] += n
+    by_count = lambda c: [k for k, _ in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))]  # noqa: E731
+    room = vocab_size - len(vocab)
+    picks = (
+        [w for w in by_count(words) if len(w) > 1][: room * 45 // 100]
+        + by_count(prefixes)[: room * 25 // 100]
+        + by_count(suffixes)[: room * 30 // 100]
+    )
+    seen = set(vocab)
+    for t in picks:
+        if t not in seen:
+            seen.add(t)
+            vocab.append(t)
+    return {t: i for i, t in enumerate(vocab)}
+
+
+def train_wordpiece(specials: list[str], unk: str, vocab_size: int, lowercase: bool) -> dict[str, int]:
+    assert unk in specials
+    return build_wordpiece_vocab(specials, vocab_size, lowercase)
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    r = s = 0
+    while True:
+        c = b[i]
+        i += 1
+        r |= (c & 0x7F) << s
+        s += 7
+        if c < 0x80:
+            return r, i
+
+
+def _proto_fields(b: bytes):
+    """(field number, value) of a serialized protobuf message (enough for sentencepiece's)."""
+    i = 0
+    while i < len(b):
+        key, i = _varint(b, i)
+        f, t = key >> 3, key & 7
+        if t == 0:
+            v, i = _varint(b, i)
+        elif t == 2:
+            n, i = _varint(b, i)
+            v, i = b[i : i + n], i + n
+        elif t == 5:
+            v, i = b[i : i + 4], i + 4
+        elif t == 1:
+            v, i = b[i : i + 8], i + 8
+        else:
+            raise ValueError(f"wire type {t}")
+        yield f, v
+
+
+def train_sentencepiece(vocab_size: int) -> tuple[bytes, list[tuple[str, float]]]:
+    """A SentencePiece Unigram model trained on CORPUS the way XLM-R's was (nmt_nfkc
+    normalisation), single-threaded and deterministic. Returns the precompiled nmt_nfkc charsmap
+    and the vocabulary in XLM-R's layout, as transformers' XLMRobertaConverter builds it:
+    <s>=0 <pad>=1 </s>=2 <unk>=3, then the SentencePiece pieces after its own <unk> <s> </s>
+    (ids shifted by the fairseq offset 1), then <mask>."""
+    import struct
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus_lines()),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        normalization_rule_name="nmt_nfkc",
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        num_threads=1,
+        minloglevel=2,
+    )
+    model = buf.getvalue()
+    pieces = []
+    for f, v in _proto_fields(model):
+        if f == 1:  # ModelProto.pieces: SentencePiece {piece = 1; score = 2; type = 3}
+            d = {}
+            for g, w in _proto_fields(v):
+                d[g] = w
+            pieces.append((d[1].decode("utf-8"), struct.unpack("<f", d[2])[0] if 2 in d else 0.0, d.get(3, 1)))
+    assert [p for p, _, _ in pieces[:3]] == ["<unk>", "<s>", "</s>"], pieces[:3]
+    spec = next(v for f, v in _proto_fields(model) if f == 3)  # ModelProto.normalizer_spec
+    assert next(v for f, v in _proto_fields(spec) if f == 1) == b"nmt_nfkc"
+    charsmap = next(v for f, v in _proto_fields(spec) if f == 2)  # NormalizerSpec.precompiled_charsmap
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(p, float(sc)) for p, sc, _ in pieces[3:]]
+    vocab.append(("<mask>", 0.0))
+    return charsmap, vocab
+
+
+def train_byte_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2's byte alphabet and <|endoftext|>, no merges (enough for a folder that is refused)."""
+    del vocab_size
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<|endoftext|>": 0}
+    for c in alphabet:
+        vocab[c] = len(vocab)
+    return vocab, []
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: every parameter drawn from numpy PCG64 seeded by (model seed, crc32 of its name).
+# Larger than a trained model's initialisation so that attention is far from uniform and a
+# wrong position id, bias or head layout changes the output clearly.
+# ---------------------------------------------------------------------------------------------
+
+
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    def rng(name: str) -> np.random.Generator:
+        return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+    with torch.no_grad():
+        for mod_name, mod in model.named_modules():
+            for p_name, p in mod.named_parameters(recurse=False):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                g = rng(full)
+                shape = tuple(p.shape)
+                if isinstance(mod, torch.nn.LayerNorm):
+                    v = (1.0 + 0.1 * g.standard_normal(shape)) if p_name == "weight" else 0.1 * g.standard_normal(shape)
+                elif isinstance(mod, torch.nn.Embedding):
+                    std = 1.0 if "relative_attention_bias" in full else 0.5
+                    v = std * g.standard_normal(shape)
+                    if mod.padding_idx is not None:
+                        v[mod.padding_idx] = 0.0  # trained models keep the padding row at zero
+                elif isinstance(mod, torch.nn.Linear):
+                    if p_name == "weight":
+                        v = g.standard_normal(shape) / math.sqrt(shape[1])
+                    else:
+                        v = 0.1 * g.standard_normal(shape)
+                elif isinstance(mod, torch.nn.LSTM):
+                    v = g.standard_normal(shape) / math.sqrt(shape[-1])
+                else:
+                    v = 0.1 * g.standard_normal(shape)
+                p.copy_(torch.from_numpy(np.asarray(v, dtype=np.float32)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Folder clean-up after the library's save
+# ---------------------------------------------------------------------------------------------
+
+
+def tidy_folder(path: Path) -> None:
+    """Drops the generated model card and pins the version block to the release numbers (the
+    torch wheel's local tag, e.g. +cu132, depends on which wheel was installed)."""
+    readme = path / "README.md"
+    if readme.exists():
+        readme.unlink()
+    cst = path / "config_sentence_transformers.json"
+    if cst.exists():
+        cfg = read_json(cst)
+        if "__version__" in cfg:
+            cfg["__version__"] = {k: v.split("+")[0] for k, v in cfg["__version__"].items()}
+        write_json(cst, cfg)
+    for f in path.rglob("*.json"):
+        text = f.read_text(encoding="utf-8")
+        assert str(ROOT) not in text and "/tmp/" not in text and "/work/" not in text, f
+
+
+def old_tokenizer_config(do_lower_case: bool | None, model_max_length: int, cls: str, specials: dict, **extra) -> dict:
+    cfg = {}
+    if do_lower_case is not None:
+        cfg["do_lower_case"] = do_lower_case
+    cfg.update(specials)
+    cfg.update(extra)
+    cfg["model_max_length"] = model_max_length
+    cfg["tokenizer_class"] = cls
+    return cfg
+
+
+def old_modules(with_normalize: bool) -> list[dict]:
+    mods = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if with_normalize:
+        mods.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    return mods
+
+
+def write_vocab_txt(path: Path, vocab: dict[str, int]) -> None:
+    ordered = sorted(vocab.items(), key=lambda kv: kv[1])
+    assert [i for _, i in ordered] == list(range(len(ordered)))
+    path.write_text("".join(t + "\n" for t, _ in ordered), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the folders
+# ---------------------------------------------------------------------------------------------
+
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BERT_SPECIAL_MAP = {
+    "unk_token": "[UNK]",
+    "sep_token": "[SEP]",
+    "pad_token": "[PAD]",
+    "cls_token": "[CLS]",
+    "mask_token": "[MASK]",
+}
+
+
+def build_bert_st_old(tmp: Path) -> Path:
+    """BERT in the sentence-transformers 2.x layout, cased WordPiece + do_lower_case=true."""
+    vocab = train_wordpiece(BERT_SPECIALS, "[UNK]", 1400, lowercase=False)
+    tok = BertTokenizer(vocab=vocab, do_lower_case=False, model_max_length=512)
+    # tokenizer.json files of that era carried the tokenizers library's own truncation/padding
+    # (all-MiniLM-L6-v2's: 128 and Fixed(128)); sentence-transformers overrides both.
+    tok.backend_tokenizer.enable_truncation(max_length=128, strategy="longest_first")
+    tok.backend_tokenizer.enable_padding(length=128, pad_id=0, pad_token="[PAD]")
+    cfg = BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0,
+    )
+    model = BertModel(cfg)
+    init_weights(model, 1001)
+    hf = tmp / "bert-st-old-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(modules=[Transformer(str(hf)), Pooling(32, "mean"), Normalize()], device="cpu")
+    path = OUT / "bert-st-old"
+    st.save(str(path))
+    # The files sentence-transformers 2.x wrote:
+    write_json(path / "sentence_bert_config.json", {"max_seq_length": 256, "do_lower_case": True})
+    write_json(path / "modules.json", old_modules(with_normalize=True))
+    shutil.rmtree(path / "2_Normalize", ignore_errors=True)  # 2.x wrote no folder for Normalize
+    write_json(
+        path / "1_Pooling" / "config.json",
+        {
+            "word_embedding_dimension": 32,
+            "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": True,
+            "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False,
+        },
+    )
+    write_json(
+        path / "config_sentence_transformers.json",
+        {"__version__": {"sentence_transformers": "2.0.0", "transformers": "4.6.1", "pytorch": "1.8.1"}},
+    )
+    write_json(
+        path / "tokenizer_config.json",
+        old_tokenizer_config(False, 512, "BertTokenizer", BERT_SPECIAL_MAP, tokenize_chinese_chars=True,
+                             strip_accents=None, do_basic_tokenize=True, never_split=None),
+    )
+    write_json(path / "special_tokens_map.json", BERT_SPECIAL_MAP)
+    write_vocab_txt(path / "vocab.txt", vocab)
+    tidy_folder(path)
+    return path
+
+
+def uncased_bert_vocab() -> dict[str, int]:
+    return train_wordpiece(BERT_SPECIALS, "[UNK]", 1600, lowercase=True)
+
+
+def build_bert_st_new(tmp: Path) -> Path:
+    """BERT saved by sentence-transformers 6.2: only model_max_length=128 limits the length,
+    CLS pooling with include_prompt=false, a Dense(32->24, Tanh), Normalize, prompts."""
+    vocab = uncased_bert_vocab()
+    tok = BertTokenizer(vocab=vocab, do_lower_case=True, model_max_length=128)
+    cfg = BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0,
+    )
+    model = BertModel(cfg)
+    init_weights(model, 1002)
+    hf = tmp / "bert-st-new-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    dense = Dense(32, 24, bias=True, activation_function=torch.nn.Tanh())
+    init_weights(dense, 1003)
+    st = SentenceTransformer(
+        modules=[Transformer(str(hf)), Pooling(32, "cls", include_prompt=False), dense, Normalize()],
+        prompts={
+            "query": "query: ",
+            "document": "",
+            "instruct": "Represent this sentence for searching relevant passages: ",
+        },
+        default_prompt_name="query",
+        device="cpu",
+    )
+    path = OUT / "bert-st-new"
+    st.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+def xlmr_tokenizer(vocab, charsmap: bytes, model_max_length: int) -> XLMRobertaTokenizer:
+    return XLMRobertaTokenizer(vocab=vocab, _spm_precompiled_charsmap=charsmap, model_max_length=model_max_length)
+
+
+def xlmr_config(vocab_size: int, **kw) -> XLMRobertaConfig:
+    return XLMRobertaConfig(
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=514, type_vocab_size=1, pad_token_id=1,
+        bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5, **kw,
+    )
+
+
+def build_xlmr_st(tmp: Path, uni, charsmap) -> Path:
+    tok = xlmr_tokenizer(uni, charsmap, 512)
+    model = XLMRobertaModel(xlmr_config(len(uni)))
+    init_weights(model, 2001)
+    hf = tmp / "xlmr-st-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(
+        modules=[Transformer(str(hf)), Pooling(32, "mean"), Normalize()],
+        prompts={"query": "query: ", "document": "passage: "},
+        device="cpu",
+    )
+    path = OUT / "xlmr-st"
+    st.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+def build_mpnet_st(tmp: Path) -> Path:
+    """MPNet in the layout all-mpnet-base-v2 has: sentence_bert_config max_seq_length 384 under a
+    tokenizer model_max_length of 512, mean pooling, Normalize."""
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "[UNK]"]
+    vocab = train_wordpiece(specials, "[UNK]", 1400, lowercase=True)
+    vocab["<mask>"] = len(vocab)
+    tok = MPNetTokenizer(vocab=vocab, do_lower_case=True, unk_token="[UNK]", model_max_length=512,
+                         extra_special_tokens=["<unk>"])
+    cfg = MPNetConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=514, relative_attention_num_buckets=32,
+        layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+    )
+    model = MPNetModel(cfg)
+    init_weights(model, 3001)
+    hf = tmp / "mpnet-st-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(modules=[Transformer(str(hf)), Pooling(32, "mean"), Normalize()], device="cpu")
+    path = OUT / "mpnet-st"
+    st.save(str(path))
+    write_json(path / "sentence_bert_config.json", {"max_seq_length": 384, "do_lower_case": False})
+    write_json(path / "modules.json", old_modules(with_normalize=True))
+    shutil.rmtree(path / "2_Normalize", ignore_errors=True)
+    # 1_Pooling/config.json as sentence-transformers 2.3-5.x wrote it (all six legacy keys)
+    write_json(
+        path / "1_Pooling" / "config.json",
+        {
+            "word_embedding_dimension": 32,
+            "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": True,
+            "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False,
+            "pooling_mode_weightedmean_tokens": False,
+            "pooling_mode_lasttoken": False,
+            "include_prompt": True,
+        },
+    )
+    write_json(
+        path / "config_sentence_transformers.json",
+        {
+            "__version__": {"sentence_transformers": "2.0.0", "transformers": "4.6.1", "pytorch": "1.8.1"},
+        },
+    )
+    mp_specials = {
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "[UNK]", "sep_token": "</s>",
+        "pad_token": "<pad>", "cls_token": "<s>", "mask_token": "<mask>",
+    }
+    write_json(
+        path / "tokenizer_config.json",
+        old_tokenizer_config(True, 512, "MPNetTokenizer", mp_specials, tokenize_chinese_chars=True,
+                             strip_accents=None, additional_special_tokens=["<unk>"]),
+    )
+    write_json(path / "special_tokens_map.json", {**mp_specials, "additional_special_tokens": ["<unk>"]})
+    write_vocab_txt(path / "vocab.txt", vocab)
+    tidy_folder(path)
+    return path
+
+
+def minilm_dir() -> Path:
+    d = ROOT / "models" / "all-MiniLM-L6-v2"
+    if not (d / "tokenizer.json").exists():
+        subprocess.run(["bash", str(ROOT / "scripts" / "dev" / "fetch-model.sh")], check=True,
+                       env={**os.environ, "PYTHON": sys.executable})
+    return d
+
+
+def build_bert_cross_encoder(tmp: Path) -> Path:
+    """BertForSequenceClassification, num_labels=1, saved by CrossEncoder 6.2 with max_length=64;
+    the real all-MiniLM-L6-v2 (bert-base-uncased) WordPiece tokenizer, as ms-marco-MiniLM has."""
+    tok = AutoTokenizer.from_pretrained(str(minilm_dir()))
+    cfg = BertConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0, num_labels=1,
+    )
+    model = BertForSequenceClassification(cfg)
+    init_weights(model, 4001)
+    hf = tmp / "bert-ce-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    ce = CrossEncoder(str(hf), max_length=64, device="cpu")
+    path = OUT / "bert-cross-encoder"
+    ce.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+def build_xlmr_cross_encoder(tmp: Path, uni, charsmap) -> Path:
+    """XLMRobertaForSequenceClassification with 3 labels (an NLI head): Identity activation,
+    raw logits; tokenizer model_max_length 512 = max_position_embeddings 514 - 2."""
+    tok = xlmr_tokenizer(uni, charsmap, 512)
+    cfg = xlmr_config(
+        len(uni), num_labels=3,
+        id2label={0: "contradiction", 1: "entailment", 2: "neutral"},
+        label2id={"contradiction": 0, "entailment": 1, "neutral": 2},
+    )
+    model = XLMRobertaForSequenceClassification(cfg)
+    init_weights(model, 5001)
+    hf = tmp / "xlmr-ce-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    ce = CrossEncoder(str(hf), device="cpu")
+    path = OUT / "xlmr-cross-encoder"
+    ce.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+def build_legacy_cross_encoder(name: str, seed: int, config_keys: dict) -> Path:
+    """A cross-encoder as sentence-transformers < 6 saved it: a plain transformers folder (no
+    modules.json, no config_sentence_transformers.json), the activation in config.json."""
+    vocab = uncased_bert_vocab()
+    tok = BertTokenizer(vocab=vocab, do_lower_case=True, model_max_length=512)
+    cfg = BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0, num_labels=1,
+    )
+    for k, v in config_keys.items():
+        setattr(cfg, k, v)
+    model = BertForSequenceClassification(cfg)
+    init_weights(model, seed)
+    path = OUT / name
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    write_json(
+        path / "tokenizer_config.json",
+        old_tokenizer_config(True, 512, "BertTokenizer", BERT_SPECIAL_MAP, tokenize_chinese_chars=True,
+                             strip_accents=None),
+    )
+    write_json(path / "special_tokens_map.json", BERT_SPECIAL_MAP)
+    write_vocab_txt(path / "vocab.txt", vocab)
+    tidy_folder(path)
+    return path
+
+
+def build_unsupported_arch(tmp: Path) -> Path:
+    """A GPT-2 (decoder) sentence-transformers folder: valid, loadable, and refused by us."""
+    vocab, merges = train_byte_bpe(300)
+    tok = GPT2Tokenizer(vocab=vocab, merges=merges, model_max_length=64)
+    tok.pad_token = "<|endoftext|>"
+    cfg = GPT2Config(vocab_size=len(vocab), n_positions=64, n_embd=16, n_layer=1, n_head=2,
+                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = GPT2Model(cfg)
+    init_weights(model, 6001)
+    hf = tmp / "gpt2-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(modules=[Transformer(str(hf)), Pooling(16, "lasttoken")], device="cpu")
+    path = OUT / "unsupported-arch"
+    st.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+def build_unsupported_module(tmp: Path) -> Path:
+    """Transformer -> Pooling -> LayerNorm -> Normalize: sentence-transformers runs the LayerNorm
+    module (sentence_transformers.models.LayerNorm) on the pooled vector; we do not implement it,
+    so a loader that silently skipped it would return wrong embeddings."""
+    vocab = uncased_bert_vocab()
+    tok = BertTokenizer(vocab=vocab, do_lower_case=True, model_max_length=128)
+    cfg = BertConfig(
+        vocab_size=len(vocab), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=128, type_vocab_size=2, pad_token_id=0,
+    )
+    model = BertModel(cfg)
+    init_weights(model, 7001)
+    hf = tmp / "layernorm-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    norm = LayerNorm(16)
+    init_weights(norm, 7002)
+    st = SentenceTransformer(modules=[Transformer(str(hf)), Pooling(16, "mean"), norm, Normalize()], device="cpu")
+    path = OUT / "unsupported-module"
+    st.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_len(tok, text: str, pair: str | None = None) -> int:
+    enc = tok(text, pair, truncation=False, add_special_tokens=True) if pair is not None else tok(
+        text, truncation=False, add_special_tokens=True
+    )
+    return len(enc["input_ids"])
+
+
+def repeat_to(tok, base: str, n_tokens: int, prompt: str = "") -> str:
+    text = base
+    while hf_len(tok, prompt + text) <= n_tokens:
+        text += base
+    return text.strip()
+
+
+def exact_length_text(tok, base: str, n_tokens: int, prompt: str = "") -> str:
+    """Whole words of a repetition of `base`, topped up with single-token words "the", whose
+    tokenization (with `prompt` in front and the special tokens) is exactly n_tokens long."""
+    words = repeat_to(tok, base, n_tokens + 40, prompt).split(" ")
+    k = 0
+    while k < len(words) and hf_len(tok, prompt + " ".join(words[: k + 1])) <= n_tokens:
+        k += 1
+    text = " ".join(words[:k])
+    assert hf_len(tok, prompt + text + " the") == hf_len(tok, prompt + text) + 1
+    while hf_len(tok, prompt + text) < n_tokens:
+        text += " the"
+    assert hf_len(tok, prompt + text) == n_tokens
+    return text
+
+
+def st_cases(tok, kind: str, max_len: int, long_base: str, default_prompt: str, prompt_names: list[str]) -> list[dict]:
+    cases = [{"case": f"ordinary-{i + 1}", "text": t, "prompt_name": None} for i, t in enumerate(ORDINARY)]
+    cases += [{"case": name, "text": t, "prompt_name": None} for name, t in HARD]
+    cases.append({"case": "special-token-strings", "text": special_text(kind), "prompt_name": None})
+    for n, name in ((max_len, "exactly-max-length"), (max_len + 1, "max-length-plus-one")):
+        cases.append({"case": name, "text": exact_length_text(tok, long_base, n, default_prompt), "prompt_name": None})
+    cases.append({"case": "longer-than-max", "text": repeat_to(tok, long_base, max_len + 60, default_prompt), "prompt_name": None})
+    for pn in prompt_names:
+        cases += [
+            {"case": f"prompt-{pn}-ordinary-1", "text": ORDINARY[0], "prompt_name": pn},
+            {"case": f"prompt-{pn}-ordinary-3", "text": ORDINARY[2], "prompt_name": pn},
+            {"case": f"prompt-{pn}-empty", "text": "", "prompt_name": pn},
+            {"case": f"prompt-{pn}-accents", "text": HARD[6][1], "prompt_name": pn},
+            {"case": f"prompt-{pn}-longer-than-max", "text": repeat_to(tok, long_base, max_len + 60), "prompt_name": pn},
+        ]
+    return cases
+
+
+PAIRS = [
+    ("relevant", "How many people live in Berlin?", "Berlin has a population of about three and a half million people."),
+    ("irrelevant", "How many people live in Berlin?", "The weather is lovely today."),
+    ("capital", "What is the capital of France?", "Paris is the capital and largest city of France."),
+    ("identical", "replay the graph", "replay the graph"),
+    ("empty-passage", "a query with no passage", ""),
+    ("empty-query", "", "a passage with no query"),
+    ("both-empty", "", ""),
+    ("accents-cjk", "Où se trouve la gare ?", "我喜欢自然语言处理。東京は日本の首都です。Café naïve."),
+    ("emoji", "I love 🍕", "🚀 to the moon 👍🏽"),
+    ("special-token-strings", "[SEP] </s> in a query", "[CLS] <s> <pad> [PAD] in a passage"),
+]
+
+
+def pair_cases(tok, max_len: int) -> list[dict]:
+    cases = [{"case": n, "pair": [q, p]} for n, q, p in PAIRS]
+    short_q = "What does a cross-encoder read?"
+    longp = repeat_to(tok, LONG_EN, max_len + 40)
+    cases.append({"case": "long-passage", "pair": [short_q, longp]})
+    cases.append({"case": "long-query", "pair": [longp, "A short passage."]})
+    cases.append({"case": "both-long", "pair": [longp, repeat_to(tok, LONG_MULTI, max_len + 40)]})
+    # Equal halves over the maximum by an odd count: shows which side loses the odd token.
+    half = exact_length_text(tok, LONG_EN, max_len // 2 + 3)  # includes its own specials
+    cases.append({"case": "equal-halves-over-max", "pair": [half, half]})
+    # A pair exactly at the maximum and one token over it (topped up with single-token "the").
+    q = "How long may a pair be?"
+    for n, name in ((max_len, "pair-exactly-max"), (max_len + 1, "pair-max-plus-one")):
+        words = longp.split(" ")
+        k = 0
+        while hf_len(tok, q, " ".join(words[: k + 1])) <= n:
+            k += 1
+        p = " ".join(words[:k])
+        while hf_len(tok, q, p) < n:
+            p += " the"
+        assert hf_len(tok, q, p) == n
+        cases.append({"case": name, "pair": [q, p]})
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference computation
+# ---------------------------------------------------------------------------------------------
+
+
+def tokenizers_crate_ids(path: Path, max_len: int, lower: bool, a: str, b: str | None = None):
+    """What a reimplementation gets from tokenizer.json alone, once it applies the rules of the
+    notes: drop the file's own padding/truncation, truncate longest_first at the resolved maximum,
+    and prepend Lowercase when sentence_bert_config.json says do_lower_case."""
+    tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tk.no_padding()
+    tk.enable_truncation(max_length=max_len, strategy="longest_first", stride=0, direction="right")
+    if lower:
+        tk.normalizer = normalizers.Sequence([normalizers.Lowercase(), tk.normalizer])
+    enc = tk.encode(a, b) if b is not None else tk.encode(a)
+    return enc.ids, enc.type_ids
+
+
+def module_list(model) -> list:
+    return list(model._modules.values())
+
+
+def st_reference(path: Path, kind: str, long_base: str, token_case: str = "ordinary-1") -> list[dict]:
+    m = SentenceTransformer(str(path), device="cpu")
+    m.eval()
+    tok = m[0].tokenizer
+    max_len = m.max_seq_length
+    sbc = read_json(path / "sentence_bert_config.json")
+    lower = bool(sbc.get("do_lower_case", False))
+    prompt_names = [k for k, v in m.prompts.items() if v]
+    if m.default_prompt_name:
+        prompt_names += [k for k, v in m.prompts.items() if not v and k in ("document",)]
+    default_prompt = m.prompts.get(m.default_prompt_name, "") if m.default_prompt_name else ""
+    cases = st_cases(tok, kind, max_len, long_base, default_prompt, prompt_names)
+    pooling = next(x for x in module_list(m) if isinstance(x, Pooling))
+    rows = []
+    with torch.inference_mode():
+        for c in cases:
+            prompt = m._resolve_prompt(None, c["prompt_name"])
+            feats = m.preprocess([c["text"]], prompt=prompt)
+            row = {"case": c["case"], "text": c["text"], "prompt_name": c["prompt_name"], "prompt": prompt or None}
+            ids = feats["input_ids"][0].tolist()
+            row["ids"] = ids
+            if "token_type_ids" in feats:
+                row["type_ids"] = feats["token_type_ids"][0].tolist()
+            assert feats["attention_mask"][0].tolist() == [1] * len(ids)
+            if "prompt_length" in feats:
+                row["prompt_length"] = int(feats["prompt_length"])
+            full = hf_len(tok, (prompt or "") + c["text"])  # tok already lowercases where ST does
+            if full > len(ids):
+                row["untruncated_length"] = full
+            # tokenizer.json alone (see tokenizers_crate_ids) must give the same ids
+            t_ids, t_types = tokenizers_crate_ids(path, max_len, lower, (prompt or "") + c["text"])
+            assert t_ids == ids, (path.name, c["case"], t_ids, ids)
+            if "type_ids" in row:
+                assert t_types == row["type_ids"]
+            x = dict(feats)
+            inter = {}
+            for mod in module_list(m):
+                x = mod(x)
+                if isinstance(mod, Transformer):
+                    inter["token_embeddings"] = x["token_embeddings"][0].float().numpy().copy()
+                elif isinstance(mod, Pooling):
+                    inter["pooled"] = x["sentence_embedding"][0].float().numpy().copy()
+                elif isinstance(mod, Dense):
+                    inter["dense"] = x["sentence_embedding"][0].float().numpy().copy()
+            inter["final"] = x["sentence_embedding"][0].float().numpy().copy()
+            c["_inter"] = inter
+            c["_row"] = row
+        # the outputs as encode() gives them: one call per prompt_name, batched
+        groups = {}
+        for c in cases:
+            groups.setdefault(c["prompt_name"], []).append(c)
+        for pn, group in groups.items():
+            embs = m.encode([c["text"] for c in group], prompt_name=pn, convert_to_numpy=True, batch_size=64)
+            assert embs.dtype == np.float32
+            for c, e in zip(group, embs):
+                assert np.allclose(e, c["_inter"]["final"], atol=2e-6), (path.name, c["case"])
+                c["_embedding"] = e
+    has_dense = any(isinstance(x, Dense) for x in module_list(m))
+    has_norm = any(isinstance(x, Normalize) for x in module_list(m))
+    for c in cases:
+        row = c["_row"]
+        if c["case"] == token_case:
+            row["token_embeddings"] = c["_inter"]["token_embeddings"].tolist()
+        if has_norm or has_dense:
+            row["pooled"] = c["_inter"]["pooled"].tolist()
+        if has_dense and has_norm:
+            row["dense"] = c["_inter"]["dense"].tolist()
+        row["embedding"] = c["_embedding"].tolist()
+        rows.append(row)
+    numpy_check_st(path, m, pooling, rows)
+    # The folder's own peculiarities must be observable: ignoring do_lower_case or trusting the
+    # tokenizer.json's baked truncation must change some ids.
+    if lower:
+        assert any(tokenizers_crate_ids(path, max_len, False, (r["prompt"] or "") + r["text"])[0] != r["ids"] for r in rows)
+    baked = read_json(path / "tokenizer.json").get("truncation")
+    if baked and baked["max_length"] != max_len:
+        tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        assert any(len(tk.encode(r["text"]).ids) != len(r["ids"]) for r in rows)
+    return rows
+
+
+def ce_reference(path: Path) -> list[dict]:
+    ce = CrossEncoder(str(path), device="cpu")
+    ce.eval()
+    tok = ce[0].tokenizer
+    max_len = ce.max_seq_length
+    cases = pair_cases(tok, max_len)
+    n_labels = ce.num_labels
+    pairs = [tuple(c["pair"]) for c in cases]
+    with torch.inference_mode():
+        scores = ce.predict(pairs, convert_to_numpy=True, batch_size=64)
+        logits = ce.predict(pairs, convert_to_numpy=True, batch_size=64, activation_fn=torch.nn.Identity())
+        soft = ce.predict(pairs, convert_to_numpy=True, batch_size=64, activation_fn=torch.nn.Identity(),
+                          apply_softmax=True) if n_labels > 1 else None
+    rows = []
+    for i, c in enumerate(cases):
+        q, p = c["pair"]
+        feats = ce.preprocess([(q, p)])
+        row = {"case": c["case"], "pair": [q, p], "ids": feats["input_ids"][0].tolist()}
+        if "token_type_ids" in feats:
+            row["type_ids"] = feats["token_type_ids"][0].tolist()
+        nq = len(tok(q, add_special_tokens=False)["input_ids"])
+        np_ = len(tok(p, add_special_tokens=False)["input_ids"])
+        specials = hf_len(tok, q, p) - nq - np_
+        kept = len(row["ids"]) - specials
+        if kept < nq + np_:
+            # which tokens survived: recover the split from the post-processor's layout
+            t_ids = tokenizers_crate_ids(path, max_len, False, q, p)[0]
+            assert t_ids == row["ids"]
+            tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+            tk.no_padding()
+            tk.enable_truncation(max_length=max_len, strategy="longest_first")
+            enc = tk.encode(q, p)
+            seq = enc.sequence_ids
+            kq = sum(1 for s, sp in zip(seq, enc.special_tokens_mask) if s == 0 and not sp)
+            kp = sum(1 for s, sp in zip(seq, enc.special_tokens_mask) if s == 1 and not sp)
+            row["truncation"] = {"first": {"tokens": nq, "kept": kq}, "second": {"tokens": np_, "kept": kp}}
+        t_ids, t_types = tokenizers_crate_ids(path, max_len, False, q, p)
+        assert t_ids == row["ids"], (path.name, c["case"])
+        if "type_ids" in row:
+            assert t_types == row["type_ids"]
+        lg = np.atleast_1d(logits[i]).astype(np.float32)
+        row["logits"] = lg.tolist()
+        sc = scores[i]
+        row["score"] = float(sc) if n_labels == 1 else np.asarray(sc, dtype=np.float32).tolist()
+        if soft is not None:
+            row["softmax"] = np.asarray(soft[i], dtype=np.float32).tolist()
+        rows.append(row)
+    numpy_check_ce(path, ce, rows)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent float64 forward pass, written from the notes, checked against every reference row
+# ---------------------------------------------------------------------------------------------
+
+
+def load_np(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return {k: v.astype(np.float64) for k, v in load_file(str(path)).items()}
+
+
+def np_ln(x, w, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+_erf = np.vectorize(math.erf)
+
+
+def np_gelu(x):
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def mpnet_bucket(rel: np.ndarray, num_buckets: int = 32, max_distance: int = 128) -> np.ndarray:
+    """relative_position_bucket of modeling_mpnet, in float32 as torch computes it."""
+    n = -rel
+    nb = num_buckets // 2
+    ret = (n < 0).astype(np.int64) * nb
+    n = np.abs(n)
+    max_exact = nb // 2
+    with np.errstate(divide="ignore"):
+        large = (
+            np.log(n.astype(np.float32) / np.float32(max_exact))
+            / np.float32(math.log(max_distance / max_exact))
+            * np.float32(nb - max_exact)
+        )
+    large = max_exact + np.where(np.isfinite(large), large, 0).astype(np.int64)  # truncation toward 0
+    large = np.minimum(large, nb - 1)
+    return ret + np.where(n < max_exact, n, large)
+
+
+def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], type_ids: list[int] | None) -> np.ndarray:
+    ids_a = np.asarray(ids)
+    L = len(ids)
+    e = W[prefix + "embeddings.word_embeddings.weight"][ids_a]
+    if family == "bert":
+        pos = np.arange(L)
+    else:  # XLM-R / MPNet: create_position_ids_from_input_ids, padding_idx = pad id (MPNet: 1)
+        pad = 1
+        mask = (ids_a != pad).astype(np.int64)
+        pos = np.cumsum(mask) * mask + pad
+    e = e + W[prefix + "embeddings.position_embeddings.weight"][pos]
+    if family in ("bert", "xlmr"):
+        tt = np.asarray(type_ids) if type_ids is not None else np.zeros(L, dtype=np.int64)
+        e = e + W[prefix + "embeddings.token_type_embeddings.weight"][tt]
+    eps = cfg["layer_norm_eps"]
+    h = np_ln(e, W[prefix + "embeddings.LayerNorm.weight"], W[prefix + "embeddings.LayerNorm.bias"], eps)
+    H = cfg["num_attention_heads"]
+    dh = cfg["hidden_size"] // H
+    bias = None
+    if family == "mpnet":
+        ctx = np.arange(L)[:, None]
+        mem = np.arange(L)[None, :]
+        bucket = mpnet_bucket(mem - ctx)
+        bias = W[prefix + "encoder.relative_attention_bias.weight"][bucket].transpose(2, 0, 1)  # (H, L, L)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"{prefix}encoder.layer.{layer}."
+        if family == "mpnet":
+            nq, nk, nv, no = (p + "attention.attn." + s for s in ("q", "k", "v", "o"))
+            nln1 = p + "attention.LayerNorm"
+        else:
+            nq, nk, nv = (p + "attention.self." + s for s in ("query", "key", "value"))
+            no = p + "attention.output.dense"
+            nln1 = p + "attention.output.LayerNorm"
+
+        def lin(name, x):
+            return x @ W[name + ".weight"].T + W[name + ".bias"]
+
+        q = lin(nq, h).reshape(L, H, dh).transpose(1, 0, 2)
+        k = lin(nk, h).reshape(L, H, dh).transpose(1, 0, 2)
+        v = lin(nv, h).reshape(L, H, dh).transpose(1, 0, 2)
+        s = q @ k.transpose(0, 2, 1) / math.sqrt(dh)
+        if bias is not None:
+            s = s + bias
+        s = s - s.max(-1, keepdims=True)
+        a = np.exp(s)
+        a = a / a.sum(-1, keepdims=True)
+        c = (a @ v).transpose(1, 0, 2).reshape(L, H * dh)
+        h1 = np_ln(h + lin(no, c), W[nln1 + ".weight"], W[nln1 + ".bias"], eps)
+        inter = np_gelu(lin(p + "intermediate.dense", h1))
+        h = np_ln(h1 + lin(p + "output.dense", inter), W[p + "output.LayerNorm.weight"], W[p + "output.LayerNorm.bias"], eps)
+    return h
+
+
+def family_of(cfg: dict) -> str:
+    return {"bert": "bert", "xlm-roberta": "xlmr", "mpnet": "mpnet"}[cfg["model_type"]]
+
+
+def cosine(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def numpy_check_st(path: Path, m, pooling: Pooling, rows: list[dict]) -> None:
+    cfg = read_json(path / "config.json")
+    fam = family_of(cfg)
+    W = load_np(path / "model.safetensors")
+    dense_w = None
+    mods = read_json(path / "modules.json")
+    for mod in mods:
+        if mod["type"].endswith("Dense"):
+            D = load_np(path / mod["path"] / "model.safetensors")
+            dense_w = (D["linear.weight"], D["linear.bias"])
+    normalize = any(mod["type"].endswith("Normalize") for mod in mods)
+    modes = (pooling.pooling_mode,) if isinstance(pooling.pooling_mode, str) else pooling.pooling_mode
+    for r in rows:
+        h = np_encoder(W, "", fam, cfg, r["ids"], r.get("type_ids"))
+        start = r.get("prompt_length", 0) if not pooling.include_prompt else 0
+        if start >= len(r["ids"]):
+            start = 0
+        sel = h[start:]
+        parts = []
+        for mode in modes:
+            if mode == "mean":
+                parts.append(sel.mean(0))
+            elif mode == "cls":
+                parts.append(sel[0])
+            elif mode == "max":
+                parts.append(sel.max(0))
+            else:
+                raise AssertionError(mode)
+        x = np.concatenate(parts)
+        assert cosine(x, r.get("pooled", r["embedding"])) > 0.999999, (path.name, r["case"])
+        if dense_w is not None:
+            x = np.tanh(dense_w[0] @ x + dense_w[1])
+        if normalize:
+            x = x / max(np.linalg.norm(x), 1e-12)
+        c = cosine(x, r["embedding"])
+        rel = np.linalg.norm(x - np.asarray(r["embedding"])) / np.linalg.norm(x)
+        assert c > 0.999999 and rel < 1e-4, (path.name, r["case"], c, rel)
+
+
+def numpy_check_ce(path: Path, ce, rows: list[dict]) -> None:
+    cfg = read_json(path / "config.json")
+    fam = family_of(cfg)
+    W = load_np(path / "model.safetensors")
+    prefix = {"bert": "bert.", "xlmr": "roberta."}[fam]
+    act = type(ce.activation_fn).__name__
+    for r in rows:
+        h = np_encoder(W, prefix, fam, cfg, r["ids"], r.get("type_ids"))
+        first = h[0]
+        if fam == "bert":
+            pooled = np.tanh(W["bert.pooler.dense.weight"] @ first + W["bert.pooler.dense.bias"])
+            logits = W["classifier.weight"] @ pooled + W["classifier.bias"]
+        else:
+            x = np.tanh(W["classifier.dense.weight"] @ first + W["classifier.dense.bias"])
+            logits = W["classifier.out_proj.weight"] @ x + W["classifier.out_proj.bias"]
+        assert np.allclose(logits, r["logits"], atol=1e-4, rtol=1e-4), (path.name, r["case"], logits, r["logits"])
+        score = 1.0 / (1.0 + np.exp(-logits)) if act == "Sigmoid" else logits
+        assert act in ("Sigmoid", "Identity"), act
+        assert np.allclose(np.atleast_1d(score), np.atleast_1d(r["score"]), atol=1e-4), (path.name, r["case"])
+
+
+def write_reference(path: Path, rows: list[dict]) -> None:
+    with open(path / "reference.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(to_json(r) + "\n")
+
+
+def check_mpnet_buckets() -> None:
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    rel = np.arange(-1100, 1101)
+    want = MPNetEncoder.relative_position_bucket(torch.from_numpy(rel)).numpy()
+    assert (mpnet_bucket(rel) == want).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# README
+# ---------------------------------------------------------------------------------------------
+
+FOLDERS = {
+    "bert-st-old": (
+        "BERT (BertModel) in the sentence-transformers 2.x layout: `sentence_bert_config.json` "
+        "`{max_seq_length: 256, do_lower_case: true}`, the four-key `1_Pooling/config.json` "
+        "(`word_embedding_dimension`, `pooling_mode_*_tokens`), `modules.json` with "
+        "`sentence_transformers.models.{Transformer,Pooling,Normalize}` and no `2_Normalize/` folder, "
+        "`config_sentence_transformers.json` with only `__version__`, an old-style "
+        "`tokenizer_config.json` (`do_lower_case: false`, `model_max_length: 512`) and `vocab.txt`. "
+        "The WordPiece tokenizer is **cased** (BertNormalizer lowercase=false) and its tokenizer.json "
+        "carries the tokenizers library's own `truncation` (128) and `padding` (Fixed 128), as "
+        "all-MiniLM-L6-v2's does: both must be ignored. Resolved maximum: 256 (max_seq_length). "
+        "do_lower_case=true makes sentence-transformers prepend a `Lowercase` normalizer, so `HELLO` "
+        "and `hello` give the same ids. Mean pooling, Normalize."
+    ),
+    "bert-st-new": (
+        "BERT saved by sentence-transformers 6.2: the only length limit is `model_max_length: 128` in "
+        "tokenizer_config.json (position table 512, no `max_seq_length` anywhere). Pooling `cls` with "
+        "`include_prompt: false`, `2_Dense` (32→24, bias, `torch.nn.modules.activation.Tanh`, weights in "
+        "`2_Dense/model.safetensors`), `3_Normalize`. `config_sentence_transformers.json` has prompts "
+        "`query` = `\"query: \"`, `document` = `\"\"`, `instruct` = a long instruction, and "
+        "`default_prompt_name: query`, so a plain encode() prepends `\"query: \"`. With "
+        "include_prompt=false the first `prompt_length` tokens ([CLS] included) are masked out of pooling, "
+        "so \"CLS\" pooling takes the first token after the prompt."
+    ),
+    "xlmr-st": (
+        "XLM-RoBERTa (XLMRobertaModel, position ids from padding_idx+1, type_vocab_size 1) saved by "
+        "sentence-transformers 6.2: a SentencePiece-style Unigram tokenizer.json in XLM-R's layout "
+        "(`<s>`=0 `<pad>`=1 `</s>`=2 `<unk>`=3 … `<mask>` last; the nmt_nfkc Precompiled normalizer; "
+        "WhitespaceSplit + Metaspace pre-tokenizer; `<s> A </s>` and `<s> A </s></s> B </s>`), "
+        "model_max_length 512 with max_position_embeddings 514, so the longest input uses position ids "
+        "2…513. Mean pooling, Normalize. Prompts `query: ` / `passage: ` (no default), included in the mean "
+        "(include_prompt=true)."
+    ),
+    "mpnet-st": (
+        "MPNet (MPNetModel: relative attention bias, 32 buckets, max_distance 128, shared by all layers; "
+        "no token types) in all-mpnet-base-v2's layout: old-format `sentence_bert_config.json` "
+        "`{max_seq_length: 384}` under a tokenizer model_max_length of 512 and 514 positions; the "
+        "six-key + include_prompt `1_Pooling/config.json` of sentence-transformers 2.3–5.x; WordPiece "
+        "tokenizer with `<s>`=0 `<pad>`=1 `</s>`=2 `<unk>`=3 `[UNK]`=4 (the unk token is `[UNK]`), "
+        "`<mask>` last, RobertaProcessing post-processor. Mean pooling, Normalize."
+    ),
+    "bert-cross-encoder": (
+        "BertForSequenceClassification, num_labels 1, saved by CrossEncoder 6.2 (`modules.json` with one "
+        "Transformer of task `sequence-classification`; `config_sentence_transformers.json` has "
+        "`model_type: CrossEncoder` and `activation_fn: torch.nn.modules.activation.Sigmoid`). The real "
+        "all-MiniLM-L6-v2 (bert-base-uncased) tokenizer, as ms-marco-MiniLM-L6 has; its tokenizer.json "
+        "keeps the file's truncation 128 / padding Fixed(128). `CrossEncoder(max_length=64)` was saved as "
+        "`model_max_length: 64`. score = sigmoid(logit)."
+    ),
+    "xlmr-cross-encoder": (
+        "XLMRobertaForSequenceClassification, num_labels 3 (id2label contradiction/entailment/neutral), "
+        "saved by CrossEncoder 6.2 with `activation_fn: torch.nn.modules.linear.Identity`: score = the "
+        "three raw logits (`softmax` is what predict(apply_softmax=True) gives). Same Unigram tokenizer "
+        "as xlmr-st, model_max_length 512 of 514 positions. Head: classifier.dense + tanh on `<s>`, then "
+        "classifier.out_proj."
+    ),
+    "bert-cross-encoder-legacy": (
+        "A cross-encoder as sentence-transformers < 4 saved it: a plain transformers folder (no "
+        "modules.json, no config_sentence_transformers.json), BertForSequenceClassification num_labels 1, "
+        "and config.json `sbert_ce_default_activation_function: torch.nn.modules.linear.Identity` (as "
+        "the original cross-encoder/ms-marco-MiniLM-L-6-v2 had): score = the raw logit, not its sigmoid."
+    ),
+    "bert-cross-encoder-v4": (
+        "A cross-encoder as sentence-transformers 4.x/5.x saved it: a plain transformers folder whose "
+        "config.json has `sentence_transformers: {activation_fn: torch.nn.modules.linear.Identity, "
+        "version: 4.1.0}`; num_labels 1, score = the raw logit."
+    ),
+    "unsupported-arch": (
+        "A valid sentence-transformers folder around a GPT-2 decoder (GPT2Model, byte-level BPE, "
+        "last-token pooling). sentence-transformers loads it; replayd must refuse it with an error naming "
+        "the architecture (`GPT2Model` / model_type `gpt2`). No reference."
+    ),
+    "unsupported-module": (
+        "Transformer → Pooling → `sentence_transformers.sentence_transformer.modules.layer_norm.LayerNorm` "
+        "→ Normalize. sentence-transformers applies the LayerNorm module to the pooled vector; replayd must "
+        "refuse the folder with an error naming the module type (`LayerNorm`), never skip it. No reference."
+    ),
+}
+
+README_HEAD = """\
+# Test model folders
+
+Small random-weight models in the folder layouts sentence-transformers users have, with the
+outputs sentence-transformers computes for them. They are the reference for reading model
+folders exactly as sentence-transformers does (max length, tokenizer overrides, pooling,
+prompts, Dense, Normalize, cross-encoder activations) and for the XLM-R and MPNet encoders.
+The rules behind them are in `docs/notes/sentence-transformers-folders.md`.
+
+Made by `scripts/models/make-test-models.py` (it deletes and rewrites this folder; deterministic:
+two runs give byte-identical files) with {versions}. Install those with
+`pip install -r scripts/models/requirements-testmodels.txt` (the plain PyPI torch wheel works on
+the CPU). The tokenizers are small and made here: the WordPiece vocabularies are built
+deterministically from a few KB of multilingual text in the script (the tokenizers
+library's WordPieceTrainer and UnigramTrainer break ties through hash maps and give a
+different vocabulary on every run), the XLM-R Unigram model is trained by SentencePiece
+with XLM-R's `nmt_nfkc` normalisation and laid out as transformers' XLMRobertaConverter
+does, and every tokenizer.json is written by transformers' own tokenizer class
+(`bert-cross-encoder/` reuses the real all-MiniLM-L6-v2 tokenizer from
+`scripts/dev/fetch-model.sh`). Weights are drawn from numpy's PCG64 with fixed seeds, larger than a trained
+model's so that attention is far from uniform; the padding rows of word and position
+embeddings are zero, as in trained models. The script also checks every reference row
+against `tokenizers.Tokenizer.from_file(tokenizer.json)` (with the overrides the notes
+describe) and against an independent float64 numpy forward pass written from the notes.
+
+## Expectations
+
+* **Token ids identical** to `ids` (and `type_ids` where present), including truncation.
+* Embeddings (`embedding`, L2-normalised): cosine ≥ 0.9999 per row.
+* Un-normalised vectors (`pooled`, `dense`, `token_embeddings`): cosine ≥ 0.9999 **and**
+  relative L2 error ‖x − ref‖ / ‖ref‖ ≤ 1e-3.
+* Cross-encoder `score` and `logits`: within 1e-4 (absolute).
+* `unsupported-arch/` and `unsupported-module/`: loading fails with an error that names
+  the refused architecture or module type.
+
+## reference.jsonl
+
+One JSON object a line. Floats are float32 values written with 9 significant digits.
+
+Sentence encoders:
+
+| key | meaning |
+|---|---|
+| `case` | a name for the case |
+| `text` | the input text |
+| `prompt_name` | the `prompt_name` passed to `encode`, or `null` for none (then `default_prompt_name`, if the folder has one, applies) |
+| `prompt` | the prompt text actually prepended (`null`: none) |
+| `ids`, `type_ids` | what sentence-transformers feeds the model (one text, so no padding); `type_ids` only where the tokenizer returns them (BERT) |
+| `prompt_length` | tokens of the prompt as sentence-transformers counts them (the prompt tokenized alone, minus a trailing special token); with `include_prompt: false` these leading positions are masked out of pooling |
+| `untruncated_length` | token count before truncation, where truncation happened |
+| `token_embeddings` | the encoder's last hidden state (one row per token), for the `ordinary-1` case only |
+| `pooled` | the Pooling module's output (before Dense/Normalize) |
+| `dense` | after the Dense module (before Normalize) |
+| `embedding` | `SentenceTransformer(folder, device="cpu").encode(texts, prompt_name=…, convert_to_numpy=True)`, f32 |
+
+Cross-encoders:
+
+| key | meaning |
+|---|---|
+| `case`, `pair` | a name, and `[query, passage]` |
+| `ids`, `type_ids` | as fed to the model (`longest_first` truncation at the folder's maximum) |
+| `truncation` | where truncation happened: per side, its token count without special tokens and how many were kept |
+| `logits` | the model's raw outputs (one per label) |
+| `score` | `CrossEncoder(folder).predict(pairs)`: the folder's activation applied to `logits` (a number for num_labels 1, else a list) |
+| `softmax` | `predict(…, apply_softmax=True)` (num_labels > 1 only) |
+
+## Folders
+"""
+
+
+def folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def write_readme(versions: dict[str, str], info: dict[str, dict]) -> None:
+    vs = ", ".join(f"{k} {v.split('+')[0]}" for k, v in versions.items())
+    out = [README_HEAD.format(versions=vs)]
+    total = 0
+    for name, desc in FOLDERS.items():
+        path = OUT / name
+        size = folder_size(path)
+        total += size
+        files = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file())
+        out.append(f"### `{name}/` ({size / 1024:.0f} KiB)\n")
+        out.append(desc + "\n")
+        meta = info.get(name, {})
+        if meta:
+            out.append("Resolved: " + ", ".join(f"{k} = {v}" for k, v in meta.items() if k != "cases") + ".\n")
+        out.append("Files: " + ", ".join(f"`{f}`" for f in files) + ".\n")
+        if "cases" in meta:
+            out.append("Cases: " + ", ".join(f"`{c}`" for c in meta["cases"]) + ".\n")
+    out.append(f"Total: {total / 1024 / 1024:.1f} MiB.\n")
+    (OUT / "README.md").write_text("\n".join(out), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.parse_args()
+    versions = check_versions()
+    check_mpnet_buckets()
+    if OUT.exists():
+        shutil.rmtree(OUT)
+    OUT.mkdir(parents=True)
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"make-test-models-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        assert uncased_bert_vocab() == uncased_bert_vocab(), "WordPiece training is not deterministic"
+        charsmap, uni = train_sentencepiece(1000)
+        assert (charsmap, uni) == train_sentencepiece(1000), "SentencePiece training is not deterministic"
+
+        info: dict[str, dict] = {}
+        st_specs = [
+            ("bert-st-old", build_bert_st_old(tmp), "bert", LONG_EN),
+            ("bert-st-new", build_bert_st_new(tmp), "bert", LONG_EN),
+            ("xlmr-st", build_xlmr_st(tmp, uni, charsmap), "xlmr", LONG_MULTI),
+            ("mpnet-st", build_mpnet_st(tmp), "mpnet", LONG_EN),
+        ]
+        ce_specs = [
+            ("bert-cross-encoder", build_bert_cross_encoder(tmp)),
+            ("xlmr-cross-encoder", build_xlmr_cross_encoder(tmp, uni, charsmap)),
+            ("bert-cross-encoder-legacy", build_legacy_cross_encoder(
+                "bert-cross-encoder-legacy", 8001,
+                {"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"})),
+            ("bert-cross-encoder-v4", build_legacy_cross_encoder(
+                "bert-cross-encoder-v4", 8002,
+                {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity", "version": "4.1.0"}})),
+        ]
+        build_unsupported_arch(tmp)
+        build_unsupported_module(tmp)
+
+        for name, path, kind, long_base in st_specs:
+            rows = st_reference(path, kind, long_base)
+            write_reference(path, rows)
+            m = SentenceTransformer(str(path), device="cpu")
+            info[name] = {
+                "max length": m.max_seq_length,
+                "embedding dimension": m.get_embedding_dimension(),
+                "cases": [r["case"] for r in rows],
+            }
+        for name, path in ce_specs:
+            rows = ce_reference(path)
+            write_reference(path, rows)
+            ce = CrossEncoder(str(path), device="cpu")
+            info[name] = {
+                "max length": ce.max_seq_length,
+                "num_labels": ce.num_labels,
+                "activation": type(ce.activation_fn).__name__,
+                "cases": [r["case"] for r in rows],
+            }
+        assert info["bert-cross-encoder"]["activation"] == "Sigmoid"
+        assert info["bert-cross-encoder-legacy"]["activation"] == "Identity"
+        assert info["bert-cross-encoder-v4"]["activation"] == "Identity"
+        assert info["xlmr-cross-encoder"]["activation"] == "Identity"
+        # the refused folders are valid: sentence-transformers loads and runs them
+        for name in ("unsupported-arch", "unsupported-module"):
+            m = SentenceTransformer(str(OUT / name), device="cpu")
+            e = m.encode(["a test", ""], convert_to_numpy=True)
+            assert e.shape[0] == 2 and np.isfinite(e).all()
+        write_readme(versions, info)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    total = sum(folder_size(OUT / n) for n in FOLDERS)
+    print(f"make-test-models: wrote {len(FOLDERS)} folders to {OUT.relative_to(ROOT)} ({total / 1024 / 1024:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
