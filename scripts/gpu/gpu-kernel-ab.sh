@@ -3,15 +3,15 @@
 # (1..2, 16..32), f32 (1, 16) and the packed 64- and 256-token budgets
 # (f16, bf16), each
 # checked against the CPU backend and timed (`replayd backend-check`, replay
-# with copies, p50) once per `REPLAYD_CUDA_DISABLE` value in AB_SWITCHES
-# (the whole value, e.g. "small,qkv_attn,ln_defer"; "default" = unset, the
-# backend's own paths), then with ncu (when NCU=1) the GPU time of every
+# with copies, p50) once per value of AB_SWITCHES, each the kernel paths
+# to switch off (`backend-check --paths-off`, e.g. "ln_defer,pdl";
+# "default" = none off), then with ncu (when NCU=1) the GPU time of every
 # kernel of the (1, 16) graph, one launch at a time, and the registers and
 # spills of the small-shape kernels (cuobjdump of the cached cubin).
 #
-#   OUT=$OUT AB_SWITCHES="default small,qkv_attn,ln_defer" NCU=1 scripts/gpu/gpu-kernel-ab.sh
-#   OUT=$OUT AB_SWITCHES="default small,qkv_attn" NCU=1 NCU_SWITCHES=small,qkv_attn scripts/gpu/gpu-kernel-ab.sh
-#                                   # ffn_splitk (off by default) against the default, ncu with it on
+#   OUT=$OUT AB_SWITCHES="default ln_defer attn_s16" NCU=1 scripts/gpu/gpu-kernel-ab.sh
+#   OUT=$OUT AB_SWITCHES="default pdl" NCU=1 NCU_SWITCHES=pdl scripts/gpu/gpu-kernel-ab.sh
+#                                   # ncu of the (1, 16) graph with pdl off
 #
 # Binaries and the f16 model come from scripts/gpu/gpu-carry.sh (carry .carry).
 # Writes $OUT/kernel-ab.md (one row per bucket and switch) and the logs.
@@ -41,12 +41,12 @@ echo "| switches off | bucket | kernels+matmuls | replay p50 µs | p99 µs | rep
 echo "|---|---|---|---|---|---|---|" >> "$OUT/kernel-ab.md"
 for sw in ${AB_SWITCHES:-default}; do
   tag=${sw//,/-}
-  if [ "$sw" = default ]; then unset REPLAYD_CUDA_DISABLE; else export REPLAYD_CUDA_DISABLE="$sw"; fi
+  off=()
+  if [ "$sw" != default ]; then off=(--paths-off "$sw"); fi
   if ! timeout 240 "$BIN/replayd" backend-check --config "$CFG" --out "$OUT/bc-$tag.json" --iters "$ITERS" \
-      --fused on --no-eager --profile --profile-buckets 1x16 > "$OUT/bc-$tag.log" 2>&1; then
+      "${off[@]}" --no-compare --no-eager --profile --profile-buckets 1x16 > "$OUT/bc-$tag.log" 2>&1; then
     echo "FAIL: backend-check with $sw (see bc-$tag.log)"; FAILED=1
   fi
-  unset REPLAYD_CUDA_DISABLE
   python3 - "$OUT/bc-$tag.json" "$sw" >> "$OUT/kernel-ab.md" <<'PY'
 import json, sys
 try:
@@ -68,13 +68,13 @@ PY
 done
 if [ "${NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
   # One (1, 16) graph, few replays: every kernel node's own GPU time, under
-  # NCU_SWITCHES (a REPLAYD_CUDA_DISABLE value; unset: the backend's default).
-  if [ -n "${NCU_SWITCHES:-}" ]; then export REPLAYD_CUDA_DISABLE="$NCU_SWITCHES"; fi
+  # NCU_SWITCHES (kernel paths off; unset: none).
+  off=()
+  if [ -n "${NCU_SWITCHES:-}" ]; then off=(--paths-off "$NCU_SWITCHES"); fi
   timeout 240 ncu --clock-control none --cache-control none --graph-profiling node \
       --metrics gpu__time_duration.sum --csv \
       "$BIN/replayd" backend-check --config "$CFG" --models minilm-f16 --batches 1 --seqs 16 \
-      --iters 3 --warmup 1 --fused on --no-eager --check-rows 1 > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || echo "ncu failed (see ncu.err)"
-  unset REPLAYD_CUDA_DISABLE
+      --iters 3 --warmup 1 "${off[@]}" --no-compare --no-eager --check-rows 1 > "$OUT/ncu.csv" 2> "$OUT/ncu.err" || echo "ncu failed (see ncu.err)"
   python3 - "$OUT/ncu.csv" >> "$OUT/kernel-ab.md" <<'PY'
 import csv, sys
 scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
@@ -101,7 +101,7 @@ PY
   cubin=$(ls -t ~/.cache/replayd/kernels/*.cubin 2>/dev/null | head -1)
   if [ -n "$cubin" ] && command -v cuobjdump >/dev/null; then
     { echo; echo "## registers and spills (cuobjdump -res-usage)"; echo; echo '```';
-      cuobjdump -res-usage "$cubin" 2>&1 | grep -A1 -E "gemm_small|ffn_small|qkv_attn|attention_tc_f16_d32|embed_ln_vec_f16|pool_f16|pool_ln_f16|pool_packed_ln_f16" | grep -v "^--" | paste - - | sed -E 's/\s+/ /g' | head -24;
+      cuobjdump -res-usage "$cubin" 2>&1 | grep -A1 -E "gemm_small|attention_tc_f16_d32|embed_ln_vec_f16|pool_f16|pool_ln_f16|pool_packed_ln_f16" | grep -v "^--" | paste - - | sed -E 's/\s+/ /g' | head -24;
       echo '```'; } >> "$OUT/kernel-ab.md"
   fi
 fi

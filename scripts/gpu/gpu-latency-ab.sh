@@ -4,7 +4,7 @@
 # of settings that move a lone request's latency, without the rest of
 # scripts/bench/bench-host.sh (sentence-transformers, the loads of target 3).
 #
-#   OUT=$OUT VARIANTS='default;no worker spin||worker_spin_us = 0|;no staging|||REPLAYD_CUDA_DISABLE=small,qkv_attn,staged_io' \
+#   OUT=$OUT VARIANTS='default;no worker spin||worker_spin_us = 0|;no staging||kernel_paths_off = ["staged_io"]|' \
 #     scripts/gpu/gpu-latency-ab.sh
 #
 # A variant is "name|[server] lines|[devices] lines|environment|replayd-loadgen

@@ -8,7 +8,7 @@ the NVRTC that scripts/dev/install-nvrtc.sh puts in .nvrtc/, with `-Xptxas=-v`,
 and prints one line per entry point whose name contains one of the given
 words (all of them without words). The whole compile takes a few minutes.
 
-    scripts/gpu/kernel-resources.py ffn_small gemm_small
+    scripts/gpu/kernel-resources.py gemm_small pool_ln
 """
 import ctypes
 import os

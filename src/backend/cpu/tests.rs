@@ -25,7 +25,7 @@ fn model_dir() -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2");
     assert!(
         dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file(),
-        "{} is missing: run scripts/fetch-model.sh",
+        "{} is missing: run scripts/dev/fetch-model.sh",
         dir.display()
     );
     dir

@@ -521,7 +521,7 @@ impl Plan {
     /// kernels of the graph; the first step is never a programmatic launch,
     /// the one after it waits in `pdl_wait` as every kernel does). Each
     /// folded end is one dependent node fewer (~0.8 µs on an H200,
-    /// scripts/probe-io-copies.cu).
+    /// scripts/gpu/probe-io-copies.cu).
     pub fn with_staged_io(mut self, limits: &Limits) -> Plan {
         let fold = limits.on(KernelPath::StageFold);
         let words = self.input_bytes.div_ceil(4);
