@@ -19,7 +19,7 @@ use std::time::Instant;
 use replayd::backend::cuda::{CudaBackend, CudaOptions};
 use replayd::backend::{Backend, BackendError};
 use replayd::gpu::{self, nvml};
-use replayd::model::program::{BufId, InputRole, Op, ProgramBuilder, WeightId};
+use replayd::model::program::{BufId, InputRole, Op, ProgramBuilder, Seqs, WeightId};
 use replayd::model::{Activation, BatchRows, Pooling, Program, Weights};
 use replayd::tensor::DType;
 
@@ -159,17 +159,45 @@ fn bert(d: BertDims, rng: &mut Rng) -> Bert {
 }
 
 fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
-    let d = m.d;
-    let (h, rows) = (d.hidden, batch * seq);
+    let rows = batch * seq;
     let mut b = ProgramBuilder::new();
     let ids = b.input("ids", InputRole::TokenIds, rows);
     let mask = b.input("mask", InputRole::AttentionMask, rows);
     let types = b.input("types", InputRole::TokenTypeIds, rows);
+    let seqs = Seqs::Padded { mask, batch, seq };
+    let out = bert_ops(&mut b, m, seqs, ids, types);
+    b.finish(batch, seq, out, m.d.hidden)
+}
+
+/// [`bert_program`] packed: `tokens` slots, at most `seqs` sequences of at
+/// most `max_len` tokens.
+fn packed_bert_program(m: &Bert, tokens: usize, seqs: usize, max_len: usize) -> Program {
+    let mut b = ProgramBuilder::new();
+    let ids = b.input("ids", InputRole::TokenIds, tokens);
+    let types = b.input("types", InputRole::TokenTypeIds, tokens);
+    let positions = b.input("positions", InputRole::Positions, tokens);
+    let offsets = b.input("offsets", InputRole::SeqOffsets, seqs + 1);
+    let layout = Seqs::Packed {
+        offsets,
+        positions,
+        tokens,
+        seqs,
+        max_seq_len: max_len,
+    };
+    let out = bert_ops(&mut b, m, layout, ids, types);
+    b.finish_packed(tokens, seqs, max_len, out, m.d.hidden)
+}
+
+/// The encoder of `m` over the token rows of `seqs`: embedding, layers,
+/// pooling; returns the output buffer.
+fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: BufId) -> BufId {
+    let d = m.d;
+    let (h, rows) = (d.hidden, seqs.token_rows());
     let hid = b.activation("h", rows * h);
     let qkv = b.activation("qkv", rows * 3 * h);
     let ctx = b.activation("ctx", rows * h);
     let inter = b.activation("inter", rows * d.inter);
-    let out = b.output("out", batch * h);
+    let out = b.output("out", seqs.count() * h);
     let [word, pos, tt, g, be] = m.emb;
     b.push(Op::EmbedLayerNorm {
         position_ids: Default::default(),
@@ -182,47 +210,9 @@ fn bert_program(m: &Bert, batch: usize, seq: usize) -> Program {
         beta: be,
         eps: 1e-12,
         out: hid,
-        batch,
-        seq,
         hidden: h,
+        seqs,
     });
-    bert_layers(&mut b, m, rows, [hid, qkv, ctx, inter], |qkv, ctx| {
-        Op::Attention {
-            bias: None,
-            qkv,
-            mask,
-            out: ctx,
-            batch,
-            seq,
-            heads: d.heads,
-            head_dim: h / d.heads,
-        }
-    });
-    b.push(Op::Pool {
-        skip: None,
-        x: hid,
-        mask,
-        out,
-        batch,
-        seq,
-        hidden: h,
-        mode: d.pooling,
-        normalize: d.normalize,
-    });
-    b.finish(batch, seq, out, h)
-}
-
-/// The encoder layers of `m` over `rows` token rows, with `attention`
-/// building each layer's attention op (padded or packed).
-fn bert_layers(
-    b: &mut ProgramBuilder,
-    m: &Bert,
-    rows: usize,
-    [hid, qkv, ctx, inter]: [BufId; 4],
-    attention: impl Fn(BufId, BufId) -> Op,
-) {
-    let d = m.d;
-    let h = d.hidden;
     for l in &m.layers {
         let [wq, bq, wo, bo, g1, b1, wi, bi, wo2, bo2, g2, b2] = *l;
         b.push(Op::Linear {
@@ -235,7 +225,14 @@ fn bert_layers(
             n: 3 * h,
             k: h,
         });
-        b.push(attention(qkv, ctx));
+        b.push(Op::Attention {
+            bias: None,
+            qkv,
+            out: ctx,
+            heads: d.heads,
+            head_dim: h / d.heads,
+            seqs,
+        });
         b.push(Op::Linear {
             x: ctx,
             w: wo,
@@ -287,65 +284,16 @@ fn bert_layers(
             hidden: h,
         });
     }
-}
-
-/// The packed twin of [`bert_program`]: `tokens` slots, at most `seqs`
-/// sequences of at most `max_len` tokens.
-fn packed_bert_program(m: &Bert, tokens: usize, seqs: usize, max_len: usize) -> Program {
-    let d = m.d;
-    let h = d.hidden;
-    let mut b = ProgramBuilder::new();
-    let ids = b.input("ids", InputRole::TokenIds, tokens);
-    let types = b.input("types", InputRole::TokenTypeIds, tokens);
-    let positions = b.input("positions", InputRole::Positions, tokens);
-    let offsets = b.input("offsets", InputRole::SeqOffsets, seqs + 1);
-    let hid = b.activation("h", tokens * h);
-    let qkv = b.activation("qkv", tokens * 3 * h);
-    let ctx = b.activation("ctx", tokens * h);
-    let inter = b.activation("inter", tokens * d.inter);
-    let out = b.output("out", seqs * h);
-    let [word, pos, tt, g, be] = m.emb;
-    b.push(Op::PackedEmbedLayerNorm {
-        position_ids: Default::default(),
-        ids,
-        token_types: types,
-        positions,
-        word,
-        position: pos,
-        token_type: tt,
-        gamma: g,
-        beta: be,
-        eps: 1e-12,
-        out: hid,
-        tokens,
-        max_seq_len: max_len,
-        hidden: h,
-    });
-    bert_layers(&mut b, m, tokens, [hid, qkv, ctx, inter], |qkv, ctx| {
-        Op::PackedAttention {
-            bias: None,
-            qkv,
-            offsets,
-            out: ctx,
-            tokens,
-            seqs,
-            max_seq_len: max_len,
-            heads: d.heads,
-            head_dim: h / d.heads,
-        }
-    });
-    b.push(Op::PackedPool {
+    b.push(Op::Pool {
         skip: None,
         x: hid,
-        offsets,
         out,
-        tokens,
-        seqs,
         hidden: h,
         mode: d.pooling,
         normalize: d.normalize,
+        seqs,
     });
-    b.finish_packed(tokens, seqs, max_len, out, h)
+    out
 }
 
 /// Sequences of the given lengths with random ids.

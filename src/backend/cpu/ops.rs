@@ -158,51 +158,87 @@ fn epilogue(row: &mut [f32], bias: Option<&[f32]>, act: Activation) {
     }
 }
 
-/// `out[r] = LayerNorm(word[ids[r]] + position[p(r)] + token_type[types[r]])`,
-/// `p(r)` by `position_ids` over row `r / seq` (`r % seq` for
-/// [`PositionIds::Index`]). Ids and types are checked by the caller (the
-/// plan validates batches).
+/// Where a batch's sequences lie in its token rows: a program's
+/// [`Seqs`](crate::model::program::Seqs) bound to the batch's inputs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum SeqIndex<'a> {
+    /// Row `b` of `seq` slots is sequence `b`, its real tokens where `mask`
+    /// is non-zero (`mask` holds one value per slot).
+    Padded { mask: &'a [i32], seq: usize },
+    /// Sequence `s` is rows `offsets[s] .. offsets[s + 1]`, every one real,
+    /// none longer than `max_len`; `positions` holds each token's index in
+    /// its sequence. `offsets` (`seqs + 1` values) is non-decreasing from 0
+    /// (what packing a checked batch gives).
+    Packed {
+        offsets: &'a [i32],
+        positions: &'a [i32],
+        max_len: usize,
+    },
+}
+
+impl<'a> SeqIndex<'a> {
+    /// Sequences.
+    pub(crate) fn count(self) -> usize {
+        match self {
+            SeqIndex::Padded { mask, seq } => mask.len() / seq,
+            SeqIndex::Packed { offsets, .. } => offsets.len() - 1,
+        }
+    }
+
+    /// Sequence `s`'s first row and rows.
+    pub(crate) fn rows(self, s: usize) -> (usize, usize) {
+        match self {
+            SeqIndex::Padded { seq, .. } => (s * seq, seq),
+            SeqIndex::Packed { offsets, .. } => {
+                let start = offsets[s] as usize;
+                (start, offsets[s + 1] as usize - start)
+            }
+        }
+    }
+
+    /// Sequence `s`'s mask (`None`: every row is real).
+    fn mask(self, s: usize) -> Option<&'a [i32]> {
+        match self {
+            SeqIndex::Padded { mask, seq } => Some(&mask[s * seq..(s + 1) * seq]),
+            SeqIndex::Packed { .. } => None,
+        }
+    }
+
+    /// The longest sequence.
+    fn max_len(self) -> usize {
+        match self {
+            SeqIndex::Padded { seq, .. } => seq,
+            SeqIndex::Packed { max_len, .. } => max_len,
+        }
+    }
+
+    /// The rows the sequences cover, from 0 (a packed batch's tail after).
+    fn covered(self) -> usize {
+        match self {
+            SeqIndex::Padded { mask, .. } => mask.len(),
+            SeqIndex::Packed { offsets, .. } => offsets[offsets.len() - 1] as usize,
+        }
+    }
+
+    /// The index in its sequence of the token at row `r`.
+    fn index_of(self, r: usize) -> usize {
+        match self {
+            SeqIndex::Padded { seq, .. } => r % seq,
+            SeqIndex::Packed { positions, .. } => positions[r] as usize,
+        }
+    }
+}
+
+/// `out[r] = LayerNorm(word[ids[r]] + position[p(r)] + token_type[types[r]])`
+/// for every row `r` of `ids`, `p(r)` by `position_ids` from the token's
+/// index in its sequence; see [`crate::model::program::Op::EmbedLayerNorm`].
+/// Ids and types are checked by the caller (the plan validates batches).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn embed_layer_norm(
     threads: usize,
     ids: &[i32],
     types: &[i32],
-    word: &[f32],
-    position: &[f32],
-    token_type: &[f32],
-    gamma: &[f32],
-    beta: &[f32],
-    eps: f32,
-    out: &mut [f32],
-    seq: usize,
-    hidden: usize,
-    position_ids: PositionIds,
-) {
-    let rows = ids.len();
-    for_rows(&mut out[..rows * hidden], hidden, threads, |r, row| {
-        let id = ids[r] as usize;
-        let t = types[r] as usize;
-        let index = r % seq;
-        let p = position_ids.position(&ids[r - index..=r], index);
-        let w = &word[id * hidden..(id + 1) * hidden];
-        let pe = &position[p * hidden..(p + 1) * hidden];
-        let te = &token_type[t * hidden..(t + 1) * hidden];
-        for (((o, &a), &b), &c) in row.iter_mut().zip(w).zip(pe).zip(te) {
-            *o = a + b + c;
-        }
-        layer_norm_row(row, gamma, beta, eps);
-    });
-}
-
-/// Packed programs: `out[t] = LayerNorm(word[ids[t]] + position[p(t)]
-/// + token_type[types[t]])` for every slot `t < ids.len()`, `p(t)` by
-/// `position_ids` from `positions[t]`, the token's index in its sequence.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn packed_embed_layer_norm(
-    threads: usize,
-    ids: &[i32],
-    types: &[i32],
-    positions: &[i32],
+    seqs: SeqIndex<'_>,
     word: &[f32],
     position: &[f32],
     token_type: &[f32],
@@ -215,7 +251,7 @@ pub(crate) fn packed_embed_layer_norm(
 ) {
     let rows = ids.len();
     for_rows(&mut out[..rows * hidden], hidden, threads, |r, row| {
-        let (id, t, index) = (ids[r] as usize, types[r] as usize, positions[r] as usize);
+        let (id, t, index) = (ids[r] as usize, types[r] as usize, seqs.index_of(r));
         let p = position_ids.position(&ids[r - index..=r], index);
         let w = &word[id * hidden..(id + 1) * hidden];
         let pe = &position[p * hidden..(p + 1) * hidden];
@@ -263,65 +299,80 @@ impl SharedOut {
 /// [`crate::model::program::Op::Attention`].
 ///
 /// One task per (sequence, head): scores `S = Q·Kᵀ/√d` by gemm into a
-/// per-worker scratch of `seq²` floats, masked softmax (max subtracted) per
-/// query row, then `O = P·V` by gemm straight into the head's columns of
-/// `out`. Keys after a sequence's last unmasked position are skipped (their
-/// probability is exactly 0), so a padded sequence costs what its real length
-/// costs in the score/value products, and padding cannot change any value.
-/// Masked keys inside that range get probability 0; a sequence with no
-/// unmasked key produces zeros.
+/// per-worker scratch of `max_len²` floats, softmax per query row (over the
+/// keys whose mask is set, max subtracted), then `O = P·V` by gemm straight
+/// into the head's columns of `out`. Keys after a padded sequence's last
+/// real one are skipped (their probability is exactly 0), so a padded
+/// sequence costs what its real length costs in the score/value products,
+/// and padding cannot change any value; masked keys inside that range get
+/// probability 0, and a sequence with no real key produces zeros. Empty
+/// sequences cost nothing; the first `tokens` rows no sequence covers (a
+/// packed batch's tail) are zeroed.
 ///
-/// `scratch` holds `workers · seq²` floats; tasks are dealt round-robin to
-/// `workers = scratch.len() / seq²` parallel workers.
+/// `scratch` holds `workers · max_len²` floats; tasks are dealt round-robin
+/// to `workers = scratch.len() / max_len²` parallel workers.
 ///
 /// `bias` is a position-bias table `[heads, 2·radius + 1]` and its radius
 /// (see [`crate::model::program::PositionBias`]), added to the scaled scores.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     qkv: &[f32],
-    mask: &[i32],
+    seqs: SeqIndex<'_>,
     out: &mut [f32],
     scratch: &mut [f32],
-    batch: usize,
-    seq: usize,
+    tokens: usize,
     heads: usize,
     head_dim: usize,
     bias: Option<(&[f32], usize)>,
 ) {
     let h = heads * head_dim;
     let stride = 3 * h;
-    assert!(qkv.len() >= batch * seq * stride && out.len() >= batch * seq * h);
-    assert!(mask.len() >= batch * seq && scratch.len() >= seq * seq);
-    let tasks = batch * heads;
+    let max_len = seqs.max_len();
+    let covered = seqs.covered();
+    assert!(
+        (0..seqs.count()).all(|s| {
+            let (start, len) = seqs.rows(s);
+            len <= max_len && start + len <= covered
+        }) && covered <= tokens,
+        "sequences are checked when the batch is packed"
+    );
+    assert!(qkv.len() >= tokens * stride && out.len() >= tokens * h);
+    assert!(scratch.len() >= max_len * max_len && max_len > 0);
+    out[covered * h..tokens * h].fill(0.0);
+    let tasks = seqs.count() * heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let shared = SharedOut(out.as_mut_ptr());
     let run = |task: usize, s: &mut [f32]| {
-        let (b, head) = (task / heads, task % heads);
-        let m = &mask[b * seq..(b + 1) * seq];
-        let kv_len = m.iter().rposition(|&v| v != 0).map_or(0, |p| p + 1);
-        // SAFETY: this task's block of `out` is rows b·seq .. (b+1)·seq,
+        let (seq, head) = (task / heads, task % heads);
+        let (start, len) = seqs.rows(seq);
+        let mask = seqs.mask(seq);
+        let kv_len = mask.map_or(len, |m| {
+            m.iter().rposition(|&v| v != 0).map_or(0, |p| p + 1)
+        });
+        // SAFETY: this task's block of `out` is rows start .. start + len,
         // columns head·head_dim .. (head+1)·head_dim (row stride h): in
-        // bounds (asserted above) and disjoint from every other task's.
-        let o = unsafe { shared.ptr().add(b * seq * h + head * head_dim) };
+        // bounds (asserted above) and disjoint from every other task's
+        // (sequences do not overlap).
+        let o = unsafe { shared.ptr().add(start * h + head * head_dim) };
         if kv_len == 0 {
-            for i in 0..seq {
+            for i in 0..len {
                 // SAFETY: row i of this task's block, head_dim elements.
                 unsafe { std::slice::from_raw_parts_mut(o.add(i * h), head_dim) }.fill(0.0);
             }
             return;
         }
-        let base = b * seq * stride + head * head_dim;
+        let base = start * stride + head * head_dim;
         let q = qkv[base..].as_ptr();
         let k = qkv[base + h..].as_ptr();
         let v = qkv[base + 2 * h..].as_ptr();
-        let s = &mut s[..seq * kv_len];
-        // SAFETY (both products): Q is seq×head_dim at q + i·stride + d,
-        // Kᵀ is head_dim×kv_len at k + j·stride + d, V is kv_len×head_dim at
-        // v + j·stride + d; every offset is below (b+1)·seq·stride − base, in
-        // `qkv`. S is seq×kv_len in `s`; O is this task's block of `out`.
+        let s = &mut s[..len * kv_len];
+        // SAFETY (both products): Q is len×head_dim at q + i·stride + d, Kᵀ
+        // is head_dim×kv_len at k + j·stride + d, V is kv_len×head_dim at
+        // v + j·stride + d; every offset is below (start+len)·stride − base,
+        // in `qkv`. S is len×kv_len in `s`; O is this task's block of `out`.
         unsafe {
             gemm::gemm(
-                seq,
+                len,
                 kv_len,
                 head_dim,
                 s.as_mut_ptr(),
@@ -345,13 +396,15 @@ pub(crate) fn attention(
         if let Some((table, radius)) = bias {
             add_position_bias(s, kv_len, 0, table, radius, head);
         }
-        let key_mask = &m[..kv_len];
         for row in s.chunks_exact_mut(kv_len) {
-            masked_softmax(row, key_mask);
+            match mask {
+                Some(m) => masked_softmax(row, &m[..kv_len]),
+                None => softmax(row),
+            }
         }
         unsafe {
             gemm::gemm(
-                seq,
+                len,
                 head_dim,
                 kv_len,
                 o,
@@ -361,134 +414,6 @@ pub(crate) fn attention(
                 s.as_ptr(),
                 1,
                 kv_len as isize,
-                v,
-                1,
-                stride as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                Parallelism::None,
-            );
-        }
-    };
-    let workers = (scratch.len() / (seq * seq)).clamp(1, tasks.max(1));
-    if workers == 1 {
-        let s = &mut scratch[..seq * seq];
-        (0..tasks).for_each(|t| run(t, s));
-    } else {
-        scratch[..workers * seq * seq]
-            .par_chunks_mut(seq * seq)
-            .enumerate()
-            .for_each(|(w, s)| (w..tasks).step_by(workers).for_each(|t| run(t, s)));
-    }
-}
-
-/// Packed programs: variable-length self-attention over a fused
-/// `[q | k | v]` projection; see
-/// [`crate::model::program::Op::PackedAttention`].
-///
-/// One task per (sequence, head), as [`attention`] does for a padded row:
-/// `S = Q·Kᵀ/√d` by gemm over the sequence's own `len × len` scores (in a
-/// per-worker scratch of `max_len²` floats), softmax per query row, then
-/// `O = P·V` by gemm into the head's columns of `out`. Empty sequences cost
-/// nothing; the first `tokens` slots not covered by a sequence (the tail)
-/// are zeroed. `offsets` (`seqs + 1` values) must be non-decreasing, start
-/// at 0 and end at most at `tokens`, with no sequence longer than `max_len`
-/// (what packing a checked batch gives).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn packed_attention(
-    qkv: &[f32],
-    offsets: &[i32],
-    out: &mut [f32],
-    scratch: &mut [f32],
-    tokens: usize,
-    max_len: usize,
-    heads: usize,
-    head_dim: usize,
-    bias: Option<(&[f32], usize)>,
-) {
-    let h = heads * head_dim;
-    let stride = 3 * h;
-    let seqs = offsets.len() - 1;
-    let end = offsets[seqs] as usize;
-    assert!(
-        offsets[0] == 0
-            && offsets
-                .windows(2)
-                .all(|w| w[0] <= w[1] && (w[1] - w[0]) as usize <= max_len)
-            && end <= tokens,
-        "packed offsets are checked when the batch is packed"
-    );
-    assert!(qkv.len() >= tokens * stride && out.len() >= tokens * h);
-    assert!(scratch.len() >= max_len * max_len && max_len > 0);
-    out[end * h..tokens * h].fill(0.0);
-    let tasks = seqs * heads;
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let shared = SharedOut(out.as_mut_ptr());
-    let run = |task: usize, s: &mut [f32]| {
-        let (seq, head) = (task / heads, task % heads);
-        let start = offsets[seq] as usize;
-        let len = offsets[seq + 1] as usize - start;
-        if len == 0 {
-            return;
-        }
-        // SAFETY: this task's block of `out` is rows start .. start + len,
-        // columns head·head_dim .. (head+1)·head_dim (row stride h): in
-        // bounds (start + len ≤ end ≤ tokens) and disjoint from every other
-        // task's (sequences do not overlap).
-        let o = unsafe { shared.ptr().add(start * h + head * head_dim) };
-        let base = start * stride + head * head_dim;
-        let q = qkv[base..].as_ptr();
-        let k = qkv[base + h..].as_ptr();
-        let v = qkv[base + 2 * h..].as_ptr();
-        let s = &mut s[..len * len];
-        // SAFETY (both products): Q is len×head_dim at q + i·stride + d, Kᵀ
-        // is head_dim×len at k + j·stride + d, V is len×head_dim at
-        // v + j·stride + d; every offset is below (start+len)·stride − base,
-        // in `qkv`. S is len×len in `s`; O is this task's block of `out`.
-        unsafe {
-            gemm::gemm(
-                len,
-                len,
-                head_dim,
-                s.as_mut_ptr(),
-                1,
-                len as isize,
-                false,
-                q,
-                1,
-                stride as isize,
-                k,
-                stride as isize,
-                1,
-                0.0,
-                scale,
-                false,
-                false,
-                false,
-                Parallelism::None,
-            );
-        }
-        if let Some((table, radius)) = bias {
-            add_position_bias(s, len, 0, table, radius, head);
-        }
-        for row in s.chunks_exact_mut(len) {
-            softmax(row);
-        }
-        unsafe {
-            gemm::gemm(
-                len,
-                head_dim,
-                len,
-                o,
-                1,
-                h as isize,
-                false,
-                s.as_ptr(),
-                1,
-                len as isize,
                 v,
                 1,
                 stride as isize,
@@ -568,29 +493,29 @@ fn masked_softmax(row: &mut [f32], mask: &[i32]) {
     row.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// Sentence pooling `[batch·seq, hidden]` → `[batch, hidden]`, then optional
-/// L2 normalisation. Mean divides by `max(Σ mask, 1e-9)`; max pooling of a
-/// row without unmasked tokens gives zeros. With `skip`, row `b` pools only
-/// its unmasked positions from `skip[b]` on (cls: the first of them; zeros
-/// when there is none).
-#[allow(clippy::too_many_arguments)]
+/// Sentence pooling `[token rows, hidden]` → `[sequences, hidden]`, then
+/// optional L2 normalisation; see [`crate::model::program::Op::Pool`]. Each
+/// sequence pools its real tokens from index `skip[s]` on (0 without a
+/// skip): mean divides by their count, max takes their element-wise
+/// maximum, cls the first of them (a padded sequence without a skip: slot
+/// 0, real or not); none left gives zeros.
 pub(crate) fn pool(
     x: &[f32],
-    mask: &[i32],
+    seqs: SeqIndex<'_>,
     out: &mut [f32],
-    batch: usize,
-    seq: usize,
     hidden: usize,
     mode: Pooling,
     normalize: bool,
     skip: Option<&[i32]>,
 ) {
-    for (b, o) in out[..batch * hidden].chunks_exact_mut(hidden).enumerate() {
-        let token = |t: usize| &x[(b * seq + t) * hidden..(b * seq + t + 1) * hidden];
-        let first = skip.map_or(0, |k| (k[b].max(0) as usize).min(seq));
-        let m = &mask[b * seq..(b + 1) * seq];
+    let count = seqs.count();
+    for (s, o) in out[..count * hidden].chunks_exact_mut(hidden).enumerate() {
+        let (start, len) = seqs.rows(s);
+        let token = |t: usize| &x[(start + t) * hidden..(start + t + 1) * hidden];
+        let first = skip.map_or(0, |k| (k[s].max(0) as usize).min(len));
+        let mask = seqs.mask(s);
         // The pooled positions.
-        let pooled = || (first..seq).filter(|&t| m[t] != 0);
+        let pooled = || (first..len).filter(|&t| mask.is_none_or(|m| m[t] != 0));
         match mode {
             Pooling::Mean => {
                 o.fill(0.0);
@@ -602,7 +527,7 @@ pub(crate) fn pool(
                 let denom = (count as f32).max(1e-9);
                 o.iter_mut().for_each(|a| *a /= denom);
             }
-            Pooling::Cls if skip.is_none() => o.copy_from_slice(token(0)),
+            Pooling::Cls if skip.is_none() && mask.is_some() => o.copy_from_slice(token(0)),
             Pooling::Cls => match pooled().next() {
                 Some(t) => o.copy_from_slice(token(t)),
                 None => o.fill(0.0),
@@ -616,53 +541,6 @@ pub(crate) fn pool(
                 }
                 if !any {
                     o.fill(0.0);
-                }
-            }
-        }
-        if normalize {
-            let norm = o.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
-            o.iter_mut().for_each(|v| *v /= norm);
-        }
-    }
-}
-
-/// Packed programs: per-sequence pooling `[tokens, hidden]` → `[seqs,
-/// hidden]` over `offsets` (`seqs + 1` values), then optional L2
-/// normalisation. Mean divides by the sequence's length; an empty sequence
-/// gives zeros in every mode. With `skip`, sequence `s` starts `skip[s]`
-/// slots later.
-pub(crate) fn packed_pool(
-    x: &[f32],
-    offsets: &[i32],
-    out: &mut [f32],
-    hidden: usize,
-    mode: Pooling,
-    normalize: bool,
-    skip: Option<&[i32]>,
-) {
-    let seqs = offsets.len() - 1;
-    for (s, o) in out[..seqs * hidden].chunks_exact_mut(hidden).enumerate() {
-        let (start, end) = (offsets[s] as usize, offsets[s + 1] as usize);
-        let start = (start + skip.map_or(0, |k| k[s].max(0) as usize)).min(end);
-        let token = |t: usize| &x[t * hidden..(t + 1) * hidden];
-        if end <= start {
-            o.fill(0.0);
-            continue;
-        }
-        match mode {
-            Pooling::Mean => {
-                o.fill(0.0);
-                for t in start..end {
-                    o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a += v);
-                }
-                let denom = (end - start) as f32;
-                o.iter_mut().for_each(|a| *a /= denom);
-            }
-            Pooling::Cls => o.copy_from_slice(token(start)),
-            Pooling::Max => {
-                o.copy_from_slice(token(start));
-                for t in start + 1..end {
-                    o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a = a.max(v));
                 }
             }
         }
@@ -762,13 +640,13 @@ mod tests {
         for workers in [1, 2, 4] {
             let mut out = vec![f32::NAN; batch * seq * h];
             let mut scratch = vec![0.0; workers * seq * seq];
+            let seqs = SeqIndex::Padded { mask: &mask, seq };
             attention(
                 &qkv,
-                &mask,
+                seqs,
                 &mut out,
                 &mut scratch,
-                batch,
-                seq,
+                batch * seq,
                 heads,
                 d,
                 None,
@@ -796,29 +674,27 @@ mod tests {
         let x = [1.0, 2.0, 3.0, 4.0, 5.0, -6.0, 0.0, 0.0];
         let mask = [1, 1, 1, 0];
         let mut out = [0.0; 4];
-        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Mean, false, None);
+        let seqs = SeqIndex::Padded {
+            mask: &mask,
+            seq: 2,
+        };
+        pool(&x, seqs, &mut out, 2, Pooling::Mean, false, None);
         assert_eq!(out, [2.0, 3.0, 5.0, -6.0]);
-        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Max, false, None);
+        pool(&x, seqs, &mut out, 2, Pooling::Max, false, None);
         assert_eq!(out, [3.0, 4.0, 5.0, -6.0]);
-        pool(&x, &mask, &mut out, 2, 2, 2, Pooling::Cls, true, None);
+        pool(&x, seqs, &mut out, 2, Pooling::Cls, true, None);
         let n = (5.0f32).sqrt();
         assert_eq!(out[..2], [1.0 / n, 2.0 / n]);
-        pool(
-            &x,
-            &[0, 0, 0, 0],
-            &mut out,
-            2,
-            2,
-            2,
-            Pooling::Mean,
-            true,
-            None,
-        );
+        let none = SeqIndex::Padded {
+            mask: &[0, 0, 0, 0],
+            seq: 2,
+        };
+        pool(&x, none, &mut out, 2, Pooling::Mean, true, None);
         assert_eq!(out, [0.0; 4]);
     }
 
-    /// Packed attention equals the padded kernel run on each sequence alone
-    /// (a batch of one unmasked row), and zeroes the tail.
+    /// Packed attention equals the padded one run on each sequence alone (a
+    /// batch of one unmasked row), and zeroes the tail.
     #[test]
     fn packed_attention_matches_padded_rows() {
         let (heads, d) = (2, 4);
@@ -837,33 +713,24 @@ mod tests {
         for workers in [1, 3] {
             let mut out = vec![f32::NAN; tokens * h];
             let mut scratch = vec![0.0; workers * 7 * 7];
-            packed_attention(
-                &qkv,
-                &offsets,
-                &mut out,
-                &mut scratch,
-                tokens,
-                7,
-                heads,
-                d,
-                None,
-            );
+            let positions = vec![0; tokens];
+            let seqs = SeqIndex::Packed {
+                offsets: &offsets,
+                positions: &positions,
+                max_len: 7,
+            };
+            attention(&qkv, seqs, &mut out, &mut scratch, tokens, heads, d, None);
             for (s, &len) in lens.iter().enumerate().filter(|(_, &l)| l > 0) {
                 let start = offsets[s] as usize;
                 let rows = &qkv[start * 3 * h..(start + len) * 3 * h];
                 let mut want = vec![0.0; len * h];
                 let mut sc = vec![0.0; len * len];
-                attention(
-                    rows,
-                    &vec![1; len],
-                    &mut want,
-                    &mut sc,
-                    1,
-                    len,
-                    heads,
-                    d,
-                    None,
-                );
+                let mask = vec![1; len];
+                let one = SeqIndex::Padded {
+                    mask: &mask,
+                    seq: len,
+                };
+                attention(rows, one, &mut want, &mut sc, len, heads, d, None);
                 let got = &out[start * h..(start + len) * h];
                 for (a, b) in got.iter().zip(&want) {
                     assert!((a - b).abs() < 1e-6, "seq {s}: {a} vs {b}");
@@ -880,11 +747,16 @@ mod tests {
         let x = [1.0, 2.0, 3.0, 4.0, 5.0, -6.0, 7.0, 8.0, 9.0, 9.0];
         let offsets = [0, 3, 3, 4];
         let mut out = [f32::NAN; 6];
-        packed_pool(&x, &offsets, &mut out, 2, Pooling::Mean, false, None);
+        let seqs = SeqIndex::Packed {
+            offsets: &offsets,
+            positions: &[0, 1, 2, 0, 0],
+            max_len: 3,
+        };
+        pool(&x, seqs, &mut out, 2, Pooling::Mean, false, None);
         assert_eq!(out, [3.0, 0.0, 0.0, 0.0, 7.0, 8.0]);
-        packed_pool(&x, &offsets, &mut out, 2, Pooling::Max, false, None);
+        pool(&x, seqs, &mut out, 2, Pooling::Max, false, None);
         assert_eq!(out, [5.0, 4.0, 0.0, 0.0, 7.0, 8.0]);
-        packed_pool(&x, &offsets, &mut out, 2, Pooling::Cls, true, None);
+        pool(&x, seqs, &mut out, 2, Pooling::Cls, true, None);
         let n = (5.0f32).sqrt();
         assert_eq!(out[..2], [1.0 / n, 2.0 / n]);
         assert_eq!(out[2..4], [0.0, 0.0]);

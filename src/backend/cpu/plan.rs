@@ -18,11 +18,10 @@
 //! `offsets[last]` slots) and real sequences.
 
 use super::arena::{Arena, ArenaNeeds, ARENA_ALIGN};
-use super::ops;
+use super::ops::{self, SeqIndex};
 use super::CpuWeights;
-use crate::model::program::{
-    Activation, BufKind, InputRole, Layout, Op, Pooling, PositionIds, Program,
-};
+use crate::model::program::validate::op_buffers;
+use crate::model::program::{BufKind, InputRole, Layout, Op, Program, Seqs, WeightId};
 use crate::model::BatchRows;
 
 /// A static buffer: integer inputs are i32, everything else f32.
@@ -160,106 +159,6 @@ impl<'a> Reads<'a> {
     }
 }
 
-/// One op bound to buffer and weight indices (all checked).
-#[derive(Clone, Copy, Debug)]
-enum Step {
-    Embed {
-        ids: usize,
-        types: usize,
-        word: usize,
-        position: usize,
-        token_type: usize,
-        gamma: usize,
-        beta: usize,
-        eps: f32,
-        out: usize,
-        rows: usize,
-        seq: usize,
-        hidden: usize,
-        position_ids: PositionIds,
-    },
-    Linear {
-        x: usize,
-        w: usize,
-        bias: Option<usize>,
-        act: Activation,
-        out: usize,
-        m: usize,
-        n: usize,
-        k: usize,
-    },
-    AddNorm {
-        x: usize,
-        residual: usize,
-        gamma: usize,
-        beta: usize,
-        eps: f32,
-        out: usize,
-        rows: usize,
-        hidden: usize,
-    },
-    Attention {
-        qkv: usize,
-        mask: usize,
-        out: usize,
-        batch: usize,
-        seq: usize,
-        heads: usize,
-        head_dim: usize,
-        /// (bias table weight, radius)
-        bias: Option<(usize, usize)>,
-    },
-    Pool {
-        x: usize,
-        mask: usize,
-        out: usize,
-        batch: usize,
-        seq: usize,
-        hidden: usize,
-        mode: Pooling,
-        normalize: bool,
-        skip: Option<usize>,
-    },
-    PackedEmbed {
-        ids: usize,
-        types: usize,
-        positions: usize,
-        word: usize,
-        position: usize,
-        token_type: usize,
-        gamma: usize,
-        beta: usize,
-        eps: f32,
-        out: usize,
-        tokens: usize,
-        hidden: usize,
-        position_ids: PositionIds,
-    },
-    PackedAttention {
-        qkv: usize,
-        offsets: usize,
-        out: usize,
-        tokens: usize,
-        seqs: usize,
-        max_seq_len: usize,
-        heads: usize,
-        head_dim: usize,
-        bias: Option<(usize, usize)>,
-    },
-    PackedPool {
-        x: usize,
-        offsets: usize,
-        out: usize,
-        seqs: usize,
-        hidden: usize,
-        mode: Pooling,
-        normalize: bool,
-        skip: Option<usize>,
-    },
-    /// L2-normalises `rows` rows of `x` in place.
-    Normalize { x: usize, rows: usize, width: usize },
-}
-
 /// The shape a plan computes: its program's, or a batch's real part of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Shape {
@@ -279,292 +178,70 @@ impl Shape {
     }
 }
 
-impl Step {
-    /// The buffers the step reads, and the one it writes.
-    fn buffers(self) -> ([Option<usize>; 3], usize) {
-        match self {
-            Step::Embed {
-                ids, types, out, ..
-            } => ([Some(ids), Some(types), None], out),
-            Step::Linear { x, out, .. } => ([Some(x), None, None], out),
-            Step::AddNorm {
-                x, residual, out, ..
-            } => ([Some(x), Some(residual), None], out),
-            Step::Attention { qkv, mask, out, .. } => ([Some(qkv), Some(mask), None], out),
-            Step::Pool {
-                x, mask, out, skip, ..
-            } => ([Some(x), Some(mask), skip], out),
-            Step::PackedEmbed {
-                ids,
-                types,
-                positions,
-                out,
-                ..
-            } => ([Some(ids), Some(types), Some(positions)], out),
-            Step::PackedAttention {
-                qkv, offsets, out, ..
-            } => ([Some(qkv), Some(offsets), None], out),
-            Step::PackedPool {
-                x,
-                offsets,
-                out,
-                skip,
-                ..
-            } => ([Some(x), Some(offsets), skip], out),
-            // Reads only what it writes (in place).
-            Step::Normalize { x, .. } => ([None, None, None], x),
-        }
-    }
-
-    /// This step restricted to the `active` part of a program of shape
-    /// `full`: the first rows of fewer tokens (padded), or the first tokens
-    /// and sequences (packed); `None` if the step's shape is not one of the
-    /// program's row counts (then the plan never trims).
-    fn active(self, full: Shape, active: Shape) -> Option<Step> {
-        let (full_tokens, full_sentences) = full.rows();
-        let (tokens, sentences) = active.rows();
-        // Row counts scale with the token rows or the sentence rows (both,
-        // when the two are equal: then computing the larger is safe).
-        let rows = |r: usize| match (r == full_tokens, r == full_sentences) {
-            (true, true) => Some(tokens.max(sentences)),
-            (true, false) => Some(tokens),
-            (false, true) => Some(sentences),
-            (false, false) => None,
-        };
-        let padded = match (full, active) {
-            (Shape::Padded { batch: fb, seq: fs }, Shape::Padded { batch, seq }) => {
-                Some((fb, fs, batch, seq))
-            }
-            _ => None,
-        };
-        let packed = match (full, active) {
+/// `op` restricted to the `active` part of a program of shape `full`: the
+/// first rows of fewer tokens (padded), or the first tokens and sequences
+/// (packed); `None` if one of the op's row counts is not one of the
+/// program's (then the plan never trims).
+fn restrict(op: &Op, full: Shape, active: Shape) -> Option<Op> {
+    let (full_tokens, full_sentences) = full.rows();
+    let (tokens, sentences) = active.rows();
+    // Row counts scale with the token rows or the sentence rows (both,
+    // when the two are equal: then computing the larger is safe).
+    let rows = |r: usize| match (r == full_tokens, r == full_sentences) {
+        (true, true) => Some(tokens.max(sentences)),
+        (true, false) => Some(tokens),
+        (false, true) => Some(sentences),
+        (false, false) => None,
+    };
+    let seqs = |s: Seqs| -> Option<Seqs> {
+        Some(match (s, full, active) {
             (
+                Seqs::Padded { mask, batch, seq },
+                Shape::Padded { batch: fb, seq: fs },
+                Shape::Padded {
+                    batch: ab,
+                    seq: as_,
+                },
+            ) if (batch, seq) == (fb, fs) => Seqs::Padded {
+                mask,
+                batch: ab,
+                seq: as_,
+            },
+            (
+                Seqs::Packed {
+                    offsets,
+                    positions,
+                    tokens: t,
+                    seqs: n,
+                    max_seq_len,
+                },
                 Shape::Packed {
                     seqs: fseqs,
                     tokens: ftokens,
                 },
-                Shape::Packed { seqs, tokens },
-            ) => Some((fseqs, ftokens, seqs, tokens)),
-            _ => None,
-        };
-        let shape = |b: usize, s: usize| {
-            let (fb, fs, ab, as_) = padded?;
-            (b == fb && s == fs).then_some((ab, as_))
-        };
-        Some(match self {
-            Step::PackedEmbed {
-                ids,
-                types,
+                Shape::Packed {
+                    seqs: aseqs,
+                    tokens: atokens,
+                },
+            ) if (t, n) == (ftokens, fseqs) => Seqs::Packed {
+                offsets,
                 positions,
-                word,
-                position,
-                token_type,
-                gamma,
-                beta,
-                eps,
-                out,
-                tokens: t,
-                hidden,
-                position_ids,
-            } => {
-                let (_, ft, _, at) = packed?;
-                if t != ft {
-                    return None;
-                }
-                Step::PackedEmbed {
-                    ids,
-                    types,
-                    positions,
-                    word,
-                    position,
-                    token_type,
-                    gamma,
-                    beta,
-                    eps,
-                    out,
-                    tokens: at,
-                    hidden,
-                    position_ids,
-                }
-            }
-            Step::PackedAttention {
-                qkv,
-                offsets,
-                out,
-                tokens: t,
-                seqs: s,
+                tokens: atokens,
+                seqs: aseqs,
                 max_seq_len,
-                heads,
-                head_dim,
-                bias,
-            } => {
-                let (fs, ft, as_, at) = packed?;
-                if t != ft || s != fs {
-                    return None;
-                }
-                Step::PackedAttention {
-                    qkv,
-                    offsets,
-                    out,
-                    tokens: at,
-                    seqs: as_,
-                    max_seq_len,
-                    heads,
-                    head_dim,
-                    bias,
-                }
-            }
-            Step::PackedPool {
-                x,
-                offsets,
-                out,
-                seqs: s,
-                hidden,
-                mode,
-                normalize,
-                skip,
-            } => {
-                let (fs, _, as_, _) = packed?;
-                if s != fs {
-                    return None;
-                }
-                Step::PackedPool {
-                    x,
-                    offsets,
-                    out,
-                    seqs: as_,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip,
-                }
-            }
-            Step::Normalize { x, rows: r, width } => Step::Normalize {
-                x,
-                rows: rows(r)?,
-                width,
             },
-            Step::Embed {
-                ids,
-                types,
-                word,
-                position,
-                token_type,
-                gamma,
-                beta,
-                eps,
-                out,
-                rows: r,
-                seq,
-                hidden,
-                position_ids,
-            } => {
-                let (fb, fs, ab, as_) = padded?;
-                if seq != fs || r != fb * fs {
-                    return None;
-                }
-                Step::Embed {
-                    ids,
-                    types,
-                    word,
-                    position,
-                    token_type,
-                    gamma,
-                    beta,
-                    eps,
-                    out,
-                    rows: ab * as_,
-                    seq: as_,
-                    hidden,
-                    position_ids,
-                }
-            }
-            Step::Linear {
-                x,
-                w,
-                bias,
-                act,
-                out,
-                m,
-                n,
-                k,
-            } => Step::Linear {
-                x,
-                w,
-                bias,
-                act,
-                out,
-                m: rows(m)?,
-                n,
-                k,
-            },
-            Step::AddNorm {
-                x,
-                residual,
-                gamma,
-                beta,
-                eps,
-                out,
-                rows: r,
-                hidden,
-            } => Step::AddNorm {
-                x,
-                residual,
-                gamma,
-                beta,
-                eps,
-                out,
-                rows: rows(r)?,
-                hidden,
-            },
-            Step::Attention {
-                qkv,
-                mask,
-                out,
-                batch,
-                seq,
-                heads,
-                head_dim,
-                bias,
-            } => {
-                let (batch, seq) = shape(batch, seq)?;
-                Step::Attention {
-                    qkv,
-                    mask,
-                    out,
-                    batch,
-                    seq,
-                    heads,
-                    head_dim,
-                    bias,
-                }
-            }
-            Step::Pool {
-                x,
-                mask,
-                out,
-                batch,
-                seq,
-                hidden,
-                mode,
-                normalize,
-                skip,
-            } => {
-                let (batch, seq) = shape(batch, seq)?;
-                Step::Pool {
-                    x,
-                    mask,
-                    out,
-                    batch,
-                    seq,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip,
-                }
-            }
+            _ => return None,
         })
+    };
+    let mut op = op.clone();
+    match &mut op {
+        Op::EmbedLayerNorm { seqs: s, .. }
+        | Op::Attention { seqs: s, .. }
+        | Op::Pool { seqs: s, .. } => *s = seqs(*s)?,
+        Op::Linear { m, .. } => *m = rows(*m)?,
+        Op::AddLayerNorm { rows: r, .. } | Op::Normalize { rows: r, .. } => *r = rows(*r)?,
     }
+    Some(op)
 }
 
 /// A program bound to preallocated buffers: its own static inputs and
@@ -578,7 +255,9 @@ pub(crate) struct Plan {
     weights: CpuWeights,
     /// Every buffer of the program, by index.
     slots: Vec<Slot>,
-    steps: Vec<Step>,
+    /// The program's ops, in order (buffer and weight ids index `slots` and
+    /// the weights).
+    steps: Vec<Op>,
     /// (role, buffer) of each input.
     inputs: Vec<(InputRole, usize)>,
     output: usize,
@@ -600,202 +279,16 @@ impl Plan {
     /// weights `weights` were uploaded from.
     pub(crate) fn new(program: &Program, weights: &CpuWeights, threads: usize) -> Plan {
         let (batch, seq) = (program.batch, program.seq);
-        let mut max_attention_seq = 0;
-        let steps = program
-            .ops
+        let steps = program.ops.clone();
+        // Attention's score scratch: a (sequence, head) task's scores.
+        let max_attention_seq = steps
             .iter()
-            .map(|op| match *op {
-                Op::EmbedLayerNorm {
-                    ids,
-                    token_types,
-                    word,
-                    position,
-                    token_type,
-                    gamma,
-                    beta,
-                    eps,
-                    out,
-                    batch,
-                    seq,
-                    hidden,
-                    position_ids,
-                } => Step::Embed {
-                    ids: ids.0,
-                    types: token_types.0,
-                    word: word.0,
-                    position: position.0,
-                    token_type: token_type.0,
-                    gamma: gamma.0,
-                    beta: beta.0,
-                    eps,
-                    out: out.0,
-                    rows: batch * seq,
-                    seq,
-                    hidden,
-                    position_ids,
-                },
-                Op::Linear {
-                    x,
-                    w,
-                    bias,
-                    act,
-                    out,
-                    m,
-                    n,
-                    k,
-                } => Step::Linear {
-                    x: x.0,
-                    w: w.0,
-                    bias: bias.map(|b| b.0),
-                    act,
-                    out: out.0,
-                    m,
-                    n,
-                    k,
-                },
-                Op::AddLayerNorm {
-                    x,
-                    residual,
-                    gamma,
-                    beta,
-                    eps,
-                    out,
-                    rows,
-                    hidden,
-                } => Step::AddNorm {
-                    x: x.0,
-                    residual: residual.0,
-                    gamma: gamma.0,
-                    beta: beta.0,
-                    eps,
-                    out: out.0,
-                    rows,
-                    hidden,
-                },
-                Op::Attention {
-                    qkv,
-                    mask,
-                    out,
-                    batch,
-                    seq,
-                    heads,
-                    head_dim,
-                    bias,
-                } => {
-                    max_attention_seq = max_attention_seq.max(seq);
-                    Step::Attention {
-                        qkv: qkv.0,
-                        mask: mask.0,
-                        out: out.0,
-                        batch,
-                        seq,
-                        heads,
-                        head_dim,
-                        bias: bias.map(|b| (b.table.0, b.radius)),
-                    }
-                }
-                Op::Pool {
-                    x,
-                    mask,
-                    out,
-                    batch,
-                    seq,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip,
-                } => Step::Pool {
-                    x: x.0,
-                    mask: mask.0,
-                    out: out.0,
-                    batch,
-                    seq,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip: skip.map(|b| b.0),
-                },
-                Op::PackedEmbedLayerNorm {
-                    ids,
-                    token_types,
-                    positions,
-                    word,
-                    position,
-                    token_type,
-                    gamma,
-                    beta,
-                    eps,
-                    out,
-                    tokens,
-                    hidden,
-                    position_ids,
-                    ..
-                } => Step::PackedEmbed {
-                    ids: ids.0,
-                    types: token_types.0,
-                    positions: positions.0,
-                    word: word.0,
-                    position: position.0,
-                    token_type: token_type.0,
-                    gamma: gamma.0,
-                    beta: beta.0,
-                    eps,
-                    out: out.0,
-                    tokens,
-                    hidden,
-                    position_ids,
-                },
-                Op::PackedAttention {
-                    qkv,
-                    offsets,
-                    out,
-                    tokens,
-                    seqs,
-                    max_seq_len,
-                    heads,
-                    head_dim,
-                    bias,
-                } => {
-                    max_attention_seq = max_attention_seq.max(max_seq_len);
-                    Step::PackedAttention {
-                        qkv: qkv.0,
-                        offsets: offsets.0,
-                        out: out.0,
-                        tokens,
-                        seqs,
-                        max_seq_len,
-                        heads,
-                        head_dim,
-                        bias: bias.map(|b| (b.table.0, b.radius)),
-                    }
-                }
-                Op::PackedPool {
-                    x,
-                    offsets,
-                    out,
-                    seqs,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip,
-                    ..
-                } => Step::PackedPool {
-                    x: x.0,
-                    offsets: offsets.0,
-                    out: out.0,
-                    seqs,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip: skip.map(|b| b.0),
-                },
-                Op::Normalize { x, rows, width } => Step::Normalize {
-                    x: x.0,
-                    rows,
-                    width,
-                },
+            .filter_map(|op| match op {
+                Op::Attention { seqs, .. } => Some(seqs.max_len()),
+                _ => None,
             })
-            .collect::<Vec<Step>>();
+            .max()
+            .unwrap_or(0);
         let inputs = program
             .inputs
             .iter()
@@ -835,7 +328,7 @@ impl Plan {
             Shape::Padded { .. } => Shape::Padded { batch: 1, seq: 1 },
             Shape::Packed { .. } => Shape::Packed { seqs: 1, tokens: 1 },
         };
-        let trimmable = steps.iter().all(|s| s.active(full, smallest).is_some());
+        let trimmable = steps.iter().all(|s| restrict(s, full, smallest).is_some());
         Plan {
             batch,
             seq,
@@ -951,62 +444,82 @@ impl Plan {
         );
         let threads = self.threads;
         let weights = &self.weights.tensors;
-        let wt = |i: usize| weights[i].data.as_slice();
+        let wt = |w: WeightId| weights[w.0].data.as_slice();
         let full = self.full();
         let active = self.active;
         let slots = &mut self.slots;
         let activations = &mut arena.activations[..];
-        for i in 0..self.steps.len() {
+        for full_step in &self.steps {
+            let restricted;
             let step = if active == full {
-                self.steps[i]
+                full_step
             } else {
-                self.steps[i]
-                    .active(full, active)
-                    .expect("checked at capture: trimmable")
+                restricted =
+                    restrict(full_step, full, active).expect("checked at capture: trimmable");
+                &restricted
             };
-            let (_, out) = step.buffers();
-            let (o, bufs) = Reads::split(slots, activations, out);
-            match step {
-                Step::Embed {
+            let (_, out) = op_buffers(step);
+            let (o, bufs) = Reads::split(slots, activations, out.0);
+            let seq_index = |s: Seqs| match s {
+                Seqs::Padded { mask, batch, seq } => SeqIndex::Padded {
+                    mask: &bufs.i32(mask.0)[..batch * seq],
+                    seq,
+                },
+                Seqs::Packed {
+                    offsets,
+                    positions,
+                    seqs,
+                    max_seq_len,
+                    ..
+                } => SeqIndex::Packed {
+                    offsets: &bufs.i32(offsets.0)[..seqs + 1],
+                    positions: bufs.i32(positions.0),
+                    max_len: max_seq_len,
+                },
+            };
+            match *step {
+                Op::EmbedLayerNorm {
                     ids,
-                    types,
+                    token_types,
                     word,
                     position,
                     token_type,
                     gamma,
                     beta,
                     eps,
-                    out: _,
-                    rows,
-                    seq,
                     hidden,
                     position_ids,
-                } => ops::embed_layer_norm(
-                    threads,
-                    &bufs.i32(ids)[..rows],
-                    &bufs.i32(types)[..rows],
-                    wt(word),
-                    wt(position),
-                    wt(token_type),
-                    wt(gamma),
-                    wt(beta),
-                    eps,
-                    o,
-                    seq,
-                    hidden,
-                    position_ids,
-                ),
-                Step::Linear {
+                    seqs,
+                    ..
+                } => {
+                    let rows = seqs.token_rows();
+                    ops::embed_layer_norm(
+                        threads,
+                        &bufs.i32(ids.0)[..rows],
+                        &bufs.i32(token_types.0)[..rows],
+                        seq_index(seqs),
+                        wt(word),
+                        wt(position),
+                        wt(token_type),
+                        wt(gamma),
+                        wt(beta),
+                        eps,
+                        o,
+                        hidden,
+                        position_ids,
+                    )
+                }
+                Op::Linear {
                     x,
                     w,
                     bias,
                     act,
-                    out: _,
                     m,
                     n,
                     k,
-                } => ops::linear(threads, bufs.f32(x), wt(w), bias.map(wt), act, o, m, n, k),
-                Step::AddNorm {
+                    ..
+                } => ops::linear(threads, bufs.f32(x.0), wt(w), bias.map(wt), act, o, m, n, k),
+                Op::AddLayerNorm {
                     x,
                     residual,
                     gamma,
@@ -1018,11 +531,11 @@ impl Plan {
                 } => {
                     if residual != out {
                         let n = rows * hidden;
-                        o[..n].copy_from_slice(&bufs.f32(residual)[..n]);
+                        o[..n].copy_from_slice(&bufs.f32(residual.0)[..n]);
                     }
                     ops::add_layer_norm_in_place(
                         threads,
-                        bufs.f32(x),
+                        bufs.f32(x.0),
                         o,
                         wt(gamma),
                         wt(beta),
@@ -1031,122 +544,44 @@ impl Plan {
                         hidden,
                     );
                 }
-                Step::Attention {
+                Op::Attention {
                     qkv,
-                    mask,
-                    out: _,
-                    batch,
-                    seq,
                     heads,
                     head_dim,
                     bias,
+                    seqs,
+                    ..
                 } => {
-                    let scratch_len = threads * seq * seq;
+                    let len = seqs.max_len();
                     ops::attention(
-                        bufs.f32(qkv),
-                        bufs.i32(mask),
+                        bufs.f32(qkv.0),
+                        seq_index(seqs),
                         o,
-                        &mut arena.scratch[..scratch_len],
-                        batch,
-                        seq,
+                        &mut arena.scratch[..threads * len * len],
+                        seqs.token_rows(),
                         heads,
                         head_dim,
-                        bias.map(|(t, r)| (wt(t), r)),
+                        bias.map(|b| (wt(b.table), b.radius)),
                     );
                 }
-                Step::Pool {
+                Op::Pool {
                     x,
-                    mask,
-                    out: _,
-                    batch,
-                    seq,
                     hidden,
                     mode,
                     normalize,
                     skip,
+                    seqs,
+                    ..
                 } => ops::pool(
-                    bufs.f32(x),
-                    bufs.i32(mask),
-                    o,
-                    batch,
-                    seq,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip.map(|k| &bufs.i32(k)[..batch]),
-                ),
-                Step::PackedEmbed {
-                    ids,
-                    types,
-                    positions,
-                    word,
-                    position,
-                    token_type,
-                    gamma,
-                    beta,
-                    eps,
-                    out: _,
-                    tokens,
-                    hidden,
-                    position_ids,
-                } => ops::packed_embed_layer_norm(
-                    threads,
-                    &bufs.i32(ids)[..tokens],
-                    &bufs.i32(types)[..tokens],
-                    &bufs.i32(positions)[..tokens],
-                    wt(word),
-                    wt(position),
-                    wt(token_type),
-                    wt(gamma),
-                    wt(beta),
-                    eps,
-                    o,
-                    hidden,
-                    position_ids,
-                ),
-                Step::PackedAttention {
-                    qkv,
-                    offsets,
-                    out: _,
-                    tokens,
-                    seqs,
-                    max_seq_len,
-                    heads,
-                    head_dim,
-                    bias,
-                } => {
-                    let scratch_len = threads * max_seq_len * max_seq_len;
-                    ops::packed_attention(
-                        bufs.f32(qkv),
-                        &bufs.i32(offsets)[..seqs + 1],
-                        o,
-                        &mut arena.scratch[..scratch_len],
-                        tokens,
-                        max_seq_len,
-                        heads,
-                        head_dim,
-                        bias.map(|(t, r)| (wt(t), r)),
-                    );
-                }
-                Step::PackedPool {
-                    x,
-                    offsets,
-                    out: _,
-                    seqs,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip,
-                } => ops::packed_pool(
-                    bufs.f32(x),
-                    &bufs.i32(offsets)[..seqs + 1],
+                    bufs.f32(x.0),
+                    seq_index(seqs),
                     o,
                     hidden,
                     mode,
                     normalize,
-                    skip.map(|k| &bufs.i32(k)[..seqs]),
+                    skip.map(|k| &bufs.i32(k.0)[..seqs.count()]),
                 ),
-                Step::Normalize { x: _, rows, width } => {
+                Op::Normalize { rows, width, .. } => {
                     ops::normalize_rows(&mut o[..rows * width], width)
                 }
             }

@@ -736,7 +736,7 @@ mod tests {
 
     #[test]
     fn token_rows_pack_ids_mask_and_types() {
-        let (prog, w) = super::super::plan::tests::tiny_bert(2, 8);
+        let (prog, w) = super::super::plan::test_support::tiny_bert(2, 8);
         let p = plan(&prog, &w, DType::F16, false, Limits::new(48 << 10)).unwrap();
         let rows = BatchRows::Tokens(vec![vec![101, 5, 102], vec![101, 102]]);
         let mut buf = vec![0xffu8; p.input_bytes];
@@ -761,7 +761,8 @@ mod tests {
 
     #[test]
     fn packed_rows_pack_sequences_offsets_and_tiles() {
-        let (prog, w) = super::super::plan::tests::packed_bert_dims(16, 4, 16, 384, 12, 1536);
+        let (prog, w) =
+            super::super::plan::test_support::packed_bert_dims(16, 4, 16, 384, 12, 1536);
         // The fused attention kernels need no tile table: plan without them.
         let limits = Limits::new(48 << 10);
         let p = plan(&prog, &w, DType::F16, false, limits).unwrap();

@@ -21,7 +21,8 @@ mod folder;
 pub use folder::{inspect, load, mpnet_bucket, MPNET_BIAS_RADIUS};
 
 use super::program::{
-    Activation, BufId, InputRole, Op, Pooling, PositionBias, PositionIds, ProgramBuilder, WeightId,
+    Activation, BufId, InputRole, Op, Pooling, PositionBias, PositionIds, ProgramBuilder, Seqs,
+    WeightId,
 };
 use super::Program;
 use serde::{Deserialize, Serialize};
@@ -183,52 +184,16 @@ impl BertArch {
         let skip = self
             .pool_skip
             .then(|| b.input("pool_skip", InputRole::PoolSkip, batch));
-        let e = &self.embeddings;
-        let embed = |hidden| Op::EmbedLayerNorm {
-            ids,
-            token_types: types,
-            word: e.word,
-            position: e.position,
-            token_type: e.token_type,
-            gamma: e.norm_gamma,
-            beta: e.norm_beta,
-            eps: self.layer_norm_eps,
-            out: hidden,
-            batch,
-            seq,
-            hidden: self.hidden,
-            position_ids: self.position_ids,
-        };
-        let attention = |qkv, context| Op::Attention {
-            qkv,
-            mask,
-            out: context,
-            batch,
-            seq,
-            heads: self.heads,
-            head_dim: self.head_dim,
-            bias: self.position_bias,
-        };
-        let pool = |hidden, output, mode, normalize, skip| Op::Pool {
-            x: hidden,
-            mask,
-            out: output,
-            batch,
-            seq,
-            hidden: self.hidden,
-            mode,
-            normalize,
-            skip,
-        };
-        let output = self.encoder(&mut b, rows, batch, embed, attention, pool, skip);
+        let seqs = Seqs::Padded { mask, batch, seq };
+        let output = self.encoder(&mut b, seqs, ids, types, skip);
         b.finish(batch, seq, output, self.output_dim())
     }
 
     /// The encoder over a packed budget of `tokens` slots holding up to
     /// `seqs` sequences of at most `min(max_seq_len, tokens)` tokens: the
-    /// same layers as [`BertArch::program`] with `tokens` rows, the packed
-    /// embedding (per-token positions), variable-length attention and
-    /// per-sequence pooling; `seqs` output rows.
+    /// same ops as [`BertArch::program`] over `tokens` rows, their token ops
+    /// taking [`Seqs::Packed`] (per-token positions, variable-length
+    /// attention, per-sequence pooling); `seqs` output rows.
     ///
     /// Inputs, in order: `input_ids`, `token_type_ids`, `position_ids`
     /// (`[tokens]`) and `cu_seqlens` (`[seqs + 1]`), and for a model with
@@ -248,11 +213,39 @@ impl BertArch {
         let skip = self
             .pool_skip
             .then(|| b.input("pool_skip", InputRole::PoolSkip, seqs));
-        let e = &self.embeddings;
-        let embed = |hidden| Op::PackedEmbedLayerNorm {
-            ids,
-            token_types: types,
+        let layout = Seqs::Packed {
+            offsets,
             positions,
+            tokens,
+            seqs,
+            max_seq_len,
+        };
+        let output = self.encoder(&mut b, layout, ids, types, skip);
+        b.finish_packed(tokens, seqs, max_seq_len, output, self.output_dim())
+    }
+
+    /// Declares the activations and output and pushes every op over the
+    /// token rows of `seqs` (the same ops for either layout). Returns the
+    /// output buffer.
+    fn encoder(
+        &self,
+        b: &mut ProgramBuilder,
+        seqs: Seqs,
+        ids: BufId,
+        token_types: BufId,
+        skip: Option<BufId>,
+    ) -> BufId {
+        let rows = seqs.token_rows();
+        let e = &self.embeddings;
+        let h = self.hidden;
+        let hidden = b.activation("hidden", rows * h);
+        let qkv = b.activation("qkv", rows * 3 * h);
+        let context = b.activation("context", rows * h);
+        let proj = b.activation("proj", rows * h);
+        let inter = b.activation("intermediate", rows * self.intermediate);
+        b.push(Op::EmbedLayerNorm {
+            ids,
+            token_types,
             word: e.word,
             position: e.position,
             token_type: e.token_type,
@@ -260,59 +253,10 @@ impl BertArch {
             beta: e.norm_beta,
             eps: self.layer_norm_eps,
             out: hidden,
-            tokens,
-            max_seq_len,
             hidden: self.hidden,
             position_ids: self.position_ids,
-        };
-        let attention = |qkv, context| Op::PackedAttention {
-            qkv,
-            offsets,
-            out: context,
-            tokens,
             seqs,
-            max_seq_len,
-            heads: self.heads,
-            head_dim: self.head_dim,
-            bias: self.position_bias,
-        };
-        let pool = |hidden, output, mode, normalize, skip| Op::PackedPool {
-            x: hidden,
-            offsets,
-            out: output,
-            tokens,
-            seqs,
-            hidden: self.hidden,
-            mode,
-            normalize,
-            skip,
-        };
-        let output = self.encoder(&mut b, tokens, seqs, embed, attention, pool, skip);
-        b.finish_packed(tokens, seqs, max_seq_len, output, self.output_dim())
-    }
-
-    /// Declares the activations and output and pushes every op: `embed`,
-    /// `attention` and `pool` (x, out, mode, normalize, skip) build the
-    /// layout's token ops (given the buffers they write or read), the rest
-    /// is the same for both layouts. Returns the output buffer.
-    #[allow(clippy::too_many_arguments)]
-    fn encoder(
-        &self,
-        b: &mut ProgramBuilder,
-        rows: usize,
-        out_rows: usize,
-        embed: impl Fn(BufId) -> Op,
-        attention: impl Fn(BufId, BufId) -> Op,
-        pool: impl Fn(BufId, BufId, Pooling, bool, Option<BufId>) -> Op,
-        skip: Option<BufId>,
-    ) -> BufId {
-        let h = self.hidden;
-        let hidden = b.activation("hidden", rows * h);
-        let qkv = b.activation("qkv", rows * 3 * h);
-        let context = b.activation("context", rows * h);
-        let proj = b.activation("proj", rows * h);
-        let inter = b.activation("intermediate", rows * self.intermediate);
-        b.push(embed(hidden));
+        });
         for layer in &self.layers {
             let linear = |x, w, bias, act, out, n, k| Op::Linear {
                 x,
@@ -344,7 +288,14 @@ impl BertArch {
                 3 * h,
                 h,
             ));
-            b.push(attention(qkv, context));
+            b.push(Op::Attention {
+                qkv,
+                out: context,
+                heads: self.heads,
+                head_dim: self.head_dim,
+                bias: self.position_bias,
+                seqs,
+            });
             b.push(linear(
                 context,
                 layer.attention_output_weight,
@@ -378,7 +329,7 @@ impl BertArch {
             ));
             b.push(add_norm(layer.output_norm_gamma, layer.output_norm_beta));
         }
-        self.head(b, hidden, out_rows, pool, skip)
+        self.head(b, hidden, seqs, skip)
     }
 
     /// The head over the last hidden state: pooling and the modules after
@@ -387,11 +338,20 @@ impl BertArch {
         &self,
         b: &mut ProgramBuilder,
         hidden: BufId,
-        out_rows: usize,
-        pool: impl Fn(BufId, BufId, Pooling, bool, Option<BufId>) -> Op,
+        seqs: Seqs,
         skip: Option<BufId>,
     ) -> BufId {
         let h = self.hidden;
+        let out_rows = seqs.count();
+        let pool = |x, out, mode, normalize, skip| Op::Pool {
+            x,
+            out,
+            hidden: h,
+            mode,
+            normalize,
+            skip,
+            seqs,
+        };
         let linear = |x, w, bias, act, out, n, k| Op::Linear {
             x,
             w,

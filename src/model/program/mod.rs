@@ -16,8 +16,7 @@
 //! A token program has one of two [`Layout`]s:
 //!
 //! * **padded** — `batch` rows of `seq` token slots; a batch's rows are padded
-//!   to `seq` and masked ([`InputRole::AttentionMask`]). Token ops:
-//!   [`Op::EmbedLayerNorm`], [`Op::Attention`], [`Op::Pool`].
+//!   to `seq` and masked ([`InputRole::AttentionMask`]).
 //! * **packed** — the sequences of a batch laid end to end in `tokens` token
 //!   slots: sequence `s` occupies slots `offsets[s] .. offsets[s + 1]` and the
 //!   slots after the last sequence (the *tail*, `offsets[batch] .. tokens`)
@@ -27,9 +26,8 @@
 //!   [`InputRole::TokenTypeIds`] and [`InputRole::Positions`] of `tokens`
 //!   elements and [`InputRole::SeqOffsets`] of `batch + 1` (the cumulative
 //!   lengths, FlashAttention's `cu_seqlens`; unused sequence slots repeat the
-//!   last offset, so they are empty). Token ops: [`Op::PackedEmbedLayerNorm`],
-//!   [`Op::PackedAttention`], [`Op::PackedPool`]; `Linear` and `AddLayerNorm`
-//!   run over all `tokens` rows as in a padded program of `batch · seq` rows.
+//!   last offset, so they are empty). `Linear` and `AddLayerNorm` run over
+//!   all `tokens` rows as in a padded program of `batch · seq` rows.
 //!   A packed graph is captured once per token budget and every batch changes
 //!   only the *contents* of those inputs.
 //!
@@ -44,6 +42,10 @@
 //!   offsets     [0, 3, 4, 6, 6]             (slot 3 unused: empty)
 //!   output      rows a, b, c, and a zero row
 //!   ```
+//!
+//! The token ops (embedding, attention, pooling) are the same ops in both
+//! layouts: each carries the program's [`Seqs`], the layout's inputs and
+//! sizes, and a backend picks its kernel from it.
 //!
 //! * [`validate`]: the IR's rules, checked once before a backend captures a
 //!   program, and the check of a batch against it.
@@ -265,13 +267,86 @@ impl PositionBias {
     }
 }
 
-/// One step of a forward pass. Row-major everywhere; `rows = batch · seq`.
+/// How a program's token rows group into sequences: the one parameter that
+/// tells the token ops of a padded program from those of a packed one (see
+/// [`Layout`]). Every token op of a program carries the same `Seqs`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Seqs {
+    /// `batch` rows of `seq` slots: sequence `b` is token rows
+    /// `b·seq .. (b + 1)·seq`, its real tokens those where `mask` (the
+    /// [`InputRole::AttentionMask`] input, `[batch, seq]`) is 1.
+    Padded {
+        mask: BufId,
+        batch: usize,
+        seq: usize,
+    },
+    /// Up to `seqs` sequences end to end in `tokens` slots: sequence `s` is
+    /// token rows `offsets[s] .. offsets[s + 1]` ([`InputRole::SeqOffsets`],
+    /// `[seqs + 1]`), every one of them real, none longer than
+    /// `max_seq_len`; `positions` ([`InputRole::Positions`], `[tokens]`)
+    /// holds each token's index in its sequence. The slots after the last
+    /// sequence (the tail) belong to none.
+    Packed {
+        offsets: BufId,
+        positions: BufId,
+        tokens: usize,
+        seqs: usize,
+        max_seq_len: usize,
+    },
+}
+
+impl Seqs {
+    /// Token rows: `batch · seq`, or `tokens`.
+    pub fn token_rows(self) -> usize {
+        match self {
+            Seqs::Padded { batch, seq, .. } => batch * seq,
+            Seqs::Packed { tokens, .. } => tokens,
+        }
+    }
+
+    /// Sequences (output rows of a pooling): `batch`, or `seqs`.
+    pub fn count(self) -> usize {
+        match self {
+            Seqs::Padded { batch, .. } => batch,
+            Seqs::Packed { seqs, .. } => seqs,
+        }
+    }
+
+    /// The longest sequence: `seq`, or `max_seq_len`.
+    pub fn max_len(self) -> usize {
+        match self {
+            Seqs::Padded { seq, .. } => seq,
+            Seqs::Packed { max_seq_len, .. } => max_seq_len,
+        }
+    }
+
+    pub fn is_packed(self) -> bool {
+        matches!(self, Seqs::Packed { .. })
+    }
+
+    /// The input that says which rows a sequence holds: the mask, or the
+    /// offsets.
+    pub fn index(self) -> BufId {
+        match self {
+            Seqs::Padded { mask, .. } => mask,
+            Seqs::Packed { offsets, .. } => offsets,
+        }
+    }
+}
+
+/// One step of a forward pass. Row-major everywhere. The token ops
+/// (`EmbedLayerNorm`, `Attention`, `Pool`) take the program's [`Seqs`]:
+/// one op per concept, padded or packed as a parameter.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Op {
+    /// For every token row `r`:
     /// `out[r] = LayerNorm(word[ids[r]] + position[p(r)] + token_type[types[r]])`,
-    /// `p(r)` by `position_ids` over row `r / seq` (`r % seq` for
-    /// [`PositionIds::Index`]). Ids outside the vocabulary never reach a
-    /// program (the frontend rejects them).
+    /// with `p(r)` the position `position_ids` gives the token at index `i`
+    /// of its sequence (`i` itself for [`PositionIds::Index`]): `r % seq`
+    /// padded, `positions[r]` packed (tail slots hold id 0, position 0 and
+    /// type 0 and get that embedding). The position table has the rows
+    /// `position_ids` needs for [`Seqs::max_len`] tokens. Ids outside the
+    /// vocabulary never reach a program (the frontend rejects them).
     EmbedLayerNorm {
         ids: BufId,
         token_types: BufId,
@@ -282,11 +357,10 @@ pub enum Op {
         beta: WeightId,
         eps: f32,
         out: BufId,
-        batch: usize,
-        seq: usize,
         hidden: usize,
         #[serde(default)]
         position_ids: PositionIds,
+        seqs: Seqs,
     },
     /// `out[m, n] = act(x[m, k] · wᵀ + bias)`, `w` stored `[n, k]` as PyTorch does.
     /// `x` may be an f32 input buffer (first layer of an MLP); `out` may be the
@@ -313,108 +387,46 @@ pub enum Op {
         rows: usize,
         hidden: usize,
     },
-    /// Multi-head self-attention over a fused projection.
-    /// `qkv` is `[batch·seq, 3·heads·head_dim]`, laid out `[q | k | v]` with heads
-    /// contiguous inside each part; `mask` is the i32 attention mask `[batch, seq]`
-    /// (keys with mask 0 get −∞ before the softmax; fully masked rows produce
-    /// zeros); `out` is `[batch·seq, heads·head_dim]`. Scale is `1/√head_dim`.
+    /// Multi-head self-attention over a fused projection, each query
+    /// attending to the real tokens of its own sequence. `qkv` is
+    /// `[token rows, 3·heads·head_dim]`, laid out `[q | k | v]` with heads
+    /// contiguous inside each part; `out` is `[token rows, heads·head_dim]`.
+    /// Scale is `1/√head_dim`. Padded: keys with mask 0 get −∞ before the
+    /// softmax, and a row with none unmasked produces zeros. Packed: the
+    /// keys are those of the query's sequence; tail slots produce zeros.
     ///
     /// With `bias`, [`PositionBias`] is added to every score after the
-    /// scaling and before the mask (MPNet).
+    /// scaling and before the mask (MPNet), by positions within the
+    /// sequence.
     Attention {
         qkv: BufId,
-        mask: BufId,
         out: BufId,
-        batch: usize,
-        seq: usize,
         heads: usize,
         head_dim: usize,
         #[serde(default)]
         bias: Option<PositionBias>,
+        seqs: Seqs,
     },
-    /// Sentence pooling: `x` `[batch·seq, hidden]` → `out` `[batch, hidden]` (f32),
-    /// then optional L2 normalisation of each row (`x / max(‖x‖, 1e-12)`).
-    /// Mean pooling divides by `max(Σ mask, 1e-9)` as sentence-transformers does.
+    /// Sentence pooling: `x` `[token rows, hidden]` → `out` `[sequences,
+    /// hidden]` (f32), then optional L2 normalisation of each row
+    /// (`x / max(‖x‖, 1e-12)`). Mean: the average over the sequence's real
+    /// tokens (divided by `max(count, 1e-9)` as sentence-transformers
+    /// does); max: their element-wise maximum; cls: the first (padded: slot
+    /// 0). A sequence with no token gives zeros (padded cls: slot 0).
     ///
-    /// With `skip` (a [`InputRole::PoolSkip`] input), row `b` pools only
-    /// the unmasked positions `s ≥ skip[b]`: mean and max over those, cls
-    /// the first of them; a row with none gives zeros.
+    /// With `skip` (a [`InputRole::PoolSkip`] input of one count per
+    /// sequence), sequence `b` pools only its tokens from index `skip[b]`
+    /// on: mean and max over those, cls the first of them; none left gives
+    /// zeros.
     Pool {
         x: BufId,
-        mask: BufId,
         out: BufId,
-        batch: usize,
-        seq: usize,
         hidden: usize,
         mode: Pooling,
         normalize: bool,
         #[serde(default)]
         skip: Option<BufId>,
-    },
-    /// Packed programs: for every slot `t < tokens`,
-    /// `out[t] = LayerNorm(word[ids[t]] + position[p(t)] + token_type[types[t]])`
-    /// (tail slots hold id 0, position 0, type 0 and get that embedding).
-    /// `p(t)` is `positions[t]`, the index in its sequence, for
-    /// [`PositionIds::Index`]; otherwise `position_ids` applied to the
-    /// sequence `ids[t − positions[t] ..]`.
-    /// `max_seq_len` is the program's longest sequence: positions are below
-    /// it, and the position table has the rows `position_ids` needs for it.
-    PackedEmbedLayerNorm {
-        ids: BufId,
-        token_types: BufId,
-        positions: BufId,
-        word: WeightId,
-        position: WeightId,
-        token_type: WeightId,
-        gamma: WeightId,
-        beta: WeightId,
-        eps: f32,
-        out: BufId,
-        tokens: usize,
-        max_seq_len: usize,
-        hidden: usize,
-        #[serde(default)]
-        position_ids: PositionIds,
-    },
-    /// Packed programs: variable-length multi-head self-attention. `qkv` is
-    /// `[tokens, 3·heads·head_dim]` laid out as for [`Op::Attention`];
-    /// `offsets` the i32 `[seqs + 1]` cumulative lengths. The query at slot
-    /// `t` of sequence `s` attends to the keys `offsets[s] .. offsets[s+1]`
-    /// only (no mask: every key of its sequence is real); tail slots
-    /// (`offsets[seqs] .. tokens`) produce zeros. `out` is
-    /// `[tokens, heads·head_dim]`; scale `1/√head_dim`. No sequence is longer
-    /// than `max_seq_len` (the program's `seq`). With `bias` as for
-    /// [`Op::Attention`], by positions within each sequence.
-    PackedAttention {
-        qkv: BufId,
-        offsets: BufId,
-        out: BufId,
-        tokens: usize,
-        seqs: usize,
-        max_seq_len: usize,
-        heads: usize,
-        head_dim: usize,
-        #[serde(default)]
-        bias: Option<PositionBias>,
-    },
-    /// Packed programs: per-sequence pooling, `x` `[tokens, hidden]` → `out`
-    /// `[seqs, hidden]` (f32): row `s` pools slots `offsets[s] .. offsets[s+1]`
-    /// (mean: their average; cls: the first; max: the element-wise maximum),
-    /// then optional L2 normalisation as for [`Op::Pool`]. An empty sequence
-    /// (and so every unused sequence slot) gives a row of zeros, whatever the
-    /// mode. With `skip`, sequence `s` pools its slots from
-    /// `offsets[s] + skip[s]` (zeros when none are left).
-    PackedPool {
-        x: BufId,
-        offsets: BufId,
-        out: BufId,
-        tokens: usize,
-        seqs: usize,
-        hidden: usize,
-        mode: Pooling,
-        normalize: bool,
-        #[serde(default)]
-        skip: Option<BufId>,
+        seqs: Seqs,
     },
     /// Either layout: L2 normalisation of each of `rows` rows of `width`
     /// values of `x`, in place (`x / max(‖x‖, 1e-12)`), e.g. after a

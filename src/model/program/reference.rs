@@ -4,7 +4,7 @@
 //! It expects a program that passed [`Program::validate`] and rows that
 //! passed [`super::ProgramFacts::check_rows`].
 
-use super::{Activation, BufKind, InputRole, Op, Pooling, PositionBias, Program, WeightId};
+use super::{Activation, BufKind, InputRole, Op, Pooling, PositionBias, Program, Seqs, WeightId};
 use crate::model::batch::PackTarget;
 use crate::model::{BatchRows, Weights};
 use crate::tensor::DType;
@@ -97,114 +97,29 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
             }
         }
     };
-    for op in &p.ops {
-        match *op {
-            Op::PackedEmbedLayerNorm {
-                ids,
-                token_types,
-                positions,
-                word,
-                position,
-                token_type,
-                gamma,
-                beta,
-                eps,
-                out,
-                tokens,
-                hidden,
-                position_ids,
-                ..
-            } => {
-                let (wd, pd, td, g, b) =
-                    (wt(word), wt(position), wt(token_type), wt(gamma), wt(beta));
-                let all_ids: Vec<i32> = bufs[ids.0].iter().map(|&v| v as i32).collect();
-                for t in 0..tokens {
-                    let id = bufs[ids.0][t] as usize;
-                    let tt = bufs[token_types.0][t] as usize;
-                    let index = bufs[positions.0][t] as usize;
-                    let pos = position_ids.position(&all_ids[t - index..], index);
-                    let mut v: Vec<f64> = (0..hidden)
-                        .map(|c| wd[id * hidden + c] + pd[pos * hidden + c] + td[tt * hidden + c])
+    // Each sequence's token rows: (first row, rows, which of them are real).
+    let sequences = |seqs: Seqs, bufs: &[Vec<f64>]| -> Vec<(usize, Vec<bool>)> {
+        match seqs {
+            Seqs::Padded { mask, batch, seq } => (0..batch)
+                .map(|b| {
+                    let real = bufs[mask.0][b * seq..(b + 1) * seq]
+                        .iter()
+                        .map(|&m| m != 0.0)
                         .collect();
-                    ln(&mut v, &g, &b, eps);
-                    bufs[out.0][t * hidden..(t + 1) * hidden].copy_from_slice(&v);
-                }
-            }
-            Op::PackedAttention {
-                qkv,
-                offsets,
-                out,
-                tokens,
-                seqs,
-                heads,
-                head_dim,
-                bias,
-                ..
-            } => {
-                let bias = bias_of(bias);
-                let hd = heads * head_dim;
-                let q = bufs[qkv.0].clone();
-                let off: Vec<usize> = bufs[offsets.0].iter().map(|&v| v as usize).collect();
-                let scale = 1.0 / (head_dim as f64).sqrt();
-                // Tail slots (and anything no sequence covers) stay zero.
-                bufs[out.0][..tokens * hd].fill(0.0);
-                for s in 0..seqs {
-                    let (start, end) = (off[s], off[s + 1]);
-                    for h in 0..heads {
-                        for i in start..end {
-                            let qrow = &q[i * 3 * hd + h * head_dim..][..head_dim];
-                            let scores: Vec<Option<f64>> = (start..end)
-                                .map(|j| {
-                                    let krow = &q[j * 3 * hd + hd + h * head_dim..][..head_dim];
-                                    Some(
-                                        qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
-                                            * scale
-                                            + bias(h, i - start, j - start),
-                                    )
-                                })
-                                .collect();
-                            let value = |j: usize, d: usize| {
-                                q[(start + j) * 3 * hd + 2 * hd + h * head_dim + d]
-                            };
-                            let o = &mut bufs[out.0][i * hd + h * head_dim..][..head_dim];
-                            attend(&scores, &value, o);
-                        }
-                    }
-                }
-            }
-            Op::PackedPool {
-                x,
-                offsets,
-                out,
-                seqs,
-                hidden,
-                mode,
-                normalize,
-                skip,
-                ..
-            } => {
-                for s in 0..seqs {
+                    (b * seq, real)
+                })
+                .collect(),
+            Seqs::Packed { offsets, seqs, .. } => (0..seqs)
+                .map(|s| {
                     let (start, end) =
                         (bufs[offsets.0][s] as usize, bufs[offsets.0][s + 1] as usize);
-                    let start = (start + skip.map_or(0, |k| bufs[k.0][s] as usize)).min(end);
-                    let mut v = vec![0.0f64; hidden];
-                    if end > start {
-                        for (c, vc) in v.iter_mut().enumerate() {
-                            let xs = (start..end).map(|t| bufs[x.0][t * hidden + c]);
-                            *vc = match mode {
-                                Pooling::Cls => bufs[x.0][start * hidden + c],
-                                Pooling::Mean => xs.sum::<f64>() / (end - start) as f64,
-                                Pooling::Max => xs.fold(f64::NEG_INFINITY, f64::max),
-                            };
-                        }
-                    }
-                    if normalize {
-                        let n = v.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
-                        v.iter_mut().for_each(|a| *a /= n);
-                    }
-                    bufs[out.0][s * hidden..(s + 1) * hidden].copy_from_slice(&v);
-                }
-            }
+                    (start, vec![true; end - start])
+                })
+                .collect(),
+        }
+    };
+    for op in &p.ops {
+        match *op {
             Op::EmbedLayerNorm {
                 ids,
                 token_types,
@@ -215,24 +130,110 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 beta,
                 eps,
                 out,
-                batch,
-                seq,
                 hidden,
                 position_ids,
+                seqs,
             } => {
                 let (wd, pd, td, g, b) =
                     (wt(word), wt(position), wt(token_type), wt(gamma), wt(beta));
                 let all_ids: Vec<i32> = bufs[ids.0].iter().map(|&v| v as i32).collect();
-                for r in 0..batch * seq {
+                for r in 0..seqs.token_rows() {
                     let id = bufs[ids.0][r] as usize;
                     let tt = bufs[token_types.0][r] as usize;
-                    let row = &all_ids[r - r % seq..r - r % seq + seq];
-                    let pos = position_ids.position(row, r % seq);
+                    // The token's index in its sequence, and the sequence's ids.
+                    let (index, row) = match seqs {
+                        Seqs::Padded { seq, .. } => {
+                            (r % seq, &all_ids[r - r % seq..r - r % seq + seq])
+                        }
+                        Seqs::Packed { positions, .. } => {
+                            let index = bufs[positions.0][r] as usize;
+                            (index, &all_ids[r - index..])
+                        }
+                    };
+                    let pos = position_ids.position(row, index);
                     let mut v: Vec<f64> = (0..hidden)
                         .map(|c| wd[id * hidden + c] + pd[pos * hidden + c] + td[tt * hidden + c])
                         .collect();
                     ln(&mut v, &g, &b, eps);
                     bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::Attention {
+                qkv,
+                out,
+                heads,
+                head_dim,
+                bias,
+                seqs,
+            } => {
+                let bias = bias_of(bias);
+                let hd = heads * head_dim;
+                let q = bufs[qkv.0].clone();
+                let scale = 1.0 / (head_dim as f64).sqrt();
+                // Rows no sequence covers (a packed tail) stay zero.
+                bufs[out.0][..seqs.token_rows() * hd].fill(0.0);
+                for (start, real) in sequences(seqs, &bufs) {
+                    for h in 0..heads {
+                        for i in 0..real.len() {
+                            let qrow = &q[(start + i) * 3 * hd + h * head_dim..][..head_dim];
+                            let scores: Vec<Option<f64>> = (0..real.len())
+                                .map(|j| {
+                                    real[j].then(|| {
+                                        let krow = &q[(start + j) * 3 * hd + hd + h * head_dim..]
+                                            [..head_dim];
+                                        qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
+                                            * scale
+                                            + bias(h, i, j)
+                                    })
+                                })
+                                .collect();
+                            let value = |j: usize, d: usize| {
+                                q[(start + j) * 3 * hd + 2 * hd + h * head_dim + d]
+                            };
+                            let o = &mut bufs[out.0][(start + i) * hd + h * head_dim..][..head_dim];
+                            attend(&scores, &value, o);
+                        }
+                    }
+                }
+            }
+            Op::Pool {
+                x,
+                out,
+                hidden,
+                mode,
+                normalize,
+                skip,
+                seqs,
+            } => {
+                for (s, (start, real)) in sequences(seqs, &bufs).into_iter().enumerate() {
+                    let first = skip.map_or(0, |k| bufs[k.0][s] as usize);
+                    let pooled: Vec<usize> = (first..real.len()).filter(|&i| real[i]).collect();
+                    // cls: the first pooled token (padded without a skip:
+                    // slot 0, real or not).
+                    let cls = match (seqs, skip) {
+                        (Seqs::Padded { .. }, None) => Some(0),
+                        _ => pooled.first().copied(),
+                    };
+                    let xs = |i: usize, c: usize| bufs[x.0][(start + i) * hidden + c];
+                    let mut v = vec![0.0f64; hidden];
+                    for (c, vc) in v.iter_mut().enumerate() {
+                        *vc = match mode {
+                            Pooling::Cls => cls.map_or(0.0, |i| xs(i, c)),
+                            _ if pooled.is_empty() => 0.0,
+                            Pooling::Mean => {
+                                pooled.iter().map(|&i| xs(i, c)).sum::<f64>() / pooled.len() as f64
+                            }
+                            Pooling::Max => pooled
+                                .iter()
+                                .map(|&i| xs(i, c))
+                                .fold(f64::NEG_INFINITY, f64::max),
+                        };
+                    }
+                    if normalize {
+                        let n = v.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
+                        v.iter_mut().for_each(|a| *a /= n);
+                    }
+                    bufs[out.0][s * hidden..(s + 1) * hidden].copy_from_slice(&v);
                 }
             }
             Op::Linear {
@@ -278,102 +279,6 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                         .collect();
                     ln(&mut v, &g, &b, eps);
                     bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
-                }
-            }
-            Op::Attention {
-                qkv,
-                mask,
-                out,
-                batch,
-                seq,
-                heads,
-                head_dim,
-                bias,
-            } => {
-                let bias = bias_of(bias);
-                let hd = heads * head_dim;
-                let q = bufs[qkv.0].clone();
-                let mk = bufs[mask.0].clone();
-                let scale = 1.0 / (head_dim as f64).sqrt();
-                for b in 0..batch {
-                    for h in 0..heads {
-                        for i in 0..seq {
-                            let qrow = &q[(b * seq + i) * 3 * hd + h * head_dim..][..head_dim];
-                            let scores: Vec<f64> = (0..seq)
-                                .map(|j| {
-                                    if mk[b * seq + j] == 0.0 {
-                                        f64::NEG_INFINITY
-                                    } else {
-                                        let krow = &q[(b * seq + j) * 3 * hd + hd + h * head_dim..]
-                                            [..head_dim];
-                                        qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
-                                            * scale
-                                            + bias(h, i, j)
-                                    }
-                                })
-                                .collect();
-                            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                            let o =
-                                &mut bufs[out.0][(b * seq + i) * hd + h * head_dim..][..head_dim];
-                            o.fill(0.0);
-                            if m == f64::NEG_INFINITY {
-                                continue;
-                            }
-                            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                            let sum: f64 = e.iter().sum();
-                            for j in 0..seq {
-                                let vrow = &q[(b * seq + j) * 3 * hd + 2 * hd + h * head_dim..]
-                                    [..head_dim];
-                                for d in 0..head_dim {
-                                    o[d] += e[j] / sum * vrow[d];
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            Op::Pool {
-                x,
-                mask,
-                out,
-                batch,
-                seq,
-                hidden,
-                mode,
-                normalize,
-                skip,
-            } => {
-                for b in 0..batch {
-                    let mut v = vec![0.0f64; hidden];
-                    let first = skip.map_or(0, |k| bufs[k.0][b] as usize);
-                    let valid = |s: usize| s >= first && bufs[mask.0][b * seq + s] != 0.0;
-                    let cnt = (0..seq).filter(|&s| valid(s)).count() as f64;
-                    let cls = match skip {
-                        None => Some(0),
-                        Some(_) => (0..seq).find(|&s| valid(s)),
-                    };
-                    for (c, vc) in v.iter_mut().enumerate() {
-                        let xs = |s: usize| bufs[x.0][(b * seq + s) * hidden + c];
-                        *vc = match mode {
-                            Pooling::Cls => cls.map_or(0.0, xs),
-                            Pooling::Mean => {
-                                (0..seq).filter(|&s| valid(s)).map(xs).sum::<f64>() / cnt.max(1e-9)
-                            }
-                            Pooling::Max => (0..seq)
-                                .filter(|&s| valid(s))
-                                .map(xs)
-                                .fold(f64::NEG_INFINITY, f64::max)
-                                .max(-1e9),
-                        };
-                        if cnt == 0.0 && mode == Pooling::Max {
-                            *vc = 0.0;
-                        }
-                    }
-                    if normalize {
-                        let n = v.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
-                        v.iter_mut().for_each(|a| *a /= n);
-                    }
-                    bufs[out.0][b * hidden..(b + 1) * hidden].copy_from_slice(&v);
                 }
             }
             Op::Normalize { x, rows, width } => {

@@ -20,9 +20,16 @@
 //!   position table of the rows its [`PositionIds`](super::PositionIds) need
 //!   for `seq` tokens (`seq`, or `pad + 1 + seq`), an attention bias table
 //!   `[heads, 2·radius + 1]`.
+//! * Token ops (embedding, attention, pooling) carry the program's
+//!   [`Seqs`]: of its layout, with its `batch` and `seq` (padded) or its
+//!   `tokens`, `batch` and `seq` as `tokens`, `seqs` and `max_seq_len`
+//!   (packed), and every integer operand in the role the op reads it as:
+//!   ids `TokenIds`, types `TokenTypeIds`, the mask `AttentionMask`,
+//!   offsets `SeqOffsets`, positions `Positions` (the kernels trust their
+//!   structure, which only the packing of a batch guarantees).
 //! * `Normalize` rewrites its buffer in place (an activation or the output
-//!   already written); a pooling's `skip` is the `PoolSkip` input of
-//!   `batch` elements.
+//!   already written); a pooling's `skip` is the `PoolSkip` input of one
+//!   count per sequence.
 //! * Inputs: each listed input is an `Input` buffer and every `Input`
 //!   buffer is listed; a feature input holds whole rows of the batch; a
 //!   token input holds exactly `batch · seq` elements. A program has either
@@ -33,16 +40,6 @@
 //! Packed programs ([`Layout::Packed`]) follow these rules too, and:
 //!
 //! * `tokens ≥ 1` and the longest sequence fits the budget (`seq ≤ tokens`).
-//! * Only packed token ops (`PackedEmbedLayerNorm`, `PackedAttention`,
-//!   `PackedPool`) appear in a packed program, only padded ones
-//!   (`EmbedLayerNorm`, `Attention`, `Pool`) in a padded one; a packed op's
-//!   `tokens`, `seqs` and `max_seq_len` are the program's `tokens`, `batch`
-//!   and `seq`.
-//! * A packed op's integer operands have the role it reads them as: ids are
-//!   `TokenIds`, types `TokenTypeIds`, positions `Positions`, offsets
-//!   `SeqOffsets` (the kernels trust their structure, which only the packing
-//!   of a batch guarantees).
-//! * The position table has at least `max_seq_len` rows.
 //! * Inputs: `TokenIds`, `TokenTypeIds` and `Positions` hold exactly `tokens`
 //!   elements and `SeqOffsets` exactly `batch + 1`; a packed program has no
 //!   feature input and no attention mask, and a padded one neither positions
@@ -53,7 +50,7 @@
 //! vocabulary, feature rows of the input's width; for a packed program also
 //! at most `tokens` tokens in all.
 
-use super::{BufId, BufKind, InputRole, Layout, Op, Program, WeightId};
+use super::{BufId, BufKind, InputRole, Layout, Op, Program, Seqs, WeightId};
 use crate::model::batch::{token_id, token_type};
 use crate::model::{BatchRows, Weights};
 use thiserror::Error;
@@ -164,7 +161,45 @@ impl Checker<'_> {
         Ok(())
     }
 
-    /// A packed op's dimension that must equal the program's.
+    /// A token op's [`Seqs`]: the program's layout and sizes, and the
+    /// inputs that describe its sequences in the roles the kernels trust
+    /// (their structure only the packing of a batch guarantees).
+    fn seqs(&self, seqs: Seqs) -> Result<(), ProgramError> {
+        let p = self.program;
+        match (seqs, p.layout) {
+            (Seqs::Padded { mask, batch, seq }, Layout::Padded) => {
+                self.positive(&[batch, seq])?;
+                self.same("batch", batch, p.batch)?;
+                self.same("seq", seq, p.seq)?;
+                self.role(mask, InputRole::AttentionMask, batch * seq)
+            }
+            (
+                Seqs::Packed {
+                    offsets,
+                    positions,
+                    tokens,
+                    seqs,
+                    max_seq_len,
+                },
+                Layout::Packed { .. },
+            ) => {
+                self.positive(&[tokens, seqs, max_seq_len])?;
+                self.same("tokens", tokens, p.token_slots())?;
+                self.same("seqs", seqs, p.batch)?;
+                self.same("max_seq_len", max_seq_len, p.seq)?;
+                self.role(offsets, InputRole::SeqOffsets, seqs + 1)?;
+                self.role(positions, InputRole::Positions, tokens)
+            }
+            (seqs, _) => invalid(format!(
+                "{} is a {} op in a {} program",
+                self.what,
+                if seqs.is_packed() { "packed" } else { "padded" },
+                if seqs.is_packed() { "padded" } else { "packed" }
+            )),
+        }
+    }
+
+    /// A token op's dimension that must equal the program's.
     fn same(&self, name: &str, op: usize, program: usize) -> Result<(), ProgramError> {
         if op != program {
             return invalid(format!(
@@ -228,49 +263,27 @@ pub fn op_buffers(op: &Op) -> (Vec<BufId>, BufId) {
             ids,
             token_types,
             out,
+            seqs,
             ..
-        } => (vec![ids, token_types], out),
+        } => {
+            let positions = match seqs {
+                Seqs::Packed { positions, .. } => Some(positions),
+                Seqs::Padded { .. } => None,
+            };
+            (
+                [ids, token_types].into_iter().chain(positions).collect(),
+                out,
+            )
+        }
         Op::Linear { x, out, .. } => (vec![x], out),
         Op::AddLayerNorm {
             x, residual, out, ..
         } => (vec![x, residual], out),
-        Op::Attention { qkv, mask, out, .. } => (vec![qkv, mask], out),
+        Op::Attention { qkv, out, seqs, .. } => (vec![qkv, seqs.index()], out),
         Op::Pool {
-            x, mask, out, skip, ..
-        } => (std::iter::once(x).chain([mask]).chain(skip).collect(), out),
-        Op::PackedEmbedLayerNorm {
-            ids,
-            token_types,
-            positions,
-            out,
-            ..
-        } => (vec![ids, token_types, positions], out),
-        Op::PackedAttention {
-            qkv, offsets, out, ..
-        } => (vec![qkv, offsets], out),
-        Op::PackedPool {
-            x,
-            offsets,
-            out,
-            skip,
-            ..
-        } => (
-            std::iter::once(x).chain([offsets]).chain(skip).collect(),
-            out,
-        ),
+            x, out, skip, seqs, ..
+        } => ([x, seqs.index()].into_iter().chain(skip).collect(), out),
         Op::Normalize { x, .. } => (vec![x], x),
-    }
-}
-
-/// Whether an op belongs to padded programs only (`Some(false)`), packed
-/// programs only (`Some(true)`), or both (`None`).
-fn op_packed(op: &Op) -> Option<bool> {
-    match op {
-        Op::Linear { .. } | Op::AddLayerNorm { .. } | Op::Normalize { .. } => None,
-        Op::EmbedLayerNorm { .. } | Op::Attention { .. } | Op::Pool { .. } => Some(false),
-        Op::PackedEmbedLayerNorm { .. } | Op::PackedAttention { .. } | Op::PackedPool { .. } => {
-            Some(true)
-        }
     }
 }
 
@@ -305,16 +318,6 @@ impl Program {
                 weights,
                 what: format!("op {i} ({})", op_name(op)),
             };
-            if let Some(packed) = op_packed(op) {
-                if packed != tokens.is_some() {
-                    return invalid(format!(
-                        "{} is a {} op in a {} program",
-                        c.what,
-                        if packed { "packed" } else { "padded" },
-                        if packed { "padded" } else { "packed" }
-                    ));
-                }
-            }
             self.validate_op(&c, op, &mut vocab, &mut types)?;
             let (reads, out) = op_buffers(op);
             for id in reads {
@@ -355,18 +358,18 @@ impl Program {
                 gamma,
                 beta,
                 out,
-                batch,
-                seq,
                 hidden,
                 position_ids,
+                seqs,
                 ..
             } => {
-                c.positive(&[batch, seq, hidden])?;
-                let rows = batch * seq;
-                c.buf(ids, rows, true)?;
-                c.buf(token_types, rows, true)?;
+                c.seqs(seqs)?;
+                c.positive(&[hidden])?;
+                let rows = seqs.token_rows();
+                c.role(ids, InputRole::TokenIds, rows)?;
+                c.role(token_types, InputRole::TokenTypeIds, rows)?;
                 *vocab = Some(c.table(word, 1, hidden)?);
-                c.table(position, position_ids.rows_needed(seq), hidden)?;
+                c.table(position, position_ids.rows_needed(seqs.max_len()), hidden)?;
                 *types = c.table(token_type, 1, hidden)?;
                 c.weight(gamma, &[hidden])?;
                 c.weight(beta, &[hidden])?;
@@ -411,115 +414,38 @@ impl Program {
             }
             Op::Attention {
                 qkv,
-                mask,
                 out,
-                batch,
-                seq,
                 heads,
                 head_dim,
                 bias,
+                seqs,
             } => {
-                c.positive(&[batch, seq, heads, head_dim])?;
+                c.seqs(seqs)?;
+                c.positive(&[heads, head_dim])?;
                 c.distinct(qkv, out, "out aliases qkv")?;
                 if let Some(b) = bias {
                     c.weight(b.table, &[heads, 2 * b.radius + 1])?;
                 }
-                let rows = batch * seq;
+                let rows = seqs.token_rows();
                 c.buf(qkv, rows * 3 * heads * head_dim, false)?;
-                c.buf(mask, rows, true)?;
                 c.out(out, rows * heads * head_dim)
             }
             Op::Pool {
                 x,
-                mask,
                 out,
-                batch,
-                seq,
                 hidden,
                 skip,
+                seqs,
                 ..
             } => {
-                c.positive(&[batch, seq, hidden])?;
+                c.seqs(seqs)?;
+                c.positive(&[hidden])?;
                 c.distinct(x, out, "out aliases x")?;
                 if let Some(skip) = skip {
-                    c.role(skip, InputRole::PoolSkip, batch)?;
+                    c.role(skip, InputRole::PoolSkip, seqs.count())?;
                 }
-                c.buf(x, batch * seq * hidden, false)?;
-                c.buf(mask, batch * seq, true)?;
-                c.out(out, batch * hidden)
-            }
-            Op::PackedEmbedLayerNorm {
-                ids,
-                token_types,
-                positions,
-                word,
-                position,
-                token_type,
-                gamma,
-                beta,
-                out,
-                tokens,
-                max_seq_len,
-                hidden,
-                position_ids,
-                ..
-            } => {
-                c.positive(&[tokens, max_seq_len, hidden])?;
-                c.same("tokens", tokens, self.token_slots())?;
-                c.same("max_seq_len", max_seq_len, self.seq)?;
-                c.role(ids, InputRole::TokenIds, tokens)?;
-                c.role(token_types, InputRole::TokenTypeIds, tokens)?;
-                c.role(positions, InputRole::Positions, tokens)?;
-                *vocab = Some(c.table(word, 1, hidden)?);
-                c.table(position, position_ids.rows_needed(max_seq_len), hidden)?;
-                *types = c.table(token_type, 1, hidden)?;
-                c.weight(gamma, &[hidden])?;
-                c.weight(beta, &[hidden])?;
-                c.out(out, tokens * hidden)
-            }
-            Op::PackedAttention {
-                qkv,
-                offsets,
-                out,
-                tokens,
-                seqs,
-                max_seq_len,
-                heads,
-                head_dim,
-                bias,
-            } => {
-                c.positive(&[tokens, seqs, max_seq_len, heads, head_dim])?;
-                c.same("tokens", tokens, self.token_slots())?;
-                c.same("seqs", seqs, self.batch)?;
-                c.same("max_seq_len", max_seq_len, self.seq)?;
-                c.distinct(qkv, out, "out aliases qkv")?;
-                if let Some(b) = bias {
-                    c.weight(b.table, &[heads, 2 * b.radius + 1])?;
-                }
-                c.buf(qkv, tokens * 3 * heads * head_dim, false)?;
-                c.role(offsets, InputRole::SeqOffsets, seqs + 1)?;
-                c.out(out, tokens * heads * head_dim)
-            }
-            Op::PackedPool {
-                x,
-                offsets,
-                out,
-                tokens,
-                seqs,
-                hidden,
-                skip,
-                ..
-            } => {
-                c.positive(&[tokens, seqs, hidden])?;
-                c.same("tokens", tokens, self.token_slots())?;
-                c.same("seqs", seqs, self.batch)?;
-                c.distinct(x, out, "out aliases x")?;
-                c.buf(x, tokens * hidden, false)?;
-                c.role(offsets, InputRole::SeqOffsets, seqs + 1)?;
-                if let Some(skip) = skip {
-                    c.role(skip, InputRole::PoolSkip, seqs)?;
-                }
-                c.out(out, seqs * hidden)
+                c.buf(x, seqs.token_rows() * hidden, false)?;
+                c.out(out, seqs.count() * hidden)
             }
             Op::Normalize { x, rows, width } => {
                 c.positive(&[rows, width])?;
@@ -638,9 +564,6 @@ fn op_name(op: &Op) -> &'static str {
         Op::AddLayerNorm { .. } => "AddLayerNorm",
         Op::Attention { .. } => "Attention",
         Op::Pool { .. } => "Pool",
-        Op::PackedEmbedLayerNorm { .. } => "PackedEmbedLayerNorm",
-        Op::PackedAttention { .. } => "PackedAttention",
-        Op::PackedPool { .. } => "PackedPool",
         Op::Normalize { .. } => "Normalize",
     }
 }
@@ -742,45 +665,61 @@ mod tests {
         (b.finish(batch, 1, y, 3), w)
     }
 
-    /// Embedding → qkv → attention → pool, hidden 8, 2 heads, vocab 10,
-    /// a position table of 16.
-    fn encoder(batch: usize, seq: usize) -> (Program, Weights) {
+    /// The weights of [`encoder`]: hidden 8, vocab 10, a position table
+    /// of 16, two token types.
+    fn encoder_weights() -> Weights {
         let (h, vocab) = (8, 10);
         let mut w = Weights::new();
         let z = |n: usize| vec![0.0f32; n];
-        let word = w.push("word", vec![vocab, h], z(vocab * h));
-        let pos = w.push("pos", vec![16, h], z(16 * h));
-        let tt = w.push("tt", vec![2, h], z(2 * h));
-        let g = w.push("g", vec![h], z(h));
-        let be = w.push("b", vec![h], z(h));
-        let wqkv = w.push("qkv", vec![3 * h, h], z(3 * h * h));
-        let rows = batch * seq;
-        let mut b = ProgramBuilder::new();
-        let ids = b.input("ids", InputRole::TokenIds, rows);
-        let mask = b.input("mask", InputRole::AttentionMask, rows);
-        let types = b.input("types", InputRole::TokenTypeIds, rows);
+        w.push("word", vec![vocab, h], z(vocab * h));
+        w.push("pos", vec![16, h], z(16 * h));
+        w.push("tt", vec![2, h], z(2 * h));
+        w.push("g", vec![h], z(h));
+        w.push("b", vec![h], z(h));
+        w.push("qkv", vec![3 * h, h], z(3 * h * h));
+        w
+    }
+
+    /// Embedding → qkv → attention → add-norm → pool over the token rows of
+    /// `seqs`, 2 heads of 4, with [`encoder_weights`]; returns the output.
+    fn encoder_ops(
+        b: &mut ProgramBuilder,
+        w: &Weights,
+        seqs: Seqs,
+        ids: BufId,
+        types: BufId,
+        mode: Pooling,
+    ) -> BufId {
+        let h = 8;
+        let id = |name: &str| {
+            WeightId(
+                w.iter()
+                    .position(|(_, t)| t.name == name)
+                    .expect("a weight of encoder_weights()"),
+            )
+        };
+        let rows = seqs.token_rows();
         let hid = b.activation("h", rows * h);
         let qkv = b.activation("qkv", rows * 3 * h);
         let ctx = b.activation("ctx", rows * h);
-        let out = b.output("out", batch * h);
+        let out = b.output("out", seqs.count() * h);
         b.push(Op::EmbedLayerNorm {
             position_ids: Default::default(),
             ids,
             token_types: types,
-            word,
-            position: pos,
-            token_type: tt,
-            gamma: g,
-            beta: be,
+            word: id("word"),
+            position: id("pos"),
+            token_type: id("tt"),
+            gamma: id("g"),
+            beta: id("b"),
             eps: 1e-12,
             out: hid,
-            batch,
-            seq,
             hidden: h,
+            seqs,
         });
         b.push(Op::Linear {
             x: hid,
-            w: wqkv,
+            w: id("qkv"),
             bias: None,
             act: Activation::Identity,
             out: qkv,
@@ -791,18 +730,16 @@ mod tests {
         b.push(Op::Attention {
             bias: None,
             qkv,
-            mask,
             out: ctx,
-            batch,
-            seq,
             heads: 2,
             head_dim: 4,
+            seqs,
         });
         b.push(Op::AddLayerNorm {
             x: ctx,
             residual: hid,
-            gamma: g,
-            beta: be,
+            gamma: id("g"),
+            beta: id("b"),
             eps: 1e-12,
             out: hid,
             rows,
@@ -811,15 +748,26 @@ mod tests {
         b.push(Op::Pool {
             skip: None,
             x: hid,
-            mask,
             out,
-            batch,
-            seq,
             hidden: h,
-            mode: Pooling::Mean,
+            mode,
             normalize: true,
+            seqs,
         });
-        (b.finish(batch, seq, out, h), w)
+        out
+    }
+
+    /// [`encoder_ops`] at `batch` rows of `seq` tokens.
+    fn encoder(batch: usize, seq: usize) -> (Program, Weights) {
+        let w = encoder_weights();
+        let rows = batch * seq;
+        let mut b = ProgramBuilder::new();
+        let ids = b.input("ids", InputRole::TokenIds, rows);
+        let mask = b.input("mask", InputRole::AttentionMask, rows);
+        let types = b.input("types", InputRole::TokenTypeIds, rows);
+        let seqs = Seqs::Padded { mask, batch, seq };
+        let out = encoder_ops(&mut b, &w, seqs, ids, types, Pooling::Mean);
+        (b.finish(batch, seq, out, 8), w)
     }
 
     fn error(p: &Program, w: &Weights) -> String {
@@ -840,92 +788,29 @@ mod tests {
         out
     }
 
-    /// The packed twin of [`encoder`] (same weights): embedding → qkv →
-    /// varlen attention → add-norm → per-sequence pooling, `tokens` slots,
-    /// at most `seqs` sequences of at most `max_len` tokens.
+    /// [`encoder_ops`] packed (same weights): `tokens` slots, at most
+    /// `seqs` sequences of at most `max_len` tokens.
     fn packed_encoder(
         tokens: usize,
         seqs: usize,
         max_len: usize,
         mode: Pooling,
     ) -> (Program, Weights) {
-        let (_, w) = encoder(1, 1);
-        let h = 8;
-        let ids_of = |name: &str| {
-            WeightId(
-                w.iter()
-                    .position(|(_, t)| t.name == name)
-                    .expect("weight of encoder()"),
-            )
-        };
+        let w = encoder_weights();
         let mut b = ProgramBuilder::new();
         let ids = b.input("ids", InputRole::TokenIds, tokens);
         let types = b.input("types", InputRole::TokenTypeIds, tokens);
         let positions = b.input("positions", InputRole::Positions, tokens);
         let offsets = b.input("offsets", InputRole::SeqOffsets, seqs + 1);
-        let hid = b.activation("h", tokens * h);
-        let qkv = b.activation("qkv", tokens * 3 * h);
-        let ctx = b.activation("ctx", tokens * h);
-        let out = b.output("out", seqs * h);
-        b.push(Op::PackedEmbedLayerNorm {
-            position_ids: Default::default(),
-            ids,
-            token_types: types,
+        let layout = Seqs::Packed {
+            offsets,
             positions,
-            word: ids_of("word"),
-            position: ids_of("pos"),
-            token_type: ids_of("tt"),
-            gamma: ids_of("g"),
-            beta: ids_of("b"),
-            eps: 1e-12,
-            out: hid,
-            tokens,
-            max_seq_len: max_len,
-            hidden: h,
-        });
-        b.push(Op::Linear {
-            x: hid,
-            w: ids_of("qkv"),
-            bias: None,
-            act: Activation::Identity,
-            out: qkv,
-            m: tokens,
-            n: 3 * h,
-            k: h,
-        });
-        b.push(Op::PackedAttention {
-            bias: None,
-            qkv,
-            offsets,
-            out: ctx,
             tokens,
             seqs,
             max_seq_len: max_len,
-            heads: 2,
-            head_dim: 4,
-        });
-        b.push(Op::AddLayerNorm {
-            x: ctx,
-            residual: hid,
-            gamma: ids_of("g"),
-            beta: ids_of("b"),
-            eps: 1e-12,
-            out: hid,
-            rows: tokens,
-            hidden: h,
-        });
-        b.push(Op::PackedPool {
-            skip: None,
-            x: hid,
-            offsets,
-            out,
-            tokens,
-            seqs,
-            hidden: h,
-            mode,
-            normalize: true,
-        });
-        (b.finish_packed(tokens, seqs, max_len, out, h), w)
+        };
+        let out = encoder_ops(&mut b, &w, layout, ids, types, mode);
+        (b.finish_packed(tokens, seqs, max_len, out, 8), w)
     }
 
     #[test]
@@ -979,44 +864,78 @@ mod tests {
         check(&p, &pw, "packed op in a padded program");
         // Ops' dimensions are the program's.
         let mut p = base.clone();
-        if let Op::PackedAttention { seqs, .. } = &mut p.ops[2] {
+        if let Op::Attention {
+            seqs: Seqs::Packed { seqs, .. },
+            ..
+        } = &mut p.ops[2]
+        {
             *seqs = 3;
         }
         check(&p, &w, "seqs 3, the program 4");
         let mut p = base.clone();
-        if let Op::PackedPool { tokens, .. } = &mut p.ops[4] {
+        if let Op::Pool {
+            seqs: Seqs::Packed { tokens, .. },
+            ..
+        } = &mut p.ops[4]
+        {
             *tokens = 16;
         }
         check(&p, &w, "tokens 16, the program 32");
         let mut p = base.clone();
-        if let Op::PackedEmbedLayerNorm { max_seq_len, .. } = &mut p.ops[0] {
+        if let Op::EmbedLayerNorm {
+            seqs: Seqs::Packed { max_seq_len, .. },
+            ..
+        } = &mut p.ops[0]
+        {
             *max_seq_len = 8;
         }
         check(&p, &w, "max_seq_len 8, the program 16");
         // Integer operands must have the role the op reads them as.
         let mut p = base.clone();
-        if let Op::PackedAttention { offsets, .. } = &mut p.ops[2] {
+        if let Op::Attention {
+            seqs: Seqs::Packed { offsets, .. },
+            ..
+        } = &mut p.ops[2]
+        {
             *offsets = BufId(2); // the positions
         }
         check(&p, &w, "as SeqOffsets");
         let mut p = base.clone();
-        if let Op::PackedEmbedLayerNorm { positions, ids, .. } = &mut p.ops[0] {
+        if let Op::EmbedLayerNorm {
+            seqs: Seqs::Packed { positions, .. },
+            ids,
+            ..
+        } = &mut p.ops[0]
+        {
             std::mem::swap(positions, ids);
+        }
+        check(&p, &w, "as Positions");
+        let mut p = base.clone();
+        if let Op::EmbedLayerNorm {
+            ids, token_types, ..
+        } = &mut p.ops[0]
+        {
+            std::mem::swap(token_types, ids);
         }
         check(&p, &w, "as TokenIds");
         let mut p = base.clone();
-        if let Op::PackedPool { offsets, x, .. } = &mut p.ops[4] {
+        if let Op::Pool {
+            seqs: Seqs::Packed { offsets, .. },
+            x,
+            ..
+        } = &mut p.ops[4]
+        {
             *offsets = *x;
         }
         check(&p, &w, "needs an i32 buffer");
         // Aliasing.
         let mut p = base.clone();
-        if let Op::PackedAttention { qkv, out, .. } = &mut p.ops[2] {
+        if let Op::Attention { qkv, out, .. } = &mut p.ops[2] {
             *out = *qkv;
         }
         check(&p, &w, "out aliases qkv");
         let mut p = base.clone();
-        if let Op::PackedPool { x, out, .. } = &mut p.ops[4] {
+        if let Op::Pool { x, out, .. } = &mut p.ops[4] {
             *out = *x;
         }
         check(&p, &w, "out aliases x");
@@ -1200,7 +1119,12 @@ mod tests {
         encoder(1, 16).0.validate(&encoder(1, 16).1).unwrap();
         // A float buffer as the mask.
         let (mut p, w) = encoder(1, 4);
-        if let Op::Attention { mask, qkv, .. } = &mut p.ops[2] {
+        if let Op::Attention {
+            qkv,
+            seqs: Seqs::Padded { mask, .. },
+            ..
+        } = &mut p.ops[2]
+        {
             *mask = *qkv;
         }
         assert!(error(&p, &w).contains("needs an i32 buffer"));
