@@ -34,14 +34,14 @@ use replayd::bucket::{Bucket, Grid, TokenGrid};
 use replayd::daemon::batcher::queue::{
     Action, DeviceKind, QueuedRequest, Scheduler, SchedulerConfig,
 };
-use replayd::daemon::batcher::{BatcherActor, BatcherArgs, ModelSlot};
+use replayd::daemon::batcher::{BatcherActor, BatcherArgs, ModelSlot, SubmitQueue};
 use replayd::daemon::device::{DeviceActor, DeviceArgs, WorkerCommand};
-use replayd::daemon::fast_link::FastLink;
 use replayd::daemon::messages::{
-    Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, DeviceStatus, Stamps, Submission,
-    SubmitQueue,
+    Batch, BatchOutcome, BatchOutput, BatchPart, BatchReport, BatcherMsg, DeviceMsg, DeviceStatus,
+    Stamps, Submission,
 };
 use replayd::daemon::metrics::Metrics;
+use replayd::daemon::route::DeviceRoute;
 use replayd::daemon::tokenize::{TextTokenizer, TokenizerPool};
 use replayd::model::BatchRows;
 use replayd::protocol::{
@@ -399,16 +399,20 @@ impl Actor for InstantDevice {
         batcher: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         if let DeviceMsg::Run { batch, attempt } = msg {
-            let _ = batcher.cast(BatcherMsg::BatchDone {
+            let output = BatchOutput {
+                data: bytes::Bytes::from(vec![0u8; batch.rows * DIM * 4]),
+                output_dim: DIM,
+                compute_us: 1,
+                started_ns: 0,
+                finished_ns: 0,
+                replayed: true,
+            };
+            let _ = batcher.cast(BatcherMsg::Report {
                 device: 0,
-                batch: batch.id,
-                attempt,
-                output: BatchOutput {
-                    data: bytes::Bytes::from(vec![0u8; batch.rows * DIM * 4]),
-                    output_dim: DIM,
-                    compute_us: 1,
-                    started_ns: 0,
-                    finished_ns: 0,
+                report: BatchReport {
+                    batch: batch.id,
+                    attempt,
+                    outcome: BatchOutcome::Done(output),
                 },
             });
         }
@@ -421,6 +425,7 @@ async fn batcher(t: &mut Table, args: &Args) {
     // Submitted as the frontend does: into the queue, waking the batcher
     // when it was empty.
     let queue = Arc::new(SubmitQueue::default());
+    let route = Arc::new(DeviceRoute::default());
     let (batcher, _) = Actor::spawn(
         None,
         BatcherActor,
@@ -430,6 +435,7 @@ async fn batcher(t: &mut Table, args: &Args) {
                 grid: Grid::Packed(default_grid()),
             }],
             devices: vec![(DeviceKind::Graph, "fake:0".into())],
+            routes: vec![route.clone()],
             config: SchedulerConfig {
                 max_wait: Duration::from_micros(500),
                 max_queue: 1 << 20,
@@ -446,12 +452,7 @@ async fn batcher(t: &mut Table, args: &Args) {
     let (device, _) = Actor::spawn(None, InstantDevice, batcher.clone())
         .await
         .unwrap();
-    batcher
-        .cast(BatcherMsg::AttachDevice {
-            device: 0,
-            actor: device,
-        })
-        .unwrap();
+    route.attach(device);
     batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
     let ids: Vec<u32> = (0..14).map(|i| 1000 + i).collect();
     fn submit(
@@ -527,7 +528,6 @@ async fn batcher(t: &mut Table, args: &Args) {
 /// The batcher's side of the link bench: what the device actor tells it.
 enum Heard {
     Up,
-    Link(Arc<FastLink>),
     Done(u64, usize),
 }
 
@@ -554,11 +554,10 @@ impl Actor for FakeBatcher {
     ) -> Result<(), ActorProcessingErr> {
         let _ = match msg {
             BatcherMsg::DeviceUp { .. } => tx.send(Heard::Up),
-            BatcherMsg::FastLink { link, .. } => tx.send(Heard::Link(link)),
-            BatcherMsg::BatchDone { batch, output, .. } => {
-                tx.send(Heard::Done(batch, output.data.len()))
-            }
-            BatcherMsg::BatchFailed { error, .. } => panic!("batch failed: {error}"),
+            BatcherMsg::Report { report, .. } => match report.outcome {
+                BatchOutcome::Done(output) => tx.send(Heard::Done(report.batch, output.data.len())),
+                BatchOutcome::Failed(error) => panic!("batch failed: {error}"),
+            },
             _ => Ok(()),
         };
         Ok(())
@@ -615,6 +614,7 @@ async fn link(t: &mut Table, args: &Args) {
         let metrics = Arc::new(Metrics::new());
         let (status, status_rx) = tokio::sync::watch::channel(DeviceStatus::Starting);
         let index = metrics.add_device(Default::default(), status_rx);
+        let route = Arc::new(DeviceRoute::default());
         let ring = shm.then_some(replayd::worker::shm::RingSpec {
             slots: 3,
             input_bytes: 4 * (256 + 16384),
@@ -637,6 +637,7 @@ async fn link(t: &mut Table, args: &Args) {
                 },
                 runtime_dir: runtime_dir.clone(),
                 batcher: fake.clone(),
+                route: route.clone(),
                 metrics: metrics.clone(),
                 status: Arc::new(status),
                 model_names: vec!["all-MiniLM-L6-v2".into()],
@@ -653,15 +654,14 @@ async fn link(t: &mut Table, args: &Args) {
         )
         .await
         .unwrap();
-        let mut fast = None;
         loop {
             match tokio::time::timeout(Duration::from_secs(60), heard.recv()).await {
                 Ok(Some(Heard::Up)) => break,
-                Ok(Some(Heard::Link(l))) => fast = Some(l),
                 Ok(Some(Heard::Done(..))) => {}
                 _ => panic!("the null worker did not start ({})", exe.display()),
             }
         }
+        let fast = route.ring();
         assert_eq!(fast.is_some(), shm, "ring link");
         let path = if shm { "shared-memory ring" } else { "socket" };
         let send = |b: &Arc<Batch>| match &fast {

@@ -14,9 +14,10 @@
 //!   applied or refused;
 //! * `inject_fault` (`device`, `kind`; only with `devices.fault_injection`).
 
-use super::messages::{DeviceMsg, SupervisorMsg};
+use super::messages::DeviceMsg;
 use super::metrics::{health, Metrics};
 use super::reload::Reloader;
+use super::supervisor::SupervisorMsg;
 use crate::transport::{Dealer, Router, Security, TransportError, TransportLimits};
 use crate::worker::link::FaultKind;
 use bytes::Bytes;

@@ -22,16 +22,23 @@
 //!
 //! With `ring` set, each generation also gets a shared-memory ring in the
 //! runtime directory and a doorbell socket pair ([`crate::worker::shm`]),
-//! made before the worker starts; once it is ready the actor hands the
-//! batcher a [`FastLink`] over them, and batches then go to the worker
-//! without passing through this actor ([`super::fast_link`]). The ring file
-//! is removed when its worker exits.
+//! made before the worker starts; once it is ready the actor opens a
+//! [`FastLink`] over them on the slot's [`DeviceRoute`], and batches then go
+//! to the worker without passing through this actor ([`super::fast_link`]).
+//! The ring file is removed when its worker exits.
+//!
+//! Whichever way a batch went, its outcome goes back to the batcher through
+//! the actor's [`Reporter`] ([`super::report`]): this actor hands it the
+//! socket's answers, the ring's reader task the ring's.
 
 use super::fast_link::{self, FastLink};
 use super::messages::{
-    Batch, BatchOutput, BatcherMsg, DeviceId, DeviceMsg, DeviceStatus, StatusSender, WorkerEvent,
+    Batch, BatchOutcome, BatchOutput, BatchReport, BatcherMsg, DeviceId, DeviceMsg, DeviceStatus,
+    StatusSender, WorkerEvent,
 };
 use super::metrics::{GraphStats, Metrics};
+use super::report::{Reporter, Via};
+use super::route::DeviceRoute;
 use super::watchdog::Watchdog;
 use crate::bucket::{Bucket, Grid};
 use crate::model::BatchRows;
@@ -44,7 +51,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{BTreeSet, HashMap};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How to start this device's worker process.
@@ -61,6 +68,9 @@ pub struct WorkerCommand {
 #[derive(Clone)]
 pub struct DeviceArgs {
     pub device: DeviceId,
+    /// The batcher's way to this slot: the actor attaches itself to it and
+    /// opens each worker's ring on it.
+    pub route: Arc<DeviceRoute>,
     /// Index of this device in [`Metrics`]' device list.
     pub metrics_index: usize,
     /// e.g. "cuda:0", "cpu:1", "eager:0".
@@ -110,8 +120,9 @@ pub struct DeviceState {
     killed_for_fault: bool,
     /// The worker was killed because the watchdog found it stuck.
     killed_for_hang: bool,
-    /// Shared with the generation's [`FastLink`], which feeds it too.
-    watchdog: Arc<Mutex<Watchdog>>,
+    /// The route back to the batcher (and the watchdog's ledger of what
+    /// the worker holds), shared with the generation's [`FastLink`].
+    reporter: Arc<Reporter>,
     /// This generation's ring and the daemon's end of its doorbell, until
     /// the worker is ready and they become a [`FastLink`].
     fast_parts: Option<(Ring, OwnedFd)>,
@@ -161,13 +172,20 @@ impl Actor for DeviceActor {
         args: DeviceArgs,
     ) -> Result<DeviceState, ActorProcessingErr> {
         let _ = myself.cast(DeviceMsg::Spawn);
-        let watchdog = Arc::new(Mutex::new(Watchdog::new(
-            args.hang_timeout,
-            args.cold_us_per_token,
-            std::time::Instant::now(),
-        )));
+        args.route.attach(myself.clone());
+        let reporter = Arc::new(Reporter::new(
+            args.device,
+            args.batcher.clone(),
+            args.metrics.clone(),
+            args.metrics_index,
+            Watchdog::new(
+                args.hang_timeout,
+                args.cold_us_per_token,
+                std::time::Instant::now(),
+            ),
+        ));
         Ok(DeviceState {
-            watchdog,
+            reporter,
             fast_parts: None,
             fast_task: None,
             ring_path: None,
@@ -267,18 +285,16 @@ impl Actor for DeviceActor {
     }
 }
 
-fn lock(w: &Mutex<Watchdog>) -> std::sync::MutexGuard<'_, Watchdog> {
-    w.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl DeviceState {
     fn label(&self) -> &str {
         &self.args.label
     }
 
-    /// Stops reading this generation's doorbell and removes its ring file
-    /// (the mapping lives on in whoever still holds the [`FastLink`]).
+    /// Closes this generation's ring on the route, stops reading its
+    /// doorbell and removes its ring file (the mapping lives on in whoever
+    /// still holds the [`FastLink`]).
     fn drop_ring(&mut self) {
+        self.args.route.close_ring();
         if let Some(task) = self.fast_task.take() {
             task.abort();
         }
@@ -426,7 +442,7 @@ impl DeviceState {
             }
         };
         self.pid = child.id();
-        lock(&self.watchdog).reset(std::time::Instant::now());
+        self.reporter.watchdog().reset(std::time::Instant::now());
         tracing::info!(device = %self.label(), pid = ?self.pid, generation, "worker started");
         self.set_status(if restarting {
             DeviceStatus::Restarting
@@ -500,7 +516,7 @@ impl DeviceState {
             WorkerEvent::WatchdogTick => self.watchdog_tick(myself),
             WorkerEvent::RestartTimeout => {
                 if self.restart_pending && !self.restart_stopping && self.pid.is_some() {
-                    tracing::warn!(device = %self.label(), batches = lock(&self.watchdog).inflight(), "restart: the worker still holds batches; stopping it anyway (they run again elsewhere)");
+                    tracing::warn!(device = %self.label(), batches = self.reporter.watchdog().inflight(), "restart: the worker still holds batches; stopping it anyway (they run again elsewhere)");
                     self.stop_for_restart();
                 }
             }
@@ -528,7 +544,7 @@ impl DeviceState {
             }
         };
         let now = std::time::Instant::now();
-        lock(&self.watchdog).heard(now);
+        self.reporter.watchdog().heard(now);
         let device = self.args.device;
         match msg {
             FromWorker::Ready {
@@ -658,65 +674,22 @@ impl DeviceState {
                 started_ns,
                 finished_ns,
             } => {
-                let inflight = {
-                    let mut w = lock(&self.watchdog);
-                    w.finished(batch, attempt, Some(compute_us), now);
-                    w.inflight() as u64
-                };
-                self.args
-                    .metrics
-                    .update_device(self.args.metrics_index, |d| {
-                        d.inflight = inflight;
-                        d.batches += 1;
-                        d.socket_batches += 1;
-                        if replayed {
-                            d.graph_replays += 1;
-                        } else {
-                            d.eager_runs += 1;
-                        }
-                    });
                 let output = BatchOutput {
                     data: data.first().cloned().unwrap_or_default(),
                     output_dim,
                     compute_us,
                     started_ns,
                     finished_ns,
+                    replayed,
                 };
-                let _ = self.args.batcher.cast(BatcherMsg::BatchDone {
-                    device,
-                    batch,
-                    attempt,
-                    output,
-                });
-                self.restart_when_empty();
+                self.socket_report(batch, attempt, BatchOutcome::Done(output));
             }
             FromWorker::Failed {
                 batch,
                 attempt,
                 error,
                 slot: _,
-            } => {
-                let inflight = {
-                    let mut w = lock(&self.watchdog);
-                    w.finished(batch, attempt, None, now);
-                    w.inflight() as u64
-                };
-                self.args
-                    .metrics
-                    .update_device(self.args.metrics_index, |d| d.inflight = inflight);
-                self.restart_when_empty();
-                if error.is_fatal() {
-                    // The worker exits next; the batch is re-dispatched then.
-                    self.set_error(error.to_string());
-                } else {
-                    let _ = self.args.batcher.cast(BatcherMsg::BatchFailed {
-                        device,
-                        batch,
-                        attempt,
-                        error,
-                    });
-                }
-            }
+            } => self.socket_report(batch, attempt, BatchOutcome::Failed(error)),
             FromWorker::Heartbeat => {}
             FromWorker::FaultInjected { ok, message } => {
                 for port in self.fault_waiters.drain(..) {
@@ -732,6 +705,17 @@ impl DeviceState {
                 self.set_error(message);
             }
         }
+    }
+
+    /// A batch's outcome that came over the socket.
+    fn socket_report(&mut self, batch: u64, attempt: u32, outcome: BatchOutcome) {
+        let report = BatchReport {
+            batch,
+            attempt,
+            outcome,
+        };
+        self.reporter.report(report, Via::Socket);
+        self.restart_when_empty();
     }
 
     fn worker_exited(
@@ -778,14 +762,8 @@ impl DeviceState {
         self.captured.clear();
         self.args
             .metrics
-            .update_device(self.args.metrics_index, |d| {
-                d.inflight = 0;
-                d.capture = None;
-            });
-        let _ = self.args.batcher.cast(BatcherMsg::DeviceDown {
-            device: self.args.device,
-            reason: format!("worker exited: {how}"),
-        });
+            .update_device(self.args.metrics_index, |d| d.capture = None);
+        self.reporter.worker_gone(format!("worker exited: {how}"));
         if self.stopping {
             tracing::info!(device = %self.label(), "worker stopped ({how})");
             self.set_status(DeviceStatus::Stopped);
@@ -815,13 +793,13 @@ impl DeviceState {
         self.schedule_restart(myself);
     }
 
-    /// Hands the batcher a [`FastLink`] over this generation's ring, and
+    /// Opens a [`FastLink`] over this generation's ring on the route, and
     /// starts the task that reads its answers.
     fn start_fast_link(&mut self) {
         let Some((ring, doorbell)) = self.fast_parts.take() else {
             return;
         };
-        let link = match FastLink::new(self.args.device, ring, doorbell, self.watchdog.clone()) {
+        let link = match FastLink::new(ring, doorbell, self.reporter.clone()) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(device = %self.label(), "no shared-memory link ({e}); batches take the socket");
@@ -837,14 +815,9 @@ impl DeviceState {
             });
         self.fast_task = Some(tokio::spawn(fast_link::serve(
             link.clone(),
-            self.args.batcher.clone(),
             self.args.metrics.clone(),
-            self.args.metrics_index,
         )));
-        let _ = self.args.batcher.cast(BatcherMsg::FastLink {
-            device: self.args.device,
-            link,
-        });
+        self.args.route.open_ring(link);
     }
 
     fn send(&self, frames: Vec<Bytes>) -> bool {
@@ -868,21 +841,18 @@ impl DeviceState {
             Some(bucket) => bucket.tokens(),
             None => batch.tokens,
         };
-        let inflight = {
-            let mut w = lock(&self.watchdog);
-            w.sent(batch.id, attempt, batch.model, token_slots);
-            w.inflight() as u64
-        };
-        self.args
-            .metrics
-            .update_device(self.args.metrics_index, |d| d.inflight = inflight);
-        self.send(link::encode_run(
+        self.reporter.sent(batch, attempt, token_slots);
+        let sent = self.send(link::encode_run(
             batch.id,
             attempt,
             batch.model,
             bucket,
             batch.parts.iter().map(|p| p.rows.as_ref()),
         ));
+        if !sent {
+            // The worker's socket is gone: its exit re-dispatches the batch.
+            self.reporter.unsent(batch, attempt);
+        }
     }
 
     /// The smallest bucket the worker has a graph for that holds `batch`,
@@ -920,7 +890,7 @@ impl DeviceState {
             device: self.args.device,
             drained: drain || self.restart_pending,
         });
-        let held = lock(&self.watchdog).inflight();
+        let held = self.reporter.watchdog().inflight();
         if drain {
             if self.status == DeviceStatus::Ready {
                 self.set_status(DeviceStatus::Draining);
@@ -975,7 +945,7 @@ impl DeviceState {
             drained: true,
         });
         self.set_status(DeviceStatus::Draining);
-        let held = lock(&self.watchdog).inflight();
+        let held = self.reporter.watchdog().inflight();
         tracing::info!(device = %self.label(), batches = held, "restart: draining, then a fresh worker");
         let generation = self.generation;
         myself.send_after(self.args.stop_timeout, move || DeviceMsg::Worker {
@@ -991,7 +961,10 @@ impl DeviceState {
 
     /// A pending restart stops the worker once it holds no batch.
     fn restart_when_empty(&mut self) {
-        if self.restart_pending && !self.restart_stopping && lock(&self.watchdog).inflight() == 0 {
+        if self.restart_pending
+            && !self.restart_stopping
+            && self.reporter.watchdog().inflight() == 0
+        {
             self.stop_for_restart();
         }
     }
@@ -1103,14 +1076,14 @@ impl DeviceState {
         if self.capture.is_some() {
             // Capturing a reload's grid: the backend thread is busy with
             // that (it reports each graph); CaptureTimeout bounds it.
-            lock(&self.watchdog).heard(std::time::Instant::now());
+            self.reporter.watchdog().heard(std::time::Instant::now());
             self.schedule_watchdog(myself);
             return;
         }
         // Batches that finished through the shared-memory link never pass
         // this actor: a pending restart looks at what is left here too.
         self.restart_when_empty();
-        let hung = lock(&self.watchdog).hung(std::time::Instant::now());
+        let hung = self.reporter.watchdog().hung(std::time::Instant::now());
         if let Some(why) = hung {
             tracing::error!(device = %self.label(), "{why}; killing it");
             self.set_error(why);

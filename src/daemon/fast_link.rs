@@ -3,24 +3,24 @@
 //! worker ([`FastLink::send`], no actor and no socket driver in between), and
 //! one task per worker generation ([`serve`]) reads the answers off the
 //! doorbell, copies each output out of its slot, frees the slot and hands the
-//! result straight to the batcher.
+//! outcome to the device's [`Reporter`], the route back that the socket's
+//! answers take too.
 //!
 //! The device actor still owns the worker: it creates the ring and the
 //! doorbell before starting the process, makes the link once the worker is
-//! ready, and drops it (with its slots) when the worker exits; the batcher
+//! ready and opens it on the device's [`super::route::DeviceRoute`], and
+//! closes and drops it (with its slots) when the worker exits; the batcher
 //! then re-dispatches what the worker held, exactly as on the socket path
 //! (its attempt and device guards ignore any late answer). A batch that does
 //! not fit a slot, or finds none free, takes the socket through the device
 //! actor instead.
 
-use super::messages::{Batch, BatchOutput, BatcherMsg, DeviceId};
+use super::messages::{Batch, BatchOutcome, BatchOutput, BatchReport};
 use super::metrics::Metrics;
-use super::watchdog::Watchdog;
-use crate::worker::link::{FromWorker, ToWorker};
+use super::report::{Reporter, Via};
+use crate::worker::link::{FromWorker, ToWorker, WorkerError};
 use crate::worker::shm::{self, Ring};
-use ractor::ActorRef;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -33,23 +33,10 @@ struct Slots {
 
 /// See the module docs.
 pub struct FastLink {
-    device: DeviceId,
     ring: Ring,
     slots: Mutex<Slots>,
     doorbell: AsyncFd<OwnedFd>,
-    watchdog: Arc<Mutex<Watchdog>>,
-    sent: AtomicU64,
-    refused: AtomicU64,
-}
-
-impl std::fmt::Debug for FastLink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FastLink")
-            .field("device", &self.device)
-            .field("ring", &self.ring)
-            .field("free", &self.free_slots())
-            .finish()
-    }
+    reporter: Arc<Reporter>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -60,10 +47,9 @@ impl FastLink {
     /// The link over `ring` and the daemon's end of the doorbell (made
     /// non-blocking here). Must run inside the tokio runtime.
     pub fn new(
-        device: DeviceId,
         ring: Ring,
         doorbell: OwnedFd,
-        watchdog: Arc<Mutex<Watchdog>>,
+        reporter: Arc<Reporter>,
     ) -> std::io::Result<Arc<FastLink>> {
         let fd = doorbell.as_raw_fd();
         // SAFETY: F_GETFL/F_SETFL on a socket we own.
@@ -75,7 +61,6 @@ impl FastLink {
         }
         let n = ring.spec().slots;
         Ok(Arc::new(FastLink {
-            device,
             ring,
             slots: Mutex::new(Slots {
                 free: (0..n).rev().collect(),
@@ -84,30 +69,12 @@ impl FastLink {
             // SAFETY: the AsyncFd owns the socket, so the fd is deregistered
             // before it is closed.
             doorbell: unsafe { AsyncFd::register_with_interest(doorbell, Interest::READABLE) }?,
-            watchdog,
-            sent: AtomicU64::new(0),
-            refused: AtomicU64::new(0),
+            reporter,
         }))
-    }
-
-    pub fn device(&self) -> DeviceId {
-        self.device
-    }
-
-    pub fn free_slots(&self) -> usize {
-        lock(&self.slots).free.len()
     }
 
     pub fn slots(&self) -> usize {
         self.ring.spec().slots as usize
-    }
-
-    /// Batches sent through the ring, and batches it could not take.
-    pub fn counts(&self) -> (u64, u64) {
-        (
-            self.sent.load(Ordering::Relaxed),
-            self.refused.load(Ordering::Relaxed),
-        )
     }
 
     /// Puts `batch` in a free slot and rings the worker. False when it does
@@ -115,16 +82,14 @@ impl FastLink {
     /// worker is gone): the caller sends it over the socket instead.
     pub fn send(&self, batch: &Batch, attempt: u32) -> bool {
         let Some(slot) = lock(&self.slots).free.pop() else {
-            self.refused.fetch_add(1, Ordering::Relaxed);
             return false;
         };
         let give_back = |why: &str| {
             let mut s = lock(&self.slots);
             s.held[slot as usize] = None;
             s.free.push(slot);
-            self.refused.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(
-                device = self.device,
+                device = self.reporter.device(),
                 batch = batch.id,
                 "not through the ring: {why}"
             );
@@ -147,15 +112,11 @@ impl FastLink {
         let bytes = rmp_serde::to_vec_named(&msg).expect("link messages serialise");
         let token_slots = batch.bucket.map_or(batch.tokens, |b| b.tokens());
         lock(&self.slots).held[slot as usize] = Some((batch.id, attempt));
-        // Before the send: the answer may come back before this returns.
-        lock(&self.watchdog).sent(batch.id, attempt, batch.model, token_slots);
+        self.reporter.sent(batch, attempt, token_slots);
         match shm::ring_send(self.doorbell.get_ref().as_raw_fd(), &bytes, true) {
-            Ok(()) => {
-                self.sent.fetch_add(1, Ordering::Relaxed);
-                true
-            }
+            Ok(()) => true,
             Err(e) => {
-                lock(&self.watchdog).forget(batch.id, attempt);
+                self.reporter.unsent(batch, attempt);
                 give_back(&e.to_string())
             }
         }
@@ -176,24 +137,18 @@ impl FastLink {
         }
     }
 
-    /// One answer from the doorbell.
-    fn handle(
-        &self,
-        bytes: &[u8],
-        batcher: &ActorRef<BatcherMsg>,
-        metrics: &Metrics,
-        metrics_index: usize,
-    ) {
+    /// One answer from the doorbell: its outcome goes to the reporter once
+    /// the output is out of its slot and the slot is free again.
+    fn handle(&self, bytes: &[u8]) {
+        let device = self.reporter.device();
         let msg: FromWorker = match rmp_serde::from_slice(bytes) {
             Ok(m) => m,
             Err(e) => {
-                tracing::error!(device = self.device, "bad doorbell message: {e}");
+                tracing::error!(device, "bad doorbell message: {e}");
                 return;
             }
         };
-        let now = std::time::Instant::now();
-        let device = self.device;
-        match msg {
+        let (batch, attempt, slot, outcome) = match msg {
             FromWorker::Done {
                 batch,
                 attempt,
@@ -206,94 +161,51 @@ impl FastLink {
                 finished_ns,
             } => {
                 // Read the output before the slot can be reused.
-                let data = self.ring.read_output(slot, rows * output_dim);
-                let Some(free) = self.take_back(slot, batch, attempt) else {
-                    tracing::error!(
-                        device,
-                        slot,
-                        batch,
-                        "the worker answered for a slot it did not hold"
-                    );
-                    return;
+                let outcome = match self.ring.read_output(slot, rows * output_dim) {
+                    Ok(data) => BatchOutcome::Done(BatchOutput {
+                        data,
+                        output_dim,
+                        compute_us,
+                        started_ns,
+                        finished_ns,
+                        replayed,
+                    }),
+                    Err(e) => BatchOutcome::Failed(WorkerError::Other(e)),
                 };
-                lock(&self.watchdog).finished(batch, attempt, Some(compute_us), now);
-                metrics.update_device(metrics_index, |d| {
-                    d.batches += 1;
-                    d.shm_batches += 1;
-                    d.shm_slots_free = free as u64;
-                    if replayed {
-                        d.graph_replays += 1;
-                    } else {
-                        d.eager_runs += 1;
-                    }
-                });
-                let msg = match data {
-                    Ok(data) => BatcherMsg::BatchDone {
-                        device,
-                        batch,
-                        attempt,
-                        output: BatchOutput {
-                            data,
-                            output_dim,
-                            compute_us,
-                            started_ns,
-                            finished_ns,
-                        },
-                    },
-                    Err(e) => BatcherMsg::BatchFailed {
-                        device,
-                        batch,
-                        attempt,
-                        error: crate::worker::link::WorkerError::Other(e),
-                    },
-                };
-                let _ = batcher.cast(msg);
+                (batch, attempt, slot, outcome)
             }
             FromWorker::Failed {
                 batch,
                 attempt,
                 error,
                 slot: Some(slot),
-            } => {
-                let Some(free) = self.take_back(slot, batch, attempt) else {
-                    tracing::error!(
-                        device,
-                        slot,
-                        batch,
-                        "the worker failed a slot it did not hold"
-                    );
-                    return;
-                };
-                lock(&self.watchdog).finished(batch, attempt, None, now);
-                metrics.update_device(metrics_index, |d| d.shm_slots_free = free as u64);
-                if error.is_fatal() {
-                    // The worker exits next; its batches are re-dispatched then.
-                    metrics
-                        .update_device(metrics_index, |d| d.last_error = Some(error.to_string()));
-                } else {
-                    let _ = batcher.cast(BatcherMsg::BatchFailed {
-                        device,
-                        batch,
-                        attempt,
-                        error,
-                    });
-                }
-            }
+            } => (batch, attempt, slot, BatchOutcome::Failed(error)),
             other => {
                 tracing::error!(device, "unexpected doorbell message: {other:?}");
+                return;
             }
-        }
+        };
+        let Some(free_slots) = self.take_back(slot, batch, attempt) else {
+            tracing::error!(
+                device,
+                slot,
+                batch,
+                "the worker answered for a slot it did not hold"
+            );
+            return;
+        };
+        let report = BatchReport {
+            batch,
+            attempt,
+            outcome,
+        };
+        self.reporter.report(report, Via::Ring { free_slots });
     }
 }
 
 /// Reads the worker's answers until its end of the doorbell closes (it
 /// exited) or the task is aborted (the device actor saw it exit).
-pub async fn serve(
-    link: Arc<FastLink>,
-    batcher: ActorRef<BatcherMsg>,
-    metrics: Arc<Metrics>,
-    metrics_index: usize,
-) {
+pub async fn serve(link: Arc<FastLink>, metrics: Arc<Metrics>) {
     let mut buf = vec![0u8; shm::MAX_DOORBELL_MESSAGE];
     loop {
         let Ok(mut ready) = link.doorbell.readable().await else {
@@ -302,7 +214,7 @@ pub async fn serve(
         let began = crate::clock::mono_ns();
         loop {
             match shm::ring_recv(link.doorbell.get_ref().as_raw_fd(), &mut buf) {
-                Ok(Some(n)) => link.handle(&buf[..n], &batcher, &metrics, metrics_index),
+                Ok(Some(n)) => link.handle(&buf[..n]),
                 Ok(None) => {
                     ready.clear_ready();
                     break;

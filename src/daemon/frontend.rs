@@ -14,7 +14,8 @@
 //! cannot hold the daemon's memory or delay other clients.
 
 use super::admission::{Admission, Refusal, Ticket};
-use super::messages::{BatcherMsg, Stamps, Submission, SubmitQueue};
+use super::batcher::SubmitQueue;
+use super::messages::{BatcherMsg, Stamps, Submission};
 use super::metrics::Metrics;
 use super::tokenize::{PromptUse, TextInput, TokenizeError, TokenizerPool};
 use crate::model::{BatchRows, InputSpec, ModelInfo, Task};

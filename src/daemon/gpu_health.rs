@@ -4,8 +4,8 @@
 //! ECC error on its GPU (the worker restarts and re-captures; its batches are
 //! re-dispatched). Without NVML this is a no-op with a warning.
 
-use super::messages::SupervisorMsg;
 use super::metrics::Metrics;
+use super::supervisor::SupervisorMsg;
 use crate::gpu::nvml::{self, GpuEvent, GpuInfo, XidWatcher};
 use ractor::ActorRef;
 use std::sync::Arc;

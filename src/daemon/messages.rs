@@ -1,17 +1,23 @@
 //! The map of the daemon's messages: what travels between the frontend, the
-//! batcher, the device actors and the supervisor, and the one enum that says
-//! what state a device is in.
+//! batcher and the device actors, and the one enum that says what state a
+//! device is in. Data only: apart from reply channels these types hold no
+//! actor handle, route or link, and this file imports no module of the
+//! route, so every one of them can name these types and the arrows between
+//! the files go one way. The handles live beside their owners:
+//! [`super::route`] is the way to a device, [`super::report`] the way back,
+//! and the supervisor's messages are in [`super::supervisor`].
 //!
 //! A request's route (see [`super`]): the frontend builds a [`Submission`]
-//! and queues it ([`SubmitQueue::submit`]); the batcher forms a [`Batch`] and puts
-//! it in a slot of the device's shared-memory ring ([`super::fast_link`]),
-//! whose task answers the batcher with [`BatcherMsg::BatchDone`] or
-//! [`BatcherMsg::BatchFailed`]; a batch the ring cannot take goes as
-//! [`DeviceMsg::Run`] to the device actor, which forwards it over the
-//! worker's socket and answers the same way. The device actor reports
-//! [`BatcherMsg::DeviceDown`] when the worker dies (the batcher then
-//! re-dispatches what that device held). The batcher answers the request on
-//! the [`Submission::reply`] channel, exactly once.
+//! and queues it ([`super::batcher::SubmitQueue`]); the batcher forms a
+//! [`Batch`] and hands it to the device's [`super::route::DeviceRoute`],
+//! which puts it in a slot of the worker's shared-memory ring or, when the
+//! ring cannot take it, sends it as [`DeviceMsg::Run`] to the device actor
+//! (and over the worker's socket). Whichever way it went, its outcome comes
+//! back to the batcher as one [`BatcherMsg::Report`] ([`BatchReport`]: done
+//! or failed), made in one place ([`super::report::Reporter`]). The device
+//! actor reports [`BatcherMsg::DeviceDown`] when the worker dies (the
+//! batcher then re-dispatches what that device held). The batcher answers
+//! the request on the [`Submission::reply`] channel, exactly once.
 //!
 //! Every report from a device carries the batch's `attempt` and the device
 //! it ran on, so the batcher can ignore a stale report from an attempt it has
@@ -23,7 +29,7 @@ use crate::protocol::Reply;
 use crate::tensor::DType;
 use crate::worker::link::{FaultKind, WorkerError};
 use bytes::Bytes;
-use ractor::{ActorRef, RpcReplyPort};
+use ractor::RpcReplyPort;
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -98,81 +104,42 @@ pub struct BatchOutput {
     /// ([`crate::clock::mono_ns`]; 0 when not reported).
     pub started_ns: u64,
     pub finished_ns: u64,
+    /// True when a captured graph ran it, false for the eager path.
+    pub replayed: bool,
 }
 
-/// Submissions on their way to the batcher, which takes them all at once:
-/// under load one mailbox message and one scheduling pass serve every
-/// request that arrived meanwhile, where a message each made the batcher
-/// the daemon's busiest serial stage. [`SubmitQueue::push`] says when the
-/// queue was empty, and only then is the batcher woken
-/// ([`BatcherMsg::SubmitQueued`]); the batcher always empties it, so none
-/// waits for a wake that was not sent. It is the one way in for requests.
-#[derive(Default)]
-pub struct SubmitQueue {
-    items: std::sync::Mutex<Vec<Submission>>,
+/// What became of one attempt of a batch on a device's worker, whichever
+/// transport carried it.
+#[derive(Debug)]
+pub struct BatchReport {
+    pub batch: BatchId,
+    pub attempt: u32,
+    pub outcome: BatchOutcome,
 }
 
-impl SubmitQueue {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Submission>> {
-        self.items.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Queues a submission for `batcher`, waking it when the queue was
-    /// empty. False when the batcher has stopped: nothing will take the
-    /// queue then, so it is emptied here and the reply channels it held are
-    /// dropped (their handlers answer "the request was dropped").
-    pub fn submit(&self, batcher: &ActorRef<BatcherMsg>, submission: Submission) -> bool {
-        let was_empty = {
-            let mut items = self.lock();
-            items.push(submission);
-            items.len() == 1
-        };
-        if was_empty && batcher.cast(BatcherMsg::SubmitQueued).is_err() {
-            drop(self.take());
-            return false;
-        }
-        true
-    }
-
-    /// Everything queued, in order.
-    pub fn take(&self) -> Vec<Submission> {
-        std::mem::take(&mut *self.lock())
-    }
+#[derive(Debug)]
+pub enum BatchOutcome {
+    Done(BatchOutput),
+    /// The worker could not run the batch. A fatal error (the worker exits
+    /// next) never reaches the batcher as a report: the worker's death
+    /// re-dispatches the batch instead.
+    Failed(WorkerError),
 }
 
 /// Messages to the batcher actor.
 pub enum BatcherMsg {
-    /// The [`SubmitQueue`] had been empty and holds submissions now.
+    /// The [`super::batcher::SubmitQueue`] had been empty and holds submissions now.
     SubmitQueued,
     /// A timer fired: expire deadlines, dispatch aged queues.
     Tick,
-    /// A (new) device actor serves this device slot.
-    AttachDevice {
-        device: DeviceId,
-        actor: ActorRef<DeviceMsg>,
-    },
     /// The device's worker captured every graph and takes work.
     DeviceUp { device: DeviceId },
-    /// Batches for this device go through this shared-memory link (sent
-    /// before its `DeviceUp`; dropped at its `DeviceDown`).
-    FastLink {
-        device: DeviceId,
-        link: Arc<super::fast_link::FastLink>,
-    },
     /// The device's worker is gone; re-dispatch what it held.
     DeviceDown { device: DeviceId, reason: String },
-    BatchDone {
+    /// What became of a batch this device ran (or was asked to run).
+    Report {
         device: DeviceId,
-        batch: BatchId,
-        attempt: u32,
-        output: BatchOutput,
-    },
-    /// The worker could not run the batch (the worker lives on).
-    BatchFailed {
-        device: DeviceId,
-        batch: BatchId,
-        attempt: u32,
-        error: WorkerError,
+        report: BatchReport,
     },
     /// Stop accepting, dispatch everything queued; answer when no request is left.
     Drain(RpcReplyPort<()>),
@@ -243,16 +210,6 @@ pub enum WorkerEvent {
     RestartTimeout,
     /// A reload's capture took too long: the worker is killed.
     CaptureTimeout,
-}
-
-/// Messages to the supervisor.
-pub enum SupervisorMsg {
-    /// The device actors, by device slot.
-    Devices(RpcReplyPort<Vec<ActorRef<DeviceMsg>>>),
-    /// Stop every worker (daemon shutdown); answers when all have exited.
-    StopAll(RpcReplyPort<()>),
-    /// Kill these devices' workers (NVML reported their GPU unhealthy); they restart.
-    Kill { slots: Vec<usize>, reason: String },
 }
 
 /// The state of one device slot, as its device actor publishes it.

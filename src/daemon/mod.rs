@@ -8,19 +8,32 @@
 //!    admits or refuses it at once ([`admission`]: per-model and memory
 //!    bounds), validates it, tokenizes texts ([`tokenize`]) and submits it.
 //! 2. [`batcher`] (an actor around the [`batcher::queue`] state machine)
-//!    queues it, forms batches and sends each to a device actor; it holds the
-//!    request's reply channel, so every accepted request gets exactly one
-//!    reply.
-//! 3. The batcher writes the batch into the worker's shared-memory ring
-//!    ([`fast_link`]; [`crate::worker::shm`]) and rings it; the link's task
-//!    hands the result straight back. [`device`] (one actor per worker
-//!    process) owns the worker, carries what the ring cannot take over the
-//!    worker's socket ([`crate::worker::link`]), and reports the worker's
-//!    death to the batcher, which re-dispatches.
-//! 4. [`supervisor`] starts the device actors and replaces one that fails.
+//!    queues it, forms batches and sends each on its way to a device; it
+//!    holds the request's reply channel, so every accepted request gets
+//!    exactly one reply.
+//! 3. The way out, [`route`] (one [`route::DeviceRoute`] per device slot):
+//!    the batcher writes the batch into the worker's shared-memory ring
+//!    ([`fast_link`]; [`crate::worker::shm`]) and rings it; a batch the ring
+//!    cannot take (too large for a slot, no slot free, no ring) goes to the
+//!    device actor, [`device`], which carries it over the worker's socket
+//!    ([`crate::worker::link`]). [`device`] (one actor per worker process)
+//!    owns the worker and opens and closes its ring on the route.
+//! 4. The way back, [`report`], the same for both transports: the ring's
+//!    reader task and the device actor each unpack their own wire and hand
+//!    the batch's outcome (done or failed) to the device's
+//!    [`report::Reporter`], which feeds the hang [`watchdog`] and the device's
+//!    counters once and sends the batcher one [`messages::BatcherMsg::Report`].
+//!    When the worker dies the same reporter tells the batcher
+//!    ([`messages::BatcherMsg::DeviceDown`]), which re-dispatches what the
+//!    device held; its attempt and device guards drop any late report.
+//! 5. [`supervisor`] starts the device actors and replaces one that fails.
 //!
-//! [`messages`] is the map of every message between these actors. Beside
-//! the route: [`control`] (the `replayctl` socket: stats, drain, restart,
+//! [`messages`] is the map of every message between these actors; it holds
+//! data only (no actor, route or link). Each file of the route names only
+//! those before it in this order: `messages`, `watchdog`, `report`,
+//! `fast_link`, `route`, `batcher`, `device`, `supervisor`.
+//!
+//! Beside the route: [`control`] (the `replayctl` socket: stats, drain, restart,
 //! reload), [`reload`] (re-reading the config and switching grids live),
 //! [`metrics`] (counters and histograms), [`stages`] (busy time of the
 //! serial stages and the waits between them), [`prometheus`] (`/metrics` over
@@ -44,6 +57,8 @@ pub mod metrics;
 pub mod notify;
 pub mod prometheus;
 pub mod reload;
+pub mod report;
+pub mod route;
 pub mod runtime_dir;
 pub mod server;
 pub mod stages;

@@ -34,8 +34,9 @@
 //! `RELOADING=1` at the start and `READY=1` at the end either way.
 
 use super::admission::Admission;
-use super::messages::{BatcherMsg, DeviceMsg, SupervisorMsg};
+use super::messages::{BatcherMsg, DeviceMsg};
 use super::metrics::Metrics;
+use super::supervisor::SupervisorMsg;
 use crate::bucket::Grid;
 use crate::config::Config;
 use ractor::rpc::CallResult;

@@ -10,10 +10,10 @@ use super::batcher::{BatcherActor, BatcherArgs, ModelSlot};
 use super::control::Control;
 use super::device::{DeviceArgs, WorkerCommand};
 use super::frontend::{Frontend, ServedModel};
-use super::messages::{BatcherMsg, DeviceKind, DeviceStatus, SupervisorMsg};
+use super::messages::{BatcherMsg, DeviceKind, DeviceStatus};
 use super::metrics::{DeviceStats, Metrics, ModelStats};
 use super::reload::Reloader;
-use super::supervisor::{Supervisor, SupervisorArgs};
+use super::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 use super::tokenize::{TextTokenizer, TokenizerPool};
 use crate::bucket::Grid;
 use crate::config::{BackendKind, Config, GpuSelection};
@@ -532,13 +532,16 @@ pub async fn run(
     for slot in &model_slots {
         metrics.set_model_grid(&slot.name, &slot.grid);
     }
-    let submissions = Arc::new(super::messages::SubmitQueue::default());
+    let submissions = Arc::new(super::batcher::SubmitQueue::default());
+    let routes: Vec<Arc<super::route::DeviceRoute>> =
+        planned.iter().map(|_| Arc::default()).collect();
     let (batcher, batcher_handle) = Actor::spawn(
         None,
         BatcherActor,
         BatcherArgs {
             models: model_slots,
             devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
+            routes: routes.clone(),
             config: super::reload::scheduler_config(&config),
             max_attempts: config.batching.max_attempts,
             metrics: metrics.clone(),
@@ -590,6 +593,7 @@ pub async fn run(
                 worker: d.worker,
                 runtime_dir: config.server.runtime_dir.clone(),
                 batcher: batcher.clone(),
+                route: routes[slot].clone(),
                 metrics: metrics.clone(),
                 model_names: model_names.clone(),
                 backoff_initial: Duration::from_millis(config.devices.restart_backoff_ms),

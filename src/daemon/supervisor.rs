@@ -4,14 +4,24 @@
 //! ractor's default supervision stops the supervisor when a child dies; here
 //! a failed device actor is replaced instead (its `post_stop` has already
 //! killed its worker), the batcher is told the device went down so the
-//! batches it held are re-dispatched, and the new actor is attached to the
-//! batcher in its place. Worker *processes* are restarted by their device
+//! batches it held are re-dispatched, and the new actor takes the slot's
+//! route to the batcher over as it starts. Worker *processes* are restarted by their device
 //! actor; this layer only guards against bugs in the actors themselves.
 
 use super::device::{DeviceActor, DeviceArgs};
-use super::messages::{BatcherMsg, DeviceMsg, SupervisorMsg};
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use super::messages::{BatcherMsg, DeviceMsg};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::time::Duration;
+
+/// Messages to the supervisor.
+pub enum SupervisorMsg {
+    /// The device actors, by device slot.
+    Devices(RpcReplyPort<Vec<ActorRef<DeviceMsg>>>),
+    /// Stop every worker (daemon shutdown); answers when all have exited.
+    StopAll(RpcReplyPort<()>),
+    /// Kill these devices' workers (NVML reported their GPU unhealthy); they restart.
+    Kill { slots: Vec<usize>, reason: String },
+}
 
 pub struct SupervisorArgs {
     pub devices: Vec<DeviceArgs>,
@@ -29,17 +39,13 @@ pub struct SupervisorState {
 pub struct Supervisor;
 
 impl Supervisor {
+    /// Starts a device actor, which takes over its slot's
+    /// [`super::route::DeviceRoute`] as it starts.
     async fn start_child(
         myself: &ActorRef<SupervisorMsg>,
         args: DeviceArgs,
     ) -> Result<ActorRef<DeviceMsg>, ActorProcessingErr> {
-        let batcher = args.batcher.clone();
-        let device = args.device;
         let (child, _) = Actor::spawn_linked(None, DeviceActor, args, myself.get_cell()).await?;
-        let _ = batcher.cast(BatcherMsg::AttachDevice {
-            device,
-            actor: child.clone(),
-        });
         Ok(child)
     }
 

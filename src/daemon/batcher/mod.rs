@@ -3,8 +3,11 @@
 //! * [`queue`] — the scheduling state machine (lanes, batch formation,
 //!   dispatch rules, fairness, deadlines, retries), pure and unit-tested.
 //! * This module — the actor around it: it accepts [`Submission`]s from the
-//!   frontend, turns the scheduler's actions into [`Batch`]es sent to device
-//!   actors, puts each finished batch's rows back into their requests and
+//!   frontend (through the [`SubmitQueue`]), turns the scheduler's actions
+//!   into [`Batch`]es sent on each device's [`DeviceRoute`] (the worker's
+//!   ring, else its socket), takes every batch's outcome as one
+//!   [`BatcherMsg::Report`] whichever way it went, puts each finished
+//!   batch's rows back into their requests and
 //!   answers a request, in row order, once its last row is back; it
 //!   re-dispatches the batches of a device whose worker died, and answers
 //!   `deadline_exceeded` at a request's deadline even while some of its rows
@@ -23,11 +26,11 @@ pub mod queue;
 #[cfg(test)]
 mod tests;
 
-use super::fast_link::FastLink;
 use super::messages::{
-    Batch, BatchOutput, BatchPart, BatcherMsg, DeviceMsg, Stamps, Submission, SubmitQueue,
+    Batch, BatchOutcome, BatchOutput, BatchPart, BatchReport, BatcherMsg, Stamps, Submission,
 };
 use super::metrics::{EagerReason, Ledger, Metrics, Observation};
+use super::route::DeviceRoute;
 use crate::bucket::{Bucket, Grid};
 use crate::clock::{mono_ns, us_between};
 use crate::model::BatchRows;
@@ -52,10 +55,52 @@ pub struct ModelSlot {
     pub grid: Grid,
 }
 
+/// Submissions on their way to the batcher, which takes them all at once:
+/// under load one mailbox message and one scheduling pass serve every
+/// request that arrived meanwhile, where a message each made the batcher
+/// the daemon's busiest serial stage. [`SubmitQueue::submit`] wakes the
+/// batcher ([`BatcherMsg::SubmitQueued`]) only when the queue was empty; the
+/// batcher always empties it, so none waits for a wake that was not sent.
+/// It is the one way in for requests.
+#[derive(Default)]
+pub struct SubmitQueue {
+    items: std::sync::Mutex<Vec<Submission>>,
+}
+
+impl SubmitQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Submission>> {
+        self.items.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a submission for `batcher`, waking it when the queue was
+    /// empty. False when the batcher has stopped: nothing will take the
+    /// queue then, so it is emptied here and the reply channels it held are
+    /// dropped (their handlers answer "the request was dropped").
+    pub fn submit(&self, batcher: &ActorRef<BatcherMsg>, submission: Submission) -> bool {
+        let was_empty = {
+            let mut items = self.lock();
+            items.push(submission);
+            items.len() == 1
+        };
+        if was_empty && batcher.cast(BatcherMsg::SubmitQueued).is_err() {
+            drop(self.take());
+            return false;
+        }
+        true
+    }
+
+    /// Everything queued, in order.
+    pub fn take(&self) -> Vec<Submission> {
+        std::mem::take(&mut *self.lock())
+    }
+}
+
 pub struct BatcherArgs {
     pub models: Vec<ModelSlot>,
     /// One entry per device slot: its kind and label (e.g. "cuda:0").
     pub devices: Vec<(DeviceKind, String)>,
+    /// The way to each device slot, in the order of `devices`.
+    pub routes: Vec<Arc<DeviceRoute>>,
     pub config: SchedulerConfig,
     pub max_attempts: u32,
     pub metrics: Arc<Metrics>,
@@ -200,9 +245,7 @@ pub struct BatcherState {
     models: Vec<ModelSlot>,
     device_labels: Vec<String>,
     device_kinds: Vec<DeviceKind>,
-    device_refs: Vec<Option<ActorRef<DeviceMsg>>>,
-    /// Each device's shared-memory link, while its worker is up.
-    links: Vec<Option<Arc<FastLink>>>,
+    routes: Vec<Arc<DeviceRoute>>,
     /// Queue depths as last published (published again only when they change).
     published: Vec<u64>,
     published_eager: u64,
@@ -235,6 +278,14 @@ impl Actor for BatcherActor {
         args: BatcherArgs,
     ) -> Result<BatcherState, ActorProcessingErr> {
         let grids = args.models.iter().map(|m| m.grid.clone()).collect();
+        if args.routes.len() != args.devices.len() {
+            return Err(format!(
+                "{} device routes for {} devices",
+                args.routes.len(),
+                args.devices.len()
+            )
+            .into());
+        }
         let mut scheduler = Scheduler::new(args.config, grids);
         for (kind, _) in &args.devices {
             scheduler.add_device(*kind);
@@ -243,8 +294,7 @@ impl Actor for BatcherActor {
             scheduler,
             device_labels: args.devices.iter().map(|(_, l)| l.clone()).collect(),
             device_kinds: args.devices.iter().map(|(k, _)| *k).collect(),
-            device_refs: vec![None; args.devices.len()],
-            links: vec![None; args.devices.len()],
+            routes: args.routes,
             published: vec![u64::MAX; args.models.len()],
             published_eager: u64::MAX,
             models: args.models,
@@ -297,29 +347,12 @@ impl Actor for BatcherActor {
                     state.timer_at = None;
                 }
             }
-            BatcherMsg::AttachDevice { device, actor } => state.device_refs[device] = Some(actor),
-            BatcherMsg::FastLink { device, link } => {
-                if link.device() == device {
-                    state.links[device] = Some(link);
-                }
-            }
             BatcherMsg::DeviceUp { device } => {
                 tracing::info!(device = %state.device_labels[device], "device ready");
                 state.scheduler.set_healthy(device, true);
             }
             BatcherMsg::DeviceDown { device, reason } => state.device_down(device, &reason),
-            BatcherMsg::BatchDone {
-                device,
-                batch,
-                attempt,
-                output,
-            } => state.batch_done(device, batch, attempt, output),
-            BatcherMsg::BatchFailed {
-                device,
-                batch,
-                attempt,
-                error,
-            } => state.batch_failed(device, batch, attempt, &error),
+            BatcherMsg::Report { device, report } => state.report(device, report),
             BatcherMsg::Drain(port) => {
                 state.scheduler.start_draining();
                 state.drain_waiters.push(port);
@@ -571,37 +604,41 @@ impl BatcherState {
     /// Through the device's shared-memory ring when it takes the batch, else
     /// through its device actor (and the worker's socket).
     fn send_to_device(&mut self, device: DeviceId, batch: Arc<Batch>, attempt: u32) {
-        if let Some(link) = &self.links[device] {
-            if link.send(&batch, attempt) {
-                return;
-            }
-        }
-        match &self.device_refs[device] {
-            Some(actor) => {
-                // A send to a stopped actor fails; the DeviceDown that follows re-dispatches.
-                let _ = actor.cast(DeviceMsg::Run { batch, attempt });
-            }
-            None => tracing::error!(device, "dispatch to a device with no actor"),
+        if !self.routes[device].send(batch, attempt) {
+            tracing::error!(device, "dispatch to a device with no actor");
         }
     }
 
-    fn batch_done(&mut self, device: DeviceId, batch: BatchId, attempt: u32, output: BatchOutput) {
+    /// What became of a batch, whichever transport carried it. Only the
+    /// attempt now in flight on that device counts: a report from an
+    /// attempt that was re-dispatched (its worker died) or from a device
+    /// that no longer holds the batch is stale and changes nothing.
+    fn report(&mut self, device: DeviceId, report: BatchReport) {
         let back_ns = mono_ns();
+        let current = self
+            .inflight
+            .get(&report.batch)
+            .is_some_and(|f| f.device == device && f.attempt == report.attempt);
+        if !current {
+            return;
+        }
+        let f = self.inflight.remove(&report.batch).expect("present");
+        self.scheduler.completed(device);
+        match report.outcome {
+            BatchOutcome::Done(output) => self.batch_done(device, f, output, back_ns),
+            BatchOutcome::Failed(error) => self.batch_failed(device, f, &error),
+        }
+    }
+
+    fn batch_done(&mut self, device: DeviceId, f: Inflight, output: BatchOutput, back_ns: u64) {
         let BatchOutput {
             data: output,
             output_dim,
             compute_us,
             started_ns,
             finished_ns,
+            replayed: _,
         } = output;
-        let Some(f) = self.inflight.get(&batch) else {
-            return;
-        };
-        if f.device != device || f.attempt != attempt {
-            return; // a stale report from an attempt that was already re-dispatched
-        }
-        let f = self.inflight.remove(&batch).expect("present");
-        self.scheduler.completed(device);
         let stamps = BatchStamps {
             dispatched_ns: f.dispatched_ns,
             started_ns,
@@ -726,21 +763,8 @@ impl BatcherState {
         self.outbox.push((p.reply, reply));
     }
 
-    fn batch_failed(
-        &mut self,
-        device: DeviceId,
-        batch: BatchId,
-        attempt: u32,
-        error: &WorkerError,
-    ) {
-        let Some(f) = self.inflight.get(&batch) else {
-            return;
-        };
-        if f.device != device || f.attempt != attempt {
-            return;
-        }
-        let f = self.inflight.remove(&batch).expect("present");
-        self.scheduler.completed(device);
+    fn batch_failed(&mut self, device: DeviceId, f: Inflight, error: &WorkerError) {
+        let batch = f.batch.id;
         tracing::error!(batch, device = %self.device_labels[device], "batch failed: {error}");
         let msg = format!("the worker failed to run the batch: {error}");
         for part in &f.batch.parts {
@@ -767,8 +791,6 @@ impl BatcherState {
             );
         }
         self.scheduler.set_healthy(device, false);
-        // Its ring goes with its worker; what it held is re-dispatched below.
-        self.links[device] = None;
         let mut lost: Vec<BatchId> = self
             .inflight
             .iter()

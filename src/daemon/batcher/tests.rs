@@ -1,12 +1,21 @@
 //! The batcher actor against fake devices: real actor, real messages; the
 //! device side is a test actor that hands every `Run` to the test, which
-//! answers as a worker would (or does not).
+//! answers as a worker would (or does not). A device can also have a real
+//! shared-memory ring on its route ([`TestRing`]), whose worker end the test
+//! plays with the link's real messages.
 
 use super::*;
 use crate::bucket::{BucketGrid, TokenGrid};
-use crate::daemon::messages::BatchOutput;
+use crate::daemon::fast_link::{self, FastLink};
+use crate::daemon::messages::{BatchOutput, DeviceMsg, DeviceStatus};
+use crate::daemon::report::{Reporter, Via};
+use crate::daemon::watchdog::Watchdog;
 use crate::protocol::Reply;
+use crate::worker::link::{FromWorker, ToWorker};
+use crate::worker::shm::{self, Ring, RingSpec, SlotRows};
 use ractor::ActorRef;
+use std::os::fd::{AsRawFd, OwnedFd};
+use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
 /// A device actor that forwards every batch it is asked to run.
@@ -42,6 +51,7 @@ struct Harness {
     batcher: ActorRef<BatcherMsg>,
     submissions: Arc<SubmitQueue>,
     runs: Vec<mpsc::UnboundedReceiver<(Arc<Batch>, u32)>>,
+    routes: Vec<Arc<DeviceRoute>>,
     metrics: Arc<Metrics>,
 }
 
@@ -72,6 +82,7 @@ async fn harness_waiting(
         .map(|i| (DeviceKind::Graph, format!("fake:{i}")))
         .collect();
     slots.extend((0..eager).map(|i| (DeviceKind::Eager, format!("eager:{i}"))));
+    let routes: Vec<Arc<DeviceRoute>> = slots.iter().map(|_| Arc::default()).collect();
     let (batcher, _) = Actor::spawn(
         None,
         BatcherActor,
@@ -91,6 +102,7 @@ async fn harness_waiting(
                 },
             ],
             devices: slots,
+            routes: routes.clone(),
             config: SchedulerConfig {
                 max_wait,
                 max_queue: 64,
@@ -105,12 +117,10 @@ async fn harness_waiting(
     .await
     .unwrap();
     let mut runs = Vec::new();
-    for device in 0..devices + eager {
+    for (device, route) in routes.iter().enumerate() {
         let (tx, rx) = mpsc::unbounded_channel();
         let (actor, _) = Actor::spawn(None, FakeDevice, tx).await.unwrap();
-        batcher
-            .cast(BatcherMsg::AttachDevice { device, actor })
-            .unwrap();
+        route.attach(actor);
         batcher.cast(BatcherMsg::DeviceUp { device }).unwrap();
         runs.push(rx);
     }
@@ -118,6 +128,7 @@ async fn harness_waiting(
         batcher,
         submissions,
         runs,
+        routes,
         metrics,
     }
 }
@@ -195,6 +206,7 @@ fn output_for(batch: &Batch) -> BatchOutput {
         compute_us: 7,
         started_ns: 0,
         finished_ns: 0,
+        replayed: true,
     }
 }
 
@@ -205,13 +217,25 @@ async fn next_run(rx: &mut mpsc::UnboundedReceiver<(Arc<Batch>, u32)>) -> (Arc<B
         .expect("device channel open")
 }
 
-fn done(device: DeviceId, batch: &Batch, attempt: u32) -> BatcherMsg {
-    BatcherMsg::BatchDone {
+/// A worker's report on (`batch`, `attempt`) from `device`.
+fn report(device: DeviceId, batch: &Batch, attempt: u32, outcome: BatchOutcome) -> BatcherMsg {
+    BatcherMsg::Report {
         device,
-        batch: batch.id,
-        attempt,
-        output: output_for(batch),
+        report: BatchReport {
+            batch: batch.id,
+            attempt,
+            outcome,
+        },
     }
+}
+
+fn done(device: DeviceId, batch: &Batch, attempt: u32) -> BatcherMsg {
+    report(
+        device,
+        batch,
+        attempt,
+        BatchOutcome::Done(output_for(batch)),
+    )
 }
 
 fn ok_values(reply: Reply) -> Vec<f32> {
@@ -423,12 +447,7 @@ async fn a_stale_report_from_an_old_attempt_is_ignored() {
     let mut wrong = output_for(&batch);
     wrong.data = crate::tensor::f32s_to_le(&[-1.0]);
     h.batcher
-        .cast(BatcherMsg::BatchDone {
-            device: 0,
-            batch: batch.id,
-            attempt: 1,
-            output: wrong,
-        })
+        .cast(report(0, &batch, 1, BatchOutcome::Done(wrong)))
         .unwrap();
     h.batcher.cast(done(1, &again, attempt2)).unwrap();
     assert_eq!(ok_values(reply(r).await), vec![10.0]);
@@ -632,13 +651,9 @@ async fn a_failed_batch_answers_with_the_workers_error_code() {
     let mut h = harness(1, 3).await;
     let r = submit(&h, 4, 1, 1.0);
     let (batch, attempt) = next_run(&mut h.runs[0]).await;
+    let error = WorkerError::InvalidBatch("rows of 3 features".into());
     h.batcher
-        .cast(BatcherMsg::BatchFailed {
-            device: 0,
-            batch: batch.id,
-            attempt,
-            error: WorkerError::InvalidBatch("rows of 3 features".into()),
-        })
+        .cast(report(0, &batch, attempt, BatchOutcome::Failed(error)))
         .unwrap();
     assert_eq!(reply(r).await.code(), Some(ErrorCode::BadRequest));
 }
@@ -668,19 +683,16 @@ async fn a_reply_of_the_wrong_size_fails_the_batch_not_the_daemon() {
     let mut h = harness(1, 3).await;
     let r = submit(&h, 2, 2, 1.0);
     let (batch, attempt) = next_run(&mut h.runs[0]).await;
+    let short = BatchOutput {
+        data: crate::tensor::f32s_to_le(&[1.0]),
+        output_dim: 1,
+        compute_us: 1,
+        started_ns: 0,
+        finished_ns: 0,
+        replayed: true,
+    };
     h.batcher
-        .cast(BatcherMsg::BatchDone {
-            device: 0,
-            batch: batch.id,
-            attempt,
-            output: BatchOutput {
-                data: crate::tensor::f32s_to_le(&[1.0]),
-                output_dim: 1,
-                compute_us: 1,
-                started_ns: 0,
-                finished_ns: 0,
-            },
-        })
+        .cast(report(0, &batch, attempt, BatchOutcome::Done(short)))
         .unwrap();
     assert_eq!(reply(r).await.code(), Some(ErrorCode::Internal));
     // The batcher still serves.
@@ -688,4 +700,198 @@ async fn a_reply_of_the_wrong_size_fails_the_batch_not_the_daemon() {
     let (b, a) = next_run(&mut h.runs[0]).await;
     h.batcher.cast(done(0, &b, a)).unwrap();
     assert_eq!(ok_values(reply(r).await), vec![2.0]);
+}
+
+/// A real shared-memory ring opened on a device's route, read by the
+/// daemon's real reader task into a real [`Reporter`]; the test is the
+/// worker at the other end.
+struct TestRing {
+    worker: Ring,
+    doorbell: AsyncFd<OwnedFd>,
+    reporter: Arc<Reporter>,
+    metrics_index: usize,
+    _dir: tempfile::TempDir,
+}
+
+/// The device's end of a feature batch sent through a ring: what the
+/// worker reads from the doorbell and the slot.
+struct RingRun {
+    batch: u64,
+    attempt: u32,
+    slot: u32,
+    rows: BatchRows,
+}
+
+impl TestRing {
+    async fn open(h: &Harness, device: DeviceId, slots: u32) -> TestRing {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("test.ring");
+        let spec = RingSpec {
+            slots,
+            input_bytes: 4096,
+            output_bytes: 4096,
+        };
+        let ring = Ring::create(&path, spec).unwrap();
+        let worker = Ring::open(&path).unwrap();
+        let (ours, theirs) = shm::doorbell_pair().unwrap();
+        // SAFETY: F_GETFL/F_SETFL on a socket we own.
+        unsafe {
+            let flags = libc::fcntl(theirs.as_raw_fd(), libc::F_GETFL);
+            libc::fcntl(theirs.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+        }
+        let (_, status) = tokio::sync::watch::channel(DeviceStatus::Ready);
+        let metrics_index = h.metrics.add_device(Default::default(), status);
+        let reporter = Arc::new(Reporter::new(
+            device,
+            h.batcher.clone(),
+            h.metrics.clone(),
+            metrics_index,
+            Watchdog::new(Duration::from_secs(60), 1.0, Instant::now()),
+        ));
+        let link = FastLink::new(ring, ours, reporter.clone()).unwrap();
+        tokio::spawn(fast_link::serve(link.clone(), h.metrics.clone()));
+        h.routes[device].open_ring(link);
+        TestRing {
+            worker,
+            // SAFETY: the AsyncFd owns the socket, so the fd is deregistered
+            // before it is closed.
+            doorbell: unsafe { AsyncFd::register(theirs) }.unwrap(),
+            reporter,
+            metrics_index,
+            _dir: dir,
+        }
+    }
+
+    /// The next batch the daemon put in the ring.
+    async fn next_run(&self) -> RingRun {
+        let mut buf = vec![0u8; shm::MAX_DOORBELL_MESSAGE];
+        let msg = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                let mut ready = self.doorbell.readable().await.unwrap();
+                match shm::ring_recv(self.doorbell.get_ref().as_raw_fd(), &mut buf).unwrap() {
+                    Some(n) => break rmp_serde::from_slice::<ToWorker>(&buf[..n]).unwrap(),
+                    None => ready.clear_ready(),
+                }
+            }
+        })
+        .await
+        .expect("a batch in the ring within 5 s");
+        let ToWorker::RunShm {
+            batch,
+            attempt,
+            slot,
+            rows,
+            ..
+        } = msg
+        else {
+            panic!("not a ring batch: {msg:?}");
+        };
+        assert!(matches!(rows, SlotRows::Features { .. }), "{rows:?}");
+        let rows = self.worker.read_rows(slot, rows).unwrap();
+        RingRun {
+            batch,
+            attempt,
+            slot,
+            rows,
+        }
+    }
+
+    /// Answers `run` with `values` (one per row) as a worker does: the
+    /// output into its slot, the `Done` that hands the slot back on the doorbell.
+    fn answer(&self, run: &RingRun, values: &[f32]) {
+        self.worker.write_output(run.slot, values).unwrap();
+        let done = FromWorker::Done {
+            batch: run.batch,
+            attempt: run.attempt,
+            rows: values.len(),
+            output_dim: 1,
+            compute_us: 5,
+            replayed: true,
+            slot: Some(run.slot),
+            started_ns: 0,
+            finished_ns: 0,
+        };
+        let bytes = rmp_serde::to_vec_named(&done).unwrap();
+        shm::ring_send(self.doorbell.get_ref().as_raw_fd(), &bytes, false).unwrap();
+    }
+
+    fn stats(&self, h: &Harness) -> crate::daemon::metrics::DeviceStats {
+        h.metrics.devices().swap_remove(self.metrics_index)
+    }
+}
+
+/// What [`output_for`] computes, from rows the worker read out of a slot.
+fn doubled_first_features(rows: &BatchRows) -> Vec<f32> {
+    match rows {
+        BatchRows::Features { data, .. } => data.chunks(2).map(|r| 2.0 * r[0]).collect(),
+        BatchRows::Tokens(_) => panic!("feature rows expected"),
+    }
+}
+
+/// A batch goes through the ring while it has a free slot, else to the
+/// device actor (the socket); the two answers come back by one route: both
+/// requests are answered, the device counts each batch once under its
+/// transport, and the ring's batch counts as in flight until it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ring_and_socket_answers_come_back_by_one_route() {
+    let mut h = harness(1, 3).await;
+    let ring = TestRing::open(&h, 0, 1).await;
+
+    let r1 = submit(&h, 1, 1, 10.0);
+    let in_ring = ring.next_run().await;
+    assert_eq!(in_ring.rows, features(1, 10.0));
+    assert_eq!(ring.stats(&h).inflight, 1, "the ring's batch is in flight");
+    // The ring's only slot is taken: the next batch takes the socket.
+    let r2 = submit(&h, 2, 2, 20.0);
+    let (by_socket, attempt) = next_run(&mut h.runs[0]).await;
+    assert_eq!(by_socket.rows, 2);
+    // The device actor registers what it sends and reports what comes
+    // back through the same reporter.
+    ring.reporter.sent(&by_socket, attempt, by_socket.tokens);
+    assert_eq!(ring.stats(&h).inflight, 2);
+
+    ring.answer(&in_ring, &doubled_first_features(&in_ring.rows));
+    assert_eq!(ok_values(reply(r1).await), vec![20.0]);
+    let report = BatchReport {
+        batch: by_socket.id,
+        attempt,
+        outcome: BatchOutcome::Done(output_for(&by_socket)),
+    };
+    assert_eq!(ring.reporter.report(report, Via::Socket), 0);
+    assert_eq!(ok_values(reply(r2).await), vec![40.0, 42.0]);
+
+    let d = ring.stats(&h);
+    assert_eq!(
+        (d.batches, d.shm_batches, d.socket_batches, d.graph_replays),
+        (2, 1, 1, 2)
+    );
+    assert_eq!((d.inflight, d.shm_slots_free), (0, 1));
+    // The slot is free again: the next batch takes the ring.
+    let r3 = submit(&h, 3, 1, 30.0);
+    let again = ring.next_run().await;
+    ring.answer(&again, &doubled_first_features(&again.rows));
+    assert_eq!(ok_values(reply(r3).await), vec![60.0]);
+}
+
+/// A dead worker's ring reader may still hand over an answer after the
+/// batcher re-dispatched the batch: that late answer of the old attempt is
+/// ignored, and the request gets the answer of the attempt it waits for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_ring_answer_from_a_redispatched_attempt_is_ignored() {
+    let h = harness(1, 3).await;
+    let ring = TestRing::open(&h, 0, 2).await;
+    let r = submit(&h, 1, 1, 10.0);
+    let first = ring.next_run().await;
+    assert_eq!(first.attempt, 1);
+    // The worker dies holding it; the device comes back (here on the same
+    // ring, so that both answers leave through one reader, in order).
+    ring.reporter.worker_gone("killed".into());
+    h.batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
+    let second = ring.next_run().await;
+    assert_eq!((second.batch, second.attempt), (first.batch, 2));
+    assert_ne!(second.slot, first.slot);
+    ring.answer(&first, &[-1.0]);
+    ring.answer(&second, &doubled_first_features(&second.rows));
+    assert_eq!(ok_values(reply(r).await), vec![20.0]);
+    assert_eq!(h.metrics.snapshot()["retried_batches"], 1);
 }
