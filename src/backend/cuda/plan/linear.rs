@@ -6,14 +6,15 @@
 //! tensor cores) for an encoder's; the rest go to cuBLASLt, its bias
 //! epilogue, and `bias_act` for an activation it lacks.
 
-use super::norms::{ln_vec_fits, DeferredLn};
-use super::planner::Planner;
+use super::norms::ln_vec_fits;
+use super::planner::{DeferredLn, Planner};
+use super::pooling::POOL_LN_MAX_HIDDEN;
 use super::{act_code, dead_after, suffix, Arg, Loc, Step};
 use crate::backend::cuda::matmul::{split_activation, MatmulShape};
 use crate::backend::BackendError;
 use crate::config::KernelPath;
 use crate::model::program::{BufId, BufKind, Op, WeightId};
-use crate::model::Activation;
+use crate::model::{Activation, Pooling};
 use crate::tensor::DType;
 
 /// Most rows of the skinny matmul (`SK_MAXM` in skinny.cu).
@@ -195,6 +196,55 @@ impl Planner<'_> {
             return LinearKernel::GemmSmall;
         }
         LinearKernel::CublasLt
+    }
+
+    /// Whether ops[idx] can apply the LayerNorm whose output is `x` (`rows`
+    /// × `hidden`) itself ([`KernelPath::LnDefer`]): a Linear reading `x`
+    /// that runs on `gemm_small` ([`Planner::linear_kernel`], the Linear's
+    /// own choice), or a mean / max pooling of `x` that nothing reads after
+    /// (the LayerNorm's output is then never stored).
+    pub(super) fn takes_deferred_ln(
+        &self,
+        idx: usize,
+        x: BufId,
+        hidden: usize,
+        rows: usize,
+    ) -> bool {
+        let t = self.compute;
+        let ops = &self.program.ops;
+        if !self.on(KernelPath::LnDefer) || self.dtype(x) != t {
+            return false;
+        }
+        match ops.get(idx) {
+            Some(&Op::Linear {
+                x: lx,
+                out,
+                m,
+                n,
+                k,
+                ..
+            }) if lx == x => {
+                (m, k) == (rows, hidden)
+                    && k <= 32 * GS_WARPS * 4
+                    && self.linear_kernel(m, n, k, self.dtype(out)) == LinearKernel::GemmSmall
+            }
+            Some(&Op::Pool {
+                x: px,
+                mode,
+                skip,
+                hidden: ph,
+                seqs,
+                ..
+            }) => {
+                px == x
+                    && mode != Pooling::Cls
+                    && skip.is_none()
+                    && (seqs.token_rows(), ph) == (rows, hidden)
+                    && hidden <= POOL_LN_MAX_HIDDEN
+                    && dead_after(ops, idx + 1, x)
+            }
+            _ => false,
+        }
     }
 
     /// The AddLayerNorm right after op `idx` (a Linear of `m` × `n` into

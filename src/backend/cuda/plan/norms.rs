@@ -1,18 +1,14 @@
-//! `AddLayerNorm` (`add_ln`, the warp-per-row `add_ln_vec`), and the
-//! LayerNorm a `gemm_small` Linear leaves to the op that reads its output
-//! ([`KernelPath::LnDefer`]): the next `gemm_small` normalises the pre-norm
-//! rows as it loads them, or the pooling does (`pool_ln`), so no kernel
-//! ends in a last-block LayerNorm.
+//! `AddLayerNorm` (`add_ln`, the warp-per-row `add_ln_vec`). Where a
+//! `gemm_small` Linear comes first, its kernel applies the AddLayerNorm in
+//! its epilogue ([`super::linear`]), or leaves it to the op that reads its
+//! output ([`KernelPath::LnDefer`]).
 
-use super::linear::LinearKernel;
 use super::planner::Planner;
-use super::pooling::POOL_LN_MAX_HIDDEN;
-use super::{dead_after, suffix, Arg, Loc};
+use super::{suffix, Arg, Loc};
 use crate::backend::cuda::mem::align_up;
 use crate::backend::BackendError;
 use crate::config::KernelPath;
-use crate::model::program::{BufId, Op, WeightId};
-use crate::model::Pooling;
+use crate::model::program::Op;
 
 /// Values each LayerNorm thread keeps in registers (`LN_VPT` in layernorm.cu).
 pub const LN_VPT: usize = 8;
@@ -40,29 +36,6 @@ pub fn ln_threads(hidden: usize) -> Result<u32, BackendError> {
 /// take rows of `hidden` values.
 pub fn ln_vec_fits(hidden: usize) -> bool {
     hidden > 0 && hidden.is_multiple_of(4) && hidden <= 32 * 4 * LNV_J
-}
-
-/// A LayerNorm left to the op that reads its output
-/// ([`KernelPath::LnDefer`]): the pre-norm rows, the LayerNorm's parameters
-/// and output buffer, and the op that must apply it.
-pub(super) struct DeferredLn {
-    pub(super) consumer: usize,
-    pub(super) pre_norm: Loc,
-    pub(super) gamma: WeightId,
-    pub(super) beta: WeightId,
-    pub(super) eps: f32,
-    pub(super) out: BufId,
-}
-
-impl DeferredLn {
-    /// Its gamma, beta and eps as a pooling's arguments.
-    pub(super) fn args(&self) -> [Arg; 3] {
-        [
-            Arg::Ptr(Loc::Weight(self.gamma)),
-            Arg::Ptr(Loc::Weight(self.beta)),
-            Arg::F32(self.eps),
-        ]
-    }
 }
 
 impl Planner<'_> {
@@ -110,91 +83,6 @@ impl Planner<'_> {
         }
         self.finish_out(pending, elems)?;
         Ok(1)
-    }
-
-    /// `gemm_small`'s last five arguments (`xf, xg, xb, xeps, xout`): the
-    /// LayerNorm the op before left to ops[idx], which reads `x`, or none.
-    pub(super) fn deferred_ln_operands(
-        &mut self,
-        idx: usize,
-        x: BufId,
-    ) -> Result<[Arg; 5], BackendError> {
-        Ok(match self.take_deferred_ln(idx, x)? {
-            Some(d) => [
-                Arg::Ptr(d.pre_norm),
-                Arg::Ptr(Loc::Weight(d.gamma)),
-                Arg::Ptr(Loc::Weight(d.beta)),
-                Arg::F32(d.eps),
-                Arg::Ptr(self.locs[&d.out]),
-            ],
-            None => [Arg::Null, Arg::Null, Arg::Null, Arg::F32(0.0), Arg::Null],
-        })
-    }
-
-    /// The LayerNorm of `x` that the op before left to ops[idx], if any
-    /// (an error if it left one that this op does not read).
-    pub(super) fn take_deferred_ln(
-        &mut self,
-        idx: usize,
-        x: BufId,
-    ) -> Result<Option<DeferredLn>, BackendError> {
-        match self.deferred_ln.take() {
-            Some(d) if d.consumer == idx && d.out == x => Ok(Some(d)),
-            Some(d) => Err(BackendError::Other(format!(
-                "planner: op {idx} cannot apply op {}'s deferred LayerNorm",
-                d.consumer
-            ))),
-            None => Ok(None),
-        }
-    }
-
-    /// Whether ops[idx] can apply the LayerNorm whose output is `x` (`rows`
-    /// × `hidden`) itself ([`KernelPath::LnDefer`]): a Linear reading `x`
-    /// that runs on `gemm_small` ([`Planner::linear_kernel`], the Linear's
-    /// own choice), or a mean / max pooling of `x` that nothing reads after
-    /// (the LayerNorm's output is then never stored).
-    pub(super) fn takes_deferred_ln(
-        &self,
-        idx: usize,
-        x: BufId,
-        hidden: usize,
-        rows: usize,
-    ) -> bool {
-        let t = self.compute;
-        let ops = &self.program.ops;
-        if !self.on(KernelPath::LnDefer) || self.dtype(x) != t {
-            return false;
-        }
-        match ops.get(idx) {
-            Some(&Op::Linear {
-                x: lx,
-                out,
-                m,
-                n,
-                k,
-                ..
-            }) if lx == x => {
-                (m, k) == (rows, hidden)
-                    && k <= 32 * super::GS_WARPS * 4
-                    && self.linear_kernel(m, n, k, self.dtype(out)) == LinearKernel::GemmSmall
-            }
-            Some(&Op::Pool {
-                x: px,
-                mode,
-                skip,
-                hidden: ph,
-                seqs,
-                ..
-            }) => {
-                px == x
-                    && mode != Pooling::Cls
-                    && skip.is_none()
-                    && (seqs.token_rows(), ph) == (rows, hidden)
-                    && hidden <= POOL_LN_MAX_HIDDEN
-                    && dead_after(ops, idx + 1, x)
-            }
-            _ => false,
-        }
     }
 }
 

@@ -13,7 +13,6 @@ use crate::tensor::DType;
 use std::collections::HashMap;
 
 use super::act_code;
-use super::norms::DeferredLn;
 
 /// Largest number of fused (counter-using) ops in one plan.
 pub const MAX_COUNTERS: usize = 1024;
@@ -29,6 +28,29 @@ pub const EW_MAX_BLOCKS: u32 = 8192;
 /// Grid of the element-wise kernel for `n` elements.
 pub fn ew_blocks(n: usize) -> u32 {
     (n.div_ceil(EW_THREADS as usize) as u32).clamp(1, EW_MAX_BLOCKS)
+}
+
+/// A LayerNorm left to the op that reads its output
+/// ([`KernelPath::LnDefer`]): the pre-norm rows, the LayerNorm's parameters
+/// and output buffer, and the op that must apply it.
+pub(super) struct DeferredLn {
+    pub(super) consumer: usize,
+    pub(super) pre_norm: Loc,
+    pub(super) gamma: WeightId,
+    pub(super) beta: WeightId,
+    pub(super) eps: f32,
+    pub(super) out: BufId,
+}
+
+impl DeferredLn {
+    /// Its gamma, beta and eps as a pooling's arguments.
+    pub(super) fn args(&self) -> [Arg; 3] {
+        [
+            Arg::Ptr(Loc::Weight(self.gamma)),
+            Arg::Ptr(Loc::Weight(self.beta)),
+            Arg::F32(self.eps),
+        ]
+    }
 }
 
 /// A cast still to run after an op: (from, from type, to, to type).
@@ -219,6 +241,42 @@ impl Planner<'_> {
             }
         };
         (counter, tmp)
+    }
+
+    /// `gemm_small`'s last five arguments (`xf, xg, xb, xeps, xout`): the
+    /// LayerNorm the op before left to ops[idx], which reads `x`, or none.
+    pub(super) fn deferred_ln_operands(
+        &mut self,
+        idx: usize,
+        x: BufId,
+    ) -> Result<[Arg; 5], BackendError> {
+        Ok(match self.take_deferred_ln(idx, x)? {
+            Some(d) => [
+                Arg::Ptr(d.pre_norm),
+                Arg::Ptr(Loc::Weight(d.gamma)),
+                Arg::Ptr(Loc::Weight(d.beta)),
+                Arg::F32(d.eps),
+                Arg::Ptr(self.locs[&d.out]),
+            ],
+            None => [Arg::Null, Arg::Null, Arg::Null, Arg::F32(0.0), Arg::Null],
+        })
+    }
+
+    /// The LayerNorm of `x` that the op before left to ops[idx], if any
+    /// (an error if it left one that this op does not read).
+    pub(super) fn take_deferred_ln(
+        &mut self,
+        idx: usize,
+        x: BufId,
+    ) -> Result<Option<DeferredLn>, BackendError> {
+        match self.deferred_ln.take() {
+            Some(d) if d.consumer == idx && d.out == x => Ok(Some(d)),
+            Some(d) => Err(BackendError::Other(format!(
+                "planner: op {idx} cannot apply op {}'s deferred LayerNorm",
+                d.consumer
+            ))),
+            None => Ok(None),
+        }
     }
 }
 
