@@ -231,12 +231,27 @@ fn print_json(v: &impl Serialize) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
+/// Prints `value` as JSON (`--json`), or the text `text` makes of it.
+fn show<T: Serialize>(json: bool, value: &T, text: impl FnOnce(&T) -> String) {
+    if json {
+        print_json(value);
+    } else {
+        print!("{}", text(value));
+    }
+}
+
 /// What `drain`, `undrain`, `restart` and `inject-fault` print with `--json`.
 #[derive(Serialize)]
 struct DeviceAnswer {
     message: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     device: Option<DeviceStats>,
+}
+
+/// Prints a device command's `--json` answer (the daemon's message, and the
+/// device's entry once it settled).
+fn print_answer(message: String, device: Option<DeviceStats>) {
+    print_json(&DeviceAnswer { message, device });
 }
 
 fn run(cli: Cli) -> Result<i32, Failure> {
@@ -253,21 +268,13 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     match cli.command {
         Command::Health(Json { json }) => {
             let h: Health = conn.cmd("health")?;
-            if json {
-                print_json(&h);
-            } else {
-                print!("{}", table::health(&h));
-            }
+            show(json, &h, table::health);
             Ok(if h.status == HealthStatus::Ok { 0 } else { 1 })
         }
         Command::Stats { json, watch } => {
             let Some(every) = watch else {
                 let s: Stats = conn.cmd("stats")?;
-                if json.json {
-                    print_json(&s);
-                } else {
-                    print!("{}", table::stats(&s, None));
-                }
+                show(json.json, &s, |s| table::stats(s, None));
                 return Ok(0);
             };
             let every = Duration::from_secs_f64(every.max(0.2));
@@ -294,11 +301,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         }
         Command::Devices(Json { json }) => {
             let d: DevicesReport = conn.cmd("devices")?;
-            if json {
-                print_json(&d);
-            } else {
-                print!("{}", table::devices(&d.devices));
-            }
+            show(json, &d, |d| table::devices(&d.devices));
             Ok(0)
         }
         Command::Buckets { json, model } => {
@@ -309,11 +312,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                     return Err(Failure::Refused(format!("no model {name:?}")));
                 }
             }
-            if json.json {
-                print_json(&b);
-            } else {
-                print!("{}", table::buckets(&b));
-            }
+            show(json.json, &b, table::buckets);
             Ok(0)
         }
         Command::Drain {
@@ -348,20 +347,14 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                 }
             }
             if json.json {
-                print_json(&DeviceAnswer {
-                    message,
-                    device: Some(d),
-                });
+                print_answer(message, Some(d));
             }
             Ok(0)
         }
         Command::Undrain { device, json } => {
             let message = conn.on_device("undrain", &device)?;
             if json.json {
-                print_json(&DeviceAnswer {
-                    message,
-                    device: None,
-                });
+                print_answer(message, None);
             } else {
                 println!("{message}");
             }
@@ -405,20 +398,13 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                 }
             }
             if json.json {
-                print_json(&DeviceAnswer {
-                    message,
-                    device: Some(d),
-                });
+                print_answer(message, Some(d));
             }
             Ok(0)
         }
         Command::Reload(Json { json }) => {
             let r: ReloadReport = conn.cmd("reload")?;
-            if json {
-                print_json(&r);
-            } else {
-                print!("{}", table::reload(&r));
-            }
+            show(json, &r, table::reload);
             Ok(0)
         }
         Command::InjectFault { device, kind, json } => {
@@ -430,10 +416,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             });
             let message: String = conn.call(&r)?;
             if json.json {
-                print_json(&DeviceAnswer {
-                    message,
-                    device: None,
-                });
+                print_answer(message, None);
             } else {
                 println!("{message}");
             }

@@ -133,12 +133,7 @@ impl Control {
         msg: impl FnOnce(ractor::RpcReplyPort<Result<String, String>>) -> DeviceMsg,
     ) -> Result<String, String> {
         let device = device.ok_or_else(|| format!("{cmd} needs a \"device\""))?;
-        let labels: Vec<String> = self
-            .metrics
-            .devices()
-            .into_iter()
-            .map(|d| d.label)
-            .collect();
+        let labels = self.metrics.device_labels();
         let slot = labels
             .iter()
             .position(|l| l == device)

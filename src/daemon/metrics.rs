@@ -622,6 +622,15 @@ impl Metrics {
             .collect()
     }
 
+    /// Every device slot's label, in slot order.
+    pub fn device_labels(&self) -> Vec<String> {
+        self.lock()
+            .devices
+            .iter()
+            .map(|d| d.label.clone())
+            .collect()
+    }
+
     /// `replayctl devices`: every device slot, with its current status.
     pub fn devices_report(&self) -> DevicesReport {
         DevicesReport {

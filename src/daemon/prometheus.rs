@@ -21,7 +21,7 @@
 use super::messages::DeviceStatus;
 use super::metrics::Metrics;
 use super::stats::{
-    BucketReport, CumulativeHistogram, DeviceStats, EagerReason, GraphStats, Stats,
+    BucketReport, CumulativeHistogram, DeviceStats, EagerReason, GraphStats, ModelReport, Stats,
 };
 use crate::protocol::ErrorCode;
 use axum::extract::State;
@@ -174,11 +174,11 @@ impl EncodeMetric for Seconds<'_> {
 
 type NoLabels = prometheus_client::encoding::NoLabelSet;
 
-/// A counter family of one record per series: its name, help, and field.
-type CounterOf<T> = (&'static str, &'static str, fn(&T) -> u64);
+/// A family of one series per record: its name, help, and the record's field.
+type Field<T, V = u64> = (&'static str, &'static str, fn(&T) -> V);
 
 /// Per-bucket counters.
-const BUCKET_COUNTERS: [CounterOf<BucketReport>; 7] = [
+const BUCKET_COUNTERS: [Field<BucketReport>; 7] = [
     (
         "bucket_requests",
         "Successful requests named after the bucket (the largest shape that ran their items).",
@@ -215,7 +215,7 @@ const BUCKET_COUNTERS: [CounterOf<BucketReport>; 7] = [
 ];
 
 /// Per-device counters.
-const DEVICE_COUNTERS: [CounterOf<DeviceStats>; 5] = [
+const DEVICE_COUNTERS: [Field<DeviceStats>; 5] = [
     (
         "device_restarts",
         "Worker processes started after the first.",
@@ -299,34 +299,44 @@ fn requests(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
         "Requests answered, by model and code (\"ok\" or an error code).",
         by_model.chain(unattributed),
     )?;
-    family(
-        o,
-        "requests_accepted",
-        "Requests the batcher accepted.",
-        [(NONE, counter(s.requests.accepted))],
-    )?;
-    family(
-        o,
-        "split_requests",
-        "Successful requests whose items ran in more than one batch.",
-        [(NONE, counter(s.requests.split))],
-    )?;
-    family(
-        o,
-        "graph_hit_ratio",
-        "Share of a model's successful requests served by graph replays only (none of their items eager).",
-        s.models
-            .iter()
-            .map(|m| ([("model", m.name.as_str())], gauge(m.graph_hit_rate))),
-    )?;
-    family(
-        o,
-        "model_padding_ratio",
-        "Padding tokens over computed tokens, over all of a model's bucketed batches.",
-        s.models
-            .iter()
-            .map(|m| ([("model", m.name.as_str())], gauge(m.padding.padding_waste))),
-    )
+    let totals = [
+        (
+            "requests_accepted",
+            "Requests the batcher accepted.",
+            s.requests.accepted,
+        ),
+        (
+            "split_requests",
+            "Successful requests whose items ran in more than one batch.",
+            s.requests.split,
+        ),
+    ];
+    for (name, help, n) in totals {
+        family(o, name, help, [(NONE, counter(n))])?;
+    }
+    let ratios: [Field<ModelReport, f64>; 2] = [
+        (
+            "graph_hit_ratio",
+            "Share of a model's successful requests served by graph replays only (none of their items eager).",
+            |m| m.graph_hit_rate,
+        ),
+        (
+            "model_padding_ratio",
+            "Padding tokens over computed tokens, over all of a model's bucketed batches.",
+            |m| m.padding.padding_waste,
+        ),
+    ];
+    for (name, help, ratio) in ratios {
+        family(
+            o,
+            name,
+            help,
+            s.models
+                .iter()
+                .map(|m| ([("model", m.name.as_str())], gauge(ratio(m)))),
+        )?;
+    }
+    Ok(())
 }
 
 fn buckets(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
@@ -367,24 +377,22 @@ fn eager_and_queues(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
             ([("reason", r.as_str())], counter(n))
         }),
     )?;
-    family(
-        o,
-        "eager_batches",
-        "Eager batches run.",
-        [(NONE, counter(s.eager.batches))],
-    )?;
-    family(
-        o,
-        "eager_sequences",
-        "Sequences (rows) run eagerly.",
-        [(NONE, counter(s.eager.sequences))],
-    )?;
-    family(
-        o,
-        "retried_batches",
-        "Batches run again after their worker died.",
-        [(NONE, counter(s.retried_batches))],
-    )?;
+    let totals = [
+        ("eager_batches", "Eager batches run.", s.eager.batches),
+        (
+            "eager_sequences",
+            "Sequences (rows) run eagerly.",
+            s.eager.sequences,
+        ),
+        (
+            "retried_batches",
+            "Batches run again after their worker died.",
+            s.retried_batches,
+        ),
+    ];
+    for (name, help, n) in totals {
+        family(o, name, help, [(NONE, counter(n))])?;
+    }
     family(
         o,
         "queue_depth",

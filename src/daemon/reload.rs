@@ -254,12 +254,7 @@ impl Reloader {
             }
             let timeout =
                 Duration::from_millis(new.devices.start_timeout_ms) + Duration::from_secs(10);
-            let labels: Vec<String> = self
-                .metrics
-                .devices()
-                .into_iter()
-                .map(|d| d.label)
-                .collect();
+            let labels = self.metrics.device_labels();
             for (slot, d) in devices.iter().enumerate() {
                 let label = labels
                     .get(slot)

@@ -201,24 +201,33 @@ pub fn stats(s: &Stats, prev: Option<(&Stats, f64)>) -> String {
 
 type Rate<'a> = dyn Fn(u64, u64) -> Option<String> + 'a;
 
+/// A stats table keyed by its first two columns; `--watch` adds the rate columns.
+fn watch_table(columns: &[&str], rates: &[&str], watching: bool) -> Table {
+    let mut header = columns.to_vec();
+    if watching {
+        header.extend(rates);
+    }
+    table(&header, 2)
+}
+
 /// One row per model, then each model's grid.
 fn models_table(s: &Stats, prev: Option<(&Stats, f64)>, rate: &Rate) -> String {
-    let mut header = vec![
-        "model",
-        "batching",
-        "requests",
-        "graph hit rate",
-        "eager",
-        "errors",
-        "tokens",
-        "computed",
-        "padding",
-        "queued",
-    ];
-    if prev.is_some() {
-        header.push("req/s");
-    }
-    let mut t = table(&header, 2);
+    let mut t = watch_table(
+        &[
+            "model",
+            "batching",
+            "requests",
+            "graph hit rate",
+            "eager",
+            "errors",
+            "tokens",
+            "computed",
+            "padding",
+            "queued",
+        ],
+        &["req/s"],
+        prev.is_some(),
+    );
     for m in &s.models {
         let errors: u64 = m.requests.errors.values().sum();
         let mut row = vec![
@@ -255,24 +264,24 @@ fn models_table(s: &Stats, prev: Option<(&Stats, f64)>, rate: &Rate) -> String {
 
 /// One row per (model, bucket) that ran anything.
 fn buckets_table(s: &Stats, prev: Option<(&Stats, f64)>, rate: &Rate) -> String {
-    let mut header = vec![
-        "model",
-        "bucket",
-        "requests",
-        "batches",
-        "seqs/batch",
-        "seq fill",
-        "tokens",
-        "computed",
-        "token fill",
-        "padding",
-        "p50",
-        "p99",
-    ];
-    if prev.is_some() {
-        header.extend(["batch/s", "padding now"]);
-    }
-    let mut t = table(&header, 2);
+    let mut t = watch_table(
+        &[
+            "model",
+            "bucket",
+            "requests",
+            "batches",
+            "seqs/batch",
+            "seq fill",
+            "tokens",
+            "computed",
+            "token fill",
+            "padding",
+            "p50",
+            "p99",
+        ],
+        &["batch/s", "padding now"],
+        prev.is_some(),
+    );
     for b in &s.buckets {
         let mut row = vec![
             b.model.clone(),

@@ -55,6 +55,16 @@ pub(crate) fn known() -> Stats {
     s
 }
 
+/// A device slot in `state`: its index, and the sender that holds the state.
+fn device(m: &Metrics, label: &str, state: DeviceStatus) -> (usize, watch::Sender<DeviceStatus>) {
+    let (tx, rx) = watch::channel(state);
+    let stats = DeviceStats {
+        label: label.into(),
+        ..Default::default()
+    };
+    (m.add_device(stats, rx), tx)
+}
+
 /// The known traffic, answered, on one ready device with two graphs, an
 /// NVML sample, and one error of no known model.
 fn served() -> Stats {
@@ -63,14 +73,7 @@ fn served() -> Stats {
         m.reply_ok(total_us, 50, 100, 1);
     }
     m.error(ErrorCode::UnknownModel);
-    let (_tx, status) = watch::channel(DeviceStatus::Ready);
-    let i = m.add_device(
-        DeviceStats {
-            label: "cuda:0".into(),
-            ..Default::default()
-        },
-        status,
-    );
+    let (i, _status) = device(&m, "cuda:0", DeviceStatus::Ready);
     m.update_device(i, |d| {
         d.batches = 4;
         d.graph_replays = 4;
@@ -322,14 +325,7 @@ async fn the_table_prometheus_and_http_show_one_snapshot_alike() {
 #[tokio::test]
 async fn health_is_503_when_no_device_is_up() {
     let m = Metrics::new();
-    let (_tx, status) = watch::channel(DeviceStatus::Faulted);
-    let i = m.add_device(
-        DeviceStats {
-            label: "cpu:0".into(),
-            ..Default::default()
-        },
-        status,
-    );
+    let (i, _status) = device(&m, "cpu:0", DeviceStatus::Faulted);
     m.update_device(i, |d| d.last_error = Some("worker exited".into()));
     let health = m.health();
     let (status, text) = body(http::health_reply(health.clone())).await;
