@@ -4,11 +4,14 @@
 //! `{"cmd": CMD, "device": "cuda:0", "kind": "corrupt" | "hang"}` →
 //! `{"ok": true, "result": …}` or `{"ok": false, "error": "…"}`, where CMD is
 //!
-//! * `health` — [`Health`](super::stats::Health): `ok` | `degraded` | `starting` | `down`, and each device;
-//! * `stats` — [`Stats`](super::stats::Stats) ([`Metrics::snapshot`]), everything `replayctl stats` shows;
-//! * `devices` — [`DevicesReport`](super::stats::DevicesReport): each device slot's state, worker, graphs, GPU samples;
-//! * `buckets` — [`BucketsReport`](super::stats::BucketsReport) ([`Metrics::buckets_report`]): grids,
-//!   histograms, suggestions;
+//! * `health` — [`Health`](super::stats::Health): `ok` | `degraded` |
+//!   `starting` | `down`, and each device;
+//! * `stats` — [`Stats`](super::stats::Stats) ([`Metrics::snapshot`]):
+//!   everything `replayctl stats` shows;
+//! * `devices` — [`DevicesReport`](super::stats::DevicesReport): each device
+//!   slot's state, worker, graphs, GPU samples;
+//! * `buckets` — [`BucketsReport`](super::stats::BucketsReport)
+//!   ([`Metrics::buckets_report`]): grids, histograms, suggestions;
 //! * `drain` / `undrain` (`device`) — stop or resume sending it batches;
 //! * `restart` (`device`) — a fresh worker that re-captures, nothing lost;
 //! * `reload` — re-read the config file ([`super::reload`]); answered

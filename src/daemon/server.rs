@@ -14,7 +14,6 @@ use super::http_server;
 use super::messages::{BatcherMsg, DeviceKind, DeviceStatus, SupervisorMsg};
 use super::metrics::{DeviceStats, Metrics, ModelStats};
 use super::reload::Reloader;
-use super::stats::DeviceRole;
 use super::supervisor::{Supervisor, SupervisorArgs};
 use super::tokenize::{TextTokenizer, TokenizerPool};
 use crate::bucket::Grid;
@@ -583,10 +582,7 @@ pub async fn run(
                 metrics_index: metrics.add_device(
                     DeviceStats {
                         label: d.label.clone(),
-                        role: match d.kind {
-                            DeviceKind::Graph => DeviceRole::Graph,
-                            DeviceKind::Eager => DeviceRole::Eager,
-                        },
+                        role: d.kind,
                         ..Default::default()
                     },
                     status_rx,

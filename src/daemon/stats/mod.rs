@@ -19,7 +19,7 @@
 
 pub mod table;
 
-use super::messages::DeviceStatus;
+use super::messages::{DeviceKind, DeviceStatus};
 use super::tuning::{Histogram, LadderSuggestion};
 use crate::bucket::GridSpec;
 use crate::protocol::ErrorCode;
@@ -259,7 +259,8 @@ pub struct CumulativeHistogram {
 #[serde(default)]
 pub struct DeviceStats {
     pub label: String,
-    pub role: DeviceRole,
+    /// Graph or eager.
+    pub role: DeviceKind,
     /// Read from the device actor's status channel when the stats are taken.
     pub state: DeviceStatus,
     pub name: String,
@@ -294,26 +295,6 @@ pub struct DeviceStats {
     pub shm_slots_free: u64,
     /// Live figures from NVML where available.
     pub gpu: Option<GpuReading>,
-}
-
-/// What a device slot serves.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceRole {
-    /// Bucketed batches, replayed in captured graphs.
-    #[default]
-    Graph,
-    /// Batches that fit no bucket, run eagerly.
-    Eager,
-}
-
-impl DeviceRole {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceRole::Graph => "graph",
-            DeviceRole::Eager => "eager",
-        }
-    }
 }
 
 /// One captured graph on a device.
@@ -458,7 +439,7 @@ impl HealthStatus {
 #[serde(default)]
 pub struct DeviceHealth {
     pub device: String,
-    pub role: DeviceRole,
+    pub role: DeviceKind,
     pub state: DeviceStatus,
     pub restarts: u64,
     pub last_error: Option<String>,
