@@ -19,7 +19,8 @@
 
 pub mod table;
 
-use super::messages::{DeviceKind, DeviceStatus};
+use super::batcher::queue::DeviceKind;
+use super::messages::DeviceStatus;
 use super::tuning::{Histogram, LadderSuggestion};
 use crate::bucket::GridSpec;
 use crate::protocol::ErrorCode;
