@@ -59,7 +59,7 @@ fn list<T: ToString>(v: &[T]) -> String {
     v.iter().map(T::to_string).collect::<Vec<_>>().join(", ")
 }
 
-/// A grid in words: "batch buckets [1, 8]", "token budgets [64], at most 16 sequences".
+/// A grid in words: `batch buckets [1, 8]`, `token budgets [64], at most 16 sequences`.
 pub fn grid_text(g: &GridSpec) -> String {
     match g {
         GridSpec::Packed {
