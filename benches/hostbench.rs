@@ -505,10 +505,7 @@ async fn batcher(t: &mut Table, args: &Args) {
         task.await.unwrap();
     }
     let s = metrics.snapshot();
-    let batches: u64 = s["buckets"]
-        .as_array()
-        .map(|b| b.iter().map(|b| b["batches"].as_u64().unwrap_or(0)).sum())
-        .unwrap_or(0);
+    let batches: u64 = s.buckets.iter().map(|b| b.batches).sum();
     let replies = done.load(Ordering::Relaxed);
     t.add(
         "batcher",

@@ -37,6 +37,8 @@
 //! ```
 
 use clap::Parser;
+use replayd::daemon::control::{self, CallError, ControlRequest};
+use replayd::daemon::stats::Stats;
 use replayd::protocol::client::{Client, ClientOptions};
 use replayd::protocol::{
     decode_reply, encode_request, Hops, InputKind, Payload, ReplyHeader, RequestHeader, Status,
@@ -280,46 +282,32 @@ impl Tally {
 }
 
 /// The daemon's stats, over its control socket.
-async fn daemon_stats(endpoint: &str) -> Result<Value, String> {
-    let request = replayd::daemon::control::ControlRequest {
-        cmd: "stats".into(),
-        device: None,
-        kind: None,
-    };
-    let v = replayd::daemon::control::request(endpoint, &request, Duration::from_secs(10)).await?;
-    if v["ok"] != Value::Bool(true) {
-        return Err(format!("stats refused: {}", v["error"]));
-    }
-    Ok(v["result"].clone())
+async fn daemon_stats(endpoint: &str) -> Result<Stats, String> {
+    let request = ControlRequest::new("stats");
+    control::call(endpoint, &request, Duration::from_secs(10))
+        .await
+        .map_err(|e| match e {
+            CallError::Unreachable(e) => e,
+            CallError::Refused(e) => format!("stats refused: {e}"),
+        })
 }
 
 /// Per bucket of `model`: (batches, rows, seq slots, tokens, computed tokens).
-fn bucket_totals(stats: &Value, model: &str) -> BTreeMap<String, [u64; 5]> {
-    let mut out = BTreeMap::new();
-    for b in stats["buckets"].as_array().into_iter().flatten() {
-        if b["model"] != model {
-            continue;
-        }
-        let get = |k: &str| b[k].as_u64().unwrap_or(0);
-        let tokens = get("tokens");
-        let rows = get("rows");
-        out.insert(
-            b["bucket"].as_str().unwrap_or("?").to_string(),
-            [
-                get("batches"),
-                rows,
-                rows + get("padded_rows"),
-                tokens,
-                tokens + get("padded_tokens"),
-            ],
-        );
-    }
-    out
+fn bucket_totals(stats: &Stats, model: &str) -> BTreeMap<String, [u64; 5]> {
+    stats
+        .buckets
+        .iter()
+        .filter(|b| b.model == model)
+        .map(|b| {
+            let counts = [b.batches, b.rows, b.seq_slots, b.tokens, b.computed_tokens];
+            (b.bucket.clone(), counts)
+        })
+        .collect()
 }
 
 /// What the run added to the daemon's bucket counters: padding waste per
 /// bucket and overall, and eager sequences.
-fn padding_report(before: &Value, after: &Value, model: &str) -> Value {
+fn padding_report(before: &Stats, after: &Stats, model: &str) -> Value {
     let (b0, b1) = (bucket_totals(before, model), bucket_totals(after, model));
     let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
     let mut buckets = Vec::new();
@@ -343,15 +331,13 @@ fn padding_report(before: &Value, after: &Value, model: &str) -> Value {
             "padding_waste": 1.0 - ratio(d[3], d[4]),
         }));
     }
-    let eager = |s: &Value| s["eager"]["sequences"].as_u64().unwrap_or(0);
     json!({
         "buckets": buckets,
         "tokens": tokens,
         "computed_tokens": computed,
         "padding_waste": if computed == 0 { 0.0 } else { 1.0 - ratio(tokens, computed) },
-        "eager_sequences": eager(after).saturating_sub(eager(before)),
-        "batching": after["models"].as_array().into_iter().flatten()
-            .find(|m| m["name"] == model).map(|m| m["batching"].clone()).unwrap_or(Value::Null),
+        "eager_sequences": after.eager.sequences.saturating_sub(before.eager.sequences),
+        "batching": after.models.iter().find(|m| m.name == model).map(|m| m.batching.clone()),
     })
 }
 
@@ -359,71 +345,66 @@ fn padding_report(before: &Value, after: &Value, model: &str) -> Value {
 /// `replayd::daemon::stages`): each serial stage's share of one core, and
 /// the mean wait between stages, over the daemon's uptime between the two
 /// reads.
-fn stages_report(before: &Value, after: &Value) -> Value {
-    let wall_us = (after["uptime_s"].as_f64().unwrap_or(0.0)
-        - before["uptime_s"].as_f64().unwrap_or(0.0))
-        * 1e6;
-    let delta = |path: &[&str], key: &str| {
-        let get = |v: &Value| {
-            path.iter().fold(v, |v, p| &v[*p])[key]
-                .as_u64()
-                .unwrap_or(0)
-        };
-        get(after).saturating_sub(get(before))
-    };
+fn stages_report(before: &Stats, after: &Stats) -> Value {
+    let wall_us = (after.uptime_s - before.uptime_s) * 1e6;
+    let share = |us: u64| json!((us as f64 / wall_us.max(1.0) * 1000.0).round() / 1000.0);
     let mut busy = serde_json::Map::new();
-    if let Some(stages) = after["stages"]["busy"].as_object() {
-        for name in stages.keys() {
-            let us = delta(&["stages", "busy", name], "busy_us");
-            busy.insert(
-                name.clone(),
-                json!((us as f64 / wall_us.max(1.0) * 1000.0).round() / 1000.0),
-            );
-        }
+    let (b0, b1) = (&before.stages.busy, &after.stages.busy);
+    for (name, was, now) in [
+        ("frontend_loop", b0.frontend_loop, b1.frontend_loop),
+        ("batcher", b0.batcher, b1.batcher),
+        ("ring_reader", b0.ring_reader, b1.ring_reader),
+    ] {
+        busy.insert(name.into(), share(now.busy_us.saturating_sub(was.busy_us)));
     }
-    if let Some(transports) = after["transport"].as_object() {
-        for name in transports.keys() {
-            let us = delta(&["transport", name], "busy_us");
+    for (name, now) in &after.transport {
+        let was = before.transport.get(name);
+        let total_was = was.map_or(0, |w| w.total.busy_us);
+        busy.insert(
+            format!("{name}_socket_driver"),
+            share(now.total.busy_us.saturating_sub(total_was)),
+        );
+        // A sharded socket (server.client_sockets): the sum above is its
+        // drivers' CPU; the serial limit is the busiest one.
+        let shards = now.shards.len();
+        if shards > 1 {
+            let busiest = now
+                .shards
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let shard_was = was.and_then(|w| w.shards.get(i)).map_or(0, |w| w.busy_us);
+                    s.busy_us.saturating_sub(shard_was)
+                })
+                .max()
+                .unwrap_or(0);
             busy.insert(
-                format!("{name}_socket_driver"),
-                json!((us as f64 / wall_us.max(1.0) * 1000.0).round() / 1000.0),
+                format!("{name}_socket_driver_busiest_of_{shards}"),
+                share(busiest),
             );
-            // A sharded socket (server.client_sockets): the sum above is its
-            // drivers' CPU; the serial limit is the busiest one.
-            let shard_busy = |v: &Value, i: usize| {
-                v["transport"][name]["shards"][i]["busy_us"]
-                    .as_u64()
-                    .unwrap_or(0)
-            };
-            let shards = after["transport"][name]["shards"]
-                .as_array()
-                .map_or(0, Vec::len);
-            if shards > 1 {
-                let busiest = (0..shards)
-                    .map(|i| shard_busy(after, i).saturating_sub(shard_busy(before, i)))
-                    .max()
-                    .unwrap_or(0);
-                busy.insert(
-                    format!("{name}_socket_driver_busiest_of_{shards}"),
-                    json!((busiest as f64 / wall_us.max(1.0) * 1000.0).round() / 1000.0),
-                );
-            }
         }
     }
     let mut delays = serde_json::Map::new();
-    if let Some(d) = after["stages"]["delays"].as_object() {
-        for name in d.keys() {
-            let sum = delta(&["stages", "delays", name], "sum_us");
-            let count = delta(&["stages", "delays", name], "count");
-            delays.insert(
-                name.clone(),
-                json!(if count == 0 {
-                    0.0
-                } else {
-                    (sum as f64 / count as f64 * 10.0).round() / 10.0
-                }),
-            );
-        }
+    let (d0, d1) = (&before.stages.delays, &after.stages.delays);
+    for (name, was, now) in [
+        (
+            "socket_to_frontend",
+            d0.socket_to_frontend,
+            d1.socket_to_frontend,
+        ),
+        ("spawn_to_handler", d0.spawn_to_handler, d1.spawn_to_handler),
+        ("batcher_mailbox", d0.batcher_mailbox, d1.batcher_mailbox),
+    ] {
+        let sum = now.sum_us.saturating_sub(was.sum_us);
+        let count = now.count.saturating_sub(was.count);
+        delays.insert(
+            name.into(),
+            json!(if count == 0 {
+                0.0
+            } else {
+                (sum as f64 / count as f64 * 10.0).round() / 10.0
+            }),
+        );
     }
     json!({"busy_share": busy, "mean_wait_us": delays, "window_s": wall_us / 1e6})
 }

@@ -210,17 +210,17 @@ impl Grid {
         }
     }
 
-    /// The grid as the stats show it: `batch_buckets` and `seq_buckets`,
-    /// or `token_budgets` and `max_seqs_per_batch`.
-    pub fn describe(&self) -> serde_json::Value {
+    /// The grid as the stats and the reload answer show it.
+    pub fn describe(&self) -> GridSpec {
         match self {
-            Grid::Padded(g) => {
-                serde_json::json!({"batch_buckets": g.batches(), "seq_buckets": g.seqs()})
-            }
-            Grid::Packed(g) => serde_json::json!({
-                "token_budgets": g.budgets(),
-                "max_seqs_per_batch": g.max_seqs_cap(),
-            }),
+            Grid::Padded(g) => GridSpec::Padded {
+                batch_buckets: g.batches().to_vec(),
+                seq_buckets: g.seqs().to_vec(),
+            },
+            Grid::Packed(g) => GridSpec::Packed {
+                token_budgets: g.budgets().to_vec(),
+                max_seqs_per_batch: g.max_seqs_cap(),
+            },
         }
     }
 
@@ -230,6 +230,37 @@ impl Grid {
             Grid::Padded(_) => "padded",
             Grid::Packed(_) => "packed",
         }
+    }
+}
+
+/// A grid's sizes as the stats show them: `batch_buckets` and
+/// `seq_buckets`, or `token_budgets` and `max_seqs_per_batch` (the config
+/// keys that set them). Displayed as that JSON object (the start-up log).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum GridSpec {
+    Padded {
+        batch_buckets: Vec<usize>,
+        seq_buckets: Vec<usize>,
+    },
+    Packed {
+        token_budgets: Vec<usize>,
+        max_seqs_per_batch: usize,
+    },
+}
+
+impl Default for GridSpec {
+    fn default() -> Self {
+        GridSpec::Padded {
+            batch_buckets: Vec::new(),
+            seq_buckets: Vec::new(),
+        }
+    }
+}
+
+impl std::fmt::Display for GridSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&serde_json::to_string(self).map_err(|_| std::fmt::Error)?)
     }
 }
 

@@ -54,8 +54,9 @@ pub struct Config {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
-    /// `HOST:PORT` to serve `/metrics` on, a loopback address (e.g.
-    /// `127.0.0.1:9464`; port 0 picks a free one). Unset: no HTTP server.
+    /// `HOST:PORT` to serve `/metrics` (and `/stats`, `/health`) on, a
+    /// loopback address (e.g. `127.0.0.1:9464`; port 0 picks a free one).
+    /// Unset: no metrics listener.
     pub endpoint: Option<String>,
 }
 

@@ -291,6 +291,21 @@ seq_buckets = [16, 32]
     );
     assert_eq!(sample(&m, "replayd_request_duration_seconds_count"), 7.0);
 
+    // The same listener's /stats is `replayctl stats --json`'s document, and
+    // /health says ready.
+    let url = daemon.metrics.as_deref().unwrap();
+    let address = url
+        .trim_start_matches("http://")
+        .trim_end_matches("/metrics");
+    let (status, body) = common::http(address, "GET", "/stats", None);
+    assert_eq!(status, 200);
+    let over_http: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(over_http["buckets"], stats["buckets"]);
+    assert_eq!(over_http["models"], stats["models"]);
+    let (status, body) = common::http(address, "GET", "/health", None);
+    let health: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!((status, health["status"].as_str()), (200, Some("ok")));
+
     // The table: every row of each table as wide as its header, the long
     // name whole.
     let text = ctl_ok(&daemon, &["stats"]);

@@ -1,6 +1,7 @@
 //! `replayd-loadgen` against a real daemon (CPU backend, the seed MLP): both
 //! engines get every reply, each checked against a float64 forward pass, and
-//! report what the run measured; a daemon that stops answering makes the
+//! report what the run measured (and, with `--control`, what the daemon's
+//! stats say it added); a daemon that stops answering makes the
 //! threads engine report its requests as timed out and exit 1.
 
 mod common;
@@ -58,6 +59,8 @@ fn both_engines_get_every_reply_and_check_it() {
                 "--batch",
                 "4",
                 "--random-batch",
+                "--control",
+                &daemon.control,
             ],
         );
         assert!(status.success(), "{engine}: {err}");
@@ -78,6 +81,25 @@ fn both_engines_get_every_reply_and_check_it() {
             "{r}"
         );
         assert!(r["latency_us"]["p50"].as_u64().unwrap() > 0, "{r}");
+        // What the daemon's stats say the run added (--control): the rows
+        // of the 300 requests, run in the grid's buckets.
+        let p = &r["padding"];
+        assert_eq!(p["batching"], "padded", "{engine}: {p}");
+        let bucket_rows: u64 = p["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["seqs"].as_u64().unwrap())
+            .sum();
+        assert!(
+            (bucket_rows as f64 - rows).abs() < 0.01,
+            "{engine}: {rows} rows, {p}"
+        );
+        assert!(r["stages"]["busy_share"]["batcher"].is_number(), "{r}");
+        assert!(
+            r["stages"]["busy_share"]["client_socket_driver"].is_number(),
+            "{r}"
+        );
     }
 }
 

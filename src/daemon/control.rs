@@ -4,24 +4,32 @@
 //! `{"cmd": CMD, "device": "cuda:0", "kind": "corrupt" | "hang"}` →
 //! `{"ok": true, "result": …}` or `{"ok": false, "error": "…"}`, where CMD is
 //!
-//! * `health` — `ok` | `degraded` | `starting` | `down`, and each device;
-//! * `stats` — [`Metrics::snapshot`], everything `replayctl stats` shows;
-//! * `devices` — each device slot's state, worker, graphs, GPU samples;
-//! * `buckets` — [`Metrics::buckets_report`]: grids, histograms, suggestions;
+//! * `health` — [`Health`](super::stats::Health): `ok` | `degraded` |
+//!   `starting` | `down`, and each device;
+//! * `stats` — [`Stats`](super::stats::Stats) ([`Metrics::snapshot`]):
+//!   everything `replayctl stats` shows;
+//! * `devices` — [`DevicesReport`](super::stats::DevicesReport): each device
+//!   slot's state, worker, graphs, GPU samples;
+//! * `buckets` — [`BucketsReport`](super::stats::BucketsReport)
+//!   ([`Metrics::buckets_report`]): grids, histograms, suggestions;
 //! * `drain` / `undrain` (`device`) — stop or resume sending it batches;
 //! * `restart` (`device`) — a fresh worker that re-captures, nothing lost;
-//! * `reload` — re-read the config file ([`super::reload`]); answered once
-//!   applied or refused;
+//! * `reload` — re-read the config file ([`super::reload`]); answered
+//!   ([`ReloadReport`](super::stats::ReloadReport)) once applied or refused;
 //! * `inject_fault` (`device`, `kind`; only with `devices.fault_injection`).
+//!
+//! The results are the typed values of [`super::stats`] as JSON; [`call`]
+//! reads one back into its type (`replayctl`).
 
 use super::messages::DeviceMsg;
-use super::metrics::{health, Metrics};
+use super::metrics::Metrics;
 use super::reload::Reloader;
 use super::supervisor::SupervisorMsg;
 use crate::transport::{Dealer, Router, Security, TransportError, TransportLimits};
 use crate::worker::link::FaultKind;
 use bytes::Bytes;
 use ractor::ActorRef;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::future::Future;
@@ -70,8 +78,8 @@ pub struct Control {
     pub reloader: Arc<Reloader>,
 }
 
-fn answer(result: Result<Value, String>) -> Value {
-    match result {
+fn answer<T: Serialize>(result: Result<T, String>) -> Value {
+    match result.and_then(|v| serde_json::to_value(v).map_err(|e| e.to_string())) {
         Ok(v) => json!({"ok": true, "result": v}),
         Err(e) => json!({"ok": false, "error": e}),
     }
@@ -87,9 +95,9 @@ impl Control {
         };
         let device = request.device.as_deref();
         match request.cmd.as_str() {
-            "health" => answer(Ok(health(&self.metrics))),
+            "health" => answer(Ok(self.metrics.health())),
             "stats" => answer(Ok(self.metrics.snapshot())),
-            "devices" => answer(Ok(json!({"devices": self.metrics.devices()}))),
+            "devices" => answer(Ok(self.metrics.devices_report())),
             "buckets" => answer(Ok(self.metrics.buckets_report())),
             "drain" | "undrain" => {
                 let drain = request.cmd == "drain";
@@ -97,14 +105,12 @@ impl Control {
                     self.device_call(device, &request.cmd, move |port| {
                         DeviceMsg::Drain(drain, port)
                     })
-                    .await
-                    .map(Value::String),
+                    .await,
                 )
             }
             "restart" => answer(
                 self.device_call(device, "restart", DeviceMsg::Restart)
-                    .await
-                    .map(Value::String),
+                    .await,
             ),
             "reload" => answer(self.reloader.reload().await),
             "inject_fault" => {
@@ -113,11 +119,10 @@ impl Control {
                     self.device_call(device, "inject_fault", move |port| {
                         DeviceMsg::InjectFault(kind, port)
                     })
-                    .await
-                    .map(Value::String),
+                    .await,
                 )
             }
-            other => answer(Err(format!(
+            other => answer::<()>(Err(format!(
                 "unknown command {other:?} ({})",
                 COMMANDS.join(", ")
             ))),
@@ -132,12 +137,7 @@ impl Control {
         msg: impl FnOnce(ractor::RpcReplyPort<Result<String, String>>) -> DeviceMsg,
     ) -> Result<String, String> {
         let device = device.ok_or_else(|| format!("{cmd} needs a \"device\""))?;
-        let labels: Vec<String> = self
-            .metrics
-            .devices()
-            .into_iter()
-            .map(|d| d.label)
-            .collect();
+        let labels = self.metrics.device_labels();
         let slot = labels
             .iter()
             .position(|l| l == device)
@@ -248,6 +248,50 @@ pub async fn request(
         .map_err(|e| e.to_string())?;
     let frame = reply.frames.last().ok_or("empty answer")?;
     serde_json::from_slice(frame).map_err(|e| format!("malformed answer: {e}"))
+}
+
+/// Why a [`call`] has no result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallError {
+    /// No answer: not running, wrong socket, permission denied, timeout.
+    Unreachable(String),
+    /// The daemon answered with an error (or an answer this build cannot read).
+    Refused(String),
+}
+
+/// Sends one command and reads its `result` into `T` (a type of
+/// [`super::stats`], or `String` for the device commands).
+pub async fn call<T: DeserializeOwned>(
+    endpoint: &str,
+    command: &ControlRequest,
+    timeout: Duration,
+) -> Result<T, CallError> {
+    let reply = request(endpoint, command, timeout)
+        .await
+        .map_err(CallError::Unreachable)?;
+    #[derive(Deserialize)]
+    struct Reply {
+        ok: bool,
+        #[serde(default)]
+        result: Value,
+        #[serde(default)]
+        error: Option<String>,
+    }
+    let reply: Reply = serde_json::from_value(reply)
+        .map_err(|e| CallError::Unreachable(format!("malformed answer: {e}")))?;
+    if !reply.ok {
+        return Err(CallError::Refused(
+            reply
+                .error
+                .unwrap_or_else(|| "the daemon reported an error".into()),
+        ));
+    }
+    serde_json::from_value(reply.result).map_err(|e| {
+        CallError::Refused(format!(
+            "cannot read the daemon's answer to {:?}: {e} (is replayctl of the daemon's version?)",
+            command.cmd
+        ))
+    })
 }
 
 /// Serves the control socket until `shutdown` resolves.

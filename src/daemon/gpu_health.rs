@@ -5,6 +5,7 @@
 //! re-dispatched). Without NVML this is a no-op with a warning.
 
 use super::metrics::Metrics;
+use super::stats::{GpuReading, GpuSample};
 use super::supervisor::SupervisorMsg;
 use crate::gpu::nvml::{self, GpuEvent, GpuInfo, XidWatcher};
 use ractor::ActorRef;
@@ -100,18 +101,21 @@ pub fn start(
             .await
             .unwrap_or_default();
             for (index, info, sample) in samples {
-                let value = match sample {
-                    Ok(s) => serde_json::json!({
-                        "uuid": info.uuid,
-                        "pci_bus_id": info.pci_bus_id,
-                        "memory_used_bytes": s.memory_used,
-                        "memory_total_bytes": s.memory_total,
-                        "temperature_c": s.temperature_c,
-                        "utilization_pct": s.utilization_gpu_pct,
+                let reading = match sample {
+                    Ok(s) => GpuReading::Sample(GpuSample {
+                        uuid: info.uuid,
+                        pci_bus_id: info.pci_bus_id,
+                        memory_used_bytes: s.memory_used,
+                        memory_total_bytes: s.memory_total,
+                        temperature_c: s.temperature_c,
+                        utilization_pct: s.utilization_gpu_pct,
                     }),
-                    Err(e) => serde_json::json!({"uuid": info.uuid, "error": e}),
+                    Err(e) => GpuReading::Unreadable {
+                        uuid: info.uuid,
+                        error: e,
+                    },
                 };
-                metrics.update_device(index, |d| d.gpu = Some(value));
+                metrics.update_device(index, |d| d.gpu = Some(reading));
             }
             tokio::time::sleep(SAMPLE_EVERY).await;
         }

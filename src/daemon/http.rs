@@ -9,7 +9,7 @@
 //!   N, "total_tokens": N}}`.
 //! * `POST /embed` — text-embeddings-inference's shape: `{"inputs": str |
 //!   [str], "normalize": bool (true), "truncate": bool (false)}` → `[[...]]`.
-//! * `GET /v1/models`, `GET /health`.
+//! * `GET /v1/models`, `GET /health` ([`Health`], as `replayctl health --json`).
 //!
 //! Every request becomes a protocol request and goes through
 //! [`Frontend::handle`] — the same decoding limits, admission, validation and
@@ -24,10 +24,12 @@
 //! over `http.max_body_bytes` get 413 before they are read whole; each
 //! request has the deadline `http.request_timeout_ms`. Unknown routes and
 //! methods get JSON errors too (404, 405).
+//!
+//! [`router`] is served by [`super::http_server`], like `/metrics`.
 
 use super::frontend::{Frontend, ServedModel};
-use super::metrics::health;
 use super::metrics::Metrics;
+use super::stats::Health;
 use crate::config::HttpConfig;
 use crate::model::InputSpec;
 use crate::protocol::{
@@ -44,7 +46,6 @@ use base64::Engine as _;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -134,14 +135,6 @@ impl IntoResponse for Failure {
     }
 }
 
-/// Binds the listener (at start-up, so a taken port stops the daemon).
-pub async fn bind(config: &HttpConfig) -> anyhow::Result<tokio::net::TcpListener> {
-    use anyhow::Context;
-    tokio::net::TcpListener::bind(&config.listen)
-        .await
-        .with_context(|| format!("cannot listen on http.listen {}", config.listen))
-}
-
 /// The routes, with the body limit.
 pub fn router(front: Arc<HttpFront>, max_body_bytes: usize) -> Router {
     Router::new()
@@ -154,22 +147,6 @@ pub fn router(front: Arc<HttpFront>, max_body_bytes: usize) -> Router {
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .route_layer(axum::middleware::from_fn_with_state(front.clone(), admit))
         .with_state(front)
-}
-
-/// Serves until `shutdown` resolves; requests being handled then finish.
-pub async fn run(
-    listener: tokio::net::TcpListener,
-    front: Arc<HttpFront>,
-    max_body_bytes: usize,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) {
-    let app = router(front, max_body_bytes);
-    if let Err(e) = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-    {
-        tracing::error!("http front: {e}");
-    }
 }
 
 /// Takes one of the `http.max_concurrency` slots for the whole request,
@@ -542,15 +519,20 @@ async fn models(State(front): State<Arc<HttpFront>>) -> Json<Value> {
     Json(json!({"object": "list", "data": data}))
 }
 
-/// 200 while some device is ready (`ok`, `degraded`), else 503; the body is
-/// `replayctl health --json`'s.
-async fn health_route(State(front): State<Arc<HttpFront>>) -> Response {
-    let h = health(&front.metrics);
-    let status = match h["status"].as_str() {
-        Some("ok") | Some("degraded") => StatusCode::OK,
-        _ => StatusCode::SERVICE_UNAVAILABLE,
+/// `/health` (here and on the metrics listener): 200 while some device is
+/// ready (`ok`, `degraded`), else 503; the body is `replayctl health
+/// --json`'s.
+pub fn health_reply(health: Health) -> Response {
+    let status = if health.status.serving() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, Json(h)).into_response()
+    (status, Json(health)).into_response()
+}
+
+async fn health_route(State(front): State<Arc<HttpFront>>) -> Response {
+    health_reply(front.metrics.health())
 }
 
 #[cfg(test)]

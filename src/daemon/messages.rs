@@ -220,7 +220,7 @@ pub enum WorkerEvent {
 /// (`replayctl drain`, or the first step of `replayctl restart`); `faulted`
 /// has no worker (it exited, crashed or could not start) and a restart is
 /// scheduled; `stopped` is for good (daemon shutdown).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceStatus {
     /// The first worker process is starting: loading models.

@@ -1,7 +1,7 @@
-//! Counters and latency histograms, and the JSON that `replayctl stats`
-//! prints ([`Metrics::snapshot`]); `replayctl buckets` reads
-//! [`Metrics::buckets_report`] and Prometheus's `/metrics` is rendered from
-//! the snapshot ([`super::prometheus`]), so all three show the same numbers.
+//! Counters and latency histograms, and the one place the typed stats are
+//! made from them ([`super::stats`]): [`Metrics::snapshot`] (`replayctl
+//! stats`, Prometheus's `/metrics`, HTTP `/stats`), [`Metrics::buckets_report`]
+//! (`replayctl buckets`), [`Metrics::health`] and [`Metrics::devices`].
 //!
 //! One [`Metrics`] is shared (behind an `Arc`) by the frontend, the batcher
 //! and the device actors. Updates take a short mutex: they happen once per
@@ -17,63 +17,49 @@
 //!   the budget); `row_fill` is real rows over the bucket's rows.
 
 use super::messages::DeviceStatus;
-use super::tuning::{Histogram as Hist, LadderSuggestion};
-use crate::bucket::{Bucket, Grid};
+use super::stats::{
+    BucketReport, BucketsReport, CumulativeHistogram, DevicesReport, Eager, GraphUse, Health,
+    HistogramSummary, Latency, LatencyHistograms, ModelGrid, ModelReport, ModelRequests, Padding,
+    Percentiles, QueueDepth, Requests, SeqCapAdvice, Stats, TransportReport,
+};
+use super::tuning::{Histogram as Hist, LadderKey, LadderSuggestion};
+use crate::bucket::{Bucket, Grid, GridSpec};
 use crate::protocol::{ErrorCode, Hops};
 use crate::transport::{StatsSnapshot, TransportStats};
 use hdrhistogram::Histogram;
-use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
 use tokio::sync::watch;
 
-/// Why some of a request's items took the eager path. (A request is never
-/// sent eagerly for its number of items: it is split over graph batches.)
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EagerReason {
-    /// A sequence longer than the largest seq bucket (padded) or token
-    /// budget (packed).
-    SeqTooLong,
+// The device and graph records live with the other stats types; the device
+// actors and the batcher name them from here.
+pub use super::stats::{DeviceStats, EagerReason, GraphStats};
+
+/// Use of one (model, bucket), counted when its batches complete (see
+/// [`BucketReport`] for each count).
+#[derive(Clone, Debug, Default)]
+struct BucketCounters {
+    requests: u64,
+    parts: u64,
+    batches: u64,
+    rows: u64,
+    padded_rows: u64,
+    tokens: u64,
+    padded_tokens: u64,
 }
 
-/// Use of one (model, bucket), counted when its batches complete.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct BucketCounters {
-    /// Replies whose `bucket` is this one (the largest shape that ran any
-    /// of the request's items), counted when the reply is sent.
-    pub requests: u64,
-    /// Request parts run in this bucket: a request split over several
-    /// batches counts once in each.
-    pub parts: u64,
-    pub batches: u64,
-    /// Real rows (sequences) computed.
-    pub rows: u64,
-    /// Sequence slots left empty: the bucket's rows (batch size, or most
-    /// sequences of a packed budget) minus real rows.
-    pub padded_rows: u64,
-    /// Real tokens (rows · 1 for models without a sequence axis).
-    pub tokens: u64,
-    /// Padding tokens: the bucket's token slots (batch · seq, or the
-    /// budget) minus real tokens.
-    pub padded_tokens: u64,
-}
-
-/// How a model is batched, for the stats (set once at start-up).
-#[derive(Clone, Debug, Serialize)]
+/// How a model is batched, for the stats (set at start-up; a reload
+/// replaces its grid).
+#[derive(Clone, Debug)]
 pub struct ModelStats {
     pub name: String,
     /// `"padded"` or `"packed"`.
     pub batching: String,
-    /// Padded: `batch_buckets` and `seq_buckets`; packed: `token_budgets`
-    /// and `max_seqs_per_batch`.
-    pub grid: serde_json::Value,
-    /// What was read from the model folder and derived (maximum length,
-    /// pooling, modules, prompts, …), each with the file and key it came
-    /// from; the same list the start-up log shows.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub grid: GridSpec,
+    /// What was read from the model folder and derived, each with the file
+    /// and key it came from (the start-up log's list).
     pub folder: Vec<crate::model::Derived>,
 }
 
@@ -83,56 +69,6 @@ struct EagerCounters {
     batches: u64,
     sequences: u64,
     tokens: u64,
-}
-
-/// What a device actor reports about its device and worker.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct DeviceStats {
-    pub label: String,
-    /// "graph" or "eager".
-    pub role: String,
-    /// Read from the device actor's status channel when the stats are taken.
-    pub state: DeviceStatus,
-    pub name: String,
-    pub worker_pid: Option<u32>,
-    /// Worker processes started after the first.
-    pub restarts: u64,
-    /// Worker exits caused by a device fault.
-    pub device_faults: u64,
-    /// Workers killed because the watchdog found them stuck.
-    pub hangs: u64,
-    pub last_error: Option<String>,
-    pub startup_ms: Option<u64>,
-    pub graphs: Vec<GraphStats>,
-    pub batches: u64,
-    /// Batches served by replaying a captured graph.
-    pub graph_replays: u64,
-    /// Batches run eagerly (no graph).
-    pub eager_runs: u64,
-    /// Batches sent to the worker and not yet back.
-    pub inflight: u64,
-    /// Drained by the operator (`replayctl drain`): takes no new batches.
-    pub drained: bool,
-    /// Graphs captured so far / to capture, while the worker captures.
-    pub capture: Option<(usize, usize)>,
-    /// Batches that went through the shared-memory ring, and through the socket.
-    pub shm_batches: u64,
-    pub socket_batches: u64,
-    /// The current worker's shared-memory ring: its slots (0 without one),
-    /// and how many were free when it last handed one back (all of them
-    /// once nothing is in flight; a new worker starts with a new ring).
-    pub shm_slots: u64,
-    pub shm_slots_free: u64,
-    /// Live figures from NVML where available.
-    pub gpu: Option<serde_json::Value>,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct GraphStats {
-    pub model: String,
-    pub bucket: String,
-    pub capture_us: u64,
-    pub memory_bytes: u64,
 }
 
 struct Latencies {
@@ -277,13 +213,13 @@ impl Buckets {
         self.count += 1;
     }
 
-    fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "le_us": LATENCY_BOUNDS_US,
-            "cumulative": self.le,
-            "sum_us": self.sum_us,
-            "count": self.count,
-        })
+    fn report(&self) -> CumulativeHistogram {
+        CumulativeHistogram {
+            le_us: LATENCY_BOUNDS_US.to_vec(),
+            cumulative: self.le.to_vec(),
+            sum_us: self.sum_us,
+            count: self.count,
+        }
     }
 }
 
@@ -686,18 +622,31 @@ impl Metrics {
             .collect()
     }
 
-    /// Everything, as the JSON document `replayctl stats --json` prints.
-    pub fn snapshot(&self) -> serde_json::Value {
+    /// Every device slot's label, in slot order.
+    pub fn device_labels(&self) -> Vec<String> {
+        self.lock()
+            .devices
+            .iter()
+            .map(|d| d.label.clone())
+            .collect()
+    }
+
+    /// `replayctl devices`: every device slot, with its current status.
+    pub fn devices_report(&self) -> DevicesReport {
+        DevicesReport {
+            devices: self.devices(),
+        }
+    }
+
+    /// `replayctl health`, the HTTP `/health` routes (see [`Health::of`]).
+    pub fn health(&self) -> Health {
+        Health::of(&self.devices())
+    }
+
+    /// Everything `replayctl stats` shows; Prometheus's `/metrics` is
+    /// encoded from it too.
+    pub fn snapshot(&self) -> Stats {
         let m = self.lock();
-        let pct = |h: &Histogram<u64>| {
-            serde_json::json!({
-                "count": h.len(),
-                "p50_us": h.value_at_quantile(0.50),
-                "p90_us": h.value_at_quantile(0.90),
-                "p99_us": h.value_at_quantile(0.99),
-                "max_us": h.max(),
-            })
-        };
         // Per model and overall: real and computed tokens over every bucket.
         let mut by_model: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
         for ((model, _), c) in m.buckets.iter() {
@@ -705,43 +654,32 @@ impl Metrics {
             t.0 += c.tokens;
             t.1 += c.tokens + c.padded_tokens;
         }
-        let padding = |(tokens, computed): (u64, u64)| {
-            serde_json::json!({
-                "tokens": tokens,
-                "computed_tokens": computed,
-                "padding_waste": ratio(computed - tokens, computed),
-            })
-        };
         let overall = by_model
             .values()
             .fold((0, 0), |(a, b), (t, c)| (a + t, b + c));
-        let models: Vec<serde_json::Value> = m
+        let models = m
             .models
             .iter()
             .map(|ms| {
-                let mut v = serde_json::to_value(ms).expect("model stats serialise");
-                let t = by_model.get(ms.name.as_str()).copied().unwrap_or_default();
-                v["padding"] = padding(t);
                 let c = m.per_model.get(&ms.name);
                 let (replies, graph) = c.map_or((0, 0), |c| (c.replies, c.graph));
-                v["requests"] = serde_json::json!({
-                    "ok": replies,
-                    "graph": graph,
-                    "eager": replies - graph,
-                    "errors": ErrorCode::ALL
-                        .iter()
-                        .map(|code| (
-                            code.as_str().to_string(),
-                            serde_json::json!(c.and_then(|c| c.errors.get(code)).copied().unwrap_or(0)),
-                        ))
-                        .collect::<serde_json::Map<_, _>>(),
-                });
-                // Replies served by graph replays only, over all successful replies.
-                v["graph_hit_rate"] = serde_json::json!(ratio(graph, replies));
-                v
+                ModelReport {
+                    name: ms.name.clone(),
+                    batching: ms.batching.clone(),
+                    grid: ms.grid.clone(),
+                    folder: ms.folder.clone(),
+                    padding: padding(by_model.get(ms.name.as_str()).copied().unwrap_or_default()),
+                    requests: ModelRequests {
+                        ok: replies,
+                        graph,
+                        eager: replies - graph,
+                        errors: every_code(c.map(|c| &c.errors)),
+                    },
+                    graph_hit_rate: ratio(graph, replies),
+                }
             })
             .collect();
-        let buckets: Vec<serde_json::Value> = m
+        let buckets = m
             .buckets
             .iter()
             .map(|((model, bucket), c)| {
@@ -749,112 +687,131 @@ impl Metrics {
                 let computed = c.tokens + c.padded_tokens;
                 let lat = m.bucket_latency.get(model, bucket);
                 let q = |q: f64| lat.map_or(0, |h| h.value_at_quantile(q));
-                serde_json::json!({
-                    "model": model,
-                    "bucket": bucket.to_string(),
-                    "packed": bucket.is_packed(),
-                    // Padded: rows × tokens per row; packed: most sequences × token budget.
-                    "batch": bucket.rows(),
-                    "seq": match bucket { Bucket::Padded { seq, .. } => seq, Bucket::Packed { .. } => 0 },
-                    "token_slots": bucket.tokens(),
-                    "requests": c.requests,
-                    "parts": c.parts,
-                    "batches": c.batches,
-                    "rows": c.rows,
-                    "padded_rows": c.padded_rows,
-                    "seq_slots": slots,
-                    "tokens": c.tokens,
-                    "padded_tokens": c.padded_tokens,
-                    "computed_tokens": computed,
-                    // 1 − real / computed tokens.
-                    "padding_waste": ratio(c.padded_tokens, computed),
-                    // Real sequences over the bucket's sequence slots.
-                    "row_fill": ratio(c.rows, slots),
-                    "seq_fill": ratio(c.rows, slots),
-                    // Real tokens over the token slots (the budget, when packed).
-                    "token_fill": ratio(c.tokens, computed),
-                    "seqs_per_batch": ratio(c.rows, c.batches),
-                    "tokens_per_batch": ratio(c.tokens, c.batches),
-                    // Latency (receipt → reply) of the replies named after this bucket.
-                    "p50_us": q(0.50),
-                    "p99_us": q(0.99),
-                    // Whether the bucket is in the model's grid in force (a
-                    // reload may have replaced it; its counts stay).
-                    "in_grid": m.grids.get(model).is_none_or(|g| g.contains(bucket)),
-                })
+                BucketReport {
+                    model: model.to_string(),
+                    bucket: bucket.to_string(),
+                    packed: bucket.is_packed(),
+                    batch: bucket.rows(),
+                    seq: match bucket {
+                        Bucket::Padded { seq, .. } => seq,
+                        Bucket::Packed { .. } => 0,
+                    },
+                    token_slots: bucket.tokens(),
+                    requests: c.requests,
+                    parts: c.parts,
+                    batches: c.batches,
+                    rows: c.rows,
+                    padded_rows: c.padded_rows,
+                    seq_slots: slots,
+                    tokens: c.tokens,
+                    padded_tokens: c.padded_tokens,
+                    computed_tokens: computed,
+                    padding_waste: ratio(c.padded_tokens, computed),
+                    row_fill: ratio(c.rows, slots),
+                    seq_fill: ratio(c.rows, slots),
+                    token_fill: ratio(c.tokens, computed),
+                    seqs_per_batch: ratio(c.rows, c.batches),
+                    tokens_per_batch: ratio(c.tokens, c.batches),
+                    p50_us: q(0.50),
+                    p99_us: q(0.99),
+                    in_grid: m.grids.get(model).is_none_or(|g| g.contains(bucket)),
+                }
             })
             .collect();
-        let errors: BTreeMap<&str, u64> = ErrorCode::ALL
-            .iter()
-            .map(|c| (c.as_str(), m.errors.get(c).copied().unwrap_or(0)))
-            .collect();
-        let eager_total: u64 = m.eager_requests.values().sum();
         let mut devices = m.devices.clone();
         for (d, status) in devices.iter_mut().zip(&m.statuses) {
             d.state = *status.borrow();
         }
-        serde_json::json!({
-            "uptime_s": self.started.elapsed().as_secs_f64(),
-            "requests": {
-                "accepted": m.requests_accepted,
-                "ok": m.replies_ok,
-                "split": m.split_requests,
-                "errors": errors,
+        Stats {
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            requests: Requests {
+                accepted: m.requests_accepted,
+                ok: m.replies_ok,
+                split: m.split_requests,
+                errors: every_code(Some(&m.errors)),
             },
-            "models": models,
-            "buckets": buckets,
-            "padding": padding(overall),
-            "eager": {
-                "requests": eager_total,
-                "batches": m.eager_work.batches,
-                "sequences": m.eager_work.sequences,
-                "tokens": m.eager_work.tokens,
-                "by_reason": m.eager_requests,
-                "by_model": m.eager_by_model,
+            models,
+            buckets,
+            padding: padding(overall),
+            eager: Eager {
+                requests: m.eager_requests.values().sum(),
+                batches: m.eager_work.batches,
+                sequences: m.eager_work.sequences,
+                tokens: m.eager_work.tokens,
+                by_reason: m.eager_requests.clone(),
+                by_model: m.eager_by_model.clone(),
             },
-            "retried_batches": m.retried_batches,
-            "queue_depth": {
-                "by_model": m.queue_depth,
-                "eager": m.eager_queue_depth,
+            retried_batches: m.retried_batches,
+            queue_depth: QueueDepth {
+                by_model: m.queue_depth.clone(),
+                eager: m.eager_queue_depth,
             },
-            "latency": {
-                "total": pct(&m.latency.total),
-                "queued": pct(&m.latency.queued),
-                "compute": pct(&m.latency.compute),
-                "histograms": {
-                    "total": m.latency.total_buckets.json(),
-                    "queued": m.latency.queued_buckets.json(),
-                    "compute": m.latency.compute_buckets.json(),
+            latency: Latency {
+                total: percentiles(&m.latency.total),
+                queued: percentiles(&m.latency.queued),
+                compute: percentiles(&m.latency.compute),
+                histograms: LatencyHistograms {
+                    total: m.latency.total_buckets.report(),
+                    queued: m.latency.queued_buckets.report(),
+                    compute: m.latency.compute_buckets.report(),
                 },
-                // Per hop of successful replies (see docs/protocol.md), in order.
-                "hops": Hops::NAMES
+                hops: Hops::NAMES
                     .iter()
                     .zip(&m.latency.hops)
-                    .map(|(name, h)| (name.to_string(), pct(h)))
-                    .collect::<serde_json::Map<_, _>>(),
+                    .map(|(name, h)| (name.to_string(), percentiles(h)))
+                    .collect(),
             },
-            "reloads": m.reloads,
-            "devices": devices,
-            "stages": self.stages.json(),
-            "transport": m
+            reloads: m.reloads,
+            devices,
+            stages: self.stages.report(),
+            transport: m
                 .transports
                 .iter()
-                .map(|t| (t.name.to_string(), t.json()))
-                .collect::<serde_json::Map<_, _>>(),
-        })
+                .map(|t| (t.name.to_string(), t.report()))
+                .collect(),
+        }
     }
 }
 
 impl Transport {
-    fn json(&self) -> serde_json::Value {
+    fn report(&self) -> TransportReport {
         let shards: Vec<StatsSnapshot> = self.shards.iter().map(|s| s.snapshot()).collect();
-        let total = shards.iter().copied().sum::<StatsSnapshot>();
-        let mut v = serde_json::to_value(total).unwrap_or_default();
-        if self.sharded {
-            v["shards"] = serde_json::to_value(shards).unwrap_or_default();
+        TransportReport {
+            total: shards.iter().copied().sum(),
+            shards: if self.sharded { shards } else { Vec::new() },
         }
-        v
     }
+}
+
+fn percentiles(h: &Histogram<u64>) -> Percentiles {
+    Percentiles {
+        count: h.len(),
+        p50_us: h.value_at_quantile(0.50),
+        p90_us: h.value_at_quantile(0.90),
+        p99_us: h.value_at_quantile(0.99),
+        max_us: h.max(),
+    }
+}
+
+fn padding((tokens, computed): (u64, u64)) -> Padding {
+    Padding {
+        tokens,
+        computed_tokens: computed,
+        padding_waste: ratio(computed - tokens, computed),
+    }
+}
+
+/// Every error code with its count (0 for the codes never counted).
+fn every_code(counts: Option<&BTreeMap<ErrorCode, u64>>) -> BTreeMap<ErrorCode, u64> {
+    ErrorCode::ALL
+        .iter()
+        .map(|code| {
+            (
+                *code,
+                counts.and_then(|c| c.get(code)).copied().unwrap_or(0),
+            )
+        })
+        .collect()
 }
 
 fn ratio(a: u64, b: u64) -> f64 {
@@ -863,21 +820,6 @@ fn ratio(a: u64, b: u64) -> f64 {
     } else {
         a as f64 / b as f64
     }
-}
-
-/// A histogram's summary for `replayctl buckets`.
-fn hist_summary(h: &Hist) -> serde_json::Value {
-    serde_json::json!({
-        "count": h.total(),
-        "mean": h.mean(),
-        "p50": h.quantile(0.50),
-        "p90": h.quantile(0.90),
-        "p99": h.quantile(0.99),
-        "max": h.counts.keys().last(),
-        "granularity": h.granularity,
-        // Up to 24 (upper bound, count) bins.
-        "bins": h.coarse(24),
-    })
 }
 
 /// Seq-bucket sizes round to multiples of 8 and token budgets to 8 tokens
@@ -893,16 +835,16 @@ impl Metrics {
     /// The grid view of `replayctl buckets`: per model, its buckets with
     /// their capture time and graph memory, the observed histograms, and a
     /// suggested grid of as many graphs that would have padded less.
-    pub fn buckets_report(&self) -> serde_json::Value {
+    pub fn buckets_report(&self) -> BucketsReport {
         let m = self.lock();
         let empty = ModelCounters::new(None);
-        let models: Vec<serde_json::Value> = m
+        let models = m
             .models
             .iter()
             .map(|ms| {
                 let grid = m.grids.get(&ms.name);
                 let c = m.per_model.get(&ms.name).unwrap_or(&empty);
-                let graphs: Vec<serde_json::Value> = grid
+                let graphs = grid
                     .map(|g| g.largest_first())
                     .unwrap_or_default()
                     .into_iter()
@@ -917,31 +859,32 @@ impl Metrics {
                             .collect();
                         let counters = m.buckets.get(&ms.name, bucket);
                         let computed = counters.map_or(0, |c| c.tokens + c.padded_tokens);
-                        serde_json::json!({
-                            "bucket": label,
-                            "devices": on.len(),
-                            "capture_us": on.iter().map(|g| g.capture_us).max().unwrap_or(0),
-                            "memory_bytes": on.iter().map(|g| g.memory_bytes).max().unwrap_or(0),
-                            "batches": counters.map_or(0, |c| c.batches),
-                            "requests": counters.map_or(0, |c| c.requests),
-                            "padding_waste": counters.map_or(0.0, |c| ratio(c.padded_tokens, computed)),
-                        })
+                        GraphUse {
+                            bucket: label,
+                            devices: on.len() as u64,
+                            capture_us: on.iter().map(|g| g.capture_us).max().unwrap_or(0),
+                            memory_bytes: on.iter().map(|g| g.memory_bytes).max().unwrap_or(0),
+                            batches: counters.map_or(0, |c| c.batches),
+                            requests: counters.map_or(0, |c| c.requests),
+                            padding_waste: counters
+                                .map_or(0.0, |c| ratio(c.padded_tokens, computed)),
+                        }
                     })
                     .collect();
                 let mut suggestions: Vec<LadderSuggestion> = Vec::new();
-                let mut seq_cap = serde_json::Value::Null;
+                let mut seq_cap = None;
                 match grid {
                     Some(Grid::Padded(g)) => {
                         if g.seqs() != [1] {
                             suggestions.push(LadderSuggestion::new(
-                                "seq_buckets",
+                                LadderKey::SeqBuckets,
                                 &c.lengths,
                                 &to_u64(g.seqs()),
                                 SEQ_ALIGN,
                             ));
                         }
                         suggestions.push(LadderSuggestion::new(
-                            "batch_buckets",
+                            LadderKey::BatchBuckets,
                             &c.batch_rows,
                             &to_u64(g.batches()),
                             1,
@@ -949,40 +892,40 @@ impl Metrics {
                     }
                     Some(Grid::Packed(g)) => {
                         suggestions.push(LadderSuggestion::new(
-                            "token_budgets",
+                            LadderKey::TokenBudgets,
                             &c.batch_tokens,
                             &to_u64(g.budgets()),
                             BUDGET_ALIGN,
                         ));
-                        seq_cap = seq_cap_advice(g, &c.batch_seqs, &c.lengths);
+                        seq_cap = Some(seq_cap_advice(g, &c.batch_seqs, &c.lengths));
                     }
                     None => {}
                 }
-                serde_json::json!({
-                    "name": ms.name,
-                    "batching": ms.batching,
-                    "grid": ms.grid,
-                    "graphs": graphs,
-                    "lengths": hist_summary(&c.lengths),
-                    "batch_rows": hist_summary(&c.batch_rows),
-                    "batch_tokens": hist_summary(&c.batch_tokens),
-                    "batch_seqs": hist_summary(&c.batch_seqs),
-                    "suggestions": suggestions,
-                    "seq_cap": seq_cap,
-                })
+                ModelGrid {
+                    name: ms.name.clone(),
+                    batching: ms.batching.clone(),
+                    grid: ms.grid.clone(),
+                    graphs,
+                    lengths: HistogramSummary::of(&c.lengths),
+                    batch_rows: HistogramSummary::of(&c.batch_rows),
+                    batch_tokens: HistogramSummary::of(&c.batch_tokens),
+                    batch_seqs: HistogramSummary::of(&c.batch_seqs),
+                    suggestions,
+                    seq_cap,
+                }
             })
             .collect();
-        serde_json::json!({
-            "uptime_s": self.started.elapsed().as_secs_f64(),
-            "models": models,
-        })
+        BucketsReport {
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            models,
+        }
     }
 }
 
 /// Whether a packed model's sequence cap limits its batches: the share of
 /// batches that stopped at the cap, and the cap at which a full largest
 /// budget of the shorter texts (the 10th percentile) would fit.
-fn seq_cap_advice(g: &crate::bucket::TokenGrid, seqs: &Hist, lengths: &Hist) -> serde_json::Value {
+fn seq_cap_advice(g: &crate::bucket::TokenGrid, seqs: &Hist, lengths: &Hist) -> SeqCapAdvice {
     let cap = g.max_seqs_cap() as u64;
     let at_cap: u64 = seqs
         .counts
@@ -1001,46 +944,12 @@ fn seq_cap_advice(g: &crate::bucket::TokenGrid, seqs: &Hist, lengths: &Hist) -> 
     } else {
         cap
     };
-    serde_json::json!({
-        "current": cap,
-        "batches_at_cap": at_cap,
-        "share_at_cap": share,
-        "suggested": suggested,
-    })
-}
-
-/// `ok` when every device is ready, `degraded` when some are up (ready or
-/// draining) but not all are ready, `starting` while none is up yet but
-/// some are on their way, else `down`.
-/// (The answer to `replayctl health`, the HTTP front's `/health` and the
-/// systemd status line share it.)
-pub fn health(metrics: &Metrics) -> serde_json::Value {
-    let devices = metrics.devices();
-    let ready = devices
-        .iter()
-        .filter(|d| d.state == DeviceStatus::Ready)
-        .count();
-    let up = devices.iter().filter(|d| d.state.is_up()).count();
-    let coming = devices.iter().filter(|d| d.state.is_coming_up()).count();
-    let status = if ready == devices.len() && ready > 0 {
-        "ok"
-    } else if up > 0 {
-        "degraded"
-    } else if coming > 0 {
-        "starting"
-    } else {
-        "down"
-    };
-    serde_json::json!({
-        "status": status,
-        "devices": devices.iter().map(|d| serde_json::json!({
-            "device": d.label,
-            "role": d.role,
-            "state": d.state,
-            "restarts": d.restarts,
-            "last_error": d.last_error,
-        })).collect::<Vec<_>>(),
-    })
+    SeqCapAdvice {
+        current: cap,
+        batches_at_cap: at_cap,
+        share_at_cap: share,
+        suggested,
+    }
 }
 
 #[cfg(test)]
@@ -1094,17 +1003,17 @@ mod tests {
         direct.lock().retried_batches += 1;
         ledger.push(Observation::Retried);
         // Nothing is counted until the ledger is recorded.
-        assert_eq!(deferred.snapshot()["requests"]["accepted"], 0);
+        assert_eq!(deferred.snapshot().requests.accepted, 0);
         deferred.record(&mut ledger, |i| names[i]);
         let (mut want, mut got) = (direct.snapshot(), deferred.snapshot());
         for s in [&mut want, &mut got] {
-            s.as_object_mut().unwrap().remove("uptime_s");
+            s.uptime_s = 0.0;
         }
-        assert_eq!(got["requests"]["accepted"], 2);
+        assert_eq!(got.requests.accepted, 2);
         assert_eq!(got, want);
         // Recording empties it.
         deferred.record(&mut ledger, |i| names[i]);
-        assert_eq!(deferred.snapshot()["requests"]["accepted"], 2);
+        assert_eq!(deferred.snapshot().requests.accepted, 2);
     }
 
     #[test]
@@ -1118,30 +1027,27 @@ mod tests {
         m.reply_ok(100, 10, 50, 1);
         m.reply_ok(100, 10, 50, 2);
         let s = m.snapshot();
-        let b = &s["buckets"][0];
-        assert_eq!(b["bucket"], "8x1");
-        assert_eq!(
-            (b["requests"].as_u64(), b["parts"].as_u64()),
-            (Some(2), Some(3))
-        );
-        assert_eq!(b["batches"], 2);
-        assert_eq!(b["rows"], 13);
-        assert_eq!(b["padded_rows"], 3);
-        assert_eq!(b["seq_slots"], 16);
-        assert_eq!(b["seqs_per_batch"], 6.5);
-        assert_eq!(s["requests"]["split"], 1);
-        assert_eq!(s["requests"]["errors"]["overloaded"], 1);
-        assert_eq!(s["requests"]["errors"]["internal"], 0);
-        assert_eq!(s["latency"]["total"]["count"], 2);
+        let b = &s.buckets[0];
+        assert_eq!(b.bucket, "8x1");
+        assert_eq!((b.requests, b.parts), (2, 3));
+        assert_eq!(b.batches, 2);
+        assert_eq!(b.rows, 13);
+        assert_eq!(b.padded_rows, 3);
+        assert_eq!(b.seq_slots, 16);
+        assert_eq!(b.seqs_per_batch, 6.5);
+        assert_eq!(s.requests.split, 1);
+        assert_eq!(s.requests.errors[&ErrorCode::Overloaded], 1);
+        assert_eq!(s.requests.errors[&ErrorCode::Internal], 0);
+        assert_eq!(s.latency.total.count, 2);
         m.reply_hops(&Hops {
             decode: 3,
             device: 100,
             ..Default::default()
         });
-        let s = m.snapshot();
-        assert_eq!(s["latency"]["hops"]["decode"]["p50_us"], 3);
-        assert_eq!(s["latency"]["hops"]["device"]["count"], 1);
-        assert_eq!(s["latency"]["hops"]["reply"]["max_us"], 1);
+        let hops = m.snapshot().latency.hops;
+        assert_eq!(hops["decode"].p50_us, 3);
+        assert_eq!(hops["device"].count, 1);
+        assert_eq!(hops["reply"].max_us, 1);
     }
 
     #[test]
@@ -1150,7 +1056,10 @@ mod tests {
         m.set_models(vec![ModelStats {
             name: "enc".into(),
             batching: "packed".into(),
-            grid: serde_json::json!({"token_budgets": [64, 256], "max_seqs_per_batch": 16}),
+            grid: GridSpec::Packed {
+                token_budgets: vec![64, 256],
+                max_seqs_per_batch: 16,
+            },
             folder: Vec::new(),
         }]);
         // 3 sequences of 60 tokens in all, in the 64-token budget (16 slots).
@@ -1160,31 +1069,24 @@ mod tests {
         m.bucket_batch("mlp", Bucket::new(4, 1), 1, 3, 3);
         m.eager_batch(2, 600);
         let s = m.snapshot();
-        let b = s["buckets"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|b| b["bucket"] == "64t")
-            .unwrap()
-            .clone();
-        assert_eq!(b["packed"], true);
-        assert_eq!(
-            (b["tokens"].as_u64(), b["computed_tokens"].as_u64()),
-            (Some(60), Some(64))
+        let b = s.buckets.iter().find(|b| b.bucket == "64t").unwrap();
+        assert!(b.packed);
+        assert_eq!((b.tokens, b.computed_tokens), (60, 64));
+        assert_eq!(b.padding_waste, 4.0 / 64.0);
+        assert_eq!(b.token_fill, 60.0 / 64.0);
+        assert_eq!(b.seq_fill, 3.0 / 16.0);
+        assert_eq!(b.seqs_per_batch, 3.0);
+        let enc = &s.models[0];
+        assert_eq!(enc.batching, "packed");
+        assert!(
+            matches!(&enc.grid, GridSpec::Packed { token_budgets, .. } if token_budgets[1] == 256)
         );
-        assert_eq!(b["padding_waste"], 4.0 / 64.0);
-        assert_eq!(b["token_fill"], 60.0 / 64.0);
-        assert_eq!(b["seq_fill"], 3.0 / 16.0);
-        assert_eq!(b["seqs_per_batch"], 3.0);
-        let enc = &s["models"][0];
-        assert_eq!(enc["batching"], "packed");
-        assert_eq!(enc["grid"]["token_budgets"][1], 256);
-        assert_eq!(enc["padding"]["tokens"], 260);
-        assert_eq!(enc["padding"]["computed_tokens"], 320);
-        assert_eq!(s["padding"]["tokens"], 263);
-        assert_eq!(s["padding"]["computed_tokens"], 324);
-        assert_eq!(s["padding"]["padding_waste"], 61.0 / 324.0);
-        assert_eq!(s["eager"]["sequences"], 2);
-        assert_eq!(s["eager"]["batches"], 1);
+        assert_eq!(enc.padding.tokens, 260);
+        assert_eq!(enc.padding.computed_tokens, 320);
+        assert_eq!(s.padding.tokens, 263);
+        assert_eq!(s.padding.computed_tokens, 324);
+        assert_eq!(s.padding.padding_waste, 61.0 / 324.0);
+        assert_eq!(s.eager.sequences, 2);
+        assert_eq!(s.eager.batches, 1);
     }
 }

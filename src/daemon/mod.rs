@@ -35,10 +35,11 @@
 //!
 //! Beside the route: [`control`] (the `replayctl` socket: stats, drain, restart,
 //! reload), [`reload`] (re-reading the config and switching grids live),
-//! [`metrics`] (counters and histograms), [`stages`] (busy time of the
+//! [`metrics`] (counters and histograms, made into the typed [`stats`]
+//! that `replayctl`, Prometheus and HTTP read), [`stages`] (busy time of the
 //! serial stages and the waits between them), [`prometheus`] (`/metrics` over
 //! loopback HTTP), [`http`] (the optional HTTP front, which feeds
-//! [`frontend`]), [`tuning`] (length histograms and suggested grids),
+//! [`frontend`]; both served by [`http_server`]), [`tuning`] (length histograms and suggested grids),
 //! [`gpu_health`] (NVML samples and Xid watching), [`notify`] (systemd:
 //! status lines, readiness, the watchdog loop), [`watchdog`] (when a quiet
 //! worker counts as hung), [`runtime_dir`] (owner-only sockets and files),
@@ -52,6 +53,7 @@ pub mod fast_link;
 pub mod frontend;
 pub mod gpu_health;
 pub mod http;
+pub mod http_server;
 pub mod messages;
 pub mod metrics;
 pub mod notify;
@@ -62,6 +64,7 @@ pub mod route;
 pub mod runtime_dir;
 pub mod server;
 pub mod stages;
+pub mod stats;
 pub mod supervisor;
 pub mod tokenize;
 pub mod tuning;

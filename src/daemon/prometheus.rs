@@ -1,629 +1,584 @@
 //! Prometheus metrics: `GET /metrics` on `metrics.endpoint` (a loopback
-//! address; off unless configured), in the text exposition format.
+//! address; off unless configured), in the Prometheus text format (0.0.4),
+//! beside the same numbers as JSON (`GET /stats`, `replayctl stats --json`'s
+//! document) and `GET /health`.
 //!
-//! Everything is rendered from [`Metrics::snapshot`] — the same document
-//! `replayctl stats --json` prints — so the two never disagree. Names follow
-//! Prometheus conventions: `_total` counters, `_seconds` and `_bytes` units,
-//! ratios in 0..1, and an enum (the device state) as one series per state
-//! with value 0 or 1. Every count is since the daemon started; graph rates
-//! (`rate(replayd_bucket_padded_tokens_total[5m]) /
+//! Each scrape takes one [`Stats`] snapshot and encodes it through the
+//! `prometheus-client` crate: a [`Registry`] (prefix `replayd`) holding one
+//! [`Collector`] over the snapshot, whose families are the crate's constant
+//! counters and gauges and, for the latency histograms, a metric that hands
+//! the snapshot's exact bucket counts to the crate's histogram encoding. The
+//! crate names the series (`_total` on counters) and escapes label values.
+//! So `/metrics` and `replayctl stats` never disagree.
+//!
+//! Names follow Prometheus conventions: `_total` counters, `_seconds` and
+//! `_bytes` units, ratios in 0..1, and an enum (the device state) as one
+//! series per state with value 0 or 1. Every count is since the daemon
+//! started; graph rates (`rate(replayd_bucket_padded_tokens_total[5m]) /
 //! rate(replayd_bucket_computed_tokens_total[5m])` is the padding waste of
 //! the last five minutes).
 
 use super::messages::DeviceStatus;
 use super::metrics::Metrics;
+use super::stats::{
+    BucketReport, CumulativeHistogram, DeviceStats, EagerReason, GraphStats, ModelReport, Stats,
+};
 use crate::protocol::ErrorCode;
-use anyhow::Context;
-use http_body_util::Full;
-use hyper::body::Bytes;
-use hyper::{Method, Request, Response, StatusCode};
-use serde_json::Value;
-use std::fmt::Write;
-use std::future::Future;
-use std::net::SocketAddr;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::{MetricType, TypedMetric};
+use prometheus_client::registry::Registry;
+use std::fmt;
 use std::sync::Arc;
 
-/// The text exposition of the metrics.
-pub fn render(metrics: &Metrics) -> String {
-    render_snapshot(&metrics.snapshot())
+/// The text exposition of a stats snapshot.
+pub fn render(stats: Stats) -> String {
+    let mut registry = Registry::with_prefix("replayd");
+    registry.register_collector(Box::new(Exposition(stats)));
+    let mut text = String::with_capacity(16 << 10);
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::prometheus_text::encode(&mut text, &registry);
+    text
 }
 
-/// A label value, escaped (backslash, double quote, newline).
-fn esc(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-struct Out {
-    text: String,
-}
-
-impl Out {
-    fn family(&mut self, name: &str, kind: &str, help: &str) {
-        let _ = writeln!(self.text, "# HELP {name} {help}");
-        let _ = writeln!(self.text, "# TYPE {name} {kind}");
-    }
-
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
-        self.text.push_str(name);
-        if !labels.is_empty() {
-            self.text.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
-                if i > 0 {
-                    self.text.push(',');
-                }
-                let _ = write!(self.text, "{k}=\"{}\"", esc(v));
-            }
-            self.text.push('}');
-        }
-        if value.is_finite() && value.fract() == 0.0 && value.abs() < 1e15 {
-            let _ = writeln!(self.text, " {}", value as i64);
-        } else {
-            let _ = writeln!(self.text, " {value}");
-        }
-    }
-
-    /// A histogram from the snapshot's `{le_us, cumulative, sum_us, count}`.
-    fn histogram(&mut self, name: &str, help: &str, h: &Value) {
-        self.family(name, "histogram", help);
-        let bounds = h["le_us"].as_array().cloned().unwrap_or_default();
-        let counts = h["cumulative"].as_array().cloned().unwrap_or_default();
-        for (le, n) in bounds.iter().zip(&counts) {
-            let le = format!("{}", le.as_f64().unwrap_or(0.0) / 1e6);
-            self.sample(
-                &format!("{name}_bucket"),
-                &[("le", &le)],
-                n.as_f64().unwrap_or(0.0),
-            );
-        }
-        let count = h["count"].as_f64().unwrap_or(0.0);
-        self.sample(&format!("{name}_bucket"), &[("le", "+Inf")], count);
-        self.sample(
-            &format!("{name}_sum"),
-            &[],
-            h["sum_us"].as_f64().unwrap_or(0.0) / 1e6,
-        );
-        self.sample(&format!("{name}_count"), &[], count);
-    }
-}
-
-fn num(v: &Value) -> f64 {
-    v.as_f64()
-        .or_else(|| v.as_bool().map(|b| b as u8 as f64))
-        .unwrap_or(0.0)
-}
-
-fn arr(v: &Value) -> &[Value] {
-    v.as_array().map_or(&[], Vec::as_slice)
-}
-
-/// The exposition of a stats snapshot.
-pub fn render_snapshot(s: &Value) -> String {
-    let mut o = Out {
-        text: String::with_capacity(16 << 10),
-    };
-    o.family(
-        "replayd_uptime_seconds",
-        "gauge",
-        "Seconds since the daemon started.",
-    );
-    o.sample("replayd_uptime_seconds", &[], num(&s["uptime_s"]));
-    o.family(
-        "replayd_reloads_total",
-        "counter",
-        "Configuration reloads that took effect.",
-    );
-    o.sample("replayd_reloads_total", &[], num(&s["reloads"]));
-
-    // Requests by model and outcome; those of no known model under model="".
-    o.family(
-        "replayd_requests_total",
-        "counter",
-        "Requests answered, by model and code (\"ok\" or an error code).",
-    );
-    let models = arr(&s["models"]);
-    let mut per_model_errors = std::collections::BTreeMap::<&str, f64>::new();
-    for m in models {
-        let name = m["name"].as_str().unwrap_or("");
-        o.sample(
-            "replayd_requests_total",
-            &[("model", name), ("code", "ok")],
-            num(&m["requests"]["ok"]),
-        );
-        for code in ErrorCode::ALL {
-            let n = num(&m["requests"]["errors"][code.as_str()]);
-            *per_model_errors.entry(code.as_str()).or_default() += n;
-            o.sample(
-                "replayd_requests_total",
-                &[("model", name), ("code", code.as_str())],
-                n,
-            );
-        }
-    }
-    for code in ErrorCode::ALL {
-        let all = num(&s["requests"]["errors"][code.as_str()]);
-        let rest = all - per_model_errors.get(code.as_str()).copied().unwrap_or(0.0);
-        o.sample(
-            "replayd_requests_total",
-            &[("model", ""), ("code", code.as_str())],
-            rest.max(0.0),
-        );
-    }
-    o.family(
-        "replayd_requests_accepted_total",
-        "counter",
-        "Requests the batcher accepted.",
-    );
-    o.sample(
-        "replayd_requests_accepted_total",
-        &[],
-        num(&s["requests"]["accepted"]),
-    );
-    o.family(
-        "replayd_split_requests_total",
-        "counter",
-        "Successful requests whose items ran in more than one batch.",
-    );
-    o.sample(
-        "replayd_split_requests_total",
-        &[],
-        num(&s["requests"]["split"]),
-    );
-
-    o.family(
-        "replayd_graph_hit_ratio",
-        "gauge",
-        "Share of a model's successful requests served by graph replays only (none of their items eager).",
-    );
-    for m in models {
-        o.sample(
-            "replayd_graph_hit_ratio",
-            &[("model", m["name"].as_str().unwrap_or(""))],
-            num(&m["graph_hit_rate"]),
-        );
-    }
-    o.family(
-        "replayd_model_padding_ratio",
-        "gauge",
-        "Padding tokens over computed tokens, over all of a model's bucketed batches.",
-    );
-    for m in models {
-        o.sample(
-            "replayd_model_padding_ratio",
-            &[("model", m["name"].as_str().unwrap_or(""))],
-            num(&m["padding"]["padding_waste"]),
-        );
-    }
-
-    // Per bucket.
-    let buckets = arr(&s["buckets"]);
-    let per_bucket: [(&str, &str, &str, &str); 8] = [
-        (
-            "replayd_bucket_requests_total",
-            "counter",
-            "Successful requests named after the bucket (the largest shape that ran their items).",
-            "requests",
-        ),
-        (
-            "replayd_bucket_batches_total",
-            "counter",
-            "Batches run in the bucket's graph.",
-            "batches",
-        ),
-        (
-            "replayd_bucket_rows_total",
-            "counter",
-            "Real rows (sequences) run in the bucket.",
-            "rows",
-        ),
-        (
-            "replayd_bucket_padded_rows_total",
-            "counter",
-            "Row (sequence) slots of the bucket left empty.",
-            "padded_rows",
-        ),
-        (
-            "replayd_bucket_tokens_total",
-            "counter",
-            "Real tokens run in the bucket.",
-            "tokens",
-        ),
-        (
-            "replayd_bucket_padded_tokens_total",
-            "counter",
-            "Padding tokens computed in the bucket.",
-            "padded_tokens",
-        ),
-        (
-            "replayd_bucket_computed_tokens_total",
-            "counter",
-            "Token slots computed in the bucket (real + padding).",
-            "computed_tokens",
-        ),
-        (
-            "replayd_bucket_padding_ratio",
-            "gauge",
-            "Padding tokens over computed tokens in the bucket, since start.",
-            "padding_waste",
-        ),
-    ];
-    for (name, kind, help, field) in per_bucket {
-        o.family(name, kind, help);
-        for b in buckets {
-            o.sample(
-                name,
-                &[
-                    ("model", b["model"].as_str().unwrap_or("")),
-                    ("bucket", b["bucket"].as_str().unwrap_or("")),
-                ],
-                num(&b[field]),
-            );
-        }
-    }
-    o.family(
-        "replayd_padding_ratio",
-        "gauge",
-        "Padding tokens over computed tokens, all models.",
-    );
-    o.sample(
-        "replayd_padding_ratio",
-        &[],
-        num(&s["padding"]["padding_waste"]),
-    );
-
-    // Eager work.
-    o.family(
-        "replayd_eager_requests_total",
-        "counter",
-        "Requests with items that ran eagerly (no graph), by reason.",
-    );
-    for (reason, n) in s["eager"]["by_reason"].as_object().into_iter().flatten() {
-        o.sample(
-            "replayd_eager_requests_total",
-            &[("reason", reason)],
-            num(n),
-        );
-    }
-    if s["eager"]["by_reason"]
-        .as_object()
-        .is_none_or(|m| m.is_empty())
-    {
-        o.sample(
-            "replayd_eager_requests_total",
-            &[("reason", "seq_too_long")],
-            0.0,
-        );
-    }
-    o.family(
-        "replayd_eager_batches_total",
-        "counter",
-        "Eager batches run.",
-    );
-    o.sample(
-        "replayd_eager_batches_total",
-        &[],
-        num(&s["eager"]["batches"]),
-    );
-    o.family(
-        "replayd_eager_sequences_total",
-        "counter",
-        "Sequences (rows) run eagerly.",
-    );
-    o.sample(
-        "replayd_eager_sequences_total",
-        &[],
-        num(&s["eager"]["sequences"]),
-    );
-    o.family(
-        "replayd_retried_batches_total",
-        "counter",
-        "Batches run again after their worker died.",
-    );
-    o.sample(
-        "replayd_retried_batches_total",
-        &[],
-        num(&s["retried_batches"]),
-    );
-
-    // Queues.
-    o.family(
-        "replayd_queue_depth",
-        "gauge",
-        "Requests with items waiting for a graph, per model.",
-    );
-    for (model, n) in s["queue_depth"]["by_model"]
-        .as_object()
-        .into_iter()
-        .flatten()
-    {
-        o.sample("replayd_queue_depth", &[("model", model)], num(n));
-    }
-    o.family(
-        "replayd_eager_queue_depth",
-        "gauge",
-        "Requests with items waiting for an eager worker.",
-    );
-    o.sample(
-        "replayd_eager_queue_depth",
-        &[],
-        num(&s["queue_depth"]["eager"]),
-    );
-
-    // Latency.
-    let h = &s["latency"]["histograms"];
-    o.histogram(
-        "replayd_request_duration_seconds",
-        "Successful requests, receipt to reply.",
-        &h["total"],
-    );
-    o.histogram(
-        "replayd_queue_duration_seconds",
-        "Successful requests, receipt until their first batch was sent.",
-        &h["queued"],
-    );
-    o.histogram(
-        "replayd_device_duration_seconds",
-        "Successful requests, time their batches spent on the worker (copy in, replay, copy out).",
-        &h["compute"],
-    );
-
-    // Devices.
-    let devices = arr(&s["devices"]);
-    o.family(
-        "replayd_device_state",
-        "gauge",
-        "1 for the device's current state, 0 for the others.",
-    );
-    for d in devices {
-        let label = d["label"].as_str().unwrap_or("");
-        let role = d["role"].as_str().unwrap_or("");
-        let state = d["state"].as_str().unwrap_or("");
-        for st in DeviceStatus::ALL {
-            o.sample(
-                "replayd_device_state",
-                &[("device", label), ("role", role), ("state", st.as_str())],
-                (st.as_str() == state) as u8 as f64,
-            );
-        }
-    }
-    let per_device: [(&str, &str, &str, &str); 7] = [
-        (
-            "replayd_device_restarts_total",
-            "counter",
-            "Worker processes started after the first.",
-            "restarts",
-        ),
-        (
-            "replayd_device_faults_total",
-            "counter",
-            "Worker exits caused by a device fault.",
-            "device_faults",
-        ),
-        (
-            "replayd_device_hangs_total",
-            "counter",
-            "Workers killed because the watchdog found them stuck.",
-            "hangs",
-        ),
-        (
-            "replayd_device_batches_total",
-            "counter",
-            "Batches the device's workers finished.",
-            "batches",
-        ),
-        (
-            "replayd_device_graph_replays_total",
-            "counter",
-            "Batches served by replaying a captured graph.",
-            "graph_replays",
-        ),
-        (
-            "replayd_device_inflight_batches",
-            "gauge",
-            "Batches sent to the worker and not yet back.",
-            "inflight",
-        ),
-        (
-            "replayd_device_drained",
-            "gauge",
-            "1 while the operator has drained the device.",
-            "drained",
-        ),
-    ];
-    for (name, kind, help, field) in per_device {
-        o.family(name, kind, help);
-        for d in devices {
-            o.sample(
-                name,
-                &[("device", d["label"].as_str().unwrap_or(""))],
-                num(&d[field]),
-            );
-        }
-    }
-    o.family(
-        "replayd_device_graphs",
-        "gauge",
-        "Graphs the device's worker holds.",
-    );
-    for d in devices {
-        o.sample(
-            "replayd_device_graphs",
-            &[("device", d["label"].as_str().unwrap_or(""))],
-            arr(&d["graphs"]).len() as f64,
-        );
-    }
-    o.family(
-        "replayd_graph_capture_seconds",
-        "gauge",
-        "Time the graph took to capture.",
-    );
-    for d in devices {
-        for g in arr(&d["graphs"]) {
-            o.sample(
-                "replayd_graph_capture_seconds",
-                &[
-                    ("device", d["label"].as_str().unwrap_or("")),
-                    ("model", g["model"].as_str().unwrap_or("")),
-                    ("bucket", g["bucket"].as_str().unwrap_or("")),
-                ],
-                num(&g["capture_us"]) / 1e6,
-            );
-        }
-    }
-    o.family(
-        "replayd_graph_memory_bytes",
-        "gauge",
-        "Device memory the graph's static buffers hold.",
-    );
-    for d in devices {
-        for g in arr(&d["graphs"]) {
-            o.sample(
-                "replayd_graph_memory_bytes",
-                &[
-                    ("device", d["label"].as_str().unwrap_or("")),
-                    ("model", g["model"].as_str().unwrap_or("")),
-                    ("bucket", g["bucket"].as_str().unwrap_or("")),
-                ],
-                num(&g["memory_bytes"]),
-            );
-        }
-    }
-    // GPUs, from NVML (absent on the CPU backend).
-    let gpus: Vec<(&str, &Value)> = devices
-        .iter()
-        .filter(|d| d["gpu"].is_object() && d["gpu"]["error"].is_null())
-        .map(|d| (d["label"].as_str().unwrap_or(""), &d["gpu"]))
-        .collect();
-    if !gpus.is_empty() {
-        let per_gpu: [(&str, &str, &str, f64); 4] = [
+/// The routes of the metrics listener: `/metrics`, `/stats`, `/health`.
+pub fn router(metrics: Arc<Metrics>) -> Router {
+    Router::new()
+        .route("/metrics", get(scrape))
+        .route("/stats", get(stats_json))
+        .route("/health", get(health_json))
+        .route(
+            "/",
+            get(|| async { "replayd: /metrics (Prometheus), /stats, /health\n" }),
+        )
+        .fallback(|| async {
             (
-                "replayd_gpu_memory_used_bytes",
-                "GPU memory in use (all processes).",
-                "memory_used_bytes",
-                1.0,
-            ),
-            (
-                "replayd_gpu_memory_total_bytes",
-                "GPU memory.",
-                "memory_total_bytes",
-                1.0,
-            ),
-            (
-                "replayd_gpu_utilization_ratio",
-                "GPU utilisation (NVML).",
-                "utilization_pct",
-                0.01,
-            ),
-            (
-                "replayd_gpu_temperature_celsius",
-                "GPU temperature.",
-                "temperature_c",
-                1.0,
-            ),
-        ];
-        for (name, help, field, scale) in per_gpu {
-            o.family(name, "gauge", help);
-            for (label, g) in &gpus {
-                o.sample(name, &[("device", label)], num(&g[field]) * scale);
-            }
-        }
-    }
+                StatusCode::NOT_FOUND,
+                "not found: try /metrics, /stats or /health\n",
+            )
+        })
+        .with_state(metrics)
+}
 
-    // Sockets.
-    if let Some(transports) = s["transport"].as_object() {
-        let mut fields: Vec<&str> = transports
-            .values()
-            .filter_map(|t| t.as_object())
-            // The counters; not the per-shard list (`shards`).
-            .flat_map(|t| {
-                t.iter()
-                    .filter(|(_, v)| v.is_number())
-                    .map(|(k, _)| k.as_str())
+async fn scrape(State(metrics): State<Arc<Metrics>>) -> Response {
+    metrics_reply(metrics.snapshot())
+}
+
+async fn stats_json(State(metrics): State<Arc<Metrics>>) -> Response {
+    stats_reply(metrics.snapshot())
+}
+
+async fn health_json(State(metrics): State<Arc<Metrics>>) -> Response {
+    super::http::health_reply(metrics.health())
+}
+
+/// `GET /metrics`: the exposition of `stats`.
+pub fn metrics_reply(stats: Stats) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+        )],
+        render(stats),
+    )
+        .into_response()
+}
+
+/// `GET /stats`: `replayctl stats --json`'s document.
+pub fn stats_reply(stats: Stats) -> Response {
+    Json(stats).into_response()
+}
+
+/// The families of one snapshot, encoded on each scrape.
+#[derive(Debug)]
+struct Exposition(Stats);
+
+/// A label set: (name, value) pairs.
+type Labels<'a, const N: usize> = [(&'static str, &'a str); N];
+
+const NONE: Labels<'static, 0> = [];
+
+fn counter(v: u64) -> ConstCounter<u64> {
+    ConstCounter::new(v)
+}
+
+fn gauge(v: f64) -> ConstGauge<f64> {
+    ConstGauge::new(v)
+}
+
+fn count(v: u64) -> ConstGauge<u64> {
+    ConstGauge::new(v)
+}
+
+/// Writes one family: its `# HELP` and `# TYPE`, then a sample per label
+/// set (a family with no samples keeps its header, so dashboards see it).
+fn family<L, M>(
+    out: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    series: impl IntoIterator<Item = (L, M)>,
+) -> fmt::Result
+where
+    L: EncodeLabelSet,
+    M: EncodeMetric + TypedMetric,
+{
+    let mut encoder = out.encode_descriptor(name, help, None, M::TYPE)?;
+    for (labels, metric) in series {
+        metric.encode(encoder.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// A latency histogram of the snapshot, in seconds.
+#[derive(Debug)]
+struct Seconds<'a>(&'a CumulativeHistogram);
+
+impl TypedMetric for Seconds<'_> {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Seconds<'_> {
+    fn encode(&self, mut encoder: MetricEncoder) -> fmt::Result {
+        // The encoder takes each bucket's own count and adds them up again.
+        let mut below = 0;
+        let buckets: Vec<(f64, u64)> = self
+            .0
+            .le_us
+            .iter()
+            .zip(&self.0.cumulative)
+            .map(|(&le, &n)| {
+                let own = n.saturating_sub(below);
+                below = n;
+                (le as f64 / 1e6, own)
             })
             .collect();
-        fields.sort_unstable();
-        fields.dedup();
-        for field in fields {
-            let name = format!("replayd_transport_{field}_total");
-            o.family(
-                &name,
-                "counter",
-                &format!("Socket counter {field} (see docs/transport.md)."),
-            );
-            for (socket, t) in transports {
-                o.sample(&name, &[("socket", socket)], num(&t[field]));
-            }
-        }
+        encoder.encode_histogram::<NoLabels>(
+            self.0.sum_us as f64 / 1e6,
+            self.0.count,
+            &buckets,
+            None,
+        )
     }
-    o.text
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
 }
 
-/// Binds `addr` (already checked to be loopback) and serves `/metrics`
-/// until `shutdown` resolves.
-pub async fn serve(
-    addr: SocketAddr,
-    metrics: Arc<Metrics>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot bind metrics.endpoint {addr}"))?;
-    let bound = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        tokio::pin!(shutdown);
-        loop {
-            let (stream, _) = tokio::select! {
-                _ = &mut shutdown => break,
-                accepted = listener.accept() => match accepted {
-                    Ok(a) => a,
-                    Err(e) => {
-                        tracing::warn!("metrics: accept: {e}");
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                        continue;
-                    }
-                },
-            };
-            let metrics = metrics.clone();
-            tokio::spawn(async move {
-                let service =
-                    hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                        let metrics = metrics.clone();
-                        async move { Ok::<_, std::convert::Infallible>(respond(&req, &metrics)) }
-                    });
-                let io = hyper_util::rt::TokioIo::new(stream);
-                let conn = hyper::server::conn::http1::Builder::new()
-                    .header_read_timeout(std::time::Duration::from_secs(10))
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .serve_connection(io, service);
-                let _ = conn.await;
-            });
-        }
-    });
-    Ok((bound, task))
+type NoLabels = prometheus_client::encoding::NoLabelSet;
+
+/// A family of one series per record: its name, help, and the record's field.
+type Field<T, V = u64> = (&'static str, &'static str, fn(&T) -> V);
+
+/// Per-bucket counters.
+const BUCKET_COUNTERS: [Field<BucketReport>; 7] = [
+    (
+        "bucket_requests",
+        "Successful requests named after the bucket (the largest shape that ran their items).",
+        |b| b.requests,
+    ),
+    (
+        "bucket_batches",
+        "Batches run in the bucket's graph.",
+        |b| b.batches,
+    ),
+    (
+        "bucket_rows",
+        "Real rows (sequences) run in the bucket.",
+        |b| b.rows,
+    ),
+    (
+        "bucket_padded_rows",
+        "Row (sequence) slots of the bucket left empty.",
+        |b| b.padded_rows,
+    ),
+    ("bucket_tokens", "Real tokens run in the bucket.", |b| {
+        b.tokens
+    }),
+    (
+        "bucket_padded_tokens",
+        "Padding tokens computed in the bucket.",
+        |b| b.padded_tokens,
+    ),
+    (
+        "bucket_computed_tokens",
+        "Token slots computed in the bucket (real + padding).",
+        |b| b.computed_tokens,
+    ),
+];
+
+/// Per-device counters.
+const DEVICE_COUNTERS: [Field<DeviceStats>; 5] = [
+    (
+        "device_restarts",
+        "Worker processes started after the first.",
+        |d| d.restarts,
+    ),
+    (
+        "device_faults",
+        "Worker exits caused by a device fault.",
+        |d| d.device_faults,
+    ),
+    (
+        "device_hangs",
+        "Workers killed because the watchdog found them stuck.",
+        |d| d.hangs,
+    ),
+    (
+        "device_batches",
+        "Batches the device's workers finished.",
+        |d| d.batches,
+    ),
+    (
+        "device_graph_replays",
+        "Batches served by replaying a captured graph.",
+        |d| d.graph_replays,
+    ),
+];
+
+impl Collector for Exposition {
+    fn encode(&self, mut out: DescriptorEncoder) -> fmt::Result {
+        let s = &self.0;
+        let o = &mut out;
+        family(
+            o,
+            "uptime_seconds",
+            "Seconds since the daemon started.",
+            [(NONE, gauge(s.uptime_s))],
+        )?;
+        family(
+            o,
+            "reloads",
+            "Configuration reloads that took effect.",
+            [(NONE, counter(s.reloads))],
+        )?;
+        requests(o, s)?;
+        buckets(o, s)?;
+        eager_and_queues(o, s)?;
+        latency(o, s)?;
+        devices(o, &s.devices)?;
+        gpus(o, &s.devices)?;
+        transport(o, s)
+    }
 }
 
-fn respond<B>(req: &Request<B>, metrics: &Metrics) -> Response<Full<Bytes>> {
-    let plain = |status: StatusCode, body: String| {
-        Response::builder()
-            .status(status)
-            .header("content-type", "text/plain; charset=utf-8")
-            .body(Full::new(Bytes::from(body)))
-            .expect("a valid response")
+fn requests(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
+    let code = |errors: &std::collections::BTreeMap<ErrorCode, u64>, c: &ErrorCode| {
+        errors.get(c).copied().unwrap_or(0)
     };
-    match (req.method(), req.uri().path()) {
-        (&Method::GET, "/metrics") | (&Method::HEAD, "/metrics") => Response::builder()
-            .status(StatusCode::OK)
-            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-            .body(Full::new(Bytes::from(render(metrics))))
-            .expect("a valid response"),
-        (&Method::GET, "/") => plain(
-            StatusCode::OK,
-            "replayd: Prometheus metrics at /metrics\n".into(),
+    // Requests by model and outcome; those of no known model under model="".
+    let by_model = s.models.iter().flat_map(|m| {
+        let ok = (
+            [("model", m.name.as_str()), ("code", "ok")],
+            counter(m.requests.ok),
+        );
+        std::iter::once(ok).chain(ErrorCode::ALL.iter().map(|c| {
+            (
+                [("model", m.name.as_str()), ("code", c.as_str())],
+                counter(code(&m.requests.errors, c)),
+            )
+        }))
+    });
+    let unattributed = ErrorCode::ALL.iter().map(|c| {
+        let of_models: u64 = s.models.iter().map(|m| code(&m.requests.errors, c)).sum();
+        (
+            [("model", ""), ("code", c.as_str())],
+            counter(code(&s.requests.errors, c).saturating_sub(of_models)),
+        )
+    });
+    family(
+        o,
+        "requests",
+        "Requests answered, by model and code (\"ok\" or an error code).",
+        by_model.chain(unattributed),
+    )?;
+    let totals = [
+        (
+            "requests_accepted",
+            "Requests the batcher accepted.",
+            s.requests.accepted,
         ),
-        (_, "/metrics") => plain(StatusCode::METHOD_NOT_ALLOWED, "GET /metrics\n".into()),
-        _ => plain(StatusCode::NOT_FOUND, "not found: try /metrics\n".into()),
+        (
+            "split_requests",
+            "Successful requests whose items ran in more than one batch.",
+            s.requests.split,
+        ),
+    ];
+    for (name, help, n) in totals {
+        family(o, name, help, [(NONE, counter(n))])?;
     }
+    let ratios: [Field<ModelReport, f64>; 2] = [
+        (
+            "graph_hit_ratio",
+            "Share of a model's successful requests served by graph replays only (none of their items eager).",
+            |m| m.graph_hit_rate,
+        ),
+        (
+            "model_padding_ratio",
+            "Padding tokens over computed tokens, over all of a model's bucketed batches.",
+            |m| m.padding.padding_waste,
+        ),
+    ];
+    for (name, help, ratio) in ratios {
+        family(
+            o,
+            name,
+            help,
+            s.models
+                .iter()
+                .map(|m| ([("model", m.name.as_str())], gauge(ratio(m)))),
+        )?;
+    }
+    Ok(())
+}
+
+fn buckets(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
+    fn labels(b: &BucketReport) -> Labels<'_, 2> {
+        [("model", b.model.as_str()), ("bucket", b.bucket.as_str())]
+    }
+    for (name, help, field) in BUCKET_COUNTERS {
+        family(
+            o,
+            name,
+            help,
+            s.buckets.iter().map(|b| (labels(b), counter(field(b)))),
+        )?;
+    }
+    family(
+        o,
+        "bucket_padding_ratio",
+        "Padding tokens over computed tokens in the bucket, since start.",
+        s.buckets
+            .iter()
+            .map(|b| (labels(b), gauge(b.padding_waste))),
+    )?;
+    family(
+        o,
+        "padding_ratio",
+        "Padding tokens over computed tokens, all models.",
+        [(NONE, gauge(s.padding.padding_waste))],
+    )
+}
+
+fn eager_and_queues(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
+    family(
+        o,
+        "eager_requests",
+        "Requests with items that ran eagerly (no graph), by reason.",
+        EagerReason::ALL.iter().map(|r| {
+            let n = s.eager.by_reason.get(r).copied().unwrap_or(0);
+            ([("reason", r.as_str())], counter(n))
+        }),
+    )?;
+    let totals = [
+        ("eager_batches", "Eager batches run.", s.eager.batches),
+        (
+            "eager_sequences",
+            "Sequences (rows) run eagerly.",
+            s.eager.sequences,
+        ),
+        (
+            "retried_batches",
+            "Batches run again after their worker died.",
+            s.retried_batches,
+        ),
+    ];
+    for (name, help, n) in totals {
+        family(o, name, help, [(NONE, counter(n))])?;
+    }
+    family(
+        o,
+        "queue_depth",
+        "Requests with items waiting for a graph, per model.",
+        s.queue_depth
+            .by_model
+            .iter()
+            .map(|(model, n)| ([("model", model.as_str())], count(*n))),
+    )?;
+    family(
+        o,
+        "eager_queue_depth",
+        "Requests with items waiting for an eager worker.",
+        [(NONE, count(s.queue_depth.eager))],
+    )
+}
+
+fn latency(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
+    let h = &s.latency.histograms;
+    family(
+        o,
+        "request_duration_seconds",
+        "Successful requests, receipt to reply.",
+        [(NONE, Seconds(&h.total))],
+    )?;
+    family(
+        o,
+        "queue_duration_seconds",
+        "Successful requests, receipt until their first batch was sent.",
+        [(NONE, Seconds(&h.queued))],
+    )?;
+    family(
+        o,
+        "device_duration_seconds",
+        "Successful requests, time their batches spent on the worker (copy in, replay, copy out).",
+        [(NONE, Seconds(&h.compute))],
+    )
+}
+
+fn devices(o: &mut DescriptorEncoder, devices: &[DeviceStats]) -> fmt::Result {
+    fn by_device(d: &DeviceStats) -> Labels<'_, 1> {
+        [("device", d.label.as_str())]
+    }
+    family(
+        o,
+        "device_state",
+        "1 for the device's current state, 0 for the others.",
+        devices.iter().flat_map(|d| {
+            DeviceStatus::ALL.iter().map(move |st| {
+                (
+                    [
+                        ("device", d.label.as_str()),
+                        ("role", d.role.as_str()),
+                        ("state", st.as_str()),
+                    ],
+                    count(u64::from(*st == d.state)),
+                )
+            })
+        }),
+    )?;
+    for (name, help, field) in DEVICE_COUNTERS {
+        family(
+            o,
+            name,
+            help,
+            devices.iter().map(|d| (by_device(d), counter(field(d)))),
+        )?;
+    }
+    family(
+        o,
+        "device_inflight_batches",
+        "Batches sent to the worker and not yet back.",
+        devices.iter().map(|d| (by_device(d), count(d.inflight))),
+    )?;
+    family(
+        o,
+        "device_drained",
+        "1 while the operator has drained the device.",
+        devices
+            .iter()
+            .map(|d| (by_device(d), count(u64::from(d.drained)))),
+    )?;
+    family(
+        o,
+        "device_graphs",
+        "Graphs the device's worker holds.",
+        devices
+            .iter()
+            .map(|d| (by_device(d), count(d.graphs.len() as u64))),
+    )?;
+    let graphs = || {
+        devices.iter().flat_map(|d| {
+            d.graphs
+                .iter()
+                .map(move |g: &GraphStats| -> (Labels<'_, 3>, &GraphStats) {
+                    (
+                        [
+                            ("device", d.label.as_str()),
+                            ("model", g.model.as_str()),
+                            ("bucket", g.bucket.as_str()),
+                        ],
+                        g,
+                    )
+                })
+        })
+    };
+    family(
+        o,
+        "graph_capture_seconds",
+        "Time the graph took to capture.",
+        graphs().map(|(l, g)| (l, gauge(g.capture_us as f64 / 1e6))),
+    )?;
+    family(
+        o,
+        "graph_memory_bytes",
+        "Device memory the graph's static buffers hold.",
+        graphs().map(|(l, g)| (l, count(g.memory_bytes))),
+    )
+}
+
+/// GPUs, from NVML (absent on the CPU backend, and for a GPU NVML could not read).
+fn gpus(o: &mut DescriptorEncoder, devices: &[DeviceStats]) -> fmt::Result {
+    let gpus: Vec<_> = devices
+        .iter()
+        .filter_map(|d| Some((d.label.as_str(), d.gpu.as_ref()?.sample()?)))
+        .collect();
+    if gpus.is_empty() {
+        return Ok(());
+    }
+    let per_gpu = |f: fn(&super::stats::GpuSample) -> Option<f64>| {
+        gpus.iter()
+            .filter_map(move |(label, g)| Some(([("device", *label)], gauge(f(g)?))))
+    };
+    family(
+        o,
+        "gpu_memory_used_bytes",
+        "GPU memory in use (all processes).",
+        per_gpu(|g| Some(g.memory_used_bytes as f64)),
+    )?;
+    family(
+        o,
+        "gpu_memory_total_bytes",
+        "GPU memory.",
+        per_gpu(|g| Some(g.memory_total_bytes as f64)),
+    )?;
+    family(
+        o,
+        "gpu_utilization_ratio",
+        "GPU utilisation (NVML).",
+        per_gpu(|g| g.utilization_pct.map(|p| p as f64 / 100.0)),
+    )?;
+    family(
+        o,
+        "gpu_temperature_celsius",
+        "GPU temperature.",
+        per_gpu(|g| g.temperature_c.map(f64::from)),
+    )
+}
+
+/// Every counter of every socket, as `replayd_transport_<counter>_total`.
+fn transport(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
+    // The counters by their field names (serialising the snapshot lists
+    // them, so a counter added to the transport is exported too).
+    let sockets: Vec<(&str, serde_json::Map<String, serde_json::Value>)> = s
+        .transport
+        .iter()
+        .filter_map(|(name, t)| match serde_json::to_value(t.total) {
+            Ok(serde_json::Value::Object(fields)) => Some((name.as_str(), fields)),
+            _ => None,
+        })
+        .collect();
+    let Some((_, first)) = sockets.first() else {
+        return Ok(());
+    };
+    for field in first.keys() {
+        family(
+            o,
+            &format!("transport_{field}"),
+            &format!("Socket counter {field} (see docs/transport.md)."),
+            sockets.iter().map(|(socket, fields)| {
+                let n = fields.get(field).and_then(|v| v.as_u64()).unwrap_or(0);
+                ([("socket", *socket)], counter(n))
+            }),
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -635,20 +590,21 @@ mod tests {
     #[test]
     fn the_exposition_has_the_stats_numbers_with_escaped_labels() {
         let m = Metrics::new();
+        let grid = Grid::Packed(TokenGrid::new(vec![64], 8));
         m.set_models(vec![ModelStats {
             name: "enc\"x".into(),
             batching: "packed".into(),
-            grid: serde_json::Value::Null,
+            grid: grid.describe(),
             folder: Vec::new(),
         }]);
-        m.set_model_grid("enc\"x", &Grid::Packed(TokenGrid::new(vec![64], 8)));
+        m.set_model_grid("enc\"x", &grid);
         m.bucket_batch("enc\"x", Bucket::packed(64, 8), 1, 2, 48);
         m.model_reply("enc\"x", Some(Bucket::packed(64, 8)), 700);
         m.model_reply("enc\"x", None, 900);
         m.reply_ok(700, 100, 300, 1);
         m.model_error("enc\"x", ErrorCode::Overloaded);
         m.error(ErrorCode::UnknownModel);
-        let text = render(&m);
+        let text = render(m.snapshot());
         let line = |prefix: &str| -> f64 {
             text.lines()
                 .find(|l| l.starts_with(prefix))
@@ -690,6 +646,10 @@ mod tests {
         );
         assert_eq!(line("replayd_request_duration_seconds_sum"), 0.0007);
         assert!(text.contains("# TYPE replayd_device_duration_seconds histogram"));
+        assert!(text.contains("# TYPE replayd_requests_total counter"));
+        assert!(
+            text.contains("# HELP replayd_reloads_total Configuration reloads that took effect.\n")
+        );
         // Every sample line belongs to a declared family.
         let families: Vec<&str> = text
             .lines()

@@ -36,12 +36,12 @@
 use super::admission::Admission;
 use super::messages::{BatcherMsg, DeviceMsg};
 use super::metrics::Metrics;
+use super::stats::{ReloadReport, ReloadedModel};
 use super::supervisor::SupervisorMsg;
 use crate::bucket::Grid;
 use crate::config::Config;
 use ractor::rpc::CallResult;
 use ractor::ActorRef;
-use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -185,7 +185,7 @@ impl Reloader {
     }
 
     /// Re-reads the config file and applies it, or says why not.
-    pub async fn reload(&self) -> Result<Value, String> {
+    pub async fn reload(&self) -> Result<ReloadReport, String> {
         if !self.ready.load(Ordering::Acquire) {
             return Err("the daemon is still starting (capturing); reload once it is ready".into());
         }
@@ -196,7 +196,7 @@ impl Reloader {
         let result = self.apply(&mut state).await;
         match &result {
             Ok(v) => {
-                tracing::info!(changed = %v["changed"], "reload applied");
+                tracing::info!(changed = ?v.changed, "reload applied");
                 super::notify::notify("READY=1\nSTATUS=ready (reloaded)");
             }
             Err(e) => {
@@ -207,12 +207,15 @@ impl Reloader {
         result
     }
 
-    async fn apply(&self, state: &mut State) -> Result<Value, String> {
+    async fn apply(&self, state: &mut State) -> Result<ReloadReport, String> {
         let new = Config::load(&self.config_path).map_err(|e| e.to_string())?;
         let old = &state.config;
         let changed = changed_keys(old, &new);
         if changed.is_empty() {
-            return Ok(json!({"changed": [], "message": "nothing changed"}));
+            return Ok(ReloadReport {
+                message: Some("nothing changed".into()),
+                ..Default::default()
+            });
         }
         let fixed: Vec<&String> = changed.iter().filter(|k| !is_live(k)).collect();
         if !fixed.is_empty() {
@@ -252,12 +255,7 @@ impl Reloader {
             }
             let timeout =
                 Duration::from_millis(new.devices.start_timeout_ms) + Duration::from_secs(10);
-            let labels: Vec<String> = self
-                .metrics
-                .devices()
-                .into_iter()
-                .map(|d| d.label)
-                .collect();
+            let labels = self.metrics.device_labels();
             for (slot, d) in devices.iter().enumerate() {
                 let label = labels
                     .get(slot)
@@ -327,15 +325,19 @@ impl Reloader {
         }
         state.config = new;
         self.metrics.reloaded();
-        Ok(json!({
-            "changed": changed,
-            "models": grids.iter().map(|(i, g)| json!({
-                "model": state.config.models[*i].name,
-                "batching": g.batching(),
-                "grid": g.describe(),
-            })).collect::<Vec<_>>(),
-            "graphs_captured": captured,
-        }))
+        Ok(ReloadReport {
+            changed,
+            models: grids
+                .iter()
+                .map(|(i, g)| ReloadedModel {
+                    model: state.config.models[*i].name.clone(),
+                    batching: g.batching().into(),
+                    grid: g.describe(),
+                })
+                .collect(),
+            graphs_captured: captured as u64,
+            message: None,
+        })
     }
 
     async fn call_supervisor(&self) -> Result<Vec<ActorRef<DeviceMsg>>, String> {

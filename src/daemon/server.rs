@@ -10,6 +10,7 @@ use super::batcher::{BatcherActor, BatcherArgs, ModelSlot};
 use super::control::Control;
 use super::device::{DeviceArgs, WorkerCommand};
 use super::frontend::{Frontend, ServedModel};
+use super::http_server;
 use super::messages::{BatcherMsg, DeviceKind, DeviceStatus};
 use super::metrics::{DeviceStats, Metrics, ModelStats};
 use super::reload::Reloader;
@@ -491,9 +492,13 @@ pub async fn run(
     })?;
     let control_endpoint = control_socket.endpoint().to_string();
     let http_listener = if config.http.enabled {
-        Some(super::http::bind(&config.http).await?)
+        Some(http_server::bind(&config.http.listen, "http.listen").await?)
     } else {
         None
+    };
+    let metrics_listener = match &config.metrics.endpoint {
+        Some(address) => Some(http_server::bind(address, "metrics.endpoint").await?),
+        None => None,
     };
     let http_address = http_listener
         .as_ref()
@@ -580,10 +585,7 @@ pub async fn run(
                 metrics_index: metrics.add_device(
                     DeviceStats {
                         label: d.label.clone(),
-                        role: match d.kind {
-                            DeviceKind::Graph => "graph".into(),
-                            DeviceKind::Eager => "eager".into(),
-                        },
+                        role: d.kind,
                         ..Default::default()
                     },
                     status_rx,
@@ -663,12 +665,8 @@ pub async fn run(
     };
     let http_task = http_listener.map(|listener| {
         let front = super::http::HttpFront::new(&config.http, frontend.clone(), metrics.clone());
-        tokio::spawn(super::http::run(
-            listener,
-            front,
-            config.http.max_body_bytes,
-            stopped(stop_rx.clone()),
-        ))
+        let routes = super::http::router(front, config.http.max_body_bytes);
+        http_server::serve(listener, routes, "http front", stopped(stop_rx.clone())).1
     });
     let frontend_task = tokio::spawn(super::frontend::run(
         client_sockets,
@@ -694,17 +692,14 @@ pub async fn run(
         control,
         stopped(stop_rx.clone()),
     ));
-    let metrics_task = match &config.metrics.endpoint {
-        Some(addr) => {
-            let addr: std::net::SocketAddr = addr.parse().context("metrics.endpoint")?;
-            let (bound, task) =
-                super::prometheus::serve(addr, metrics.clone(), stopped(stop_rx.clone())).await?;
-            let url = format!("http://{bound}/metrics");
-            tracing::info!(endpoint = %url, "Prometheus metrics");
-            Some((task, url))
-        }
-        None => None,
-    };
+    let metrics_task = metrics_listener.map(|listener| {
+        let routes = super::prometheus::router(metrics.clone());
+        let (bound, task) =
+            http_server::serve(listener, routes, "metrics", stopped(stop_rx.clone()));
+        let url = bound.map_or_else(String::new, |a| format!("http://{a}/metrics"));
+        tracing::info!(endpoint = %url, "Prometheus metrics");
+        (task, url)
+    });
     let status_task = tokio::spawn(super::notify::status_loop(metrics.clone()));
     let watchdog_task = super::notify::watchdog_interval().map(|interval| {
         tracing::info!(
@@ -753,13 +748,14 @@ pub async fn run(
     // Every request is answered; the frontend flushes the last replies and stops.
     let _ = stop_tx.send(true);
     let _ = frontend_task.await;
-    if let Some(task) = http_task {
+    // Open HTTP connections get a few seconds to finish their requests.
+    for task in http_task
+        .into_iter()
+        .chain(metrics_task.map(|(task, _)| task))
+    {
         let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
     }
     let _ = control_task.await;
-    if let Some((task, _)) = metrics_task {
-        let _ = task.await;
-    }
     let _ = supervisor
         .call(SupervisorMsg::StopAll, Some(Duration::from_secs(60)))
         .await;

@@ -10,13 +10,13 @@
 //!   channel, a mailbox, a run queue), so a queue in front of a stage shows
 //!   before the stage itself is saturated.
 //!
-//! The stats' `stages` object carries the running totals; `replayd-loadgen
+//! The stats' `stages` object ([`super::stats::StageTotals`]) carries the running totals; `replayd-loadgen
 //! --control` turns the difference over a run into shares and mean waits.
 //! The client socket's own driver is counted by the transport
 //! (`transport.client.busy_us`).
 
+use super::stats::{Busy, StageBusy, StageDelays, StageTotals, Waits};
 use crate::clock::mono_ns;
-use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Busy time of one serial task.
@@ -34,11 +34,11 @@ impl StageClock {
         self.turns.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn json(&self) -> Value {
-        json!({
-            "busy_us": self.busy_ns.load(Ordering::Relaxed) / 1000,
-            "turns": self.turns.load(Ordering::Relaxed),
-        })
+    fn report(&self) -> Busy {
+        Busy {
+            busy_us: self.busy_ns.load(Ordering::Relaxed) / 1000,
+            turns: self.turns.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -61,11 +61,11 @@ impl Delay {
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn json(&self) -> Value {
-        json!({
-            "sum_us": self.sum_ns.load(Ordering::Relaxed) / 1000,
-            "count": self.count.load(Ordering::Relaxed),
-        })
+    fn report(&self) -> Waits {
+        Waits {
+            sum_us: self.sum_ns.load(Ordering::Relaxed) / 1000,
+            count: self.count.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -88,19 +88,20 @@ pub struct Stages {
 }
 
 impl Stages {
-    pub fn json(&self) -> Value {
-        json!({
-            "busy": {
-                "frontend_loop": self.frontend_loop.json(),
-                "batcher": self.batcher.json(),
-                "ring_reader": self.ring_reader.json(),
+    /// The running totals, for the stats.
+    pub fn report(&self) -> StageTotals {
+        StageTotals {
+            busy: StageBusy {
+                frontend_loop: self.frontend_loop.report(),
+                batcher: self.batcher.report(),
+                ring_reader: self.ring_reader.report(),
             },
-            "delays": {
-                "socket_to_frontend": self.socket_to_frontend.json(),
-                "spawn_to_handler": self.spawn_to_handler.json(),
-                "batcher_mailbox": self.batcher_mailbox.json(),
+            delays: StageDelays {
+                socket_to_frontend: self.socket_to_frontend.report(),
+                spawn_to_handler: self.spawn_to_handler.report(),
+                batcher_mailbox: self.batcher_mailbox.report(),
             },
-        })
+        }
     }
 }
 
@@ -116,11 +117,11 @@ mod tests {
         s.batcher.add_since(t);
         s.batcher_mailbox.add_since(t);
         s.batcher_mailbox.add_since(0); // unknown: not counted
-        let j = s.json();
-        assert!(j["busy"]["batcher"]["busy_us"].as_u64().unwrap() >= 2000);
-        assert_eq!(j["busy"]["batcher"]["turns"], 1);
-        assert_eq!(j["busy"]["frontend_loop"]["turns"], 0);
-        assert_eq!(j["delays"]["batcher_mailbox"]["count"], 1);
-        assert!(j["delays"]["batcher_mailbox"]["sum_us"].as_u64().unwrap() >= 2000);
+        let r = s.report();
+        assert!(r.busy.batcher.busy_us >= 2000);
+        assert_eq!(r.busy.batcher.turns, 1);
+        assert_eq!(r.busy.frontend_loop.turns, 0);
+        assert_eq!(r.delays.batcher_mailbox.count, 1);
+        assert!(r.delays.batcher_mailbox.sum_us >= 2000);
     }
 }

@@ -12,7 +12,7 @@
 //! so the search is `O(k · n²)` over at most [`MAX_CANDIDATES`] candidates.
 //! Pure; unit-tested below.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// Boundary candidates the search considers (beyond it they are thinned to
@@ -21,7 +21,7 @@ pub const MAX_CANDIDATES: usize = 1024;
 
 /// A histogram of non-negative integer values, kept exactly up to a
 /// granularity (`value` is recorded as the next multiple of `granularity`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Histogram {
     pub granularity: u64,
     /// value → count, values rounded up to the granularity.
@@ -102,7 +102,7 @@ impl Histogram {
 }
 
 /// What a ladder would waste on a histogram.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LadderCost {
     /// Values at or below the largest size (they fit a graph).
     pub fitted: u64,
@@ -236,11 +236,30 @@ pub fn best_ladder(hist: &Histogram, k: usize, max: u64, align: u64) -> Vec<u64>
     ladder
 }
 
+/// The config key of a ladder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LadderKey {
+    SeqBuckets,
+    BatchBuckets,
+    TokenBudgets,
+}
+
+impl LadderKey {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LadderKey::SeqBuckets => "seq_buckets",
+            LadderKey::BatchBuckets => "batch_buckets",
+            LadderKey::TokenBudgets => "token_budgets",
+        }
+    }
+}
+
 /// A suggestion for one ladder of a model's grid.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LadderSuggestion {
-    /// The config key it is for (`seq_buckets`, `batch_buckets`, `token_budgets`).
-    pub key: &'static str,
+    /// The config key it is for.
+    pub key: LadderKey,
     pub current: Vec<u64>,
     pub suggested: Vec<u64>,
     pub current_cost: LadderCost,
@@ -249,7 +268,7 @@ pub struct LadderSuggestion {
 
 impl LadderSuggestion {
     /// Compares `current` with the best ladder of as many sizes on `hist`.
-    pub fn new(key: &'static str, hist: &Histogram, current: &[u64], align: u64) -> Self {
+    pub fn new(key: LadderKey, hist: &Histogram, current: &[u64], align: u64) -> Self {
         let max = current.last().copied().unwrap_or(0);
         let suggested = best_ladder(hist, current.len(), max, align);
         let current_cost = ladder_cost(hist, current);
@@ -332,7 +351,7 @@ mod tests {
     fn alignment_and_values_above_the_largest_size() {
         // Texts of 17..=24 tokens mostly, a few long ones beyond the grid.
         let h = hist(&[(17, 50), (20, 20), (24, 30), (100, 5), (300, 3)]);
-        let s = LadderSuggestion::new("seq_buckets", &h, &[16, 32, 64, 128, 256], 8);
+        let s = LadderSuggestion::new(LadderKey::SeqBuckets, &h, &[16, 32, 64, 128, 256], 8);
         assert_eq!(s.current_cost.above, 3);
         assert_eq!(s.suggested.last(), Some(&256));
         assert!(s.suggested.iter().all(|b| b % 8 == 0));
@@ -348,7 +367,7 @@ mod tests {
     #[test]
     fn a_ladder_that_is_already_best_is_kept() {
         let h = hist(&[(8, 10), (16, 10)]);
-        let s = LadderSuggestion::new("batch_buckets", &h, &[8, 16], 1);
+        let s = LadderSuggestion::new(LadderKey::BatchBuckets, &h, &[8, 16], 1);
         assert!(!s.changes());
         assert_eq!(s.suggested_cost.padding, 0);
     }

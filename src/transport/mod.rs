@@ -414,7 +414,8 @@ pub struct TransportStats {
 }
 
 /// A copy of [`TransportStats`] at one moment.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct StatsSnapshot {
     /// Messages taken from libzmq, each handed to the receiver half (a
     /// rejected one as a refusal) as it is counted. Every message that

@@ -126,11 +126,23 @@ pub enum Rejection {
     Draining,
 }
 
-/// Whether a device replays graphs or runs eager batches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Whether a device replays graphs or runs eager batches (the stats call
+/// it the device's `role`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
+    #[default]
     Graph,
     Eager,
+}
+
+impl DeviceKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceKind::Graph => "graph",
+            DeviceKind::Eager => "eager",
+        }
+    }
 }
 
 /// The items of one request that a batch holds.

@@ -260,13 +260,12 @@ async fn outstanding(h: &Harness) -> usize {
         .unwrap()
 }
 
-fn bucket_stats(h: &Harness, label: &str) -> serde_json::Value {
-    h.metrics.snapshot()["buckets"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|b| b["bucket"] == label)
-        .cloned()
+fn bucket_stats(h: &Harness, label: &str) -> crate::daemon::stats::BucketReport {
+    h.metrics
+        .snapshot()
+        .buckets
+        .into_iter()
+        .find(|b| b.bucket == label)
         .unwrap_or_else(|| panic!("no bucket {label}"))
 }
 
@@ -294,7 +293,7 @@ async fn outputs_are_split_by_request_in_row_order() {
     let sent: usize = rest.iter().map(|b| b.rows).sum();
     assert_eq!(sent, 3);
     let stats = h.metrics.snapshot();
-    assert_eq!(stats["requests"]["ok"], 3);
+    assert_eq!(stats.requests.ok, 3);
 }
 
 #[tokio::test]
@@ -335,18 +334,12 @@ async fn a_request_larger_than_every_bucket_is_split_and_reassembled_in_order() 
         e => panic!("{e:?}"),
     }
     let stats = h.metrics.snapshot();
-    assert_eq!(stats["requests"]["split"], 1);
-    assert_eq!(stats["eager"]["requests"], 0);
+    assert_eq!(stats.requests.split, 1);
+    assert_eq!(stats.eager.requests, 0);
     let b4 = bucket_stats(&h, "4x1");
-    assert_eq!(
-        (b4["requests"].as_u64(), b4["parts"].as_u64()),
-        (Some(1), Some(2))
-    );
+    assert_eq!((b4.requests, b4.parts), (1, 2));
     let b2 = bucket_stats(&h, "2x1");
-    assert_eq!(
-        (b2["requests"].as_u64(), b2["parts"].as_u64()),
-        (Some(0), Some(1))
-    );
+    assert_eq!((b2.requests, b2.parts), (0, 1));
     assert_eq!(outstanding(&h).await, 0);
 }
 
@@ -379,11 +372,8 @@ async fn packed_batches_fill_the_smallest_budget_and_replies_keep_order() {
         e => panic!("{e:?}"),
     }
     let b = bucket_stats(&h, "32t");
-    assert_eq!(
-        (b["tokens"].as_u64(), b["computed_tokens"].as_u64()),
-        (Some(30), Some(32))
-    );
-    assert_eq!(b["seq_fill"], 0.75);
+    assert_eq!((b.tokens, b.computed_tokens), (30, 32));
+    assert_eq!(b.seq_fill, 0.75);
 }
 
 #[tokio::test]
@@ -422,9 +412,9 @@ async fn texts_too_long_for_every_graph_run_eagerly_beside_the_rest() {
         e => panic!("{e:?}"),
     }
     let stats = h.metrics.snapshot();
-    assert_eq!(stats["eager"]["requests"], 1);
-    assert_eq!(stats["eager"]["sequences"], 1);
-    assert_eq!(stats["eager"]["by_reason"]["seq_too_long"], 1);
+    assert_eq!(stats.eager.requests, 1);
+    assert_eq!(stats.eager.sequences, 1);
+    assert_eq!(stats.eager.by_reason[&EagerReason::SeqTooLong], 1);
 }
 
 #[tokio::test]
@@ -451,7 +441,7 @@ async fn a_stale_report_from_an_old_attempt_is_ignored() {
         .unwrap();
     h.batcher.cast(done(1, &again, attempt2)).unwrap();
     assert_eq!(ok_values(reply(r).await), vec![10.0]);
-    assert_eq!(h.metrics.snapshot()["retried_batches"], 1);
+    assert_eq!(h.metrics.snapshot().retried_batches, 1);
 }
 
 #[tokio::test]
@@ -495,8 +485,8 @@ async fn retried_batches_holding_parts_of_several_requests_answer_each_once() {
     assert_eq!(ok_values(reply(rc).await), vec![60.0, 62.0, 64.0]);
     assert_eq!(ok_values(reply(ra).await), vec![20.0]);
     let stats = h.metrics.snapshot();
-    assert_eq!(stats["retried_batches"], 2);
-    assert_eq!(stats["requests"]["ok"], 3);
+    assert_eq!(stats.retried_batches, 2);
+    assert_eq!(stats.requests.ok, 3);
     assert_eq!(outstanding(&h).await, 0);
 }
 
@@ -578,8 +568,8 @@ async fn a_deadline_is_answered_at_the_deadline_while_the_batch_is_in_flight() {
     assert_eq!(ok_values(reply(rz).await), vec![40.0]);
     assert_eq!(ok_values(reply(rx).await), vec![2.0]);
     let stats = h.metrics.snapshot();
-    assert_eq!(stats["requests"]["errors"]["deadline_exceeded"], 1);
-    assert_eq!(stats["requests"]["ok"], 2);
+    assert_eq!(stats.requests.errors[&ErrorCode::DeadlineExceeded], 1);
+    assert_eq!(stats.requests.ok, 2);
     assert_eq!(outstanding(&h).await, 0);
 }
 
@@ -606,8 +596,8 @@ async fn a_split_request_past_its_deadline_gets_one_reply_and_its_rest_never_run
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(h.runs[0].try_recv().is_err(), "the dropped rows ran");
     let stats = h.metrics.snapshot();
-    assert_eq!(stats["requests"]["errors"]["deadline_exceeded"], 1);
-    assert_eq!(stats["requests"]["ok"], 0);
+    assert_eq!(stats.requests.errors[&ErrorCode::DeadlineExceeded], 1);
+    assert_eq!(stats.requests.ok, 0);
     assert_eq!(outstanding(&h).await, 0);
     // The batcher still serves.
     let r = submit(&h, 5, 1, 3.0);
@@ -638,7 +628,7 @@ async fn a_retry_of_a_batch_whose_requests_all_expired_is_not_sent() {
     h.batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(h.runs[0].try_recv().is_err(), "nothing left to retry");
-    assert_eq!(h.metrics.snapshot()["retried_batches"], 0);
+    assert_eq!(h.metrics.snapshot().retried_batches, 0);
     // The device slot was freed: new work still goes out.
     let r = submit(&h, 2, 1, 1.0);
     let (b, a) = next_run(&mut h.runs[0]).await;
@@ -893,5 +883,5 @@ async fn a_late_ring_answer_from_a_redispatched_attempt_is_ignored() {
     ring.answer(&first, &[-1.0]);
     ring.answer(&second, &doubled_first_features(&second.rows));
     assert_eq!(ok_values(reply(r).await), vec![20.0]);
-    assert_eq!(h.metrics.snapshot()["retried_batches"], 1);
+    assert_eq!(h.metrics.snapshot().retried_batches, 1);
 }
