@@ -19,7 +19,10 @@ use std::time::Instant;
 use replayd::backend::cuda::{CudaBackend, CudaOptions};
 use replayd::backend::{Backend, BackendError};
 use replayd::gpu::{self, nvml};
-use replayd::model::program::{BufId, InputRole, Op, ProgramBuilder, Seqs, WeightId};
+use replayd::model::program::{
+    AddLayerNorm, Attention, BufId, EmbedLayerNorm, InputRole, Linear, Pool, ProgramBuilder, Seqs,
+    WeightId,
+};
 use replayd::model::{Activation, BatchRows, Pooling, Program, Weights};
 use replayd::tensor::DType;
 
@@ -76,7 +79,7 @@ fn mlp_program(m: &Mlp, batch: usize) -> Program {
         } else {
             b.activation(&format!("h{i}"), batch * n)
         };
-        b.push(Op::Linear {
+        b.push(Linear {
             x: cur,
             w,
             bias,
@@ -199,7 +202,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
     let inter = b.activation("inter", rows * d.inter);
     let out = b.output("out", seqs.count() * h);
     let [word, pos, tt, g, be] = m.emb;
-    b.push(Op::EmbedLayerNorm {
+    b.push(EmbedLayerNorm {
         position_ids: Default::default(),
         ids,
         token_types: types,
@@ -215,7 +218,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
     });
     for l in &m.layers {
         let [wq, bq, wo, bo, g1, b1, wi, bi, wo2, bo2, g2, b2] = *l;
-        b.push(Op::Linear {
+        b.push(Linear {
             x: hid,
             w: wq,
             bias: Some(bq),
@@ -225,7 +228,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
             n: 3 * h,
             k: h,
         });
-        b.push(Op::Attention {
+        b.push(Attention {
             bias: None,
             qkv,
             out: ctx,
@@ -233,7 +236,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
             head_dim: h / d.heads,
             seqs,
         });
-        b.push(Op::Linear {
+        b.push(Linear {
             x: ctx,
             w: wo,
             bias: Some(bo),
@@ -243,7 +246,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
             n: h,
             k: h,
         });
-        b.push(Op::AddLayerNorm {
+        b.push(AddLayerNorm {
             x: qkv,
             residual: hid,
             gamma: g1,
@@ -253,7 +256,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
             rows,
             hidden: h,
         });
-        b.push(Op::Linear {
+        b.push(Linear {
             x: hid,
             w: wi,
             bias: Some(bi),
@@ -263,7 +266,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
             n: d.inter,
             k: h,
         });
-        b.push(Op::Linear {
+        b.push(Linear {
             x: inter,
             w: wo2,
             bias: Some(bo2),
@@ -273,7 +276,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
             n: h,
             k: d.inter,
         });
-        b.push(Op::AddLayerNorm {
+        b.push(AddLayerNorm {
             x: qkv,
             residual: hid,
             gamma: g2,
@@ -284,7 +287,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
             hidden: h,
         });
     }
-    b.push(Op::Pool {
+    b.push(Pool {
         skip: None,
         x: hid,
         out,

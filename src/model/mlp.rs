@@ -12,7 +12,7 @@
 //! layer but the last.
 
 use super::files::read_json;
-use super::program::{Activation, InputRole, Op, ProgramBuilder, WeightId};
+use super::program::{Activation, InputRole, Linear, ProgramBuilder, WeightId};
 use super::safetensors_file::{read_header, Header, TensorFile};
 use super::{
     Architecture, InputSpec, Model, ModelError, ModelInfo, ModelKind, ModelSpec, Program, Weights,
@@ -70,7 +70,7 @@ impl MlpArch {
         let mut x = input;
         for (i, layer) in self.layers.iter().enumerate() {
             let out = if i + 1 == n { output } else { ping[i % 2] };
-            b.push(Op::Linear {
+            b.push(Linear {
                 x,
                 w: layer.weight,
                 bias: layer.bias,

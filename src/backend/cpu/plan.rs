@@ -234,12 +234,14 @@ fn restrict(op: &Op, full: Shape, active: Shape) -> Option<Op> {
         })
     };
     let mut op = op.clone();
+    if let Some(s) = op.seqs_mut() {
+        *s = seqs(*s)?;
+    }
     match &mut op {
-        Op::EmbedLayerNorm { seqs: s, .. }
-        | Op::Attention { seqs: s, .. }
-        | Op::Pool { seqs: s, .. } => *s = seqs(*s)?,
-        Op::Linear { m, .. } => *m = rows(*m)?,
-        Op::AddLayerNorm { rows: r, .. } | Op::Normalize { rows: r, .. } => *r = rows(*r)?,
+        Op::Linear(l) => l.m = rows(l.m)?,
+        Op::AddLayerNorm(a) => a.rows = rows(a.rows)?,
+        Op::Normalize(n) => n.rows = rows(n.rows)?,
+        Op::EmbedLayerNorm(_) | Op::Attention(_) | Op::Pool(_) => {}
     }
     Some(op)
 }
@@ -284,7 +286,7 @@ impl Plan {
         let max_attention_seq = steps
             .iter()
             .filter_map(|op| match op {
-                Op::Attention { seqs, .. } => Some(seqs.max_len()),
+                Op::Attention(a) => Some(a.seqs.max_len()),
                 _ => None,
             })
             .max()
@@ -477,113 +479,75 @@ impl Plan {
                     max_len: max_seq_len,
                 },
             };
-            match *step {
-                Op::EmbedLayerNorm {
-                    ids,
-                    token_types,
-                    word,
-                    position,
-                    token_type,
-                    gamma,
-                    beta,
-                    eps,
-                    hidden,
-                    position_ids,
-                    seqs,
-                    ..
-                } => {
-                    let rows = seqs.token_rows();
+            match step {
+                Op::EmbedLayerNorm(e) => {
+                    let rows = e.seqs.token_rows();
                     ops::embed_layer_norm(
                         threads,
-                        &bufs.i32(ids.0)[..rows],
-                        &bufs.i32(token_types.0)[..rows],
-                        seq_index(seqs),
-                        wt(word),
-                        wt(position),
-                        wt(token_type),
-                        wt(gamma),
-                        wt(beta),
-                        eps,
+                        &bufs.i32(e.ids.0)[..rows],
+                        &bufs.i32(e.token_types.0)[..rows],
+                        seq_index(e.seqs),
+                        wt(e.word),
+                        wt(e.position),
+                        wt(e.token_type),
+                        wt(e.gamma),
+                        wt(e.beta),
+                        e.eps,
                         o,
-                        hidden,
-                        position_ids,
+                        e.hidden,
+                        e.position_ids,
                     )
                 }
-                Op::Linear {
-                    x,
-                    w,
-                    bias,
-                    act,
-                    m,
-                    n,
-                    k,
-                    ..
-                } => ops::linear(threads, bufs.f32(x.0), wt(w), bias.map(wt), act, o, m, n, k),
-                Op::AddLayerNorm {
-                    x,
-                    residual,
-                    gamma,
-                    beta,
-                    eps,
-                    out,
-                    rows,
-                    hidden,
-                } => {
-                    if residual != out {
-                        let n = rows * hidden;
-                        o[..n].copy_from_slice(&bufs.f32(residual.0)[..n]);
+                Op::Linear(l) => ops::linear(
+                    threads,
+                    bufs.f32(l.x.0),
+                    wt(l.w),
+                    l.bias.map(wt),
+                    l.act,
+                    o,
+                    l.m,
+                    l.n,
+                    l.k,
+                ),
+                Op::AddLayerNorm(a) => {
+                    if a.residual != a.out {
+                        let n = a.rows * a.hidden;
+                        o[..n].copy_from_slice(&bufs.f32(a.residual.0)[..n]);
                     }
                     ops::add_layer_norm_in_place(
                         threads,
-                        bufs.f32(x.0),
+                        bufs.f32(a.x.0),
                         o,
-                        wt(gamma),
-                        wt(beta),
-                        eps,
-                        rows,
-                        hidden,
+                        wt(a.gamma),
+                        wt(a.beta),
+                        a.eps,
+                        a.rows,
+                        a.hidden,
                     );
                 }
-                Op::Attention {
-                    qkv,
-                    heads,
-                    head_dim,
-                    bias,
-                    seqs,
-                    ..
-                } => {
-                    let len = seqs.max_len();
+                Op::Attention(a) => {
+                    let len = a.seqs.max_len();
                     ops::attention(
-                        bufs.f32(qkv.0),
-                        seq_index(seqs),
+                        bufs.f32(a.qkv.0),
+                        seq_index(a.seqs),
                         o,
                         &mut arena.scratch[..threads * len * len],
-                        seqs.token_rows(),
-                        heads,
-                        head_dim,
-                        bias.map(|b| (wt(b.table), b.radius)),
+                        a.seqs.token_rows(),
+                        a.heads,
+                        a.head_dim,
+                        a.bias.map(|b| (wt(b.table), b.radius)),
                     );
                 }
-                Op::Pool {
-                    x,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip,
-                    seqs,
-                    ..
-                } => ops::pool(
-                    bufs.f32(x.0),
-                    seq_index(seqs),
+                Op::Pool(p) => ops::pool(
+                    bufs.f32(p.x.0),
+                    seq_index(p.seqs),
                     o,
-                    hidden,
-                    mode,
-                    normalize,
-                    skip.map(|k| &bufs.i32(k.0)[..seqs.count()]),
+                    p.hidden,
+                    p.mode,
+                    p.normalize,
+                    p.skip.map(|k| &bufs.i32(k.0)[..p.seqs.count()]),
                 ),
-                Op::Normalize { rows, width, .. } => {
-                    ops::normalize_rows(&mut o[..rows * width], width)
-                }
+                Op::Normalize(n) => ops::normalize_rows(&mut o[..n.rows * n.width], n.width),
             }
         }
     }

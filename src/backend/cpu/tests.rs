@@ -1555,15 +1555,10 @@ fn minilm_bad_packed_batches_are_invalid() {
     // Longer than the position table (512): refused.
     let mut p = model.program_for(Bucket::packed(1024, 4)).unwrap();
     p.seq = 513;
-    use crate::model::program::{Op, Seqs};
+    use crate::model::program::Seqs;
     for op in &mut p.ops {
-        if let Op::EmbedLayerNorm { seqs, .. }
-        | Op::Attention { seqs, .. }
-        | Op::Pool { seqs, .. } = op
-        {
-            if let Seqs::Packed { max_seq_len, .. } = seqs {
-                *max_seq_len = 513;
-            }
+        if let Some(Seqs::Packed { max_seq_len, .. }) = op.seqs_mut() {
+            *max_seq_len = 513;
         }
     }
     assert!(p.validate(&model.weights).is_err());

@@ -665,7 +665,7 @@ impl Drop for CapturedGraph {
 mod tests {
     use super::super::plan::{plan, Limits};
     use super::*;
-    use crate::model::program::{Op, ProgramBuilder};
+    use crate::model::program::{Linear, ProgramBuilder};
     use crate::model::{Activation, Weights};
     use crate::tensor::DType;
 
@@ -697,7 +697,7 @@ mod tests {
         let mut b = ProgramBuilder::new();
         let x = b.input("x", InputRole::Features, batch * 4);
         let y = b.output("y", batch * 3);
-        b.push(Op::Linear {
+        b.push(Linear {
             x,
             w: w1,
             bias: None,

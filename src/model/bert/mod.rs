@@ -21,8 +21,8 @@ mod folder;
 pub use folder::{inspect, load, mpnet_bucket, MPNET_BIAS_RADIUS};
 
 use super::program::{
-    Activation, BufId, InputRole, Op, Pooling, PositionBias, PositionIds, ProgramBuilder, Seqs,
-    WeightId,
+    Activation, AddLayerNorm, Attention, BufId, EmbedLayerNorm, InputRole, Linear, Normalize, Pool,
+    Pooling, PositionBias, PositionIds, ProgramBuilder, Seqs, WeightId,
 };
 use super::Program;
 use serde::{Deserialize, Serialize};
@@ -243,7 +243,7 @@ impl BertArch {
         let context = b.activation("context", rows * h);
         let proj = b.activation("proj", rows * h);
         let inter = b.activation("intermediate", rows * self.intermediate);
-        b.push(Op::EmbedLayerNorm {
+        b.push(EmbedLayerNorm {
             ids,
             token_types,
             word: e.word,
@@ -258,7 +258,7 @@ impl BertArch {
             seqs,
         });
         for layer in &self.layers {
-            let linear = |x, w, bias, act, out, n, k| Op::Linear {
+            let linear = |x, w, bias, act, out, n, k| Linear {
                 x,
                 w,
                 bias: Some(bias),
@@ -268,7 +268,7 @@ impl BertArch {
                 n,
                 k,
             };
-            let add_norm = |gamma, beta| Op::AddLayerNorm {
+            let add_norm = |gamma, beta| AddLayerNorm {
                 x: proj,
                 residual: hidden,
                 gamma,
@@ -288,7 +288,7 @@ impl BertArch {
                 3 * h,
                 h,
             ));
-            b.push(Op::Attention {
+            b.push(Attention {
                 qkv,
                 out: context,
                 heads: self.heads,
@@ -343,7 +343,7 @@ impl BertArch {
     ) -> BufId {
         let h = self.hidden;
         let out_rows = seqs.count();
-        let pool = |x, out, mode, normalize, skip| Op::Pool {
+        let pool = |x, out, mode, normalize, skip| Pool {
             x,
             out,
             hidden: h,
@@ -352,7 +352,7 @@ impl BertArch {
             skip,
             seqs,
         };
-        let linear = |x, w, bias, act, out, n, k| Op::Linear {
+        let linear = |x, w, bias, act, out, n, k| Linear {
             x,
             w,
             bias,
@@ -402,7 +402,7 @@ impl BertArch {
             };
             b.push(linear(x, d.weight, d.bias, d.act, out, d.outputs, d.inputs));
             if d.normalize {
-                b.push(Op::Normalize {
+                b.push(Normalize {
                     x: out,
                     rows: out_rows,
                     width: d.outputs,

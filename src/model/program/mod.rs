@@ -334,104 +334,167 @@ impl Seqs {
     }
 }
 
-/// One step of a forward pass. Row-major everywhere. The token ops
-/// (`EmbedLayerNorm`, `Attention`, `Pool`) take the program's [`Seqs`]:
-/// one op per concept, padded or packed as a parameter.
+/// One step of a forward pass, each op a type of its own. Row-major
+/// everywhere. The token ops ([`EmbedLayerNorm`], [`Attention`], [`Pool`])
+/// take the program's [`Seqs`]: one op per concept, padded or packed as a
+/// parameter.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Op {
-    /// For every token row `r`:
-    /// `out[r] = LayerNorm(word[ids[r]] + position[p(r)] + token_type[types[r]])`,
-    /// with `p(r)` the position `position_ids` gives the token at index `i`
-    /// of its sequence (`i` itself for [`PositionIds::Index`]): `r % seq`
-    /// padded, `positions[r]` packed (tail slots hold id 0, position 0 and
-    /// type 0 and get that embedding). The position table has the rows
-    /// `position_ids` needs for [`Seqs::max_len`] tokens. Ids outside the
-    /// vocabulary never reach a program (the frontend rejects them).
-    EmbedLayerNorm {
-        ids: BufId,
-        token_types: BufId,
-        word: WeightId,
-        position: WeightId,
-        token_type: WeightId,
-        gamma: WeightId,
-        beta: WeightId,
-        eps: f32,
-        out: BufId,
-        hidden: usize,
-        #[serde(default)]
-        position_ids: PositionIds,
-        seqs: Seqs,
-    },
-    /// `out[m, n] = act(x[m, k] · wᵀ + bias)`, `w` stored `[n, k]` as PyTorch does.
-    /// `x` may be an f32 input buffer (first layer of an MLP); `out` may be the
-    /// f32 program output (last layer).
-    Linear {
-        x: BufId,
-        w: WeightId,
-        bias: Option<WeightId>,
-        act: Activation,
-        out: BufId,
-        m: usize,
-        n: usize,
-        k: usize,
-    },
-    /// `out = LayerNorm(x + residual)` over the last dimension (`hidden`).
-    /// `out` may alias `residual` (never `x`).
-    AddLayerNorm {
-        x: BufId,
-        residual: BufId,
-        gamma: WeightId,
-        beta: WeightId,
-        eps: f32,
-        out: BufId,
-        rows: usize,
-        hidden: usize,
-    },
-    /// Multi-head self-attention over a fused projection, each query
-    /// attending to the real tokens of its own sequence. `qkv` is
-    /// `[token rows, 3·heads·head_dim]`, laid out `[q | k | v]` with heads
-    /// contiguous inside each part; `out` is `[token rows, heads·head_dim]`.
-    /// Scale is `1/√head_dim`. Padded: keys with mask 0 get −∞ before the
-    /// softmax, and a row with none unmasked produces zeros. Packed: the
-    /// keys are those of the query's sequence; tail slots produce zeros.
-    ///
-    /// With `bias`, [`PositionBias`] is added to every score after the
-    /// scaling and before the mask (MPNet), by positions within the
-    /// sequence.
-    Attention {
-        qkv: BufId,
-        out: BufId,
-        heads: usize,
-        head_dim: usize,
-        #[serde(default)]
-        bias: Option<PositionBias>,
-        seqs: Seqs,
-    },
-    /// Sentence pooling: `x` `[token rows, hidden]` → `out` `[sequences,
-    /// hidden]` (f32), then optional L2 normalisation of each row
-    /// (`x / max(‖x‖, 1e-12)`). Mean: the average over the sequence's real
-    /// tokens (divided by `max(count, 1e-9)` as sentence-transformers
-    /// does); max: their element-wise maximum; cls: the first (padded: slot
-    /// 0). A sequence with no token gives zeros (padded cls: slot 0).
-    ///
-    /// With `skip` (a [`InputRole::PoolSkip`] input of one count per
-    /// sequence), sequence `b` pools only its tokens from index `skip[b]`
-    /// on: mean and max over those, cls the first of them; none left gives
-    /// zeros.
-    Pool {
-        x: BufId,
-        out: BufId,
-        hidden: usize,
-        mode: Pooling,
-        normalize: bool,
-        #[serde(default)]
-        skip: Option<BufId>,
-        seqs: Seqs,
-    },
-    /// Either layout: L2 normalisation of each of `rows` rows of `width`
-    /// values of `x`, in place (`x / max(‖x‖, 1e-12)`), e.g. after a
-    /// sentence-transformers `Dense` module.
-    Normalize { x: BufId, rows: usize, width: usize },
+    EmbedLayerNorm(EmbedLayerNorm),
+    Linear(Linear),
+    AddLayerNorm(AddLayerNorm),
+    Attention(Attention),
+    Pool(Pool),
+    Normalize(Normalize),
+}
+
+macro_rules! op_from {
+    ($($name:ident),*) => {$(
+        impl From<$name> for Op {
+            fn from(op: $name) -> Op {
+                Op::$name(op)
+            }
+        }
+    )*};
+}
+op_from!(
+    EmbedLayerNorm,
+    Linear,
+    AddLayerNorm,
+    Attention,
+    Pool,
+    Normalize
+);
+
+impl Op {
+    /// A token op's [`Seqs`] (`None` for the ops that work row by row).
+    pub fn seqs(&self) -> Option<Seqs> {
+        match self {
+            Op::EmbedLayerNorm(EmbedLayerNorm { seqs, .. })
+            | Op::Attention(Attention { seqs, .. })
+            | Op::Pool(Pool { seqs, .. }) => Some(*seqs),
+            Op::Linear(_) | Op::AddLayerNorm(_) | Op::Normalize(_) => None,
+        }
+    }
+
+    /// The token op's [`Seqs`], to change (tests, trimming a plan).
+    pub fn seqs_mut(&mut self) -> Option<&mut Seqs> {
+        match self {
+            Op::EmbedLayerNorm(EmbedLayerNorm { seqs, .. })
+            | Op::Attention(Attention { seqs, .. })
+            | Op::Pool(Pool { seqs, .. }) => Some(seqs),
+            Op::Linear(_) | Op::AddLayerNorm(_) | Op::Normalize(_) => None,
+        }
+    }
+}
+
+/// For every token row `r`:
+/// `out[r] = LayerNorm(word[ids[r]] + position[p(r)] + token_type[types[r]])`,
+/// with `p(r)` the position `position_ids` gives the token at index `i`
+/// of its sequence (`i` itself for [`PositionIds::Index`]): `r % seq`
+/// padded, `positions[r]` packed (tail slots hold id 0, position 0 and
+/// type 0 and get that embedding). The position table has the rows
+/// `position_ids` needs for [`Seqs::max_len`] tokens. Ids outside the
+/// vocabulary never reach a program (the frontend rejects them).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EmbedLayerNorm {
+    pub ids: BufId,
+    pub token_types: BufId,
+    pub word: WeightId,
+    pub position: WeightId,
+    pub token_type: WeightId,
+    pub gamma: WeightId,
+    pub beta: WeightId,
+    pub eps: f32,
+    pub out: BufId,
+    pub hidden: usize,
+    #[serde(default)]
+    pub position_ids: PositionIds,
+    pub seqs: Seqs,
+}
+
+/// `out[m, n] = act(x[m, k] · wᵀ + bias)`, `w` stored `[n, k]` as PyTorch does.
+/// `x` may be an f32 input buffer (first layer of an MLP); `out` may be the
+/// f32 program output (last layer).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Linear {
+    pub x: BufId,
+    pub w: WeightId,
+    pub bias: Option<WeightId>,
+    pub act: Activation,
+    pub out: BufId,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// `out = LayerNorm(x + residual)` over the last dimension (`hidden`).
+/// `out` may alias `residual` (never `x`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AddLayerNorm {
+    pub x: BufId,
+    pub residual: BufId,
+    pub gamma: WeightId,
+    pub beta: WeightId,
+    pub eps: f32,
+    pub out: BufId,
+    pub rows: usize,
+    pub hidden: usize,
+}
+
+/// Multi-head self-attention over a fused projection, each query
+/// attending to the real tokens of its own sequence. `qkv` is
+/// `[token rows, 3·heads·head_dim]`, laid out `[q | k | v]` with heads
+/// contiguous inside each part; `out` is `[token rows, heads·head_dim]`.
+/// Scale is `1/√head_dim`. Padded: keys with mask 0 get −∞ before the
+/// softmax, and a row with none unmasked produces zeros. Packed: the
+/// keys are those of the query's sequence; tail slots produce zeros.
+///
+/// With `bias`, [`PositionBias`] is added to every score after the
+/// scaling and before the mask (MPNet), by positions within the
+/// sequence.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Attention {
+    pub qkv: BufId,
+    pub out: BufId,
+    pub heads: usize,
+    pub head_dim: usize,
+    #[serde(default)]
+    pub bias: Option<PositionBias>,
+    pub seqs: Seqs,
+}
+
+/// Sentence pooling: `x` `[token rows, hidden]` → `out` `[sequences,
+/// hidden]` (f32), then optional L2 normalisation of each row
+/// (`x / max(‖x‖, 1e-12)`). Mean: the average over the sequence's real
+/// tokens (divided by `max(count, 1e-9)` as sentence-transformers
+/// does); max: their element-wise maximum; cls: the first (padded: slot
+/// 0). A sequence with no token gives zeros (padded cls: slot 0).
+///
+/// With `skip` (a [`InputRole::PoolSkip`] input of one count per
+/// sequence), sequence `b` pools only its tokens from index `skip[b]`
+/// on: mean and max over those, cls the first of them; none left gives
+/// zeros.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Pool {
+    pub x: BufId,
+    pub out: BufId,
+    pub hidden: usize,
+    pub mode: Pooling,
+    pub normalize: bool,
+    #[serde(default)]
+    pub skip: Option<BufId>,
+    pub seqs: Seqs,
+}
+
+/// Either layout: L2 normalisation of each of `rows` rows of `width`
+/// values of `x`, in place (`x / max(‖x‖, 1e-12)`), e.g. after a
+/// sentence-transformers `Dense` module.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Normalize {
+    pub x: BufId,
+    pub rows: usize,
+    pub width: usize,
 }
 
 /// A model's forward pass at one shape: `batch` rows of `seq` tokens
@@ -517,8 +580,8 @@ impl ProgramBuilder {
         BufId(self.buffers.len() - 1)
     }
 
-    pub fn push(&mut self, op: Op) {
-        self.ops.push(op);
+    pub fn push(&mut self, op: impl Into<Op>) {
+        self.ops.push(op.into());
     }
 
     pub fn finish(self, batch: usize, seq: usize, output: BufId, output_dim: usize) -> Program {

@@ -4,7 +4,10 @@
 //! It expects a program that passed [`Program::validate`] and rows that
 //! passed [`super::ProgramFacts::check_rows`].
 
-use super::{Activation, BufKind, InputRole, Op, Pooling, PositionBias, Program, Seqs, WeightId};
+use super::{
+    Activation, AddLayerNorm, Attention, BufKind, EmbedLayerNorm, InputRole, Linear, Normalize, Op,
+    Pool, Pooling, PositionBias, Program, Seqs, WeightId,
+};
 use crate::model::batch::PackTarget;
 use crate::model::{BatchRows, Weights};
 use crate::tensor::DType;
@@ -119,27 +122,21 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
         }
     };
     for op in &p.ops {
-        match *op {
-            Op::EmbedLayerNorm {
-                ids,
-                token_types,
-                word,
-                position,
-                token_type,
-                gamma,
-                beta,
-                eps,
-                out,
-                hidden,
-                position_ids,
-                seqs,
-            } => {
-                let (wd, pd, td, g, b) =
-                    (wt(word), wt(position), wt(token_type), wt(gamma), wt(beta));
+        match op {
+            Op::EmbedLayerNorm(e) => {
+                let EmbedLayerNorm {
+                    ids,
+                    out,
+                    hidden,
+                    seqs,
+                    ..
+                } = *e;
+                let (wd, pd, td) = (wt(e.word), wt(e.position), wt(e.token_type));
+                let (g, b) = (wt(e.gamma), wt(e.beta));
                 let all_ids: Vec<i32> = bufs[ids.0].iter().map(|&v| v as i32).collect();
                 for r in 0..seqs.token_rows() {
                     let id = bufs[ids.0][r] as usize;
-                    let tt = bufs[token_types.0][r] as usize;
+                    let tt = bufs[e.token_types.0][r] as usize;
                     // The token's index in its sequence, and the sequence's ids.
                     let (index, row) = match seqs {
                         Seqs::Padded { seq, .. } => {
@@ -150,22 +147,23 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                             (index, &all_ids[r - index..])
                         }
                     };
-                    let pos = position_ids.position(row, index);
+                    let pos = e.position_ids.position(row, index);
                     let mut v: Vec<f64> = (0..hidden)
                         .map(|c| wd[id * hidden + c] + pd[pos * hidden + c] + td[tt * hidden + c])
                         .collect();
-                    ln(&mut v, &g, &b, eps);
+                    ln(&mut v, &g, &b, e.eps);
                     bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
                 }
             }
-            Op::Attention {
-                qkv,
-                out,
-                heads,
-                head_dim,
-                bias,
-                seqs,
-            } => {
+            Op::Attention(a) => {
+                let Attention {
+                    qkv,
+                    out,
+                    heads,
+                    head_dim,
+                    bias,
+                    seqs,
+                } = *a;
                 let bias = bias_of(bias);
                 let hd = heads * head_dim;
                 let q = bufs[qkv.0].clone();
@@ -196,15 +194,16 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                     }
                 }
             }
-            Op::Pool {
-                x,
-                out,
-                hidden,
-                mode,
-                normalize,
-                skip,
-                seqs,
-            } => {
+            Op::Pool(p) => {
+                let Pool {
+                    x,
+                    out,
+                    hidden,
+                    mode,
+                    normalize,
+                    skip,
+                    seqs,
+                } = *p;
                 for (s, (start, real)) in sequences(seqs, &bufs).into_iter().enumerate() {
                     let first = skip.map_or(0, |k| bufs[k.0][s] as usize);
                     let pooled: Vec<usize> = (first..real.len()).filter(|&i| real[i]).collect();
@@ -236,17 +235,17 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                     bufs[out.0][s * hidden..(s + 1) * hidden].copy_from_slice(&v);
                 }
             }
-            Op::Linear {
-                x,
-                w: wid,
-                bias,
-                act: a,
-                out,
-                m,
-                n,
-                k,
-            } => {
-                let wm = wt(wid);
+            Op::Linear(l) => {
+                let Linear {
+                    x,
+                    bias,
+                    out,
+                    m,
+                    n,
+                    k,
+                    ..
+                } = *l;
+                let wm = wt(l.w);
                 let bv = bias.map(wt);
                 let xs = bufs[x.0].clone();
                 for i in 0..m {
@@ -258,30 +257,30 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                         if let Some(b) = &bv {
                             acc += b[j];
                         }
-                        bufs[out.0][i * n + j] = act(a, acc);
+                        bufs[out.0][i * n + j] = act(l.act, acc);
                     }
                 }
             }
-            Op::AddLayerNorm {
-                x,
-                residual,
-                gamma,
-                beta,
-                eps,
-                out,
-                rows,
-                hidden,
-            } => {
-                let (g, b) = (wt(gamma), wt(beta));
+            Op::AddLayerNorm(a) => {
+                let AddLayerNorm {
+                    x,
+                    residual,
+                    out,
+                    rows,
+                    hidden,
+                    ..
+                } = *a;
+                let (g, b) = (wt(a.gamma), wt(a.beta));
                 for r in 0..rows {
                     let mut v: Vec<f64> = (0..hidden)
                         .map(|c| bufs[x.0][r * hidden + c] + bufs[residual.0][r * hidden + c])
                         .collect();
-                    ln(&mut v, &g, &b, eps);
+                    ln(&mut v, &g, &b, a.eps);
                     bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
                 }
             }
-            Op::Normalize { x, rows, width } => {
+            Op::Normalize(n) => {
+                let Normalize { x, rows, width } = *n;
                 for row in bufs[x.0][..rows * width].chunks_mut(width) {
                     let n = row.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
                     row.iter_mut().for_each(|a| *a /= n);

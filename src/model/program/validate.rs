@@ -258,32 +258,23 @@ impl Checker<'_> {
 
 /// The buffers an op reads, and the one it writes.
 pub fn op_buffers(op: &Op) -> (Vec<BufId>, BufId) {
-    match *op {
-        Op::EmbedLayerNorm {
-            ids,
-            token_types,
-            out,
-            seqs,
-            ..
-        } => {
-            let positions = match seqs {
+    match op {
+        Op::EmbedLayerNorm(e) => {
+            let positions = match e.seqs {
                 Seqs::Packed { positions, .. } => Some(positions),
                 Seqs::Padded { .. } => None,
             };
-            (
-                [ids, token_types].into_iter().chain(positions).collect(),
-                out,
-            )
+            let reads = [e.ids, e.token_types].into_iter().chain(positions);
+            (reads.collect(), e.out)
         }
-        Op::Linear { x, out, .. } => (vec![x], out),
-        Op::AddLayerNorm {
-            x, residual, out, ..
-        } => (vec![x, residual], out),
-        Op::Attention { qkv, out, seqs, .. } => (vec![qkv, seqs.index()], out),
-        Op::Pool {
-            x, out, skip, seqs, ..
-        } => ([x, seqs.index()].into_iter().chain(skip).collect(), out),
-        Op::Normalize { x, .. } => (vec![x], x),
+        Op::Linear(l) => (vec![l.x], l.out),
+        Op::AddLayerNorm(a) => (vec![a.x, a.residual], a.out),
+        Op::Attention(a) => (vec![a.qkv, a.seqs.index()], a.out),
+        Op::Pool(p) => {
+            let reads = [p.x, p.seqs.index()].into_iter().chain(p.skip);
+            (reads.collect(), p.out)
+        }
+        Op::Normalize(n) => (vec![n.x], n.x),
     }
 }
 
@@ -348,108 +339,66 @@ impl Program {
         vocab: &mut Option<usize>,
         types: &mut usize,
     ) -> Result<(), ProgramError> {
-        match *op {
-            Op::EmbedLayerNorm {
-                ids,
-                token_types,
-                word,
-                position,
-                token_type,
-                gamma,
-                beta,
-                out,
-                hidden,
-                position_ids,
-                seqs,
-                ..
-            } => {
+        match op {
+            Op::EmbedLayerNorm(e) => {
+                let (seqs, hidden) = (e.seqs, e.hidden);
                 c.seqs(seqs)?;
                 c.positive(&[hidden])?;
                 let rows = seqs.token_rows();
-                c.role(ids, InputRole::TokenIds, rows)?;
-                c.role(token_types, InputRole::TokenTypeIds, rows)?;
-                *vocab = Some(c.table(word, 1, hidden)?);
-                c.table(position, position_ids.rows_needed(seqs.max_len()), hidden)?;
-                *types = c.table(token_type, 1, hidden)?;
-                c.weight(gamma, &[hidden])?;
-                c.weight(beta, &[hidden])?;
-                c.out(out, rows * hidden)
+                c.role(e.ids, InputRole::TokenIds, rows)?;
+                c.role(e.token_types, InputRole::TokenTypeIds, rows)?;
+                *vocab = Some(c.table(e.word, 1, hidden)?);
+                let positions = e.position_ids.rows_needed(seqs.max_len());
+                c.table(e.position, positions, hidden)?;
+                *types = c.table(e.token_type, 1, hidden)?;
+                c.weight(e.gamma, &[hidden])?;
+                c.weight(e.beta, &[hidden])?;
+                c.out(e.out, rows * hidden)
             }
-            Op::Linear {
-                x,
-                w,
-                bias,
-                out,
-                m,
-                n,
-                k,
-                ..
-            } => {
-                c.positive(&[m, n, k])?;
-                c.weight(w, &[n, k])?;
-                if let Some(b) = bias {
-                    c.weight(b, &[n])?;
+            Op::Linear(l) => {
+                c.positive(&[l.m, l.n, l.k])?;
+                c.weight(l.w, &[l.n, l.k])?;
+                if let Some(b) = l.bias {
+                    c.weight(b, &[l.n])?;
                 }
-                c.buf(x, m * k, false)?;
-                c.out(out, m * n)?;
-                c.distinct(x, out, "reads and writes the same buffer")
+                c.buf(l.x, l.m * l.k, false)?;
+                c.out(l.out, l.m * l.n)?;
+                c.distinct(l.x, l.out, "reads and writes the same buffer")
             }
-            Op::AddLayerNorm {
-                x,
-                residual,
-                gamma,
-                beta,
-                out,
-                rows,
-                hidden,
-                ..
-            } => {
-                c.positive(&[rows, hidden])?;
-                c.distinct(x, out, "out aliases x")?;
-                c.buf(x, rows * hidden, false)?;
-                c.buf(residual, rows * hidden, false)?;
-                c.weight(gamma, &[hidden])?;
-                c.weight(beta, &[hidden])?;
-                c.out(out, rows * hidden)
+            Op::AddLayerNorm(a) => {
+                let elems = a.rows * a.hidden;
+                c.positive(&[a.rows, a.hidden])?;
+                c.distinct(a.x, a.out, "out aliases x")?;
+                c.buf(a.x, elems, false)?;
+                c.buf(a.residual, elems, false)?;
+                c.weight(a.gamma, &[a.hidden])?;
+                c.weight(a.beta, &[a.hidden])?;
+                c.out(a.out, elems)
             }
-            Op::Attention {
-                qkv,
-                out,
-                heads,
-                head_dim,
-                bias,
-                seqs,
-            } => {
-                c.seqs(seqs)?;
-                c.positive(&[heads, head_dim])?;
-                c.distinct(qkv, out, "out aliases qkv")?;
-                if let Some(b) = bias {
-                    c.weight(b.table, &[heads, 2 * b.radius + 1])?;
+            Op::Attention(a) => {
+                c.seqs(a.seqs)?;
+                c.positive(&[a.heads, a.head_dim])?;
+                c.distinct(a.qkv, a.out, "out aliases qkv")?;
+                if let Some(b) = a.bias {
+                    c.weight(b.table, &[a.heads, 2 * b.radius + 1])?;
                 }
-                let rows = seqs.token_rows();
-                c.buf(qkv, rows * 3 * heads * head_dim, false)?;
-                c.out(out, rows * heads * head_dim)
+                let width = a.seqs.token_rows() * a.heads * a.head_dim;
+                c.buf(a.qkv, 3 * width, false)?;
+                c.out(a.out, width)
             }
-            Op::Pool {
-                x,
-                out,
-                hidden,
-                skip,
-                seqs,
-                ..
-            } => {
-                c.seqs(seqs)?;
-                c.positive(&[hidden])?;
-                c.distinct(x, out, "out aliases x")?;
-                if let Some(skip) = skip {
-                    c.role(skip, InputRole::PoolSkip, seqs.count())?;
+            Op::Pool(p) => {
+                c.seqs(p.seqs)?;
+                c.positive(&[p.hidden])?;
+                c.distinct(p.x, p.out, "out aliases x")?;
+                if let Some(skip) = p.skip {
+                    c.role(skip, InputRole::PoolSkip, p.seqs.count())?;
                 }
-                c.buf(x, seqs.token_rows() * hidden, false)?;
-                c.out(out, seqs.count() * hidden)
+                c.buf(p.x, p.seqs.token_rows() * p.hidden, false)?;
+                c.out(p.out, p.seqs.count() * p.hidden)
             }
-            Op::Normalize { x, rows, width } => {
-                c.positive(&[rows, width])?;
-                c.out(x, rows * width)
+            Op::Normalize(n) => {
+                c.positive(&[n.rows, n.width])?;
+                c.out(n.x, n.rows * n.width)
             }
         }
     }
@@ -559,12 +508,12 @@ impl Program {
 
 fn op_name(op: &Op) -> &'static str {
     match op {
-        Op::EmbedLayerNorm { .. } => "EmbedLayerNorm",
-        Op::Linear { .. } => "Linear",
-        Op::AddLayerNorm { .. } => "AddLayerNorm",
-        Op::Attention { .. } => "Attention",
-        Op::Pool { .. } => "Pool",
-        Op::Normalize { .. } => "Normalize",
+        Op::EmbedLayerNorm(_) => "EmbedLayerNorm",
+        Op::Linear(_) => "Linear",
+        Op::AddLayerNorm(_) => "AddLayerNorm",
+        Op::Attention(_) => "Attention",
+        Op::Pool(_) => "Pool",
+        Op::Normalize(_) => "Normalize",
     }
 }
 
@@ -643,7 +592,9 @@ impl ProgramFacts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::program::{Activation, Pooling, ProgramBuilder};
+    use crate::model::program::{
+        Activation, AddLayerNorm, Attention, EmbedLayerNorm, Linear, Pool, Pooling, ProgramBuilder,
+    };
 
     /// `x[batch, 4] → Linear(3) → y`.
     fn linear(batch: usize) -> (Program, Weights) {
@@ -652,7 +603,7 @@ mod tests {
         let mut b = ProgramBuilder::new();
         let x = b.input("x", InputRole::Features, batch * 4);
         let y = b.output("y", batch * 3);
-        b.push(Op::Linear {
+        b.push(Linear {
             x,
             w: w1,
             bias: None,
@@ -703,7 +654,7 @@ mod tests {
         let qkv = b.activation("qkv", rows * 3 * h);
         let ctx = b.activation("ctx", rows * h);
         let out = b.output("out", seqs.count() * h);
-        b.push(Op::EmbedLayerNorm {
+        b.push(EmbedLayerNorm {
             position_ids: Default::default(),
             ids,
             token_types: types,
@@ -717,7 +668,7 @@ mod tests {
             hidden: h,
             seqs,
         });
-        b.push(Op::Linear {
+        b.push(Linear {
             x: hid,
             w: id("qkv"),
             bias: None,
@@ -727,7 +678,7 @@ mod tests {
             n: 3 * h,
             k: h,
         });
-        b.push(Op::Attention {
+        b.push(Attention {
             bias: None,
             qkv,
             out: ctx,
@@ -735,7 +686,7 @@ mod tests {
             head_dim: 4,
             seqs,
         });
-        b.push(Op::AddLayerNorm {
+        b.push(AddLayerNorm {
             x: ctx,
             residual: hid,
             gamma: id("g"),
@@ -745,7 +696,7 @@ mod tests {
             rows,
             hidden: h,
         });
-        b.push(Op::Pool {
+        b.push(Pool {
             skip: None,
             x: hid,
             out,
@@ -864,78 +815,78 @@ mod tests {
         check(&p, &pw, "packed op in a padded program");
         // Ops' dimensions are the program's.
         let mut p = base.clone();
-        if let Op::Attention {
+        if let Op::Attention(Attention {
             seqs: Seqs::Packed { seqs, .. },
             ..
-        } = &mut p.ops[2]
+        }) = &mut p.ops[2]
         {
             *seqs = 3;
         }
         check(&p, &w, "seqs 3, the program 4");
         let mut p = base.clone();
-        if let Op::Pool {
+        if let Op::Pool(Pool {
             seqs: Seqs::Packed { tokens, .. },
             ..
-        } = &mut p.ops[4]
+        }) = &mut p.ops[4]
         {
             *tokens = 16;
         }
         check(&p, &w, "tokens 16, the program 32");
         let mut p = base.clone();
-        if let Op::EmbedLayerNorm {
+        if let Op::EmbedLayerNorm(EmbedLayerNorm {
             seqs: Seqs::Packed { max_seq_len, .. },
             ..
-        } = &mut p.ops[0]
+        }) = &mut p.ops[0]
         {
             *max_seq_len = 8;
         }
         check(&p, &w, "max_seq_len 8, the program 16");
         // Integer operands must have the role the op reads them as.
         let mut p = base.clone();
-        if let Op::Attention {
+        if let Op::Attention(Attention {
             seqs: Seqs::Packed { offsets, .. },
             ..
-        } = &mut p.ops[2]
+        }) = &mut p.ops[2]
         {
             *offsets = BufId(2); // the positions
         }
         check(&p, &w, "as SeqOffsets");
         let mut p = base.clone();
-        if let Op::EmbedLayerNorm {
+        if let Op::EmbedLayerNorm(EmbedLayerNorm {
             seqs: Seqs::Packed { positions, .. },
             ids,
             ..
-        } = &mut p.ops[0]
+        }) = &mut p.ops[0]
         {
             std::mem::swap(positions, ids);
         }
         check(&p, &w, "as Positions");
         let mut p = base.clone();
-        if let Op::EmbedLayerNorm {
+        if let Op::EmbedLayerNorm(EmbedLayerNorm {
             ids, token_types, ..
-        } = &mut p.ops[0]
+        }) = &mut p.ops[0]
         {
             std::mem::swap(token_types, ids);
         }
         check(&p, &w, "as TokenIds");
         let mut p = base.clone();
-        if let Op::Pool {
+        if let Op::Pool(Pool {
             seqs: Seqs::Packed { offsets, .. },
             x,
             ..
-        } = &mut p.ops[4]
+        }) = &mut p.ops[4]
         {
             *offsets = *x;
         }
         check(&p, &w, "needs an i32 buffer");
         // Aliasing.
         let mut p = base.clone();
-        if let Op::Attention { qkv, out, .. } = &mut p.ops[2] {
+        if let Op::Attention(Attention { qkv, out, .. }) = &mut p.ops[2] {
             *out = *qkv;
         }
         check(&p, &w, "out aliases qkv");
         let mut p = base.clone();
-        if let Op::Pool { x, out, .. } = &mut p.ops[4] {
+        if let Op::Pool(Pool { x, out, .. }) = &mut p.ops[4] {
             *out = *x;
         }
         check(&p, &w, "out aliases x");
@@ -1024,7 +975,7 @@ mod tests {
         ]);
         for mode in [Pooling::Mean, Pooling::Cls, Pooling::Max] {
             let (mut padded, w) = encoder(4, 8);
-            if let Some(Op::Pool { mode: m, .. }) = padded.ops.last_mut() {
+            if let Some(Op::Pool(Pool { mode: m, .. })) = padded.ops.last_mut() {
                 *m = mode;
             }
             let w = filled(&w);
@@ -1074,7 +1025,7 @@ mod tests {
     #[test]
     fn every_op_that_reads_what_it_writes_is_refused() {
         let (mut p, w) = linear(2);
-        let Op::Linear { x, out, .. } = &mut p.ops[0] else {
+        let Op::Linear(Linear { x, out, .. }) = &mut p.ops[0] else {
             unreachable!()
         };
         *out = *x;
@@ -1087,25 +1038,25 @@ mod tests {
         let (base, w) = encoder(1, 4);
         // Attention's out = qkv.
         let mut p = base.clone();
-        if let Op::Attention { qkv, out, .. } = &mut p.ops[2] {
+        if let Op::Attention(Attention { qkv, out, .. }) = &mut p.ops[2] {
             *out = *qkv;
         }
         assert!(error(&p, &w).contains("out aliases qkv"));
         // AddLayerNorm's out = x (out = residual is allowed: the base does it).
         let mut p = base.clone();
-        if let Op::AddLayerNorm { x, out, .. } = &mut p.ops[3] {
+        if let Op::AddLayerNorm(AddLayerNorm { x, out, .. }) = &mut p.ops[3] {
             *out = *x;
         }
         assert!(error(&p, &w).contains("out aliases x"));
         // Linear's out = x, on activations.
         let mut p = base.clone();
-        if let Op::Linear { x, out, .. } = &mut p.ops[1] {
+        if let Op::Linear(Linear { x, out, .. }) = &mut p.ops[1] {
             *x = *out;
         }
         assert!(error(&p, &w).contains("reads and writes the same buffer"));
         // Pool's out = x is refused (x is an activation, out must differ).
         let mut p = base;
-        if let Op::Pool { x, out, .. } = &mut p.ops[4] {
+        if let Op::Pool(Pool { x, out, .. }) = &mut p.ops[4] {
             *out = *x;
         }
         assert!(error(&p, &w).contains("out aliases x"));
@@ -1119,18 +1070,18 @@ mod tests {
         encoder(1, 16).0.validate(&encoder(1, 16).1).unwrap();
         // A float buffer as the mask.
         let (mut p, w) = encoder(1, 4);
-        if let Op::Attention {
+        if let Op::Attention(Attention {
             qkv,
             seqs: Seqs::Padded { mask, .. },
             ..
-        } = &mut p.ops[2]
+        }) = &mut p.ops[2]
         {
             *mask = *qkv;
         }
         assert!(error(&p, &w).contains("needs an i32 buffer"));
         // Zero dimensions.
         let (mut p, w) = linear(2);
-        if let Op::Linear { n, .. } = &mut p.ops[0] {
+        if let Op::Linear(Linear { n, .. }) = &mut p.ops[0] {
             *n = 0;
         }
         assert!(error(&p, &w).contains("zero dimension"));

@@ -17,7 +17,7 @@ use crate::backend::cuda::kernels::{
 use crate::backend::cuda::mem::align_up;
 use crate::backend::BackendError;
 use crate::config::KernelPath;
-use crate::model::program::{Op, PositionBias, Seqs};
+use crate::model::program::{Attention, PositionBias, Seqs};
 use crate::tensor::DType;
 
 /// Threads per block of the attention kernel (`ATT_THREADS` in attention.cu).
@@ -122,18 +122,15 @@ pub fn write_tile_table(
 
 impl Planner<'_> {
     /// `Attention` on the kernel of its layout, dtype and head size.
-    pub(super) fn attention(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
-        let Op::Attention {
+    pub(super) fn attention(&mut self, idx: usize, op: &Attention) -> Result<usize, BackendError> {
+        let Attention {
             qkv,
             out,
             heads,
             head_dim,
             bias,
             seqs,
-        } = *op
-        else {
-            unreachable!("dispatched by op kind")
-        };
+        } = *op;
         let t = self.compute;
         let what = format!("op {idx} (Attention)");
         let dmax = attention_dmax(head_dim).ok_or_else(|| {

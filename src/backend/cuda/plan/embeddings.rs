@@ -9,7 +9,7 @@ use super::planner::Planner;
 use super::{suffix, Arg, Loc};
 use crate::backend::BackendError;
 use crate::config::KernelPath;
-use crate::model::program::{Op, PositionIds, Seqs};
+use crate::model::program::{EmbedLayerNorm, PositionIds, Seqs};
 
 /// The pad id of RoBERTa-style position ids as a kernel argument.
 fn pad_arg(pad: u32) -> Result<i32, BackendError> {
@@ -20,24 +20,8 @@ impl Planner<'_> {
     /// `EmbedLayerNorm` over every token row of the program. A padded
     /// kernel finds a token's index in its sequence as `row % seq`; a
     /// packed one reads it from the positions input.
-    pub(super) fn embed(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
-        let Op::EmbedLayerNorm {
-            ids,
-            token_types,
-            word,
-            position,
-            token_type,
-            gamma,
-            beta,
-            eps,
-            out,
-            hidden,
-            position_ids,
-            seqs,
-        } = *op
-        else {
-            unreachable!("dispatched by op kind")
-        };
+    pub(super) fn embed(&mut self, idx: usize, op: &EmbedLayerNorm) -> Result<usize, BackendError> {
+        let (seqs, hidden) = (op.seqs, op.hidden);
         let t = self.compute;
         let rows = seqs.token_rows();
         let grid = u32::try_from(rows)
@@ -47,10 +31,10 @@ impl Planner<'_> {
                 BackendError::Unsupported(format!("op {idx} (EmbedLayerNorm): {rows} token rows"))
             })?;
         let threads = ln_threads(hidden)?;
-        let (dst, pending) = self.float_out(out, rows * hidden, t);
+        let (dst, pending) = self.float_out(op.out, rows * hidden, t);
         // XLM-R / MPNet: positions counted from pad + 1 over the sequence's
         // non-pad ids (embed_pos.cu), one more argument.
-        let pad = match position_ids {
+        let pad = match op.position_ids {
             PositionIds::AfterPadding { pad } => Some(pad_arg(pad)?),
             PositionIds::Index => None,
         };
@@ -58,23 +42,14 @@ impl Planner<'_> {
             Seqs::Padded { seq, .. } => (None, seq),
             Seqs::Packed { positions, .. } => (Some(Arg::Ptr(self.int_loc(positions))), 1),
         };
-        let tables = [
-            Arg::Ptr(Loc::Weight(word)),
-            Arg::Ptr(Loc::Weight(position)),
-            Arg::Ptr(Loc::Weight(token_type)),
-            Arg::Ptr(Loc::Weight(gamma)),
-            Arg::Ptr(Loc::Weight(beta)),
-            Arg::F32(eps),
-            Arg::Ptr(dst),
-        ];
-        let table_rows = [
-            Arg::I32(self.rows_of(word) as i32),
-            Arg::I32(self.rows_of(position) as i32),
-            Arg::I32(self.rows_of(token_type) as i32),
-        ];
+        let tables = [op.word, op.position, op.token_type];
+        let table_rows = tables.map(|w| Arg::I32(self.rows_of(w) as i32));
+        let weights = [op.word, op.position, op.token_type, op.gamma, op.beta];
+        let weights = weights.map(|w| Arg::Ptr(Loc::Weight(w)));
+        let tables = [&weights[..], &[Arg::F32(op.eps), Arg::Ptr(dst)]].concat();
         let mut args = vec![
-            Arg::Ptr(self.int_loc(ids)),
-            Arg::Ptr(self.int_loc(token_types)),
+            Arg::Ptr(self.int_loc(op.ids)),
+            Arg::Ptr(self.int_loc(op.token_types)),
         ];
         if pad.is_none() && self.on(KernelPath::LnVec) && ln_vec_fits(hidden) {
             args.push(positions.unwrap_or(Arg::Null));

@@ -7,7 +7,7 @@ use super::planner::Planner;
 use super::{suffix, Arg};
 use crate::backend::cuda::mem::align_up;
 use crate::backend::BackendError;
-use crate::model::program::Op;
+use crate::model::program::Normalize;
 
 /// Block size of `l2norm_rows` (rownorm.cu) for rows of `width` values: a
 /// multiple of 32 (its block reduction), at most 256.
@@ -18,10 +18,8 @@ pub fn rownorm_threads(width: usize) -> u32 {
 impl Planner<'_> {
     /// `Normalize`: in place, in the buffer's own type (the f32 output after
     /// the last Dense module, or an activation).
-    pub(super) fn normalize(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
-        let Op::Normalize { x, rows, width } = *op else {
-            unreachable!("dispatched by op kind")
-        };
+    pub(super) fn normalize(&mut self, idx: usize, op: &Normalize) -> Result<usize, BackendError> {
+        let Normalize { x, rows, width } = *op;
         let grid = u32::try_from(rows)
             .ok()
             .filter(|_| width <= i32::MAX as usize)

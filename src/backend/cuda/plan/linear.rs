@@ -13,7 +13,7 @@ use super::{act_code, dead_after, suffix, Arg, Loc, Step};
 use crate::backend::cuda::matmul::{split_activation, MatmulShape};
 use crate::backend::BackendError;
 use crate::config::KernelPath;
-use crate::model::program::{BufId, BufKind, Op, WeightId};
+use crate::model::program::{AddLayerNorm, BufId, BufKind, Linear, Op, Pool, WeightId};
 use crate::model::{Activation, Pooling};
 use crate::tensor::DType;
 
@@ -79,19 +79,6 @@ pub(super) enum LinearKernel {
     CublasLt,
 }
 
-/// An `Op::Linear`'s fields, for the matmul kernels' arguments.
-#[derive(Clone, Copy)]
-struct LinearOp {
-    x: BufId,
-    w: WeightId,
-    bias: Option<WeightId>,
-    act: Activation,
-    out: BufId,
-    m: usize,
-    n: usize,
-    k: usize,
-}
-
 /// What a matmul kernel needs to apply the AddLayerNorm after it (see
 /// [`Planner::add_ln_after`]).
 struct AddLnAfter {
@@ -106,8 +93,8 @@ impl Planner<'_> {
     /// `Linear`: `out = act(x · wᵀ + bias)` on the kernel
     /// [`Planner::linear_kernel`] picks; returns the ops consumed (2 where
     /// the kernel applies the AddLayerNorm after it too).
-    pub(super) fn linear(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
-        let Op::Linear {
+    pub(super) fn linear(&mut self, idx: usize, op: &Linear) -> Result<usize, BackendError> {
+        let Linear {
             x,
             w,
             bias,
@@ -116,26 +103,13 @@ impl Planner<'_> {
             m,
             n,
             k,
-        } = *op
-        else {
-            unreachable!("dispatched by op kind")
-        };
+        } = *op;
         let t = self.compute;
         let x_l = self.float_in(x, m * k, t)?;
         let out_t = self.dtype(out);
-        let linear = LinearOp {
-            x,
-            w,
-            bias,
-            act,
-            out,
-            m,
-            n,
-            k,
-        };
         match self.linear_kernel(m, n, k, out_t) {
-            LinearKernel::Skinny => return self.skinny(idx, linear, x_l, out_t),
-            LinearKernel::GemmSmall => return self.gemm_small(idx, linear, x_l),
+            LinearKernel::Skinny => return self.skinny(idx, op, x_l, out_t),
+            LinearKernel::GemmSmall => return self.gemm_small(idx, op, x_l),
             LinearKernel::CublasLt => {}
         }
         let (epilogue, post) = split_activation(act, bias.is_some());
@@ -216,26 +190,26 @@ impl Planner<'_> {
             return false;
         }
         match ops.get(idx) {
-            Some(&Op::Linear {
+            Some(&Op::Linear(Linear {
                 x: lx,
                 out,
                 m,
                 n,
                 k,
                 ..
-            }) if lx == x => {
+            })) if lx == x => {
                 (m, k) == (rows, hidden)
                     && k <= 32 * GS_WARPS * 4
                     && self.linear_kernel(m, n, k, self.dtype(out)) == LinearKernel::GemmSmall
             }
-            Some(&Op::Pool {
+            Some(&Op::Pool(Pool {
                 x: px,
                 mode,
                 skip,
                 hidden: ph,
                 seqs,
                 ..
-            }) => {
+            })) => {
                 px == x
                     && mode != Pooling::Cls
                     && skip.is_none()
@@ -260,7 +234,7 @@ impl Planner<'_> {
         n: usize,
     ) -> Option<AddLnAfter> {
         let t = self.compute;
-        let Some(&Op::AddLayerNorm {
+        let Some(&Op::AddLayerNorm(AddLayerNorm {
             x: ln_x,
             residual,
             gamma,
@@ -269,7 +243,7 @@ impl Planner<'_> {
             out: ln_out,
             rows,
             hidden,
-        }) = self.program.ops.get(idx + 1)
+        })) = self.program.ops.get(idx + 1)
         else {
             return None;
         };
@@ -296,8 +270,8 @@ impl Planner<'_> {
     /// bias and activation in its epilogue, and the AddLayerNorm after it
     /// too where [`Planner::add_ln_after`] allows (then it consumes 2 ops),
     /// its LayerNorm left to the op after where that op can apply it.
-    fn gemm_small(&mut self, idx: usize, op: LinearOp, x_l: Loc) -> Result<usize, BackendError> {
-        let LinearOp { act, out, m, n, .. } = op;
+    fn gemm_small(&mut self, idx: usize, op: &Linear, x_l: Loc) -> Result<usize, BackendError> {
+        let Linear { act, out, m, n, .. } = *op;
         let t = self.compute;
         let grid = u32::try_from(n.div_ceil(GS_NB))
             .map_err(|_| BackendError::Unsupported(format!("op {idx} (Linear): {n} outputs")))?;
@@ -345,11 +319,11 @@ impl Planner<'_> {
     fn skinny(
         &mut self,
         idx: usize,
-        op: LinearOp,
+        op: &Linear,
         x_l: Loc,
         out_t: DType,
     ) -> Result<usize, BackendError> {
-        let LinearOp { act, out, m, n, .. } = op;
+        let Linear { act, out, m, n, .. } = *op;
         let t = self.compute;
         let grid = (n.div_ceil(SK_COLS) as u32, 1, 1);
         let block = (32 * SK_WARPS) as u32;
@@ -374,11 +348,10 @@ impl Planner<'_> {
     fn matmul_epilogue_args(
         &mut self,
         x_l: Loc,
-        op: LinearOp,
+        op: &Linear,
         ln: Option<AddLnAfter>,
     ) -> (Vec<Arg>, usize) {
-        let LinearOp {
-            x: _,
+        let Linear {
             w,
             bias,
             act,
@@ -386,7 +359,8 @@ impl Planner<'_> {
             m,
             n,
             k,
-        } = op;
+            ..
+        } = *op;
         let bias_arg = bias.map(|b| Arg::Ptr(Loc::Weight(b))).unwrap_or(Arg::Null);
         let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(Loc::Weight(w)), bias_arg];
         let dims = [Arg::I32(m as i32), Arg::I32(n as i32), Arg::I32(k as i32)];

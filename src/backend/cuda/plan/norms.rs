@@ -8,7 +8,7 @@ use super::{suffix, Arg, Loc};
 use crate::backend::cuda::mem::align_up;
 use crate::backend::BackendError;
 use crate::config::KernelPath;
-use crate::model::program::Op;
+use crate::model::program::AddLayerNorm;
 
 /// Values each LayerNorm thread keeps in registers (`LN_VPT` in layernorm.cu).
 pub const LN_VPT: usize = 8;
@@ -41,8 +41,12 @@ pub fn ln_vec_fits(hidden: usize) -> bool {
 impl Planner<'_> {
     /// `AddLayerNorm`: `out = LayerNorm(x + residual)`, a warp per row
     /// where the row fits, else a block per row.
-    pub(super) fn add_layer_norm(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
-        let Op::AddLayerNorm {
+    pub(super) fn add_layer_norm(
+        &mut self,
+        idx: usize,
+        op: &AddLayerNorm,
+    ) -> Result<usize, BackendError> {
+        let AddLayerNorm {
             x,
             residual,
             gamma,
@@ -51,10 +55,7 @@ impl Planner<'_> {
             out,
             rows,
             hidden,
-        } = *op
-        else {
-            unreachable!("dispatched by op kind")
-        };
+        } = *op;
         let t = self.compute;
         let threads = ln_threads(hidden)?;
         let elems = rows * hidden;

@@ -7,7 +7,7 @@
 use super::planner::Planner;
 use super::{suffix, Arg};
 use crate::backend::BackendError;
-use crate::model::program::{Op, Seqs};
+use crate::model::program::{Pool, Seqs};
 use crate::model::Pooling;
 use crate::tensor::DType;
 
@@ -28,8 +28,8 @@ pub fn pool_code(p: Pooling) -> i32 {
 
 impl Planner<'_> {
     /// `Pool`, a block per sequence, into f32 rows.
-    pub(super) fn pool(&mut self, idx: usize, op: &Op) -> Result<usize, BackendError> {
-        let Op::Pool {
+    pub(super) fn pool(&mut self, idx: usize, op: &Pool) -> Result<usize, BackendError> {
+        let Pool {
             x,
             out,
             hidden,
@@ -37,10 +37,7 @@ impl Planner<'_> {
             normalize,
             skip,
             seqs,
-        } = *op
-        else {
-            unreachable!("dispatched by op kind")
-        };
+        } = *op;
         let (count, rows) = (seqs.count(), seqs.token_rows());
         if count > i32::MAX as usize || rows > i32::MAX as usize {
             return Err(BackendError::Unsupported(format!(

@@ -118,12 +118,12 @@ pub fn plan(
         // Each op to the function of its stage; a fused one may consume
         // the op after it too.
         i += match op {
-            Op::EmbedLayerNorm { .. } => p.embed(i, op)?,
-            Op::Linear { .. } => p.linear(i, op)?,
-            Op::AddLayerNorm { .. } => p.add_layer_norm(i, op)?,
-            Op::Attention { .. } => p.attention(i, op)?,
-            Op::Pool { .. } => p.pool(i, op)?,
-            Op::Normalize { .. } => p.normalize(i, op)?,
+            Op::EmbedLayerNorm(op) => p.embed(i, op)?,
+            Op::Linear(op) => p.linear(i, op)?,
+            Op::AddLayerNorm(op) => p.add_layer_norm(i, op)?,
+            Op::Attention(op) => p.attention(i, op)?,
+            Op::Pool(op) => p.pool(i, op)?,
+            Op::Normalize(op) => p.normalize(i, op)?,
         };
     }
     if p.deferred_ln.is_some() {
@@ -399,7 +399,7 @@ mod tests {
     #[test]
     fn malformed_programs_are_errors() {
         let (mut p, w) = mlp(2, Activation::Relu);
-        if let Op::Linear { k, .. } = &mut p.ops[0] {
+        if let Op::Linear(Linear { k, .. }) = &mut p.ops[0] {
             *k = 129;
         }
         let e = p.validate(&w).unwrap_err();
@@ -415,11 +415,11 @@ mod tests {
         assert!(matches!(e, BackendError::Unsupported(_)), "{e:?}");
 
         let (mut p, w) = tiny_bert(1, 16);
-        if let Op::Attention {
+        if let Op::Attention(Attention {
             qkv,
             seqs: Seqs::Padded { mask, .. },
             ..
-        } = &mut p.ops[2]
+        }) = &mut p.ops[2]
         {
             *mask = *qkv; // a float buffer as the mask
         }

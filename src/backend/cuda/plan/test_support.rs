@@ -4,7 +4,7 @@
 
 use super::{Arg, Limits, Plan, Step};
 use crate::model::bert::{BertArch, BertEmbeddings, BertLayer};
-use crate::model::program::{InputRole, Op, ProgramBuilder, WeightId};
+use crate::model::program::{InputRole, Linear, ProgramBuilder, WeightId};
 use crate::model::{Activation, Pooling, Program, Weights};
 use crate::tensor::DType;
 
@@ -21,7 +21,7 @@ pub(crate) fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
     let x = b.input("x", InputRole::Features, batch * 128);
     let h = b.activation("h", batch * 256);
     let y = b.output("y", batch * 10);
-    b.push(Op::Linear {
+    b.push(Linear {
         x,
         w: w1,
         bias: Some(b1),
@@ -31,7 +31,7 @@ pub(crate) fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
         n: 256,
         k: 128,
     });
-    b.push(Op::Linear {
+    b.push(Linear {
         x: h,
         w: w2,
         bias: Some(b2),
