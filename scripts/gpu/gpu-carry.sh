@@ -6,10 +6,27 @@
 # large to carry; the check computes its reference embeddings there with
 # sentence-transformers on these same weights).
 # .carry/ is git-ignored; pass it to the device tool's `carry`.
+# With CARRY_BEFORE=REV it first builds that revision's binaries too, into
+# .carry/before/ (for scripts/gpu/before-after.sh), in a scratch worktree and
+# the same target directory (the current tree's are built after it).
 #
-#   scripts/gpu/gpu-carry.sh     # here, after any change; then carry .carry to the GPU machine
+#   scripts/gpu/gpu-carry.sh                      # here, after any change; then carry .carry
+#   CARRY_BEFORE=2dead66 scripts/gpu/gpu-carry.sh  # also the build of 2dead66
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+if [ -n "${CARRY_BEFORE:-}" ]; then
+  repo=$(pwd)
+  wt=$(mktemp -d)/before
+  git worktree add --detach "$wt" "$CARRY_BEFORE"
+  ln -s "$repo/models" "$wt/models"
+  (cd "$wt" && CARGO_TARGET_DIR="$repo/target" cargo build --release --bins)
+  rm -rf .carry/before && mkdir -p .carry/before/stage
+  for b in replayd replayctl; do strip -o ".carry/before/stage/$b" "target/release/$b"; done
+  tar -C .carry/before/stage -cJf .carry/before/bin.tar.xz replayd replayctl
+  rm -rf .carry/before/stage
+  git -C "$wt" rev-parse --short HEAD > .carry/before/COMMIT
+  git worktree remove --force "$wt"
+fi
 cargo build --release --bins --example cuda_selftest --example family_check
 # Compressed: the carry limit is 64 MiB and the model takes 45.
 rm -rf .carry/bin .carry/bin.tar.gz .carry/bin.tar.xz

@@ -657,15 +657,7 @@ mod tests {
     use super::*;
     use serde::Deserialize;
 
-    pub(crate) fn model_dir() -> PathBuf {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2");
-        assert!(
-            dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file(),
-            "{} is missing: run scripts/dev/fetch-model.sh",
-            dir.display()
-        );
-        dir
-    }
+    pub(crate) use crate::model::minilm_dir as model_dir;
 
     #[derive(Deserialize)]
     struct Line {

@@ -34,6 +34,20 @@ pub mod tokenizer;
 pub mod weights;
 pub mod wordpiece;
 
+/// The default model's folder, for the tests that read the real MiniLM
+/// (`scripts/dev/fetch-model.sh` puts it there; the README's test command
+/// runs it).
+#[cfg(test)]
+pub(crate) fn minilm_dir() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2");
+    assert!(
+        dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file(),
+        "{} is missing: run scripts/dev/fetch-model.sh",
+        dir.display()
+    );
+    dir
+}
+
 pub use batch::BatchRows;
 pub use program::{Activation, InputRole, Pooling, Program, ProgramFacts};
 pub use weights::Weights;
@@ -74,6 +88,23 @@ pub struct ModelSpec {
     pub pooling: Option<Pooling>,
     /// L2-normalise embeddings (overrides the folder's modules.json).
     pub normalize: Option<bool>,
+}
+
+impl ModelSpec {
+    /// A model served as its folder (or file) says: f32 compute, no
+    /// overrides.
+    pub fn new(name: impl Into<String>, kind: ModelKind, path: impl Into<PathBuf>) -> ModelSpec {
+        ModelSpec {
+            name: name.into(),
+            kind,
+            path: path.into(),
+            dtype: DType::F32,
+            max_seq_len: None,
+            activation: None,
+            pooling: None,
+            normalize: None,
+        }
+    }
 }
 
 /// Why a model could not be loaded. Always names the file and the problem.

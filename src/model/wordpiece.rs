@@ -619,16 +619,7 @@ pub(crate) mod tests {
             ("xlmr-st", false),
             ("xlmr-cross-encoder", false),
         ] {
-            let spec = ModelSpec {
-                name: name.into(),
-                kind: ModelKind::Bert,
-                path: models().join(name),
-                dtype: crate::tensor::DType::F32,
-                max_seq_len: None,
-                activation: None,
-                pooling: None,
-                normalize: None,
-            };
+            let spec = ModelSpec::new(name, ModelKind::Bert, models().join(name));
             let info = inspect(&spec).unwrap();
             let (tok, _) =
                 crate::model::tokenizer::build(info.tokenizer.as_ref().unwrap()).unwrap();

@@ -21,27 +21,10 @@ fn reference_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data")
 }
 
-fn model_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2");
-    assert!(
-        dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file(),
-        "{} is missing: run scripts/dev/fetch-model.sh",
-        dir.display()
-    );
-    dir
-}
+use crate::model::minilm_dir as model_dir;
 
 pub(crate) fn model_config(kind: ModelKind, path: &Path) -> ModelSpec {
-    ModelSpec {
-        name: "test".into(),
-        kind,
-        path: path.to_path_buf(),
-        dtype: DType::F32,
-        max_seq_len: None,
-        activation: None,
-        pooling: None,
-        normalize: None,
-    }
+    ModelSpec::new("test", kind, path)
 }
 
 fn cosine(a: &[f32], b: &[f32]) -> f64 {
@@ -1078,7 +1061,7 @@ fn minilm_default_grid_memory() {
 // ---------------------------------------------------------------- packed
 
 use crate::bucket::{Bucket, TokenGrid};
-use crate::model::bert::{BertArch, BertEmbeddings, BertLayer};
+use crate::model::bert::{BertArch, SyntheticSizes};
 use crate::model::{InputSpec, ModelInfo, Pooling};
 
 /// MiniLM with its pooling (and normalisation) overridden, as a config's
@@ -1371,63 +1354,30 @@ fn minilm_all_300_reference_embeddings_through_packed_graphs() {
 fn synthetic_bert(hidden: usize, heads: usize, pooling: Pooling, seed: u64) -> Model {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut w = crate::model::Weights::new();
-    let mut t = |name: &str, shape: Vec<usize>, scale: f32| {
-        let n = shape.iter().product();
-        let data = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
-        w.push(name, shape, data)
-    };
-    let (inter, vocab, npos) = (2 * hidden, 50, 48);
-    let embeddings = BertEmbeddings {
-        word: t("word", vec![vocab, hidden], 1.0),
-        position: t("position", vec![npos, hidden], 1.0),
-        token_type: t("token_type", vec![2, hidden], 0.5),
-        norm_gamma: t("emb.g", vec![hidden], 1.5),
-        norm_beta: t("emb.b", vec![hidden], 0.5),
-    };
-    let layers = (0..2)
-        .map(|l| {
-            let mut d = |name: &str, shape: Vec<usize>| {
-                let k = *shape.last().unwrap() as f32;
-                t(&format!("{l}.{name}"), shape, 2.0 / k.sqrt())
-            };
-            BertLayer {
-                qkv_weight: d("qkv", vec![3 * hidden, hidden]),
-                qkv_bias: d("qkv.b", vec![3 * hidden]),
-                attention_output_weight: d("o", vec![hidden, hidden]),
-                attention_output_bias: d("o.b", vec![hidden]),
-                attention_norm_gamma: d("ln1.g", vec![hidden]),
-                attention_norm_beta: d("ln1.b", vec![hidden]),
-                intermediate_weight: d("i", vec![inter, hidden]),
-                intermediate_bias: d("i.b", vec![inter]),
-                output_weight: d("o2", vec![hidden, inter]),
-                output_bias: d("o2.b", vec![hidden]),
-                output_norm_gamma: d("ln2.g", vec![hidden]),
-                output_norm_beta: d("ln2.b", vec![hidden]),
-            }
-        })
-        .collect();
-    let arch = BertArch {
+    let (vocab, npos) = (50, 48);
+    let sizes = SyntheticSizes {
+        layers: 2,
         hidden,
         heads,
-        head_dim: hidden / heads,
-        intermediate: inter,
-        hidden_act: crate::model::Activation::Gelu,
-        layer_norm_eps: 1e-12,
-        vocab_size: vocab,
-        max_position_embeddings: npos,
-        type_vocab_size: 2,
+        intermediate: 2 * hidden,
+        vocab,
+        positions: npos,
         max_seq_len: 40,
         pooling,
         normalize: pooling != Pooling::Max,
-        embeddings,
-        layers,
-        family: crate::model::bert::Family::Bert,
-        position_ids: Default::default(),
-        position_bias: None,
-        pool_skip: false,
-        dense: Vec::new(),
-        classifier: None,
     };
+    let arch = BertArch::synthetic(sizes, |name, shape| {
+        // The embeddings' own scales; each layer's weights 2/√fan-in.
+        let scale = match name {
+            "word" | "position" => 1.0,
+            "token_type" | "emb.b" => 0.5,
+            "emb.g" => 1.5,
+            _ => 2.0 / (*shape.last().unwrap() as f32).sqrt(),
+        };
+        let n = shape.iter().product();
+        let data = (0..n).map(|_| rng.random_range(-scale..scale)).collect();
+        w.push(name, shape, data)
+    });
     Model {
         info: ModelInfo {
             name: "synthetic".into(),

@@ -304,6 +304,23 @@ impl CudaBackend {
         self.limits
     }
 
+    /// `program` planned for this device: the weights' dtype, the options'
+    /// TF32 choice, the kernel paths on.
+    fn plan_of(
+        &self,
+        host: &Weights,
+        weights: &CudaWeights,
+        program: &Program,
+    ) -> Result<Plan, BackendError> {
+        plan::plan(
+            program,
+            host,
+            weights.dtype,
+            self.options.allow_tf32,
+            self.limits,
+        )
+    }
+
     /// Replaces the kernel paths for graphs captured and eager runs from
     /// now on (graphs captured before keep their plans): `backend-check`
     /// runs each bucket with the fused paths on and off.
@@ -443,13 +460,7 @@ impl CudaBackend {
     ) -> Result<Vec<(String, f64)>, BackendError> {
         self.alive()?;
         let r = (|| {
-            let plan = plan::plan(
-                program,
-                host,
-                weights.dtype,
-                self.options.allow_tf32,
-                self.limits,
-            )?;
+            let plan = self.plan_of(host, weights, program)?;
             let inner = &mut *self.inner;
             let ctx = inner.ctx.clone();
             let arena = DeviceBuf::zeroed(&ctx, plan.arena_bytes).cu("profile arena")?;
@@ -573,13 +584,7 @@ impl CudaBackend {
         weights: &CudaWeights,
         program: &Program,
     ) -> Result<CapturedGraph, BackendError> {
-        let plan = plan::plan(
-            program,
-            host,
-            weights.dtype,
-            self.options.allow_tf32,
-            self.limits,
-        )?;
+        let plan = self.plan_of(host, weights, program)?;
         // Small graphs read and write the batch's pinned slot themselves.
         let plan = plan.for_graph(&self.limits);
         let staged = !plan.staged.is_empty();
@@ -740,13 +745,7 @@ impl CudaBackend {
         program: &Program,
         rows: &BatchRows,
     ) -> Result<Vec<f32>, BackendError> {
-        let plan: Plan = plan::plan(
-            program,
-            host,
-            weights.dtype,
-            self.options.allow_tf32,
-            self.limits,
-        )?;
+        let plan: Plan = self.plan_of(host, weights, program)?;
         let inner = &mut *self.inner;
         let ctx = inner.ctx.clone();
         let grow =

@@ -1209,27 +1209,10 @@ mod tests {
     use crate::tensor::DType;
     use std::io::Read;
 
-    fn model_dir() -> PathBuf {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/all-MiniLM-L6-v2");
-        assert!(
-            dir.join("model.safetensors").is_file() && dir.join("tokenizer.json").is_file(),
-            "{} is missing: run scripts/dev/fetch-model.sh",
-            dir.display()
-        );
-        dir
-    }
+    use crate::model::minilm_dir as model_dir;
 
     fn config(path: &Path) -> ModelSpec {
-        ModelSpec {
-            name: "minilm".into(),
-            kind: ModelKind::Bert,
-            path: path.to_path_buf(),
-            dtype: DType::F32,
-            max_seq_len: None,
-            activation: None,
-            pooling: None,
-            normalize: None,
-        }
+        ModelSpec::new("minilm", ModelKind::Bert, path)
     }
 
     const FILES: [&str; 6] = [

@@ -151,6 +151,84 @@ pub struct BertArch {
     pub classifier: Option<Classifier>,
 }
 
+/// The sizes of a synthetic BERT encoder, for tests that need one without
+/// a folder ([`BertArch::synthetic`]).
+#[cfg(test)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SyntheticSizes {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub positions: usize,
+    pub max_seq_len: usize,
+    pub pooling: Pooling,
+    pub normalize: bool,
+}
+
+#[cfg(test)]
+impl BertArch {
+    /// A plain BERT encoder (exact GELU, learned positions, no head) of
+    /// `sizes`, its weights made by `weight(name, shape)` in the order a
+    /// folder's loader pushes them: the embeddings' word, position and
+    /// token-type tables and norm, then each layer's.
+    pub(crate) fn synthetic(
+        sizes: SyntheticSizes,
+        mut weight: impl FnMut(&str, Vec<usize>) -> WeightId,
+    ) -> BertArch {
+        let (h, inter) = (sizes.hidden, sizes.intermediate);
+        let embeddings = BertEmbeddings {
+            word: weight("word", vec![sizes.vocab, h]),
+            position: weight("position", vec![sizes.positions, h]),
+            token_type: weight("token_type", vec![2, h]),
+            norm_gamma: weight("emb.g", vec![h]),
+            norm_beta: weight("emb.b", vec![h]),
+        };
+        let layers = (0..sizes.layers)
+            .map(|l| {
+                let mut w = |name: &str, shape| weight(&format!("{l}.{name}"), shape);
+                BertLayer {
+                    qkv_weight: w("qkv", vec![3 * h, h]),
+                    qkv_bias: w("qkv.b", vec![3 * h]),
+                    attention_output_weight: w("o", vec![h, h]),
+                    attention_output_bias: w("o.b", vec![h]),
+                    attention_norm_gamma: w("ln1.g", vec![h]),
+                    attention_norm_beta: w("ln1.b", vec![h]),
+                    intermediate_weight: w("i", vec![inter, h]),
+                    intermediate_bias: w("i.b", vec![inter]),
+                    output_weight: w("o2", vec![h, inter]),
+                    output_bias: w("o2.b", vec![h]),
+                    output_norm_gamma: w("ln2.g", vec![h]),
+                    output_norm_beta: w("ln2.b", vec![h]),
+                }
+            })
+            .collect();
+        BertArch {
+            hidden: h,
+            heads: sizes.heads,
+            head_dim: h / sizes.heads,
+            intermediate: inter,
+            hidden_act: Activation::Gelu,
+            layer_norm_eps: 1e-12,
+            vocab_size: sizes.vocab,
+            max_position_embeddings: sizes.positions,
+            type_vocab_size: 2,
+            max_seq_len: sizes.max_seq_len,
+            pooling: sizes.pooling,
+            normalize: sizes.normalize,
+            embeddings,
+            layers,
+            family: Family::Bert,
+            position_ids: PositionIds::Index,
+            position_bias: None,
+            pool_skip: false,
+            dense: Vec::new(),
+            classifier: None,
+        }
+    }
+}
+
 impl BertArch {
     /// Width of one output row: the labels, the last Dense's outputs, or the hidden size.
     pub fn output_dim(&self) -> usize {

@@ -123,14 +123,7 @@ pub fn write_tile_table(
 impl Planner<'_> {
     /// `Attention` on the kernel of its layout, dtype and head size.
     pub(super) fn attention(&mut self, idx: usize, op: &Attention) -> Result<usize, BackendError> {
-        let Attention {
-            qkv,
-            out,
-            heads,
-            head_dim,
-            bias,
-            seqs,
-        } = *op;
+        let (heads, head_dim, seqs) = (op.heads, op.head_dim, op.seqs);
         let t = self.compute;
         let what = format!("op {idx} (Attention)");
         let dmax = attention_dmax(head_dim).ok_or_else(|| {
@@ -186,10 +179,10 @@ impl Planner<'_> {
         };
         let rows = seqs.token_rows();
         let hd = heads * head_dim;
-        let q_l = self.float_in(qkv, rows * 3 * hd, t)?;
-        let (dst, pending) = self.float_out(out, rows * hd, t);
+        let q_l = self.float_in(op.qkv, rows * 3 * hd, t)?;
+        let (dst, pending) = self.float_out(op.out, rows * hd, t);
         let scale = Arg::F32(1.0 / (head_dim as f32).sqrt());
-        let (tag, bias_args) = self.bias_args(bias, heads, &what)?;
+        let (tag, bias_args) = self.bias_args(op.bias, heads, &what)?;
         let mut args = vec![Arg::Ptr(q_l), Arg::Ptr(index), Arg::Ptr(dst)];
         let i32s = |v: &[usize]| v.iter().map(|&v| Arg::I32(v as i32)).collect::<Vec<_>>();
         match (seqs, tensor_cores) {
@@ -549,7 +542,7 @@ mod tests {
         }
         // Head size 80 (f16): the d128 class with hd = 80.
         let (p, w) = packed_bert_dims(256, 8, 128, 320, 4, 640);
-        let plan = plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let plan = planned(&p, &w, DType::F16, LIMITS);
         let (name, _, _, smem, args) = kernel(&plan, "attention_varlen");
         assert_eq!(name, "attention_varlen_f16_d128");
         assert_eq!(smem as usize, attention_smem_bytes(128, 128));
@@ -564,7 +557,7 @@ mod tests {
         );
         // f32 packed outputs: the pooled rows go straight to the f32 output.
         let (p, w) = packed_bert_dims(64, 4, 64, 384, 12, 1536);
-        let plan = crate::backend::cuda::plan::plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        let plan = planned(&p, &w, DType::F32, LIMITS);
         assert_eq!(
             kernel(&plan, "pool_packed_f32").4[2],
             Arg::Ptr(Loc::Output(0))
@@ -612,11 +605,11 @@ mod tests {
         }
         // Padded (1, 16): the 16-key kernel with the bias; without the
         // bias, the plain one.
-        let plan_ = plan(&arch.program(1, 16), &w, DType::F16, false, LIMITS).unwrap();
+        let plan_ = planned(&arch.program(1, 16), &w, DType::F16, LIMITS);
         let (_, _, _, _, args) = kernel(&plan_, "attention_tc_bias_s16_f16_d32");
         assert_eq!(args[6..], bias);
         arch.position_bias = None;
-        let plan_ = plan(&arch.packed_program(16, 8), &w, DType::F16, false, LIMITS).unwrap();
+        let plan_ = planned(&arch.packed_program(16, 8), &w, DType::F16, LIMITS);
         kernel(&plan_, "attention_varlen_tc_f16_d32");
         assert!(!names(&plan_).iter().any(|s| s.contains("_bias_")));
     }

@@ -100,7 +100,7 @@ mod tests {
     #[test]
     fn vectorised_kernel_arguments() {
         let (a, w) = minilm(1);
-        let plan = plan(&a.program(128, 128), &w, DType::F16, false, LIMITS).unwrap();
+        let plan = planned(&a.program(128, 128), &w, DType::F16, LIMITS);
         let rows = 128 * 128;
         let (_, grid, block, _, args) = kernel(&plan, "add_ln_vec_f16");
         assert_eq!((grid, block), (((rows / LNV_WARPS) as u32, 1, 1), 128));
@@ -138,14 +138,7 @@ mod tests {
             ]
         );
         // Packed: the positions input.
-        let plan = crate::backend::cuda::plan::plan(
-            &a.packed_program(1024, 32),
-            &w,
-            DType::F16,
-            false,
-            LIMITS,
-        )
-        .unwrap();
+        let plan = planned(&a.packed_program(1024, 32), &w, DType::F16, LIMITS);
         let args = kernel(&plan, "embed_ln_vec_f16").4;
         assert_eq!(args[2], Arg::Ptr(Loc::Input(plan.inputs[2].offset)));
         assert_eq!(plan.inputs[2].role, InputRole::Positions);

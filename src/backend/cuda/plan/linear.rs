@@ -425,7 +425,7 @@ mod tests {
     #[test]
     fn mlp_f32_is_two_fused_matmuls() {
         let (p, w) = mlp(32, Activation::Relu);
-        let plan = plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        let plan = planned(&p, &w, DType::F32, LIMITS);
         assert_eq!(plan.matmul_count(), 2);
         assert_eq!(plan.kernel_count(), 0, "{:?}", plan.steps);
         assert_eq!(plan.inputs.len(), 1);
@@ -492,7 +492,7 @@ mod tests {
     #[test]
     fn small_batches_use_the_skinny_kernel() {
         let (p, w) = mlp(8, Activation::Relu);
-        let plan = plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        let plan = planned(&p, &w, DType::F32, LIMITS);
         let names: Vec<String> = plan
             .steps
             .iter()
@@ -511,7 +511,7 @@ mod tests {
             }
             s => panic!("{s:?}"),
         }
-        let plan = crate::backend::cuda::plan::plan(&p, &w, DType::F16, false, LIMITS).unwrap();
+        let plan = planned(&p, &w, DType::F16, LIMITS);
         let names: Vec<&str> = plan
             .steps
             .iter()
@@ -539,26 +539,12 @@ mod tests {
         // Without the fused sublayers, MiniLM's widths go through cuBLASLt
         // even at 16 rows ...
         let (p, w) = tiny_bert(1, 16);
-        let plan16 = plan(
-            &p,
-            &w,
-            DType::F16,
-            false,
-            LIMITS.without(&KernelPath::SMALL_SHAPE),
-        )
-        .unwrap();
+        let plan16 = planned(&p, &w, DType::F16, LIMITS.without(&KernelPath::SMALL_SHAPE));
         assert_eq!(plan16.matmul_count(), 4);
         assert_eq!(plan16.counters, 0);
         // ... a narrower encoder through the skinny kernel, fused with its LayerNorms.
         let (p, w) = bert_dims(1, 16, 64, 2, 256);
-        let plan = plan(
-            &p,
-            &w,
-            DType::F16,
-            false,
-            LIMITS.without(&KernelPath::SMALL_SHAPE),
-        )
-        .unwrap();
+        let plan = planned(&p, &w, DType::F16, LIMITS.without(&KernelPath::SMALL_SHAPE));
         let names: Vec<String> = plan
             .steps
             .iter()

@@ -125,6 +125,9 @@ impl Planner<'_> {
         });
     }
 
+    /// `to = act(from)` over `elems` values, converting `from_t` to `to_t`
+    /// (`bias_act` without a bias): 8 values per thread and step where the
+    /// types agree (in place, or a copy of one type), else one.
     pub(super) fn cast(
         &mut self,
         from: Loc,
@@ -136,37 +139,26 @@ impl Planner<'_> {
     ) -> Result<(), BackendError> {
         let n = i32::try_from(elems)
             .map_err(|_| BackendError::Unsupported(format!("{elems} elements")))?;
-        if self.limits.on(KernelPath::EwVec) && from_t == to_t && elems.is_multiple_of(EW_VEC) {
-            // In place or a copy of one type: 8 values per thread and step.
-            self.kernel(
-                format!("bias_act_vec_{}", suffix(from_t)),
-                (ew_blocks(elems / EW_VEC), 1, 1),
-                EW_THREADS,
-                0,
-                vec![
-                    Arg::Ptr(from),
-                    Arg::Null,
-                    Arg::Ptr(to),
-                    Arg::I32(n),
-                    Arg::I32(EW_VEC as i32),
-                    Arg::I32(act_code(act)),
-                ],
-            );
-            return Ok(());
-        }
+        let vec = self.on(KernelPath::EwVec) && from_t == to_t && elems.is_multiple_of(EW_VEC);
+        let (name, per_step) = if vec {
+            (format!("bias_act_vec_{}", suffix(from_t)), EW_VEC)
+        } else {
+            (format!("bias_act_{}_{}", suffix(from_t), suffix(to_t)), 1)
+        };
+        let args = vec![
+            Arg::Ptr(from),
+            Arg::Null,
+            Arg::Ptr(to),
+            Arg::I32(n),
+            Arg::I32(per_step as i32),
+            Arg::I32(act_code(act)),
+        ];
         self.kernel(
-            format!("bias_act_{}_{}", suffix(from_t), suffix(to_t)),
-            (ew_blocks(elems), 1, 1),
+            name,
+            (ew_blocks(elems / per_step), 1, 1),
             EW_THREADS,
             0,
-            vec![
-                Arg::Ptr(from),
-                Arg::Null,
-                Arg::Ptr(to),
-                Arg::I32(n),
-                Arg::I32(1),
-                Arg::I32(act_code(act)),
-            ],
+            args,
         );
         Ok(())
     }

@@ -29,15 +29,7 @@ pub fn pool_code(p: Pooling) -> i32 {
 impl Planner<'_> {
     /// `Pool`, a block per sequence, into f32 rows.
     pub(super) fn pool(&mut self, idx: usize, op: &Pool) -> Result<usize, BackendError> {
-        let Pool {
-            x,
-            out,
-            hidden,
-            mode,
-            normalize,
-            skip,
-            seqs,
-        } = *op;
+        let (x, hidden, skip, seqs) = (op.x, op.hidden, op.skip, op.seqs);
         let (count, rows) = (seqs.count(), seqs.token_rows());
         if count > i32::MAX as usize || rows > i32::MAX as usize {
             return Err(BackendError::Unsupported(format!(
@@ -50,7 +42,7 @@ impl Planner<'_> {
             Some(d) => d.pre_norm,
             None => self.float_in(x, rows * hidden, self.compute)?,
         };
-        let (dst, pending) = self.float_out(out, count * hidden, DType::F32);
+        let (dst, pending) = self.float_out(op.out, count * hidden, DType::F32);
         let mut args = vec![Arg::Ptr(x_l), Arg::Ptr(index)];
         // include_prompt = false: the skip counts after the mask or offsets.
         if let Some(k) = skip {
@@ -65,8 +57,8 @@ impl Planner<'_> {
             Arg::Ptr(dst),
             Arg::I32(slots as i32),
             Arg::I32(hidden as i32),
-            Arg::I32(pool_code(mode)),
-            Arg::I32(normalize as i32),
+            Arg::I32(pool_code(op.mode)),
+            Arg::I32(op.normalize as i32),
         ]);
         let variant = match (skip, &ln) {
             (Some(_), _) => "_skip",

@@ -172,14 +172,7 @@ mod tests {
     fn packed_bert_plan() {
         let (tokens, seqs) = (1024, 32);
         let (p, w) = packed_bert_dims(tokens, seqs, 256, 384, 12, 1536);
-        let plan = plan(
-            &p,
-            &w,
-            DType::F16,
-            false,
-            LIMITS.without(&KernelPath::SMALL_SHAPE),
-        )
-        .unwrap();
+        let plan = planned(&p, &w, DType::F16, LIMITS.without(&KernelPath::SMALL_SHAPE));
         assert_eq!(plan.layout, Layout::Packed { tokens: 1024 });
         assert_eq!((plan.batch, plan.seq), (32, 256));
         assert_eq!(plan.label(), "1024t (32 seqs of at most 256)");
@@ -277,14 +270,12 @@ mod tests {
         assert_eq!(plan.output_elems, 32 * 384);
         // Every layer's attention shares the one table.
         let (p2, w2) = packed_bert_dims(64, 64, 64, 384, 12, 1536);
-        let plan2 = crate::backend::cuda::plan::plan(
+        let plan2 = planned(
             &p2,
             &w2,
             DType::BF16,
-            false,
             LIMITS.without(&KernelPath::SMALL_SHAPE),
-        )
-        .unwrap();
+        );
         assert_eq!(plan2.tile_tables.len(), 1);
         assert_eq!(plan2.tile_tables[0].max_tiles, 64);
         assert_eq!(
@@ -303,7 +294,7 @@ mod tests {
         assert!(!l.on(KernelPath::Skinny) && !l.on(KernelPath::TcAttention));
         assert!(l.on(KernelPath::LnVec) && l.on(KernelPath::EwVec));
         let (p, w) = tiny_bert(1, 16);
-        let plan = plan(&p, &w, DType::F16, false, l).unwrap();
+        let plan = planned(&p, &w, DType::F16, l);
         assert_eq!(plan.matmul_count(), 4);
         assert!(plan
             .steps
@@ -314,14 +305,7 @@ mod tests {
     #[test]
     fn bert_layer_plan() {
         let (p, w) = tiny_bert(2, 16);
-        let plan = plan(
-            &p,
-            &w,
-            DType::F16,
-            false,
-            LIMITS.without(&[KernelPath::GemmSmall]),
-        )
-        .unwrap();
+        let plan = planned(&p, &w, DType::F16, LIMITS.without(&[KernelPath::GemmSmall]));
         assert_eq!(plan.matmul_count(), 4);
         // embed, attention, 2 add-LN, GELU, pool
         assert_eq!(plan.kernel_count(), 6);
@@ -360,24 +344,16 @@ mod tests {
                 .unwrap()
         };
         let separate = LIMITS.without(&[KernelPath::GemmSmall]);
-        let off = crate::backend::cuda::plan::plan(
-            &p,
-            &w,
-            DType::F16,
-            false,
-            separate.without(&[KernelPath::AttnS16]),
-        )
-        .unwrap();
+        let off = planned(&p, &w, DType::F16, separate.without(&[KernelPath::AttnS16]));
         assert_eq!(attention(&off), ("attention_tc_f16_d32".into(), (1, 12, 2)));
         let (p17, w17) = tiny_bert(2, 17);
-        let long =
-            crate::backend::cuda::plan::plan(&p17, &w17, DType::F16, false, separate).unwrap();
+        let long = planned(&p17, &w17, DType::F16, separate);
         assert_eq!(
             attention(&long),
             ("attention_tc_f16_d32".into(), (1, 12, 2))
         );
         // f32 keeps the CUDA-core kernel, with dynamic shared memory.
-        let plan32 = crate::backend::cuda::plan::plan(&p, &w, DType::F32, false, LIMITS).unwrap();
+        let plan32 = planned(&p, &w, DType::F32, LIMITS);
         assert!(plan32
             .steps
             .iter()
@@ -625,7 +601,7 @@ mod tests {
         }
         let all = LIMITS.without(&KernelPath::ALL);
         assert_eq!(all.max_dyn_smem, LIMITS.max_dyn_smem);
-        let plan = plan(&p16, &w, DType::F16, false, all).unwrap();
+        let plan = planned(&p16, &w, DType::F16, all);
         assert_eq!(
             plan.step_names(),
             vec![

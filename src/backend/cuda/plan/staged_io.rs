@@ -238,7 +238,7 @@ mod tests {
         let (a, w) = minilm(6);
         let default = LIMITS;
         let slot_io = LIMITS.without(&[KernelPath::InlineInput]);
-        let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
+        let small = planned(&a.program(1, 16), &w, DType::F16, default);
         assert!(small.fits_staged_io(), "{} bytes in", small.input_bytes);
         assert!(small.staged.is_empty());
         let staged = small.clone().with_staged_io(&slot_io);
@@ -292,7 +292,7 @@ mod tests {
 
         // f32: the embedding folds, the pooling (no deferred LayerNorm) does
         // not: stage_out writes the output.
-        let f32 = plan(&a.program(1, 16), &w, DType::F32, false, default).unwrap();
+        let f32 = planned(&a.program(1, 16), &w, DType::F32, default);
         assert!(f32.fits_staged_io());
         let staged = f32.clone().with_staged_io(&slot_io);
         let names = staged.step_names();
@@ -321,7 +321,7 @@ mod tests {
 
         // Without the warp-per-row embedding, stage_in goes first.
         let no_vec = LIMITS.without(&[KernelPath::LnVec]);
-        let plain = plan(&a.program(1, 16), &w, DType::F16, false, no_vec).unwrap();
+        let plain = planned(&a.program(1, 16), &w, DType::F16, no_vec);
         let staged = plain.clone().with_staged_io(&slot_io);
         let names = staged.step_names();
         assert_eq!(names[0], "stage_in");
@@ -342,12 +342,12 @@ mod tests {
         assert!(staged.programmatic(1));
 
         // (128, 128): 192 KiB of inputs, 192 KiB of output: copies.
-        let large = plan(&a.program(128, 128), &w, DType::F16, false, default).unwrap();
+        let large = planned(&a.program(128, 128), &w, DType::F16, default);
         assert!(!large.fits_staged_io());
         // The smallest packed budget (64 tokens, up to 64 sequences), where
         // a lone short text runs in the daemon, is staged at both ends; its
         // pooling writes as many rows as the batch has (64 at capture).
-        let packed = plan(&a.packed_program(64, 64), &w, DType::F16, false, default).unwrap();
+        let packed = planned(&a.packed_program(64, 64), &w, DType::F16, default);
         assert!(
             packed.fits_staged_io(),
             "{} bytes in, {} floats out",
@@ -398,7 +398,7 @@ mod tests {
     fn small_plans_take_their_input_inline_and_poll_their_output() {
         let (a, w) = minilm(6);
         let default = LIMITS;
-        let small = plan(&a.program(1, 16), &w, DType::F16, false, default).unwrap();
+        let small = planned(&a.program(1, 16), &w, DType::F16, default);
         assert_eq!(small.input_bytes, 3 * 16 * 4, "ids, mask, types");
         let staged = small.clone().with_staged_io(&default);
         assert!(staged.poll_output);
@@ -410,10 +410,10 @@ mod tests {
         let word = |i: usize| Arg::I32((small.inputs[i].offset / 4) as i32);
         assert_eq!(args.len(), 20, "the kernel's parameters");
         assert_eq!(&args[..4], &[Arg::Inline, word(0), word(2), Arg::I32(-1)]);
-        let Step::Kernel { args: planned, .. } = &small.steps[0] else {
+        let Step::Kernel { args: unstaged, .. } = &small.steps[0] else {
             panic!("the embedding is a kernel")
         };
-        assert_eq!(&args[4..17], &planned[3..16], "tables, shape: unchanged");
+        assert_eq!(&args[4..17], &unstaged[3..16], "tables, shape: unchanged");
         assert_eq!(
             &args[17..],
             &[Arg::Ptr(Loc::Input(0)), Arg::I32(48), Arg::I32(0)]
@@ -432,7 +432,7 @@ mod tests {
         assert_eq!(staged.staged, folded_ends(staged.steps.len() - 1));
 
         // (2, 32): 192 words, over INLINE_WORDS: read from the slot.
-        let two = plan(&a.program(2, 32), &w, DType::F16, false, default).unwrap();
+        let two = planned(&a.program(2, 32), &w, DType::F16, default);
         assert_eq!(two.input_bytes / 4, 3 * 64);
         let staged = two.clone().with_staged_io(&default);
         assert_eq!(staged.step_names()[0], "embed_ln_vec_f16");
@@ -443,7 +443,7 @@ mod tests {
 
         // Without the warp-per-row embedding: stage_in_inl takes the block.
         let no_vec = default.without(&[KernelPath::LnVec]);
-        let plain = plan(&a.program(1, 16), &w, DType::F16, false, no_vec).unwrap();
+        let plain = planned(&a.program(1, 16), &w, DType::F16, no_vec);
         let staged = plain.clone().with_staged_io(&no_vec);
         let Step::Kernel { name, args, .. } = &staged.steps[0] else {
             panic!("stage_in_inl is a kernel")

@@ -3,13 +3,18 @@
 //! test folders), and readers of a plan's steps.
 
 use super::{Arg, Limits, Plan, Step};
-use crate::model::bert::{BertArch, BertEmbeddings, BertLayer};
-use crate::model::program::{InputRole, Linear, ProgramBuilder, WeightId};
+use crate::model::bert::{BertArch, SyntheticSizes};
+use crate::model::program::{InputRole, Linear, ProgramBuilder};
 use crate::model::{Activation, Pooling, Program, Weights};
 use crate::tensor::DType;
 
 /// Every path on, an H200's shared memory.
 pub(crate) const LIMITS: Limits = Limits::new(227 * 1024);
+
+/// `program` planned for `dtype` (no TF32) with `limits`.
+pub(crate) fn planned(program: &Program, weights: &Weights, dtype: DType, limits: Limits) -> Plan {
+    super::plan(program, weights, dtype, false, limits).unwrap()
+}
 
 pub(crate) fn mlp(batch: usize, act: Activation) -> (Program, Weights) {
     let mut w = Weights::new();
@@ -89,60 +94,26 @@ pub(crate) fn minilm(layers: usize) -> (BertArch, Weights) {
 /// and an FFN of `inter`, zero weights, built as [`minilm`] is.
 pub(crate) fn bert_arch(
     layers: usize,
-    h: usize,
+    hidden: usize,
     heads: usize,
-    inter: usize,
+    intermediate: usize,
 ) -> (BertArch, Weights) {
     let mut w = Weights::new();
-    fn t(w: &mut Weights, name: String, shape: Vec<usize>) -> WeightId {
-        let n = shape.iter().product();
-        w.push(name, shape, vec![0.0; n])
-    }
-    let embeddings = BertEmbeddings {
-        word: t(&mut w, "word".into(), vec![1000, h]),
-        position: t(&mut w, "pos".into(), vec![512, h]),
-        token_type: t(&mut w, "tt".into(), vec![2, h]),
-        norm_gamma: t(&mut w, "g".into(), vec![h]),
-        norm_beta: t(&mut w, "b".into(), vec![h]),
-    };
-    let layers = (0..layers)
-        .map(|l| BertLayer {
-            qkv_weight: t(&mut w, format!("{l}.qkv"), vec![3 * h, h]),
-            qkv_bias: t(&mut w, format!("{l}.qkv.b"), vec![3 * h]),
-            attention_output_weight: t(&mut w, format!("{l}.o"), vec![h, h]),
-            attention_output_bias: t(&mut w, format!("{l}.o.b"), vec![h]),
-            attention_norm_gamma: t(&mut w, format!("{l}.ln1.g"), vec![h]),
-            attention_norm_beta: t(&mut w, format!("{l}.ln1.b"), vec![h]),
-            intermediate_weight: t(&mut w, format!("{l}.i"), vec![inter, h]),
-            intermediate_bias: t(&mut w, format!("{l}.i.b"), vec![inter]),
-            output_weight: t(&mut w, format!("{l}.o2"), vec![h, inter]),
-            output_bias: t(&mut w, format!("{l}.o2.b"), vec![h]),
-            output_norm_gamma: t(&mut w, format!("{l}.ln2.g"), vec![h]),
-            output_norm_beta: t(&mut w, format!("{l}.ln2.b"), vec![h]),
-        })
-        .collect();
-    let arch = BertArch {
-        hidden: h,
+    let sizes = SyntheticSizes {
+        layers,
+        hidden,
         heads,
-        head_dim: h / heads,
-        intermediate: inter,
-        hidden_act: Activation::Gelu,
-        layer_norm_eps: 1e-12,
-        vocab_size: 1000,
-        max_position_embeddings: 512,
-        type_vocab_size: 2,
+        intermediate,
+        vocab: 1000,
+        positions: 512,
         max_seq_len: 256,
         pooling: Pooling::Mean,
         normalize: true,
-        embeddings,
-        layers,
-        family: crate::model::bert::Family::Bert,
-        position_ids: Default::default(),
-        position_bias: None,
-        pool_skip: false,
-        dense: Vec::new(),
-        classifier: None,
     };
+    let arch = BertArch::synthetic(sizes, |name, shape| {
+        let n = shape.iter().product();
+        w.push(name, shape, vec![0.0; n])
+    });
     (arch, w)
 }
 
@@ -209,16 +180,7 @@ pub(crate) fn family_model(name: &str) -> crate::model::Model {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/data/models")
         .join(name);
-    let spec = crate::model::ModelSpec {
-        name: name.into(),
-        kind: crate::model::ModelKind::Bert,
-        path: dir,
-        dtype: DType::F32,
-        max_seq_len: None,
-        activation: None,
-        pooling: None,
-        normalize: None,
-    };
+    let spec = crate::model::ModelSpec::new(name, crate::model::ModelKind::Bert, dir);
     crate::model::Model::load(&spec).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
