@@ -6,10 +6,10 @@ use std::time::Instant;
 use anyhow::anyhow;
 
 use super::compare::{compare, threshold};
+use super::context::{Ctx, Subject};
 use super::inputs::random_rows;
 use super::padded::cpu_reference;
 use super::report::EagerResult;
-use super::{Ctx, Subject};
 use crate::backend::Backend;
 use crate::config::{BatchingMode, ModelConfig};
 use crate::model::{InputSpec, Model};

@@ -4,9 +4,10 @@
 //! running the same packed program, then timed on random `fill` batches.
 
 use super::compare::{compare, threshold};
+use super::context::{Ctx, Subject};
 use super::inputs::{random_sequences, Rng};
 use super::report::{print_profile, BucketResult, PackedCase};
-use super::{timing, Ctx, Subject};
+use super::timing;
 use crate::backend::cuda::CapturedGraph;
 use crate::backend::Backend;
 use crate::bucket::Bucket;

@@ -2,10 +2,12 @@
 //! captured, a full random batch replayed and a few of its rows compared
 //! with the CPU backend's eager run of the same rows, then timed.
 
+use super::args::BackendCheckArgs;
 use super::compare::{compare, threshold};
+use super::context::{Ctx, Subject};
 use super::inputs::{random_rows, spread, subset};
 use super::report::{print_profile, BucketResult, Latency, REPLAY_ONLY_BELOW_US};
-use super::{timing, BackendCheckArgs, Ctx, Subject};
+use super::timing;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CapturedGraph;
 use crate::backend::Backend;
@@ -103,11 +105,10 @@ pub(super) fn check(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tools::backend_check::tests::test_args;
 
     #[test]
     fn profile_buckets_name_padded_shapes() {
-        let mut args = test_args();
+        let mut args = BackendCheckArgs::for_tests();
         assert!(!profiles_padded(&args, 1, 16));
         args.profile = true;
         assert!(profiles_padded(&args, 1, 16) && profiles_padded(&args, 128, 128));

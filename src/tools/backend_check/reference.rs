@@ -12,8 +12,8 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context};
 
 use super::compare::{compare, threshold};
+use super::context::{Ctx, Subject};
 use super::report::ReferenceResult;
-use super::{Ctx, Subject};
 use crate::backend::cuda::CapturedGraph;
 use crate::backend::Backend;
 use crate::bucket::Bucket;

@@ -5,8 +5,8 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use super::context::Ctx;
 use super::report::{BucketResult, Latency};
-use super::Ctx;
 use crate::backend::cuda::{CapturedGraph, CudaBackend};
 use crate::backend::Backend;
 use crate::model::{BatchRows, Model, Program};
