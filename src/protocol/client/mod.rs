@@ -102,21 +102,29 @@
 //! the endpoint's outstanding sends once it has read that far, so a daemon
 //! that answers everything and then exits loses no reply. CURVE:
 //! [`ClientOptions::security`] = [`Security::CurveClient`].
+//!
+//! Layout: this file holds the public types and the send/retry loop of a
+//! call; `endpoints.rs` the state the calls, the reply readers and the
+//! monitor share (connection and liveness of each endpoint, the outstanding
+//! sends, the choice of endpoint).
 
 use crate::protocol::{
     decode_reply, encode_request, ErrorCode, InputKind, Payload, ReplyHeader, RequestHeader, Status,
 };
 use crate::tensor::{DType, HostTensor};
-use crate::transport::{
-    Dealer, DealerReceiver, DealerSender, Security, TransportLimits, TransportStats,
-};
+use crate::transport::{Dealer, DealerReceiver, DealerSender, Security, TransportLimits};
 use bytes::Bytes;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use thiserror::Error;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::mpsc;
+
+mod endpoints;
+
+pub use endpoints::EndpointStats;
+use endpoints::{read_replies, Decoded, Outcome, Pick, Shared};
 
 /// How often connection state (libzmq monitor events) and liveness are checked.
 pub const MONITOR_TICK: Duration = Duration::from_millis(5);
@@ -187,7 +195,7 @@ impl Error {
     }
 }
 
-/// The former name of [`Error`].
+/// The former name of [`enum@Error`].
 pub type ClientError = Error;
 
 /// A client's settings; `ClientOptions::default()` mirrors the Python client.
@@ -386,122 +394,10 @@ impl Call {
     }
 }
 
-/// One endpoint's state, as [`Client::stats`] reports it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct EndpointStats {
-    pub endpoint: String,
-    pub connected: bool,
-    pub suspect: bool,
-    pub draining: bool,
-    pub in_flight: usize,
-    pub peak_in_flight: usize,
-    pub sent: u64,
-    pub replies: u64,
-    /// Sends lost with a connection.
-    pub lost: u64,
-    /// Sends that were re-sends (after a loss, `unavailable`, `overloaded` or silence).
-    pub resent: u64,
-    pub overloaded: u64,
-    pub unavailable: u64,
-    pub connects: u64,
-    pub disconnects: u64,
-}
-
-/// What happened to one send, told to the call that made it.
-enum Outcome {
-    Reply {
-        wire: u64,
-        ep: usize,
-        /// Boxed: a reply header is large, and most outcomes are small.
-        reply: Box<Decoded>,
-    },
-    Lost {
-        wire: u64,
-        ep: usize,
-    },
-    Suspect {
-        ep: usize,
-    },
-}
-
-enum Decoded {
-    Reply(Box<ReplyHeader>, Option<HostTensor>),
-    UnknownCode { code: String, message: String },
-    Malformed(String),
-}
-
-struct SendSlot {
-    call: mpsc::UnboundedSender<Outcome>,
-    ep: usize,
-    /// The endpoint's disconnects seen when it was sent: a later disconnect
-    /// loses it, an earlier one does not.
-    epoch: u64,
-}
-
-/// A disconnect whose sends are failed once the reader has caught up.
-#[derive(Clone, Copy)]
-struct PendingLoss {
-    /// The transport's `messages_received` when the disconnect was seen: every
-    /// reply that arrived before it is among these.
-    watermark: u64,
-    /// Sends made before this many disconnects were seen are lost.
-    epoch: u64,
-}
-
-struct EpState {
-    connected: bool,
-    seen_established: u64,
-    seen_disconnects: u64,
-    /// Messages the reader has taken from the transport (replies and
-    /// rejected ones), to compare with a [`PendingLoss`]'s watermark.
-    processed: u64,
-    pending_loss: Option<PendingLoss>,
-    /// Set when the endpoint has been silent too long with work outstanding.
-    suspect: bool,
-    draining_until: Option<Instant>,
-    /// Since when the endpoint owes a reply without having sent one.
-    quiet_since: Instant,
-    stats: EndpointStats,
-}
-
-impl EpState {
-    /// The epoch to lose sends before, once the reader has read every reply
-    /// that arrived before the pending disconnect.
-    fn due_loss(&mut self) -> Option<u64> {
-        let loss = self.pending_loss?;
-        if self.processed < loss.watermark {
-            return None;
-        }
-        self.pending_loss = None;
-        Some(loss.epoch)
-    }
-}
-
-struct State {
-    sends: HashMap<u64, SendSlot>,
-    eps: Vec<EpState>,
-    round_robin: usize,
-}
-
-struct Endpoint {
-    address: String,
-    send: DealerSender,
-    transport: Arc<TransportStats>,
-}
-
-struct Shared {
-    endpoints: Vec<Endpoint>,
-    state: Mutex<State>,
-    options: ClientOptions,
-    /// Any endpoint connected, recovered or stopped draining.
-    changed: Notify,
-    next_wire: AtomicU64,
-    stray: AtomicU64,
-}
-
 /// A pipelining, multi-endpoint client; see the module docs.
 pub struct Client {
     shared: Arc<Shared>,
+    options: ClientOptions,
     next_id: AtomicU64,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -510,311 +406,6 @@ impl Drop for Client {
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
-        }
-    }
-}
-
-/// Which endpoint a send may go to.
-enum Pick {
-    Go(usize),
-    /// None is usable now; try again by then (or when `changed` fires).
-    WaitUntil(Option<Instant>),
-}
-
-impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The healthy endpoint with the fewest requests outstanding, avoiding
-    /// `avoid` when another is usable.
-    fn pick(&self, avoid: &HashSet<usize>) -> (Pick, bool) {
-        let now = Instant::now();
-        let mut st = self.lock();
-        let any_connected = st.eps.iter().any(|e| e.connected);
-        let usable = |e: &EpState, suspect_ok: bool| {
-            e.connected && (suspect_ok || !e.suspect) && e.draining_until.is_none_or(|t| t <= now)
-        };
-        let n = st.eps.len();
-        let start = st.round_robin;
-        let mut best: Option<(usize, (bool, usize))> = None;
-        for pass in [false, true] {
-            for k in 0..n {
-                let i = (start + k) % n;
-                let e = &st.eps[i];
-                if !usable(e, pass) {
-                    continue;
-                }
-                let key = (avoid.contains(&i), e.stats.in_flight);
-                if best.is_none_or(|(_, b)| key < b) {
-                    best = Some((i, key));
-                }
-            }
-            if best.is_some() {
-                break;
-            }
-        }
-        if let Some((i, _)) = best {
-            st.round_robin = (i + 1) % n.max(1);
-            return (Pick::Go(i), any_connected);
-        }
-        let wake = st
-            .eps
-            .iter()
-            .filter(|e| e.connected)
-            .filter_map(|e| e.draining_until)
-            .min();
-        (Pick::WaitUntil(wake), any_connected)
-    }
-
-    fn any_connected(&self) -> bool {
-        self.lock().eps.iter().any(|e| e.connected)
-    }
-
-    /// Registers and sends one message; false when the socket is closed.
-    fn send(
-        &self,
-        ep: usize,
-        wire: u64,
-        frames: Vec<Bytes>,
-        call: &mpsc::UnboundedSender<Outcome>,
-        resend: bool,
-    ) -> bool {
-        {
-            let mut st = self.lock();
-            let epoch = st.eps[ep].seen_disconnects;
-            st.sends.insert(
-                wire,
-                SendSlot {
-                    call: call.clone(),
-                    ep,
-                    epoch,
-                },
-            );
-            let e = &mut st.eps[ep];
-            if e.stats.in_flight == 0 {
-                e.quiet_since = Instant::now();
-            }
-            e.stats.in_flight += 1;
-            e.stats.peak_in_flight = e.stats.peak_in_flight.max(e.stats.in_flight);
-            e.stats.sent += 1;
-            e.stats.resent += u64::from(resend);
-        }
-        if self.endpoints[ep].send.send(frames).is_err() {
-            self.forget(wire);
-            return false;
-        }
-        true
-    }
-
-    /// Drops a send's registration (its reply, if any, will be stray).
-    fn forget(&self, wire: u64) {
-        let mut st = self.lock();
-        if let Some(slot) = st.sends.remove(&wire) {
-            let e = &mut st.eps[slot.ep];
-            e.stats.in_flight = e.stats.in_flight.saturating_sub(1);
-        }
-    }
-
-    fn set_draining(&self, ep: usize) {
-        let until = Instant::now() + self.options.unavailable_backoff;
-        let mut st = self.lock();
-        st.eps[ep].draining_until = Some(until);
-        st.eps[ep].stats.unavailable += 1;
-    }
-
-    fn count_overloaded(&self, ep: usize) {
-        self.lock().eps[ep].stats.overloaded += 1;
-    }
-
-    /// A reply came from `ep`.
-    fn on_reply(&self, ep: usize, frames: Vec<Bytes>) {
-        let (wire, reply) = decode(&frames);
-        let mut st = self.lock();
-        let e = &mut st.eps[ep];
-        e.processed += 1;
-        let loss = e.due_loss();
-        e.stats.replies += 1;
-        e.quiet_since = Instant::now();
-        let recovered = std::mem::replace(&mut e.suspect, false);
-        let slot = wire.and_then(|w| st.sends.remove(&w));
-        match slot {
-            Some(slot) => {
-                let e = &mut st.eps[slot.ep];
-                e.stats.in_flight = e.stats.in_flight.saturating_sub(1);
-                drop(st);
-                let _ = slot.call.send(Outcome::Reply {
-                    wire: wire.unwrap_or(0),
-                    ep,
-                    reply: Box::new(reply),
-                });
-            }
-            None => {
-                drop(st);
-                self.stray.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        if recovered {
-            self.changed.notify_waiters();
-        }
-        if let Some(epoch) = loss {
-            self.lose(ep, epoch);
-        }
-    }
-
-    /// A message from `ep` was refused by the transport (it still counts as
-    /// read, for a pending loss).
-    fn on_rejected(&self, ep: usize) {
-        let loss = {
-            let mut st = self.lock();
-            let e = &mut st.eps[ep];
-            e.processed += 1;
-            e.due_loss()
-        };
-        if let Some(epoch) = loss {
-            self.lose(ep, epoch);
-        }
-    }
-
-    /// Every send on `ep` is lost (its socket closed).
-    fn lose_all(&self, ep: usize) {
-        self.lose(ep, u64::MAX);
-    }
-
-    /// The sends on `ep` made before `epoch` disconnects were seen are lost.
-    fn lose(&self, ep: usize, epoch: u64) {
-        let mut lost = Vec::new();
-        {
-            let mut st = self.lock();
-            let wires: Vec<u64> = st
-                .sends
-                .iter()
-                .filter(|(_, s)| s.ep == ep && s.epoch < epoch)
-                .map(|(w, _)| *w)
-                .collect();
-            for w in wires {
-                if let Some(slot) = st.sends.remove(&w) {
-                    lost.push((w, slot.call));
-                }
-            }
-            let e = &mut st.eps[ep];
-            e.stats.in_flight = e.stats.in_flight.saturating_sub(lost.len());
-            e.stats.lost += lost.len() as u64;
-            e.suspect = false;
-        }
-        for (wire, call) in lost {
-            let _ = call.send(Outcome::Lost { wire, ep });
-        }
-    }
-
-    /// One monitor tick: connection changes and liveness.
-    fn tick(&self) {
-        let now = Instant::now();
-        let mut lost_eps = Vec::new();
-        let mut suspects: Vec<(usize, Vec<mpsc::UnboundedSender<Outcome>>)> = Vec::new();
-        let mut changed = false;
-        {
-            let mut st = self.lock();
-            for (i, ep) in self.endpoints.iter().enumerate() {
-                let snap = ep.transport.snapshot();
-                let e = &mut st.eps[i];
-                let new_est = snap.connections_established - e.seen_established;
-                let new_disc = snap.disconnects - e.seen_disconnects;
-                e.seen_established = snap.connections_established;
-                e.seen_disconnects = snap.disconnects;
-                e.stats.connects += new_est;
-                e.stats.disconnects += new_disc;
-                if new_disc > 0 {
-                    // Replies that came before the disconnect may still be
-                    // on their way to the reader: the sends are lost once it
-                    // has read up to here (at once if it already has).
-                    e.pending_loss = Some(PendingLoss {
-                        watermark: snap.messages_received,
-                        epoch: e.seen_disconnects,
-                    });
-                }
-                if let Some(epoch) = e.due_loss() {
-                    lost_eps.push((i, epoch));
-                }
-                let connected = match (new_est > 0, new_disc > 0) {
-                    (true, false) => true,
-                    (false, true) => false,
-                    (false, false) => e.connected,
-                    (true, true) => snap.connections_established > snap.disconnects,
-                };
-                if connected && !e.connected {
-                    changed = true;
-                }
-                e.connected = connected;
-                if e.draining_until.is_some_and(|t| t <= now) {
-                    e.draining_until = None;
-                    changed = true;
-                }
-                if !e.suspect
-                    && e.connected
-                    && e.stats.in_flight > 0
-                    && now.duration_since(e.quiet_since) >= self.options.liveness_timeout
-                {
-                    e.suspect = true;
-                    suspects.push((i, Vec::new()));
-                }
-            }
-            for (i, calls) in &mut suspects {
-                calls.extend(
-                    st.sends
-                        .values()
-                        .filter(|s| s.ep == *i)
-                        .map(|s| s.call.clone()),
-                );
-            }
-        }
-        for (ep, epoch) in lost_eps {
-            self.lose(ep, epoch);
-        }
-        for (ep, calls) in suspects {
-            tracing::debug!(endpoint = %self.endpoints[ep].address, "replayd client: endpoint silent, suspect");
-            for c in calls {
-                let _ = c.send(Outcome::Suspect { ep });
-            }
-        }
-        if changed {
-            self.changed.notify_waiters();
-        }
-    }
-}
-
-/// The wire id and the decoded reply; a reply with an unknown error code or
-/// an unreadable header is still matched when its id can be read.
-fn decode(frames: &[Bytes]) -> (Option<u64>, Decoded) {
-    match decode_reply(frames) {
-        Ok((header, output)) => (Some(header.id), Decoded::Reply(Box::new(header), output)),
-        Err(e) => {
-            #[derive(serde::Deserialize)]
-            struct Lax {
-                id: u64,
-                status: Option<String>,
-                code: Option<String>,
-                message: Option<String>,
-            }
-            match frames
-                .first()
-                .and_then(|h| rmp_serde::from_slice::<Lax>(h).ok())
-            {
-                Some(Lax {
-                    id,
-                    status: Some(s),
-                    code: Some(code),
-                    message,
-                }) if s == "error" => (
-                    Some(id),
-                    Decoded::UnknownCode {
-                        code,
-                        message: message.unwrap_or_default(),
-                    },
-                ),
-                Some(lax) => (Some(lax.id), Decoded::Malformed(e)),
-                None => (None, Decoded::Malformed(e)),
-            }
         }
     }
 }
@@ -900,54 +491,22 @@ impl Client {
                 "max_attempts must be at least 1".into(),
             ));
         }
-        let mut eps = Vec::new();
-        let mut receivers = Vec::new();
-        for address in &addresses {
-            let socket = Dealer::connect(address, &options.limits, &options.security)
+        let mut sockets = Vec::new();
+        for address in addresses {
+            let socket = Dealer::connect(&address, &options.limits, &options.security)
                 .await
                 .map_err(|e| Error::Connect {
                     endpoint: address.clone(),
                     message: e.to_string(),
                 })?;
-            let transport = socket.stats();
-            let (recv, send) = socket.split();
-            eps.push(Endpoint {
-                address: address.clone(),
-                send,
-                transport,
-            });
-            receivers.push(recv);
+            sockets.push((address, socket));
         }
-        let now = Instant::now();
-        let state = State {
-            sends: HashMap::new(),
-            eps: addresses
-                .iter()
-                .map(|a| EpState {
-                    connected: false,
-                    seen_established: 0,
-                    seen_disconnects: 0,
-                    processed: 0,
-                    pending_loss: None,
-                    suspect: false,
-                    draining_until: None,
-                    quiet_since: now,
-                    stats: EndpointStats {
-                        endpoint: a.clone(),
-                        ..Default::default()
-                    },
-                })
-                .collect(),
-            round_robin: 0,
-        };
-        let shared = Arc::new(Shared {
-            endpoints: eps,
-            state: Mutex::new(state),
-            options,
-            changed: Notify::new(),
-            next_wire: AtomicU64::new(1),
-            stray: AtomicU64::new(0),
-        });
+        let (shared, receivers) = Shared::new(
+            sockets,
+            options.liveness_timeout,
+            options.unavailable_backoff,
+        );
+        let shared = Arc::new(shared);
         let monitor = shared.clone();
         let tasks = vec![tokio::spawn(async move {
             let mut tick = tokio::time::interval(MONITOR_TICK);
@@ -961,6 +520,7 @@ impl Client {
         shared.tick();
         let client = Client {
             shared,
+            options,
             next_id: AtomicU64::new(1),
             tasks,
         };
@@ -969,27 +529,12 @@ impl Client {
 
     /// The endpoints, as given.
     pub fn endpoints(&self) -> Vec<String> {
-        self.shared
-            .endpoints
-            .iter()
-            .map(|e| e.address.clone())
-            .collect()
+        self.shared.addresses()
     }
 
     /// Per endpoint: connection state and counters.
     pub fn stats(&self) -> Vec<EndpointStats> {
-        let now = Instant::now();
-        self.shared
-            .lock()
-            .eps
-            .iter()
-            .map(|e| EndpointStats {
-                connected: e.connected,
-                suspect: e.suspect,
-                draining: e.draining_until.is_some_and(|t| t > now),
-                ..e.stats.clone()
-            })
-            .collect()
+        self.shared.stats()
     }
 
     /// Waits until one endpoint (`every`: all of them) is connected; false
@@ -998,15 +543,7 @@ impl Client {
         let end = Instant::now() + timeout;
         loop {
             let notified = self.shared.changed.notified();
-            let ok = {
-                let st = self.shared.lock();
-                if every {
-                    st.eps.iter().all(|e| e.connected)
-                } else {
-                    st.eps.iter().any(|e| e.connected)
-                }
-            };
-            if ok {
+            if self.shared.connected(every) {
                 return true;
             }
             let left = end.saturating_duration_since(Instant::now());
@@ -1020,7 +557,7 @@ impl Client {
     /// Replies received that matched no outstanding send (late replies of
     /// abandoned or re-sent requests).
     pub fn stray_replies(&self) -> u64 {
-        self.shared.stray.load(Ordering::Relaxed)
+        self.shared.stray_replies()
     }
 
     /// A fresh id for [`Client::request`] headers (unique on this client).
@@ -1030,7 +567,7 @@ impl Client {
 
     /// Runs one request with the retries of the module docs.
     pub async fn call(&self, call: Call) -> Result<Output, Error> {
-        let timeout = call.timeout.unwrap_or(self.shared.options.timeout);
+        let timeout = call.timeout.unwrap_or(self.options.timeout);
         let mut header = RequestHeader::new(0, call.model, call.input);
         header.priority = call.priority;
         header.truncate = call.truncate;
@@ -1125,7 +662,7 @@ impl Client {
 
     /// Splits items of these payload sizes into request-sized runs.
     fn chunks(&self, sizes: &[usize]) -> Vec<usize> {
-        let o = &self.shared.options;
+        let o = &self.options;
         let (max_items, max_bytes) = (
             o.max_items_per_request.max(1),
             o.max_request_bytes.saturating_sub(4096).max(1),
@@ -1224,7 +761,7 @@ impl Client {
         policy: Policy,
     ) -> Result<((ReplyHeader, Option<HostTensor>), String, u32), Error> {
         let shared = &*self.shared;
-        let opts = &shared.options;
+        let opts = &self.options;
         let started = Instant::now();
         let end = started + timeout;
         let max_attempts = match policy {
@@ -1244,7 +781,6 @@ impl Client {
         let mut want_send = true;
         let mut backoff = opts.overload_backoff;
         let mut last_error: Option<Error> = None;
-        let address = |ep: usize| shared.endpoints[ep].address.clone();
         loop {
             if want_send && attempts >= max_attempts {
                 if guard.live.is_empty() {
@@ -1271,7 +807,7 @@ impl Client {
                     notified.as_mut().enable();
                     match shared.pick(&used).0 {
                         Pick::Go(ep) => {
-                            let wire = shared.next_wire.fetch_add(1, Ordering::Relaxed);
+                            let wire = shared.next_wire();
                             header.id = wire;
                             if policy == Policy::Retry {
                                 // The time left, so the daemon gives up when we do.
@@ -1300,7 +836,7 @@ impl Client {
                                 _ = tokio::time::sleep_until(until.into()) => {}
                                 o = rx.recv() => {
                                     if let Some(o) = o {
-                                        if let Some(done) = self.handle(o, &mut guard, &mut want_send, &mut retry_at, &mut backoff, &mut last_error, &mut used, attempts, policy, &address) {
+                                        if let Some(done) = self.handle(o, &mut guard, &mut want_send, &mut retry_at, &mut backoff, &mut last_error, &mut used, attempts, policy) {
                                             return done.map(|(r, e)| (r, e, attempts));
                                         }
                                     }
@@ -1321,7 +857,7 @@ impl Client {
             tokio::select! {
                 o = rx.recv() => {
                     let Some(o) = o else { return Err(Error::Closed) };
-                    if let Some(done) = self.handle(o, &mut guard, &mut want_send, &mut retry_at, &mut backoff, &mut last_error, &mut used, attempts, policy, &address) {
+                    if let Some(done) = self.handle(o, &mut guard, &mut want_send, &mut retry_at, &mut backoff, &mut last_error, &mut used, attempts, policy) {
                         return done.map(|(r, e)| (r, e, attempts));
                     }
                 }
@@ -1335,7 +871,7 @@ impl Client {
     }
 
     fn expired(&self, timeout: Duration) -> Error {
-        if self.shared.any_connected() {
+        if self.shared.connected(false) {
             Error::Timeout(timeout)
         } else {
             Error::NoHealthyEndpoint(timeout)
@@ -1355,14 +891,13 @@ impl Client {
         used: &mut HashSet<usize>,
         attempts: u32,
         policy: Policy,
-        address: &dyn Fn(usize) -> String,
     ) -> Option<Result<((ReplyHeader, Option<HostTensor>), String), Error>> {
         let shared = &*self.shared;
-        let opts = &shared.options;
+        let opts = &self.options;
         match outcome {
             Outcome::Reply { wire, ep, reply } => {
                 guard.live.remove(&wire);
-                let endpoint = address(ep);
+                let endpoint = shared.address(ep);
                 let (header, output) = match *reply {
                     Decoded::Reply(h, o) => (*h, o),
                     Decoded::UnknownCode { code, message } => {
@@ -1416,7 +951,7 @@ impl Client {
                     return None;
                 }
                 *last_error = Some(Error::ConnectionLost {
-                    endpoint: address(ep),
+                    endpoint: shared.address(ep),
                     attempts,
                 });
                 if policy == Policy::Once {
@@ -1430,35 +965,15 @@ impl Client {
             }
             Outcome::Suspect { ep } => {
                 // A duplicate elsewhere, when there is somewhere else to go.
-                if policy == Policy::Retry && !*want_send {
-                    let st = shared.lock();
-                    let other = st
-                        .eps
-                        .iter()
-                        .enumerate()
-                        .any(|(i, e)| i != ep && e.connected && !e.suspect);
-                    drop(st);
-                    if other {
-                        used.insert(ep);
-                        *want_send = true;
-                        *retry_at = None;
-                    }
+                if policy == Policy::Retry && !*want_send && shared.other_healthy(ep) {
+                    used.insert(ep);
+                    *want_send = true;
+                    *retry_at = None;
                 }
                 None
             }
         }
     }
-}
-
-async fn read_replies(shared: Arc<Shared>, ep: usize, mut recv: DealerReceiver) {
-    loop {
-        match recv.recv().await {
-            Ok(msg) => shared.on_reply(ep, msg.frames),
-            Err(crate::transport::TransportError::Rejected { .. }) => shared.on_rejected(ep),
-            Err(_) => break,
-        }
-    }
-    shared.lose_all(ep);
 }
 
 /// Sends raw frames and receives raw replies, one at a time.
@@ -1510,7 +1025,7 @@ impl RawClient {
 /// Counts a client's outstanding sends (tests).
 #[doc(hidden)]
 pub fn outstanding(client: &Client) -> usize {
-    client.shared.lock().sends.len()
+    client.shared.outstanding()
 }
 
 #[cfg(test)]
