@@ -27,13 +27,15 @@ nvrtc:
 build:
 	cargo build --release
 
-lint:
+# Formatting, clippy, the API docs without a broken link, and no repository
+# path named in a .rs, .md or .toml file that does not exist.
+lint: check-paths
 	cargo fmt --all -- --check
 	cargo clippy --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 
 # Repository paths named in .rs, .md and .toml files that do not exist (about
-# a second). Not yet part of lint: a few files still name paths moved by
-# issue 31 (config/replayd.toml, docs/transport.md, src/backend/).
+# a second).
 check-paths:
 	scripts/dev/check-paths.py
 

@@ -81,7 +81,7 @@ struct Args {
     json: Option<PathBuf>,
 }
 
-/// A 14-token text (12 words + [CLS] and [SEP]), as in target 1.
+/// A 14-token text (12 words + `[CLS]` and `[SEP]`), as in target 1.
 const TEXT: &str = "the quick brown fox jumps over the lazy dog by the river";
 const DIM: usize = 384;
 

@@ -515,7 +515,7 @@ const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Serves the client ROUTER sockets (one, or the shards of one endpoint; at
 /// most the number given to [`Frontend::with_client_sockets`]) until
 /// `shutdown` resolves or every socket has closed, then waits (up to
-/// [`FLUSH_TIMEOUT`]) for the handlers still answering, on every shard.
+/// `FLUSH_TIMEOUT`) for the handlers still answering, on every shard.
 ///
 /// Each shard has its own receive loop (a task). Each handler task holds a
 /// clone of `done`; when the last one ends (however it ends) the channel

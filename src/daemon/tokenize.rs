@@ -3,7 +3,7 @@
 //! [`TextTokenizer`] wraps a model's `tokenizer.json` with our own
 //! truncation and padding settings: whatever the file enables, there is no
 //! padding (batches are padded to a bucket later) and truncation is at the
-//! model's `max_seq_len`, special tokens ([CLS]/[SEP]) included, or off
+//! model's `max_seq_len`, special tokens (`[CLS]`/`[SEP]`) included, or off
 //! when the caller asks for an error on over-long texts instead.
 //!
 //! [`TokenizerPool`] runs encodes on its own threads (serial workers for
@@ -15,9 +15,9 @@
 //! transformers 5 builds it ([`crate::model::tokenizer`]). Texts may get a
 //! prompt (prepended, as sentence-transformers does; with
 //! `include_prompt = false` its tokens carry
-//! [`UNPOOLED_BIT`](crate::model::batch::UNPOOLED_BIT)), and cross-encoder
+//! [`crate::model::batch::UNPOOLED_BIT`]), and cross-encoder
 //! pairs are encoded together (`longest_first` truncation; the second
-//! segment's tokens carry [`SEGMENT_BIT`](crate::model::batch::SEGMENT_BIT)
+//! segment's tokens carry [`crate::model::batch::SEGMENT_BIT`]
 //! for models with token types).
 //!
 //! BERT-family WordPiece tokenizers also get a fast path

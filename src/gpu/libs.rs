@@ -7,7 +7,7 @@
 //! error instead.
 //!
 //! Libraries that are not on the loader's default path can be preloaded from a
-//! directory: [`preload_from_dirs`] `dlopen()`s them by absolute path with
+//! directory: [`preload_from`] `dlopen()`s them by absolute path with
 //! `RTLD_GLOBAL`, after which the dynamic loader resolves cudarc's later
 //! `dlopen("libnvrtc.so.13")` to the already-loaded object (glibc matches
 //! loaded objects by their `DT_SONAME`). Directories come from
@@ -76,7 +76,7 @@ impl std::fmt::Display for CudaLib {
 
 static PRELOADED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
-/// Directories searched by [`preload_from_dirs`], in order.
+/// Directories searched by [`preload_from`], in order.
 pub fn search_dirs() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = Vec::new();
     for var in ["REPLAYD_CUDA_LIB_DIR", "REPLAYD_NVRTC_DIR"] {

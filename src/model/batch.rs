@@ -53,7 +53,7 @@ pub fn unpooled_prefix(tokens: &[u32]) -> usize {
 pub enum BatchRows {
     /// f32 feature rows, row-major `[rows, features]`.
     Features { features: usize, data: Vec<f32> },
-    /// One token-id sequence per row ([CLS] … [SEP] included).
+    /// One token-id sequence per row (`[CLS]` … `[SEP]` included).
     Tokens(Vec<Vec<u32>>),
 }
 

@@ -1,9 +1,9 @@
 //! Reading safetensors files, shared by the BERT and MLP loaders.
 //!
-//! [`read_header`] reads only the 8-byte length and the JSON header (names,
+//! `read_header` reads only the 8-byte length and the JSON header (names,
 //! dtypes, shapes, offsets) and checks it against the file's size, so
 //! `inspect` can validate a model without reading weight data.
-//! [`TensorFile::open`] reads the whole file and converts tensors to f32.
+//! `TensorFile::open` reads the whole file and converts tensors to f32.
 //!
 //! The header is parsed here rather than through `safetensors::SafeTensors`
 //! because that needs the whole file in memory; the checks are the same as the

@@ -4,7 +4,7 @@
 //!   through that dtype at upload, and all arithmetic is f32.
 //! * "Capture" ([`Backend::capture`]) allocates the program's static inputs
 //!   and output once and resolves its ops into a replayable plan bound to
-//!   those buffers (see [`plan`]); a replay packs the batch into the static
+//!   those buffers (see `plan.rs`); a replay packs the batch into the static
 //!   inputs and runs the plan without allocating.
 //! * Activations and attention's score scratch live in one arena owned by the
 //!   backend and shared by all its graphs, as the CUDA backend shares its

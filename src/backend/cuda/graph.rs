@@ -238,7 +238,7 @@ impl Slot {
 /// A staged graph's kernels that read or write the batch's pinned slot
 /// ([`Plan::with_staged_io`]: `stage_in` or the embedding first, `stage_out`
 /// or the pooling last) and the slot they address now: before a batch in
-/// another slot, or of another size, launches, [`StagedIo::point_at`] sets
+/// another slot, or of another size, launches, `StagedIo::point_at` sets
 /// those nodes' arguments in the executable graph (which affects later
 /// launches only, never one already queued). The last node writes only the
 /// batch's own rows: a lone text in a 64-sequence budget sends 1.5 KB over

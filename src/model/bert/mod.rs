@@ -7,7 +7,7 @@
 //!   each with its head: sentence-transformers pooling, `Dense` and
 //!   `Normalize` modules (an embedding), or a sequence-classification head
 //!   (a cross-encoder's scores).
-//! * [`folder`]: reading a Hugging Face / sentence-transformers folder
+//! * `folder.rs`: reading a Hugging Face / sentence-transformers folder
 //!   ([`inspect`] without weight data, [`load`] with it).
 //!
 //! The three families differ only in what the program's ops are told: the

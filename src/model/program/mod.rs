@@ -49,7 +49,7 @@
 //!
 //! * [`validate`]: the IR's rules, checked once before a backend captures a
 //!   program, and the check of a batch against it.
-//! * [`reference`]: a plain f64 interpreter, the yardstick for both backends.
+//! * [`reference`](mod@reference): a plain f64 interpreter, the yardstick for both backends.
 
 pub mod reference;
 pub mod validate;

@@ -309,8 +309,8 @@ fn buckets(mc: &ModelConfig, args: &BackendCheckArgs) -> Vec<Bucket> {
 
 /// Every bucket of the model, largest first, each run with the served
 /// kernel paths and, where their plans differ, with the `--compare-off`
-/// paths off; stops at a device fault. The captured graphs come back: [0]
-/// those of the served paths, [1] those of the `--compare-off` run.
+/// paths off; stops at a device fault. The captured graphs come back: `[0]`
+/// those of the served paths, `[1]` those of the `--compare-off` run.
 fn check_buckets(
     ctx: &mut Ctx<'_>,
     s: Subject<'_>,

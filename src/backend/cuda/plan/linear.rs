@@ -172,7 +172,7 @@ impl Planner<'_> {
         LinearKernel::CublasLt
     }
 
-    /// Whether ops[idx] can apply the LayerNorm whose output is `x` (`rows`
+    /// Whether `ops[idx]` can apply the LayerNorm whose output is `x` (`rows`
     /// × `hidden`) itself ([`KernelPath::LnDefer`]): a Linear reading `x`
     /// that runs on `gemm_small` ([`Planner::linear_kernel`], the Linear's
     /// own choice), or a mean / max pooling of `x` that nothing reads after

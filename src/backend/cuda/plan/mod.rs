@@ -16,15 +16,15 @@
 //!
 //! | file | what it plans |
 //! |---|---|
-//! | [`program`] | the assembly: inputs and arena laid out, each op handed to its stage, the [`Plan`] |
-//! | [`planner`] | the [`Planner`](planner::Planner) the stages share: buffer locations, scratch, casts, kernel steps |
-//! | [`embeddings`] | `EmbedLayerNorm` (`embed_ln[_vec|_padpos|_packed]`) |
-//! | [`attention`] | `Attention` (tensor-core and CUDA-core, padded and varlen, the tile tables) |
-//! | [`linear`] | `Linear`: the feed-forward block's, attention's projections and the heads' (`skinny`, `gemm_small`, cuBLASLt) |
-//! | [`norms`] | `AddLayerNorm` (`add_ln[_vec]`) and the LayerNorm a Linear leaves to the op after it |
-//! | [`pooling`] | `Pool` (`pool[_ln|_skip]`, `pool_packed*`) |
-//! | [`heads`] | `Normalize` after a Dense module (`l2norm_rows`) |
-//! | [`staged_io`] | small graphs reading and writing the batch's pinned slot themselves |
+//! | `program.rs` | the assembly: inputs and arena laid out, each op handed to its stage, the [`Plan`] |
+//! | `planner.rs` | the `Planner` the stages share: buffer locations, scratch, casts, kernel steps |
+//! | `embeddings.rs` | `EmbedLayerNorm` (`embed_ln[_vec|_padpos|_packed]`) |
+//! | `attention.rs` | `Attention` (tensor-core and CUDA-core, padded and varlen, the tile tables) |
+//! | `linear.rs` | `Linear`: the feed-forward block's, attention's projections and the heads' (`skinny`, `gemm_small`, cuBLASLt) |
+//! | `norms.rs` | `AddLayerNorm` (`add_ln[_vec]`) and the LayerNorm a Linear leaves to the op after it |
+//! | `pooling.rs` | `Pool` (`pool[_ln|_skip]`, `pool_packed*`) |
+//! | `heads.rs` | `Normalize` after a Dense module (`l2norm_rows`) |
+//! | `staged_io.rs` | small graphs reading and writing the batch's pinned slot themselves |
 //!
 //! A packed program's attention takes its work from a **tile table**, a
 //! static buffer at the end of the input block whose contents the host

@@ -236,7 +236,7 @@ impl Planner<'_> {
     }
 
     /// `gemm_small`'s last five arguments (`xf, xg, xb, xeps, xout`): the
-    /// LayerNorm the op before left to ops[idx], which reads `x`, or none.
+    /// LayerNorm the op before left to `ops[idx]`, which reads `x`, or none.
     pub(super) fn deferred_ln_operands(
         &mut self,
         idx: usize,
@@ -254,7 +254,7 @@ impl Planner<'_> {
         })
     }
 
-    /// The LayerNorm of `x` that the op before left to ops[idx], if any
+    /// The LayerNorm of `x` that the op before left to `ops[idx]`, if any
     /// (an error if it left one that this op does not read).
     pub(super) fn take_deferred_ln(
         &mut self,
