@@ -204,7 +204,7 @@ for name, title in [("backend_check_families.json", "(a) Test folders: every buc
             if not c.get("pass"):
                 bad += 1
             if worst is None or (v > worst if score else v < worst):
-                worst, wb = v, f"{b.get('bucket')}{' fused' if b.get('fused') else ''}"
+                worst, wb = v, f"{b.get('bucket')}{'' if b.get('served', b.get('fused', True)) else ' (compared paths off)'}"
         worst = 1.0 if worst is None else worst
         e = (m.get("eager") or {}).get("check") or {}
         ev = f"{e.get('value', float('nan')):.6f} {'ok' if e.get('pass') else 'FAIL'}" if e else ""
@@ -235,7 +235,7 @@ if backend == "cuda":
     fams = load("families.json") or {}
     print("## (c) Speed: replayd graph replay vs PyTorch CUDA-graph replay, f16\n")
     print("replayd: backend check launch → collect, pinned copies in and out included, median; with "
-          "`--fused both` the served (fused) variant where a bucket has two. PyTorch: "
+          "the served kernel paths where a bucket ran twice (`--compare-off`). PyTorch: "
           "torch.cuda.CUDAGraph of the transformers model (encoder + mean pooling + L2 normalisation, "
           "or classifier + sigmoid), replay + synchronize, and with the same copies.\n")
     print("| family | dims | shape | replayd p50 µs | PyTorch replay p50 µs | PyTorch with copies p50 µs | speed-up vs with copies | faster |")
@@ -244,7 +244,7 @@ if backend == "cuda":
         for m in (bc or {}).get("models", []):
             if m["name"] == model:
                 cands = [x for x in m["buckets"] if not x.get("tokens") and (x["batch"], x["seq"]) == (b, s)]
-                cands.sort(key=lambda x: not x.get("fused"))
+                cands.sort(key=lambda x: not x.get("served", x.get("fused", True)))
                 if cands and cands[0].get("latency"):
                     return cands[0]["latency"].get("median_us")
     for fam in ["xlmr", "mpnet", "bert-ce"]:
