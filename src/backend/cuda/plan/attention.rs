@@ -289,18 +289,18 @@ impl Planner<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::test_support::*;
-    use super::super::*;
     use crate::backend::BackendError;
-    use crate::config::KernelPath;
-    use crate::model::program::*;
-    use crate::tensor::DType;
 
     #[test]
     fn attention_sizes_match_the_kernels() {
-        let att = include_str!("../../../../kernels/attention.cu");
-        assert!(att.contains(&format!("#define ATT_QT {ATT_QT}\n")));
-        assert!(att.contains(&format!("#define ATT_KC {ATT_KC}\n")));
-        assert!(att.contains(&format!("#define ATT_THREADS {ATT_THREADS}\n")));
+        assert_defines(
+            "attention.cu",
+            &[
+                ("ATT_QT", ATT_QT as i64),
+                ("ATT_KC", ATT_KC as i64),
+                ("ATT_THREADS", ATT_THREADS as i64),
+            ],
+        );
         let varlen = include_str!("../../../../kernels/attention_varlen.cu");
         assert!(varlen.contains("#define VT_QT TC_QT\n") && VARLEN_TC_QT == TC_QT);
         assert!(varlen.contains("#define VA_QT ATT_QT\n") && VARLEN_QT == ATT_QT);
@@ -590,7 +590,7 @@ mod tests {
                 let pk = arch.packed_program(tokens, 8.min(tokens));
                 pk.validate(&w).unwrap();
                 let plan_ = plan(&pk, &w, dtype, false, LIMITS).unwrap();
-                let steps = names(&plan_);
+                let steps = plan_.step_names();
                 let prefix = "attention_varlen_tc_bias_";
                 let (name, _, _, _, args) = kernel(&plan_, prefix);
                 assert_eq!(name, format!("{prefix}{ts}_d32"));
@@ -611,7 +611,7 @@ mod tests {
         arch.position_bias = None;
         let plan_ = planned(&arch.packed_program(16, 8), &w, DType::F16, LIMITS);
         kernel(&plan_, "attention_varlen_tc_f16_d32");
-        assert!(!names(&plan_).iter().any(|s| s.contains("_bias_")));
+        assert!(!plan_.step_names().iter().any(|s| s.contains("_bias_")));
     }
 
     /// The attention kernels add the bias as `PositionBias::column` says:

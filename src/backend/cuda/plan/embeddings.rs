@@ -93,9 +93,6 @@ impl Planner<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::test_support::*;
-    use super::super::*;
-    use crate::model::program::*;
-    use crate::tensor::DType;
 
     #[test]
     fn vectorised_kernel_arguments() {

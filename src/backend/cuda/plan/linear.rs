@@ -403,23 +403,26 @@ impl Planner<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::test_support::*;
-    use super::super::*;
     use crate::backend::cuda::mem::{align_up, ALIGN};
-    use crate::config::KernelPath;
-    use crate::model::program::*;
-    use crate::tensor::DType;
 
     #[test]
     fn matmul_kernel_sizes_match_the_kernels() {
-        let sk = include_str!("../../../../kernels/skinny.cu");
-        assert!(sk.contains(&format!("#define SK_MAXM {SK_MAXM}\n")));
-        assert!(sk.contains(&format!("#define SK_COLS {SK_COLS}\n")));
-        assert!(sk.contains(&format!("#define SK_WARPS {SK_WARPS}\n")));
+        assert_defines(
+            "skinny.cu",
+            &[
+                ("SK_MAXM", SK_MAXM as i64),
+                ("SK_COLS", SK_COLS as i64),
+                ("SK_WARPS", SK_WARPS as i64),
+            ],
+        );
+        let gs = [
+            ("GS_WARPS", GS_WARPS),
+            ("GS_NB", GS_NB),
+            ("GS_MAXM", GS_MAXM),
+        ];
+        assert_defines("gemm_small.cu", &gs.map(|(n, v)| (n, v as i64)));
         let gs = include_str!("../../../../kernels/gemm_small.cu");
-        assert!(gs.contains(&format!("#define GS_WARPS {GS_WARPS}\n")));
         assert!(gs.contains("#define GS_THREADS (32 * GS_WARPS)\n") && GS_THREADS == 256);
-        assert!(gs.contains(&format!("#define GS_NB {GS_NB} ")));
-        assert!(gs.contains(&format!("#define GS_MAXM {GS_MAXM} ")));
     }
 
     #[test]

@@ -89,15 +89,14 @@ impl Planner<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_support::assert_defines;
     use super::*;
 
     #[test]
     fn layernorm_sizes_match_the_kernels() {
-        let ln = include_str!("../../../../kernels/layernorm.cu");
-        assert!(ln.contains(&format!("#define LN_VPT {LN_VPT}\n")));
-        let vec = include_str!("../../../../kernels/vec.cu");
-        assert!(vec.contains(&format!("#define LNV_WARPS {LNV_WARPS}\n")));
-        assert!(vec.contains(&format!("#define LNV_J {LNV_J} ")));
+        assert_defines("layernorm.cu", &[("LN_VPT", LN_VPT as i64)]);
+        let vec = [("LNV_WARPS", LNV_WARPS as i64), ("LNV_J", LNV_J as i64)];
+        assert_defines("vec.cu", &vec);
         assert_eq!(ln_threads(384).unwrap(), 96);
         assert_eq!(ln_threads(768).unwrap(), 192);
         assert_eq!(ln_threads(1).unwrap(), 32);

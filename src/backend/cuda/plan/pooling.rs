@@ -84,21 +84,19 @@ impl Planner<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_support::assert_defines;
     use super::*;
 
     #[test]
     fn pooling_codes_match_the_kernels() {
-        let pool = include_str!("../../../../kernels/pool.cu");
-        assert!(pool.contains(&format!("#define POOL_THREADS {POOL_THREADS}\n")));
-        for (m, name) in [
-            (Pooling::Mean, "POOL_MEAN"),
-            (Pooling::Cls, "POOL_CLS"),
-            (Pooling::Max, "POOL_MAX"),
-        ] {
-            assert!(
-                pool.contains(&format!("#define {name} {}\n", pool_code(m))),
-                "{name}"
-            );
-        }
+        assert_defines(
+            "pool.cu",
+            &[
+                ("POOL_THREADS", POOL_THREADS as i64),
+                ("POOL_MEAN", pool_code(Pooling::Mean) as i64),
+                ("POOL_CLS", pool_code(Pooling::Cls) as i64),
+                ("POOL_MAX", pool_code(Pooling::Max) as i64),
+            ],
+        );
     }
 }

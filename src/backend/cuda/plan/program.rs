@@ -161,12 +161,8 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::super::test_support::*;
-    use super::super::*;
     use crate::backend::cuda::mem::{align_up, ALIGN};
     use crate::backend::BackendError;
-    use crate::config::KernelPath;
-    use crate::model::program::*;
-    use crate::tensor::DType;
 
     #[test]
     fn packed_bert_plan() {
@@ -177,7 +173,7 @@ mod tests {
         assert_eq!((plan.batch, plan.seq), (32, 256));
         assert_eq!(plan.label(), "1024t (32 seqs of at most 256)");
         assert_eq!(
-            names(&plan),
+            plan.step_names(),
             vec![
                 "embed_ln_packed_f16",
                 "mm",
@@ -645,7 +641,7 @@ mod tests {
                     ] {
                         let plan = plan(&program, &model.weights, dtype, false, limits)
                             .unwrap_or_else(|e| panic!("{name} {label} {dtype}: {e}"));
-                        let steps = names(&plan);
+                        let steps = plan.step_names();
                         for s in &steps {
                             assert!(
                                 s == "mm" || entries.contains(s),

@@ -208,9 +208,6 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::super::test_support::*;
-    use super::super::*;
-    use crate::config::KernelPath;
-    use crate::tensor::DType;
 
     /// The staged steps of a plan whose embedding (step 0) and pooling
     /// (step `last`, its `out_rows` argument the count) address the slot.

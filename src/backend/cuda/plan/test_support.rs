@@ -2,11 +2,12 @@
 //! builders (MiniLM-shaped BERT encoders, the seed-sized MLP, the family
 //! test folders), and readers of a plan's steps.
 
-use super::{Arg, Limits, Plan, Step};
+pub(crate) use super::*;
+pub(crate) use crate::config::KernelPath;
 use crate::model::bert::{BertArch, SyntheticSizes};
-use crate::model::program::{InputRole, Linear, ProgramBuilder};
-use crate::model::{Activation, Pooling, Program, Weights};
-use crate::tensor::DType;
+pub(crate) use crate::model::program::*;
+pub(crate) use crate::model::{Program, Weights};
+pub(crate) use crate::tensor::DType;
 
 /// Every path on, an H200's shared memory.
 pub(crate) const LIMITS: Limits = Limits::new(227 * 1024);
@@ -117,16 +118,6 @@ pub(crate) fn bert_arch(
     (arch, w)
 }
 
-pub(crate) fn names(plan: &Plan) -> Vec<String> {
-    plan.steps
-        .iter()
-        .map(|s| match s {
-            Step::Kernel { name, .. } => name.clone(),
-            Step::Matmul { .. } => "mm".into(),
-        })
-        .collect()
-}
-
 pub(crate) fn kernel<'p>(
     plan: &'p Plan,
     prefix: &str,
@@ -145,7 +136,7 @@ pub(crate) fn kernel<'p>(
             }
             _ => None,
         })
-        .unwrap_or_else(|| panic!("no {prefix} kernel in {:?}", names(plan)))
+        .unwrap_or_else(|| panic!("no {prefix} kernel in {:?}", plan.step_names()))
 }
 
 /// Step names: `first`, `layer` `layers` times, `last`.
@@ -204,4 +195,22 @@ pub(crate) fn family_programs(model: &crate::model::Model) -> Vec<(String, Progr
         ));
     }
     v
+}
+
+/// Asserts that `kernels/<file>` defines each `NAME` as `value`
+/// (`#define NAME value`, a comment may follow): the host's constants and
+/// the kernels' agree.
+pub(crate) fn assert_defines(file: &str, defines: &[(&str, i64)]) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("kernels")
+        .join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    for &(name, value) in defines {
+        let found = text.lines().any(|l| {
+            let mut w = l.split_whitespace();
+            (w.next(), w.next(), w.next())
+                == (Some("#define"), Some(name), Some(&value.to_string()))
+        });
+        assert!(found, "{file} does not define {name} as {value}");
+    }
 }
