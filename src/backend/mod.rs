@@ -23,14 +23,18 @@ pub mod null;
 
 pub use crate::gpu::DeviceInfo;
 use crate::model::{BatchRows, Model, Program};
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-/// What went wrong in a backend, and whether the device survives it.
-#[derive(Debug, Error, Clone, PartialEq)]
+/// What went wrong in a backend, and whether the device survives it. A
+/// worker reports it to the daemon as is (as
+/// [`WorkerError`](crate::worker::link::WorkerError)), so it is serialisable.
+#[derive(Debug, Error, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BackendError {
     /// The device is unusable in this process (a sticky CUDA error such as an
     /// illegal address, a launch failure or an uncorrectable ECC error). The
-    /// worker must exit so the daemon starts a fresh process.
+    /// worker must exit so the daemon starts a fresh process, and its batches
+    /// are dispatched again.
     #[error("device fault: {0}")]
     DeviceFault(String),
     /// Device memory ran out (capture or eager run).

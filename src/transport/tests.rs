@@ -50,6 +50,32 @@ fn spawn_echo(router: Router) -> Arc<TransportStats> {
     stats
 }
 
+/// A ROUTER on a free tcp port of 127.0.0.1, without security.
+async fn tcp_router(limits: &TransportLimits) -> Router {
+    Router::bind("tcp://127.0.0.1:0", limits, &Security::None)
+        .await
+        .unwrap()
+}
+
+/// [`tcp_router`] split: its endpoint, counters and halves.
+async fn tcp_router_split(
+    limits: &TransportLimits,
+) -> (String, Arc<TransportStats>, RouterReceiver, RouterSender) {
+    let router = tcp_router(limits).await;
+    let endpoint = router.endpoint().to_string();
+    let stats = router.stats();
+    let (rx, tx) = router.split();
+    (endpoint, stats, rx, tx)
+}
+
+/// A DEALER connected without security, split into its halves.
+async fn connect(endpoint: &str, limits: &TransportLimits) -> (DealerReceiver, DealerSender) {
+    Dealer::connect(endpoint, limits, &Security::None)
+        .await
+        .unwrap()
+        .split()
+}
+
 async fn round_trip(endpoint: &str, limits: &TransportLimits, security: &Security) -> Vec<Bytes> {
     let (mut rx, tx) = Dealer::connect(endpoint, limits, security)
         .await
@@ -61,9 +87,7 @@ async fn round_trip(endpoint: &str, limits: &TransportLimits, security: &Securit
 
 /// A tcp ROUTER echo on a free port; its endpoint.
 async fn echo_server(limits: &TransportLimits) -> String {
-    let router = Router::bind("tcp://127.0.0.1:0", limits, &Security::None)
-        .await
-        .unwrap();
+    let router = tcp_router(limits).await;
     let endpoint = router.endpoint().to_string();
     spawn_echo(router);
     endpoint
@@ -82,12 +106,7 @@ async fn dealers_on_the_shared_context_are_independent() {
     };
     let mut dealers = Vec::new();
     for _ in 0..6 {
-        dealers.push(
-            Dealer::connect(&endpoint, &shared, &Security::None)
-                .await
-                .unwrap()
-                .split(),
-        );
+        dealers.push(connect(&endpoint, &shared).await);
     }
     for round in 0..3u8 {
         for (i, (_, tx)) in dealers.iter().enumerate() {
@@ -136,9 +155,7 @@ fn closed_by_server(stream: &mut TcpStream, within: Duration) -> bool {
 #[tokio::test]
 async fn round_trip_over_tcp_with_port_zero_and_over_ipc() {
     let limits = TransportLimits::default();
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
+    let router = tcp_router(&limits).await;
     let endpoint = router.endpoint().to_string();
     assert!(endpoint.starts_with("tcp://127.0.0.1:"), "{endpoint}");
     assert_ne!(tcp_port(&endpoint), 0);
@@ -164,10 +181,7 @@ async fn dealer_bind_and_connect_over_ipc_like_the_worker_link() {
         .await
         .unwrap()
         .split();
-    let (mut worker_rx, worker_tx) = Dealer::connect(&ipc, &limits, &Security::None)
-        .await
-        .unwrap()
-        .split();
+    let (mut worker_rx, worker_tx) = connect(&ipc, &limits).await;
     worker_tx.send(vec![b(b"ready")]).unwrap();
     let m = timeout(WAIT, daemon_rx.recv()).await.unwrap().unwrap();
     assert_eq!(m.frames, vec![b(b"ready")]);
@@ -180,12 +194,8 @@ async fn dealer_bind_and_connect_over_ipc_like_the_worker_link() {
 #[tokio::test]
 async fn a_thousand_pipelined_requests_come_back_matched() {
     let limits = TransportLimits::default();
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
-    let endpoint = router.endpoint().to_string();
     // Replies in a scrambled order, from separate tasks.
-    let (mut rx, tx) = router.split();
+    let (endpoint, _, mut rx, tx) = tcp_router_split(&limits).await;
     tokio::spawn(async move {
         while let Ok(m) = rx.recv().await {
             let tx = tx.clone();
@@ -200,10 +210,7 @@ async fn a_thousand_pipelined_requests_come_back_matched() {
             });
         }
     });
-    let (mut crx, ctx) = Dealer::connect(&endpoint, &limits, &Security::None)
-        .await
-        .unwrap()
-        .split();
+    let (mut crx, ctx) = connect(&endpoint, &limits).await;
     for id in 0u32..1000 {
         ctx.send(vec![Bytes::copy_from_slice(&id.to_le_bytes()), b(&[0; 60])])
             .unwrap();
@@ -223,11 +230,7 @@ async fn a_thousand_pipelined_requests_come_back_matched() {
 #[tokio::test]
 async fn a_libzmq_req_peer_works_when_the_delimiter_is_echoed() {
     let limits = TransportLimits::default();
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
-    let endpoint = router.endpoint().to_string();
-    let (mut rx, tx) = router.split();
+    let (endpoint, _, mut rx, tx) = tcp_router_split(&limits).await;
     tokio::spawn(async move {
         while let Ok(m) = rx.recv().await {
             // A REQ peer's frames start with the empty delimiter; the
@@ -261,9 +264,7 @@ async fn a_libzmq_req_peer_works_when_the_delimiter_is_echoed() {
 #[tokio::test]
 async fn a_long_frame_header_claiming_32_gib_drops_only_that_connection() {
     let limits = TransportLimits::default();
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
+    let router = tcp_router(&limits).await;
     let endpoint = router.endpoint().to_string();
     let stats = spawn_echo(router);
     let port = tcp_port(&endpoint);
@@ -333,15 +334,10 @@ async fn frames_and_messages_over_the_limits_are_refused() {
         max_frames: 4,
         ..TransportLimits::default()
     };
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
+    let router = tcp_router(&limits).await;
     let endpoint = router.endpoint().to_string();
     let stats = spawn_echo(router);
-    let (mut rx, tx) = Dealer::connect(&endpoint, &TransportLimits::default(), &Security::None)
-        .await
-        .unwrap()
-        .split();
+    let (mut rx, tx) = connect(&endpoint, &TransportLimits::default()).await;
     // A frame over max_frame_bytes: rejected, answered by the application.
     tx.send(vec![b(b"h"), Bytes::from(vec![0u8; 1001])])
         .unwrap();
@@ -374,9 +370,7 @@ async fn a_half_open_connection_is_closed_after_the_handshake_timeout() {
         handshake_timeout: Duration::from_millis(300),
         ..TransportLimits::default()
     };
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
+    let router = tcp_router(&limits).await;
     let port = tcp_port(router.endpoint());
     let stats = spawn_echo(router);
     let (closed, after) = tokio::task::spawn_blocking(move || {
@@ -406,12 +400,7 @@ async fn replies_to_a_peer_that_never_reads_are_dropped_and_counted_without_dela
         send_hwm: 8,
         ..TransportLimits::default()
     };
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
-    let endpoint = router.endpoint().to_string();
-    let stats = router.stats();
-    let (mut rx, tx) = router.split();
+    let (endpoint, stats, mut rx, tx) = tcp_router_split(&limits).await;
     // The slow peer: a libzmq DEALER that sends once and never reads.
     let slow_endpoint = endpoint.clone();
     let (hold_tx, hold_rx) = std::sync::mpsc::channel::<()>();
@@ -431,10 +420,7 @@ async fn replies_to_a_peer_that_never_reads_are_dropped_and_counted_without_dela
         tx.send(&slow_peer, vec![reply.clone()]).unwrap();
     }
     // Another peer is answered at once.
-    let (mut frx, ftx) = Dealer::connect(&endpoint, &limits, &Security::None)
-        .await
-        .unwrap()
-        .split();
+    let (mut frx, ftx) = connect(&endpoint, &limits).await;
     ftx.send(vec![b(b"fast")]).unwrap();
     let fast = timeout(WAIT, rx.recv()).await.unwrap().unwrap();
     let start = Instant::now();
@@ -487,10 +473,7 @@ async fn curve_lets_allowed_clients_in_and_refuses_the_others() {
         .await
         .is_err());
     // A client without CURVE at all.
-    let (mut rx, tx) = Dealer::connect(&endpoint, &limits, &Security::None)
-        .await
-        .unwrap()
-        .split();
+    let (mut rx, tx) = connect(&endpoint, &limits).await;
     tx.send(vec![b(b"let me in")]).unwrap();
     assert!(timeout(Duration::from_millis(700), rx.recv())
         .await
@@ -524,16 +507,8 @@ async fn max_buffered_bytes_pauses_reading_until_permits_are_released() {
         max_buffered_bytes: 10_000,
         ..TransportLimits::default()
     };
-    let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-        .await
-        .unwrap();
-    let endpoint = router.endpoint().to_string();
-    let stats = router.stats();
-    let (mut rx, _tx) = router.split();
-    let (_crx, ctx) = Dealer::connect(&endpoint, &limits, &Security::None)
-        .await
-        .unwrap()
-        .split();
+    let (endpoint, stats, mut rx, _tx) = tcp_router_split(&limits).await;
+    let (_crx, ctx) = connect(&endpoint, &limits).await;
     for _ in 0..10 {
         ctx.send(vec![Bytes::from(vec![0u8; 4000])]).unwrap();
     }
@@ -581,19 +556,13 @@ fn opening_and_closing_a_thousand_sockets_leaks_no_fds_or_threads() {
     rt.block_on(async {
         let limits = TransportLimits::default();
         // Warm up the runtime's own threads.
-        drop(
-            Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-                .await
-                .unwrap(),
-        );
+        drop(tcp_router(&limits).await);
         tokio::time::sleep(Duration::from_millis(200)).await;
         let fds_before = count_fds();
         let threads_before = count_threads();
         for i in 0..1000 {
             if i % 2 == 0 {
-                let router = Router::bind("tcp://127.0.0.1:0", &limits, &Security::None)
-                    .await
-                    .unwrap();
+                let router = tcp_router(&limits).await;
                 let (rx, tx) = router.split();
                 drop(tx);
                 drop(rx);
@@ -680,10 +649,7 @@ fn host_path_benchmark() {
             };
             let request = || vec![Bytes::from(vec![b'r'; 120]), Bytes::from(vec![b'a'; 60])];
             // Latency: one request at a time.
-            let (mut crx, ctx) = Dealer::connect(&endpoint, &limits, &Security::None)
-                .await
-                .unwrap()
-                .split();
+            let (mut crx, ctx) = connect(&endpoint, &limits).await;
             let mut lat = Vec::with_capacity(20_000);
             for i in 0..22_000 {
                 let t = Instant::now();
@@ -707,10 +673,7 @@ fn host_path_benchmark() {
             let count_from = Instant::now() + Duration::from_secs(1);
             let mut tasks = Vec::new();
             for _ in 0..8 {
-                let (mut crx, ctx) = Dealer::connect(&endpoint, &limits, &Security::None)
-                    .await
-                    .unwrap()
-                    .split();
+                let (mut crx, ctx) = connect(&endpoint, &limits).await;
                 tasks.push(tokio::spawn(async move {
                     for _ in 0..32 {
                         ctx.send(request()).unwrap();
@@ -804,10 +767,7 @@ async fn shards_of_one_tcp_endpoint_spread_connections_and_answer_on_each() {
     let stats: Vec<_> = routers.into_iter().map(spawn_echo).collect();
     let mut peers = Vec::new();
     for i in 0..16u32 {
-        let (rx, tx) = Dealer::connect(&endpoint, &limits, &Security::None)
-            .await
-            .unwrap()
-            .split();
+        let (rx, tx) = connect(&endpoint, &limits).await;
         tx.send(vec![Bytes::from(i.to_string())]).unwrap();
         peers.push((i, rx, tx));
     }

@@ -265,18 +265,6 @@ pub fn cuda_options(devices: &DevicesConfig) -> CudaOptions {
     }
 }
 
-impl From<BackendError> for WorkerError {
-    fn from(e: BackendError) -> Self {
-        match e {
-            BackendError::DeviceFault(m) => WorkerError::DeviceFault(m),
-            BackendError::OutOfMemory(m) => WorkerError::OutOfMemory(m),
-            BackendError::Unsupported(m) => WorkerError::Unsupported(m),
-            BackendError::InvalidBatch(m) => WorkerError::InvalidBatch(m),
-            BackendError::Other(m) => WorkerError::Other(m),
-        }
-    }
-}
-
 struct InFlight<P> {
     job: Job,
     rows: usize,
@@ -672,8 +660,7 @@ fn send_done(
 }
 
 /// Reports a failed batch; on a device fault, also exits the worker.
-fn report_error(outbox: &Outbox, job: Job, error: BackendError) {
-    let error = WorkerError::from(error);
+fn report_error(outbox: &Outbox, job: Job, error: WorkerError) {
     answer_failed(outbox, job, error.clone());
     if error.is_fatal() {
         outbox.die(error.to_string(), link::EXIT_DEVICE_FAULT);

@@ -164,33 +164,10 @@ pub enum FromWorker {
     Released { model: usize, dropped: Vec<Bucket> },
 }
 
-/// Why a worker could not run a batch.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-pub enum WorkerError {
-    /// The device is unusable in this process; the worker exits and its
-    /// batches are re-dispatched.
-    #[error("device fault: {0}")]
-    DeviceFault(String),
-    /// Device memory ran out for this batch (e.g. a large eager run).
-    #[error("out of device memory: {0}")]
-    OutOfMemory(String),
-    /// The backend cannot run this (missing library, unsupported shape).
-    #[error("unsupported: {0}")]
-    Unsupported(String),
-    /// The batch does not fit what it was sent to (shape, ids, model).
-    #[error("invalid batch: {0}")]
-    InvalidBatch(String),
-    /// Anything else; the device is fine.
-    #[error("{0}")]
-    Other(String),
-}
+/// Why a worker could not run a batch: its backend's error, as is.
+pub use crate::backend::BackendError as WorkerError;
 
 impl WorkerError {
-    /// True when the worker exits after reporting it.
-    pub fn is_fatal(&self) -> bool {
-        matches!(self, WorkerError::DeviceFault(_))
-    }
-
     /// The protocol error code a client gets for this failure.
     pub fn code(&self) -> ErrorCode {
         match self {

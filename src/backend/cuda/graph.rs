@@ -665,8 +665,7 @@ impl Drop for CapturedGraph {
 mod tests {
     use super::super::plan::{plan, Limits};
     use super::*;
-    use crate::model::program::{Linear, ProgramBuilder};
-    use crate::model::{Activation, Weights};
+    use crate::model::program::one_linear;
     use crate::tensor::DType;
 
     /// The output sentinel the host polls for is a NaN that no arithmetic
@@ -692,29 +691,8 @@ mod tests {
     }
 
     fn feature_plan(batch: usize) -> Plan {
-        let mut w = Weights::new();
-        let w1 = w.push("w", vec![3, 4], vec![0.0; 12]);
-        let mut b = ProgramBuilder::new();
-        let x = b.input("x", InputRole::Features, batch * 4);
-        let y = b.output("y", batch * 3);
-        b.push(Linear {
-            x,
-            w: w1,
-            bias: None,
-            act: Activation::Identity,
-            out: y,
-            m: batch,
-            n: 3,
-            k: 4,
-        });
-        plan(
-            &b.finish(batch, 1, y, 3),
-            &w,
-            DType::F32,
-            false,
-            Limits::new(48 << 10),
-        )
-        .unwrap()
+        let (program, w) = one_linear(batch);
+        plan(&program, &w, DType::F32, false, Limits::new(48 << 10)).unwrap()
     }
 
     #[test]

@@ -863,13 +863,9 @@ impl CudaBackend {
         })
     }
 
+    /// Writes far out of bounds (fault injection): the context is lost,
+    /// as after a real illegal address.
     fn inject_inner(&mut self) -> Result<(), BackendError> {
-        let f = self
-            .inner
-            .kernels
-            .get("fault_oob_write")
-            .ok_or_else(|| BackendError::Other("fault kernel not loaded".into()))?
-            .cu_function();
         let ptr = self.inner.workspace.ptr();
         // 1 TiB past the end of a real allocation: unmapped on any GPU.
         let offset: i64 = 1 << 38;
@@ -877,35 +873,41 @@ impl CudaBackend {
             &ptr as *const u64 as *mut std::ffi::c_void,
             &offset as *const i64 as *mut std::ffi::c_void,
         ];
-        self.inner.ctx.bind_to_thread().cu("bind context")?;
-        let s = &self.inner.stream;
-        // SAFETY: deliberately faulting kernel (that is the point).
-        unsafe { dres::launch_kernel(f, (1, 1, 1), (32, 1, 1), 0, s.cu_stream(), &mut args) }
-            .cu("launch fault kernel")?;
-        s.synchronize().cu("fault kernel")
+        self.launch_fault_kernel("fault_oob_write", 32, &mut args)?;
+        self.inner.stream.synchronize().cu("fault kernel")
     }
-}
 
-impl CudaBackend {
     /// Queues a kernel that never ends on the replay stream (fault
     /// injection): every later batch waits behind it.
     fn hang_inner(&mut self) -> Result<(), BackendError> {
-        let f = self
-            .inner
-            .kernels
-            .get("fault_spin")
-            .ok_or_else(|| BackendError::Other("spin kernel not loaded".into()))?
-            .cu_function();
         // The first word of the kernel counters: zero between kernels, and
         // nothing writes it while the spin kernel holds the stream.
         let flag = self.inner.counters.ptr();
         let mut args: Vec<*mut std::ffi::c_void> =
             vec![&flag as *const u64 as *mut std::ffi::c_void];
+        self.launch_fault_kernel("fault_spin", 1, &mut args)
+    }
+
+    /// Launches the fault-injection kernel `name` as one block of
+    /// `threads` on the replay stream.
+    fn launch_fault_kernel(
+        &self,
+        name: &str,
+        threads: u32,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), BackendError> {
+        let f = self
+            .inner
+            .kernels
+            .get(name)
+            .ok_or_else(|| BackendError::Other(format!("kernel {name} not loaded")))?
+            .cu_function();
         self.inner.ctx.bind_to_thread().cu("bind context")?;
         let s = &self.inner.stream;
-        // SAFETY: a kernel that reads one valid word forever (on purpose).
-        unsafe { dres::launch_kernel(f, (1, 1, 1), (1, 1, 1), 0, s.cu_stream(), &mut args) }
-            .cu("launch spin kernel")
+        // SAFETY: `args` match the kernel's parameters; the fault kernels
+        // write out of bounds or spin forever on purpose.
+        unsafe { dres::launch_kernel(f, (1, 1, 1), (threads, 1, 1), 0, s.cu_stream(), args) }
+            .cu(name)
     }
 }
 

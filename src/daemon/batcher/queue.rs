@@ -1008,6 +1008,28 @@ mod tests {
         d
     }
 
+    /// `r` at `priority`.
+    fn with_priority(r: QueuedRequest, priority: u8) -> QueuedRequest {
+        QueuedRequest { priority, ..r }
+    }
+
+    /// `r` due at `deadline`.
+    fn with_deadline(r: QueuedRequest, deadline: Instant) -> QueuedRequest {
+        QueuedRequest {
+            deadline: Some(deadline),
+            ..r
+        }
+    }
+
+    /// A scheduler with one graph device, busy with one batch since `t0`.
+    fn busy_device(t0: Instant) -> Scheduler {
+        let mut s = scheduler();
+        with_device(&mut s, DeviceKind::Graph);
+        s.enqueue(req(1, 0, 1, 1, t0)).unwrap();
+        s.poll(t0);
+        s
+    }
+
     #[test]
     fn idle_device_takes_work_at_once_padded_to_smallest_bucket() {
         let mut s = scheduler();
@@ -1088,11 +1110,8 @@ mod tests {
 
     #[test]
     fn full_queue_dispatches_on_a_busy_device() {
-        let mut s = scheduler();
-        with_device(&mut s, DeviceKind::Graph);
         let t0 = Instant::now();
-        s.enqueue(req(1, 0, 1, 1, t0)).unwrap();
-        s.poll(t0);
+        let mut s = busy_device(t0);
         s.enqueue(req(2, 0, 8, 1, t0)).unwrap();
         let out = dispatched(&s.poll(t0));
         assert_eq!(out.len(), 1);
@@ -1231,9 +1250,11 @@ mod tests {
         let out = dispatched(&s.poll(t0));
         assert_eq!(out[0].1.parts, vec![part(1, 0..8)]);
         assert_eq!(out[1].1.parts, vec![part(1, 8..16)]);
-        let mut urgent = req(2, 0, 3, 1, t0 + Duration::from_micros(5));
-        urgent.priority = 9;
-        s.enqueue(urgent).unwrap();
+        s.enqueue(with_priority(
+            req(2, 0, 3, 1, t0 + Duration::from_micros(5)),
+            9,
+        ))
+        .unwrap();
         s.completed(d);
         s.completed(d);
         let out = dispatched(&s.poll(t0 + Duration::from_micros(5)));
@@ -1246,9 +1267,11 @@ mod tests {
         let mut s = scheduler();
         let t0 = Instant::now();
         s.enqueue(req(1, 1, 1, 40, t0)).unwrap();
-        let mut urgent = req(2, 1, 1, 10, t0 + Duration::from_micros(5));
-        urgent.priority = 9;
-        s.enqueue(urgent).unwrap();
+        s.enqueue(with_priority(
+            req(2, 1, 1, 10, t0 + Duration::from_micros(5)),
+            9,
+        ))
+        .unwrap();
         with_device(&mut s, DeviceKind::Graph);
         let out = dispatched(&s.poll(t0));
         assert_eq!(out[0].1.requests(), vec![2]);
@@ -1407,12 +1430,16 @@ mod tests {
     fn deadlines_hold_while_queued_and_while_in_flight() {
         let mut s = scheduler();
         let t0 = Instant::now();
-        let mut r = req(1, 0, 1, 1, t0);
-        r.deadline = Some(t0 + Duration::from_micros(100));
-        s.enqueue(r).unwrap();
-        let mut r2 = req(2, 0, 1, 1, t0);
-        r2.deadline = Some(t0 + Duration::from_secs(10));
-        s.enqueue(r2).unwrap();
+        s.enqueue(with_deadline(
+            req(1, 0, 1, 1, t0),
+            t0 + Duration::from_micros(100),
+        ))
+        .unwrap();
+        s.enqueue(with_deadline(
+            req(2, 0, 1, 1, t0),
+            t0 + Duration::from_secs(10),
+        ))
+        .unwrap();
         assert_eq!(s.next_wakeup(t0), Some(t0 + Duration::from_micros(100)));
         let actions = s.poll(t0 + Duration::from_micros(100));
         assert_eq!(
@@ -1438,9 +1465,11 @@ mod tests {
         );
         assert!(s.poll(t0 + Duration::from_secs(20)).is_empty());
         // A request answered in time has no deadline left.
-        let mut r3 = req(3, 0, 1, 1, t0);
-        r3.deadline = Some(t0 + Duration::from_secs(30));
-        s.enqueue(r3).unwrap();
+        s.enqueue(with_deadline(
+            req(3, 0, 1, 1, t0),
+            t0 + Duration::from_secs(30),
+        ))
+        .unwrap();
         assert!(s.finish(3));
         assert!(s.poll(t0 + Duration::from_secs(40)).is_empty());
     }
@@ -1450,9 +1479,11 @@ mod tests {
         let mut s = scheduler();
         let d = with_device(&mut s, DeviceKind::Graph);
         let t0 = Instant::now();
-        let mut big = req(1, 0, 20, 1, t0);
-        big.deadline = Some(t0 + Duration::from_millis(5));
-        s.enqueue(big).unwrap();
+        s.enqueue(with_deadline(
+            req(1, 0, 20, 1, t0),
+            t0 + Duration::from_millis(5),
+        ))
+        .unwrap();
         // Two batches of 8 in flight (the device's limit), 4 rows queued.
         assert_eq!(dispatched(&s.poll(t0)).len(), 2);
         s.enqueue(req(2, 0, 1, 1, t0)).unwrap();
@@ -1482,9 +1513,7 @@ mod tests {
         let t0 = Instant::now();
         // Model 0: 4 requests of 8 rows, old and at high priority.
         for id in 0..4 {
-            let mut r = req(id, 0, 8, 1, t0);
-            r.priority = 200;
-            s.enqueue(r).unwrap();
+            s.enqueue(with_priority(req(id, 0, 8, 1, t0), 200)).unwrap();
         }
         // Model 2 (packed): one text, queued later at priority 0.
         s.enqueue(seqs(10, 2, &[5], t0 + Duration::from_millis(1)))
@@ -1603,11 +1632,8 @@ mod tests {
 
     #[test]
     fn draining_refuses_new_and_flushes_queued() {
-        let mut s = scheduler();
-        with_device(&mut s, DeviceKind::Graph);
         let t0 = Instant::now();
-        s.enqueue(req(1, 0, 1, 1, t0)).unwrap();
-        s.poll(t0);
+        let mut s = busy_device(t0);
         s.enqueue(req(2, 0, 1, 1, t0)).unwrap();
         assert!(dispatched(&s.poll(t0)).is_empty());
         s.start_draining();

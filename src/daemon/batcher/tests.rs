@@ -175,6 +175,29 @@ fn submit(h: &Harness, client_id: u64, rows: usize, tag: f32) -> oneshot::Receiv
 }
 
 /// Token sequences whose first id is `tag + i` and whose lengths are `lens`.
+/// Submits `rows` MLP rows (tag 0) due `ms` milliseconds from now.
+fn submit_due(h: &Harness, client_id: u64, rows: usize, ms: u64) -> oneshot::Receiver<Reply> {
+    let deadline = Instant::now() + Duration::from_millis(ms);
+    submit_input(h, MLP, client_id, features(rows, 0.0), Some(deadline))
+}
+
+/// Device 0's worker is gone (`reason`), as its device actor reports it.
+fn device_down(h: &Harness, reason: &str) {
+    let reason = reason.into();
+    h.batcher
+        .cast(BatcherMsg::DeviceDown { device: 0, reason })
+        .unwrap();
+}
+
+/// One more request goes out to device 0 and is answered: the batcher
+/// still serves.
+async fn still_serves(h: &mut Harness) {
+    let r = submit(h, 999, 1, 1.0);
+    let (b, a) = next_run(&mut h.runs[0]).await;
+    h.batcher.cast(done(0, &b, a)).unwrap();
+    assert_eq!(ok_values(reply(r).await), vec![2.0]);
+}
+
 fn texts(lens: &[usize], tag: u32) -> BatchRows {
     BatchRows::Tokens(
         lens.iter()
@@ -424,12 +447,7 @@ async fn a_stale_report_from_an_old_attempt_is_ignored() {
     let (batch, attempt) = next_run(&mut h.runs[0]).await;
     assert_eq!(attempt, 1);
     // Device 0 dies: the batch goes to device 1 as attempt 2.
-    h.batcher
-        .cast(BatcherMsg::DeviceDown {
-            device: 0,
-            reason: "killed".into(),
-        })
-        .unwrap();
+    device_down(&h, "killed");
     let (again, attempt2) = next_run(&mut h.runs[1]).await;
     assert_eq!((again.id, attempt2), (batch.id, 2));
     // A late report of attempt 1 (its worker's last words) must not answer
@@ -460,12 +478,7 @@ async fn retried_batches_holding_parts_of_several_requests_answer_each_once() {
         (vec![0, 1, 2], vec![0])
     );
     // The worker dies holding both batches and comes back.
-    h.batcher
-        .cast(BatcherMsg::DeviceDown {
-            device: 0,
-            reason: "killed".into(),
-        })
-        .unwrap();
+    device_down(&h, "killed");
     h.batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
     let mut again = HashMap::new();
     for _ in 0..2 {
@@ -495,12 +508,7 @@ async fn batches_of_a_dead_worker_run_again_when_it_is_back() {
     let mut h = harness(1, 3).await;
     let r = submit(&h, 1, 2, 1.0);
     let (batch, _) = next_run(&mut h.runs[0]).await;
-    h.batcher
-        .cast(BatcherMsg::DeviceDown {
-            device: 0,
-            reason: "worker exited".into(),
-        })
-        .unwrap();
+    device_down(&h, "worker exited");
     // Nothing is sent while the only device is down.
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(h.runs[0].try_recv().is_err());
@@ -518,12 +526,7 @@ async fn a_batch_lost_max_attempts_times_fails_its_requests() {
     for attempt in 1..=2 {
         let (_, a) = next_run(&mut h.runs[0]).await;
         assert_eq!(a, attempt);
-        h.batcher
-            .cast(BatcherMsg::DeviceDown {
-                device: 0,
-                reason: "crashed".into(),
-            })
-            .unwrap();
+        device_down(&h, "crashed");
         h.batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
     }
     match reply(r).await {
@@ -577,13 +580,7 @@ async fn a_deadline_is_answered_at_the_deadline_while_the_batch_is_in_flight() {
 async fn a_split_request_past_its_deadline_gets_one_reply_and_its_rest_never_runs() {
     let mut h = harness(1, 3).await;
     let t0 = Instant::now();
-    let r = submit_input(
-        &h,
-        MLP,
-        4,
-        features(10, 0.0),
-        Some(t0 + Duration::from_millis(150)),
-    );
+    let r = submit_due(&h, 4, 10, 150);
     // Two batches of 4 in flight; 2 rows still queued behind them.
     let (b1, a1) = next_run(&mut h.runs[0]).await;
     let (b2, a2) = next_run(&mut h.runs[0]).await;
@@ -600,40 +597,22 @@ async fn a_split_request_past_its_deadline_gets_one_reply_and_its_rest_never_run
     assert_eq!(stats.requests.ok, 0);
     assert_eq!(outstanding(&h).await, 0);
     // The batcher still serves.
-    let r = submit(&h, 5, 1, 3.0);
-    let (b, a) = next_run(&mut h.runs[0]).await;
-    h.batcher.cast(done(0, &b, a)).unwrap();
-    assert_eq!(ok_values(reply(r).await), vec![6.0]);
+    still_serves(&mut h).await;
 }
 
 #[tokio::test]
 async fn a_retry_of_a_batch_whose_requests_all_expired_is_not_sent() {
     let mut h = harness(1, 3).await;
-    let t0 = Instant::now();
-    let r = submit_input(
-        &h,
-        MLP,
-        1,
-        features(1, 0.0),
-        Some(t0 + Duration::from_millis(50)),
-    );
+    let r = submit_due(&h, 1, 1, 50);
     let _ = next_run(&mut h.runs[0]).await;
     assert_eq!(reply(r).await.code(), Some(ErrorCode::DeadlineExceeded));
-    h.batcher
-        .cast(BatcherMsg::DeviceDown {
-            device: 0,
-            reason: "killed".into(),
-        })
-        .unwrap();
+    device_down(&h, "killed");
     h.batcher.cast(BatcherMsg::DeviceUp { device: 0 }).unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(h.runs[0].try_recv().is_err(), "nothing left to retry");
     assert_eq!(h.metrics.snapshot().retried_batches, 0);
     // The device slot was freed: new work still goes out.
-    let r = submit(&h, 2, 1, 1.0);
-    let (b, a) = next_run(&mut h.runs[0]).await;
-    h.batcher.cast(done(0, &b, a)).unwrap();
-    assert_eq!(ok_values(reply(r).await), vec![2.0]);
+    still_serves(&mut h).await;
 }
 
 #[tokio::test]
@@ -686,10 +665,7 @@ async fn a_reply_of_the_wrong_size_fails_the_batch_not_the_daemon() {
         .unwrap();
     assert_eq!(reply(r).await.code(), Some(ErrorCode::Internal));
     // The batcher still serves.
-    let r = submit(&h, 3, 1, 1.0);
-    let (b, a) = next_run(&mut h.runs[0]).await;
-    h.batcher.cast(done(0, &b, a)).unwrap();
-    assert_eq!(ok_values(reply(r).await), vec![2.0]);
+    still_serves(&mut h).await;
 }
 
 /// A real shared-memory ring opened on a device's route, read by the

@@ -628,6 +628,28 @@ impl ProgramBuilder {
     }
 }
 
+/// `x[batch, 4] → Linear(3, no bias) → y`, zero weights: the smallest
+/// well-formed feature program (tests).
+#[cfg(test)]
+pub(crate) fn one_linear(batch: usize) -> (Program, crate::model::Weights) {
+    let mut w = crate::model::Weights::new();
+    let w1 = w.push("w", vec![3, 4], vec![0.0; 12]);
+    let mut b = ProgramBuilder::new();
+    let x = b.input("x", InputRole::Features, batch * 4);
+    let y = b.output("y", batch * 3);
+    b.push(Linear {
+        x,
+        w: w1,
+        bias: None,
+        act: Activation::Identity,
+        out: y,
+        m: batch,
+        n: 3,
+        k: 4,
+    });
+    (b.finish(batch, 1, y, 3), w)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

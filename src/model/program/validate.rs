@@ -52,6 +52,7 @@
 
 use super::{BufId, BufKind, InputRole, Layout, Op, Program, Seqs, WeightId};
 use crate::model::batch::{token_id, token_type};
+use crate::model::weights::WeightTensor;
 use crate::model::{BatchRows, Weights};
 use thiserror::Error;
 
@@ -102,7 +103,7 @@ struct Checker<'a> {
     what: String,
 }
 
-impl Checker<'_> {
+impl<'a> Checker<'a> {
     fn positive(&self, dims: &[usize]) -> Result<(), ProgramError> {
         if dims.contains(&0) {
             return invalid(format!("{} has a zero dimension {dims:?}", self.what));
@@ -217,15 +218,20 @@ impl Checker<'_> {
         Ok(())
     }
 
-    fn weight(&self, id: WeightId, shape: &[usize]) -> Result<(), ProgramError> {
-        let what = &self.what;
+    /// The weight `id` names, if it exists.
+    fn existing(&self, id: WeightId) -> Result<&'a WeightTensor, ProgramError> {
         if id.0 >= self.weights.len() {
             return invalid(format!(
-                "{what} refers to weight {} which does not exist",
-                id.0
+                "{} refers to weight {} which does not exist",
+                self.what, id.0
             ));
         }
-        let t = self.weights.get(id);
+        Ok(self.weights.get(id))
+    }
+
+    fn weight(&self, id: WeightId, shape: &[usize]) -> Result<(), ProgramError> {
+        let what = &self.what;
+        let t = self.existing(id)?;
         if t.shape != shape {
             return invalid(format!(
                 "{what}: weight `{}` has shape {:?}, the op needs {shape:?}",
@@ -238,13 +244,7 @@ impl Checker<'_> {
     /// An embedding table `[rows ≥ min_rows, width]`; returns its rows.
     fn table(&self, id: WeightId, min_rows: usize, width: usize) -> Result<usize, ProgramError> {
         let what = &self.what;
-        if id.0 >= self.weights.len() {
-            return invalid(format!(
-                "{what} refers to weight {} which does not exist",
-                id.0
-            ));
-        }
-        let t = self.weights.get(id);
+        let t = self.existing(id)?;
         match t.shape.as_slice() {
             [rows, cols] if *cols == width && *rows >= min_rows.max(1) => Ok(*rows),
             shape => invalid(format!(
@@ -593,28 +593,9 @@ impl ProgramFacts {
 mod tests {
     use super::*;
     use crate::model::program::{
-        Activation, AddLayerNorm, Attention, EmbedLayerNorm, Linear, Pool, Pooling, ProgramBuilder,
+        one_linear as linear, Activation, AddLayerNorm, Attention, EmbedLayerNorm, Linear, Pool,
+        Pooling, ProgramBuilder,
     };
-
-    /// `x[batch, 4] → Linear(3) → y`.
-    fn linear(batch: usize) -> (Program, Weights) {
-        let mut w = Weights::new();
-        let w1 = w.push("w", vec![3, 4], vec![0.0; 12]);
-        let mut b = ProgramBuilder::new();
-        let x = b.input("x", InputRole::Features, batch * 4);
-        let y = b.output("y", batch * 3);
-        b.push(Linear {
-            x,
-            w: w1,
-            bias: None,
-            act: Activation::Identity,
-            out: y,
-            m: batch,
-            n: 3,
-            k: 4,
-        });
-        (b.finish(batch, 1, y, 3), w)
-    }
 
     /// The weights of [`encoder`]: hidden 8, vocab 10, a position table
     /// of 16, two token types.
@@ -813,83 +794,70 @@ mod tests {
         let mut p = padded.clone();
         p.ops[4] = base.ops[4].clone();
         check(&p, &pw, "packed op in a padded program");
-        // Ops' dimensions are the program's.
-        let mut p = base.clone();
-        if let Op::Attention(Attention {
-            seqs: Seqs::Packed { seqs, .. },
-            ..
-        }) = &mut p.ops[2]
-        {
-            *seqs = 3;
+        /// Op `i`'s packed operands: offsets, positions, tokens, seqs, max_seq_len.
+        fn packed(
+            p: &mut Program,
+            i: usize,
+        ) -> (&mut BufId, &mut BufId, &mut usize, &mut usize, &mut usize) {
+            match p.ops[i].seqs_mut() {
+                Some(Seqs::Packed {
+                    offsets,
+                    positions,
+                    tokens,
+                    seqs,
+                    max_seq_len,
+                }) => (offsets, positions, tokens, seqs, max_seq_len),
+                other => unreachable!("op {i} is not packed: {other:?}"),
+            }
         }
-        check(&p, &w, "seqs 3, the program 4");
-        let mut p = base.clone();
-        if let Op::Pool(Pool {
-            seqs: Seqs::Packed { tokens, .. },
-            ..
-        }) = &mut p.ops[4]
-        {
-            *tokens = 16;
+        // One edit of the base each, and the error it must give.
+        type Edit<'e> = (&'e str, &'e dyn Fn(&mut Program));
+        let edits: [Edit; 9] = [
+            // Ops' dimensions are the program's.
+            ("seqs 3, the program 4", &|p| *packed(p, 2).3 = 3),
+            ("tokens 16, the program 32", &|p| *packed(p, 4).2 = 16),
+            ("max_seq_len 8, the program 16", &|p| *packed(p, 0).4 = 8),
+            // Integer operands must have the role the op reads them as.
+            ("as SeqOffsets", &|p| *packed(p, 2).0 = BufId(2)), // the positions
+            ("as Positions", &|p| {
+                let ids = match &p.ops[0] {
+                    Op::EmbedLayerNorm(e) => e.ids,
+                    _ => unreachable!(),
+                };
+                *packed(p, 0).1 = ids;
+            }),
+            ("as TokenIds", &|p| {
+                if let Op::EmbedLayerNorm(EmbedLayerNorm {
+                    ids, token_types, ..
+                }) = &mut p.ops[0]
+                {
+                    std::mem::swap(token_types, ids);
+                }
+            }),
+            ("needs an i32 buffer", &|p| {
+                let x = match &p.ops[4] {
+                    Op::Pool(pool) => pool.x,
+                    _ => unreachable!(),
+                };
+                *packed(p, 4).0 = x;
+            }),
+            // Aliasing.
+            ("out aliases qkv", &|p| {
+                if let Op::Attention(Attention { qkv, out, .. }) = &mut p.ops[2] {
+                    *out = *qkv;
+                }
+            }),
+            ("out aliases x", &|p| {
+                if let Op::Pool(Pool { x, out, .. }) = &mut p.ops[4] {
+                    *out = *x;
+                }
+            }),
+        ];
+        for (want, edit) in edits {
+            let mut p = base.clone();
+            edit(&mut p);
+            check(&p, &w, want);
         }
-        check(&p, &w, "tokens 16, the program 32");
-        let mut p = base.clone();
-        if let Op::EmbedLayerNorm(EmbedLayerNorm {
-            seqs: Seqs::Packed { max_seq_len, .. },
-            ..
-        }) = &mut p.ops[0]
-        {
-            *max_seq_len = 8;
-        }
-        check(&p, &w, "max_seq_len 8, the program 16");
-        // Integer operands must have the role the op reads them as.
-        let mut p = base.clone();
-        if let Op::Attention(Attention {
-            seqs: Seqs::Packed { offsets, .. },
-            ..
-        }) = &mut p.ops[2]
-        {
-            *offsets = BufId(2); // the positions
-        }
-        check(&p, &w, "as SeqOffsets");
-        let mut p = base.clone();
-        if let Op::EmbedLayerNorm(EmbedLayerNorm {
-            seqs: Seqs::Packed { positions, .. },
-            ids,
-            ..
-        }) = &mut p.ops[0]
-        {
-            std::mem::swap(positions, ids);
-        }
-        check(&p, &w, "as Positions");
-        let mut p = base.clone();
-        if let Op::EmbedLayerNorm(EmbedLayerNorm {
-            ids, token_types, ..
-        }) = &mut p.ops[0]
-        {
-            std::mem::swap(token_types, ids);
-        }
-        check(&p, &w, "as TokenIds");
-        let mut p = base.clone();
-        if let Op::Pool(Pool {
-            seqs: Seqs::Packed { offsets, .. },
-            x,
-            ..
-        }) = &mut p.ops[4]
-        {
-            *offsets = *x;
-        }
-        check(&p, &w, "needs an i32 buffer");
-        // Aliasing.
-        let mut p = base.clone();
-        if let Op::Attention(Attention { qkv, out, .. }) = &mut p.ops[2] {
-            *out = *qkv;
-        }
-        check(&p, &w, "out aliases qkv");
-        let mut p = base.clone();
-        if let Op::Pool(Pool { x, out, .. }) = &mut p.ops[4] {
-            *out = *x;
-        }
-        check(&p, &w, "out aliases x");
         // Sizes of inputs, activations and the output.
         let mut p = base.clone();
         p.buffers[3].elems = 4; // offsets: seqs + 1 = 5
@@ -904,23 +872,19 @@ mod tests {
         let mut p = base.clone();
         p.buffers[1].kind = BufKind::Input(InputRole::AttentionMask);
         check(&p, &w, "as TokenTypeIds");
-        let mut p = base.clone();
-        let extra = p.buffers.len();
-        p.buffers.push(super::super::BufferDecl {
-            name: "mask".into(),
-            kind: BufKind::Input(InputRole::AttentionMask),
-            elems: 32,
-        });
-        p.inputs.push(BufId(extra));
+        let with_input = |p: &Program, name: &str, role: InputRole, elems: usize| {
+            let mut p = p.clone();
+            p.inputs.push(BufId(p.buffers.len()));
+            p.buffers.push(super::super::BufferDecl {
+                name: name.into(),
+                kind: BufKind::Input(role),
+                elems,
+            });
+            p
+        };
+        let p = with_input(&base, "mask", InputRole::AttentionMask, 32);
         check(&p, &w, "in a packed program");
-        let mut p = padded.clone();
-        let extra = p.buffers.len();
-        p.buffers.push(super::super::BufferDecl {
-            name: "offsets".into(),
-            kind: BufKind::Input(InputRole::SeqOffsets),
-            elems: 3,
-        });
-        p.inputs.push(BufId(extra));
+        let p = with_input(&padded, "offsets", InputRole::SeqOffsets, 3);
         check(&p, &pw, "in a padded program");
         // Read before write of the varlen attention's output.
         let mut p = base.clone();

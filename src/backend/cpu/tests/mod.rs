@@ -894,64 +894,16 @@ fn reading_an_unwritten_activation_is_refused_at_capture() {
     assert!(err.to_string().contains("before any op writes it"), "{err}");
 }
 
-#[test]
-fn minilm_throughput_32x128() {
-    let model = minilm();
-    let lines = minilm_reference();
-    let mut backend = CpuBackend::new(0, THREADS);
-    let weights = backend.upload(model).unwrap();
-    let start = Instant::now();
-    let mut graph = backend
-        .capture(model, &weights, &model.program(32, 128))
-        .unwrap();
-    let capture = start.elapsed();
-    eprintln!(
-        "minilm cpu graph (32, 128): capture {:.1} ms, graph memory {:.1} MiB",
-        capture.as_secs_f64() * 1e3,
-        backend.graph_memory_bytes(&graph) as f64 / (1 << 20) as f64
-    );
-    // 32 texts of 128 tokens (the whole bucket), then 32 real texts of the
-    // reference set (padded to their longest, which the default replay skips).
-    let full = BatchRows::Tokens(vec![
-        lines[5].ids.iter().copied().cycle().take(128).collect();
-        32
-    ]);
-    let real = BatchRows::Tokens(
-        lines
-            .iter()
-            .skip(10)
-            .take(32)
-            .map(|l| l.ids.clone())
-            .collect(),
-    );
-    for (name, rows, trim) in [
-        ("128-token texts", &full, true),
-        ("reference texts, padded", &real, false),
-        ("reference texts", &real, true),
-    ] {
-        backend.set_trim_padding(trim);
-        let start = Instant::now();
-        let p = backend.launch(&mut graph, rows).unwrap();
-        backend.collect(p).unwrap();
-        let secs = start.elapsed().as_secs_f64();
-        eprintln!(
-            "minilm cpu ({THREADS} threads) at (32, 128), {name} (longest {}), trim {trim}: {:.0} ms per batch, {:.1} texts/s",
-            rows.max_len(),
-            secs * 1e3,
-            32.0 / secs
-        );
-    }
-}
-
-/// Steady-state throughput at (32, 128), for comparing changes by hand:
-/// `cargo test --release --lib minilm_throughput_32x128_steady -- --ignored --nocapture`
+/// Steady-state throughput at (32, 128) on 128-token texts and on real
+/// texts (padded, and with the padding trimmed), for comparing changes by hand:
+/// `cargo test --release --lib minilm_throughput_32x128 -- --ignored --nocapture`
 /// (`REPLAYD_BENCH_ITERS` replays per case, default 10, after one warm-up;
 /// `REPLAYD_BENCH_THREADS` threads, default 2). Besides wall time it prints
 /// the CPU time the process spent per replay (all threads), which is less
 /// sensitive to other load on a shared machine.
 #[test]
 #[ignore = "benchmark, run by hand"]
-fn minilm_throughput_32x128_steady() {
+fn minilm_throughput_32x128() {
     let model = minilm();
     let lines = minilm_reference();
     let env = |name: &str, default: usize| -> usize {

@@ -702,6 +702,11 @@ mod tests {
         };
         let bias = arch.position_bias.expect("MPNet has a position bias");
         let heads = arch.heads as i32;
+        // The bias kernels' last two arguments: the table and the radius.
+        let bias_args = [
+            Arg::Ptr(Loc::Weight(bias.table)),
+            Arg::I32(bias.radius as i32),
+        ];
         for dtype in [DType::F32, DType::F16] {
             let ts = suffix(dtype);
             let p = mpnet.program(2, 64);
@@ -710,15 +715,7 @@ mod tests {
             let (name, grid, _, _, args) = kernel(&plan_, "attention_bias_");
             assert_eq!(name, format!("attention_bias_{ts}_d32"));
             assert_eq!((grid.1, grid.2), (heads as u32, 2), "{name}");
-            let n = args.len();
-            assert_eq!(
-                args[n - 2..],
-                [
-                    Arg::Ptr(Loc::Weight(bias.table)),
-                    Arg::I32(bias.radius as i32)
-                ],
-                "{name}"
-            );
+            assert_eq!(args[args.len() - 2..], bias_args, "{name}");
             let (_, grid, _, _, args) = kernel(&plan_, "embed_ln_padpos_");
             assert_eq!(grid.0, 128);
             assert_eq!(args.len(), 15);
@@ -726,33 +723,24 @@ mod tests {
             let pk = arch.packed_program(256, 8);
             let plan_ = plan(&pk, &mpnet.weights, dtype, false, LIMITS).unwrap();
             let (name, _, _, _, args) = kernel(&plan_, "attention_varlen_bias_");
-            let n = args.len();
-            assert_eq!(
-                args[n - 2..],
-                [
-                    Arg::Ptr(Loc::Weight(bias.table)),
-                    Arg::I32(bias.radius as i32)
-                ],
-                "{name}"
-            );
+            assert_eq!(args[args.len() - 2..], bias_args, "{name}");
             let (_, grid, _, _, args) = kernel(&plan_, "embed_ln_packed_padpos_");
             assert_eq!((grid.0, args.len(), args[14]), (256, 15, Arg::I32(1)));
         }
+        // A kernel argument pointing at the input `buf`'s slot.
+        let input_ptr = |plan: &Plan, buf: BufId| {
+            let slot = plan.inputs.iter().find(|i| i.buf == buf).unwrap();
+            Arg::Ptr(Loc::Input(slot.offset))
+        };
         let st = family_model("bert-st-new");
         let p = st.program(4, 32);
         let skip = p
             .input(InputRole::PoolSkip)
             .expect("include_prompt = false");
         let plan_ = plan(&p, &st.weights, DType::F16, false, LIMITS).unwrap();
-        let skip_loc = plan_
-            .inputs
-            .iter()
-            .find(|i| i.buf == skip)
-            .map(|i| Loc::Input(i.offset))
-            .unwrap();
         let (_, grid, _, _, args) = kernel(&plan_, "pool_skip_f16");
         assert_eq!(grid.0, 4);
-        assert_eq!((args.len(), args[2]), (8, Arg::Ptr(skip_loc)));
+        assert_eq!((args.len(), args[2]), (8, input_ptr(&plan_, skip)));
         let (_, grid, block, _, args) = kernel(&plan_, "l2norm_rows_f32");
         assert_eq!((grid.0, block), (4, 32));
         assert_eq!(args[1], Arg::I32(24));
@@ -762,14 +750,8 @@ mod tests {
         let pk = a.packed_program(64, 4);
         let skip = pk.input(InputRole::PoolSkip).unwrap();
         let plan_ = plan(&pk, &st.weights, DType::BF16, false, LIMITS).unwrap();
-        let skip_loc = plan_
-            .inputs
-            .iter()
-            .find(|i| i.buf == skip)
-            .map(|i| Loc::Input(i.offset))
-            .unwrap();
         let (_, grid, _, _, args) = kernel(&plan_, "pool_packed_skip_bf16");
         assert_eq!(grid.0, 4);
-        assert_eq!((args.len(), args[2]), (8, Arg::Ptr(skip_loc)));
+        assert_eq!((args.len(), args[2]), (8, input_ptr(&plan_, skip)));
     }
 }
