@@ -104,16 +104,18 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
     ] {
         assert!(source.contains(&format!("#line 1 \"{file}\"")), "{file}");
     }
-    let packed = kernels::packed_entry_points();
-    assert!(packed.iter().all(|n| expected.contains(n)), "{packed:?}");
     // So are the vectorised kernels and the Linears of few rows.
     for file in ["vec.cu", "gemm_small.cu"] {
         assert!(source.contains(&format!("#line 1 \"{file}\"")), "{file}");
     }
-    let fused = kernels::fused_entry_points();
-    assert!(fused.iter().all(|n| expected.contains(n)), "{fused:?}");
-    assert!(fused.contains(&"gemm_small_f16".to_string()));
-    assert!(fused.contains(&"pool_packed_ln_bf16".to_string()));
+    for name in [
+        "embed_ln_packed_f16",
+        "attention_varlen_tc_bf16_d64",
+        "gemm_small_f16",
+        "pool_packed_ln_bf16",
+    ] {
+        assert!(expected.contains(name), "{name}");
+    }
 
     // PTX: the exact set of entry points.
     let t = Target::Ptx(90);

@@ -547,6 +547,14 @@ pub struct RouterSender {
 }
 
 impl Router {
+    /// A ROUTER on a free tcp port of 127.0.0.1, without security (tests).
+    #[cfg(test)]
+    pub(crate) async fn loopback(limits: &TransportLimits) -> Router {
+        Router::bind("tcp://127.0.0.1:0", limits, &Security::None)
+            .await
+            .unwrap()
+    }
+
     /// Binds a ROUTER at `endpoint` (`tcp://host:port`, port 0 for any free
     /// one, or `ipc:///path`).
     pub async fn bind(

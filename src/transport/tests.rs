@@ -50,18 +50,11 @@ fn spawn_echo(router: Router) -> Arc<TransportStats> {
     stats
 }
 
-/// A ROUTER on a free tcp port of 127.0.0.1, without security.
-async fn tcp_router(limits: &TransportLimits) -> Router {
-    Router::bind("tcp://127.0.0.1:0", limits, &Security::None)
-        .await
-        .unwrap()
-}
-
-/// [`tcp_router`] split: its endpoint, counters and halves.
+/// [`Router::loopback`] split: its endpoint, counters and halves.
 async fn tcp_router_split(
     limits: &TransportLimits,
 ) -> (String, Arc<TransportStats>, RouterReceiver, RouterSender) {
-    let router = tcp_router(limits).await;
+    let router = Router::loopback(limits).await;
     let endpoint = router.endpoint().to_string();
     let stats = router.stats();
     let (rx, tx) = router.split();
@@ -87,7 +80,7 @@ async fn round_trip(endpoint: &str, limits: &TransportLimits, security: &Securit
 
 /// A tcp ROUTER echo on a free port; its endpoint.
 async fn echo_server(limits: &TransportLimits) -> String {
-    let router = tcp_router(limits).await;
+    let router = Router::loopback(limits).await;
     let endpoint = router.endpoint().to_string();
     spawn_echo(router);
     endpoint
@@ -155,7 +148,7 @@ fn closed_by_server(stream: &mut TcpStream, within: Duration) -> bool {
 #[tokio::test]
 async fn round_trip_over_tcp_with_port_zero_and_over_ipc() {
     let limits = TransportLimits::default();
-    let router = tcp_router(&limits).await;
+    let router = Router::loopback(&limits).await;
     let endpoint = router.endpoint().to_string();
     assert!(endpoint.starts_with("tcp://127.0.0.1:"), "{endpoint}");
     assert_ne!(tcp_port(&endpoint), 0);
@@ -264,7 +257,7 @@ async fn a_libzmq_req_peer_works_when_the_delimiter_is_echoed() {
 #[tokio::test]
 async fn a_long_frame_header_claiming_32_gib_drops_only_that_connection() {
     let limits = TransportLimits::default();
-    let router = tcp_router(&limits).await;
+    let router = Router::loopback(&limits).await;
     let endpoint = router.endpoint().to_string();
     let stats = spawn_echo(router);
     let port = tcp_port(&endpoint);
@@ -334,7 +327,7 @@ async fn frames_and_messages_over_the_limits_are_refused() {
         max_frames: 4,
         ..TransportLimits::default()
     };
-    let router = tcp_router(&limits).await;
+    let router = Router::loopback(&limits).await;
     let endpoint = router.endpoint().to_string();
     let stats = spawn_echo(router);
     let (mut rx, tx) = connect(&endpoint, &TransportLimits::default()).await;
@@ -370,7 +363,7 @@ async fn a_half_open_connection_is_closed_after_the_handshake_timeout() {
         handshake_timeout: Duration::from_millis(300),
         ..TransportLimits::default()
     };
-    let router = tcp_router(&limits).await;
+    let router = Router::loopback(&limits).await;
     let port = tcp_port(router.endpoint());
     let stats = spawn_echo(router);
     let (closed, after) = tokio::task::spawn_blocking(move || {
@@ -556,13 +549,13 @@ fn opening_and_closing_a_thousand_sockets_leaks_no_fds_or_threads() {
     rt.block_on(async {
         let limits = TransportLimits::default();
         // Warm up the runtime's own threads.
-        drop(tcp_router(&limits).await);
+        drop(Router::loopback(&limits).await);
         tokio::time::sleep(Duration::from_millis(200)).await;
         let fds_before = count_fds();
         let threads_before = count_threads();
         for i in 0..1000 {
             if i % 2 == 0 {
-                let router = tcp_router(&limits).await;
+                let router = Router::loopback(&limits).await;
                 let (rx, tx) = router.split();
                 drop(tx);
                 drop(rx);
@@ -861,15 +854,8 @@ fn sharded_listeners_are_closed_with_their_sockets() {
 async fn messages_before_a_disconnect_are_delivered_before_it_is_counted() {
     use futures::FutureExt;
     const N: u8 = 64;
-    let router = Router::bind(
-        "tcp://127.0.0.1:0",
-        &TransportLimits::default(),
-        &Security::None,
-    )
-    .await
-    .unwrap();
-    let endpoint = router.endpoint().to_string();
-    let (mut server_rx, server_tx) = router.split();
+    let (endpoint, _, mut server_rx, server_tx) =
+        tcp_router_split(&TransportLimits::default()).await;
     // Room for 4 messages: the rest stay in libzmq until the test reads.
     let limits = TransportLimits {
         queue_messages: 4,

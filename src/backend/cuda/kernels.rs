@@ -22,59 +22,39 @@ use std::time::Instant;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::sys as nvrtc_sys;
 
+/// `(name, source)` of each named file of `kernels/`, embedded at build time.
+macro_rules! kernel_files {
+    ($($name:literal),* $(,)?) => {
+        &[$(($name, include_str!(concat!("../../../kernels/", $name)))),*]
+    };
+}
+
 /// The kernel sources, in compile order (embedded at build time).
-pub const KERNEL_FILES: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("../../../kernels/common.cuh")),
-    (
-        "layernorm.cu",
-        include_str!("../../../kernels/layernorm.cu"),
-    ),
-    (
-        "elementwise.cu",
-        include_str!("../../../kernels/elementwise.cu"),
-    ),
-    (
-        "attention.cu",
-        include_str!("../../../kernels/attention.cu"),
-    ),
-    ("pool.cu", include_str!("../../../kernels/pool.cu")),
-    ("skinny.cu", include_str!("../../../kernels/skinny.cu")),
-    (
-        "attention_tc.cu",
-        include_str!("../../../kernels/attention_tc.cu"),
-    ),
+pub const KERNEL_FILES: &[(&str, &str)] = kernel_files![
+    "common.cuh",
+    "layernorm.cu",
+    "elementwise.cu",
+    "attention.cu",
+    "pool.cu",
+    "skinny.cu",
+    "attention_tc.cu",
     // Packed batches (after the files whose helpers they share).
-    (
-        "embed_packed.cu",
-        include_str!("../../../kernels/embed_packed.cu"),
-    ),
-    (
-        "pool_packed.cu",
-        include_str!("../../../kernels/pool_packed.cu"),
-    ),
-    (
-        "attention_varlen.cu",
-        include_str!("../../../kernels/attention_varlen.cu"),
-    ),
+    "embed_packed.cu",
+    "pool_packed.cu",
+    "attention_varlen.cu",
     // Issue 13's encoder families (after layernorm.cu, whose ln_finish
     // embed_pos.cu shares): XLM-R / MPNet position ids and the Normalize
     // after a Dense module.
-    (
-        "embed_pos.cu",
-        include_str!("../../../kernels/embed_pos.cu"),
-    ),
-    ("rownorm.cu", include_str!("../../../kernels/rownorm.cu")),
+    "embed_pos.cu",
+    "rownorm.cu",
     // Vectorised LayerNorm / element-wise kernels (after skinny.cu and
     // attention_tc.cu, whose helpers they use).
-    ("vec.cu", include_str!("../../../kernels/vec.cu")),
+    "vec.cu",
     // Linears of few rows with their epilogues (attention_tc.cu's mma,
     // vec.cu's vector loads).
-    (
-        "gemm_small.cu",
-        include_str!("../../../kernels/gemm_small.cu"),
-    ),
-    ("stage.cu", include_str!("../../../kernels/stage.cu")),
-    ("fault.cu", include_str!("../../../kernels/fault.cu")),
+    "gemm_small.cu",
+    "stage.cu",
+    "fault.cu",
 ];
 
 /// Suffixes of the storage types the kernels are instantiated for.
@@ -90,132 +70,104 @@ pub const ATTENTION_TC_HEAD_DIMS: &[usize] = &[32, 64, 128];
 /// (`attention_tc_s16_<t>_d<N>`, plan::ATTN_S16_MAX_SEQ).
 pub const ATTENTION_TC_S16_HEAD_DIMS: &[usize] = &[32, 64];
 
-/// (input, output) storage-type pairs of `bias_act_<in>_<out>`.
-pub const BIAS_ACT_PAIRS: &[(&str, &str)] = &[
-    ("f32", "f32"),
-    ("f16", "f16"),
-    ("bf16", "bf16"),
-    ("f32", "f16"),
-    ("f32", "bf16"),
-    ("f16", "f32"),
-    ("bf16", "f32"),
+/// `<input>_<output>` storage-type pairs of `bias_act_<in>_<out>`.
+pub const BIAS_ACT_PAIRS: &[&str] = &[
+    "f32_f32",
+    "f16_f16",
+    "bf16_bf16",
+    "f32_f16",
+    "f32_bf16",
+    "f16_f32",
+    "bf16_f32",
 ];
 
-/// (input, output) storage-type pairs of `skinny_<in>_<out>`.
-pub const SKINNY_PAIRS: &[(&str, &str)] = &[
-    ("f32", "f32"),
-    ("f16", "f16"),
-    ("bf16", "bf16"),
-    ("f16", "f32"),
-    ("bf16", "f32"),
+/// `<input>_<output>` storage-type pairs of `skinny_<in>_<out>`.
+pub const SKINNY_PAIRS: &[&str] = &["f32_f32", "f16_f16", "bf16_bf16", "f16_f32", "bf16_f32"];
+
+/// The storage types of the tensor-core kernel families.
+const HALF: &[&str] = &["f16", "bf16"];
+/// A family without a storage type or head size in its name.
+const PLAIN: &[&str] = &[""];
+
+/// Every `extern "C"` kernel family the backend looks up, by the file that
+/// holds it: the name with `{t}` for the storage type (or an `<in>_<out>`
+/// pair) and `{d}` for the head size, and the types and head sizes it is
+/// instantiated for.
+const ENTRY_POINTS: &[(&str, &[&str], &[usize])] = &[
+    // layernorm.cu, elementwise.cu, pool.cu, attention.cu, skinny.cu
+    ("embed_ln_{t}", DTYPE_SUFFIXES, &[]),
+    ("add_ln_{t}", DTYPE_SUFFIXES, &[]),
+    ("pool_{t}", DTYPE_SUFFIXES, &[]),
+    ("attention_{t}_d{d}", DTYPE_SUFFIXES, ATTENTION_DMAX),
+    ("bias_act_{t}", BIAS_ACT_PAIRS, &[]),
+    ("skinny_{t}", SKINNY_PAIRS, &[]),
+    // attention_tc.cu
+    ("attention_tc_{t}_d{d}", HALF, ATTENTION_TC_HEAD_DIMS),
+    (
+        "attention_tc_s16_{t}_d{d}",
+        HALF,
+        ATTENTION_TC_S16_HEAD_DIMS,
+    ),
+    // Packed batches: embed_packed.cu, pool_packed.cu, attention_varlen.cu
+    ("embed_ln_packed_{t}", DTYPE_SUFFIXES, &[]),
+    ("pool_packed_{t}", DTYPE_SUFFIXES, &[]),
+    ("attention_varlen_{t}_d{d}", DTYPE_SUFFIXES, ATTENTION_DMAX),
+    ("attention_varlen_tc_{t}_d{d}", HALF, ATTENTION_TC_HEAD_DIMS),
+    // Vectorised LayerNorm and element-wise kernels (vec.cu), the Linear of
+    // few rows with its epilogue (gemm_small.cu), the poolings that apply a
+    // deferred LayerNorm (pool.cu, pool_packed.cu)
+    ("add_ln_vec_{t}", DTYPE_SUFFIXES, &[]),
+    ("embed_ln_vec_{t}", DTYPE_SUFFIXES, &[]),
+    ("embed_ln_vec_inl_{t}", DTYPE_SUFFIXES, &[]),
+    ("bias_act_vec_{t}", DTYPE_SUFFIXES, &[]),
+    ("gemm_small_{t}", HALF, &[]),
+    ("pool_ln_{t}", HALF, &[]),
+    ("pool_packed_ln_{t}", HALF, &[]),
+    // The encoder families: XLM-R / MPNet position ids (embed_pos.cu), a
+    // `Normalize` after a `Dense` module (rownorm.cu), pooling that skips a
+    // prompt, and MPNet's relative attention bias in every attention kernel
+    ("embed_ln_padpos_{t}", DTYPE_SUFFIXES, &[]),
+    ("embed_ln_packed_padpos_{t}", DTYPE_SUFFIXES, &[]),
+    ("l2norm_rows_{t}", DTYPE_SUFFIXES, &[]),
+    ("pool_skip_{t}", DTYPE_SUFFIXES, &[]),
+    ("pool_packed_skip_{t}", DTYPE_SUFFIXES, &[]),
+    ("attention_bias_{t}_d{d}", DTYPE_SUFFIXES, ATTENTION_DMAX),
+    (
+        "attention_varlen_bias_{t}_d{d}",
+        DTYPE_SUFFIXES,
+        ATTENTION_DMAX,
+    ),
+    ("attention_tc_bias_{t}_d{d}", HALF, ATTENTION_TC_HEAD_DIMS),
+    (
+        "attention_varlen_tc_bias_{t}_d{d}",
+        HALF,
+        ATTENTION_TC_HEAD_DIMS,
+    ),
+    (
+        "attention_tc_bias_s16_{t}_d{d}",
+        HALF,
+        ATTENTION_TC_S16_HEAD_DIMS,
+    ),
+    // stage.cu, fault.cu
+    ("stage_in", PLAIN, &[]),
+    ("stage_in_inl", PLAIN, &[]),
+    ("stage_out", PLAIN, &[]),
+    ("fault_oob_write", PLAIN, &[]),
+    ("fault_spin", PLAIN, &[]),
 ];
 
 /// Every `extern "C"` kernel the backend looks up.
 pub fn expected_entry_points() -> Vec<String> {
     let mut names = Vec::new();
-    for t in DTYPE_SUFFIXES {
-        names.push(format!("embed_ln_{t}"));
-        names.push(format!("add_ln_{t}"));
-        names.push(format!("pool_{t}"));
-        for d in ATTENTION_DMAX {
-            names.push(format!("attention_{t}_d{d}"));
+    for (family, types, dims) in ENTRY_POINTS {
+        for t in *types {
+            let name = family.replace("{t}", t);
+            if dims.is_empty() {
+                names.push(name);
+            } else {
+                names.extend(dims.iter().map(|d| name.replace("{d}", &d.to_string())));
+            }
         }
-    }
-    names.extend(packed_entry_points());
-    names.extend(fused_entry_points());
-    for (i, o) in BIAS_ACT_PAIRS {
-        names.push(format!("bias_act_{i}_{o}"));
-    }
-    for (i, o) in SKINNY_PAIRS {
-        names.push(format!("skinny_{i}_{o}"));
-    }
-    for t in ["f16", "bf16"] {
-        for d in ATTENTION_TC_HEAD_DIMS {
-            names.push(format!("attention_tc_{t}_d{d}"));
-        }
-        for d in ATTENTION_TC_S16_HEAD_DIMS {
-            names.push(format!("attention_tc_s16_{t}_d{d}"));
-        }
-    }
-    names.extend(encoder_family_entry_points());
-    names.push("stage_in".to_string());
-    names.push("stage_in_inl".to_string());
-    names.push("stage_out".to_string());
-    names.push("fault_oob_write".to_string());
-    names.push("fault_spin".to_string());
-    names
-}
-
-/// The kernels of issue 13's encoder families: XLM-R / MPNet position ids
-/// (`embed_ln_padpos_<t>`, `embed_ln_packed_padpos_<t>`, embed_pos.cu), a
-/// `Normalize` after a `Dense` module (`l2norm_rows_<t>`, rownorm.cu),
-/// pooling that skips a prompt (`pool_skip_<t>`, `pool_packed_skip_<t>`)
-/// and MPNet's relative attention bias in every attention kernel
-/// (`attention_bias_<t>_d<N>`, `attention_tc_bias_<t>_d<N>`,
-/// `attention_varlen_bias_<t>_d<N>`, `attention_varlen_tc_bias_<t>_d<N>`,
-/// and the 16-key `attention_tc_bias_s16_<t>_d<N>`).
-pub fn encoder_family_entry_points() -> Vec<String> {
-    let mut names = Vec::new();
-    for t in DTYPE_SUFFIXES {
-        names.push(format!("embed_ln_padpos_{t}"));
-        names.push(format!("embed_ln_packed_padpos_{t}"));
-        names.push(format!("l2norm_rows_{t}"));
-        names.push(format!("pool_skip_{t}"));
-        names.push(format!("pool_packed_skip_{t}"));
-        for d in ATTENTION_DMAX {
-            names.push(format!("attention_bias_{t}_d{d}"));
-            names.push(format!("attention_varlen_bias_{t}_d{d}"));
-        }
-    }
-    for t in ["f16", "bf16"] {
-        for d in ATTENTION_TC_HEAD_DIMS {
-            names.push(format!("attention_tc_bias_{t}_d{d}"));
-            names.push(format!("attention_varlen_tc_bias_{t}_d{d}"));
-        }
-        for d in ATTENTION_TC_S16_HEAD_DIMS {
-            names.push(format!("attention_tc_bias_s16_{t}_d{d}"));
-        }
-    }
-    names
-}
-
-/// The kernels of packed batches: `embed_ln_packed_<t>`, `pool_packed_<t>`,
-/// the CUDA-core varlen attention `attention_varlen_<t>_d<N>` and the
-/// tensor-core one `attention_varlen_tc_<t>_d<N>` (f16/bf16).
-pub fn packed_entry_points() -> Vec<String> {
-    let mut names = Vec::new();
-    for t in DTYPE_SUFFIXES {
-        names.push(format!("embed_ln_packed_{t}"));
-        names.push(format!("pool_packed_{t}"));
-        for d in ATTENTION_DMAX {
-            names.push(format!("attention_varlen_{t}_d{d}"));
-        }
-    }
-    for t in ["f16", "bf16"] {
-        for d in ATTENTION_TC_HEAD_DIMS {
-            names.push(format!("attention_varlen_tc_{t}_d{d}"));
-        }
-    }
-    names
-}
-
-/// The vectorised kernels (`add_ln_vec_<t>`, `embed_ln_vec_<t>` and
-/// `embed_ln_vec_inl_<t>`, `bias_act_vec_<t>`, vec.cu), the Linear of few
-/// rows with its epilogue (`gemm_small_<t>`, gemm_small.cu) and the
-/// poolings that apply a deferred LayerNorm (`pool_ln_<t>`,
-/// `pool_packed_ln_<t>`).
-pub fn fused_entry_points() -> Vec<String> {
-    let mut names = Vec::new();
-    for t in DTYPE_SUFFIXES {
-        names.push(format!("add_ln_vec_{t}"));
-        names.push(format!("embed_ln_vec_{t}"));
-        names.push(format!("embed_ln_vec_inl_{t}"));
-        names.push(format!("bias_act_vec_{t}"));
-    }
-    for t in ["f16", "bf16"] {
-        names.push(format!("gemm_small_{t}"));
-        names.push(format!("pool_ln_{t}"));
-        names.push(format!("pool_packed_ln_{t}"));
     }
     names
 }
@@ -392,33 +344,24 @@ pub fn compile(
                 "NVRTC compile failed ({r:?}) with options {options:?}:\n{log}"
             ));
         }
+        // The image NVRTC made: machine code or PTX, fetched alike.
         let mut size = 0usize;
-        let image = match target {
-            Target::Cubin(_) => {
-                let r = nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size);
-                if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-                    return Err(format!("nvrtcGetCUBINSize: {r:?}"));
-                }
-                let mut buf = vec![0u8; size];
-                let r = nvrtc_sys::nvrtcGetCUBIN(prog.0, buf.as_mut_ptr() as *mut c_char);
-                if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
-                    return Err(format!("nvrtcGetCUBIN: {r:?}"));
-                }
-                buf
-            }
-            Target::Ptx(_) => {
-                let r = nvrtc_sys::nvrtcGetPTXSize(prog.0, &mut size);
-                if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
-                    return Err(format!("nvrtcGetPTXSize: {r:?}"));
-                }
-                let mut buf = vec![0u8; size];
-                let r = nvrtc_sys::nvrtcGetPTX(prog.0, buf.as_mut_ptr() as *mut c_char);
-                if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
-                    return Err(format!("nvrtcGetPTX: {r:?}"));
-                }
-                buf
-            }
+        let (r, what) = match target {
+            Target::Cubin(_) => (nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size), "CUBIN"),
+            Target::Ptx(_) => (nvrtc_sys::nvrtcGetPTXSize(prog.0, &mut size), "PTX"),
         };
+        if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+            return Err(format!("nvrtcGet{what}Size: {r:?}"));
+        }
+        let mut image = vec![0u8; size];
+        let dst = image.as_mut_ptr() as *mut c_char;
+        let r = match target {
+            Target::Cubin(_) => nvrtc_sys::nvrtcGetCUBIN(prog.0, dst),
+            Target::Ptx(_) => nvrtc_sys::nvrtcGetPTX(prog.0, dst),
+        };
+        if r != nvrtc_sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(format!("nvrtcGet{what}: {r:?}"));
+        }
         Ok((image, log))
     }
 }
@@ -780,10 +723,15 @@ mod tests {
             needs_dynamic_smem("attention_varlen_f32_d64")
                 && !needs_dynamic_smem("attention_varlen_tc_bf16_d64")
         );
-        let packed = packed_entry_points();
-        assert_eq!(packed.len(), 3 * 2 + 3 * 3 + 2 * 3, "{packed:?}");
         let all = expected_entry_points();
-        assert!(packed.iter().all(|n| all.contains(n)));
+        assert_eq!(all.len(), 133, "{all:?}");
+        for name in [
+            "embed_ln_packed_f32",
+            "attention_varlen_tc_bf16_d128",
+            "skinny_bf16_f32",
+        ] {
+            assert!(all.iter().any(|n| n == name), "{name}");
+        }
     }
 
     #[test]

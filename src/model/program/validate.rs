@@ -1073,28 +1073,14 @@ mod tests {
     fn batches_are_checked_against_the_program() {
         let (p, w) = linear(4);
         let f = p.validate(&w).unwrap();
-        let ok = BatchRows::Features {
-            features: 4,
-            data: vec![1.0; 8],
-        };
+        let features = |features, data| BatchRows::Features { features, data };
+        let ok = features(4, vec![1.0; 8]);
         f.check_rows(&ok).unwrap();
         for c in [
-            BatchRows::Features {
-                features: 4,
-                data: vec![],
-            },
-            BatchRows::Features {
-                features: 4,
-                data: vec![1.0; 20],
-            },
-            BatchRows::Features {
-                features: 5,
-                data: vec![1.0; 10],
-            },
-            BatchRows::Features {
-                features: 4,
-                data: vec![1.0; 7],
-            },
+            features(4, vec![]),
+            features(4, vec![1.0; 20]),
+            features(5, vec![1.0; 10]),
+            features(4, vec![1.0; 7]),
             BatchRows::Tokens(vec![vec![1, 2]]),
         ] {
             assert!(f.check_rows(&c).is_err(), "{c:?}");

@@ -1040,13 +1040,7 @@ mod tests {
     /// A peer that reads `n` requests, answers those whose text is
     /// "answer", then closes, lingering (as the daemon does when it exits).
     async fn answer_then_close(n: usize) -> (String, tokio::task::JoinHandle<()>) {
-        let router = Router::bind(
-            "tcp://127.0.0.1:0",
-            &TransportLimits::default(),
-            &Security::None,
-        )
-        .await
-        .unwrap();
+        let router = Router::loopback(&TransportLimits::default()).await;
         let endpoint = router.endpoint().to_string();
         let (mut rx, tx) = router.split();
         let peer = tokio::spawn(async move {

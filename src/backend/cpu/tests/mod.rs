@@ -348,23 +348,12 @@ fn bad_batches_are_invalid_not_panics() {
     let program = model.program(4, 1);
     let facts = program.validate(&model.weights).unwrap();
     let mut graph = backend.capture(&model, &weights, &program).unwrap();
+    let features = |features, data| BatchRows::Features { features, data };
     let bad = [
-        BatchRows::Features {
-            features: 128,
-            data: vec![0.0; 5 * 128],
-        },
-        BatchRows::Features {
-            features: 127,
-            data: vec![0.0; 127],
-        },
-        BatchRows::Features {
-            features: 128,
-            data: vec![0.0; 100],
-        },
-        BatchRows::Features {
-            features: 128,
-            data: vec![],
-        },
+        features(128, vec![0.0; 5 * 128]),
+        features(127, vec![0.0; 127]),
+        features(128, vec![0.0; 100]),
+        features(128, vec![]),
         BatchRows::Tokens(vec![vec![101, 102]]),
     ];
     for rows in &bad {
@@ -372,10 +361,7 @@ fn bad_batches_are_invalid_not_panics() {
         assert!(!err.to_string().is_empty(), "{rows:?}");
     }
     // The graph works.
-    let ok = BatchRows::Features {
-        features: 128,
-        data: vec![0.5; 4 * 128],
-    };
+    let ok = features(128, vec![0.5; 4 * 128]);
     let pending = backend.launch(&mut graph, &ok).unwrap();
     assert_eq!(backend.collect(pending).unwrap().len(), 40);
     assert_eq!(
