@@ -30,6 +30,24 @@ pub enum ConfigError {
     Invalid { key: String, message: String },
 }
 
+/// No upper bound, for [`within`].
+const NO_MAX: u64 = u64::MAX;
+
+/// `key`'s `value` is within `min..=max`; the message says the bound it breaks.
+fn within(key: &str, value: u64, min: u64, max: u64) -> Result<(), ConfigError> {
+    if (min..=max).contains(&value) {
+        return Ok(());
+    }
+    Err(invalid(
+        key,
+        match (min, max) {
+            (_, NO_MAX) => format!("must be at least {min}"),
+            (0, _) => format!("must be at most {max}"),
+            _ => format!("must be between {min} and {max}"),
+        },
+    ))
+}
+
 fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         key: key.into(),
@@ -624,20 +642,72 @@ impl Config {
                 "must differ from server.endpoint",
             ));
         }
-        if self.server.max_request_bytes < 1024 {
-            return Err(invalid("server.max_request_bytes", "must be at least 1024"));
+        // The bounds that name no other key.
+        let n = |v: usize| v as u64;
+        let (s, b, d) = (&self.server, &self.batching, &self.devices);
+        for (key, value, min, max) in [
+            (
+                "server.max_request_bytes",
+                n(s.max_request_bytes),
+                1024,
+                NO_MAX,
+            ),
+            ("server.io_spin_us", s.io_spin_us.unwrap_or(0), 0, 10_000),
+            ("server.io_threads", n(s.io_threads), 1, 16),
+            (
+                "server.handshake_timeout_ms",
+                s.handshake_timeout_ms,
+                100,
+                NO_MAX,
+            ),
+            (
+                "server.max_items_per_request",
+                n(s.max_items_per_request),
+                1,
+                NO_MAX,
+            ),
+            ("server.runtime_threads", n(s.runtime_threads), 0, 256),
+            // Longer texts would hold an async-runtime thread for milliseconds.
+            (
+                "server.inline_tokenize_bytes",
+                n(s.inline_tokenize_bytes),
+                0,
+                65_536,
+            ),
+            ("batching.max_queue", n(b.max_queue), 1, NO_MAX),
+            (
+                "batching.max_inflight_per_device",
+                n(b.max_inflight_per_device),
+                1,
+                NO_MAX,
+            ),
+            ("batching.max_wait_us", b.max_wait_us, 0, 10_000_000),
+            (
+                "batching.max_attempts",
+                u64::from(b.max_attempts),
+                1,
+                NO_MAX,
+            ),
+            ("devices.cpu_devices", n(d.cpu_devices), 1, 64),
+            ("devices.workers_per_gpu", n(d.workers_per_gpu), 1, 16),
+            ("devices.heartbeat_ms", d.heartbeat_ms, 1, 10_000),
+            (
+                "devices.worker_spin_us",
+                d.worker_spin_us.unwrap_or(0),
+                0,
+                10_000,
+            ),
+            ("devices.start_timeout_ms", d.start_timeout_ms, 1000, NO_MAX),
+            ("eager.workers", n(self.eager.workers), 0, 64),
+            ("eager.max_queue", n(self.eager.max_queue), 1, NO_MAX),
+        ] {
+            within(key, value, min, max)?;
         }
         if self.server.send_hwm == 0 || self.server.recv_hwm == 0 {
             return Err(invalid(
                 "server.send_hwm",
                 "server.send_hwm and server.recv_hwm must be at least 1",
             ));
-        }
-        if self.server.io_spin_us.is_some_and(|us| us > 10_000) {
-            return Err(invalid("server.io_spin_us", "must be at most 10000"));
-        }
-        if !(1..=16).contains(&self.server.io_threads) {
-            return Err(invalid("server.io_threads", "must be 1 to 16"));
         }
         if !(1..=16).contains(&self.server.client_sockets) {
             return Err(invalid(
@@ -646,12 +716,6 @@ impl Config {
                     "must be 1 to 16 (ROUTER sockets serving server.endpoint), got {}",
                     self.server.client_sockets
                 ),
-            ));
-        }
-        if self.server.handshake_timeout_ms < 100 {
-            return Err(invalid(
-                "server.handshake_timeout_ms",
-                "must be at least 100",
             ));
         }
         if self.server.curve_secret_key_file.is_some()
@@ -712,30 +776,6 @@ impl Config {
                 "must be at least server.max_request_bytes",
             ));
         }
-        if self.server.max_items_per_request == 0 {
-            return Err(invalid(
-                "server.max_items_per_request",
-                "must be at least 1",
-            ));
-        }
-        if self.batching.max_queue == 0 {
-            return Err(invalid("batching.max_queue", "must be at least 1"));
-        }
-        if self.batching.max_inflight_per_device == 0 {
-            return Err(invalid(
-                "batching.max_inflight_per_device",
-                "must be at least 1",
-            ));
-        }
-        if self.batching.max_wait_us > 10_000_000 {
-            return Err(invalid(
-                "batching.max_wait_us",
-                "must be at most 10000000 (10 s)",
-            ));
-        }
-        if self.batching.max_attempts == 0 {
-            return Err(invalid("batching.max_attempts", "must be at least 1"));
-        }
         if let GpuSelection::Named(name) = &self.devices.gpus {
             if name != "all" {
                 return Err(invalid(
@@ -755,25 +795,6 @@ impl Config {
                 return Err(invalid("devices.gpus", "lists a GPU twice"));
             }
         }
-        if self.devices.cpu_devices == 0 || self.devices.cpu_devices > 64 {
-            return Err(invalid("devices.cpu_devices", "must be between 1 and 64"));
-        }
-        if self.server.runtime_threads > 256 {
-            return Err(invalid("server.runtime_threads", "must be at most 256"));
-        }
-        if self.server.inline_tokenize_bytes > 65536 {
-            // Longer texts would hold an async-runtime thread for milliseconds.
-            return Err(invalid(
-                "server.inline_tokenize_bytes",
-                "must be at most 65536",
-            ));
-        }
-        if self.devices.workers_per_gpu == 0 || self.devices.workers_per_gpu > 16 {
-            return Err(invalid(
-                "devices.workers_per_gpu",
-                "must be between 1 and 16",
-            ));
-        }
         for (key, v) in [
             ("devices.null_us_per_batch", self.devices.null_us_per_batch),
             ("devices.null_us_per_token", self.devices.null_us_per_token),
@@ -790,29 +811,11 @@ impl Config {
                 "must be at least devices.restart_backoff_ms, which must be positive",
             ));
         }
-        if self.devices.heartbeat_ms == 0 || self.devices.heartbeat_ms > 10_000 {
-            return Err(invalid(
-                "devices.heartbeat_ms",
-                "must be between 1 and 10000",
-            ));
-        }
         if self.devices.hang_timeout_ms < 2 * self.devices.heartbeat_ms {
             return Err(invalid(
                 "devices.hang_timeout_ms",
                 "must be at least twice devices.heartbeat_ms",
             ));
-        }
-        if self.devices.worker_spin_us.is_some_and(|us| us > 10_000) {
-            return Err(invalid("devices.worker_spin_us", "must be at most 10000"));
-        }
-        if self.devices.start_timeout_ms < 1000 {
-            return Err(invalid("devices.start_timeout_ms", "must be at least 1000"));
-        }
-        if self.eager.workers > 64 {
-            return Err(invalid("eager.workers", "must be at most 64"));
-        }
-        if self.eager.max_queue == 0 {
-            return Err(invalid("eager.max_queue", "must be at least 1"));
         }
         self.http.validate(&self.models)?;
         if self.models.is_empty() {

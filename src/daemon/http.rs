@@ -180,9 +180,7 @@ async fn no_route(request: Request) -> Response {
         request.method(),
         request.uri().path()
     );
-    let mut f = Failure::new(Shape::OpenAi, ErrorCode::BadRequest, message);
-    f.status = StatusCode::NOT_FOUND;
-    f.into_response()
+    bad_request_with_status(StatusCode::NOT_FOUND, message)
 }
 
 async fn wrong_method(request: Request) -> Response {
@@ -191,8 +189,13 @@ async fn wrong_method(request: Request) -> Response {
         request.method(),
         request.uri().path()
     );
+    bad_request_with_status(StatusCode::METHOD_NOT_ALLOWED, message)
+}
+
+/// An OpenAI-shaped `bad_request` reply with an HTTP status of its own.
+fn bad_request_with_status(status: StatusCode, message: String) -> Response {
     let mut f = Failure::new(Shape::OpenAi, ErrorCode::BadRequest, message);
-    f.status = StatusCode::METHOD_NOT_ALLOWED;
+    f.status = status;
     f.into_response()
 }
 

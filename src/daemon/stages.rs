@@ -19,53 +19,61 @@ use super::stats::{Busy, StageBusy, StageDelays, StageTotals, Waits};
 use crate::clock::mono_ns;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Nanoseconds and a count, added to without a lock.
+#[derive(Debug, Default)]
+struct Tally {
+    ns: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Tally {
+    fn add_since(&self, since: u64) {
+        self.ns
+            .fetch_add(mono_ns().saturating_sub(since), Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (µs, count).
+    fn read(&self) -> (u64, u64) {
+        (
+            self.ns.load(Ordering::Relaxed) / 1000,
+            self.count.load(Ordering::Relaxed),
+        )
+    }
+}
+
 /// Busy time of one serial task.
 #[derive(Debug, Default)]
-pub struct StageClock {
-    busy_ns: AtomicU64,
-    turns: AtomicU64,
-}
+pub struct StageClock(Tally);
 
 impl StageClock {
     /// One turn of work that began at `since` ([`mono_ns`]) ends now.
     pub fn add_since(&self, since: u64) {
-        self.busy_ns
-            .fetch_add(mono_ns().saturating_sub(since), Ordering::Relaxed);
-        self.turns.fetch_add(1, Ordering::Relaxed);
+        self.0.add_since(since);
     }
 
     fn report(&self) -> Busy {
-        Busy {
-            busy_us: self.busy_ns.load(Ordering::Relaxed) / 1000,
-            turns: self.turns.load(Ordering::Relaxed),
-        }
+        let (busy_us, turns) = self.0.read();
+        Busy { busy_us, turns }
     }
 }
 
 /// Time messages wait between two stages.
 #[derive(Debug, Default)]
-pub struct Delay {
-    sum_ns: AtomicU64,
-    count: AtomicU64,
-}
+pub struct Delay(Tally);
 
 impl Delay {
     /// A message that was handed over at `since` ([`mono_ns`]; 0: unknown,
     /// not counted) is taken now.
     pub fn add_since(&self, since: u64) {
-        if since == 0 {
-            return;
+        if since != 0 {
+            self.0.add_since(since);
         }
-        self.sum_ns
-            .fetch_add(mono_ns().saturating_sub(since), Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
     }
 
     fn report(&self) -> Waits {
-        Waits {
-            sum_us: self.sum_ns.load(Ordering::Relaxed) / 1000,
-            count: self.count.load(Ordering::Relaxed),
-        }
+        let (sum_us, count) = self.0.read();
+        Waits { sum_us, count }
     }
 }
 
