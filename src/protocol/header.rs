@@ -104,67 +104,40 @@ impl<'a> Reader<'a> {
             .fold(0u64, |acc, &b| (acc << 8) | b as u64))
     }
 
-    /// A map header's entry count.
-    fn map_len(&mut self) -> Read<Option<usize>> {
+    /// A length header: a one-byte form whose marker is in `fix` (the
+    /// length in its low bits, `mask`), or a marker of `wide` followed by
+    /// that many bytes of big-endian length. None: not this kind of value.
+    fn length(
+        &mut self,
+        fix: std::ops::RangeInclusive<u8>,
+        mask: u8,
+        wide: &[(u8, usize)],
+    ) -> Read<Option<usize>> {
         let m = self.peek()?;
-        let n = match m {
-            0x80..=0x8f => {
-                self.pos += 1;
-                (m & 0x0f) as usize
-            }
-            0xde => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdf => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
+        let n = if fix.contains(&m) {
+            self.pos += 1;
+            (m & mask) as usize
+        } else if let Some(&(_, bytes)) = wide.iter().find(|(w, _)| *w == m) {
+            self.pos += 1;
+            self.be(bytes)? as usize
+        } else {
+            return Ok(None);
         };
         Ok(Some(n))
+    }
+
+    /// A map header's entry count.
+    fn map_len(&mut self) -> Read<Option<usize>> {
+        self.length(0x80..=0x8f, 0x0f, &[(0xde, 2), (0xdf, 4)])
     }
 
     fn array_len(&mut self) -> Read<Option<usize>> {
-        let m = self.peek()?;
-        let n = match m {
-            0x90..=0x9f => {
-                self.pos += 1;
-                (m & 0x0f) as usize
-            }
-            0xdc => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdd => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
-        };
-        Ok(Some(n))
+        self.length(0x90..=0x9f, 0x0f, &[(0xdc, 2), (0xdd, 4)])
     }
 
     fn str(&mut self) -> Read<Option<&'a str>> {
-        let m = self.peek()?;
-        let n = match m {
-            0xa0..=0xbf => {
-                self.pos += 1;
-                (m & 0x1f) as usize
-            }
-            0xd9 => {
-                self.pos += 1;
-                self.be(1)? as usize
-            }
-            0xda => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdb => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
+        let Some(n) = self.length(0xa0..=0xbf, 0x1f, &[(0xd9, 1), (0xda, 2), (0xdb, 4)])? else {
+            return Ok(None);
         };
         let bytes = self.take(n)?;
         std::str::from_utf8(bytes)
