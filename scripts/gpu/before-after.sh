@@ -8,7 +8,7 @@
 # to collect, copies included) and the ratio after/before, and flags a
 # bucket whose check fails or that is slower beyond NOISE (default 3 %).
 #
-#   CARRY_BEFORE=2dead66 scripts/gpu/gpu-carry.sh      # here: both builds into .carry/
+#   CARRY_BEFORE=2dead66 CARRY_BINS="replayd replayctl" scripts/gpu/gpu-carry.sh  # here: both builds
 #   OUT=$OUT ROUNDS=2 scripts/gpu/before-after.sh       # there, in the repo root
 #
 # ITERS (default 100) timed replays a bucket; BA_CONFIG a config of your own

@@ -11,7 +11,9 @@
 # the same target directory (the current tree's are built after it).
 #
 #   scripts/gpu/gpu-carry.sh                      # here, after any change; then carry .carry
-#   CARRY_BEFORE=2dead66 scripts/gpu/gpu-carry.sh  # also the build of 2dead66
+#   CARRY_BEFORE=2dead66 CARRY_BINS="replayd replayctl" scripts/gpu/gpu-carry.sh
+#                                                 # also the build of 2dead66 (and only
+#                                                 # what before-after.sh runs, to fit)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ -n "${CARRY_BEFORE:-}" ]; then
@@ -28,15 +30,18 @@ if [ -n "${CARRY_BEFORE:-}" ]; then
   git worktree remove --force "$wt"
 fi
 cargo build --release --bins --example cuda_selftest --example family_check
-# Compressed: the carry limit is 64 MiB and the model takes 45.
+# Compressed: the carry limit is 64 MiB (the tree included) and the model
+# takes 40. CARRY_BINS names fewer binaries where the rest does not fit (the
+# before/after run needs only replayd and replayctl).
+BINS=${CARRY_BINS:-replayd replayctl replayd-loadgen replayd-hostbench cuda_selftest family_check}
 rm -rf .carry/bin .carry/bin.tar.gz .carry/bin.tar.xz
 mkdir -p .carry/stage
-for b in replayd replayctl replayd-loadgen replayd-hostbench; do
-  strip -o ".carry/stage/$b" "target/release/$b"
+for b in $BINS; do
+  if [ -f "target/release/$b" ]; then src="target/release/$b"; else src="target/release/examples/$b"; fi
+  strip -o ".carry/stage/$b" "$src"
 done
-strip -o .carry/stage/cuda_selftest target/release/examples/cuda_selftest
-strip -o .carry/stage/family_check target/release/examples/family_check
-tar -C .carry/stage -cJf .carry/bin.tar.xz replayd replayctl replayd-loadgen replayd-hostbench cuda_selftest family_check
+# shellcheck disable=SC2086
+tar -C .carry/stage -cJf .carry/bin.tar.xz $BINS
 rm -rf .carry/stage
 git rev-parse --short HEAD > .carry/COMMIT
 git diff --quiet HEAD || echo "+uncommitted" >> .carry/COMMIT
