@@ -307,30 +307,19 @@ impl FastWordPiece {
     /// docs). Truncation and padding settings of `tokenizer` are ignored
     /// (the caller does its own).
     pub fn new(tokenizer: &Tokenizer) -> Result<Self, String> {
-        let json = |v: Option<Value>| v.unwrap_or(Value::Null);
-        let to_value = |r: serde_json::Result<Value>| r.map_err(|e| e.to_string());
-        let normalizer = json(
-            tokenizer
-                .get_normalizer()
-                .map(serde_json::to_value)
-                .transpose()
-                .map_err(|e| e.to_string())?,
-        );
+        // A part of the pipeline as JSON (Null where the tokenizer has none).
+        let json = |v: Option<serde_json::Result<Value>>| {
+            v.transpose()
+                .map(|v| v.unwrap_or(Value::Null))
+                .map_err(|e| e.to_string())
+        };
+        let normalizer = json(tokenizer.get_normalizer().map(serde_json::to_value))?;
         let lowercase = normalizer_lowercases(&normalizer)?;
-        let pre = json(
-            tokenizer
-                .get_pre_tokenizer()
-                .map(serde_json::to_value)
-                .transpose()
-                .map_err(|e| e.to_string())?,
-        );
+        let pre = json(tokenizer.get_pre_tokenizer().map(serde_json::to_value))?;
         if pre.get("type").and_then(Value::as_str) != Some("BertPreTokenizer") {
             return Err(format!("pre-tokenizer {pre}"));
         }
-        let post = match tokenizer.get_post_processor() {
-            Some(p) => to_value(serde_json::to_value(p))?,
-            None => Value::Null,
-        };
+        let post = json(tokenizer.get_post_processor().map(serde_json::to_value))?;
         let (prefix, suffix) = single_template(&post)?;
         let ModelWrapper::WordPiece(wp) = tokenizer.get_model() else {
             return Err("the model is not WordPiece".into());

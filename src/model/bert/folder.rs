@@ -840,31 +840,28 @@ fn tensor_names(header: &Header, c: &EncoderConfig) -> Result<TensorNames, Model
     let mut layers = Vec::with_capacity(c.layers);
     for l in 0..c.layers {
         let p = format!("{prefix}encoder.layer.{l}");
-        layers.push(match c.family {
-            Family::Mpnet => LayerNames {
-                qkv: [
-                    dense(format!("{p}.attention.attn.q"), h, h, &why_h)?,
-                    dense(format!("{p}.attention.attn.k"), h, h, &why_h)?,
-                    dense(format!("{p}.attention.attn.v"), h, h, &why_h)?,
-                ],
-                attention_output: dense(format!("{p}.attention.attn.o"), h, h, &why_h)?,
-                attention_norm: norm(format!("{p}.attention.LayerNorm"))?,
-                intermediate: dense(format!("{p}.intermediate.dense"), i, h, &why_i)?,
-                output: dense(format!("{p}.output.dense"), h, i, &why_i)?,
-                output_norm: norm(format!("{p}.output.LayerNorm"))?,
-            },
-            _ => LayerNames {
-                qkv: [
-                    dense(format!("{p}.attention.self.query"), h, h, &why_h)?,
-                    dense(format!("{p}.attention.self.key"), h, h, &why_h)?,
-                    dense(format!("{p}.attention.self.value"), h, h, &why_h)?,
-                ],
-                attention_output: dense(format!("{p}.attention.output.dense"), h, h, &why_h)?,
-                attention_norm: norm(format!("{p}.attention.output.LayerNorm"))?,
-                intermediate: dense(format!("{p}.intermediate.dense"), i, h, &why_i)?,
-                output: dense(format!("{p}.output.dense"), h, i, &why_i)?,
-                output_norm: norm(format!("{p}.output.LayerNorm"))?,
-            },
+        // MPNet names its attention's parts its own way; the rest is BERT's.
+        let (q, k, v, o, norm_name) = match c.family {
+            Family::Mpnet => ("attn.q", "attn.k", "attn.v", "attn.o", "LayerNorm"),
+            _ => (
+                "self.query",
+                "self.key",
+                "self.value",
+                "output.dense",
+                "output.LayerNorm",
+            ),
+        };
+        layers.push(LayerNames {
+            qkv: [
+                dense(format!("{p}.attention.{q}"), h, h, &why_h)?,
+                dense(format!("{p}.attention.{k}"), h, h, &why_h)?,
+                dense(format!("{p}.attention.{v}"), h, h, &why_h)?,
+            ],
+            attention_output: dense(format!("{p}.attention.{o}"), h, h, &why_h)?,
+            attention_norm: norm(format!("{p}.attention.{norm_name}"))?,
+            intermediate: dense(format!("{p}.intermediate.dense"), i, h, &why_i)?,
+            output: dense(format!("{p}.output.dense"), h, i, &why_i)?,
+            output_norm: norm(format!("{p}.output.LayerNorm"))?,
         });
     }
     // A checkpoint with more layers than config.json says is a mismatch, not
