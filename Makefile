@@ -24,8 +24,12 @@ model:
 nvrtc:
 	scripts/dev/install-nvrtc.sh
 
-build:
-	cargo build --release
+# The release binaries, with the CUDA kernels compiled in for the GPU
+# architectures of REPLAYD_EMBED_KERNELS (build.rs; `default` is sm_80, 86,
+# 89, 90, 100 and 120; empty: none, compiled at the first start instead).
+REPLAYD_EMBED_KERNELS ?= default
+build: nvrtc
+	REPLAYD_EMBED_KERNELS="$(REPLAYD_EMBED_KERNELS)" cargo build --release
 
 # Formatting, clippy, the API docs without a broken link, and no repository
 # path named in a .rs, .md or .toml file that does not exist.

@@ -82,6 +82,10 @@ enum Command {
     /// Capture every bucket on a CUDA device, compare it with the CPU
     /// backend on random inputs, and time replays (for the GPU check).
     BackendCheck(replayd::tools::backend_check::BackendCheckArgs),
+    /// Compile the CUDA kernels into the kernel cache ahead of the first
+    /// start: for this machine's GPUs, or for `--arch` (no GPU needed). For
+    /// binaries without embedded cubins for their GPUs.
+    Precompile(replayd::tools::precompile::PrecompileArgs),
     /// Run one device's worker process (started by the daemon).
     #[command(hide = true)]
     Worker(replayd::worker::WorkerArgs),
@@ -115,6 +119,7 @@ fn main() {
     let result = match cli.command {
         Some(Command::Worker(args)) => std::process::exit(replayd::worker::run(args)),
         Some(Command::BackendCheck(args)) => replayd::tools::backend_check::run(args),
+        Some(Command::Precompile(args)) => replayd::tools::precompile::run(args, &cli.config),
         Some(Command::Serve) | None => serve(cli.config, cli.ready_file),
     };
     if let Err(e) = result {

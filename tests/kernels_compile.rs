@@ -149,7 +149,7 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
     // The disk cache with a real image: compiled once, then loaded.
     let dir = tempfile::tempdir().unwrap();
     let cache = KernelCache::new(dir.path());
-    let (img1, key, origin1) = kernels::build_image(t, Some(&cache)).unwrap();
+    let (img1, key, origin1) = kernels::build_image(t, Some(&cache), |_| {}).unwrap();
     assert!(
         matches!(
             origin1,
@@ -160,7 +160,7 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
         ),
         "{origin1:?}"
     );
-    let (img2, key2, origin2) = kernels::build_image(t, Some(&cache)).unwrap();
+    let (img2, key2, origin2) = kernels::build_image(t, Some(&cache), |_| {}).unwrap();
     assert!(
         matches!(origin2, kernels::ImageOrigin::Cache(_)),
         "{origin2:?}"

@@ -11,6 +11,9 @@
 # the same target directory (the current tree's are built after it).
 #
 #   scripts/gpu/gpu-carry.sh                      # here, after any change; then carry .carry
+#   CARRY_EMBEDDED=90 CARRY_BINS="replayd replayctl" scripts/gpu/gpu-carry.sh
+#                                                 # also a build with the sm_90 kernels
+#                                                 # inside, for scripts/gpu/cold-start.sh
 #   CARRY_BEFORE=2dead66 CARRY_BINS="replayd replayctl" scripts/gpu/gpu-carry.sh
 #                                                 # also the build of 2dead66 (and only
 #                                                 # what before-after.sh runs, to fit)
@@ -29,7 +32,17 @@ if [ -n "${CARRY_BEFORE:-}" ]; then
   git -C "$wt" rev-parse --short HEAD > .carry/before/COMMIT
   git worktree remove --force "$wt"
 fi
-cargo build --release --bins --example cuda_selftest --example family_check
+if [ -n "${CARRY_EMBEDDED:-}" ]; then
+  # The same tree built with its kernels inside (build.rs), for
+  # scripts/gpu/cold-start.sh; the build below carries none unless
+  # REPLAYD_EMBED_KERNELS is set.
+  REPLAYD_EMBED_KERNELS="$CARRY_EMBEDDED" cargo build --release --bins
+  rm -rf .carry/embedded && mkdir -p .carry/embedded/stage
+  for b in replayd replayctl; do strip -o ".carry/embedded/stage/$b" "target/release/$b"; done
+  tar -C .carry/embedded/stage -cJf .carry/embedded/bin.tar.xz replayd replayctl
+  rm -rf .carry/embedded/stage
+fi
+REPLAYD_EMBED_KERNELS="${REPLAYD_EMBED_KERNELS:-}" cargo build --release --bins --example cuda_selftest --example family_check
 # Compressed: the carry limit is 64 MiB (the tree included) and the model
 # takes 40. CARRY_BINS names fewer binaries where the rest does not fit (the
 # before/after run needs only replayd and replayctl).

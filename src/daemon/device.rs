@@ -595,6 +595,18 @@ impl DeviceState {
                     self.schedule_watchdog(myself);
                 }
             }
+            FromWorker::CompilingKernels { target } => {
+                tracing::info!(
+                    target: "replayd::device",
+                    "{}: compiling kernels for {target} (none built in or cached for this GPU)",
+                    self.args.label
+                );
+                self.args
+                    .metrics
+                    .update_device(self.args.metrics_index, |d| {
+                        d.compiling_kernels = Some(target)
+                    });
+            }
             FromWorker::Progress { captured, total } => {
                 if matches!(
                     self.status,
@@ -605,7 +617,8 @@ impl DeviceState {
                 self.args
                     .metrics
                     .update_device(self.args.metrics_index, |d| {
-                        d.capture = Some((captured, total))
+                        d.capture = Some((captured, total));
+                        d.compiling_kernels = None;
                     });
             }
             FromWorker::Captured {

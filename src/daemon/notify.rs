@@ -79,6 +79,13 @@ pub fn status_line(devices: &[DeviceStats]) -> String {
             format!("{} {done}/{total}", d.label)
         }
         (DeviceStatus::Capturing, None) => format!("{} capturing", d.label),
+        (DeviceStatus::Starting | DeviceStatus::Restarting, _) if d.compiling_kernels.is_some() => {
+            format!(
+                "{} compiling kernels for {}",
+                d.label,
+                d.compiling_kernels.as_deref().unwrap_or_default()
+            )
+        }
         (s @ (DeviceStatus::Starting | DeviceStatus::Restarting), _) => {
             format!("{} {} (loading)", d.label, s.as_str())
         }
@@ -220,5 +227,12 @@ mod tests {
         );
         let s = status_line(&[dev("cuda:0", DeviceStatus::Ready, None, 0)]);
         assert_eq!(s, "ready: 1 devices, 0 graphs");
+        // A worker that compiles its kernels says so until it captures.
+        let compiling = DeviceStats {
+            compiling_kernels: Some("Cubin(89)".into()),
+            ..dev("cuda:1", DeviceStatus::Starting, None, 0)
+        };
+        let s = status_line(&[dev("cuda:0", DeviceStatus::Ready, None, 0), compiling]);
+        assert_eq!(s, "starting: cuda:1 compiling kernels for Cubin(89)");
     }
 }

@@ -56,6 +56,26 @@ pub fn cuda_device_count() -> Result<usize, String> {
     }
 }
 
+/// The compute capability of every visible CUDA device, by ordinal (no
+/// context is created).
+pub fn cuda_compute_capabilities() -> Result<Vec<(u32, u32)>, String> {
+    use cudarc::driver::{result::device, sys::CUdevice_attribute as A};
+    (0..cuda_device_count()?)
+        .map(|i| {
+            let dev = device::get(i as i32).map_err(|e| format!("GPU {i}: {e:?}"))?;
+            // SAFETY: a device handle the driver just returned.
+            let attr = |a| unsafe { device::get_attribute(dev, a) };
+            match (
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            ) {
+                (Ok(major), Ok(minor)) => Ok((major as u32, minor as u32)),
+                (Err(e), _) | (_, Err(e)) => Err(format!("GPU {i}: compute capability: {e:?}")),
+            }
+        })
+        .collect()
+}
+
 /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as NVML and nvidia-smi print it.
 pub fn format_uuid(bytes: &[u8; 16]) -> String {
     let h = |r: std::ops::Range<usize>| {

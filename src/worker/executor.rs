@@ -239,7 +239,11 @@ pub fn run(
             serve(backend, &args, &config, &rx, &outbox)
         }
         WorkerBackend::Cuda => {
-            match CudaBackend::new(args.ordinal, cuda_options(&config.devices)) {
+            let on_compile = |target: crate::backend::cuda::kernels::Target| {
+                let target = format!("{target:?}");
+                outbox.send(&FromWorker::CompilingKernels { target }, None);
+            };
+            match CudaBackend::open(args.ordinal, cuda_options(&config.devices), &on_compile) {
                 Ok(backend) => serve(backend, &args, &config, &rx, &outbox),
                 Err(e) => outbox.die(
                     format!("cuda:{}: {e}", args.ordinal),

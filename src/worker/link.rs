@@ -150,6 +150,10 @@ pub enum FromWorker {
     FaultInjected { ok: bool, message: String },
     /// The worker is exiting because it could not start or its device failed.
     Fatal { message: String },
+    /// The binary carries no kernels for this GPU and the cache none: the
+    /// worker compiles them with NVRTC for `target` (`Cubin(89)`, say), a
+    /// minute or more, before it loads its models.
+    CompilingKernels { target: String },
     /// Capture progress: `captured` of `total` graphs (at start-up, after
     /// the models are loaded and after each graph; and during a `Capture`).
     Progress { captured: usize, total: usize },

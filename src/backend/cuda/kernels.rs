@@ -1,16 +1,25 @@
-//! The CUDA C kernels in `kernels/`: run-time compilation with NVRTC for the
-//! device's own architecture, an on-disk cache of the result, and the table
-//! of loaded functions.
+//! The CUDA C kernels in `kernels/` for one device ([`load_for_device`]),
+//! from the first place that has them:
+//!
+//! 1. the cubins `build.rs` compiled into the binary when it was built with
+//!    `REPLAYD_EMBED_KERNELS` (one per architecture; a cubin also runs on
+//!    later minor versions of its major one): no NVRTC, no compile;
+//! 2. the on-disk cache of an earlier compile (or of `replayd precompile`);
+//! 3. NVRTC, at run time, for the device's own architecture, the result
+//!    stored in the cache.
 //!
 //! All `kernels/*.cu` files are compiled as one translation unit (the shared
-//! prelude `common.cuh` first), so a device needs one compile and one module
-//! load. The compiled image is a CUBIN for `sm_XY` when NVRTC supports the
-//! device's architecture (the driver loads it without JIT), otherwise PTX for
-//! the newest older architecture NVRTC knows (the driver JIT-compiles it).
+//! prelude `common.cuh` first; [`super::kernel_sources`]), so a device needs
+//! one compile and one module load; `--split-compile` spreads its optimiser
+//! over every core. The compiled image is a CUBIN for `sm_XY` when NVRTC
+//! supports the device's architecture (the driver loads it without JIT),
+//! otherwise PTX for the newest older architecture NVRTC knows (the driver
+//! JIT-compiles it).
 //!
 //! The cache key is a hash of the sources, the NVRTC options, the target and
 //! the NVRTC version; the file also records the key and a checksum of the
-//! image, so a stale, foreign or truncated file is recompiled, never loaded.
+//! image, so a stale, foreign, truncated or corrupted file is refused with a
+//! warning and recompiled, never loaded.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr, CString};
@@ -22,40 +31,11 @@ use std::time::Instant;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::sys as nvrtc_sys;
 
-/// `(name, source)` of each named file of `kernels/`, embedded at build time.
-macro_rules! kernel_files {
-    ($($name:literal),* $(,)?) => {
-        &[$(($name, include_str!(concat!("../../../kernels/", $name)))),*]
-    };
-}
-
-/// The kernel sources, in compile order (embedded at build time).
-pub const KERNEL_FILES: &[(&str, &str)] = kernel_files![
-    "common.cuh",
-    "layernorm.cu",
-    "elementwise.cu",
-    "attention.cu",
-    "pool.cu",
-    "skinny.cu",
-    "attention_tc.cu",
-    // Packed batches (after the files whose helpers they share).
-    "embed_packed.cu",
-    "pool_packed.cu",
-    "attention_varlen.cu",
-    // Issue 13's encoder families (after layernorm.cu, whose ln_finish
-    // embed_pos.cu shares): XLM-R / MPNet position ids and the Normalize
-    // after a Dense module.
-    "embed_pos.cu",
-    "rownorm.cu",
-    // Vectorised LayerNorm / element-wise kernels (after skinny.cu and
-    // attention_tc.cu, whose helpers they use).
-    "vec.cu",
-    // Linears of few rows with their epilogues (attention_tc.cu's mma,
-    // vec.cu's vector loads).
-    "gemm_small.cu",
-    "stage.cu",
-    "fault.cu",
-];
+use super::error::DriverResultExt;
+use super::kernel_sources;
+pub use super::kernel_sources::{combined_source, content_hash, KERNEL_FILES};
+use crate::backend::BackendError;
+use crate::gpu::libs::{self, CudaLib};
 
 /// Suffixes of the storage types the kernels are instantiated for.
 pub const DTYPE_SUFFIXES: &[&str] = &["f32", "f16", "bf16"];
@@ -181,20 +161,6 @@ pub fn needs_dynamic_smem(name: &str) -> bool {
     name.starts_with("attention_") && !name.contains("_tc_")
 }
 
-/// All kernel files concatenated into one translation unit, with `#line`
-/// directives so compiler messages name the original file and line.
-pub fn combined_source() -> String {
-    let mut s = String::new();
-    for (name, text) in KERNEL_FILES {
-        s.push_str(&format!("#line 1 \"{name}\"\n"));
-        s.push_str(text);
-        if !text.ends_with('\n') {
-            s.push('\n');
-        }
-    }
-    s
-}
-
 /// What NVRTC produces for a device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Target {
@@ -242,7 +208,7 @@ pub fn choose_target(cc: (u32, u32), supported: &[i32]) -> Result<Target, String
 
 /// The NVRTC options for a target (part of the cache key).
 pub fn compile_options(target: Target) -> Vec<String> {
-    vec![target.arch_flag(), "--std=c++17".to_string()]
+    kernel_sources::nvrtc_options(&target.arch_flag())
 }
 
 /// NVRTC's (major, minor) version. NVRTC must be loadable (see `libs`).
@@ -393,26 +359,6 @@ pub fn cubin_has_symbol(image: &[u8], name: &str) -> bool {
     image.windows(needle.len()).any(|w| w == needle.as_slice())
 }
 
-/// 64-bit FNV-1a with a chosen offset basis.
-fn fnv1a(bytes: &[u8], basis: u64) -> u64 {
-    let mut h = basis;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-/// A 128-bit content hash as 32 hex digits (two FNV-1a passes); stable across
-/// builds and Rust versions, which `DefaultHasher` is not.
-pub fn content_hash(bytes: &[u8]) -> String {
-    format!(
-        "{:016x}{:016x}",
-        fnv1a(bytes, 0xcbf2_9ce4_8422_2325),
-        fnv1a(bytes, 0x6c62_272e_07bb_0142)
-    )
-}
-
 /// What identifies one compiled image.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheKey {
@@ -543,20 +489,42 @@ impl KernelCache {
         )
     }
 
-    /// The cached image for `key`, if a valid one is there.
-    pub fn load(&self, key: &CacheKey) -> Option<Vec<u8>> {
-        let data = std::fs::read(self.path(key)).ok()?;
+    /// The cached image for `key`: `Ok(None)` when there is none, `Err`
+    /// (what is wrong) when the file is there but truncated, corrupted or
+    /// another key's: the caller compiles and overwrites it.
+    pub fn load(&self, key: &CacheKey) -> Result<Option<Vec<u8>>, String> {
+        let data = match std::fs::read(self.path(key)) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("unreadable: {e}")),
+        };
         // Header: 4 lines of text, then the image.
         let mut pos = 0;
         for _ in 0..4 {
-            pos += data[pos..].iter().position(|&b| b == b'\n')? + 1;
+            pos += data[pos..]
+                .iter()
+                .position(|&b| b == b'\n')
+                .ok_or("not a kernel cache file (no header)")?
+                + 1;
         }
         let image = &data[pos..];
-        let header = std::str::from_utf8(&data[..pos]).ok()?;
-        if header != Self::header(key, image) {
-            return None;
+        let header = std::str::from_utf8(&data[..pos]).map_err(|_| "a header that is not text")?;
+        let want = Self::header(key, image);
+        if header == want {
+            return Ok(Some(image.to_vec()));
         }
-        Some(image.to_vec())
+        let key_line = |h: &str| h.lines().nth(1).map(str::to_string);
+        Err(if !header.starts_with(CACHE_MAGIC) {
+            "not a kernel cache file".to_string()
+        } else if key_line(header) != key_line(&want) {
+            "another key's image".to_string()
+        } else {
+            format!(
+                "truncated or corrupted ({} bytes of image, checksum {})",
+                image.len(),
+                content_hash(image)
+            )
+        })
     }
 
     /// Writes the image atomically (temporary file + rename in the same directory).
@@ -586,9 +554,66 @@ impl KernelCache {
     }
 }
 
+/// The cubins `build.rs` compiled into this binary (`REPLAYD_EMBED_KERNELS`).
+mod embedded {
+    include!(concat!(env!("OUT_DIR"), "/embedded_kernels.rs"));
+}
+
+/// The architectures this binary carries cubins for (empty: it compiles its
+/// kernels at run time), and the NVRTC that compiled them.
+pub fn embedded_archs() -> (Vec<u32>, (i32, i32)) {
+    (
+        embedded::IMAGES.iter().map(|(a, _, _)| *a).collect(),
+        embedded::NVRTC,
+    )
+}
+
+/// Which of `archs` runs on a device of compute capability `cc`: its own
+/// architecture, else the newest one of the same major version below it (a
+/// cubin runs on later minor versions of its major one; an sm_90 cubin does
+/// not run on sm_100).
+pub fn pick_embedded(cc: (u32, u32), archs: &[u32]) -> Option<u32> {
+    let own = cc.0 * 10 + cc.1;
+    archs
+        .iter()
+        .copied()
+        .filter(|&a| a / 10 == cc.0 && a <= own)
+        .max()
+}
+
+/// The embedded cubin for a device of compute capability `cc`, inflated:
+/// `(architecture, cubin)`. `None` when the binary carries none for it.
+pub fn embedded_image(cc: (u32, u32)) -> Option<Result<(u32, Vec<u8>), String>> {
+    let (archs, _) = embedded_archs();
+    let arch = pick_embedded(cc, &archs)?;
+    // build.rs compiled the same files this binary holds; say so if not.
+    if embedded::SOURCE_HASH != content_hash(combined_source().as_bytes()) {
+        return Some(Err(
+            "the embedded cubins were built from other kernel sources than this binary's".into(),
+        ));
+    }
+    let (_, deflated, len) = embedded::IMAGES.iter().find(|(a, _, _)| *a == arch)?;
+    let mut cubin = Vec::with_capacity(*len);
+    let inflated = std::io::Read::read_to_end(
+        &mut flate2::read::DeflateDecoder::new(&deflated[..]),
+        &mut cubin,
+    );
+    Some(match inflated {
+        Ok(n) if n == *len => Ok((arch, cubin)),
+        Ok(n) => Err(format!(
+            "the embedded sm_{arch} cubin inflates to {n} bytes, not {len}"
+        )),
+        Err(e) => Err(format!(
+            "the embedded sm_{arch} cubin does not inflate: {e}"
+        )),
+    })
+}
+
 /// Where a kernel image came from.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ImageOrigin {
+    /// Compiled into the binary at build time, for this architecture.
+    Embedded(u32),
     Cache(PathBuf),
     Compiled {
         millis: f64,
@@ -596,20 +621,37 @@ pub enum ImageOrigin {
     },
 }
 
-/// The compiled kernels for one target: from the cache, or compiled (and stored).
+/// The compiled kernels for one target: from the cache, or compiled (and
+/// stored). `log` gets a line before a compile, which takes a while.
 pub fn build_image(
     target: Target,
     cache: Option<&KernelCache>,
+    log: impl Fn(&str),
 ) -> Result<(Vec<u8>, CacheKey, ImageOrigin), String> {
     let source = combined_source();
     let options = compile_options(target);
     let key = CacheKey::new(&source, &options, target, nvrtc_version()?);
     if let Some(c) = cache {
-        if let Some(image) = c.load(&key) {
-            let path = c.path(&key);
-            return Ok((image, key, ImageOrigin::Cache(path)));
+        let path = c.path(&key);
+        match c.load(&key) {
+            Ok(Some(image)) => return Ok((image, key, ImageOrigin::Cache(path))),
+            Ok(None) => {}
+            Err(why) => tracing::warn!(
+                target: "replayd::cuda",
+                "kernel cache file {} is {why}: compiling the kernels again and replacing it",
+                path.display()
+            ),
         }
     }
+    log(&format!(
+        "compiling the kernels for {target:?} with NVRTC {}.{} (no cubin for this GPU in the \
+         binary{}); this takes about a minute on a few cores",
+        key.nvrtc.0,
+        key.nvrtc.1,
+        cache
+            .map(|c| format!(", none cached in {}", c.dir().display()))
+            .unwrap_or_default()
+    ));
     let t = Instant::now();
     let (image, log) = compile(&source, &options, target)?;
     let millis = t.elapsed().as_secs_f64() * 1e3;
@@ -628,6 +670,104 @@ pub fn build_image(
         }
     });
     Ok((image, key, ImageOrigin::Compiled { millis, stored }))
+}
+
+/// The kernels for a device of compute capability `cc`, from the first
+/// place that has them: the cubin embedded in this binary, the cache in
+/// `cache_dir` (else the default one), or NVRTC (whose result is cached).
+/// Logs, prefixed by `who`, a line before a compile and one saying where
+/// the kernels came from and how long they took; `on_compile` hears of a
+/// compile before it starts (the worker tells the daemon, whose status line
+/// says so).
+pub fn load_for_device(
+    ctx: &Arc<CudaContext>,
+    cc: (u32, u32),
+    cache_dir: Option<&Path>,
+    who: &str,
+    on_compile: &dyn Fn(Target),
+) -> Result<Kernels, BackendError> {
+    let log = |line: &str| tracing::info!(target: "replayd::cuda", "{who}: {line}");
+    let t0 = Instant::now();
+    let embedded = match embedded_image(cc) {
+        Some(Ok((arch, cubin))) => {
+            match Kernels::load(ctx, cubin, Target::Cubin(arch), ImageOrigin::Embedded(arch)) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    tracing::warn!(
+                        target: "replayd::cuda",
+                        "the embedded sm_{arch} kernels did not load ({e}): compiling them with NVRTC"
+                    );
+                    None
+                }
+            }
+        }
+        Some(Err(e)) => {
+            tracing::warn!(target: "replayd::cuda", "{e}: compiling the kernels with NVRTC");
+            None
+        }
+        None => None,
+    };
+    if let Some(k) = embedded {
+        let (_, nvrtc) = embedded_archs();
+        log(&format!(
+            "kernels embedded for {:?} (NVRTC {}.{} at build time), loaded in {:.1} ms",
+            k.target,
+            nvrtc.0,
+            nvrtc.1,
+            t0.elapsed().as_secs_f64() * 1e3
+        ));
+        return Ok(k);
+    }
+    libs::ensure(CudaLib::Nvrtc).map_err(|e| {
+        BackendError::Unsupported(format!(
+            "{e} (this binary has no kernels for sm_{}{} built in, so it compiles them; \
+             binaries built with REPLAYD_EMBED_KERNELS need no NVRTC)",
+            cc.0, cc.1
+        ))
+    })?;
+    let archs = supported_archs().map_err(BackendError::Other)?;
+    let target = choose_target(cc, &archs).map_err(BackendError::Unsupported)?;
+    let cache = resolve_cache_dir(cache_dir).map(KernelCache::new);
+    let (image, key, origin) = build_image(target, cache.as_ref(), |line| {
+        log(line);
+        on_compile(target);
+    })
+    .map_err(BackendError::Other)?;
+    let kernels = Kernels::load(ctx, image, target, origin.clone()).cu("load kernel module")?;
+    log(&format!(
+        "kernels {} in {:.1} ms ({})",
+        match &origin {
+            ImageOrigin::Cache(p) => format!("loaded from {}", p.display()),
+            ImageOrigin::Compiled { millis, stored } => format!(
+                "compiled by NVRTC in {millis:.0} ms{}",
+                stored
+                    .as_ref()
+                    .map(|p| format!(", cached at {}", p.display()))
+                    .unwrap_or_default()
+            ),
+            ImageOrigin::Embedded(arch) => format!("embedded for sm_{arch}"),
+        },
+        t0.elapsed().as_secs_f64() * 1e3,
+        key.describe()
+    ));
+    let nvrtc = key.nvrtc;
+    let mut drv: i32 = 0;
+    // SAFETY: out-parameter.
+    if unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut drv) }
+        .result()
+        .is_ok()
+        && nvrtc.0 * 1000 + nvrtc.1 * 10 > drv
+    {
+        tracing::warn!(
+            target: "replayd::cuda",
+            "NVRTC {}.{} is newer than the driver's CUDA {}.{}: modules may fail to load",
+            nvrtc.0,
+            nvrtc.1,
+            drv / 1000,
+            (drv % 1000) / 10
+        );
+    }
+    Ok(kernels)
 }
 
 /// The loaded module and its functions.
@@ -788,27 +928,33 @@ mod tests {
             Target::Cubin(90),
             (13, 0),
         );
-        assert_eq!(cache.load(&key), None);
+        assert_eq!(cache.load(&key), Ok(None));
         let image: Vec<u8> = (0..5000u32).map(|i| (i * 7 % 256) as u8).collect();
         let path = cache.store(&key, &image).unwrap();
-        assert_eq!(cache.load(&key), Some(image.clone()));
+        assert_eq!(cache.load(&key), Ok(Some(image.clone())));
         // Another key never sees this file.
         let other = CacheKey::new("source2", &key.options, key.target, key.nvrtc);
-        assert_eq!(cache.load(&other), None);
-        // Truncated or corrupted files are rejected.
+        assert_eq!(cache.load(&other), Ok(None));
+        // Truncated, corrupted or foreign files are refused, saying why.
         let data = std::fs::read(&path).unwrap();
-        std::fs::write(&path, &data[..data.len() - 1]).unwrap();
-        assert_eq!(cache.load(&key), None);
+        let refused = |bytes: &[u8]| {
+            std::fs::write(&path, bytes).unwrap();
+            cache.load(&key).unwrap_err()
+        };
+        assert!(refused(&data[..data.len() - 1]).contains("truncated or corrupted"));
         let mut bad = data.clone();
         let last = bad.len() - 1;
         bad[last] ^= 0xff;
-        std::fs::write(&path, &bad).unwrap();
-        assert_eq!(cache.load(&key), None);
-        std::fs::write(&path, b"garbage").unwrap();
-        assert_eq!(cache.load(&key), None);
+        assert!(refused(&bad).contains("truncated or corrupted"));
+        assert!(refused(b"garbage").contains("no header"));
+        assert!(refused(b"a\nb\nc\nd\nimage").contains("not a kernel cache file"));
+        cache.store(&other, &image).unwrap();
+        let foreign = std::fs::read(cache.path(&other)).unwrap();
+        assert!(refused(&foreign).contains("another key"));
+        std::fs::remove_file(cache.path(&other)).unwrap();
         // Rewriting repairs it; no temporary files are left behind.
         cache.store(&key, &image).unwrap();
-        assert_eq!(cache.load(&key), Some(image));
+        assert_eq!(cache.load(&key), Ok(Some(image)));
         let names: Vec<String> = std::fs::read_dir(cache.dir())
             .unwrap()
             .flatten()
@@ -839,6 +985,54 @@ mod tests {
         assert!(cubin_has_symbol(cubin, "pool_f32"));
         assert!(cubin_has_symbol(cubin, "attention_f16_d32"));
         assert!(!cubin_has_symbol(cubin, "pool_f3"));
+    }
+
+    #[test]
+    fn an_embedded_cubin_is_picked_for_its_architecture_and_later_minor_ones() {
+        let archs = [80, 86, 89, 90, 100, 120];
+        assert_eq!(pick_embedded((9, 0), &archs), Some(90));
+        assert_eq!(pick_embedded((8, 0), &archs), Some(80));
+        assert_eq!(pick_embedded((8, 7), &archs), Some(86));
+        assert_eq!(pick_embedded((8, 9), &archs), Some(89));
+        assert_eq!(pick_embedded((12, 1), &archs), Some(120));
+        // No cubin of the same major version at or below: compile instead.
+        assert_eq!(pick_embedded((10, 3), &[90, 120]), None);
+        assert_eq!(pick_embedded((7, 5), &archs), None);
+        assert_eq!(pick_embedded((9, 0), &[]), None);
+    }
+
+    #[test]
+    fn architecture_lists_parse() {
+        use super::kernel_sources::{parse_archs, DEFAULT_EMBED_ARCHS};
+        assert_eq!(parse_archs(""), Ok(vec![]));
+        assert_eq!(parse_archs("90"), Ok(vec![90]));
+        assert_eq!(parse_archs("sm_90, 80 86,80"), Ok(vec![80, 86, 90]));
+        assert_eq!(parse_archs("default"), Ok(DEFAULT_EMBED_ARCHS.to_vec()));
+        assert!(parse_archs("default,121").unwrap().contains(&121));
+        for bad in ["ninety", "sm_", "9", "compute_90"] {
+            assert!(parse_archs(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_embedded_cubins_match_this_binarys_kernels() {
+        // Without REPLAYD_EMBED_KERNELS there are none; with it, each one
+        // inflates to its recorded size and was built from these sources.
+        let (archs, nvrtc) = embedded_archs();
+        assert_eq!(
+            embedded::SOURCE_HASH,
+            content_hash(combined_source().as_bytes())
+        );
+        assert_eq!(archs.is_empty(), nvrtc == (0, 0));
+        for arch in archs {
+            let (got, cubin) = embedded_image((arch / 10, arch % 10)).unwrap().unwrap();
+            assert_eq!(got, arch);
+            assert!(cubin.starts_with(b"\x7fELF"), "sm_{arch}");
+            assert!(
+                cubin_has_symbol(&cubin, "attention_tc_f16_d64"),
+                "sm_{arch}"
+            );
+        }
     }
 
     #[test]

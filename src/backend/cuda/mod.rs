@@ -24,6 +24,7 @@
 
 pub mod error;
 pub mod graph;
+pub mod kernel_sources;
 pub mod kernels;
 pub mod launch;
 pub mod matmul;
@@ -35,7 +36,6 @@ pub mod timing;
 use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use cudarc::driver::{result as dres, sys, CudaContext, CudaStream};
 
@@ -157,8 +157,18 @@ impl CudaBackend {
     /// compiles (or loads from the cache) the kernels, and creates the cuBLASLt
     /// handle and workspace.
     pub fn new(ordinal: usize, options: CudaOptions) -> Result<CudaBackend, BackendError> {
-        libs::require(&[CudaLib::Driver, CudaLib::Nvrtc, CudaLib::CublasLt])
-            .map_err(BackendError::Unsupported)?;
+        Self::open(ordinal, options, &|_| {})
+    }
+
+    /// [`CudaBackend::new`], telling `on_compile` when the kernels must be
+    /// compiled for this GPU (none built in or cached), before that starts.
+    pub fn open(
+        ordinal: usize,
+        options: CudaOptions,
+        on_compile: &dyn Fn(kernels::Target),
+    ) -> Result<CudaBackend, BackendError> {
+        // NVRTC only where the kernels must be compiled (kernels::load_for_device).
+        libs::require(&[CudaLib::Driver, CudaLib::CublasLt]).map_err(BackendError::Unsupported)?;
         let count = cuda_device_count().map_err(BackendError::Unsupported)?;
         if ordinal >= count {
             return Err(BackendError::Unsupported(format!(
@@ -198,16 +208,10 @@ impl CudaBackend {
             .new_stream_with_priority(least)
             .cu("create eager stream")?;
 
-        // Kernels: cache → NVRTC.
-        let archs = kernels::supported_archs().map_err(BackendError::Other)?;
-        let target = kernels::choose_target(cc, &archs).map_err(BackendError::Unsupported)?;
-        let cache_dir = kernels::resolve_cache_dir(options.kernel_cache_dir.as_deref());
-        let cache = cache_dir.as_ref().map(kernels::KernelCache::new);
-        let t0 = Instant::now();
-        let (image, key, origin) =
-            kernels::build_image(target, cache.as_ref()).map_err(BackendError::Other)?;
-        let kernels =
-            Kernels::load(&ctx, image, target, origin.clone()).cu("load kernel module")?;
+        // Kernels: the embedded cubin → the cache → NVRTC.
+        let who = format!("GPU {ordinal} ({name}, sm_{}{})", cc.0, cc.1);
+        let cache_dir = options.kernel_cache_dir.as_deref();
+        let kernels = kernels::load_for_device(&ctx, cc, cache_dir, &who, on_compile)?;
         for (name, f) in kernels.iter() {
             // The CUDA-core attention kernels size their shared memory by the
             // sequence length (dynamic); the others use static shared memory.
@@ -219,38 +223,6 @@ impl CudaBackend {
                 )
                 .cu("raise the attention kernel's shared memory limit")?;
             }
-        }
-        tracing::info!(
-            target: "replayd::cuda",
-            "GPU {ordinal} ({name}, sm_{}{}): kernels {} in {:.1} ms ({})",
-            cc.0,
-            cc.1,
-            match &origin {
-                ImageOrigin::Cache(p) => format!("loaded from {}", p.display()),
-                ImageOrigin::Compiled { millis, stored } => format!(
-                    "compiled by NVRTC in {millis:.0} ms{}",
-                    stored.as_ref().map(|p| format!(", cached at {}", p.display())).unwrap_or_default()
-                ),
-            },
-            t0.elapsed().as_secs_f64() * 1e3,
-            key.describe()
-        );
-        let nvrtc = key.nvrtc;
-        let mut drv: i32 = 0;
-        // SAFETY: out-parameter.
-        if unsafe { sys::cuDriverGetVersion(&mut drv) }
-            .result()
-            .is_ok()
-            && nvrtc.0 * 1000 + nvrtc.1 * 10 > drv
-        {
-            tracing::warn!(
-                target: "replayd::cuda",
-                "NVRTC {}.{} is newer than the driver's CUDA {}.{}: modules may fail to load",
-                nvrtc.0,
-                nvrtc.1,
-                drv / 1000,
-                (drv % 1000) / 10
-            );
         }
 
         let matmul = Matmul::new()?;

@@ -286,6 +286,9 @@ pub struct DeviceStats {
     pub drained: bool,
     /// Graphs captured so far / to capture, while the worker captures.
     pub capture: Option<(usize, usize)>,
+    /// While the worker compiles its kernels (none built in or cached for
+    /// this GPU): the target, e.g. `Cubin(89)`.
+    pub compiling_kernels: Option<String>,
     /// Batches that went through the shared-memory ring, and through the socket.
     pub shm_batches: u64,
     pub socket_batches: u64,
