@@ -6,7 +6,9 @@
 //! `embed_ln_vec_*`, `bias_act_vec_*`, `gemm_small_*`, `pool_ln_*`; XLM-R /
 //! MPNet position ids, `embed_ln_padpos_*`;
 //! row normalisation, `l2norm_rows_*`; MPNet's relative attention bias,
-//! `attention*_bias_*`; prompt-skipping pooling, `pool*_skip_*`). Needs no GPU and no
+//! `attention*_bias_*`; prompt-skipping pooling, `pool*_skip_*`); and that
+//! `replayd precompile --arch 90` fills a kernel cache the backend then loads
+//! without compiling. Needs no GPU and no
 //! CUDA toolkit, only NVRTC (`scripts/dev/install-nvrtc.sh` puts the pinned wheel
 //! into `.nvrtc/`; `REPLAYD_NVRTC_DIR` or `LD_LIBRARY_PATH` may point
 //! elsewhere).
@@ -146,25 +148,54 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
         );
     }
 
-    // The disk cache with a real image: compiled once, then loaded.
+    // `replayd precompile` fills the cache the daemon reads (no GPU needed
+    // with --arch): compiled once there, then loaded here without a compile.
     let dir = tempfile::tempdir().unwrap();
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut nvrtc_dirs = vec![repo.join(".nvrtc/nvidia/cu13/lib")];
+    if let Some(d) = std::env::var_os("REPLAYD_NVRTC_DIR") {
+        nvrtc_dirs.extend(std::env::split_paths(&d));
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayd"))
+        .args(["precompile", "--arch", "90", "--cache-dir"])
+        .arg(dir.path())
+        .env("REPLAYD_NVRTC_DIR", std::env::join_paths(&nvrtc_dirs).unwrap())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("Cubin(90): compiled in") && stdout.contains("cached at"),
+        "{stdout}"
+    );
     let cache = KernelCache::new(dir.path());
     let (img1, key, origin1) = kernels::build_image(t, Some(&cache), |_| {}).unwrap();
     assert!(
-        matches!(
-            origin1,
-            kernels::ImageOrigin::Compiled {
-                stored: Some(_),
-                ..
-            }
-        ),
+        matches!(origin1, kernels::ImageOrigin::Cache(_)),
         "{origin1:?}"
+    );
+    // A second precompile finds it there.
+    let again = std::process::Command::new(env!("CARGO_BIN_EXE_replayd"))
+        .args(["precompile", "--arch", "sm_90", "--cache-dir"])
+        .arg(dir.path())
+        .env("REPLAYD_NVRTC_DIR", std::env::join_paths(&nvrtc_dirs).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&again.stdout).contains("already cached"),
+        "{}",
+        String::from_utf8_lossy(&again.stdout)
     );
     let (img2, key2, origin2) = kernels::build_image(t, Some(&cache), |_| {}).unwrap();
     assert!(
         matches!(origin2, kernels::ImageOrigin::Cache(_)),
         "{origin2:?}"
     );
+    assert!(expected.iter().all(|n| kernels::cubin_has_symbol(&img1, n)));
     assert_eq!(key, key2);
     assert_eq!(img1, img2);
 }
