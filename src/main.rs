@@ -91,8 +91,32 @@ enum Command {
     Worker(replayd::worker::WorkerArgs),
 }
 
+/// `replayd --version`: the version, and which GPU kernels the binary
+/// carries (built with `REPLAYD_EMBED_KERNELS`) or that it compiles them.
+fn long_version() -> String {
+    let (archs, nvrtc) = replayd::backend::cuda::kernels::embedded_archs();
+    let kernels = if archs.is_empty() {
+        "none built in (compiled with NVRTC at the first start on each GPU, then cached)".into()
+    } else {
+        format!(
+            "built in for {} (NVRTC {}.{}); other GPUs compile them with NVRTC",
+            archs
+                .iter()
+                .map(|a| format!("sm_{a}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            nvrtc.0,
+            nvrtc.1
+        )
+    };
+    format!("{}\nCUDA kernels: {kernels}", env!("CARGO_PKG_VERSION"))
+}
+
 fn main() {
-    let cli = Cli::parse();
+    use clap::{CommandFactory, FromArgMatches};
+    let version: &'static str = Box::leak(long_version().into_boxed_str());
+    let matches = Cli::command().long_version(version).get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // Worker processes log the same way (they inherit the environment).
     // SAFETY: no other thread exists yet.
     unsafe {

@@ -159,7 +159,10 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayd"))
         .args(["precompile", "--arch", "90", "--cache-dir"])
         .arg(dir.path())
-        .env("REPLAYD_NVRTC_DIR", std::env::join_paths(&nvrtc_dirs).unwrap())
+        .env(
+            "REPLAYD_NVRTC_DIR",
+            std::env::join_paths(&nvrtc_dirs).unwrap(),
+        )
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -182,7 +185,10 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
     let again = std::process::Command::new(env!("CARGO_BIN_EXE_replayd"))
         .args(["precompile", "--arch", "sm_90", "--cache-dir"])
         .arg(dir.path())
-        .env("REPLAYD_NVRTC_DIR", std::env::join_paths(&nvrtc_dirs).unwrap())
+        .env(
+            "REPLAYD_NVRTC_DIR",
+            std::env::join_paths(&nvrtc_dirs).unwrap(),
+        )
         .output()
         .unwrap();
     assert!(
@@ -198,4 +204,28 @@ fn kernels_compile_with_nvrtc_for_sm_90() {
     assert!(expected.iter().all(|n| kernels::cubin_has_symbol(&img1, n)));
     assert_eq!(key, key2);
     assert_eq!(img1, img2);
+}
+
+/// `replayd --version` says which kernels the binary carries.
+#[test]
+fn version_says_which_kernels_are_built_in() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_replayd"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let (archs, _) = kernels::embedded_archs();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("CUDA kernels: "))
+        .unwrap_or_else(|| panic!("{text}"));
+    if archs.is_empty() {
+        assert!(line.contains("none built in"), "{line}");
+    } else {
+        assert!(
+            line.contains(&format!("built in for sm_{}", archs[0])),
+            "{line}"
+        );
+    }
 }
