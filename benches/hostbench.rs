@@ -48,7 +48,7 @@ use replayd::protocol::{
     decode_reply, decode_request, encode_reply, encode_request, DecodeLimits, Hops, InputKind,
     Payload, Reply, RequestHeader,
 };
-use replayd::tensor::{DType, HostTensor};
+use replayd::tensor::HostTensor;
 use replayd::transport::{Dealer, Router, Security, TransportLimits};
 use replayd::worker::WorkerBackend;
 use serde_json::{json, Value};
@@ -470,7 +470,7 @@ async fn batcher(t: &mut Table, args: &Args) {
                 priority: 0,
                 received: Instant::now(),
                 deadline: None,
-                output_dtype: DType::F32,
+                output: replayd::daemon::output::OutputForm::default(),
                 reply: tx,
                 stamps: Stamps::default(),
             },

@@ -506,3 +506,82 @@ async fn each_text_of_a_request_runs_in_its_own_seq_bucket() {
         .sum();
     assert_eq!(computed, 128);
 }
+
+/// The reference embedding cut to `d` values and normalised again.
+fn cut(line: &Line, d: usize) -> Vec<f32> {
+    let v = &line.embedding[..d];
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.iter().map(|x| x / norm).collect()
+}
+
+/// Matryoshka: `dimensions` keeps the first values of each embedding and
+/// normalises them again (MiniLM normalises); a folder's `truncate_dim` is
+/// the default a request can widen; widths out of range are bad requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dimensions_cut_and_renormalise_embeddings() {
+    use replayd::protocol::client::{Call, Error};
+    let lines = reference();
+    // MiniLM again, its folder saying truncate_dim = 128.
+    let folder = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(minilm_dir()).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "config_sentence_transformers.json" {
+            std::os::unix::fs::symlink(entry.path(), folder.path().join(entry.file_name()))
+                .unwrap();
+        }
+    }
+    let st = minilm_dir().join("config_sentence_transformers.json");
+    let mut st: Value = serde_json::from_str(&std::fs::read_to_string(st).unwrap()).unwrap();
+    st["truncate_dim"] = 128.into();
+    std::fs::write(
+        folder.path().join("config_sentence_transformers.json"),
+        st.to_string(),
+    )
+    .unwrap();
+    let second = format!(
+        "\n[[models]]\nname = \"minilm-128\"\nkind = \"bert\"\npath = \"{}\"\nbatch_buckets = [1, 4]\nseq_buckets = [16, 64, 128]\n",
+        folder.path().display()
+    );
+    let daemon = Daemon::start(&config(&second));
+    let client = daemon.client().await;
+    let some = &lines[10..14];
+    let texts = || some.iter().map(|l| l.text.clone()).collect::<Vec<_>>();
+    let rows = |out: &replayd::tensor::HostTensor| {
+        let v = out.to_f32_vec().unwrap();
+        let w = out.shape[1];
+        v.chunks(w).map(<[f32]>::to_vec).collect::<Vec<_>>()
+    };
+    for (model, dims, want) in [
+        ("minilm", Some(64), 64),
+        ("minilm", Some(1), 1),
+        ("minilm-128", None, 128),
+        ("minilm-128", Some(384), 384),
+        ("minilm-128", Some(16), 16),
+    ] {
+        let mut call = Call::texts(model, texts());
+        if let Some(d) = dims {
+            call = call.dimensions(d);
+        }
+        let out = client.call(call).await.unwrap().tensor;
+        assert_eq!(out.shape, vec![some.len(), want], "{model} {dims:?}");
+        for (row, line) in rows(&out).iter().zip(some) {
+            let norm = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+            assert!((norm - 1.0).abs() < 1e-5, "{model} {dims:?}: norm {norm}");
+            let c = cosine(row, &cut(line, want));
+            assert!(c >= 0.9999, "{model} {dims:?}: cosine {c}");
+        }
+    }
+    for d in [0, 385] {
+        let e = client
+            .call(Call::texts("minilm", texts()).dimensions(d))
+            .await
+            .unwrap_err();
+        match e {
+            Error::Server { code, message, .. } => {
+                assert_eq!(code, ErrorCode::BadRequest);
+                assert!(message.contains("ask for 1 to 384"), "{message}");
+            }
+            other => panic!("dimensions {d}: {other}"),
+        }
+    }
+}

@@ -17,6 +17,7 @@ use super::admission::{Admission, Refusal, Ticket};
 use super::batcher::SubmitQueue;
 use super::messages::{BatcherMsg, Stamps, Submission};
 use super::metrics::Metrics;
+use super::output::OutputForm;
 use super::tokenize::{PromptUse, TextInput, TokenizeError, TokenizerPool};
 use crate::model::{BatchRows, InputSpec, ModelInfo, Task};
 use crate::protocol::header::echo;
@@ -342,6 +343,13 @@ impl Frontend {
             }
             _ => {}
         }
+        // Checked before tokenizing: a bad `dimensions` costs no work.
+        let output = OutputForm::for_model(
+            &model.info,
+            header.output_dtype.unwrap_or(DType::F32),
+            header.dimensions,
+        )
+        .map_err(|(code, msg)| ProtocolError::new(id, code, msg))?;
         if header.prompt_name.is_some()
             && !matches!(request.payload, Payload::Texts(_) | Payload::Pairs(_))
         {
@@ -457,7 +465,7 @@ impl Frontend {
             priority: header.priority,
             received,
             deadline,
-            output_dtype: header.output_dtype.unwrap_or(DType::F32),
+            output,
             reply: tx,
             stamps,
         };

@@ -23,10 +23,10 @@
 //! it ran on, so the batcher can ignore a stale report from an attempt it has
 //! already re-dispatched.
 
+use super::output::OutputForm;
 use crate::bucket::{Bucket, Grid};
 use crate::model::BatchRows;
 use crate::protocol::Reply;
-use crate::tensor::DType;
 use crate::worker::link::{FaultKind, WorkerError};
 use bytes::Bytes;
 use ractor::RpcReplyPort;
@@ -48,7 +48,8 @@ pub struct Submission {
     pub priority: u8,
     pub received: Instant,
     pub deadline: Option<Instant>,
-    pub output_dtype: DType,
+    /// The reply tensor's dtype and width.
+    pub output: OutputForm,
     pub reply: oneshot::Sender<Reply>,
     /// When it got this far, for the reply's per-hop timings.
     pub stamps: Stamps,

@@ -57,6 +57,7 @@ pub mod http_server;
 pub mod messages;
 pub mod metrics;
 pub mod notify;
+pub mod output;
 pub mod prometheus;
 pub mod reload;
 pub mod report;

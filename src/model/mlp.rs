@@ -255,6 +255,8 @@ fn layers(header: &Header) -> Result<Vec<LayerKeys>, ModelError> {
 
 fn info(config: &ModelSpec, layers: &[LayerKeys]) -> ModelInfo {
     ModelInfo {
+        normalized: false,
+        truncate_dim: None,
         name: config.name.clone(),
         kind: ModelKind::Mlp,
         input: InputSpec::Features {

@@ -228,6 +228,14 @@ pub struct ModelInfo {
     /// What was read from the folder and derived, with sources.
     #[serde(default)]
     pub derived: Vec<Derived>,
+    /// Embedding models: the rows are L2-normalised (a `Normalize` module
+    /// ends the folder's chain), so a truncated row is normalised again.
+    #[serde(default)]
+    pub normalized: bool,
+    /// Embedding models: the folder's `truncate_dim`, the Matryoshka width
+    /// a reply has when the request names no `dimensions`.
+    #[serde(default)]
+    pub truncate_dim: Option<usize>,
 }
 
 impl ModelInfo {

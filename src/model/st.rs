@@ -333,6 +333,8 @@ pub struct StConfig {
     pub prompts: BTreeMap<String, String>,
     pub default_prompt_name: Option<String>,
     pub activation_fn: Option<String>,
+    /// Matryoshka: the width sentence-transformers cuts embeddings to.
+    pub truncate_dim: Option<usize>,
 }
 
 pub fn read_st_config(dir: &Path) -> Result<StConfig, ModelError> {
@@ -370,10 +372,16 @@ pub fn read_st_config(dir: &Path) -> Result<StConfig, ModelError> {
     c.model_type = string("model_type")?;
     c.default_prompt_name = string("default_prompt_name")?;
     c.activation_fn = string("activation_fn")?;
-    if let Some(v) = obj.get("truncate_dim").filter(|v| !v.is_null()) {
-        return Err(err(format!(
-            "unsupported `truncate_dim` {v} (truncated embeddings)"
-        )));
+    match obj.get("truncate_dim") {
+        None | Some(Value::Null) => {}
+        Some(v) => match v.as_u64().filter(|&d| d > 0) {
+            Some(d) => c.truncate_dim = Some(d as usize),
+            None => {
+                return Err(err(format!(
+                    "`truncate_dim` is {v}, expected a positive integer"
+                )))
+            }
+        },
     }
     match obj.get("prompts") {
         None | Some(Value::Null) => {}

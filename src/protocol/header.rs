@@ -16,7 +16,7 @@ use crate::tensor::DType;
 pub const ECHO_LIMIT: usize = 64;
 
 /// Keys a request header may carry, in the order the document lists them.
-pub const KEYS: [&str; 12] = [
+pub const KEYS: [&str; 13] = [
     "v",
     "id",
     "model",
@@ -29,6 +29,7 @@ pub const KEYS: [&str; 12] = [
     "truncate",
     "output_dtype",
     "prompt_name",
+    "dimensions",
 ];
 
 /// The versions of the protocol this daemon speaks.
@@ -354,6 +355,10 @@ fn decode(bytes: &[u8]) -> Result<RequestHeader, String> {
                 };
             }
             "prompt_name" => h.prompt_name = Some(string(&mut r, "a string")?),
+            "dimensions" => {
+                let d = uint(&mut r, "an unsigned integer")?;
+                h.dimensions = Some(u32::try_from(d).unwrap_or(u32::MAX));
+            }
             "dtype" | "output_dtype" => {
                 let s = string(&mut r, "a dtype name such as \"f32\"")?;
                 let dtype: DType = s.parse().map_err(|_| {
@@ -511,9 +516,11 @@ mod tests {
             ("truncate", B(false)),
             ("output_dtype", s("f16")),
             ("prompt_name", s("query")),
+            ("dimensions", U(64)),
         ]);
         let h = decode_header(&map(&e)).unwrap();
         assert_eq!(h.prompt_name.as_deref(), Some("query"));
+        assert_eq!(h.dimensions, Some(64));
         assert_eq!((h.v, h.id, h.model.as_str()), (1, 7, "m"));
         assert_eq!(h.shape, Some(vec![2, 128]));
         assert_eq!((h.priority, h.truncate), (9, false));

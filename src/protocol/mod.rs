@@ -142,6 +142,11 @@ pub struct RequestHeader {
     /// `encode(prompt_name = …)`); default: the model's default prompt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_name: Option<String>,
+    /// Embedding models: keep the first `dimensions` values of each
+    /// embedding (Matryoshka truncation), re-normalised when the model
+    /// normalises; default: the folder's `truncate_dim`, else all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dimensions: Option<u32>,
 }
 
 impl RequestHeader {
@@ -160,6 +165,7 @@ impl RequestHeader {
             truncate: true,
             output_dtype: None,
             prompt_name: None,
+            dimensions: None,
         }
     }
 }

@@ -192,6 +192,7 @@ class _ClientBase:
         deadline: Optional[float],
         truncate: bool,
         output_dtype: str,
+        dimensions: Optional[int] = None,
     ) -> _Prepared:
         if isinstance(texts, str):
             texts = [texts]
@@ -203,6 +204,7 @@ class _ClientBase:
             deadline=deadline,
             truncate=truncate,
             output_dtype=output_dtype,
+            dimensions=dimensions,
         )
         frames = proto.text_frames(texts)
         # Longest first, as sentence-transformers does: texts of similar length
@@ -221,10 +223,16 @@ class _ClientBase:
         priority: int,
         deadline: Optional[float],
         output_dtype: str,
+        dimensions: Optional[int] = None,
     ) -> _Prepared:
         seqs = list(sequences)  # a list of lists, of arrays, or a 2-D array
         fields = proto.base_fields(
-            self._model(model), "ids", priority=priority, deadline=deadline, output_dtype=output_dtype
+            self._model(model),
+            "ids",
+            priority=priority,
+            deadline=deadline,
+            output_dtype=output_dtype,
+            dimensions=dimensions,
         )
         frames = proto.ids_frames(seqs)
         order = sorted(range(len(frames)), key=lambda i: -len(frames[i]))

@@ -39,6 +39,7 @@ def base_fields(
     deadline: Optional[float] = None,
     truncate: Optional[bool] = None,
     output_dtype: str = "f32",
+    dimensions: Optional[int] = None,
 ) -> dict:
     """The header keys shared by every request of one call (no ``v``/``id``/``timeout_us``)."""
     if not isinstance(model, str) or not model:
@@ -62,6 +63,10 @@ def base_fields(
         raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {output_dtype!r}")
     if output_dtype != "f32":
         fields["output_dtype"] = output_dtype
+    if dimensions is not None:
+        if isinstance(dimensions, bool) or not isinstance(dimensions, (int, np.integer)) or dimensions < 1:
+            raise ValueError(f"dimensions must be a positive int or None, got {dimensions!r}")
+        fields["dimensions"] = int(dimensions)
     return fields
 
 

@@ -63,10 +63,13 @@ class AsyncClient(_ClientBase):
         deadline: Optional[float] = None,
         truncate: bool = True,
         output_dtype: str = "f32",
+        dimensions: Optional[int] = None,
     ) -> np.ndarray:
         """See :meth:`Client.embed`."""
         return await self._run(
-            self._prep_embed(texts, model, batch_size, timeout, priority, deadline, truncate, output_dtype)
+            self._prep_embed(
+                texts, model, batch_size, timeout, priority, deadline, truncate, output_dtype, dimensions
+            )
         )
 
     async def embed_ids(
@@ -79,10 +82,13 @@ class AsyncClient(_ClientBase):
         priority: int = 0,
         deadline: Optional[float] = None,
         output_dtype: str = "f32",
+        dimensions: Optional[int] = None,
     ) -> np.ndarray:
         """See :meth:`Client.embed_ids`."""
         return await self._run(
-            self._prep_embed_ids(sequences, model, batch_size, timeout, priority, deadline, output_dtype)
+            self._prep_embed_ids(
+                sequences, model, batch_size, timeout, priority, deadline, output_dtype, dimensions
+            )
         )
 
     async def infer(

@@ -110,6 +110,7 @@ class Client(_ClientBase):
         deadline: Optional[float] = None,
         truncate: bool = True,
         output_dtype: str = "f32",
+        dimensions: Optional[int] = None,
     ) -> np.ndarray:
         """Embeddings of ``texts``, shape ``(len(texts), dim)`` (always 2-D; a
         single string counts as a list of one). Texts are grouped longest
@@ -117,9 +118,14 @@ class Client(_ClientBase):
         (pipelined); rows come back in input order. ``deadline`` is absolute
         (seconds since the epoch); ``truncate=False`` makes over-long texts
         fail with :class:`TooLong`; ``output_dtype="f16"`` halves the reply
-        size and returns float16."""
+        size and returns float16; ``dimensions=n`` has the daemon keep the
+        first ``n`` values of each embedding (Matryoshka), normalised again
+        when the model normalises (default: the model folder's
+        ``truncate_dim``, else all)."""
         return self._run(
-            self._prep_embed(texts, model, batch_size, timeout, priority, deadline, truncate, output_dtype)
+            self._prep_embed(
+                texts, model, batch_size, timeout, priority, deadline, truncate, output_dtype, dimensions
+            )
         )
 
     def embed_ids(
@@ -132,12 +138,15 @@ class Client(_ClientBase):
         priority: int = 0,
         deadline: Optional[float] = None,
         output_dtype: str = "f32",
+        dimensions: Optional[int] = None,
     ) -> np.ndarray:
         """Embeddings of pre-tokenised inputs: each sequence a list of token
         ids, special tokens included (``[101, ..., 102]`` for BERT uncased).
         Shape ``(len(sequences), dim)``."""
         return self._run(
-            self._prep_embed_ids(sequences, model, batch_size, timeout, priority, deadline, output_dtype)
+            self._prep_embed_ids(
+                sequences, model, batch_size, timeout, priority, deadline, output_dtype, dimensions
+            )
         )
 
     def infer(

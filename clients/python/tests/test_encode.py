@@ -94,6 +94,20 @@ def test_normalize_and_truncate_dim(client, minilm_set):
     assert cosines(got, ref).min() >= COS
 
 
+def test_the_daemon_truncates_to_dimensions(client, minilm_set):
+    texts, _, want = minilm_set
+    sel = list(range(30, 40))
+    # MiniLM normalises, so the daemon normalises the cut vector again.
+    got = client.embed([texts[i] for i in sel], dimensions=32)
+    assert got.shape == (10, 32)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    ref = want[sel, :32]
+    ref = ref / np.linalg.norm(ref, axis=1, keepdims=True)
+    assert cosines(got, ref).min() >= COS
+    ids = client.embed_ids([[101, 7592, 2088, 102]], dimensions=DIM)
+    assert ids.shape == (1, DIM)
+
+
 def test_f16_output(client, minilm_set):
     texts, _, want = minilm_set
     got = client.embed(texts[40:50], output_dtype="f16")

@@ -48,6 +48,7 @@ def test_unknown_model(client):
         ("id outside the vocabulary", lambda c: c.embed_ids([[101, 999_999, 102]])),
         ("empty id sequence", lambda c: c.embed_ids([[]])),
         ("invalid UTF-8", lambda c: c.embed(["ok", "\ud800"])),
+        ("dimensions wider than the model", lambda c: c.embed(["x"], dimensions=10_000)),
     ],
 )
 def test_bad_request(client, what, call):

@@ -30,12 +30,12 @@ use super::messages::{
     Batch, BatchOutcome, BatchOutput, BatchPart, BatchReport, BatcherMsg, Stamps, Submission,
 };
 use super::metrics::{EagerReason, Ledger, Metrics, Observation};
+use super::output::OutputForm;
 use super::route::DeviceRoute;
 use crate::bucket::{Bucket, Grid};
 use crate::clock::{mono_ns, us_between};
 use crate::model::BatchRows;
 use crate::protocol::{ErrorCode, Hops, Reply};
-use crate::tensor::{DType, HostTensor};
 use crate::worker::link::WorkerError;
 use bytes::Bytes;
 use queue::{
@@ -138,7 +138,7 @@ struct Pending {
     received: Instant,
     /// When its first batch was sent.
     dispatched: Option<Instant>,
-    output_dtype: DType,
+    form: OutputForm,
     reply: oneshot::Sender<Reply>,
     /// Rows not yet back from a device.
     remaining: usize,
@@ -460,7 +460,7 @@ impl BatcherState {
                         input: Arc::new(sub.input),
                         received: sub.received,
                         dispatched: None,
-                        output_dtype: sub.output_dtype,
+                        form: sub.output,
                         reply: sub.reply,
                         remaining: rows,
                         output: Output::None,
@@ -722,15 +722,7 @@ impl BatcherState {
             Output::Assembling(v) => Bytes::from(v),
             Output::None => Bytes::new(),
         };
-        let tensor = HostTensor {
-            dtype: DType::F32,
-            shape: vec![rows, p.output_dim],
-            data,
-        };
-        let tensor = match p.output_dtype {
-            DType::F32 => tensor,
-            other => tensor.convert_float(other).unwrap_or(tensor),
-        };
+        let tensor = p.form.apply(rows, p.output_dim, data);
         let shown = p.shown.expect("a finished request ran somewhere");
         let (bucket, device) = (
             shown.bucket.map_or("eager".to_string(), |b| b.to_string()),

@@ -154,7 +154,7 @@ fn submit_input(
             priority: 0,
             received: Instant::now(),
             deadline,
-            output_dtype: DType::F32,
+            output: crate::daemon::output::OutputForm::default(),
             reply: tx,
             stamps: Default::default(),
         },

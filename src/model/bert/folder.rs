@@ -292,6 +292,8 @@ struct Folder {
     tokenizer: TokenizerSpec,
     prompts: BTreeMap<String, String>,
     default_prompt: Option<String>,
+    /// Matryoshka: the reply width when a request names none.
+    truncate_dim: Option<usize>,
     weights: PathBuf,
     derived: Vec<Derived>,
 }
@@ -703,6 +705,33 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
         _ => None,
     };
 
+    let truncate_dim = match (st_config.truncate_dim, kind) {
+        (None, _) => None,
+        (Some(d), FolderType::SentenceTransformer) => {
+            let width = dense.last().map_or(config.hidden, |m| m.config.outputs);
+            let from = "config_sentence_transformers.json truncate_dim";
+            if d >= width {
+                derived_list.push(derived(
+                    "truncate_dim",
+                    format!("{d}, not below the width {width}: no truncation"),
+                    from,
+                ));
+                None
+            } else {
+                derived_list.push(derived("truncate_dim", d, from));
+                Some(d)
+            }
+        }
+        (Some(d), FolderType::CrossEncoder) => {
+            return Err(ModelError::file(
+                dir.join("config_sentence_transformers.json"),
+                format!(
+                    "`truncate_dim` {d} in a cross-encoder folder: its scores cannot be truncated"
+                ),
+            ))
+        }
+    };
+
     let weights = transformer_dir.join("model.safetensors");
     if !weights.is_file() {
         let pickle = transformer_dir.join("pytorch_model.bin");
@@ -730,6 +759,7 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
         tokenizer,
         prompts,
         default_prompt,
+        truncate_dim,
         weights,
         derived: derived_list,
     })
@@ -978,6 +1008,12 @@ fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
             exclude_from_pooling: !folder.include_prompt,
         },
         derived: folder.derived.clone(),
+        normalized: folder.kind == FolderType::SentenceTransformer
+            && folder
+                .dense
+                .last()
+                .map_or(folder.normalize, |d| d.normalize),
+        truncate_dim: folder.truncate_dim,
     }
 }
 
@@ -1513,6 +1549,35 @@ mod tests {
             inspect(&config(&dir.path().join("nope"))),
             &["nope", "missing model folder"],
         );
+    }
+
+    #[test]
+    fn truncate_dim_is_read_and_checked() {
+        let dir = linked_folder(&["config_sentence_transformers.json"]);
+        let c = config(dir.path());
+        let path = dir.path().join("config_sentence_transformers.json");
+        let write = |v: serde_json::Value| {
+            let json = edited_json("config_sentence_transformers.json", |j| {
+                j["truncate_dim"] = v
+            });
+            std::fs::write(&path, json).unwrap();
+        };
+        write(128.into());
+        let info = inspect(&c).unwrap();
+        assert_eq!((info.truncate_dim, info.normalized), (Some(128), true));
+        // As wide as the model or wider: no truncation, and said so.
+        write(384.into());
+        let info = inspect(&c).unwrap();
+        assert_eq!(info.truncate_dim, None);
+        assert!(info.derived_summary().contains("no truncation"));
+        for bad in [
+            serde_json::json!(0),
+            serde_json::json!(-3),
+            serde_json::json!("64"),
+        ] {
+            write(bad);
+            assert_error(inspect(&c), &["truncate_dim", "positive integer"]);
+        }
     }
 
     #[test]

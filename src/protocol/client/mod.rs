@@ -326,6 +326,7 @@ pub struct Call {
     deadline: Option<SystemTime>,
     truncate: bool,
     output_dtype: DType,
+    dimensions: Option<u32>,
 }
 
 impl Call {
@@ -339,6 +340,7 @@ impl Call {
             deadline: None,
             truncate: true,
             output_dtype: DType::F32,
+            dimensions: None,
         }
     }
 
@@ -390,6 +392,13 @@ impl Call {
     /// `DType::F32` (default) or `DType::F16`.
     pub fn output_dtype(mut self, dtype: DType) -> Call {
         self.output_dtype = dtype;
+        self
+    }
+
+    /// Embedding models: keep the first `n` values of each embedding
+    /// (Matryoshka), normalised again when the model normalises.
+    pub fn dimensions(mut self, n: u32) -> Call {
+        self.dimensions = Some(n);
         self
     }
 }
@@ -574,6 +583,7 @@ impl Client {
         if call.output_dtype != DType::F32 {
             header.output_dtype = Some(call.output_dtype);
         }
+        header.dimensions = call.dimensions;
         header.deadline_unix_us = call.deadline.map(unix_us);
         if let Payload::Tensor(t) = &call.payload {
             header.dtype = Some(t.dtype);

@@ -337,6 +337,8 @@ fn synthetic_bert(hidden: usize, heads: usize, pooling: Pooling, seed: u64) -> M
             tokenizer: None,
             prompts: Default::default(),
             derived: Vec::new(),
+            normalized: false,
+            truncate_dim: None,
         },
         arch: Architecture::Bert(arch),
         weights: w,

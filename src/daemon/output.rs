@@ -1,0 +1,216 @@
+//! The shape a reply's tensor takes: its element type and, for embedding
+//! models, Matryoshka truncation (a request's `dimensions`, else the
+//! folder's `truncate_dim`).
+//!
+//! Devices always return full-width f32 rows; the batcher hands the
+//! assembled rows to [`OutputForm::apply`] once per request, so a truncated
+//! embedding is the full one cut, never a different graph.
+
+use crate::model::{ModelInfo, Task};
+use crate::protocol::ErrorCode;
+use crate::tensor::{DType, HostTensor};
+use bytes::Bytes;
+
+/// How a request wants its rows back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutputForm {
+    /// f32 (the default) or f16.
+    pub dtype: DType,
+    /// Keep the first `n` values of each row; `None`: all of them.
+    pub dimensions: Option<usize>,
+    /// Scale the kept values back to unit length: the model's output is
+    /// L2-normalised (a `Normalize` module ends its chain), and a cut unit
+    /// vector is no longer one.
+    pub renormalize: bool,
+}
+
+impl Default for OutputForm {
+    fn default() -> Self {
+        OutputForm {
+            dtype: DType::F32,
+            dimensions: None,
+            renormalize: false,
+        }
+    }
+}
+
+impl OutputForm {
+    /// The form for `model`: `requested` dimensions (checked against it),
+    /// else the model's `truncate_dim`. The error is `bad_request`'s message.
+    pub fn for_model(
+        model: &ModelInfo,
+        dtype: DType,
+        requested: Option<u32>,
+    ) -> Result<OutputForm, (ErrorCode, String)> {
+        let width = model.output_dim;
+        let dimensions = match requested {
+            None => model.truncate_dim.filter(|&d| d < width),
+            Some(d) => {
+                if model.task != Task::Embed || !model.has_seq() {
+                    return Err((
+                        ErrorCode::BadRequest,
+                        format!(
+                            "`dimensions` applies to embedding models; model {} returns {}",
+                            model.name,
+                            if model.has_seq() {
+                                "a cross-encoder's scores"
+                            } else {
+                                "an MLP's outputs"
+                            }
+                        ),
+                    ));
+                }
+                let d = d as usize;
+                if d == 0 || d > width {
+                    return Err((
+                        ErrorCode::BadRequest,
+                        format!(
+                            "`dimensions` = {d} is out of range: model {} returns {width} dimensions (ask for 1 to {width})",
+                            model.name
+                        ),
+                    ));
+                }
+                (d < width).then_some(d)
+            }
+        };
+        Ok(OutputForm {
+            dtype,
+            dimensions,
+            renormalize: dimensions.is_some() && model.normalized,
+        })
+    }
+
+    /// The reply tensor from full-width f32 rows `[rows, width]`.
+    pub fn apply(&self, rows: usize, width: usize, data: Bytes) -> HostTensor {
+        let tensor = match self.dimensions {
+            Some(keep) if keep < width && rows > 0 => {
+                let mut out = Vec::with_capacity(rows * keep * 4);
+                for row in data.chunks_exact(width * 4) {
+                    let kept = &row[..keep * 4];
+                    if self.renormalize {
+                        let values: Vec<f32> = kept
+                            .chunks_exact(4)
+                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                            .collect();
+                        let norm = values
+                            .iter()
+                            .map(|v| (*v as f64) * (*v as f64))
+                            .sum::<f64>()
+                            .sqrt();
+                        // As torch.nn.functional.normalize: a zero row stays zero.
+                        let scale = 1.0 / norm.max(1e-12);
+                        for v in values {
+                            out.extend_from_slice(&((v as f64 * scale) as f32).to_le_bytes());
+                        }
+                    } else {
+                        out.extend_from_slice(kept);
+                    }
+                }
+                HostTensor {
+                    dtype: DType::F32,
+                    shape: vec![rows, keep],
+                    data: Bytes::from(out),
+                }
+            }
+            _ => HostTensor {
+                dtype: DType::F32,
+                shape: vec![rows, width],
+                data,
+            },
+        };
+        match self.dtype {
+            DType::F32 => tensor,
+            other => tensor.convert_float(other).unwrap_or(tensor),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{InputSpec, ModelKind};
+
+    fn embedder(width: usize, normalized: bool, truncate_dim: Option<usize>) -> ModelInfo {
+        ModelInfo {
+            name: "m".into(),
+            kind: ModelKind::Bert,
+            input: InputSpec::Tokens {
+                vocab_size: 10,
+                max_seq_len: 8,
+            },
+            output_dim: width,
+            dtype: DType::F32,
+            tokenizer_path: None,
+            task: Task::Embed,
+            tokenizer: None,
+            prompts: Default::default(),
+            derived: Vec::new(),
+            normalized,
+            truncate_dim,
+        }
+    }
+
+    fn rows(values: &[f32]) -> Bytes {
+        Bytes::from(
+            values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )
+    }
+
+    #[test]
+    fn truncates_and_renormalises_a_normalised_model() {
+        let form = OutputForm::for_model(&embedder(4, true, None), DType::F32, Some(2)).unwrap();
+        assert_eq!(form.dimensions, Some(2));
+        assert!(form.renormalize);
+        let t = form.apply(2, 4, rows(&[0.6, 0.0, 0.8, 0.0, 0.0, 0.0, 0.0, 1.0]));
+        assert_eq!(t.shape, vec![2, 2]);
+        // [0.6, 0] → [1, 0]; a zero row stays zero, never NaN.
+        assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_model_that_does_not_normalise_is_only_cut() {
+        let form = OutputForm::for_model(&embedder(3, false, None), DType::F32, Some(2)).unwrap();
+        let t = form.apply(1, 3, rows(&[3.0, 4.0, 5.0]));
+        assert_eq!(t.to_f32_vec().unwrap(), vec![3.0, 4.0]);
+    }
+
+    #[test]
+    fn truncate_dim_is_the_default_and_a_request_overrides_it() {
+        let m = embedder(4, true, Some(2));
+        assert_eq!(
+            OutputForm::for_model(&m, DType::F32, None)
+                .unwrap()
+                .dimensions,
+            Some(2)
+        );
+        let full = OutputForm::for_model(&m, DType::F32, Some(4)).unwrap();
+        assert_eq!(full.dimensions, None);
+        let t = full.apply(1, 4, rows(&[0.5, 0.5, 0.5, 0.5]));
+        assert_eq!(t.shape, vec![1, 4]);
+    }
+
+    #[test]
+    fn out_of_range_and_wrong_kinds_are_bad_requests() {
+        let m = embedder(4, true, None);
+        for d in [0, 5, u32::MAX] {
+            let (code, msg) = OutputForm::for_model(&m, DType::F32, Some(d)).unwrap_err();
+            assert_eq!(code, ErrorCode::BadRequest);
+            assert!(msg.contains("ask for 1 to 4"), "{msg}");
+        }
+        let mut scorer = embedder(1, false, None);
+        scorer.task = Task::Score { labels: 1 };
+        let (_, msg) = OutputForm::for_model(&scorer, DType::F32, Some(1)).unwrap_err();
+        assert!(msg.contains("cross-encoder"), "{msg}");
+    }
+
+    #[test]
+    fn f16_replies_are_cut_first() {
+        let form = OutputForm::for_model(&embedder(4, false, None), DType::F16, Some(3)).unwrap();
+        let t = form.apply(1, 4, rows(&[1.0, 2.0, 3.0, 4.0]));
+        assert_eq!(t.dtype, DType::F16);
+        assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 2.0, 3.0]);
+    }
+}
