@@ -30,7 +30,13 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(300);
 
 /// The sentence-embedding folders.
-const EMBEDDERS: [&str; 4] = ["bert-st-old", "bert-st-new", "xlmr-st", "mpnet-st"];
+const EMBEDDERS: [&str; 5] = [
+    "bert-st-old",
+    "bert-st-new",
+    "xlmr-st",
+    "mpnet-st",
+    "distilbert-st",
+];
 /// The cross-encoder folders (new, legacy and 4.x formats; BERT and XLM-R).
 const CROSS_ENCODERS: [&str; 4] = [
     "bert-cross-encoder",
@@ -207,6 +213,7 @@ fn folders_resolve_as_sentence_transformers_does() {
         ("bert-st-new", 128, 24),
         ("xlmr-st", 512, 32),
         ("mpnet-st", 384, 32),
+        ("distilbert-st", 96, 32),
     ] {
         let i = info(name);
         assert_eq!(
@@ -474,4 +481,33 @@ fn unsupported_folders_fail_at_startup_naming_what() {
             assert!(log.contains(needle), "{name}: {needle:?} not in\n{log}");
         }
     }
+}
+
+/// A DistilBERT cross-encoder's head (pre_classifier + ReLU) is not BERT's
+/// tanh pooler: refused by name rather than run as if it were.
+#[test]
+fn distilbert_cross_encoders_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(folder("distilbert-st")).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "config.json" {
+            std::os::unix::fs::symlink(entry.path(), dir.path().join(entry.file_name())).unwrap();
+        }
+    }
+    let mut config: Value = serde_json::from_str(
+        &std::fs::read_to_string(folder("distilbert-st").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    config["architectures"] = serde_json::json!(["DistilBertForSequenceClassification"]);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    let toml = format!(
+        "[[models]]\nname = \"d\"\nkind = \"bert\"\npath = \"{}\"\n",
+        dir.path().display()
+    );
+    let parsed = replayd::config::Config::parse(&toml).unwrap();
+    let e = inspect(&parsed.models[0].spec()).unwrap_err().to_string();
+    assert!(
+        e.contains("DistilBertForSequenceClassification") && e.contains("not served"),
+        "{e}"
+    );
 }

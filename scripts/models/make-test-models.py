@@ -69,6 +69,9 @@ from transformers import (  # noqa: E402
     BertForSequenceClassification,
     BertModel,
     BertTokenizer,
+    DistilBertConfig,
+    DistilBertModel,
+    DistilBertTokenizer,
     GPT2Config,
     GPT2Model,
     GPT2Tokenizer,
@@ -555,6 +558,33 @@ def build_bert_st_new(tmp: Path) -> Path:
         device="cpu",
     )
     path = OUT / "bert-st-new"
+    st.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+def build_distilbert_st(tmp: Path) -> Path:
+    """DistilBERT (DistilBertModel: no token types, sa_layer_norm / output_layer_norm, q_lin ...
+    out_lin, ffn.lin1 / lin2) saved by sentence-transformers 6.2 with a DistilBertTokenizer
+    (uncased WordPiece, model_max_length 96 of 512 positions), mean pooling, Normalize and a
+    `query: ` prompt (no default)."""
+    vocab = uncased_bert_vocab()
+    tok = DistilBertTokenizer(vocab=vocab, do_lower_case=True, model_max_length=96)
+    cfg = DistilBertConfig(
+        vocab_size=len(vocab), dim=32, n_layers=2, n_heads=4, hidden_dim=128,
+        max_position_embeddings=512, activation="gelu", pad_token_id=0,
+    )
+    model = DistilBertModel(cfg)
+    init_weights(model, 1101)
+    hf = tmp / "distilbert-st-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(
+        modules=[Transformer(str(hf)), Pooling(32, "mean"), Normalize()],
+        prompts={"query": "query: ", "document": ""},
+        device="cpu",
+    )
+    path = OUT / "distilbert-st"
     st.save(str(path))
     tidy_folder(path)
     return path
@@ -1055,7 +1085,38 @@ def mpnet_bucket(rel: np.ndarray, num_buckets: int = 32, max_distance: int = 128
     return ret + np.where(n < max_exact, n, large)
 
 
+def np_distilbert(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
+    """DistilBERT's forward (modeling_distilbert): BERT's post-norm block under other names,
+    positions from 0, no token types, LayerNorm eps fixed at 1e-12."""
+    L = len(ids)
+    eps = 1e-12
+    e = W["embeddings.word_embeddings.weight"][np.asarray(ids)] + W["embeddings.position_embeddings.weight"][np.arange(L)]
+    h = np_ln(e, W["embeddings.LayerNorm.weight"], W["embeddings.LayerNorm.bias"], eps)
+    H = cfg["n_heads"]
+    dh = cfg["dim"] // H
+    for layer in range(cfg["n_layers"]):
+        p = f"transformer.layer.{layer}."
+
+        def lin(name, x):
+            return x @ W[p + name + ".weight"].T + W[p + name + ".bias"]
+
+        q = lin("attention.q_lin", h).reshape(L, H, dh).transpose(1, 0, 2)
+        k = lin("attention.k_lin", h).reshape(L, H, dh).transpose(1, 0, 2)
+        v = lin("attention.v_lin", h).reshape(L, H, dh).transpose(1, 0, 2)
+        s = q @ k.transpose(0, 2, 1) / math.sqrt(dh)
+        s = s - s.max(-1, keepdims=True)
+        a = np.exp(s)
+        a = a / a.sum(-1, keepdims=True)
+        c = (a @ v).transpose(1, 0, 2).reshape(L, H * dh)
+        h1 = np_ln(h + lin("attention.out_lin", c), W[p + "sa_layer_norm.weight"], W[p + "sa_layer_norm.bias"], eps)
+        inter = np_gelu(lin("ffn.lin1", h1))
+        h = np_ln(h1 + lin("ffn.lin2", inter), W[p + "output_layer_norm.weight"], W[p + "output_layer_norm.bias"], eps)
+    return h
+
+
 def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], type_ids: list[int] | None) -> np.ndarray:
+    if family == "distilbert":
+        return np_distilbert(W, cfg, ids)
     ids_a = np.asarray(ids)
     L = len(ids)
     e = W[prefix + "embeddings.word_embeddings.weight"][ids_a]
@@ -1109,7 +1170,7 @@ def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], typ
 
 
 def family_of(cfg: dict) -> str:
-    return {"bert": "bert", "xlm-roberta": "xlmr", "mpnet": "mpnet"}[cfg["model_type"]]
+    return {"bert": "bert", "xlm-roberta": "xlmr", "mpnet": "mpnet", "distilbert": "distilbert"}[cfg["model_type"]]
 
 
 def cosine(a, b) -> float:
@@ -1236,6 +1297,14 @@ FOLDERS = {
         "six-key + include_prompt `1_Pooling/config.json` of sentence-transformers 2.3–5.x; WordPiece "
         "tokenizer with `<s>`=0 `<pad>`=1 `</s>`=2 `<unk>`=3 `[UNK]`=4 (the unk token is `[UNK]`), "
         "`<mask>` last, RobertaProcessing post-processor. Mean pooling, Normalize."
+    ),
+    "distilbert-st": (
+        "DistilBERT (DistilBertModel: `dim`/`n_layers`/`n_heads`/`hidden_dim` config keys, no token "
+        "types, `transformer.layer.N.attention.{q,k,v,out}_lin`, `sa_layer_norm`, `ffn.lin1`/`lin2`, "
+        "`output_layer_norm`, LayerNorm eps fixed at 1e-12) saved by sentence-transformers 6.2 with a "
+        "DistilBertTokenizer (uncased WordPiece, no token_type_ids among its inputs), "
+        "`model_max_length: 96` of 512 positions. Mean pooling, Normalize; prompts `query` = "
+        "`\"query: \"`, `document` = `\"\"`, no default."
     ),
     "bert-cross-encoder": (
         "BertForSequenceClassification, num_labels 1, saved by CrossEncoder 6.2 (`modules.json` with one "
@@ -1395,6 +1464,7 @@ def main() -> None:
             ("bert-st-new", build_bert_st_new(tmp), "bert", LONG_EN),
             ("xlmr-st", build_xlmr_st(tmp, uni, charsmap), "xlmr", LONG_MULTI),
             ("mpnet-st", build_mpnet_st(tmp), "mpnet", LONG_EN),
+            ("distilbert-st", build_distilbert_st(tmp), "bert", LONG_EN),
         ]
         ce_specs = [
             ("bert-cross-encoder", build_bert_cross_encoder(tmp)),

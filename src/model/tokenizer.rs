@@ -49,7 +49,7 @@ impl TokenizerClass {
         let name = match tokenizer_class {
             Some(n) => n.strip_suffix("Fast").unwrap_or(n).to_string(),
             None => match model_type {
-                "bert" => "BertTokenizer".into(),
+                "bert" | "distilbert" => "BertTokenizer".into(),
                 "mpnet" => "MPNetTokenizer".into(),
                 "xlm-roberta" => "XLMRobertaTokenizer".into(),
                 other => {
@@ -60,7 +60,9 @@ impl TokenizerClass {
             },
         };
         Ok(match name.as_str() {
-            "BertTokenizer" => TokenizerClass::Bert,
+            // transformers 5: DistilBertTokenizer is BertTokenizer without
+            // token_type_ids among its inputs.
+            "BertTokenizer" | "DistilBertTokenizer" => TokenizerClass::Bert,
             "MPNetTokenizer" => TokenizerClass::MpNet,
             "XLMRobertaTokenizer" => TokenizerClass::XlmRoberta,
             "TokenizersBackend" | "PreTrainedTokenizer" => TokenizerClass::File,

@@ -13,16 +13,19 @@
 //!   mean pooling for a base model, a cross-encoder for a
 //!   `*ForSequenceClassification` architecture.
 //! * In the Transformer module's folder (the root, or e.g. `0_Transformer/`):
-//!   `config.json` — `model_type` `bert`, `xlm-roberta` or `mpnet`, the
-//!   hyper-parameters (required: `hidden_size`, `num_attention_heads`,
-//!   `num_hidden_layers`, `intermediate_size`, `vocab_size`,
-//!   `max_position_embeddings`); `model.safetensors` (the base model's
-//!   weights, optionally under `bert.` / `roberta.` / `mpnet.`, with the
+//!   `config.json` — `model_type` `bert`, `xlm-roberta`, `mpnet` or
+//!   `distilbert`, the hyper-parameters (required: `hidden_size`,
+//!   `num_attention_heads`, `num_hidden_layers`, `intermediate_size`,
+//!   `vocab_size`, `max_position_embeddings`; DistilBERT's `dim`,
+//!   `n_heads`, `n_layers`, `hidden_dim`); `model.safetensors` (the base
+//!   model's weights, optionally under `bert.` / `roberta.` / `mpnet.` /
+//!   `distilbert.`, with the
 //!   classification head for a cross-encoder); `tokenizer.json` and
 //!   `tokenizer_config.json` (see [`crate::model::tokenizer`]);
 //!   `sentence_bert_config.json` (max length, `do_lower_case`).
-//! * `config_sentence_transformers.json` — the model type, prompts and a
-//!   cross-encoder's activation.
+//! * `config_sentence_transformers.json` — the model type, prompts,
+//!   `truncate_dim` (the default Matryoshka width) and a cross-encoder's
+//!   activation.
 //!
 //! [`ModelSpec`]'s `pooling`, `normalize` and `max_seq_len` override the
 //! folder (`normalize`: the normalisation at the end of the module chain);
@@ -115,11 +118,12 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     if !json.is_object() {
         return Err(err("expected a JSON object".into()));
     }
-    let serves = "replayd serves BERT, XLM-RoBERTa and MPNet encoders: model_type \"bert\", \"xlm-roberta\" or \"mpnet\"";
+    let serves = "replayd serves BERT, XLM-RoBERTa, MPNet and DistilBERT encoders: model_type \"bert\", \"xlm-roberta\", \"mpnet\" or \"distilbert\"";
     let family = match json.get("model_type").and_then(Value::as_str) {
         Some("bert") => Family::Bert,
         Some("xlm-roberta") => Family::XlmRoberta,
         Some("mpnet") => Family::Mpnet,
+        Some("distilbert") => Family::DistilBert,
         Some(other) => {
             let arch = json
                 .get("architectures")
@@ -158,11 +162,19 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         Family::Bert => ("BertModel", "BertForSequenceClassification"),
         Family::XlmRoberta => ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
         Family::Mpnet => ("MPNetModel", "MPNetForSequenceClassification"),
+        Family::DistilBert => ("DistilBertModel", "DistilBertForSequenceClassification"),
     };
     let masked_lm = format!("{}ForMaskedLM", base.trim_end_matches("Model"));
     let head = match architecture.as_deref() {
         None => false,
         Some(a) if a == base || a == masked_lm => false,
+        // Its head is pre_classifier + ReLU + classifier on [CLS], not
+        // BERT's tanh pooler: refused rather than run as BERT's.
+        Some(a) if a == classifier && family == Family::DistilBert => {
+            return Err(err(format!(
+                "unsupported architecture {a}: DistilBERT cross-encoders are not served yet (DistilBertModel and DistilBertForMaskedLM are)"
+            )))
+        }
         Some(a) if a == classifier => true,
         Some(a) => {
             return Err(err(format!(
@@ -182,30 +194,43 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
                 .ok_or_else(|| err(format!("`{key}` is {v}, expected a positive integer"))),
         }
     };
-    let hidden = size("hidden_size", None)?;
-    let heads = size("num_attention_heads", None)?;
-    let layers = size("num_hidden_layers", None)?;
-    let intermediate = size("intermediate_size", None)?;
+    // DistilBertConfig names its sizes its own way.
+    let [k_hidden, k_heads, k_layers, k_intermediate, k_act] = match family {
+        Family::DistilBert => ["dim", "n_heads", "n_layers", "hidden_dim", "activation"],
+        _ => [
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "intermediate_size",
+            "hidden_act",
+        ],
+    };
+    let hidden = size(k_hidden, None)?;
+    let heads = size(k_heads, None)?;
+    let layers = size(k_layers, None)?;
+    let intermediate = size(k_intermediate, None)?;
     let max_position = size("max_position_embeddings", None)?;
     let vocab = size("vocab_size", None)?;
     let type_vocab = match family {
-        Family::Mpnet => 0,
+        Family::Mpnet | Family::DistilBert => 0,
         _ => size("type_vocab_size", Some(2))?,
     };
     if hidden % heads != 0 {
         return Err(err(format!(
-            "hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+            "{k_hidden} {hidden} is not a multiple of {k_heads} {heads}"
         )));
     }
-    let act = match json.get("hidden_act") {
+    let act = match json.get(k_act) {
         None => Activation::Gelu,
         Some(v) => v.as_str().and_then(Activation::parse).ok_or_else(|| {
             err(format!(
-                "unsupported hidden_act {v} (gelu, gelu_new, relu, silu, tanh, ...)"
+                "unsupported {k_act} {v} (gelu, gelu_new, relu, silu, tanh, ...)"
             ))
         })?,
     };
     let eps = match json.get("layer_norm_eps") {
+        // DistilBERT's LayerNorms hard-code 1e-12 whatever the config says.
+        _ if family == Family::DistilBert => 1e-12,
         None => 1e-12,
         Some(v) => v.as_f64().filter(|e| *e > 0.0).ok_or_else(|| {
             err(format!(
@@ -221,7 +246,7 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         }
     }
     let pad = match family {
-        Family::Bert => None,
+        Family::Bert | Family::DistilBert => None,
         // XLMRobertaEmbeddings: padding_idx = config.pad_token_id.
         Family::XlmRoberta => Some(match json.get("pad_token_id") {
             None | Some(Value::Null) => 1,
@@ -799,11 +824,66 @@ struct LayerNames {
     output_norm: (String, String),
 }
 
+/// Where each family keeps a layer's parts: the same post-norm block
+/// (attention, add + LayerNorm, feed-forward, add + LayerNorm) under
+/// different names.
+struct LayerLayout {
+    /// The layers' common prefix (`encoder.layer`, then `.N`).
+    layers: &'static str,
+    query: &'static str,
+    key: &'static str,
+    value: &'static str,
+    attention_output: &'static str,
+    attention_norm: &'static str,
+    intermediate: &'static str,
+    output: &'static str,
+    output_norm: &'static str,
+}
+
+impl LayerLayout {
+    fn of(family: Family) -> LayerLayout {
+        const BERT: LayerLayout = LayerLayout {
+            layers: "encoder.layer",
+            query: "attention.self.query",
+            key: "attention.self.key",
+            value: "attention.self.value",
+            attention_output: "attention.output.dense",
+            attention_norm: "attention.output.LayerNorm",
+            intermediate: "intermediate.dense",
+            output: "output.dense",
+            output_norm: "output.LayerNorm",
+        };
+        match family {
+            Family::Bert | Family::XlmRoberta => BERT,
+            Family::Mpnet => LayerLayout {
+                query: "attention.attn.q",
+                key: "attention.attn.k",
+                value: "attention.attn.v",
+                attention_output: "attention.attn.o",
+                attention_norm: "attention.LayerNorm",
+                ..BERT
+            },
+            Family::DistilBert => LayerLayout {
+                layers: "transformer.layer",
+                query: "attention.q_lin",
+                key: "attention.k_lin",
+                value: "attention.v_lin",
+                attention_output: "attention.out_lin",
+                attention_norm: "sa_layer_norm",
+                intermediate: "ffn.lin1",
+                output: "ffn.lin2",
+                output_norm: "output_layer_norm",
+            },
+        }
+    }
+}
+
 fn tensor_names(header: &Header, c: &EncoderConfig) -> Result<TensorNames, ModelError> {
     let base = match c.family {
         Family::Bert => "bert.",
         Family::XlmRoberta => "roberta.",
         Family::Mpnet => "mpnet.",
+        Family::DistilBert => "distilbert.",
     };
     let prefix = if header.get("embeddings.word_embeddings.weight").is_some() {
         ""
@@ -867,36 +947,26 @@ fn tensor_names(header: &Header, c: &EncoderConfig) -> Result<TensorNames, Model
             Ok((w, b))
         };
     let embed_norm = norm(format!("{prefix}embeddings.LayerNorm"))?;
+    let n = LayerLayout::of(c.family);
     let mut layers = Vec::with_capacity(c.layers);
     for l in 0..c.layers {
-        let p = format!("{prefix}encoder.layer.{l}");
-        // MPNet names its attention's parts its own way; the rest is BERT's.
-        let (q, k, v, o, norm_name) = match c.family {
-            Family::Mpnet => ("attn.q", "attn.k", "attn.v", "attn.o", "LayerNorm"),
-            _ => (
-                "self.query",
-                "self.key",
-                "self.value",
-                "output.dense",
-                "output.LayerNorm",
-            ),
-        };
+        let p = format!("{prefix}{}.{l}", n.layers);
         layers.push(LayerNames {
             qkv: [
-                dense(format!("{p}.attention.{q}"), h, h, &why_h)?,
-                dense(format!("{p}.attention.{k}"), h, h, &why_h)?,
-                dense(format!("{p}.attention.{v}"), h, h, &why_h)?,
+                dense(format!("{p}.{}", n.query), h, h, &why_h)?,
+                dense(format!("{p}.{}", n.key), h, h, &why_h)?,
+                dense(format!("{p}.{}", n.value), h, h, &why_h)?,
             ],
-            attention_output: dense(format!("{p}.attention.{o}"), h, h, &why_h)?,
-            attention_norm: norm(format!("{p}.attention.{norm_name}"))?,
-            intermediate: dense(format!("{p}.intermediate.dense"), i, h, &why_i)?,
-            output: dense(format!("{p}.output.dense"), h, i, &why_i)?,
-            output_norm: norm(format!("{p}.output.LayerNorm"))?,
+            attention_output: dense(format!("{p}.{}", n.attention_output), h, h, &why_h)?,
+            attention_norm: norm(format!("{p}.{}", n.attention_norm))?,
+            intermediate: dense(format!("{p}.{}", n.intermediate), i, h, &why_i)?,
+            output: dense(format!("{p}.{}", n.output), h, i, &why_i)?,
+            output_norm: norm(format!("{p}.{}", n.output_norm))?,
         });
     }
     // A checkpoint with more layers than config.json says is a mismatch, not
     // something to truncate silently.
-    let layer_prefix = format!("{prefix}encoder.layer.");
+    let layer_prefix = format!("{prefix}{}.", n.layers);
     for name in header.tensors.keys() {
         if let Some(rest) = name.strip_prefix(&layer_prefix) {
             let index = rest.split('.').next().and_then(|n| n.parse::<usize>().ok());
@@ -1034,7 +1104,7 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let token_type = match &names.token_type {
         Some(n) => push(n)?,
         None => weights.push(
-            "embeddings.token_type_embeddings.weight (none in MPNet: zeros)",
+            "embeddings.token_type_embeddings.weight (none in MPNet or DistilBERT: zeros)",
             vec![1, h],
             vec![0.0; h],
         ),

@@ -1,4 +1,4 @@
-//! BERT-family encoders (BERT, XLM-RoBERTa, MPNet): the architecture
+//! BERT-family encoders (BERT, XLM-RoBERTa, MPNet, DistilBERT): the architecture
 //! (weight ids and hyper-parameters) and the forward pass as a [`Program`].
 //!
 //! * This module: [`BertArch`] and [`BertArch::program`], the encoder at one
@@ -10,11 +10,12 @@
 //! * `folder.rs`: reading a Hugging Face / sentence-transformers folder
 //!   ([`inspect`] without weight data, [`load`] with it).
 //!
-//! The three families differ only in what the program's ops are told: the
-//! position ids ([`PositionIds`]: BERT counts from 0, XLM-R and MPNet from
-//! the padding index + 1), MPNet's relative attention bias
-//! ([`PositionBias`], shared by every layer) and MPNet's missing token
-//! types (a zero table of one row stands in).
+//! The four families differ only in what the program's ops are told: the
+//! position ids ([`PositionIds`]: BERT and DistilBERT count from 0, XLM-R
+//! and MPNet from the padding index + 1), MPNet's relative attention bias
+//! ([`PositionBias`], shared by every layer) and the missing token types of
+//! MPNet and DistilBERT (a zero table of one row stands in). Their tensor
+//! and config names differ too; `folder.rs` maps them onto one layout.
 
 mod folder;
 
@@ -37,6 +38,9 @@ pub enum Family {
     XlmRoberta,
     /// `model_type` `mpnet`.
     Mpnet,
+    /// `model_type` `distilbert`: BERT's block under other names, no token
+    /// types.
+    DistilBert,
 }
 
 impl Family {
@@ -46,6 +50,7 @@ impl Family {
             Family::Bert => "bert",
             Family::XlmRoberta => "xlm-roberta",
             Family::Mpnet => "mpnet",
+            Family::DistilBert => "distilbert",
         }
     }
 }

@@ -156,11 +156,12 @@ pub(crate) fn layers_between(
 
 /// Issue 13's test folders (tests/data/models), loaded as the daemon
 /// loads them.
-pub(crate) const FAMILY_FOLDERS: [&str; 8] = [
+pub(crate) const FAMILY_FOLDERS: [&str; 9] = [
     "bert-st-new",
     "bert-st-old",
     "xlmr-st",
     "mpnet-st",
+    "distilbert-st",
     "bert-cross-encoder",
     "bert-cross-encoder-legacy",
     "bert-cross-encoder-v4",
