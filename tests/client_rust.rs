@@ -144,6 +144,38 @@ async fn a_thousand_requests_in_flight_on_one_socket_are_all_matched() {
     assert_eq!((m.rows, m.cols), (70, 10));
     assert!(rel_err(&m.data, &reference.forward(&big, 70)) < 1e-5);
     assert_eq!(c.stats()[0].sent, 3);
+    // A call over max_request_bytes fails at once, before anything is sent
+    // (the daemon would drop the connection with no reply).
+    let small = Client::connect_with(
+        &[daemon.endpoint.as_str()],
+        ClientOptions {
+            max_request_bytes: 64 << 10,
+            ..ClientOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let e = small
+        .infer_f32("mlp", 128, &rows(&mut rng, 200))
+        .await
+        .map(|m| m.rows);
+    assert_eq!(
+        e.ok(),
+        Some(200),
+        "200 rows of 512 bytes are split, not refused"
+    );
+    let wide = HostTensor::from_f32(vec![1, 20_000], &vec![0.0; 20_000]);
+    match small.call(Call::tensor("mlp", wide)).await {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("max_request_bytes"), "{m}"),
+        other => panic!("{:?}", other.map(|o| o.tensor.shape)),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(
+        small.stats()[0].sent,
+        2,
+        "two requests, and the refused call sent nothing"
+    );
 }
 
 /// A wide one-layer MLP (4 → 4096), so that each reply is large (16 KiB a row).

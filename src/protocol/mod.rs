@@ -190,6 +190,17 @@ impl Payload {
             Payload::Pairs(p) => p.len(),
         }
     }
+
+    /// The bytes its frames carry (what `server.max_request_bytes` counts,
+    /// with the header's).
+    pub fn wire_bytes(&self) -> usize {
+        match self {
+            Payload::Tensor(t) => t.data.len(),
+            Payload::Texts(t) => t.iter().map(String::len).sum(),
+            Payload::Ids(s) => s.iter().map(|s| 4 * s.len()).sum(),
+            Payload::Pairs(p) => p.iter().map(|(a, b)| a.len() + b.len()).sum(),
+        }
+    }
 }
 
 /// A decoded, well-formed request (not yet checked against the model).

@@ -174,11 +174,22 @@ class _ClientBase:
     ) -> Call:
         call = Call(self._timeout(timeout), deadline)
         sizes = [len(f) for f in frames]
-        for idx in proto.chunk_by(
-            order, sizes, self._batch(batch_size), max(1, self.max_request_bytes - _HEADER_ROOM)
-        ):
+        limit = max(1, self.max_request_bytes - _HEADER_ROOM)
+        for idx in proto.chunk_by(order, sizes, self._batch(batch_size), limit):
+            if len(idx) == 1 and sizes[idx[0]] > limit:
+                self._too_big(f"item {idx[0]} is {sizes[idx[0]]} bytes")
             call.add(fields, [frames[i] for i in idx], idx)
         return call
+
+    def _too_big(self, what: str) -> None:
+        # The daemon closes the connection on a message over its limit without
+        # a reply (libzmq refuses it before reading the body): say so here.
+        raise ValueError(
+            f"{what}, more than fits one request under max_request_bytes = "
+            f"{self.max_request_bytes} (the daemon's server.max_request_bytes, less "
+            f"{_HEADER_ROOM} bytes for the header); the daemon would drop the "
+            "connection without a reply. Shorten the input, or raise both limits."
+        )
 
     # ------------------------------------------------------------ preparing
 
@@ -262,6 +273,8 @@ class _ClientBase:
         fields["dtype"] = "f32"
         rows = x.shape[0]
         row_bytes = max(1, x[0].nbytes) if rows else 1
+        if row_bytes > self.max_request_bytes - _HEADER_ROOM:
+            self._too_big(f"one row is {row_bytes} bytes")
         per = min(self._batch(batch_size), max(1, (self.max_request_bytes - _HEADER_ROOM) // row_bytes))
         call = Call(self._timeout(timeout), deadline)
         for start in range(0, rows, per):

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import MINILM, MLP, Daemon, free_port, mlp_toml
+from conftest import DIM, MINILM, MLP, Daemon, free_port, mlp_toml
 import replayd
 from replayd import (
     BadRequest,
@@ -149,3 +149,16 @@ def test_overloaded(tiny_queue, mlp_reference):
         got = c.infer(MLP, x, batch_size=1)
     want = mlp_reference(x)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_a_text_over_max_request_bytes_fails_before_sending(endpoint):
+    # The daemon would close the connection without a reply: the client says
+    # so at once instead of waiting out its timeout.
+    with Client(endpoint, model=MINILM, timeout=60, max_request_bytes=64 << 10) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="max_request_bytes"):
+            c.embed(["short", "x" * (100 << 10)])
+        with pytest.raises(ValueError, match="max_request_bytes"):
+            c.infer(MLP, np.zeros((2, 20_000), dtype=np.float32))
+        assert time.monotonic() - t0 < 1.0
+        assert c.embed(["short"]).shape == (1, DIM)  # and the client still works

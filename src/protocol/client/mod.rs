@@ -198,6 +198,9 @@ impl Error {
 /// The former name of [`enum@Error`].
 pub type ClientError = Error;
 
+/// Bytes left under `max_request_bytes` for a request's header.
+const HEADER_ROOM: usize = 4096;
+
 /// A client's settings; `ClientOptions::default()` mirrors the Python client.
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
@@ -576,6 +579,17 @@ impl Client {
 
     /// Runs one request with the retries of the module docs.
     pub async fn call(&self, call: Call) -> Result<Output, Error> {
+        // The daemon drops the connection on a message over its limit, with
+        // no reply (libzmq refuses it before reading the body): say so now
+        // rather than after the timeout.
+        let bytes = call.payload.wire_bytes();
+        let limit = self.options.max_request_bytes.saturating_sub(HEADER_ROOM);
+        if bytes > limit {
+            return Err(Error::InvalidArgument(format!(
+                "the request carries {bytes} bytes, more than fits under max_request_bytes = {} (the daemon's server.max_request_bytes, less {HEADER_ROOM} for the header); the daemon would drop the connection without a reply: send less per call (embed_texts splits long lists) or raise both limits",
+                self.options.max_request_bytes
+            )));
+        }
         let timeout = call.timeout.unwrap_or(self.options.timeout);
         let mut header = RequestHeader::new(0, call.model, call.input);
         header.priority = call.priority;
@@ -675,7 +689,7 @@ impl Client {
         let o = &self.options;
         let (max_items, max_bytes) = (
             o.max_items_per_request.max(1),
-            o.max_request_bytes.saturating_sub(4096).max(1),
+            o.max_request_bytes.saturating_sub(HEADER_ROOM).max(1),
         );
         let mut out = Vec::new();
         let (mut n, mut bytes) = (0usize, 0usize);
