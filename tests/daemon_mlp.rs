@@ -199,6 +199,37 @@ async fn oversize_request_is_split_over_graph_batches() {
 }
 
 /// Sends `signal` to each worker.
+/// An overflow inside the model (finite inputs near f32's largest) gives
+/// a request an error naming the item, never NaN or infinity as a result;
+/// the next request is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_finite_result_is_an_error_not_an_output() {
+    let daemon = Daemon::start(&mlp_config(""));
+    let client = daemon.client().await;
+    let mut rng = Rng::new(9);
+    let mut x = random_rows(&mut rng, 3);
+    for v in &mut x[128..256] {
+        *v = if *v > 0.0 { f32::MAX } else { -f32::MAX };
+    }
+    let r = client
+        .infer("mlp", &HostTensor::from_f32(vec![3, 128], &x), T)
+        .await
+        .unwrap();
+    assert_eq!(r.header.code, Some(ErrorCode::Internal), "{:?}", r.header);
+    let message = r.header.message.unwrap_or_default();
+    assert!(
+        message.contains("non-finite") && message.contains("item 1"),
+        "{message}"
+    );
+    let x = random_rows(&mut rng, 2);
+    let r = client
+        .infer("mlp", &HostTensor::from_f32(vec![2, 128], &x), T)
+        .await
+        .unwrap();
+    assert!(output_of(&r).iter().all(|v| v.is_finite()));
+    assert_eq!(daemon.stats()["requests"]["errors"]["internal"], 1);
+}
+
 fn signal_all(pids: &[i32], signal: i32) {
     for &p in pids {
         // SAFETY: signalling a worker process of the daemon under test.

@@ -125,6 +125,17 @@ impl OutputForm {
     }
 }
 
+/// The first of the little-endian f32 rows of `width` values in `data`
+/// that holds a NaN or an infinity.
+pub fn non_finite_row(data: &[u8], width: usize) -> Option<usize> {
+    let row_bytes = width.max(1) * 4;
+    data.chunks_exact(row_bytes).position(|row| {
+        row.chunks_exact(4)
+            // Exponent bits all ones: infinity or NaN.
+            .any(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +215,19 @@ mod tests {
         scorer.task = Task::Score { labels: 1 };
         let (_, msg) = OutputForm::for_model(&scorer, DType::F32, Some(1)).unwrap_err();
         assert!(msg.contains("cross-encoder"), "{msg}");
+    }
+
+    #[test]
+    fn non_finite_rows_are_found() {
+        assert_eq!(non_finite_row(&rows(&[1.0, -2.0, 0.0, f32::MAX]), 2), None);
+        assert_eq!(
+            non_finite_row(&rows(&[1.0, 2.0, 3.0, f32::NAN]), 2),
+            Some(1)
+        );
+        assert_eq!(
+            non_finite_row(&rows(&[f32::NEG_INFINITY, 2.0, f32::INFINITY, 1.0]), 2),
+            Some(0)
+        );
     }
 
     #[test]

@@ -30,7 +30,7 @@ use super::messages::{
     Batch, BatchOutcome, BatchOutput, BatchPart, BatchReport, BatcherMsg, Stamps, Submission,
 };
 use super::metrics::{EagerReason, Ledger, Metrics, Observation};
-use super::output::OutputForm;
+use super::output::{non_finite_row, OutputForm};
 use super::route::DeviceRoute;
 use crate::bucket::{Bucket, Grid};
 use crate::clock::{mono_ns, us_between};
@@ -711,6 +711,21 @@ impl BatcherState {
 
     /// Sends the assembled reply of a request whose rows are all back.
     fn answer(&mut self, id: RequestId) {
+        // An overflow (f16 past 65504, say) gives NaN or infinity: an error
+        // for the request, never an embedding.
+        let bad_row = self.pending.get(&id).and_then(|p| match &p.output {
+            Output::Whole(b) => non_finite_row(b, p.output_dim),
+            Output::Assembling(v) => non_finite_row(v, p.output_dim),
+            Output::None => None,
+        });
+        if let Some(row) = bad_row {
+            let name = self.pending.get(&id).map_or("", |p| &self.models[p.model].name);
+            let message = format!(
+                "model {name} produced a non-finite value (NaN or infinity) for item {row}: an overflow in its arithmetic; serving it in bf16 or f32 instead of f16 avoids one"
+            );
+            self.fail(id, ErrorCode::Internal, &message);
+            return;
+        }
         self.scheduler.finish(id);
         let Some(p) = self.pending.remove(&id) else {
             return;
