@@ -6,7 +6,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpConfig {
-    /// Serve `POST /v1/embeddings`, `POST /embed` and `GET /health` (off by default).
+    /// Serve the HTTP front: `POST /v1/embeddings`, text-embeddings-inference's
+    /// `POST /embed`, `/rerank`, `/tokenize` and `GET /info`, `GET /v1/models`
+    /// and `GET /health` (off by default).
     pub enabled: bool,
     /// `HOST:PORT` to listen on; port 0 picks a free one (the ready file says which).
     pub listen: String,

@@ -1,22 +1,33 @@
 //! The HTTP front (`[http]`, off by default): the embeddings routes the
 //! ecosystem speaks, served by axum on the daemon's runtime.
 //!
-//! * `POST /v1/embeddings` — OpenAI's shape: `{"input": str | [str] | [int] |
-//!   [[int]], "model": str, "encoding_format": "float" | "base64",
-//!   "dimensions": int, "user": str}` →
-//!   `{"object": "list", "data": [{"object": "embedding", "index": i,
-//!   "embedding": [...] | "base64"}], "model": ..., "usage": {"prompt_tokens":
-//!   N, "total_tokens": N}}`.
-//! * `POST /embed` — text-embeddings-inference's shape: `{"inputs": str |
-//!   [str], "normalize": bool (true), "truncate": bool (false)}` → `[[...]]`.
+//! * `openai.rs`: `POST /v1/embeddings`, OpenAI's shape: `{"input": str |
+//!   [str] | [int] | [[int]], "model": str, "encoding_format": "float" |
+//!   "base64", "dimensions": int, "user": str}` → `{"object": "list",
+//!   "data": [{"object": "embedding", "index": i, "embedding": [...] |
+//!   "base64"}], "model": ..., "usage": {"prompt_tokens": N, "total_tokens":
+//!   N}}`.
+//! * `tei.rs`: text-embeddings-inference's routes: `POST /embed` (`inputs`,
+//!   `truncate`, `truncation_direction`, `prompt_name`, `normalize`,
+//!   `dimensions` → `[[...]]`), `POST /rerank` (`query`, `texts`,
+//!   `raw_scores`, `return_text`, `truncate` → `[{"index", "score",
+//!   "text"}]`, best first, on a cross-encoder), `POST /tokenize` (`inputs`,
+//!   `add_special_tokens`, `prompt_name` → `[[{"id", "text", "special",
+//!   "start", "stop"}]]`) and `GET /info`; each takes an optional `model`
+//!   (a replayd extension; default: the first served model of the route's
+//!   kind).
 //! * `GET /v1/models`, `GET /health` ([`Health`], as `replayctl health --json`).
 //!
-//! Every request becomes a protocol request and goes through
-//! [`Frontend::handle`] — the same decoding limits, admission, validation and
-//! batcher as the ZeroMQ socket. Texts are tokenized first with the model's
-//! own tokenizer ([`Frontend::tokenize`], exactly as a `texts` request is)
-//! and sent as `ids`, so that `usage` can count the tokens. Errors are JSON
-//! carrying the protocol's codes, with the HTTP status of [`status_of`].
+//! Every embedding and rerank request becomes a protocol request and goes
+//! through [`Frontend::handle`] — the same decoding limits, admission,
+//! validation and batcher as the ZeroMQ socket; `dimensions` is passed on as
+//! the header's. `/v1/embeddings` tokenizes texts first with the model's own
+//! tokenizer ([`Frontend::tokenize`], exactly as a `texts` request is) and
+//! sends ids, so that `usage` can count the tokens; `/embed` and `/rerank`
+//! send texts and pairs. `/tokenize` runs the model's tokenizer pool
+//! ([`super::tokenize::TokenizerPool::encode_detailed`]) and no model.
+//! Errors are JSON carrying the protocol's codes, with the HTTP status of
+//! [`status_of`]: OpenAI's shape on OpenAI's routes, TEI's on TEI's.
 //!
 //! Bounds: at most `http.max_concurrency` requests are handled at once —
 //! the slot is taken before the body is read, so bodies held in memory are
@@ -27,11 +38,14 @@
 //!
 //! [`router`] is served by [`super::http_server`], like `/metrics`.
 
+mod openai;
+mod tei;
+
 use super::frontend::{Frontend, ServedModel};
 use super::metrics::Metrics;
 use super::stats::Health;
-use crate::config::HttpConfig;
-use crate::model::InputSpec;
+use crate::config::Config;
+use crate::model::{InputSpec, ModelInfo, Task};
 use crate::protocol::{
     encode_request, ErrorCode, InputKind, Payload, ProtocolError, Reply, RequestHeader,
 };
@@ -42,9 +56,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use base64::Engine as _;
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -70,39 +82,99 @@ pub struct HttpFront {
     metrics: Arc<Metrics>,
     slots: Semaphore,
     timeout: Duration,
+    /// `http.default_model`: the default of the routes of its kind.
     default_model: Option<String>,
+    /// `http.max_concurrency` (TEI's `max_concurrent_requests`).
+    max_concurrency: usize,
+    /// `server.max_request_bytes`, the protocol's limit on a request.
+    max_request_bytes: usize,
+    /// `server.max_items_per_request` (TEI's `max_client_batch_size`).
+    max_items: usize,
     /// Ids for the protocol requests (only the frontend sees them).
     next_id: AtomicU64,
 }
 
 impl HttpFront {
-    pub fn new(config: &HttpConfig, frontend: Arc<Frontend>, metrics: Arc<Metrics>) -> Arc<Self> {
-        let default_model = config.default_model.clone().or_else(|| {
-            frontend
-                .models()
-                .iter()
-                .find(|m| m.tokenizer.is_some())
-                .map(|m| m.info.name.clone())
-        });
+    pub fn new(config: &Config, frontend: Arc<Frontend>, metrics: Arc<Metrics>) -> Arc<Self> {
         Arc::new(HttpFront {
             frontend,
             metrics,
-            slots: Semaphore::new(config.max_concurrency),
-            timeout: Duration::from_millis(config.request_timeout_ms),
-            default_model,
+            slots: Semaphore::new(config.http.max_concurrency),
+            timeout: Duration::from_millis(config.http.request_timeout_ms),
+            default_model: config.http.default_model.clone(),
+            max_concurrency: config.http.max_concurrency,
+            max_request_bytes: config.server.max_request_bytes,
+            max_items: config.server.max_items_per_request,
             next_id: AtomicU64::new(1),
         })
     }
 }
 
+/// What a served model is, as the HTTP routes see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Texts in, one embedding each (`/v1/embeddings`, `/embed`).
+    Embedding,
+    /// A cross-encoder with one score per pair (`/rerank`).
+    Reranker,
+    /// A cross-encoder with several labels per pair (no route scores it).
+    Classifier,
+    /// Tensors in (`kind = "mlp"`): not served over HTTP.
+    Tensor,
+}
+
+impl Kind {
+    fn of(info: &ModelInfo) -> Kind {
+        match (&info.input, info.task) {
+            (InputSpec::Features { .. }, _) => Kind::Tensor,
+            (InputSpec::Tokens { .. }, Task::Embed) => Kind::Embedding,
+            (InputSpec::Tokens { .. }, Task::Score { labels: 1 }) => Kind::Reranker,
+            (InputSpec::Tokens { .. }, Task::Score { .. }) => Kind::Classifier,
+        }
+    }
+}
+
+/// Which models a route takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    /// `/v1/embeddings`, `/embed`.
+    Embedding,
+    /// `/rerank`.
+    Reranker,
+    /// `/tokenize`: any model with a tokenizer (default: an embedding
+    /// model's, else a cross-encoder's).
+    Tokenizer,
+}
+
+impl Want {
+    fn takes(self, kind: Kind) -> bool {
+        match self {
+            Want::Embedding => kind == Kind::Embedding,
+            Want::Reranker => kind == Kind::Reranker,
+            Want::Tokenizer => kind != Kind::Tensor,
+        }
+    }
+}
+
 /// Which JSON shape an error takes.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Shape {
     /// `{"error": {"message", "type", "code"}}`
     OpenAi,
     /// `{"error": message, "error_type": code}`
     Tei,
 }
+
+/// The error shape of a route (and of the 405 on it).
+fn shape_of(path: &str) -> Shape {
+    match path {
+        "/embed" | "/rerank" | "/tokenize" | "/info" => Shape::Tei,
+        _ => Shape::OpenAi,
+    }
+}
+
+/// Every route, for the 404 message.
+const ROUTES: &str = "POST /v1/embeddings, GET /v1/models, POST /embed, POST /rerank, POST /tokenize, GET /info, GET /health";
 
 /// An error reply.
 struct Failure {
@@ -138,9 +210,12 @@ impl IntoResponse for Failure {
 /// The routes, with the body limit.
 pub fn router(front: Arc<HttpFront>, max_body_bytes: usize) -> Router {
     Router::new()
-        .route("/v1/embeddings", post(openai_embeddings))
-        .route("/embed", post(tei_embed))
+        .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(models))
+        .route("/embed", post(tei::embed))
+        .route("/rerank", post(tei::rerank))
+        .route("/tokenize", post(tei::tokenize))
+        .route("/info", get(tei::info))
         .route("/health", get(health_route))
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
@@ -153,12 +228,8 @@ pub fn router(front: Arc<HttpFront>, max_body_bytes: usize) -> Router {
 /// before its body is read (so a flood of large bodies is refused, not
 /// buffered), or answers 429 at once.
 async fn admit(State(front): State<Arc<HttpFront>>, request: Request, next: Next) -> Response {
-    let shape = if request.uri().path() == "/embed" {
-        Shape::Tei
-    } else {
-        Shape::OpenAi
-    };
-    // /health and /v1/models stay answerable when the embedding slots are full.
+    let shape = shape_of(request.uri().path());
+    // The GET routes stay answerable when the slots are full.
     if request.method() != axum::http::Method::POST {
         return next.run(request).await;
     }
@@ -176,25 +247,22 @@ async fn admit(State(front): State<Arc<HttpFront>>, request: Request, next: Next
 
 async fn no_route(request: Request) -> Response {
     let message = format!(
-        "no route {} {} (routes: POST /v1/embeddings, POST /embed, GET /v1/models, GET /health)",
+        "no route {} {} (routes: {ROUTES})",
         request.method(),
         request.uri().path()
     );
-    bad_request_with_status(StatusCode::NOT_FOUND, message)
+    bad_request_with_status(Shape::OpenAi, StatusCode::NOT_FOUND, message)
 }
 
 async fn wrong_method(request: Request) -> Response {
-    let message = format!(
-        "{} is not allowed on {}",
-        request.method(),
-        request.uri().path()
-    );
-    bad_request_with_status(StatusCode::METHOD_NOT_ALLOWED, message)
+    let path = request.uri().path();
+    let message = format!("{} is not allowed on {path}", request.method());
+    bad_request_with_status(shape_of(path), StatusCode::METHOD_NOT_ALLOWED, message)
 }
 
-/// An OpenAI-shaped `bad_request` reply with an HTTP status of its own.
-fn bad_request_with_status(status: StatusCode, message: String) -> Response {
-    let mut f = Failure::new(Shape::OpenAi, ErrorCode::BadRequest, message);
+/// A `bad_request` reply with an HTTP status of its own.
+fn bad_request_with_status(shape: Shape, status: StatusCode, message: String) -> Response {
+    let mut f = Failure::new(shape, ErrorCode::BadRequest, message);
     f.status = status;
     f.into_response()
 }
@@ -227,92 +295,105 @@ fn parse<T: serde::de::DeserializeOwned>(shape: Shape, bytes: &[u8]) -> Result<T
     })
 }
 
-/// OpenAI's `input`: a string, strings, one token list, or token lists.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum OpenAiInput {
-    One(String),
-    Many(Vec<String>),
-    Tokens(Vec<u32>),
-    TokenLists(Vec<Vec<u32>>),
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct OpenAiRequest {
-    input: OpenAiInput,
-    #[serde(default)]
-    model: Option<String>,
-    #[serde(default)]
-    encoding_format: Option<String>,
-    #[serde(default)]
-    dimensions: Option<u64>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    user: Option<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum TeiInputs {
-    One(String),
-    Many(Vec<String>),
-}
-
 fn default_true() -> bool {
     true
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TeiRequest {
-    inputs: TeiInputs,
-    #[serde(default = "default_true")]
-    normalize: bool,
-    #[serde(default)]
-    truncate: bool,
-    #[serde(default)]
-    truncation_direction: Option<String>,
-}
-
-/// What a request asks of an encoder model.
-enum Texts {
-    Strings(Vec<String>),
-    Ids(Vec<Vec<u32>>),
-}
-
-/// A successful embedding: rows, their width, and the tokens they took.
-struct Embedded {
-    model: String,
-    rows: Vec<Vec<f32>>,
-    tokens: usize,
-}
+/// A successful reply's rows (embeddings, or a cross-encoder's scores).
+type Rows = Vec<Vec<f32>>;
 
 impl HttpFront {
-    fn model_for(&self, shape: Shape, requested: Option<String>) -> Result<&ServedModel, Failure> {
-        let name = requested
-            .or_else(|| self.default_model.clone())
-            .ok_or_else(|| {
-                Failure::new(
+    /// The body read and parsed, or the reply to an unreadable one
+    /// (counted as the frontend counts its errors).
+    fn request<T: serde::de::DeserializeOwned>(
+        &self,
+        shape: Shape,
+        raw: Result<Bytes, BytesRejection>,
+    ) -> Result<T, Failure> {
+        body(shape, raw)
+            .and_then(|raw| parse(shape, &raw))
+            .inspect_err(|_| self.frontend.count_error(ErrorCode::BadRequest))
+    }
+
+    /// The default model of a route: `http.default_model` when it is of the
+    /// route's kind, else the first served model of that kind (for
+    /// `/tokenize`: of an embedding model, else of a cross-encoder).
+    fn default_for(&self, want: Want) -> Option<&ServedModel> {
+        let models = self.frontend.models();
+        let first = |w: Want| {
+            let configured = self
+                .default_model
+                .as_deref()
+                .and_then(|name| models.iter().find(|m| m.info.name == name));
+            configured
+                .filter(|m| w.takes(Kind::of(&m.info)))
+                .or_else(|| models.iter().find(|m| w.takes(Kind::of(&m.info))))
+        };
+        match want {
+            Want::Tokenizer => first(Want::Embedding).or_else(|| first(Want::Reranker)),
+            w => first(w),
+        }
+    }
+
+    /// The model a request names (or the route's default), checked to be of
+    /// the kind the route takes.
+    fn model_for(
+        &self,
+        shape: Shape,
+        requested: Option<String>,
+        want: Want,
+    ) -> Result<&ServedModel, Failure> {
+        let Some(name) = requested else {
+            return self.default_for(want).ok_or_else(|| {
+                let kind = match want {
+                    Want::Embedding | Want::Tokenizer => "embedding model",
+                    Want::Reranker => "cross-encoder with one score per pair",
+                };
+                self.refuse(
                     shape,
                     ErrorCode::BadRequest,
-                    "no `model` given and no default model (http.default_model)",
+                    format!("no `model` given and no {kind} is served"),
                 )
-            })?;
+            });
+        };
         let model = self.frontend.model(0, &name).map_err(|e| {
             self.frontend.count_error(e.code);
             self.fail(shape, e)
         })?;
-        if !matches!(model.info.input, InputSpec::Tokens { .. }) {
-            return Err(self.refuse(
-                shape,
-                ErrorCode::BadRequest,
-                format!(
-                    "model {name} takes tensors (kind = \"mlp\"); the HTTP front serves encoder models"
-                ),
-            ));
+        let kind = Kind::of(&model.info);
+        if want.takes(kind) {
+            return Ok(model);
         }
-        Ok(model)
+        let what = match kind {
+            Kind::Tensor => {
+                return Err(self.refuse(
+                    shape,
+                    ErrorCode::BadRequest,
+                    format!(
+                        "model {name} takes tensors (kind = \"mlp\"); the HTTP front serves encoder models"
+                    ),
+                ))
+            }
+            Kind::Embedding => "an embedding model (use /v1/embeddings or /embed)".to_string(),
+            Kind::Reranker => "a cross-encoder (use /rerank)".to_string(),
+            Kind::Classifier => format!(
+                "a cross-encoder with {} labels per pair, not one score",
+                match model.info.task {
+                    Task::Score { labels } => labels,
+                    Task::Embed => 0,
+                }
+            ),
+        };
+        let route = match want {
+            Want::Embedding => "this route embeds texts",
+            Want::Reranker => "/rerank needs a cross-encoder with one score per pair",
+            Want::Tokenizer => "/tokenize needs a model with a tokenizer",
+        };
+        Err(self.refuse(
+            shape,
+            ErrorCode::BadRequest,
+            format!("model {name} is {what}; {route}"),
+        ))
     }
 
     fn fail(&self, shape: Shape, e: ProtocolError) -> Failure {
@@ -325,191 +406,34 @@ impl HttpFront {
         Failure::new(shape, code, message)
     }
 
-    /// Tokenizes (when given texts), sends the ids through the frontend and
-    /// returns the rows.
-    async fn embed(
+    /// A protocol header for `model`, with the HTTP deadline.
+    fn header(&self, model: &ServedModel, input: InputKind) -> RequestHeader {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut header = RequestHeader::new(id, model.info.name.clone(), input);
+        header.timeout_us = Some(self.timeout.as_micros() as u64);
+        header
+    }
+
+    /// Sends one protocol request through the frontend and returns the
+    /// reply's rows (the frontend counts its own errors).
+    async fn send(
         &self,
         shape: Shape,
-        model: &ServedModel,
-        texts: Texts,
-        truncate: bool,
-    ) -> Result<Embedded, Failure> {
-        let ids = match texts {
-            Texts::Ids(ids) => ids,
-            Texts::Strings(texts) => {
-                if texts.is_empty() {
-                    return Err(self.refuse(
-                        shape,
-                        ErrorCode::BadRequest,
-                        "no input: expected at least one text",
-                    ));
-                }
-                self.frontend
-                    .tokenize(model, texts, truncate)
-                    .await
-                    .map_err(|e| {
-                        self.frontend.count_error(e.code);
-                        self.fail(shape, e)
-                    })?
-            }
-        };
-        let tokens = ids.iter().map(Vec::len).sum();
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut header = RequestHeader::new(id, model.info.name.clone(), InputKind::Ids);
-        header.timeout_us = Some(self.timeout.as_micros() as u64);
-        let frames = encode_request(&header, &Payload::Ids(ids));
+        header: &RequestHeader,
+        payload: &Payload,
+    ) -> Result<Rows, Failure> {
+        let frames = encode_request(header, payload);
         let (reply, ticket) = self.frontend.handle(&frames, crate::clock::mono_ns()).await;
         drop(ticket);
         match reply {
             Reply::Ok { output, .. } => {
-                let dim = output.shape.get(1).copied().unwrap_or(0).max(1);
+                let width = output.shape.get(1).copied().unwrap_or(0).max(1);
                 let data = crate::tensor::f32s_from_le(&output.data);
-                Ok(Embedded {
-                    model: model.info.name.clone(),
-                    rows: data.chunks(dim).map(<[f32]>::to_vec).collect(),
-                    tokens,
-                })
+                Ok(data.chunks(width).map(<[f32]>::to_vec).collect())
             }
             Reply::Error { code, message, .. } => Err(Failure::new(shape, code, message)),
         }
     }
-}
-
-async fn openai_embeddings(
-    State(front): State<Arc<HttpFront>>,
-    raw: Result<Bytes, BytesRejection>,
-) -> Result<Json<OpenAiResponse>, Failure> {
-    let shape = Shape::OpenAi;
-    let raw =
-        body(shape, raw).inspect_err(|_| front.frontend.count_error(ErrorCode::BadRequest))?;
-    let req: OpenAiRequest =
-        parse(shape, &raw).inspect_err(|_| front.frontend.count_error(ErrorCode::BadRequest))?;
-    let base64 = match req.encoding_format.as_deref() {
-        None | Some("float") => false,
-        Some("base64") => true,
-        Some(other) => {
-            return Err(front.refuse(
-                shape,
-                ErrorCode::BadRequest,
-                format!("`encoding_format` must be \"float\" or \"base64\", got {other:?}"),
-            ))
-        }
-    };
-    let model = front.model_for(shape, req.model)?;
-    if let Some(d) = req.dimensions {
-        if d as usize != model.info.output_dim {
-            return Err(front.refuse(
-                shape,
-                ErrorCode::BadRequest,
-                format!(
-                    "`dimensions` = {d} is not supported: model {} returns {} dimensions (leave `dimensions` out, or ask for exactly that)",
-                    model.info.name, model.info.output_dim
-                ),
-            ));
-        }
-    }
-    let texts = match req.input {
-        OpenAiInput::One(t) => Texts::Strings(vec![t]),
-        OpenAiInput::Many(t) => Texts::Strings(t),
-        OpenAiInput::Tokens(ids) => Texts::Ids(vec![ids]),
-        OpenAiInput::TokenLists(ids) => Texts::Ids(ids),
-    };
-    // Texts over the model's maximum are truncated, as sentence-transformers
-    // (and a protocol request by default) does; an over-long token list is
-    // too_long.
-    let out = front.embed(shape, model, texts, true).await?;
-    let data = out
-        .rows
-        .into_iter()
-        .enumerate()
-        .map(|(index, row)| OpenAiEmbedding {
-            object: "embedding",
-            index,
-            embedding: if base64 {
-                let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
-                Vector::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
-            } else {
-                Vector::Float(row)
-            },
-        })
-        .collect();
-    Ok(Json(OpenAiResponse {
-        object: "list",
-        data,
-        model: out.model,
-        usage: Usage {
-            prompt_tokens: out.tokens,
-            total_tokens: out.tokens,
-        },
-    }))
-}
-
-/// f32 values serialise as the shortest text that reads back as the same
-/// f32 (through a `Value` they would be widened to f64 first).
-#[derive(Serialize)]
-#[serde(untagged)]
-enum Vector {
-    Float(Vec<f32>),
-    Base64(String),
-}
-
-#[derive(Serialize)]
-struct OpenAiEmbedding {
-    object: &'static str,
-    index: usize,
-    embedding: Vector,
-}
-
-#[derive(Serialize)]
-struct Usage {
-    prompt_tokens: usize,
-    total_tokens: usize,
-}
-
-#[derive(Serialize)]
-struct OpenAiResponse {
-    object: &'static str,
-    data: Vec<OpenAiEmbedding>,
-    model: String,
-    usage: Usage,
-}
-
-async fn tei_embed(
-    State(front): State<Arc<HttpFront>>,
-    raw: Result<Bytes, BytesRejection>,
-) -> Result<Json<Vec<Vec<f32>>>, Failure> {
-    let shape = Shape::Tei;
-    let raw =
-        body(shape, raw).inspect_err(|_| front.frontend.count_error(ErrorCode::BadRequest))?;
-    let req: TeiRequest =
-        parse(shape, &raw).inspect_err(|_| front.frontend.count_error(ErrorCode::BadRequest))?;
-    if let Some(dir) = req.truncation_direction.as_deref() {
-        if !dir.eq_ignore_ascii_case("right") {
-            return Err(front.refuse(
-                shape,
-                ErrorCode::BadRequest,
-                format!("`truncation_direction` {dir:?} is not supported (only \"right\")"),
-            ));
-        }
-    }
-    let model = front.model_for(shape, None)?;
-    let texts = match req.inputs {
-        TeiInputs::One(t) => vec![t],
-        TeiInputs::Many(t) => t,
-    };
-    let mut out = front
-        .embed(shape, model, Texts::Strings(texts), req.truncate)
-        .await?;
-    if req.normalize {
-        for row in &mut out.rows {
-            let norm = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
-            // Already unit length (a model whose folder normalises): as is.
-            if norm > 0.0 && (norm - 1.0).abs() > 1e-6 {
-                row.iter_mut().for_each(|v| *v = (*v as f64 / norm) as f32);
-            }
-        }
-    }
-    Ok(Json(out.rows))
 }
 
 async fn models(State(front): State<Arc<HttpFront>>) -> Json<Value> {
@@ -560,20 +484,13 @@ mod tests {
     }
 
     #[test]
-    fn openai_inputs_of_every_shape_parse() {
-        let p = |s: &str| serde_json::from_str::<OpenAiRequest>(s).map(|r| r.input);
-        assert!(matches!(p(r#"{"input": "a"}"#), Ok(OpenAiInput::One(_))));
-        assert!(matches!(p(r#"{"input": ["a", "b"]}"#), Ok(OpenAiInput::Many(v)) if v.len() == 2));
-        assert!(
-            matches!(p(r#"{"input": [101, 102]}"#), Ok(OpenAiInput::Tokens(v)) if v == [101, 102])
-        );
-        assert!(matches!(
-            p(r#"{"input": [[101, 102]]}"#),
-            Ok(OpenAiInput::TokenLists(_))
-        ));
-        let e = serde_json::from_str::<OpenAiRequest>(r#"{"input": "a", "colour": 1}"#)
-            .err()
-            .unwrap();
-        assert!(e.to_string().contains("colour"), "{e}");
+    fn tei_routes_answer_in_tei_shape() {
+        for path in ["/embed", "/rerank", "/tokenize", "/info"] {
+            assert_eq!(shape_of(path), Shape::Tei, "{path}");
+            assert!(ROUTES.contains(path), "{path} missing from the 404 list");
+        }
+        for path in ["/v1/embeddings", "/v1/models", "/health", "/nope"] {
+            assert_eq!(shape_of(path), Shape::OpenAi, "{path}");
+        }
     }
 }

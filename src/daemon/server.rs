@@ -664,7 +664,7 @@ pub async fn run(
         let _ = rx.wait_for(|s| *s).await;
     };
     let http_task = http_listener.map(|listener| {
-        let front = super::http::HttpFront::new(&config.http, frontend.clone(), metrics.clone());
+        let front = super::http::HttpFront::new(&config, frontend.clone(), metrics.clone());
         let routes = super::http::router(front, config.http.max_body_bytes);
         http_server::serve(listener, routes, "http front", stopped(stop_rx.clone())).1
     });

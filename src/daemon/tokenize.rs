@@ -450,6 +450,54 @@ impl TextTokenizer {
         tok.post_process(first, Some(second), true)
     }
 
+    /// One text through the HF tokenizer with what `POST /tokenize` shows
+    /// (token strings, byte offsets, the special-tokens mask): special
+    /// tokens when `add_special_tokens`; a text over `max_seq_len` tokens is
+    /// cut from the `cut` end (special tokens kept), or without `cut` is
+    /// [`TokenizeError::TooLong`]. Cut from the right, with special tokens,
+    /// its ids are exactly [`TextTokenizer::encode`]'s with truncation; cut
+    /// from the left, it keeps the last tokens, as the `tokenizers` library's
+    /// `TruncationDirection::Left` does.
+    pub fn encode_detailed(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        cut: Option<TruncationDirection>,
+    ) -> Result<Encoding, TokenizeError> {
+        let failed = |e: tokenizers::Error| TokenizeError::Encode {
+            index: 0,
+            message: e.to_string(),
+        };
+        let encoding = match cut {
+            None => self.full.encode(text, add_special_tokens),
+            Some(TruncationDirection::Right) => self.truncating.encode(text, add_special_tokens),
+            Some(TruncationDirection::Left) => {
+                // As the library's post_process truncates (the budget less
+                // the special tokens to add), from the other end.
+                let tok = &self.full;
+                let mut encoding = tok.encode(text, false).map_err(failed)?;
+                let added = match (add_special_tokens, tok.get_post_processor()) {
+                    (true, Some(p)) => tokenizers::PostProcessor::added_tokens(p, false),
+                    _ => 0,
+                };
+                let budget = self.max_seq_len.saturating_sub(added);
+                if encoding.len() > budget {
+                    encoding.truncate(budget, 0, TruncationDirection::Left);
+                }
+                tok.post_process(encoding, None, add_special_tokens)
+            }
+        }
+        .map_err(failed)?;
+        if encoding.len() > self.max_seq_len {
+            return Err(TokenizeError::TooLong {
+                index: 0,
+                tokens: encoding.len(),
+                max: self.max_seq_len,
+            });
+        }
+        Ok(encoding)
+    }
+
     /// Vocabulary size, added tokens included (every id is below it).
     pub fn vocab_size(&self) -> usize {
         self.full.get_vocab_size(true)
@@ -591,6 +639,11 @@ impl TokenizerPool {
         &self.tokenizer
     }
 
+    /// The pool's serial workers (as many again run its rayon pool).
+    pub fn threads(&self) -> usize {
+        self.serial.threads
+    }
+
     /// Runs `job` on a serial worker, or on the rayon pool when it has
     /// `inputs` enough to spread.
     fn run(&self, inputs: usize, job: impl FnOnce() + Send + 'static) {
@@ -613,6 +666,42 @@ impl TokenizerPool {
         let tokenizer = Arc::clone(&self.tokenizer);
         self.run(input.len(), move || {
             let _ = tx.send(tokenizer.encode_request(&input, truncate, prompt.as_ref()));
+        });
+        rx.await
+            .map_err(|_| TokenizeError::Pool("the tokenizer worker stopped (panic)".into()))?
+    }
+
+    /// [`TextTokenizer::encode_detailed`] of each text, on the pool; an
+    /// error names the text's index.
+    pub async fn encode_detailed(
+        &self,
+        texts: Vec<String>,
+        add_special_tokens: bool,
+        cut: Option<TruncationDirection>,
+    ) -> Result<Vec<Encoding>, TokenizeError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let tokenizer = Arc::clone(&self.tokenizer);
+        self.run(texts.len(), move || {
+            let encoded = texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    tokenizer
+                        .encode_detailed(t, add_special_tokens, cut)
+                        .map_err(|e| match e {
+                            TokenizeError::TooLong { tokens, max, .. } => TokenizeError::TooLong {
+                                index: i,
+                                tokens,
+                                max,
+                            },
+                            TokenizeError::Encode { message, .. } => {
+                                TokenizeError::Encode { index: i, message }
+                            }
+                            e => e,
+                        })
+                })
+                .collect();
+            let _ = tx.send(encoded);
         });
         rx.await
             .map_err(|_| TokenizeError::Pool("the tokenizer worker stopped (panic)".into()))?
@@ -713,6 +802,45 @@ mod tests {
         );
         // No padding, whatever tokenizer.json says (it asks for Fixed(128)).
         assert_eq!(ids[0].len(), 4);
+    }
+
+    #[test]
+    fn detailed_encodings_cut_either_end() {
+        let tok = TextTokenizer::load(&model_dir(), 16).unwrap();
+        let long = "word ".repeat(40);
+        let full = TextTokenizer::load(&model_dir(), 512)
+            .unwrap()
+            .encode(&[long.as_str()], false)
+            .unwrap()
+            .remove(0);
+        let right = tok
+            .encode_detailed(&long, true, Some(TruncationDirection::Right))
+            .unwrap();
+        assert_eq!(
+            right.get_ids(),
+            tok.encode(&[long.as_str()], true).unwrap()[0]
+        );
+        // [CLS], the last 14 words, [SEP]; offsets into the text.
+        let left = tok
+            .encode_detailed(&long, true, Some(TruncationDirection::Left))
+            .unwrap();
+        let mut want = vec![full[0]];
+        want.extend(&full[full.len() - 15..]);
+        assert_eq!(left.get_ids(), want);
+        assert_eq!(left.get_offsets()[14], (195, 199));
+        assert_eq!(left.get_special_tokens_mask(), {
+            let mut m = vec![0; 16];
+            (m[0], m[15]) = (1, 1);
+            m
+        });
+        let bare = tok
+            .encode_detailed(&long, false, Some(TruncationDirection::Left))
+            .unwrap();
+        assert_eq!(bare.get_ids(), &full[full.len() - 17..full.len() - 1]);
+        assert!(matches!(
+            tok.encode_detailed(&long, true, None),
+            Err(TokenizeError::TooLong { tokens: 42, .. })
+        ));
     }
 
     #[test]
