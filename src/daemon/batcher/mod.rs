@@ -719,7 +719,10 @@ impl BatcherState {
             Output::None => None,
         });
         if let Some(row) = bad_row {
-            let name = self.pending.get(&id).map_or("", |p| &self.models[p.model].name);
+            let name = self
+                .pending
+                .get(&id)
+                .map_or("", |p| &self.models[p.model].name);
             let message = format!(
                 "model {name} produced a non-finite value (NaN or infinity) for item {row}: an overflow in its arithmetic; serving it in bf16 or f32 instead of f16 avoids one"
             );
