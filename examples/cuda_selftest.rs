@@ -230,6 +230,7 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
         });
         b.push(Attention {
             bias: None,
+            window: None,
             qkv,
             out: ctx,
             heads: d.heads,

@@ -30,12 +30,13 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(300);
 
 /// The sentence-embedding folders.
-const EMBEDDERS: [&str; 5] = [
+const EMBEDDERS: [&str; 6] = [
     "bert-st-old",
     "bert-st-new",
     "xlmr-st",
     "mpnet-st",
     "distilbert-st",
+    "modernbert-st",
 ];
 /// The cross-encoder folders (new, legacy and 4.x formats; BERT and XLM-R).
 const CROSS_ENCODERS: [&str; 4] = [
@@ -214,6 +215,7 @@ fn folders_resolve_as_sentence_transformers_does() {
         ("xlmr-st", 512, 32),
         ("mpnet-st", 384, 32),
         ("distilbert-st", 96, 32),
+        ("modernbert-st", 96, 32),
     ] {
         let i = info(name);
         assert_eq!(

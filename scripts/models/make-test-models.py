@@ -62,7 +62,7 @@ torch.use_deterministic_algorithms(True)
 
 import sentencepiece as spm  # noqa: E402
 import transformers  # noqa: E402
-from tokenizers import Tokenizer, normalizers, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import (  # noqa: E402
     AutoTokenizer,
     BertConfig,
@@ -75,8 +75,11 @@ from transformers import (  # noqa: E402
     GPT2Config,
     GPT2Model,
     GPT2Tokenizer,
+    ModernBertConfig,
+    ModernBertModel,
     MPNetConfig,
     MPNetModel,
+    PreTrainedTokenizerFast,
     MPNetTokenizer,
     XLMRobertaConfig,
     XLMRobertaForSequenceClassification,
@@ -585,6 +588,62 @@ def build_distilbert_st(tmp: Path) -> Path:
         device="cpu",
     )
     path = OUT / "distilbert-st"
+    st.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+def modernbert_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE in ModernBERT's layout: [UNK] [CLS] [SEP] [PAD] [MASK], ByteLevel
+    pre-tokenizer without prefix space, `[CLS] $A [SEP]` (`[CLS] $A [SEP] $B [SEP]`)."""
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=700, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tk.train_from_iterator(corpus_lines(), trainer)
+    cls, sep = tk.token_to_id("[CLS]"), tk.token_to_id("[SEP]")
+    tk.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        pad_token="[PAD]", mask_token="[MASK]", model_max_length=model_max_length,
+    )
+
+
+def build_modernbert_st(tmp: Path) -> Path:
+    """ModernBERT (ModernBertModel: pre-norm LayerNorms without bias, rotary positions, GeGLU,
+    global attention in layers 0 and 3 and a ±4-token sliding window in layers 1 and 2) saved by
+    sentence-transformers 6.2 with a byte-level BPE tokenizer, model_max_length 96, mean pooling,
+    Normalize and a `query: ` prompt (no default)."""
+    tok = modernbert_tokenizer(96)
+    cfg = ModernBertConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, max_position_embeddings=512, local_attention=8,
+        global_attn_every_n_layers=3,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 500.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+        pad_token_id=tok.pad_token_id, cls_token_id=tok.cls_token_id, sep_token_id=tok.sep_token_id,
+        bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id,
+    )
+    model = ModernBertModel(cfg)
+    init_weights(model, 1201)
+    hf = tmp / "modernbert-st-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(
+        modules=[Transformer(str(hf)), Pooling(32, "mean"), Normalize()],
+        prompts={"query": "query: ", "document": ""},
+        device="cpu",
+    )
+    path = OUT / "modernbert-st"
     st.save(str(path))
     tidy_folder(path)
     return path
@@ -1114,9 +1173,55 @@ def np_distilbert(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
     return h
 
 
+def np_modernbert(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
+    """ModernBERT's forward (modeling_modernbert) for one unpadded sequence: pre-norm, LayerNorms
+    without bias (norm_bias false), rotary "rotate half" per layer kind, local layers seeing keys
+    within local_attention/2, GeGLU (act(input) * gate) with exact GELU, final norm."""
+    assert not cfg.get("norm_bias") and not cfg.get("attention_bias") and not cfg.get("mlp_bias")
+    L = len(ids)
+    eps = cfg["norm_eps"]
+    H = cfg["num_attention_heads"]
+    D = cfg["hidden_size"] // H
+    I = cfg["intermediate_size"]
+
+    def ln(x, name):
+        return np_ln(x, W[name + ".weight"], np.zeros_like(W[name + ".weight"]), eps)
+
+    def rope(x, theta):  # x: (H, L, D)
+        inv = 1.0 / (np.float32(theta) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D)))
+        ang = (np.arange(L, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float64)
+        cos = np.concatenate([np.cos(ang), np.cos(ang)], -1)
+        sin = np.concatenate([np.sin(ang), np.sin(ang)], -1)
+        rot = np.concatenate([-x[..., D // 2:], x[..., : D // 2]], -1)
+        return x * cos + rot * sin
+
+    h = ln(W["embeddings.tok_embeddings.weight"][np.asarray(ids)], "embeddings.norm")
+    window = cfg["local_attention"] // 2
+    for layer, kind in enumerate(cfg["layer_types"]):
+        p = f"layers.{layer}."
+        a = h if layer == 0 else ln(h, p + "attn_norm")
+        qkv = (a @ W[p + "attn.Wqkv.weight"].T).reshape(L, 3, H, D)
+        q, k, v = (qkv[:, i].transpose(1, 0, 2) for i in range(3))
+        theta = cfg["rope_parameters"][kind]["rope_theta"]
+        q, k = rope(q, theta), rope(k, theta)
+        s = q @ k.transpose(0, 2, 1) / math.sqrt(D)
+        if kind == "sliding_attention":
+            far = np.abs(np.arange(L)[:, None] - np.arange(L)[None, :]) > window
+            s = np.where(far[None], -np.inf, s)
+        s = s - s.max(-1, keepdims=True)
+        e = np.exp(s)
+        c = ((e / e.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(L, H * D)
+        h = h + c @ W[p + "attn.Wo.weight"].T
+        wi = ln(h, p + "mlp_norm") @ W[p + "mlp.Wi.weight"].T
+        h = h + (np_gelu(wi[:, :I]) * wi[:, I:]) @ W[p + "mlp.Wo.weight"].T
+    return ln(h, "final_norm")
+
+
 def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], type_ids: list[int] | None) -> np.ndarray:
     if family == "distilbert":
         return np_distilbert(W, cfg, ids)
+    if family == "modernbert":
+        return np_modernbert(W, cfg, ids)
     ids_a = np.asarray(ids)
     L = len(ids)
     e = W[prefix + "embeddings.word_embeddings.weight"][ids_a]
@@ -1170,7 +1275,8 @@ def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], typ
 
 
 def family_of(cfg: dict) -> str:
-    return {"bert": "bert", "xlm-roberta": "xlmr", "mpnet": "mpnet", "distilbert": "distilbert"}[cfg["model_type"]]
+    return {"bert": "bert", "xlm-roberta": "xlmr", "mpnet": "mpnet", "distilbert": "distilbert",
+            "modernbert": "modernbert"}[cfg["model_type"]]
 
 
 def cosine(a, b) -> float:
@@ -1305,6 +1411,15 @@ FOLDERS = {
         "DistilBertTokenizer (uncased WordPiece, no token_type_ids among its inputs), "
         "`model_max_length: 96` of 512 positions. Mean pooling, Normalize; prompts `query` = "
         "`\"query: \"`, `document` = `\"\"`, no default."
+    ),
+    "modernbert-st": (
+        "ModernBERT (ModernBertModel) saved by sentence-transformers 6.2 in transformers 5's config "
+        "layout (`layer_types`, `rope_parameters`): pre-norm LayerNorms without bias, no norm before "
+        "layer 0's attention, a final norm, fused `Wqkv` without bias, rotary positions with base 500 "
+        "in the global layers (0 and 3) and 50 in the local ones (1 and 2, `local_attention: 8`: keys "
+        "within ±4 tokens, shorter than most test texts), GeGLU `Wi` (32→2·48) with exact GELU. A "
+        "byte-level BPE tokenizer (`[CLS] $A [SEP]`), `model_max_length: 96`. Mean pooling, "
+        "Normalize; prompts `query` = `\"query: \"`, `document` = `\"\"`, no default."
     ),
     "bert-cross-encoder": (
         "BertForSequenceClassification, num_labels 1, saved by CrossEncoder 6.2 (`modules.json` with one "
@@ -1465,6 +1580,7 @@ def main() -> None:
             ("xlmr-st", build_xlmr_st(tmp, uni, charsmap), "xlmr", LONG_MULTI),
             ("mpnet-st", build_mpnet_st(tmp), "mpnet", LONG_EN),
             ("distilbert-st", build_distilbert_st(tmp), "bert", LONG_EN),
+            ("modernbert-st", build_modernbert_st(tmp), "bert", LONG_EN),
         ]
         ce_specs = [
             ("bert-cross-encoder", build_bert_cross_encoder(tmp)),

@@ -261,6 +261,7 @@ impl ModelInfo {
 pub enum Architecture {
     Mlp(mlp::MlpArch),
     Bert(bert::BertArch),
+    ModernBert(bert::ModernBertArch),
 }
 
 /// A model with its weights in host memory (f32), ready for a backend to upload.
@@ -292,6 +293,9 @@ impl Model {
             (crate::bucket::Bucket::Packed { tokens, seqs }, Architecture::Bert(arch)) => {
                 Ok(arch.packed_program(tokens, seqs))
             }
+            (crate::bucket::Bucket::Packed { tokens, seqs }, Architecture::ModernBert(arch)) => {
+                Ok(arch.packed_program(tokens, seqs))
+            }
             (crate::bucket::Bucket::Packed { .. }, Architecture::Mlp(_)) => {
                 Err(ModelError::Invalid {
                     model: self.info.name.clone(),
@@ -312,6 +316,10 @@ impl Model {
                 let tokens = rows.tokens().max(1);
                 arch.packed_program_upto(tokens, n, rows.max_len().clamp(1, tokens))
             }
+            (Architecture::ModernBert(arch), BatchRows::Tokens(_)) if packed => {
+                let tokens = rows.tokens().max(1);
+                arch.packed_program_upto(tokens, n, rows.max_len().clamp(1, tokens))
+            }
             (_, BatchRows::Tokens(_)) => self.program(n, rows.max_len().max(1)),
             (_, BatchRows::Features { .. }) => self.program(n, 1),
         }
@@ -323,6 +331,7 @@ impl Model {
         match &self.arch {
             Architecture::Mlp(arch) => arch.program(batch),
             Architecture::Bert(arch) => arch.program(batch, seq),
+            Architecture::ModernBert(arch) => arch.program(batch, seq),
         }
     }
 }

@@ -9,7 +9,7 @@
 //! No kernel allocates: every buffer, including attention's score scratch,
 //! is passed in.
 
-use crate::model::program::{Activation, Pooling, PositionIds};
+use crate::model::program::{Activation, GateOn, Pooling, PositionIds, Rotary};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -263,6 +263,112 @@ pub(crate) fn embed_layer_norm(
     });
 }
 
+/// `out[r] = word[ids[r]]` for every row `r` of `ids` (a rotary model's
+/// embedding: no position or token-type table).
+pub(crate) fn embed(threads: usize, ids: &[i32], word: &[f32], out: &mut [f32], hidden: usize) {
+    let rows = ids.len();
+    for_rows(&mut out[..rows * hidden], hidden, threads, |r, row| {
+        let id = ids[r] as usize;
+        row.copy_from_slice(&word[id * hidden..(id + 1) * hidden]);
+    });
+}
+
+/// `x = LayerNorm(x)` in place over `rows` rows; `beta` absent: no bias.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_norm_in_place(
+    threads: usize,
+    x: &mut [f32],
+    gamma: &[f32],
+    beta: Option<&[f32]>,
+    eps: f32,
+    rows: usize,
+    hidden: usize,
+) {
+    for_rows(
+        &mut x[..rows * hidden],
+        hidden,
+        threads,
+        |_, row| match beta {
+            Some(beta) => layer_norm_row(row, gamma, beta, eps),
+            None => {
+                let n = row.len() as f32;
+                let mean = sum(row) / n;
+                let inv = 1.0 / (sum_sq_dev(row, mean) / n + eps).sqrt();
+                for (v, &g) in row.iter_mut().zip(gamma) {
+                    *v = (*v - mean) * inv * g;
+                }
+            }
+        },
+    );
+}
+
+/// `into += x` over the first `n` values.
+pub(crate) fn add(threads: usize, x: &[f32], into: &mut [f32], n: usize, width: usize) {
+    for_rows(&mut into[..n], width, threads, |r, row| {
+        let xr = &x[r * width..(r + 1) * width];
+        row.iter_mut().zip(xr).for_each(|(v, &a)| *v += a);
+    });
+}
+
+/// Rotary position embedding in place on the query and key parts of
+/// `qkv`'s first `tokens` rows; see [`Rotary`]. Each token's position is
+/// its index in its sequence (padding and tail rows are rotated too: no
+/// real token reads them).
+pub(crate) fn rotary(
+    threads: usize,
+    qkv: &mut [f32],
+    seqs: SeqIndex<'_>,
+    tokens: usize,
+    r: &Rotary,
+) {
+    let (hd, half) = (r.heads * r.head_dim, r.head_dim / 2);
+    let covered = seqs.covered();
+    for_rows(
+        &mut qkv[..tokens * 3 * hd],
+        3 * hd,
+        threads,
+        |row_index, row| {
+            let p = if row_index < covered {
+                seqs.index_of(row_index)
+            } else {
+                0
+            };
+            let angles: Vec<(f32, f32)> = (0..half).map(|d| r.angle(p, d)).collect();
+            for head in row[..2 * hd].chunks_exact_mut(r.head_dim) {
+                let (a, b) = head.split_at_mut(half);
+                for ((x, y), &(cos, sin)) in a.iter_mut().zip(b.iter_mut()).zip(&angles) {
+                    let (u, v) = (*x, *y);
+                    *x = u * cos - v * sin;
+                    *y = v * cos + u * sin;
+                }
+            }
+        },
+    );
+}
+
+/// A gated unit: `out[r, j] = act(x[r, j]) · x[r, width + j]` (`GateOn::First`)
+/// or `x[r, j] · act(x[r, width + j])`, for `rows` rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gated(
+    threads: usize,
+    x: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    width: usize,
+    act: Activation,
+    on: GateOn,
+) {
+    for_rows(&mut out[..rows * width], width, threads, |r, row| {
+        let (first, second) = x[r * 2 * width..(r + 1) * 2 * width].split_at(width);
+        for ((o, &a), &b) in row.iter_mut().zip(first).zip(second) {
+            *o = match on {
+                GateOn::First => act.apply(a) * b,
+                GateOn::Second => a * act.apply(b),
+            };
+        }
+    });
+}
+
 /// `res_out = LayerNorm(x + res_out)` (the residual is updated in place).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn add_layer_norm_in_place(
@@ -324,6 +430,7 @@ pub(crate) fn attention(
     heads: usize,
     head_dim: usize,
     bias: Option<(&[f32], usize)>,
+    window: Option<usize>,
 ) {
     let h = heads * head_dim;
     let stride = 3 * h;
@@ -396,7 +503,14 @@ pub(crate) fn attention(
         if let Some((table, radius)) = bias {
             add_position_bias(s, kv_len, 0, table, radius, head);
         }
-        for row in s.chunks_exact_mut(kv_len) {
+        for (i, row) in s.chunks_exact_mut(kv_len).enumerate() {
+            if let Some(w) = window {
+                for (j, v) in row.iter_mut().enumerate() {
+                    if i.abs_diff(j) > w {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
             match mask {
                 Some(m) => masked_softmax(row, &m[..kv_len]),
                 None => softmax(row),
@@ -465,6 +579,11 @@ fn add_position_bias(
 #[inline]
 fn softmax(row: &mut [f32]) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        // Every key out of a sliding window (a padding query): zeros.
+        row.fill(0.0);
+        return;
+    }
     let mut total = 0.0f32;
     for v in row.iter_mut() {
         *v = (*v - max).exp();
@@ -483,6 +602,10 @@ fn masked_softmax(row: &mut [f32], mask: &[i32]) {
         if m != 0 && v > max {
             max = v;
         }
+    }
+    if max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return;
     }
     let mut total = 0.0f32;
     for (v, &m) in row.iter_mut().zip(mask) {
@@ -650,6 +773,7 @@ mod tests {
                 heads,
                 d,
                 None,
+                None,
             );
             for b in 0..batch {
                 for hd in 0..heads {
@@ -719,7 +843,17 @@ mod tests {
                 positions: &positions,
                 max_len: 7,
             };
-            attention(&qkv, seqs, &mut out, &mut scratch, tokens, heads, d, None);
+            attention(
+                &qkv,
+                seqs,
+                &mut out,
+                &mut scratch,
+                tokens,
+                heads,
+                d,
+                None,
+                None,
+            );
             for (s, &len) in lens.iter().enumerate().filter(|(_, &l)| l > 0) {
                 let start = offsets[s] as usize;
                 let rows = &qkv[start * 3 * h..(start + len) * 3 * h];
@@ -730,7 +864,7 @@ mod tests {
                     mask: &mask,
                     seq: len,
                 };
-                attention(rows, one, &mut want, &mut sc, len, heads, d, None);
+                attention(rows, one, &mut want, &mut sc, len, heads, d, None, None);
                 let got = &out[start * h..(start + len) * h];
                 for (a, b) in got.iter().zip(&want) {
                     assert!((a - b).abs() < 1e-6, "seq {s}: {a} vs {b}");

@@ -241,7 +241,10 @@ fn restrict(op: &Op, full: Shape, active: Shape) -> Option<Op> {
         Op::Linear(l) => l.m = rows(l.m)?,
         Op::AddLayerNorm(a) => a.rows = rows(a.rows)?,
         Op::Normalize(n) => n.rows = rows(n.rows)?,
-        Op::EmbedLayerNorm(_) | Op::Attention(_) | Op::Pool(_) => {}
+        Op::LayerNorm(l) => l.rows = rows(l.rows)?,
+        Op::Add(a) => a.rows = rows(a.rows)?,
+        Op::Gated(g) => g.rows = rows(g.rows)?,
+        Op::EmbedLayerNorm(_) | Op::Attention(_) | Op::Pool(_) | Op::Embed(_) | Op::Rotary(_) => {}
     }
     Some(op)
 }
@@ -536,6 +539,7 @@ impl Plan {
                         a.heads,
                         a.head_dim,
                         a.bias.map(|b| (wt(b.table), b.radius)),
+                        a.window,
                     );
                 }
                 Op::Pool(p) => ops::pool(
@@ -548,6 +552,30 @@ impl Plan {
                     p.skip.map(|k| &bufs.i32(k.0)[..p.seqs.count()]),
                 ),
                 Op::Normalize(n) => ops::normalize_rows(&mut o[..n.rows * n.width], n.width),
+                Op::Embed(e) => {
+                    let rows = e.seqs.token_rows();
+                    ops::embed(threads, &bufs.i32(e.ids.0)[..rows], wt(e.word), o, e.hidden)
+                }
+                Op::LayerNorm(l) => {
+                    if l.x != l.out {
+                        let n = l.rows * l.hidden;
+                        o[..n].copy_from_slice(&bufs.f32(l.x.0)[..n]);
+                    }
+                    ops::layer_norm_in_place(
+                        threads,
+                        o,
+                        wt(l.gamma),
+                        l.beta.map(wt),
+                        l.eps,
+                        l.rows,
+                        l.hidden,
+                    );
+                }
+                Op::Add(a) => ops::add(threads, bufs.f32(a.x.0), o, a.rows * a.width, a.width),
+                Op::Rotary(r) => ops::rotary(threads, o, seq_index(r.seqs), r.seqs.token_rows(), r),
+                Op::Gated(g) => {
+                    ops::gated(threads, bufs.f32(g.x.0), o, g.rows, g.width, g.act, g.on)
+                }
             }
         }
     }

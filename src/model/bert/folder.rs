@@ -13,8 +13,9 @@
 //!   mean pooling for a base model, a cross-encoder for a
 //!   `*ForSequenceClassification` architecture.
 //! * In the Transformer module's folder (the root, or e.g. `0_Transformer/`):
-//!   `config.json` — `model_type` `bert`, `xlm-roberta`, `mpnet` or
-//!   `distilbert`, the hyper-parameters (required: `hidden_size`,
+//!   `config.json` — `model_type` `bert`, `xlm-roberta`, `mpnet`,
+//!   `distilbert` or `modernbert` (its own names: `modernbert.rs`), the
+//!   hyper-parameters (required: `hidden_size`,
 //!   `num_attention_heads`, `num_hidden_layers`, `intermediate_size`,
 //!   `vocab_size`, `max_position_embeddings`; DistilBERT's `dim`,
 //!   `n_heads`, `n_layers`, `hidden_dim`); `model.safetensors` (the base
@@ -37,7 +38,8 @@
 //! key and value projections into one `[3·hidden, hidden]` weight. Both
 //! describe everything they resolved in [`ModelInfo::derived`].
 
-use super::{BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family};
+use super::modernbert::{ModernBertConfig, ModernBertNames};
+use super::{BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, ModernBertArch};
 use crate::model::files::read_json;
 use crate::model::program::{Activation, Pooling, PositionBias, PositionIds, WeightId};
 use crate::model::safetensors_file::{read_header, Header, TensorFile};
@@ -74,25 +76,25 @@ pub fn mpnet_bucket(relative: i64) -> usize {
 
 /// The hyper-parameters from `config.json`.
 #[derive(Clone, Debug, PartialEq)]
-struct EncoderConfig {
-    family: Family,
-    hidden: usize,
-    heads: usize,
-    layers: usize,
-    intermediate: usize,
-    act: Activation,
-    eps: f32,
-    max_position: usize,
+pub(super) struct EncoderConfig {
+    pub(super) family: Family,
+    pub(super) hidden: usize,
+    pub(super) heads: usize,
+    pub(super) layers: usize,
+    pub(super) intermediate: usize,
+    pub(super) act: Activation,
+    pub(super) eps: f32,
+    pub(super) max_position: usize,
     /// Rows of the token-type table (0: none, MPNet).
-    type_vocab: usize,
-    vocab: usize,
+    pub(super) type_vocab: usize,
+    pub(super) vocab: usize,
     /// XLM-R / MPNet: the padding index positions count from.
-    pad: Option<u32>,
+    pub(super) pad: Option<u32>,
     /// `architectures[0]`, if any.
-    architecture: Option<String>,
+    pub(super) architecture: Option<String>,
     /// A `*ForSequenceClassification` architecture, and its label count.
-    labels: Option<usize>,
-    json: Value,
+    pub(super) labels: Option<usize>,
+    pub(super) json: Value,
 }
 
 impl EncoderConfig {
@@ -118,12 +120,13 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     if !json.is_object() {
         return Err(err("expected a JSON object".into()));
     }
-    let serves = "replayd serves BERT, XLM-RoBERTa, MPNet and DistilBERT encoders: model_type \"bert\", \"xlm-roberta\", \"mpnet\" or \"distilbert\"";
+    let serves = "replayd serves BERT, XLM-RoBERTa, MPNet, DistilBERT and ModernBERT encoders: model_type \"bert\", \"xlm-roberta\", \"mpnet\", \"distilbert\" or \"modernbert\"";
     let family = match json.get("model_type").and_then(Value::as_str) {
         Some("bert") => Family::Bert,
         Some("xlm-roberta") => Family::XlmRoberta,
         Some("mpnet") => Family::Mpnet,
         Some("distilbert") => Family::DistilBert,
+        Some("modernbert") => Family::ModernBert,
         Some(other) => {
             let arch = json
                 .get("architectures")
@@ -163,6 +166,7 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         Family::XlmRoberta => ("XLMRobertaModel", "XLMRobertaForSequenceClassification"),
         Family::Mpnet => ("MPNetModel", "MPNetForSequenceClassification"),
         Family::DistilBert => ("DistilBertModel", "DistilBertForSequenceClassification"),
+        Family::ModernBert => ("ModernBertModel", "ModernBertForSequenceClassification"),
     };
     let masked_lm = format!("{}ForMaskedLM", base.trim_end_matches("Model"));
     let head = match architecture.as_deref() {
@@ -170,9 +174,10 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         Some(a) if a == base || a == masked_lm => false,
         // Its head is pre_classifier + ReLU + classifier on [CLS], not
         // BERT's tanh pooler: refused rather than run as BERT's.
-        Some(a) if a == classifier && family == Family::DistilBert => {
+        Some(a) if a == classifier && matches!(family, Family::DistilBert | Family::ModernBert) => {
             return Err(err(format!(
-                "unsupported architecture {a}: DistilBERT cross-encoders are not served yet (DistilBertModel and DistilBertForMaskedLM are)"
+                "unsupported architecture {a}: {} cross-encoders are not served yet ({base} and {masked_lm} are)",
+                family.model_type()
             )))
         }
         Some(a) if a == classifier => true,
@@ -197,6 +202,13 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     // DistilBertConfig names its sizes its own way.
     let [k_hidden, k_heads, k_layers, k_intermediate, k_act] = match family {
         Family::DistilBert => ["dim", "n_heads", "n_layers", "hidden_dim", "activation"],
+        Family::ModernBert => [
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "intermediate_size",
+            "hidden_activation",
+        ],
         _ => [
             "hidden_size",
             "num_attention_heads",
@@ -212,7 +224,7 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     let max_position = size("max_position_embeddings", None)?;
     let vocab = size("vocab_size", None)?;
     let type_vocab = match family {
-        Family::Mpnet | Family::DistilBert => 0,
+        Family::Mpnet | Family::DistilBert | Family::ModernBert => 0,
         _ => size("type_vocab_size", Some(2))?,
     };
     if hidden % heads != 0 {
@@ -228,15 +240,20 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
             ))
         })?,
     };
-    let eps = match json.get("layer_norm_eps") {
+    let eps_key = match family {
+        Family::ModernBert => "norm_eps",
+        _ => "layer_norm_eps",
+    };
+    let eps = match json.get(eps_key) {
         // DistilBERT's LayerNorms hard-code 1e-12 whatever the config says.
         _ if family == Family::DistilBert => 1e-12,
+        None if family == Family::ModernBert => 1e-5,
         None => 1e-12,
-        Some(v) => v.as_f64().filter(|e| *e > 0.0).ok_or_else(|| {
-            err(format!(
-                "`layer_norm_eps` is {v}, expected a positive number"
-            ))
-        })? as f32,
+        Some(v) => v
+            .as_f64()
+            .filter(|e| *e > 0.0)
+            .ok_or_else(|| err(format!("`{eps_key}` is {v}, expected a positive number")))?
+            as f32,
     };
     if let Some(v) = json.get("position_embedding_type") {
         if v.as_str() != Some("absolute") {
@@ -246,7 +263,7 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         }
     }
     let pad = match family {
-        Family::Bert | Family::DistilBert => None,
+        Family::Bert | Family::DistilBert | Family::ModernBert => None,
         // XLMRobertaEmbeddings: padding_idx = config.pad_token_id.
         Family::XlmRoberta => Some(match json.get("pad_token_id") {
             None | Some(Value::Null) => 1,
@@ -305,6 +322,8 @@ struct DenseModule {
 #[derive(Clone, Debug)]
 struct Folder {
     config: EncoderConfig,
+    /// The Transformer module's config.json (errors about it name it).
+    config_path: PathBuf,
     kind: FolderType,
     pooling: Pooling,
     include_prompt: bool,
@@ -774,6 +793,7 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
     }
     Ok(Folder {
         config,
+        config_path: config_path.clone(),
         kind,
         pooling,
         include_prompt,
@@ -863,6 +883,7 @@ impl LayerLayout {
                 attention_norm: "attention.LayerNorm",
                 ..BERT
             },
+            Family::ModernBert => unreachable!("ModernBERT's names are modernbert.rs's"),
             Family::DistilBert => LayerLayout {
                 layers: "transformer.layer",
                 query: "attention.q_lin",
@@ -884,6 +905,7 @@ fn tensor_names(header: &Header, c: &EncoderConfig) -> Result<TensorNames, Model
         Family::XlmRoberta => "roberta.",
         Family::Mpnet => "mpnet.",
         Family::DistilBert => "distilbert.",
+        Family::ModernBert => unreachable!("ModernBERT's names are modernbert.rs's"),
     };
     let prefix = if header.get("embeddings.word_embeddings.weight").is_some() {
         ""
@@ -1091,6 +1113,9 @@ fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
 pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let folder = describe(config)?;
     let file = TensorFile::open(&folder.weights)?;
+    if folder.config.family == Family::ModernBert {
+        return load_modernbert(config, &folder, &file);
+    }
     let names = tensor_names(&file.header, &folder.config)?;
     let c = &folder.config;
     let h = c.hidden;
@@ -1199,33 +1224,7 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
         }
         _ => None,
     };
-    let mut dense = Vec::new();
-    for d in &folder.dense {
-        dense_names(&d.config)?;
-        let f = TensorFile::open(&d.config.weights)?;
-        let dir = d
-            .config
-            .weights
-            .parent()
-            .and_then(Path::file_name)
-            .map_or(String::new(), |n| n.to_string_lossy().into_owned());
-        let (shape, data) = f.f32("linear.weight")?;
-        let weight = weights.push(format!("{dir}/linear.weight"), shape, data);
-        let bias = if d.config.bias {
-            let (shape, data) = f.f32("linear.bias")?;
-            Some(weights.push(format!("{dir}/linear.bias"), shape, data))
-        } else {
-            None
-        };
-        dense.push(DenseLayer {
-            weight,
-            bias,
-            act: d.config.act,
-            inputs: d.config.inputs,
-            outputs: d.config.outputs,
-            normalize: d.normalize,
-        });
-    }
+    let dense = dense_layers(&folder, &mut weights)?;
     let arch = BertArch {
         hidden: c.hidden,
         heads: c.heads,
@@ -1255,6 +1254,75 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     })
 }
 
+/// The sentence-transformers `Dense` modules' weights, in order.
+fn dense_layers(folder: &Folder, weights: &mut Weights) -> Result<Vec<DenseLayer>, ModelError> {
+    let mut dense = Vec::new();
+    for d in &folder.dense {
+        dense_names(&d.config)?;
+        let f = TensorFile::open(&d.config.weights)?;
+        let dir = d
+            .config
+            .weights
+            .parent()
+            .and_then(Path::file_name)
+            .map_or(String::new(), |n| n.to_string_lossy().into_owned());
+        let (shape, data) = f.f32("linear.weight")?;
+        let weight = weights.push(format!("{dir}/linear.weight"), shape, data);
+        let bias = if d.config.bias {
+            let (shape, data) = f.f32("linear.bias")?;
+            Some(weights.push(format!("{dir}/linear.bias"), shape, data))
+        } else {
+            None
+        };
+        dense.push(DenseLayer {
+            weight,
+            bias,
+            act: d.config.act,
+            inputs: d.config.inputs,
+            outputs: d.config.outputs,
+            normalize: d.normalize,
+        });
+    }
+    Ok(dense)
+}
+
+/// [`load`] for a ModernBERT folder ([`super::modernbert`]).
+fn load_modernbert(
+    config: &ModelSpec,
+    folder: &Folder,
+    file: &TensorFile,
+) -> Result<Model, ModelError> {
+    let c = &folder.config;
+    let m = ModernBertConfig::read(&c.json, c.layers, &folder.config_path)?;
+    let names = ModernBertNames::check(&file.header, c, &m)?;
+    let mut weights = Weights::new();
+    let encoder = names.load(file, c, &m, &mut weights)?;
+    let dense = dense_layers(folder, &mut weights)?;
+    let arch = ModernBertArch {
+        hidden: c.hidden,
+        heads: c.heads,
+        head_dim: c.hidden / c.heads,
+        intermediate: c.intermediate,
+        hidden_act: c.act,
+        norm_eps: c.eps,
+        vocab_size: c.vocab,
+        max_seq_len: folder.max_seq_len,
+        word: encoder.word,
+        embedding_norm: encoder.embedding_norm,
+        layers: encoder.layers,
+        final_norm: encoder.final_norm,
+        pooling: folder.pooling,
+        normalize: folder.normalize,
+        pool_skip: !folder.include_prompt,
+        dense,
+    };
+    Ok(Model {
+        info: info(config, folder),
+        arch: Architecture::ModernBert(arch),
+        weights,
+    })
+}
+
 /// Reads the configs and the safetensors headers (no weight data), checks
 /// every tensor's presence and shape, builds the tokenizer (reporting what
 /// it rebuilt) and counts each prompt's tokens as sentence-transformers
@@ -1262,7 +1330,13 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
 pub fn inspect(config: &ModelSpec) -> Result<ModelInfo, ModelError> {
     let folder = describe(config)?;
     let header = read_header(&folder.weights)?;
-    tensor_names(&header, &folder.config)?;
+    if folder.config.family == Family::ModernBert {
+        let c = &folder.config;
+        let m = ModernBertConfig::read(&c.json, c.layers, &folder.config_path)?;
+        ModernBertNames::check(&header, c, &m)?;
+    } else {
+        tensor_names(&header, &folder.config)?;
+    }
     for d in &folder.dense {
         dense_names(&d.config)?;
     }

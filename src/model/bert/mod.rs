@@ -1,4 +1,5 @@
-//! BERT-family encoders (BERT, XLM-RoBERTa, MPNet, DistilBERT): the architecture
+//! BERT-family encoders (BERT, XLM-RoBERTa, MPNet, DistilBERT; ModernBERT
+//! in `modernbert.rs`, a pre-norm design of its own): the architecture
 //! (weight ids and hyper-parameters) and the forward pass as a [`Program`].
 //!
 //! * This module: [`BertArch`] and [`BertArch::program`], the encoder at one
@@ -18,8 +19,10 @@
 //! and config names differ too; `folder.rs` maps them onto one layout.
 
 mod folder;
+mod modernbert;
 
 pub use folder::{inspect, load, mpnet_bucket, MPNET_BIAS_RADIUS};
+pub use modernbert::{ModernBertArch, ModernBertLayer};
 
 use super::program::{
     Activation, AddLayerNorm, Attention, BufId, EmbedLayerNorm, InputRole, Linear, Normalize, Pool,
@@ -41,6 +44,9 @@ pub enum Family {
     /// `model_type` `distilbert`: BERT's block under other names, no token
     /// types.
     DistilBert,
+    /// `model_type` `modernbert`: pre-norm, rotary, GeGLU, local and
+    /// global attention ([`ModernBertArch`]).
+    ModernBert,
 }
 
 impl Family {
@@ -51,6 +57,7 @@ impl Family {
             Family::XlmRoberta => "xlm-roberta",
             Family::Mpnet => "mpnet",
             Family::DistilBert => "distilbert",
+            Family::ModernBert => "modernbert",
         }
     }
 }
@@ -377,6 +384,7 @@ impl BertArch {
                 heads: self.heads,
                 head_dim: self.head_dim,
                 bias: self.position_bias,
+                window: None,
                 seqs,
             });
             b.push(linear(
@@ -424,6 +432,36 @@ impl BertArch {
         seqs: Seqs,
         skip: Option<BufId>,
     ) -> BufId {
+        Head {
+            hidden: self.hidden,
+            pooling: self.pooling,
+            normalize: self.normalize,
+            dense: &self.dense,
+            classifier: self.classifier.as_ref(),
+        }
+        .push(b, hidden, seqs, skip)
+    }
+}
+
+/// What follows an encoder's last hidden state, shared by every family.
+pub(crate) struct Head<'a> {
+    pub hidden: usize,
+    pub pooling: Pooling,
+    pub normalize: bool,
+    pub dense: &'a [DenseLayer],
+    pub classifier: Option<&'a Classifier>,
+}
+
+impl Head<'_> {
+    /// Pooling and the modules after it, or the classifier, over `hidden`
+    /// (`[token rows, hidden]`). Returns the output buffer.
+    pub(crate) fn push(
+        &self,
+        b: &mut ProgramBuilder,
+        hidden: BufId,
+        seqs: Seqs,
+        skip: Option<BufId>,
+    ) -> BufId {
         let h = self.hidden;
         let out_rows = seqs.count();
         let pool = |x, out, mode, normalize, skip| Pool {
@@ -445,7 +483,7 @@ impl BertArch {
             n,
             k,
         };
-        if let Some(c) = &self.classifier {
+        if let Some(c) = self.classifier {
             let first = b.activation("first_token", out_rows * h);
             let inner = b.activation("classifier_hidden", out_rows * h);
             let output = b.output("scores", out_rows * c.labels);

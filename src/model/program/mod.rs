@@ -346,6 +346,11 @@ pub enum Op {
     Attention(Attention),
     Pool(Pool),
     Normalize(Normalize),
+    Embed(Embed),
+    LayerNorm(LayerNorm),
+    Add(Add),
+    Rotary(Rotary),
+    Gated(Gated),
 }
 
 macro_rules! op_from {
@@ -363,7 +368,12 @@ op_from!(
     AddLayerNorm,
     Attention,
     Pool,
-    Normalize
+    Normalize,
+    Embed,
+    LayerNorm,
+    Add,
+    Rotary,
+    Gated
 );
 
 impl Op {
@@ -372,8 +382,15 @@ impl Op {
         match self {
             Op::EmbedLayerNorm(EmbedLayerNorm { seqs, .. })
             | Op::Attention(Attention { seqs, .. })
-            | Op::Pool(Pool { seqs, .. }) => Some(*seqs),
-            Op::Linear(_) | Op::AddLayerNorm(_) | Op::Normalize(_) => None,
+            | Op::Pool(Pool { seqs, .. })
+            | Op::Embed(Embed { seqs, .. })
+            | Op::Rotary(Rotary { seqs, .. }) => Some(*seqs),
+            Op::Linear(_)
+            | Op::AddLayerNorm(_)
+            | Op::Normalize(_)
+            | Op::LayerNorm(_)
+            | Op::Add(_)
+            | Op::Gated(_) => None,
         }
     }
 
@@ -382,8 +399,15 @@ impl Op {
         match self {
             Op::EmbedLayerNorm(EmbedLayerNorm { seqs, .. })
             | Op::Attention(Attention { seqs, .. })
-            | Op::Pool(Pool { seqs, .. }) => Some(seqs),
-            Op::Linear(_) | Op::AddLayerNorm(_) | Op::Normalize(_) => None,
+            | Op::Pool(Pool { seqs, .. })
+            | Op::Embed(Embed { seqs, .. })
+            | Op::Rotary(Rotary { seqs, .. }) => Some(seqs),
+            Op::Linear(_)
+            | Op::AddLayerNorm(_)
+            | Op::Normalize(_)
+            | Op::LayerNorm(_)
+            | Op::Add(_)
+            | Op::Gated(_) => None,
         }
     }
 }
@@ -452,7 +476,8 @@ pub struct AddLayerNorm {
 ///
 /// With `bias`, [`PositionBias`] is added to every score after the
 /// scaling and before the mask (MPNet), by positions within the
-/// sequence.
+/// sequence. With `window` (ModernBERT's local layers), query `i` sees
+/// only the keys `j` of its sequence with `|i − j| ≤ window`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Attention {
     pub qkv: BufId,
@@ -461,7 +486,96 @@ pub struct Attention {
     pub head_dim: usize,
     #[serde(default)]
     pub bias: Option<PositionBias>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<usize>,
     pub seqs: Seqs,
+}
+
+/// For every token row `r`: `out[r] = word[ids[r]]`: the embedding of a
+/// model whose positions are rotary ([`Rotary`]), with no position or
+/// token-type table (tail slots hold id 0 and get its row).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Embed {
+    pub ids: BufId,
+    pub word: WeightId,
+    pub out: BufId,
+    pub hidden: usize,
+    pub seqs: Seqs,
+}
+
+/// `out = LayerNorm(x)` over the last dimension (`hidden`), with a bias
+/// only where the model has one (ModernBERT's norms have none). `out` may
+/// alias `x`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerNorm {
+    pub x: BufId,
+    pub gamma: WeightId,
+    pub beta: Option<WeightId>,
+    pub eps: f32,
+    pub out: BufId,
+    pub rows: usize,
+    pub hidden: usize,
+}
+
+/// `into += x` over `rows × width` values: a pre-norm block's residual add.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Add {
+    pub x: BufId,
+    pub into: BufId,
+    pub rows: usize,
+    pub width: usize,
+}
+
+/// Rotary position embedding, in place on the query and key parts of a
+/// fused `qkv` buffer (laid out as [`Attention`] reads it), in the
+/// "rotate half" form of Hugging Face's `apply_rotary_pos_emb`: for each
+/// head, `d < head_dim / 2` and the token's position `p` in its sequence,
+/// with `θ_d = p · theta^(−2d / head_dim)`,
+/// `x'[d] = x[d]·cos θ_d − x[d + half]·sin θ_d` and
+/// `x'[d + half] = x[d + half]·cos θ_d + x[d]·sin θ_d`.
+/// The angles are computed in f32, as transformers computes them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rotary {
+    pub qkv: BufId,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub theta: f32,
+    pub seqs: Seqs,
+}
+
+impl Rotary {
+    /// `cos θ_d` and `sin θ_d` for position `p`, as transformers computes
+    /// them (inverse frequencies and their product with the position in
+    /// f32).
+    pub fn angle(&self, p: usize, d: usize) -> (f32, f32) {
+        let inv = 1.0 / self.theta.powf((2 * d) as f32 / self.head_dim as f32);
+        let a = p as f32 * inv;
+        (a.cos(), a.sin())
+    }
+}
+
+/// Which half of a gated feed-forward projection goes through the
+/// activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateOn {
+    /// `act(first) · second` (ModernBERT's `Wi`: input, gate).
+    First,
+    /// `first · act(second)` (GTE's `up_gate_proj`: up, gate).
+    Second,
+}
+
+/// A gated linear unit over a projection of twice the width: for every row
+/// `r` and `j < width`, with `a = x[r, j]`, `b = x[r, width + j]`:
+/// `out[r, j] = act(a) · b` ([`GateOn::First`]) or `a · act(b)`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Gated {
+    pub x: BufId,
+    pub out: BufId,
+    pub rows: usize,
+    pub width: usize,
+    pub act: Activation,
+    pub on: GateOn,
 }
 
 /// Sentence pooling: `x` `[token rows, hidden]` → `out` `[sequences,

@@ -5,8 +5,9 @@
 //! passed [`super::ProgramFacts::check_rows`].
 
 use super::{
-    Activation, AddLayerNorm, Attention, BufKind, EmbedLayerNorm, InputRole, Linear, Normalize, Op,
-    Pool, Pooling, PositionBias, Program, Seqs, WeightId,
+    Activation, Add, AddLayerNorm, Attention, BufKind, Embed, EmbedLayerNorm, GateOn, Gated,
+    InputRole, LayerNorm, Linear, Normalize, Op, Pool, Pooling, PositionBias, Program, Rotary,
+    Seqs, WeightId,
 };
 use crate::model::batch::PackTarget;
 use crate::model::{BatchRows, Weights};
@@ -162,9 +163,11 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                     heads,
                     head_dim,
                     bias,
+                    window,
                     seqs,
                 } = *a;
                 let bias = bias_of(bias);
+                let near = |i: usize, j: usize| window.is_none_or(|w| i.abs_diff(j) <= w);
                 let hd = heads * head_dim;
                 let q = bufs[qkv.0].clone();
                 let scale = 1.0 / (head_dim as f64).sqrt();
@@ -176,7 +179,7 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                             let qrow = &q[(start + i) * 3 * hd + h * head_dim..][..head_dim];
                             let scores: Vec<Option<f64>> = (0..real.len())
                                 .map(|j| {
-                                    real[j].then(|| {
+                                    (real[j] && near(i, j)).then(|| {
                                         let krow = &q[(start + j) * 3 * hd + hd + h * head_dim..]
                                             [..head_dim];
                                         qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
@@ -284,6 +287,96 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 for row in bufs[x.0][..rows * width].chunks_mut(width) {
                     let n = row.iter().map(|a| a * a).sum::<f64>().sqrt().max(1e-12);
                     row.iter_mut().for_each(|a| *a /= n);
+                }
+            }
+            Op::Embed(e) => {
+                let Embed {
+                    ids,
+                    word,
+                    out,
+                    hidden,
+                    seqs,
+                } = *e;
+                let wd = wt(word);
+                for r in 0..seqs.token_rows() {
+                    let id = bufs[ids.0][r] as usize;
+                    let row = wd[id * hidden..(id + 1) * hidden].to_vec();
+                    bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&row);
+                }
+            }
+            Op::LayerNorm(l) => {
+                let LayerNorm {
+                    x,
+                    out,
+                    rows,
+                    hidden,
+                    ..
+                } = *l;
+                let g = wt(l.gamma);
+                let b = l.beta.map_or_else(|| vec![0.0; hidden], wt);
+                for r in 0..rows {
+                    let mut v = bufs[x.0][r * hidden..(r + 1) * hidden].to_vec();
+                    ln(&mut v, &g, &b, l.eps);
+                    bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::Add(a) => {
+                let Add {
+                    x,
+                    into,
+                    rows,
+                    width,
+                } = *a;
+                let xs = bufs[x.0][..rows * width].to_vec();
+                for (v, a) in bufs[into.0].iter_mut().zip(xs) {
+                    *v += a;
+                }
+            }
+            Op::Rotary(r) => {
+                let Rotary {
+                    qkv,
+                    heads,
+                    head_dim,
+                    seqs,
+                    ..
+                } = *r;
+                let (hd, half) = (heads * head_dim, head_dim / 2);
+                for (start, real) in sequences(seqs, &bufs) {
+                    for i in 0..real.len() {
+                        // Queries and keys: the first two thirds of the row.
+                        for head in 0..2 * heads {
+                            let base = (start + i) * 3 * hd + head * head_dim;
+                            for d in 0..half {
+                                let (cos, sin) = r.angle(i, d);
+                                let (cos, sin) = (cos as f64, sin as f64);
+                                let (a, b) = (bufs[qkv.0][base + d], bufs[qkv.0][base + d + half]);
+                                bufs[qkv.0][base + d] = a * cos - b * sin;
+                                bufs[qkv.0][base + d + half] = b * cos + a * sin;
+                            }
+                        }
+                    }
+                }
+            }
+            Op::Gated(g) => {
+                let Gated {
+                    x,
+                    out,
+                    rows,
+                    width,
+                    act: a,
+                    on,
+                } = *g;
+                for r in 0..rows {
+                    for j in 0..width {
+                        let (first, second) = (
+                            bufs[x.0][r * 2 * width + j],
+                            bufs[x.0][r * 2 * width + width + j],
+                        );
+                        bufs[out.0][r * width + j] = match on {
+                            GateOn::First => act(a, first) * second,
+                            GateOn::Second => first * act(a, second),
+                        };
+                    }
                 }
             }
         }

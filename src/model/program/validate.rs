@@ -275,6 +275,17 @@ pub fn op_buffers(op: &Op) -> (Vec<BufId>, BufId) {
             (reads.collect(), p.out)
         }
         Op::Normalize(n) => (vec![n.x], n.x),
+        Op::Embed(e) => (vec![e.ids], e.out),
+        Op::LayerNorm(l) => (vec![l.x], l.out),
+        Op::Add(a) => (vec![a.x, a.into], a.into),
+        Op::Rotary(r) => {
+            let positions = match r.seqs {
+                Seqs::Packed { positions, .. } => positions,
+                Seqs::Padded { mask, .. } => mask,
+            };
+            (vec![r.qkv, positions], r.qkv)
+        }
+        Op::Gated(g) => (vec![g.x], g.out),
     }
 }
 
@@ -400,6 +411,48 @@ impl Program {
                 c.positive(&[n.rows, n.width])?;
                 c.out(n.x, n.rows * n.width)
             }
+            Op::Embed(e) => {
+                c.seqs(e.seqs)?;
+                c.positive(&[e.hidden])?;
+                let rows = e.seqs.token_rows();
+                c.role(e.ids, InputRole::TokenIds, rows)?;
+                *vocab = Some(c.table(e.word, 1, e.hidden)?);
+                c.out(e.out, rows * e.hidden)
+            }
+            Op::LayerNorm(l) => {
+                let elems = l.rows * l.hidden;
+                c.positive(&[l.rows, l.hidden])?;
+                c.buf(l.x, elems, false)?;
+                c.weight(l.gamma, &[l.hidden])?;
+                if let Some(b) = l.beta {
+                    c.weight(b, &[l.hidden])?;
+                }
+                c.out(l.out, elems)
+            }
+            Op::Add(a) => {
+                let elems = a.rows * a.width;
+                c.positive(&[a.rows, a.width])?;
+                c.distinct(a.x, a.into, "adds a buffer to itself")?;
+                c.buf(a.x, elems, false)?;
+                c.out(a.into, elems)
+            }
+            Op::Rotary(r) => {
+                c.seqs(r.seqs)?;
+                c.positive(&[r.heads, r.head_dim])?;
+                if r.head_dim % 2 != 0 {
+                    return invalid(format!("{}: rotary head_dim {} is odd", c.what, r.head_dim));
+                }
+                if !(r.theta.is_finite() && r.theta > 1.0) {
+                    return invalid(format!("{}: rotary theta {} is not > 1", c.what, r.theta));
+                }
+                c.out(r.qkv, 3 * r.seqs.token_rows() * r.heads * r.head_dim)
+            }
+            Op::Gated(g) => {
+                c.positive(&[g.rows, g.width])?;
+                c.distinct(g.x, g.out, "out aliases x")?;
+                c.buf(g.x, 2 * g.rows * g.width, false)?;
+                c.out(g.out, g.rows * g.width)
+            }
         }
     }
 
@@ -514,6 +567,11 @@ fn op_name(op: &Op) -> &'static str {
         Op::Attention(_) => "Attention",
         Op::Pool(_) => "Pool",
         Op::Normalize(_) => "Normalize",
+        Op::Embed(_) => "Embed",
+        Op::LayerNorm(_) => "LayerNorm",
+        Op::Add(_) => "Add",
+        Op::Rotary(_) => "Rotary",
+        Op::Gated(_) => "Gated",
     }
 }
 
@@ -661,6 +719,7 @@ mod tests {
         });
         b.push(Attention {
             bias: None,
+            window: None,
             qkv,
             out: ctx,
             heads: 2,

@@ -29,14 +29,26 @@ fn input_align(role: InputRole) -> usize {
 
 /// What of `op` the CUDA kernels cannot run, refused for the whole program
 /// before anything is planned (so a graph never computes a model as if it
-/// were another). Nothing at present: issue 13's families plan onto their
-/// own kernels — RoBERTa-style position ids (`embed_ln[_packed]_padpos`),
-/// MPNet's relative attention bias (the `attention*_bias` kernels), pooling
-/// that skips a prompt (`pool[_packed]_skip`) and `Normalize`
-/// (`l2norm_rows`). Shape limits of one device (shared memory, grid sizes)
-/// are refused where the op is planned.
-pub fn not_on_cuda(_op: &Op) -> Option<String> {
-    None
+/// were another). Issue 13's families plan onto their own kernels —
+/// RoBERTa-style position ids (`embed_ln[_packed]_padpos`), MPNet's
+/// relative attention bias (the `attention*_bias` kernels), pooling that
+/// skips a prompt (`pool[_packed]_skip`) and `Normalize` (`l2norm_rows`).
+/// The pre-norm, rotary ops of ModernBERT run on the CPU backend only so
+/// far: a model made of them is refused here, by name. Shape limits of one
+/// device (shared memory, grid sizes) are refused where the op is planned.
+pub fn not_on_cuda(op: &Op) -> Option<String> {
+    let what = match op {
+        Op::Embed(_) => "an embedding without position table (Embed)",
+        Op::LayerNorm(_) => "a LayerNorm without residual (LayerNorm)",
+        Op::Add(_) => "a residual add (Add)",
+        Op::Rotary(_) => "rotary position embeddings (Rotary)",
+        Op::Gated(_) => "a gated feed-forward unit (Gated)",
+        Op::Attention(a) if a.window.is_some() => "sliding-window attention",
+        _ => return None,
+    };
+    Some(format!(
+        "{what} has no CUDA kernel yet (ModernBERT-style models run on the CPU backend)"
+    ))
 }
 
 /// Plans `program` for compute type `compute`.
@@ -124,6 +136,9 @@ pub fn plan(
             Op::Attention(op) => p.attention(i, op)?,
             Op::Pool(op) => p.pool(i, op)?,
             Op::Normalize(op) => p.normalize(i, op)?,
+            Op::Embed(_) | Op::LayerNorm(_) | Op::Add(_) | Op::Rotary(_) | Op::Gated(_) => {
+                unreachable!("refused by not_on_cuda above")
+            }
         };
     }
     if p.deferred_ln.is_some() {
@@ -687,6 +702,29 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// ModernBERT's ops have no CUDA kernels yet: its programs are refused
+    /// before planning, naming what is missing, never planned as another
+    /// model.
+    #[test]
+    fn modernbert_is_refused_naming_the_op() {
+        let model = family_model("modernbert-st");
+        for program in [
+            model.program(2, 16),
+            model
+                .program_for(crate::bucket::Bucket::packed(64, 4))
+                .unwrap(),
+        ] {
+            let e = match plan(&program, &model.weights, DType::F16, false, LIMITS) {
+                Ok(_) => panic!("ModernBERT planned for CUDA"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                e.contains("no CUDA kernel yet") && e.contains("CPU backend"),
+                "{e}"
+            );
         }
     }
 
