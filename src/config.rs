@@ -303,6 +303,9 @@ pub struct DevicesConfig {
     /// The null backend's modelled time per batch and per real token, in µs.
     pub null_us_per_batch: f64,
     pub null_us_per_token: f64,
+    /// The null backend's per-bucket batch times: a JSON file, such as what
+    /// `replayd backend-check --out` writes (src/backend/null.rs).
+    pub null_timings: Option<PathBuf>,
 }
 
 /// `devices.worker_spin_us` when unset, on a host of at least
@@ -377,6 +380,7 @@ impl Default for DevicesConfig {
             worker_spin_us: None,
             null_us_per_batch: 0.0,
             null_us_per_token: 0.0,
+            null_timings: None,
         }
     }
 }
@@ -802,6 +806,11 @@ impl Config {
             if !(0.0..=1e6).contains(&v) {
                 return Err(invalid(key, "must be between 0 and 1000000"));
             }
+        }
+        if let (BackendKind::Null, Some(path)) = (self.devices.backend, &self.devices.null_timings)
+        {
+            crate::backend::null::Timings::load(path)
+                .map_err(|e| invalid("devices.null_timings", e))?;
         }
         if self.devices.restart_backoff_ms == 0
             || self.devices.restart_backoff_max_ms < self.devices.restart_backoff_ms

@@ -231,12 +231,10 @@ pub fn run(
             serve(backend, &args, &config, &rx, &outbox)
         }
         WorkerBackend::Null => {
-            let backend = crate::backend::null::NullBackend::new(
-                args.ordinal,
-                config.devices.null_us_per_batch,
-                config.devices.null_us_per_token,
-            );
-            serve(backend, &args, &config, &rx, &outbox)
+            match crate::backend::null::NullBackend::from_config(args.ordinal, &config.devices) {
+                Ok(backend) => serve(backend, &args, &config, &rx, &outbox),
+                Err(e) => outbox.die(e, link::EXIT_STARTUP_FAILED),
+            }
         }
         WorkerBackend::Cuda => {
             let on_compile = |target: crate::backend::cuda::kernels::Target| {
