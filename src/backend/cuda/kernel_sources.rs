@@ -35,6 +35,9 @@ pub const KERNEL_FILES: &[(&str, &str)] = kernel_files![
     // Linears of few rows with their epilogues (attention_tc.cu's mma,
     // vec.cu's vector loads).
     "gemm_small.cu",
+    // Pre-norm encoders with rotary positions (ModernBERT; after
+    // layernorm.cu, whose LN_VPT it shares).
+    "prenorm.cu",
     "stage.cu",
     "fault.cu",
 ];

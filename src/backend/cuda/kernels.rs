@@ -128,6 +128,13 @@ const ENTRY_POINTS: &[(&str, &[&str], &[usize])] = &[
         HALF,
         ATTENTION_TC_S16_HEAD_DIMS,
     ),
+    // Pre-norm encoders with rotary positions (prenorm.cu)
+    ("embed_rows_{t}", DTYPE_SUFFIXES, &[]),
+    ("ln_rows_{t}", DTYPE_SUFFIXES, &[]),
+    ("add_rows_{t}", DTYPE_SUFFIXES, &[]),
+    ("rotary_{t}", DTYPE_SUFFIXES, &[]),
+    ("gated_{t}", DTYPE_SUFFIXES, &[]),
+    ("attention_window_{t}", DTYPE_SUFFIXES, &[]),
     // stage.cu, fault.cu
     ("stage_in", PLAIN, &[]),
     ("stage_in_inl", PLAIN, &[]),

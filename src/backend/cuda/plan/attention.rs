@@ -123,6 +123,9 @@ pub fn write_tile_table(
 impl Planner<'_> {
     /// `Attention` on the kernel of its layout, dtype and head size.
     pub(super) fn attention(&mut self, idx: usize, op: &Attention) -> Result<usize, BackendError> {
+        if let Some(window) = op.window {
+            return self.attention_window(idx, op, window);
+        }
         let (heads, head_dim, seqs) = (op.heads, op.head_dim, op.seqs);
         let t = self.compute;
         let what = format!("op {idx} (Attention)");

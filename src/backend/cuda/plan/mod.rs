@@ -23,6 +23,7 @@
 //! | `linear.rs` | `Linear`: the feed-forward block's, attention's projections and the heads' (`skinny`, `gemm_small`, cuBLASLt) |
 //! | `norms.rs` | `AddLayerNorm` (`add_ln[_vec]`) and the LayerNorm a Linear leaves to the op after it |
 //! | `pooling.rs` | `Pool` (`pool[_ln|_skip]`, `pool_packed*`) |
+//! | `prenorm.rs` | pre-norm rotary encoders' ops: `Embed`, `LayerNorm`, `Add`, `Rotary`, `Gated`, sliding-window `Attention` (prenorm.cu) |
 //! | `heads.rs` | `Normalize` after a Dense module (`l2norm_rows`) |
 //! | `staged_io.rs` | small graphs reading and writing the batch's pinned slot themselves |
 //!
@@ -43,6 +44,7 @@ mod linear;
 mod norms;
 mod planner;
 mod pooling;
+mod prenorm;
 mod program;
 mod staged_io;
 #[cfg(test)]

@@ -33,22 +33,17 @@ fn input_align(role: InputRole) -> usize {
 /// RoBERTa-style position ids (`embed_ln[_packed]_padpos`), MPNet's
 /// relative attention bias (the `attention*_bias` kernels), pooling that
 /// skips a prompt (`pool[_packed]_skip`) and `Normalize` (`l2norm_rows`).
-/// The pre-norm, rotary ops of ModernBERT run on the CPU backend only so
-/// far: a model made of them is refused here, by name. Shape limits of one
-/// device (shared memory, grid sizes) are refused where the op is planned.
+/// The pre-norm, rotary ops of ModernBERT plan onto `prenorm.cu`
+/// ([`super::prenorm`]); a sliding window together with a position bias
+/// (no model has both) is refused. Shape limits of one device (shared
+/// memory, grid sizes) are refused where the op is planned.
 pub fn not_on_cuda(op: &Op) -> Option<String> {
-    let what = match op {
-        Op::Embed(_) => "an embedding without position table (Embed)",
-        Op::LayerNorm(_) => "a LayerNorm without residual (LayerNorm)",
-        Op::Add(_) => "a residual add (Add)",
-        Op::Rotary(_) => "rotary position embeddings (Rotary)",
-        Op::Gated(_) => "a gated feed-forward unit (Gated)",
-        Op::Attention(a) if a.window.is_some() => "sliding-window attention",
-        _ => return None,
-    };
-    Some(format!(
-        "{what} has no CUDA kernel yet (ModernBERT-style models run on the CPU backend)"
-    ))
+    match op {
+        Op::Attention(a) if a.window.is_some() && a.bias.is_some() => {
+            Some("sliding-window attention with a position bias has no CUDA kernel".to_string())
+        }
+        _ => None,
+    }
 }
 
 /// Plans `program` for compute type `compute`.
@@ -136,9 +131,11 @@ pub fn plan(
             Op::Attention(op) => p.attention(i, op)?,
             Op::Pool(op) => p.pool(i, op)?,
             Op::Normalize(op) => p.normalize(i, op)?,
-            Op::Embed(_) | Op::LayerNorm(_) | Op::Add(_) | Op::Rotary(_) | Op::Gated(_) => {
-                unreachable!("refused by not_on_cuda above")
-            }
+            Op::Embed(op) => p.embed_rows(i, op)?,
+            Op::LayerNorm(op) => p.layer_norm(i, op)?,
+            Op::Add(op) => p.add(i, op)?,
+            Op::Rotary(op) => p.rotary(i, op)?,
+            Op::Gated(op) => p.gated(i, op)?,
         };
     }
     if p.deferred_ln.is_some() {
@@ -705,11 +702,15 @@ mod tests {
         }
     }
 
-    /// ModernBERT's ops have no CUDA kernels yet: its programs are refused
-    /// before planning, naming what is missing, never planned as another
-    /// model.
+    /// ModernBERT plans in every dtype and layout onto prenorm.cu's
+    /// kernels (rotary, gated unit, LayerNorm without residual, windowed
+    /// attention in its local layers only) and kernels the module has.
     #[test]
-    fn modernbert_is_refused_naming_the_op() {
+    fn modernbert_plans_onto_the_prenorm_kernels() {
+        let entries: std::collections::HashSet<String> =
+            crate::backend::cuda::kernels::expected_entry_points()
+                .into_iter()
+                .collect();
         let model = family_model("modernbert-st");
         for program in [
             model.program(2, 16),
@@ -717,14 +718,22 @@ mod tests {
                 .program_for(crate::bucket::Bucket::packed(64, 4))
                 .unwrap(),
         ] {
-            let e = match plan(&program, &model.weights, DType::F16, false, LIMITS) {
-                Ok(_) => panic!("ModernBERT planned for CUDA"),
-                Err(e) => e.to_string(),
-            };
-            assert!(
-                e.contains("no CUDA kernel yet") && e.contains("CPU backend"),
-                "{e}"
-            );
+            program.validate(&model.weights).unwrap();
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let plan = plan(&program, &model.weights, dtype, false, LIMITS).unwrap();
+                let steps = plan.step_names();
+                for s in &steps {
+                    assert!(s == "mm" || entries.contains(s), "{dtype}: no kernel {s}");
+                }
+                let count = |prefix: &str| steps.iter().filter(|s| s.starts_with(prefix)).count();
+                // Four layers: rotary in each, windows in the two local ones.
+                assert_eq!(count("rotary_"), 4, "{steps:?}");
+                assert_eq!(count("attention_window_"), 2, "{steps:?}");
+                assert_eq!(count("gated_"), 4, "{steps:?}");
+                assert_eq!(count("embed_rows_"), 1, "{steps:?}");
+                // Embedding, three attention norms, four MLP norms, final.
+                assert_eq!(count("ln_rows_"), 9, "{steps:?}");
+            }
         }
     }
 

@@ -1,0 +1,214 @@
+// Pre-norm encoders with rotary positions (ModernBERT): the embedding
+// gather without position table, a LayerNorm without residual (bias
+// optional), the residual add, rotary position embedding on q and k, the
+// gated feed-forward unit, and sliding-window attention.
+//
+// Straightforward kernels: each op is one pass over its activations; the
+// fused and tensor-core forms are for later (issue 32). Ids are clamped into
+// the table, as everywhere, so a bad id can never fault the device.
+
+// out[r] = word[ids[r]]: one block per row.
+template <typename T>
+__device__ __forceinline__ void embed_rows_impl(const int* __restrict__ ids, const T* __restrict__ word,
+                                                T* __restrict__ out, int hidden, int vocab) {
+    const int r = blockIdx.x;
+    const int id = min(max(ids[r], 0), vocab - 1);
+    const T* w = word + (size_t)id * hidden;
+    T* o = out + (size_t)r * hidden;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) o[c] = w[c];
+}
+
+// out[r] = LayerNorm(x[r]) * gamma (+ beta where given): one block per row,
+// values in registers as layernorm.cu's ln_finish; `out` may alias `x`.
+template <typename T>
+__device__ __forceinline__ void ln_rows_impl(const T* x, const T* __restrict__ gamma, const T* __restrict__ beta,
+                                             float eps, T* out, int hidden) {
+    __shared__ float sh[32];
+    const size_t base = (size_t)blockIdx.x * hidden;
+    float v[LN_VPT];
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_VPT; i++) {
+        const int c = threadIdx.x + i * blockDim.x;
+        v[i] = c < hidden ? to_f32(x[base + c]) : 0.0f;
+        s += v[i];
+    }
+    const float mean = block_sum(s, sh) / (float)hidden;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LN_VPT; i++) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < hidden) {
+            const float d = v[i] - mean;
+            q += d * d;
+        }
+    }
+    const float rstd = 1.0f / sqrtf(block_sum(q, sh) / (float)hidden + eps);
+#pragma unroll
+    for (int i = 0; i < LN_VPT; i++) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < hidden) {
+            const float b = beta != 0 ? to_f32(beta[c]) : 0.0f;
+            out[base + c] = from_f32<T>((v[i] - mean) * rstd * to_f32(gamma[c]) + b);
+        }
+    }
+}
+
+// into[i] += x[i] for i < n: grid-stride.
+template <typename T>
+__device__ __forceinline__ void add_rows_impl(const T* __restrict__ x, T* __restrict__ into, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        into[i] = from_f32<T>(to_f32(into[i]) + to_f32(x[i]));
+}
+
+// Rotary embedding in place on the q and k parts of qkv ([rows, 3·heads·d],
+// q | k | v), "rotate half": for d' < d/2 and angle a = p · theta^(−2d'/d)
+// (f32, as transformers), x[d'] ← x[d']·cos a − x[d' + d/2]·sin a and
+// x[d' + d/2] ← x[d' + d/2]·cos a + x[d']·sin a. The position p of row r is
+// positions[r] (packed) or r % seq (padded). Grid-stride over
+// rows × 2·heads × d/2 pairs.
+template <typename T>
+__device__ __forceinline__ void rotary_impl(T* qkv, const int* __restrict__ positions, int seq, int rows, int heads,
+                                            int head_dim, float theta) {
+    const int half = head_dim / 2;
+    const int per_row = 2 * heads * half;
+    const int n = rows * per_row;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int r = i / per_row;
+        const int rest = i - r * per_row;
+        const int h = rest / half;  // 0 .. 2·heads: the q heads, then the k heads
+        const int d = rest - h * half;
+        const int p = positions != 0 ? positions[r] : r % seq;
+        const float inv = 1.0f / powf(theta, (float)(2 * d) / (float)head_dim);
+        float s, c;
+        sincosf((float)p * inv, &s, &c);
+        T* x = qkv + (size_t)r * 3 * heads * head_dim + (size_t)h * head_dim;
+        const float a = to_f32(x[d]);
+        const float b = to_f32(x[d + half]);
+        x[d] = from_f32<T>(a * c - b * s);
+        x[d + half] = from_f32<T>(b * c + a * s);
+    }
+}
+
+// out[r, j] = act(x[r, j]) · x[r, width + j] (act_first) or
+// x[r, j] · act(x[r, width + j]): grid-stride over rows × width.
+template <typename T>
+__device__ __forceinline__ void gated_impl(const T* __restrict__ x, T* __restrict__ out, int rows, int width, int act,
+                                           int act_first) {
+    const int n = rows * width;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int r = i / width;
+        const int j = i - r * width;
+        const float a = to_f32(x[(size_t)r * 2 * width + j]);
+        const float b = to_f32(x[(size_t)r * 2 * width + width + j]);
+        out[i] = from_f32<T>(act_first ? apply_act(a, act) * b : a * apply_act(b, act));
+    }
+}
+
+// Sliding-window attention: one warp per (query row, head) over the keys of
+// its sequence within ±window of it, online softmax in f32; each lane keeps
+// head_dim / 32 (at most 4) output values. Padded (offsets null): row r is
+// position r % seq of sequence r / seq, its keys those with mask 1. Packed:
+// row r's sequence is found in offsets (nseqs + 1 values); tail rows get
+// zeros. A query that sees no key gets zeros.
+#define WATT_DMAX 128
+template <typename T>
+__device__ __forceinline__ void attention_window_impl(const T* __restrict__ qkv, const int* __restrict__ index,
+                                                      T* __restrict__ out, int packed, int seq, int nseqs, int rows,
+                                                      int heads, int head_dim, float scale, int window) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (warp >= rows * heads) return;
+    const int r = warp / heads;
+    const int h = warp - r * heads;
+    const int hd = heads * head_dim;
+    int start, len;
+    if (packed) {
+        int lo = 0, hi = nseqs;  // the s with offsets[s] <= r < offsets[s + 1]
+        if (r >= index[nseqs]) {
+            start = r;
+            len = 0;
+        } else {
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) / 2;
+                if (index[mid] <= r) lo = mid; else hi = mid;
+            }
+            start = index[lo];
+            len = index[lo + 1] - start;
+        }
+    } else {
+        start = r - r % seq;
+        len = seq;
+    }
+    const int i = r - start;
+    float q[WATT_DMAX / 32], acc[WATT_DMAX / 32];
+#pragma unroll
+    for (int k = 0; k < WATT_DMAX / 32; k++) {
+        const int d = lane + 32 * k;
+        q[k] = d < head_dim && len > 0 ? to_f32(qkv[(size_t)r * 3 * hd + h * head_dim + d]) : 0.0f;
+        acc[k] = 0.0f;
+    }
+    float m = NEG_INF_F, l = 0.0f;
+    const int lo = max(0, i - window), hi = min(len - 1, i + window);
+    for (int j = lo; j <= hi; j++) {
+        if (!packed && index[start + j] == 0) continue;
+        const T* kv = qkv + (size_t)(start + j) * 3 * hd + h * head_dim;
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < WATT_DMAX / 32; k++) {
+            const int d = lane + 32 * k;
+            if (d < head_dim) dot += q[k] * to_f32(kv[hd + d]);
+        }
+        const float sc = warp_sum(dot) * scale;
+        const float m2 = fmaxf(m, sc);
+        const float corr = __expf(m - m2);
+        const float p = __expf(sc - m2);
+        l = l * corr + p;
+#pragma unroll
+        for (int k = 0; k < WATT_DMAX / 32; k++) {
+            const int d = lane + 32 * k;
+            acc[k] = acc[k] * corr + (d < head_dim ? p * to_f32(kv[2 * hd + d]) : 0.0f);
+        }
+        m = m2;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+    for (int k = 0; k < WATT_DMAX / 32; k++) {
+        const int d = lane + 32 * k;
+        if (d < head_dim) out[(size_t)r * hd + h * head_dim + d] = from_f32<T>(acc[k] * inv);
+    }
+}
+
+#define PRENORM_KERNELS(T, SUF)                                                                                   \
+    extern "C" __global__ void embed_rows_##SUF(const int* ids, const T* word, T* out, int hidden, int vocab) {   \
+        pdl_enter();                                                                                              \
+        embed_rows_impl<T>(ids, word, out, hidden, vocab);                                                        \
+    }                                                                                                             \
+    extern "C" __global__ void ln_rows_##SUF(const T* x, const T* gamma, const T* beta, float eps, T* out,        \
+                                             int hidden) {                                                        \
+        pdl_enter();                                                                                              \
+        ln_rows_impl<T>(x, gamma, beta, eps, out, hidden);                                                        \
+    }                                                                                                             \
+    extern "C" __global__ void add_rows_##SUF(const T* x, T* into, int n) {                                       \
+        pdl_enter();                                                                                              \
+        add_rows_impl<T>(x, into, n);                                                                             \
+    }                                                                                                             \
+    extern "C" __global__ void rotary_##SUF(T* qkv, const int* positions, int seq, int rows, int heads,           \
+                                            int head_dim, float theta) {                                          \
+        pdl_enter();                                                                                              \
+        rotary_impl<T>(qkv, positions, seq, rows, heads, head_dim, theta);                                        \
+    }                                                                                                             \
+    extern "C" __global__ void gated_##SUF(const T* x, T* out, int rows, int width, int act, int act_first) {     \
+        pdl_enter();                                                                                              \
+        gated_impl<T>(x, out, rows, width, act, act_first);                                                       \
+    }                                                                                                             \
+    extern "C" __global__ void attention_window_##SUF(const T* qkv, const int* index, T* out, int packed,         \
+                                                      int seq, int nseqs, int rows, int heads, int head_dim,      \
+                                                      float scale, int window) {                                  \
+        pdl_enter();                                                                                              \
+        attention_window_impl<T>(qkv, index, out, packed, seq, nseqs, rows, heads, head_dim, scale, window);      \
+    }
+
+PRENORM_KERNELS(float, f32)
+PRENORM_KERNELS(f16_t, f16)
+PRENORM_KERNELS(bf16_t, bf16)

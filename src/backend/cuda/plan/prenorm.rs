@@ -1,0 +1,250 @@
+//! The ops of pre-norm encoders with rotary positions (ModernBERT), on the
+//! kernels of `prenorm.cu`: `Embed` (`embed_rows`, a block per row),
+//! `LayerNorm` (`ln_rows`, a block per row, bias optional), `Add`
+//! (`add_rows`), `Rotary` (`rotary`, in place on q and k), `Gated`
+//! (`gated`) and sliding-window `Attention` (`attention_window`, a warp per
+//! query and head). One pass each, no fusion yet.
+
+use super::norms::ln_threads;
+use super::planner::{ew_blocks, Planner, EW_THREADS};
+use super::{act_code, suffix, Arg, Loc};
+use crate::backend::BackendError;
+use crate::model::program::{Add, Attention, Embed, GateOn, Gated, LayerNorm, Rotary, Seqs};
+
+/// Threads per block of `attention_window` (a warp per query and head).
+const WINDOW_THREADS: u32 = 128;
+/// The largest head size `attention_window` takes (`WATT_DMAX`).
+pub const WINDOW_DMAX: usize = 128;
+
+/// `n` as a kernel's i32 argument, or the op's refusal.
+fn i32_of(n: usize, what: &str) -> Result<i32, BackendError> {
+    i32::try_from(n).map_err(|_| BackendError::Unsupported(format!("{what}: {n} elements")))
+}
+
+impl Planner<'_> {
+    /// A buffer an op updates in place: it must already hold the compute
+    /// type (activations do).
+    fn in_place(&self, b: crate::model::program::BufId, what: &str) -> Result<Loc, BackendError> {
+        if self.dtype(b) != self.compute {
+            return Err(BackendError::Unsupported(format!(
+                "{what}: updates a {} buffer in place",
+                self.dtype(b)
+            )));
+        }
+        Ok(self.locs[&b])
+    }
+
+    pub(super) fn embed_rows(&mut self, idx: usize, op: &Embed) -> Result<usize, BackendError> {
+        let Embed {
+            ids,
+            word,
+            out,
+            hidden,
+            seqs,
+        } = *op;
+        let t = self.compute;
+        let what = format!("op {idx} (Embed)");
+        let rows = seqs.token_rows();
+        let grid = u32::try_from(rows)
+            .map_err(|_| BackendError::Unsupported(format!("{what}: {rows} rows")))?;
+        let (dst, pending) = self.float_out(out, rows * hidden, t);
+        let args = vec![
+            Arg::Ptr(self.int_loc(ids)),
+            Arg::Ptr(Loc::Weight(word)),
+            Arg::Ptr(dst),
+            Arg::I32(i32_of(hidden, &what)?),
+            Arg::I32(i32_of(self.rows_of(word), &what)?),
+        ];
+        let threads = (hidden.next_multiple_of(32)).clamp(32, 256) as u32;
+        self.kernel(
+            format!("embed_rows_{}", suffix(t)),
+            (grid, 1, 1),
+            threads,
+            0,
+            args,
+        );
+        self.finish_out(pending, rows * hidden)?;
+        Ok(1)
+    }
+
+    pub(super) fn layer_norm(&mut self, idx: usize, op: &LayerNorm) -> Result<usize, BackendError> {
+        let LayerNorm {
+            x,
+            gamma,
+            beta,
+            eps,
+            out,
+            rows,
+            hidden,
+        } = *op;
+        let t = self.compute;
+        let what = format!("op {idx} (LayerNorm)");
+        let threads = ln_threads(hidden)?;
+        let grid = u32::try_from(rows)
+            .map_err(|_| BackendError::Unsupported(format!("{what}: {rows} rows")))?;
+        let elems = rows * hidden;
+        let x_l = if x == out {
+            self.in_place(x, &what)?
+        } else {
+            self.float_in(x, elems, t)?
+        };
+        let (dst, pending) = self.float_out(out, elems, t);
+        let args = vec![
+            Arg::Ptr(x_l),
+            Arg::Ptr(Loc::Weight(gamma)),
+            beta.map_or(Arg::Null, |b| Arg::Ptr(Loc::Weight(b))),
+            Arg::F32(eps),
+            Arg::Ptr(dst),
+            Arg::I32(hidden as i32),
+        ];
+        self.kernel(
+            format!("ln_rows_{}", suffix(t)),
+            (grid, 1, 1),
+            threads,
+            0,
+            args,
+        );
+        self.finish_out(pending, elems)?;
+        Ok(1)
+    }
+
+    pub(super) fn add(&mut self, idx: usize, op: &Add) -> Result<usize, BackendError> {
+        let Add {
+            x,
+            into,
+            rows,
+            width,
+        } = *op;
+        let t = self.compute;
+        let what = format!("op {idx} (Add)");
+        let n = rows * width;
+        let x_l = self.float_in(x, n, t)?;
+        let into_l = self.in_place(into, &what)?;
+        let args = vec![Arg::Ptr(x_l), Arg::Ptr(into_l), Arg::I32(i32_of(n, &what)?)];
+        self.kernel(
+            format!("add_rows_{}", suffix(t)),
+            (ew_blocks(n), 1, 1),
+            EW_THREADS,
+            0,
+            args,
+        );
+        Ok(1)
+    }
+
+    pub(super) fn rotary(&mut self, idx: usize, op: &Rotary) -> Result<usize, BackendError> {
+        let what = format!("op {idx} (Rotary)");
+        let rows = op.seqs.token_rows();
+        let pairs = rows * op.heads * op.head_dim;
+        let qkv = self.in_place(op.qkv, &what)?;
+        let (positions, seq) = match op.seqs {
+            Seqs::Padded { seq, .. } => (Arg::Null, seq),
+            Seqs::Packed { positions, .. } => (Arg::Ptr(self.int_loc(positions)), 1),
+        };
+        let args = vec![
+            Arg::Ptr(qkv),
+            positions,
+            Arg::I32(seq as i32),
+            Arg::I32(i32_of(rows, &what)?),
+            Arg::I32(op.heads as i32),
+            Arg::I32(op.head_dim as i32),
+            Arg::F32(op.theta),
+        ];
+        let name = format!("rotary_{}", suffix(self.compute));
+        self.kernel(name, (ew_blocks(pairs), 1, 1), EW_THREADS, 0, args);
+        Ok(1)
+    }
+
+    pub(super) fn gated(&mut self, idx: usize, op: &Gated) -> Result<usize, BackendError> {
+        let Gated {
+            x,
+            out,
+            rows,
+            width,
+            act,
+            on,
+        } = *op;
+        let t = self.compute;
+        let what = format!("op {idx} (Gated)");
+        let n = rows * width;
+        let x_l = self.float_in(x, 2 * n, t)?;
+        let (dst, pending) = self.float_out(out, n, t);
+        let args = vec![
+            Arg::Ptr(x_l),
+            Arg::Ptr(dst),
+            Arg::I32(i32_of(rows, &what)?),
+            Arg::I32(i32_of(width, &what)?),
+            Arg::I32(act_code(act)),
+            Arg::I32(i32::from(on == GateOn::First)),
+        ];
+        i32_of(2 * n, &what)?;
+        self.kernel(
+            format!("gated_{}", suffix(t)),
+            (ew_blocks(n), 1, 1),
+            EW_THREADS,
+            0,
+            args,
+        );
+        self.finish_out(pending, n)?;
+        Ok(1)
+    }
+
+    /// An `Attention` with a sliding window (no position bias: refused
+    /// before planning).
+    pub(super) fn attention_window(
+        &mut self,
+        idx: usize,
+        op: &Attention,
+        window: usize,
+    ) -> Result<usize, BackendError> {
+        let t = self.compute;
+        let what = format!("op {idx} (Attention, window ±{window})");
+        let (heads, head_dim, seqs) = (op.heads, op.head_dim, op.seqs);
+        if head_dim == 0 || head_dim > WINDOW_DMAX {
+            return Err(BackendError::Unsupported(format!(
+                "{what}: head size {head_dim} (at most {WINDOW_DMAX})"
+            )));
+        }
+        let rows = seqs.token_rows();
+        let hd = heads * head_dim;
+        let warps = rows * heads;
+        let blocks =
+            u32::try_from(warps.div_ceil((WINDOW_THREADS / 32) as usize)).map_err(|_| {
+                BackendError::Unsupported(format!("{what}: {rows} rows x {heads} heads"))
+            })?;
+        i32_of(rows * 3 * hd, &what)?;
+        let (index, packed, seq, nseqs) = match seqs {
+            Seqs::Padded { mask, seq, .. } => (self.int_loc(mask), 0, seq, 0),
+            Seqs::Packed { offsets, seqs, .. } => (self.int_loc(offsets), 1, 1, seqs),
+        };
+        let q_l = self.float_in(op.qkv, rows * 3 * hd, t)?;
+        let (dst, pending) = self.float_out(op.out, rows * hd, t);
+        let args = vec![
+            Arg::Ptr(q_l),
+            Arg::Ptr(index),
+            Arg::Ptr(dst),
+            Arg::I32(packed),
+            Arg::I32(seq as i32),
+            Arg::I32(nseqs as i32),
+            Arg::I32(rows as i32),
+            Arg::I32(heads as i32),
+            Arg::I32(head_dim as i32),
+            Arg::F32(1.0 / (head_dim as f32).sqrt()),
+            Arg::I32(i32_of(window, &what)?),
+        ];
+        let name = format!("attention_window_{}", suffix(t));
+        self.kernel(name, (blocks, 1, 1), WINDOW_THREADS, 0, args);
+        self.finish_out(pending, rows * hd)?;
+        Ok(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_support::assert_defines;
+    use super::*;
+
+    #[test]
+    fn window_sizes_match_the_kernels() {
+        assert_defines("prenorm.cu", &[("WATT_DMAX", WINDOW_DMAX as i64)]);
+    }
+}
