@@ -44,7 +44,7 @@ start() {
   rm -f "$ready"
   local t0 t1 pid
   t0=$(date +%s.%N)
-  "$bin/replayd" serve --config "$cfg" --ready-file "$ready" > "$OUT/$tag.log" 2>&1 &
+  "$bin/replayd" --config "$cfg" --ready-file "$ready" > "$OUT/$tag.log" 2>&1 &
   pid=$!
   while [ ! -f "$ready" ] && kill -0 "$pid" 2>/dev/null; do sleep 0.02; done
   t1=$(date +%s.%N)
