@@ -34,7 +34,7 @@ fn input_align(role: InputRole) -> usize {
 /// relative attention bias (the `attention*_bias` kernels), pooling that
 /// skips a prompt (`pool[_packed]_skip`) and `Normalize` (`l2norm_rows`).
 /// The pre-norm, rotary ops of ModernBERT plan onto `prenorm.cu`
-/// ([`super::prenorm`]); a sliding window together with a position bias
+/// (`plan/prenorm.rs`); a sliding window together with a position bias
 /// (no model has both) is refused. Shape limits of one device (shared
 /// memory, grid sizes) are refused where the op is planned.
 pub fn not_on_cuda(op: &Op) -> Option<String> {
