@@ -471,48 +471,32 @@ impl ModernBertNames {
             Ok(weights.push(name, shape, data))
         };
         let word = push("embeddings.tok_embeddings.weight".into())?;
-        let norm = |base: String, push: &mut dyn FnMut(String) -> Result<WeightId, ModelError>| {
-            Ok::<_, ModelError>(Norm {
-                weight: push(format!("{base}.weight"))?,
-                bias: if m.norm_bias {
+        // A layer's weight, and its bias where the config has one.
+        let mut pair =
+            |base: String, bias: bool| -> Result<(WeightId, Option<WeightId>), ModelError> {
+                let w = push(format!("{base}.weight"))?;
+                let b = if bias {
                     Some(push(format!("{base}.bias"))?)
                 } else {
                     None
-                },
-            })
-        };
-        let embedding_norm = norm("embeddings.norm".into(), &mut push)?;
+                };
+                Ok((w, b))
+            };
+        let norm = |(weight, bias)| Norm { weight, bias };
+        let embedding_norm = norm(pair("embeddings.norm".into(), m.norm_bias)?);
         let mut layers = Vec::with_capacity(c.layers);
         for l in 0..c.layers {
             let attention_norm = if l > 0 {
-                Some(norm(format!("layers.{l}.attn_norm"), &mut push)?)
+                Some(norm(pair(format!("layers.{l}.attn_norm"), m.norm_bias)?))
             } else {
                 None
             };
-            let mut linear = |base: String, bias: bool| -> Result<_, ModelError> {
-                let w = push(format!("{base}.weight"))?;
-                let b = if bias {
-                    Some(push(format!("{base}.bias"))?)
-                } else {
-                    None
-                };
-                Ok((w, b))
-            };
-            let (qkv_weight, qkv_bias) = linear(format!("layers.{l}.attn.Wqkv"), m.attention_bias)?;
+            let (qkv_weight, qkv_bias) = pair(format!("layers.{l}.attn.Wqkv"), m.attention_bias)?;
             let (attention_output_weight, attention_output_bias) =
-                linear(format!("layers.{l}.attn.Wo"), m.attention_bias)?;
-            let mlp_norm = norm(format!("layers.{l}.mlp_norm"), &mut push)?;
-            let mut linear = |base: String, bias: bool| -> Result<_, ModelError> {
-                let w = push(format!("{base}.weight"))?;
-                let b = if bias {
-                    Some(push(format!("{base}.bias"))?)
-                } else {
-                    None
-                };
-                Ok((w, b))
-            };
-            let (input_weight, input_bias) = linear(format!("layers.{l}.mlp.Wi"), m.mlp_bias)?;
-            let (output_weight, output_bias) = linear(format!("layers.{l}.mlp.Wo"), m.mlp_bias)?;
+                pair(format!("layers.{l}.attn.Wo"), m.attention_bias)?;
+            let mlp_norm = norm(pair(format!("layers.{l}.mlp_norm"), m.norm_bias)?);
+            let (input_weight, input_bias) = pair(format!("layers.{l}.mlp.Wi"), m.mlp_bias)?;
+            let (output_weight, output_bias) = pair(format!("layers.{l}.mlp.Wo"), m.mlp_bias)?;
             let global = m.global[l];
             layers.push(ModernBertLayer {
                 attention_norm,
@@ -533,7 +517,7 @@ impl ModernBertNames {
                 },
             });
         }
-        let final_norm = norm("final_norm".into(), &mut push)?;
+        let final_norm = norm(pair("final_norm".into(), m.norm_bias)?);
         Ok(EncoderWeights {
             word,
             embedding_norm,
