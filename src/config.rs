@@ -809,7 +809,7 @@ impl Config {
         }
         if let (BackendKind::Null, Some(path)) = (self.devices.backend, &self.devices.null_timings)
         {
-            crate::backend::null::Timings::load(path)
+            crate::backend::null_timings::Timings::load(path)
                 .map_err(|e| invalid("devices.null_timings", e))?;
         }
         if self.devices.restart_backoff_ms == 0

@@ -20,6 +20,7 @@
 pub mod cpu;
 pub mod cuda;
 pub mod null;
+pub mod null_timings;
 
 pub use crate::gpu::DeviceInfo;
 use crate::model::{BatchRows, Model, Program};

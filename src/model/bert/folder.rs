@@ -38,10 +38,11 @@
 //! key and value projections into one `[3·hidden, hidden]` weight. Both
 //! describe everything they resolved in [`ModelInfo::derived`].
 
+use super::config::EncoderConfig;
 use super::modernbert::{ModernBertConfig, ModernBertNames};
 use super::{BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, ModernBertArch};
 use crate::model::files::read_json;
-use crate::model::program::{Activation, Pooling, PositionBias, PositionIds, WeightId};
+use crate::model::program::{Activation, Pooling, PositionBias, WeightId};
 use crate::model::safetensors_file::{read_header, Header, TensorFile};
 use crate::model::st::{self, FolderType, ModuleKind};
 use crate::model::tokenizer::{self, ClassSettings, TokenizerClass, TokenizerSpec};
@@ -72,46 +73,6 @@ pub fn mpnet_bucket(relative: i64) -> usize {
     }
     let large = 8 + ((n as f32 / 8.0).ln() / (16.0f64.ln() as f32) * 8.0) as i64;
     ret + large.min(15) as usize
-}
-
-/// The hyper-parameters from `config.json`.
-#[derive(Clone, Debug, PartialEq)]
-pub(super) struct EncoderConfig {
-    pub(super) family: Family,
-    pub(super) hidden: usize,
-    pub(super) heads: usize,
-    pub(super) layers: usize,
-    pub(super) intermediate: usize,
-    pub(super) act: Activation,
-    pub(super) eps: f32,
-    pub(super) max_position: usize,
-    /// Rows of the token-type table (0: none, MPNet).
-    pub(super) type_vocab: usize,
-    pub(super) vocab: usize,
-    /// XLM-R / MPNet: the padding index positions count from.
-    pub(super) pad: Option<u32>,
-    /// `architectures[0]`, if any.
-    pub(super) architecture: Option<String>,
-    /// A `*ForSequenceClassification` architecture, and its label count.
-    pub(super) labels: Option<usize>,
-    pub(super) json: Value,
-}
-
-impl EncoderConfig {
-    fn position_ids(&self) -> PositionIds {
-        match self.pad {
-            None => PositionIds::Index,
-            Some(pad) => PositionIds::AfterPadding { pad },
-        }
-    }
-
-    /// The longest sequence the position table holds.
-    fn positions(&self) -> usize {
-        match self.pad {
-            None => self.max_position,
-            Some(pad) => self.max_position.saturating_sub(pad as usize + 1),
-        }
-    }
 }
 
 fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {

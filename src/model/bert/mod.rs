@@ -18,6 +18,7 @@
 //! MPNet and DistilBERT (a zero table of one row stands in). Their tensor
 //! and config names differ too; `folder.rs` maps them onto one layout.
 
+mod config;
 mod folder;
 mod modernbert;
 

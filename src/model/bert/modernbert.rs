@@ -18,7 +18,7 @@
 //! says so (`norm_bias`, `attention_bias`, `mlp_bias`; all false in the
 //! released models).
 
-use super::folder::EncoderConfig;
+use super::config::EncoderConfig;
 use super::{DenseLayer, Head};
 use crate::model::program::{
     Activation, Add, Attention, BufId, Embed, GateOn, Gated, InputRole, LayerNorm, Linear, Pooling,
