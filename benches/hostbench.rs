@@ -135,6 +135,7 @@ fn ok_reply(id: u64) -> Reply {
     Reply::Ok {
         id,
         output: HostTensor::from_f32(vec![1, DIM], &[0.05; DIM]),
+        sparse: None,
         bucket: "64t".into(),
         device: "cuda:0".into(),
         queued_us: 3,

@@ -41,7 +41,8 @@ use replayd::daemon::control::{self, CallError, ControlRequest};
 use replayd::daemon::stats::Stats;
 use replayd::protocol::client::{Client, ClientOptions};
 use replayd::protocol::{
-    decode_reply, encode_request, Hops, InputKind, Payload, ReplyHeader, RequestHeader, Status,
+    decode_reply, encode_request, Hops, InputKind, Payload, ReplyData, ReplyHeader, RequestHeader,
+    Status,
 };
 use replayd::tensor::{DType, HostTensor};
 use serde_json::{json, Value};
@@ -682,7 +683,7 @@ fn socket_thread(
         while let Ok(frames) = socket.recv_multipart(zmq::DONTWAIT) {
             let frames: Vec<bytes::Bytes> = frames.into_iter().map(bytes::Bytes::from).collect();
             let (_, rest) = replayd::protocol::split_delimiter(&frames);
-            let reply = decode_reply(rest);
+            let reply = decode_reply(rest).map(|(h, d)| (h, d.and_then(ReplyData::dense)));
             let id = match &reply {
                 Ok((h, _)) => h.id,
                 Err(_) => u64::MAX,

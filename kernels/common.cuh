@@ -141,6 +141,8 @@ __device__ __forceinline__ float block_sum(float v, float* sh) {
 #define ACT_TANH 4
 #define ACT_SIGMOID 5
 #define ACT_SILU 6
+#define ACT_LOG1P_RELU 7
+#define ACT_LOG1P_LOG1P_RELU 8
 
 // Exact GELU, 0.5 x (1 + erf(x / sqrt 2)), for half-precision storage: erfc
 // by the Chebyshev fit of Numerical Recipes' erfcc (relative error 1.2e-7
@@ -179,6 +181,9 @@ __device__ __forceinline__ float apply_act(float x, int act) {
     case ACT_TANH: return tanhf(x);
     case ACT_SIGMOID: return 1.0f / (1.0f + expf(-x));
     case ACT_SILU: return x / (1.0f + expf(-x));
+    // SPLADE's activations over masked-LM logits (SpladePooling).
+    case ACT_LOG1P_RELU: return log1pf(fmaxf(x, 0.0f));
+    case ACT_LOG1P_LOG1P_RELU: return log1pf(log1pf(fmaxf(x, 0.0f)));
     default: return x;
     }
 }

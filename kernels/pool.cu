@@ -3,7 +3,8 @@
 // x    : [batch*seq, hidden] (T), mask: i32 [batch, seq], out: f32 [batch, hidden]
 // mode : 0 = mean over tokens with mask != 0 (divided by max(sum(mask), 1e-9)),
 //        1 = cls (the first token), 2 = max over tokens with mask != 0
-//        (0 where a row has none, as the CPU backend does).
+//        (0 where a row has none, as the CPU backend does), 3 = sum over
+//        tokens with mask != 0 (SPLADE's sum pooling: the mean, undivided).
 // Then, if `normalize`, out[b] /= max(||out[b]||, 1e-12).
 //
 // pool_skip_<t> (include_prompt = false): `skip` is i32 [batch]; row b pools
@@ -33,6 +34,7 @@
 #define POOL_MEAN 0
 #define POOL_CLS 1
 #define POOL_MAX 2
+#define POOL_SUM 3
 
 // A warp's token row v (lane l holds columns l + 32·k, hidden <= POOL_CHUNK)
 // normalised in place and rounded to T.
@@ -199,7 +201,7 @@ __device__ __forceinline__ void pool_ln_vec4(const float* __restrict__ xs, const
             if (is_max) {
                 if (r[e] == NEG_INF_F) r[e] = 0.0f;
             } else {
-                r[e] = r[e] / fmaxf(cnt, 1e-9f);
+                if (mode == POOL_MEAN) r[e] = r[e] / fmaxf(cnt, 1e-9f);
             }
             sq += r[e] * r[e];
         }
@@ -312,7 +314,7 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
                     if (is_max) {
                         if (v == NEG_INF_F) v = 0.0f;
                     } else {
-                        v = v / fmaxf(cnt, 1e-9f);
+                        if (mode == POOL_MEAN) v = v / fmaxf(cnt, 1e-9f);
                     }
                     sq += v * v;
                     if (hidden > POOL_CHUNK) ob[c] = v;

@@ -5,7 +5,8 @@
 //           slots offsets[s] .. offsets[s+1]; unused slots repeat the total
 // out     : f32 [seqs, hidden]
 // mode    : POOL_MEAN (average of the sequence's tokens), POOL_CLS (its first
-//           token), POOL_MAX (element-wise maximum); an empty sequence gives
+//           token), POOL_MAX (element-wise maximum), POOL_SUM (the tokens'
+//           sum, SPLADE's sum pooling); an empty sequence gives
 //           zeros in every mode. Then, if `normalize`, out[s] /= max(||out[s]||, 1e-12).
 //
 // pool_packed_skip_<t> (include_prompt = false): `skip` is i32 [seqs];
@@ -98,7 +99,7 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
                     v = part[0][i];
 #pragma unroll
                     for (int w = 1; w < POOL_WARPS; w++) v = is_max ? fmaxf(v, part[w][i]) : v + part[w][i];
-                    if (!is_max) v *= inv_len;
+                    if (mode == POOL_MEAN) v *= inv_len;
                     sq += v * v;
                     if (hidden > POOL_CHUNK) os[c] = v;
                 }

@@ -6,7 +6,9 @@
 mod common;
 
 use common::{data, mlp_cpu_config, rel_err, Daemon, MlpReference, Rng};
-use replayd::protocol::{decode_reply, encode_request, InputKind, Payload, RequestHeader, Status};
+use replayd::protocol::{
+    decode_reply, encode_request, InputKind, Payload, ReplyData, RequestHeader, Status,
+};
 use replayd::tensor::HostTensor;
 use replayd::transport::{Dealer, Security};
 use serde_json::Value;
@@ -60,7 +62,11 @@ async fn many_connections(endpoint: &str, security: &Security) {
                     panic!("connection {c}: reply id {} not sent here", header.id)
                 });
                 assert_eq!(header.shape, Some(vec![rows as u64, 10]));
-                let out = tensor.unwrap().to_f32_vec().unwrap();
+                let out = tensor
+                    .and_then(ReplyData::dense)
+                    .unwrap()
+                    .to_f32_vec()
+                    .unwrap();
                 let err = rel_err(&out, &reference.forward(&x, rows));
                 assert!(
                     err < 1e-4,

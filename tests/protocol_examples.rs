@@ -8,7 +8,7 @@
 use bytes::Bytes;
 use replayd::protocol::{
     decode_reply, decode_request, encode_reply, encode_request, DecodeLimits, ErrorCode, Hops,
-    InputKind, Payload, Reply, RequestHeader, Status,
+    InputKind, Payload, Reply, ReplyData, RequestHeader, Status,
 };
 use replayd::tensor::{DType, HostTensor};
 use std::fmt::Write;
@@ -124,6 +124,7 @@ fn examples() -> Vec<Example> {
     let reply = Reply::Ok {
         id: 1,
         output: output.clone(),
+        sparse: None,
         bucket: "64t".into(),
         device: "cpu:0".into(),
         queued_us: 41,
@@ -142,7 +143,10 @@ fn examples() -> Vec<Example> {
     };
     let frames = encode_reply(&reply);
     let (h, t) = decode_reply(&frames).unwrap();
-    assert_eq!((h.id, h.status, t), (1, Status::Ok, Some(output)));
+    assert_eq!(
+        (h.id, h.status, t),
+        (1, Status::Ok, Some(ReplyData::Dense(output)))
+    );
     out.push(Example {
         title: "An ok reply",
         text: "A successful reply (shortened to a 4-dimensional output so that it fits here; all-MiniLM-L6-v2's rows have 384 values, 1,536 bytes each): the header, then one frame with the `[1, 4]` f32 tensor. It ran in the packed token budget of 64 tokens on `cpu:0`.",

@@ -66,10 +66,12 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import (  # noqa: E402
     AutoTokenizer,
     BertConfig,
+    BertForMaskedLM,
     BertForSequenceClassification,
     BertModel,
     BertTokenizer,
     DistilBertConfig,
+    DistilBertForMaskedLM,
     DistilBertModel,
     DistilBertTokenizer,
     GPT2Config,
@@ -89,7 +91,8 @@ from transformers import (  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
-from sentence_transformers import CrossEncoder, SentenceTransformer  # noqa: E402
+from sentence_transformers import CrossEncoder, SentenceTransformer, SparseEncoder  # noqa: E402
+from sentence_transformers.sparse_encoder.modules import SpladePooling  # noqa: E402
 from sentence_transformers.sentence_transformer.modules import (  # noqa: E402
     Dense,
     LayerNorm,
@@ -591,6 +594,95 @@ def build_distilbert_st(tmp: Path) -> Path:
     st.save(str(path))
     tidy_folder(path)
     return path
+
+
+def build_splade(tmp: Path, name: str, family: str, strategy: str, activation: str, seed: int) -> Path:
+    """A SPLADE SparseEncoder saved by sentence-transformers 6.2: a masked-LM model (its head's
+    decoder tied to the word embeddings, so not saved) in a `fill-mask` Transformer module, then
+    SpladePooling(strategy, activation)."""
+    vocab = uncased_bert_vocab()
+    if family == "bert":
+        tok = BertTokenizer(vocab=vocab, do_lower_case=True, model_max_length=96)
+        cfg = BertConfig(
+            vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0,
+        )
+        model = BertForMaskedLM(cfg)
+    else:
+        tok = DistilBertTokenizer(vocab=vocab, do_lower_case=True, model_max_length=96)
+        cfg = DistilBertConfig(
+            vocab_size=len(vocab), dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+            max_position_embeddings=512, activation="gelu", pad_token_id=0,
+        )
+        model = DistilBertForMaskedLM(cfg)
+    init_weights(model, seed)
+    hf = tmp / f"{name}-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    se = SparseEncoder(
+        modules=[Transformer(str(hf), transformer_task="fill-mask"),
+                 SpladePooling(pooling_strategy=strategy, activation_function=activation)],
+        device="cpu",
+    )
+    path = OUT / name
+    se.save(str(path))
+    tidy_folder(path)
+    return path
+
+
+def np_mlm_head(W: dict, cfg: dict, h: np.ndarray) -> np.ndarray:
+    """The masked-LM head's logits for hidden states h (float64)."""
+    if cfg["model_type"] == "bert":
+        t = h @ W["cls.predictions.transform.dense.weight"].T + W["cls.predictions.transform.dense.bias"]
+        t = np_ln(np_gelu(t), W["cls.predictions.transform.LayerNorm.weight"],
+                  W["cls.predictions.transform.LayerNorm.bias"], cfg["layer_norm_eps"])
+        return t @ W["bert.embeddings.word_embeddings.weight"].T + W["cls.predictions.bias"]
+    t = h @ W["vocab_transform.weight"].T + W["vocab_transform.bias"]
+    t = np_ln(np_gelu(t), W["vocab_layer_norm.weight"], W["vocab_layer_norm.bias"], 1e-12)
+    return t @ W["distilbert.embeddings.word_embeddings.weight"].T + W["vocab_projector.bias"]
+
+
+def splade_reference(path: Path) -> list[dict]:
+    """Sparse rows as SparseEncoder.encode gives them (indices ascending, f32 values), every
+    case checked against a float64 numpy forward pass (encoder, masked-LM head, SpladePooling)."""
+    m = SparseEncoder(str(path), device="cpu")
+    m.eval()
+    tok = m[0].tokenizer
+    max_len = m.max_seq_length
+    pool = read_json(path / "1_SpladePooling" / "config.json")
+    cases = st_cases(tok, "bert", max_len, LONG_EN, "", [])
+    cfg = read_json(path / "config.json")
+    fam = family_of(cfg)
+    W = load_np(path / "model.safetensors")
+    prefix = "bert." if cfg["model_type"] == "bert" else "distilbert."
+    rows = []
+    with torch.inference_mode():
+        emb = m.encode([c["text"] for c in cases], convert_to_tensor=True, batch_size=64).coalesce()
+        dense = emb.to_dense().float().numpy()
+    for c, vec in zip(cases, dense):
+        feats = m.preprocess([c["text"]])
+        ids = feats["input_ids"][0].tolist()
+        row = {"case": c["case"], "text": c["text"], "ids": ids}
+        full = hf_len(tok, c["text"])
+        if full > len(ids):
+            row["untruncated_length"] = full
+        t_ids, _ = tokenizers_crate_ids(path, max_len, True, c["text"])
+        assert t_ids == ids, (path.name, c["case"], t_ids, ids)
+        nz = np.nonzero(vec)[0]
+        row["indices"] = nz.tolist()
+        row["values"] = vec[nz].tolist()
+        # float64 numpy: encoder, head, log1p(relu) (twice for log1p_relu), max/sum over tokens
+        h = np_encoder({k[len(prefix):] if k.startswith(prefix) else k: v for k, v in W.items()},
+                       "", fam, cfg, ids, [0] * len(ids) if fam == "bert" else None)
+        a = np.log1p(np.maximum(np_mlm_head({**W}, cfg, h), 0))
+        if pool["activation_function"] == "log1p_relu":
+            a = np.log1p(a)
+        x = a.max(0) if pool["pooling_strategy"] == "max" else a.sum(0)
+        rel = np.linalg.norm(x - vec) / np.linalg.norm(x)
+        assert rel < 1e-4 and (np.nonzero(x > 1e-3 * x.max())[0] == np.nonzero(vec > 1e-3 * x.max())[0]).all(), \
+            (path.name, c["case"], rel)
+        rows.append(row)
+    return rows
 
 
 def modernbert_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
@@ -1421,6 +1513,20 @@ FOLDERS = {
         "byte-level BPE tokenizer (`[CLS] $A [SEP]`), `model_max_length: 96`. Mean pooling, "
         "Normalize; prompts `query` = `\"query: \"`, `document` = `\"\"`, no default."
     ),
+    "splade-st": (
+        "A SPLADE sparse encoder saved by SparseEncoder 6.2: BertForMaskedLM (the masked-LM head "
+        "`cls.predictions.transform` dense + GELU + LayerNorm, then the decoder tied to the word "
+        "embeddings, so not in the file, and `cls.predictions.bias`) in a `Transformer` module with "
+        "`transformer_task: fill-mask`, then `1_SpladePooling` `{pooling_strategy: max, "
+        "activation_function: relu}`: each vocabulary weight is the max over the text's tokens of "
+        "log(1 + relu(logit)). Uncased WordPiece, `model_max_length: 96`. Reference rows hold "
+        "`indices` and `values`: the non-zero entries of `SparseEncoder.encode`."
+    ),
+    "splade-distilbert-st": (
+        "As splade-st over DistilBertForMaskedLM (`vocab_transform`, `vocab_layer_norm`, "
+        "`vocab_projector` tied, its bias saved) with `{pooling_strategy: sum, activation_function: "
+        "log1p_relu}`: each weight is the sum over tokens of log(1 + log(1 + relu(logit)))."
+    ),
     "bert-cross-encoder": (
         "BertForSequenceClassification, num_labels 1, saved by CrossEncoder 6.2 (`modules.json` with one "
         "Transformer of task `sequence-classification`; `config_sentence_transformers.json` has "
@@ -1592,6 +1698,10 @@ def main() -> None:
                 "bert-cross-encoder-v4", 8002,
                 {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity", "version": "4.1.0"}})),
         ]
+        splade_specs = [
+            ("splade-st", build_splade(tmp, "splade-st", "bert", "max", "relu", 1201)),
+            ("splade-distilbert-st", build_splade(tmp, "splade-distilbert-st", "distilbert", "sum", "log1p_relu", 1202)),
+        ]
         build_unsupported_arch(tmp)
         build_unsupported_module(tmp)
 
@@ -1602,6 +1712,15 @@ def main() -> None:
             info[name] = {
                 "max length": m.max_seq_length,
                 "embedding dimension": m.get_embedding_dimension(),
+                "cases": [r["case"] for r in rows],
+            }
+        for name, path in splade_specs:
+            rows = splade_reference(path)
+            write_reference(path, rows)
+            se = SparseEncoder(str(path), device="cpu")
+            info[name] = {
+                "max length": se.max_seq_length,
+                "vocabulary": se.get_embedding_dimension(),
                 "cases": [r["case"] for r in rows],
             }
         for name, path in ce_specs:

@@ -348,6 +348,7 @@ impl Frontend {
             &model.info,
             header.output_dtype.unwrap_or(DType::F32),
             header.dimensions,
+            header.top_k,
         )
         .map_err(|(code, msg)| ProtocolError::new(id, code, msg))?;
         if header.prompt_name.is_some()

@@ -9,7 +9,8 @@
 //!   N}}`.
 //! * `tei.rs`: text-embeddings-inference's routes: `POST /embed` (`inputs`,
 //!   `truncate`, `truncation_direction`, `prompt_name`, `normalize`,
-//!   `dimensions` → `[[...]]`), `POST /rerank` (`query`, `texts`,
+//!   `dimensions` → `[[...]]`), `POST /embed_sparse` (a sparse encoder's
+//!   `inputs` → `[[{"index", "value"}]]`), `POST /rerank` (`query`, `texts`,
 //!   `raw_scores`, `return_text`, `truncate` → `[{"index", "score",
 //!   "text"}]`, best first, on a cross-encoder), `POST /tokenize` (`inputs`,
 //!   `add_special_tokens`, `prompt_name` → `[[{"id", "text", "special",
@@ -47,7 +48,7 @@ use super::stats::Health;
 use crate::config::Config;
 use crate::model::{InputSpec, ModelInfo, Task};
 use crate::protocol::{
-    encode_request, ErrorCode, InputKind, Payload, ProtocolError, Reply, RequestHeader,
+    encode_request, ErrorCode, InputKind, Payload, ProtocolError, Reply, RequestHeader, SparseRows,
 };
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -119,6 +120,8 @@ enum Kind {
     Reranker,
     /// A cross-encoder with several labels per pair (no route scores it).
     Classifier,
+    /// A sparse encoder (SPLADE): texts in, vocabulary weights out (`/embed_sparse`).
+    Sparse,
     /// Tensors in (`kind = "mlp"`): not served over HTTP.
     Tensor,
 }
@@ -130,6 +133,7 @@ impl Kind {
             (InputSpec::Tokens { .. }, Task::Embed) => Kind::Embedding,
             (InputSpec::Tokens { .. }, Task::Score { labels: 1 }) => Kind::Reranker,
             (InputSpec::Tokens { .. }, Task::Score { .. }) => Kind::Classifier,
+            (InputSpec::Tokens { .. }, Task::Sparse) => Kind::Sparse,
         }
     }
 }
@@ -141,6 +145,8 @@ enum Want {
     Embedding,
     /// `/rerank`.
     Reranker,
+    /// `/embed_sparse`.
+    Sparse,
     /// `/tokenize`: any model with a tokenizer (default: an embedding
     /// model's, else a cross-encoder's).
     Tokenizer,
@@ -151,6 +157,7 @@ impl Want {
         match self {
             Want::Embedding => kind == Kind::Embedding,
             Want::Reranker => kind == Kind::Reranker,
+            Want::Sparse => kind == Kind::Sparse,
             Want::Tokenizer => kind != Kind::Tensor,
         }
     }
@@ -168,13 +175,13 @@ enum Shape {
 /// The error shape of a route (and of the 405 on it).
 fn shape_of(path: &str) -> Shape {
     match path {
-        "/embed" | "/rerank" | "/tokenize" | "/info" => Shape::Tei,
+        "/embed" | "/embed_sparse" | "/rerank" | "/tokenize" | "/info" => Shape::Tei,
         _ => Shape::OpenAi,
     }
 }
 
 /// Every route, for the 404 message.
-const ROUTES: &str = "POST /v1/embeddings, GET /v1/models, POST /embed, POST /rerank, POST /tokenize, GET /info, GET /health";
+const ROUTES: &str = "POST /v1/embeddings, GET /v1/models, POST /embed, POST /embed_sparse, POST /rerank, POST /tokenize, GET /info, GET /health";
 
 /// An error reply.
 struct Failure {
@@ -213,6 +220,7 @@ pub fn router(front: Arc<HttpFront>, max_body_bytes: usize) -> Router {
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(models))
         .route("/embed", post(tei::embed))
+        .route("/embed_sparse", post(tei::embed_sparse))
         .route("/rerank", post(tei::rerank))
         .route("/tokenize", post(tei::tokenize))
         .route("/info", get(tei::info))
@@ -330,7 +338,9 @@ impl HttpFront {
                 .or_else(|| models.iter().find(|m| w.takes(Kind::of(&m.info))))
         };
         match want {
-            Want::Tokenizer => first(Want::Embedding).or_else(|| first(Want::Reranker)),
+            Want::Tokenizer => first(Want::Embedding)
+                .or_else(|| first(Want::Sparse))
+                .or_else(|| first(Want::Reranker)),
             w => first(w),
         }
     }
@@ -348,6 +358,7 @@ impl HttpFront {
                 let kind = match want {
                     Want::Embedding | Want::Tokenizer => "embedding model",
                     Want::Reranker => "cross-encoder with one score per pair",
+                    Want::Sparse => "sparse encoder",
                 };
                 self.refuse(
                     shape,
@@ -376,16 +387,18 @@ impl HttpFront {
             }
             Kind::Embedding => "an embedding model (use /v1/embeddings or /embed)".to_string(),
             Kind::Reranker => "a cross-encoder (use /rerank)".to_string(),
+            Kind::Sparse => "a sparse encoder (use /embed_sparse)".to_string(),
             Kind::Classifier => format!(
                 "a cross-encoder with {} labels per pair, not one score",
                 match model.info.task {
                     Task::Score { labels } => labels,
-                    Task::Embed => 0,
+                    Task::Embed | Task::Sparse => 0,
                 }
             ),
         };
         let route = match want {
             Want::Embedding => "this route embeds texts",
+            Want::Sparse => "/embed_sparse needs a sparse encoder (SPLADE)",
             Want::Reranker => "/rerank needs a cross-encoder with one score per pair",
             Want::Tokenizer => "/tokenize needs a model with a tokenizer",
         };
@@ -430,6 +443,30 @@ impl HttpFront {
                 let width = output.shape.get(1).copied().unwrap_or(0).max(1);
                 let data = crate::tensor::f32s_from_le(&output.data);
                 Ok(data.chunks(width).map(<[f32]>::to_vec).collect())
+            }
+            Reply::Error { code, message, .. } => Err(Failure::new(shape, code, message)),
+        }
+    }
+
+    /// [`Self::send`] to a sparse encoder: each row's non-zero entries (or
+    /// its `top_k` largest).
+    async fn send_sparse(
+        &self,
+        shape: Shape,
+        header: &RequestHeader,
+        payload: &Payload,
+    ) -> Result<SparseRows, Failure> {
+        let frames = encode_request(header, payload);
+        let (reply, ticket) = self.frontend.handle(&frames, crate::clock::mono_ns()).await;
+        drop(ticket);
+        match reply {
+            Reply::Ok { output, sparse, .. } => {
+                let width = output.shape.get(1).copied().unwrap_or(0);
+                Ok(SparseRows::from_dense(
+                    &output.data,
+                    width,
+                    sparse.unwrap_or_default(),
+                ))
             }
             Reply::Error { code, message, .. } => Err(Failure::new(shape, code, message)),
         }

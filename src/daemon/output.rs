@@ -1,13 +1,15 @@
 //! The shape a reply's tensor takes: its element type and, for embedding
 //! models, Matryoshka truncation (a request's `dimensions`, else the
-//! folder's `truncate_dim`).
+//! folder's `truncate_dim`); for sparse models, the non-zero entries of
+//! each row (all, or a request's `top_k`), picked when the reply is
+//! encoded ([`Sparsify`]).
 //!
 //! Devices always return full-width f32 rows; the batcher hands the
 //! assembled rows to [`OutputForm::apply`] once per request, so a truncated
 //! embedding is the full one cut, never a different graph.
 
 use crate::model::{ModelInfo, Task};
-use crate::protocol::ErrorCode;
+use crate::protocol::{ErrorCode, Sparsify};
 use crate::tensor::{DType, HostTensor};
 use bytes::Bytes;
 
@@ -22,6 +24,8 @@ pub struct OutputForm {
     /// L2-normalised (a `Normalize` module ends its chain), and a cut unit
     /// vector is no longer one.
     pub renormalize: bool,
+    /// A sparse model: the rows go out as their non-zero entries.
+    pub sparse: Option<Sparsify>,
 }
 
 impl Default for OutputForm {
@@ -30,6 +34,7 @@ impl Default for OutputForm {
             dtype: DType::F32,
             dimensions: None,
             renormalize: false,
+            sparse: None,
         }
     }
 }
@@ -41,8 +46,41 @@ impl OutputForm {
         model: &ModelInfo,
         dtype: DType,
         requested: Option<u32>,
+        top_k: Option<u32>,
     ) -> Result<OutputForm, (ErrorCode, String)> {
         let width = model.output_dim;
+        if model.task == Task::Sparse {
+            if requested.is_some() {
+                return Err((
+                    ErrorCode::BadRequest,
+                    format!(
+                        "`dimensions` applies to dense embeddings; model {} is a sparse encoder (ask for `top_k` to keep each row's largest entries)",
+                        model.name
+                    ),
+                ));
+            }
+            if top_k == Some(0) {
+                return Err((
+                    ErrorCode::BadRequest,
+                    "`top_k` = 0 keeps nothing: ask for 1 or more (or leave it out for every non-zero entry)".into(),
+                ));
+            }
+            return Ok(OutputForm {
+                // Rows stay f32 until the encoder picks their entries.
+                dtype: DType::F32,
+                sparse: Some(Sparsify { top_k, dtype }),
+                ..OutputForm::default()
+            });
+        }
+        if top_k.is_some() {
+            return Err((
+                ErrorCode::BadRequest,
+                format!(
+                    "`top_k` applies to sparse encoders; model {} returns dense rows",
+                    model.name
+                ),
+            ));
+        }
         let dimensions = match requested {
             None => model.truncate_dim.filter(|&d| d < width),
             Some(d) => {
@@ -77,6 +115,7 @@ impl OutputForm {
             dtype,
             dimensions,
             renormalize: dimensions.is_some() && model.normalized,
+            sparse: None,
         })
     }
 
@@ -172,7 +211,8 @@ mod tests {
 
     #[test]
     fn truncates_and_renormalises_a_normalised_model() {
-        let form = OutputForm::for_model(&embedder(4, true, None), DType::F32, Some(2)).unwrap();
+        let form =
+            OutputForm::for_model(&embedder(4, true, None), DType::F32, Some(2), None).unwrap();
         assert_eq!(form.dimensions, Some(2));
         assert!(form.renormalize);
         let t = form.apply(2, 4, rows(&[0.6, 0.0, 0.8, 0.0, 0.0, 0.0, 0.0, 1.0]));
@@ -183,7 +223,8 @@ mod tests {
 
     #[test]
     fn a_model_that_does_not_normalise_is_only_cut() {
-        let form = OutputForm::for_model(&embedder(3, false, None), DType::F32, Some(2)).unwrap();
+        let form =
+            OutputForm::for_model(&embedder(3, false, None), DType::F32, Some(2), None).unwrap();
         let t = form.apply(1, 3, rows(&[3.0, 4.0, 5.0]));
         assert_eq!(t.to_f32_vec().unwrap(), vec![3.0, 4.0]);
     }
@@ -192,12 +233,12 @@ mod tests {
     fn truncate_dim_is_the_default_and_a_request_overrides_it() {
         let m = embedder(4, true, Some(2));
         assert_eq!(
-            OutputForm::for_model(&m, DType::F32, None)
+            OutputForm::for_model(&m, DType::F32, None, None)
                 .unwrap()
                 .dimensions,
             Some(2)
         );
-        let full = OutputForm::for_model(&m, DType::F32, Some(4)).unwrap();
+        let full = OutputForm::for_model(&m, DType::F32, Some(4), None).unwrap();
         assert_eq!(full.dimensions, None);
         let t = full.apply(1, 4, rows(&[0.5, 0.5, 0.5, 0.5]));
         assert_eq!(t.shape, vec![1, 4]);
@@ -207,14 +248,37 @@ mod tests {
     fn out_of_range_and_wrong_kinds_are_bad_requests() {
         let m = embedder(4, true, None);
         for d in [0, 5, u32::MAX] {
-            let (code, msg) = OutputForm::for_model(&m, DType::F32, Some(d)).unwrap_err();
+            let (code, msg) = OutputForm::for_model(&m, DType::F32, Some(d), None).unwrap_err();
             assert_eq!(code, ErrorCode::BadRequest);
             assert!(msg.contains("ask for 1 to 4"), "{msg}");
         }
         let mut scorer = embedder(1, false, None);
         scorer.task = Task::Score { labels: 1 };
-        let (_, msg) = OutputForm::for_model(&scorer, DType::F32, Some(1)).unwrap_err();
+        let (_, msg) = OutputForm::for_model(&scorer, DType::F32, Some(1), None).unwrap_err();
         assert!(msg.contains("cross-encoder"), "{msg}");
+    }
+
+    #[test]
+    fn sparse_models_take_top_k_and_refuse_dimensions() {
+        let mut m = embedder(30, false, None);
+        m.task = Task::Sparse;
+        let form = OutputForm::for_model(&m, DType::F16, None, Some(5)).unwrap();
+        assert_eq!(form.dtype, DType::F32, "rows stay f32 until encoded");
+        assert_eq!(
+            form.sparse,
+            Some(Sparsify {
+                top_k: Some(5),
+                dtype: DType::F16
+            })
+        );
+        let (code, msg) = OutputForm::for_model(&m, DType::F32, Some(8), None).unwrap_err();
+        assert_eq!(code, ErrorCode::BadRequest);
+        assert!(msg.contains("sparse encoder"), "{msg}");
+        let (_, msg) = OutputForm::for_model(&m, DType::F32, None, Some(0)).unwrap_err();
+        assert!(msg.contains("`top_k` = 0"), "{msg}");
+        let dense = embedder(4, true, None);
+        let (_, msg) = OutputForm::for_model(&dense, DType::F32, None, Some(3)).unwrap_err();
+        assert!(msg.contains("sparse encoders"), "{msg}");
     }
 
     #[test]
@@ -232,7 +296,8 @@ mod tests {
 
     #[test]
     fn f16_replies_are_cut_first() {
-        let form = OutputForm::for_model(&embedder(4, false, None), DType::F16, Some(3)).unwrap();
+        let form =
+            OutputForm::for_model(&embedder(4, false, None), DType::F16, Some(3), None).unwrap();
         let t = form.apply(1, 4, rows(&[1.0, 2.0, 3.0, 4.0]));
         assert_eq!(t.dtype, DType::F16);
         assert_eq!(t.to_f32_vec().unwrap(), vec![1.0, 2.0, 3.0]);

@@ -147,6 +147,9 @@ pub enum Task {
     Embed,
     /// A cross-encoder: one row of `labels` scores per (query, passage) pair.
     Score { labels: usize },
+    /// A sparse encoder (SPLADE): one row of vocabulary weights per text,
+    /// mostly zeros, answered as its non-zero entries.
+    Sparse,
 }
 
 /// A named prompt of `config_sentence_transformers.json`.

@@ -24,6 +24,8 @@ use std::path::{Path, PathBuf};
 pub enum FolderType {
     SentenceTransformer,
     CrossEncoder,
+    /// A `SparseEncoder` (SPLADE): a masked-LM Transformer, then `SpladePooling`.
+    SparseEncoder,
 }
 
 /// A module of `modules.json`.
@@ -33,6 +35,8 @@ pub enum ModuleKind {
     Pooling,
     Dense,
     Normalize,
+    /// SPLADE's pooling of masked-LM logits (sparse encoders).
+    SpladePooling,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -83,13 +87,16 @@ pub fn read_modules(dir: &Path) -> Result<Option<Vec<Module>>, ModelError> {
             .to_string();
         let last = ty.rsplit('.').next().unwrap_or(ty);
         let kind = match (ty.starts_with("sentence_transformers."), last) {
-            (true, "Transformer") => ModuleKind::Transformer,
+            // MLMTransformer: sentence-transformers 5's name for a
+            // Transformer with transformer_task "fill-mask".
+            (true, "Transformer" | "MLMTransformer") => ModuleKind::Transformer,
+            (true, "SpladePooling") => ModuleKind::SpladePooling,
             (true, "Pooling") => ModuleKind::Pooling,
             (true, "Dense") => ModuleKind::Dense,
             (true, "Normalize") => ModuleKind::Normalize,
             (true, _) => {
                 return Err(err(format!(
-                    "unsupported sentence-transformers module {ty:?} (module {i}, path {rel:?}): replayd applies Transformer, Pooling, Dense and Normalize"
+                    "unsupported sentence-transformers module {ty:?} (module {i}, path {rel:?}): replayd applies Transformer, Pooling, Dense and Normalize, and SpladePooling for sparse encoders"
                 )))
             }
             (false, _) => {
@@ -206,6 +213,7 @@ pub fn read_transformer_config(
             "last_hidden_state",
         ),
         FolderType::CrossEncoder => ("sequence-classification", "scores", "logits"),
+        FolderType::SparseEncoder => ("fill-mask", "token_embeddings", "logits"),
     };
     for (key, v) in obj {
         match key.as_str() {
@@ -226,10 +234,10 @@ pub fn read_transformer_config(
                 if v.as_str() != Some(task) {
                     return Err(err(format!(
                         "unsupported `transformer_task` {v} (a {} folder needs {task:?})",
-                        if kind == FolderType::CrossEncoder {
-                            "CrossEncoder"
-                        } else {
-                            "SentenceTransformer"
+                        match kind {
+                            FolderType::CrossEncoder => "CrossEncoder",
+                            FolderType::SentenceTransformer => "SentenceTransformer",
+                            FolderType::SparseEncoder => "SparseEncoder",
                         }
                     )));
                 }
@@ -606,6 +614,69 @@ pub fn read_dense(dir: &Path) -> Result<DenseConfig, ModelError> {
         act_name,
         weights,
     })
+}
+
+/// A `SpladePooling` module's config: the pooling over tokens (`max` or
+/// `sum`) and the activation applied to each logit first, as
+/// sentence-transformers' `SpladePooling` computes them (`relu`:
+/// `log(1 + relu(x))`; `log1p_relu`: `log(1 + log(1 + relu(x)))`).
+pub fn read_splade_pooling(dir: &Path, vocab: usize) -> Result<(Pooling, Activation), ModelError> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        // SpladePooling's defaults.
+        return Ok((Pooling::Max, Activation::Log1pRelu));
+    }
+    let json = read_json(&path)?;
+    let obj = object(&json, &path)?;
+    let err = |m: String| ModelError::file(&path, m);
+    known_keys(
+        obj,
+        &[
+            "pooling_strategy",
+            "activation_function",
+            "embedding_dimension",
+            "word_embedding_dimension",
+            "chunk_size",
+        ],
+        &path,
+    )?;
+    let pooling = match obj.get("pooling_strategy") {
+        None | Some(Value::Null) => Pooling::Max,
+        Some(v) => match v.as_str() {
+            Some("max") => Pooling::Max,
+            Some("sum") => Pooling::Sum,
+            _ => {
+                return Err(err(format!(
+                    "unsupported `pooling_strategy` {v} (\"max\" or \"sum\")"
+                )))
+            }
+        },
+    };
+    let act = match obj.get("activation_function") {
+        None | Some(Value::Null) => Activation::Log1pRelu,
+        Some(v) => match v.as_str() {
+            Some("relu") => Activation::Log1pRelu,
+            Some("log1p_relu") => Activation::Log1pLog1pRelu,
+            _ => {
+                return Err(err(format!(
+                    "unsupported `activation_function` {v} (\"relu\" or \"log1p_relu\")"
+                )))
+            }
+        },
+    };
+    for key in ["embedding_dimension", "word_embedding_dimension"] {
+        match obj.get(key) {
+            None | Some(Value::Null) => {}
+            Some(v) if v.as_u64() == Some(vocab as u64) => {}
+            Some(v) => {
+                return Err(err(format!(
+                    "`{key}` is {v}, but the masked-LM head has {vocab} outputs (config.json vocab_size)"
+                )))
+            }
+        }
+    }
+    // chunk_size only bounds sentence-transformers' memory: the result is the same.
+    Ok((pooling, act))
 }
 
 /// A `Normalize` module's (optional) config.

@@ -1,6 +1,7 @@
 //! Frames ⇄ protocol values.
 
 use super::header::{decode_header, salvage_version, SUPPORTED_VERSIONS};
+use super::sparse::SparseRows;
 use super::{
     ErrorCode, InputKind, Payload, ProtocolError, Reply, ReplyHeader, Request, RequestHeader,
     Status, PROTOCOL_VERSION,
@@ -197,6 +198,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
         Reply::Ok {
             id,
             output,
+            sparse,
             bucket,
             device,
             queued_us,
@@ -211,8 +213,13 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 status: Status::Ok,
                 code: None,
                 message: None,
-                dtype: Some(output.dtype),
+                dtype: Some(match sparse {
+                    // The rows stay f32 until their entries are picked.
+                    Some(how) => how.dtype,
+                    None => output.dtype,
+                }),
                 shape: Some(output.shape.iter().map(|&d| d as u64).collect()),
+                format: sparse.map(|_| "csr".to_string()),
                 bucket: Some(bucket.clone()),
                 device: Some(device.clone()),
                 batches: Some(*batches),
@@ -227,7 +234,15 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 back_us: Some(hops.back),
                 reply_us: Some(hops.reply),
             },
-            Some(output.data.clone()),
+            match sparse {
+                None => vec![output.data.clone()],
+                Some(how) => {
+                    let width = output.shape.get(1).copied().unwrap_or(0);
+                    SparseRows::from_dense(&output.data, width, *how)
+                        .to_frames(how.dtype)
+                        .to_vec()
+                }
+            },
         ),
         Reply::Error { id, code, message } => (
             ReplyHeader {
@@ -238,6 +253,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 message: Some(message.clone()),
                 dtype: None,
                 shape: None,
+                format: None,
                 bucket: None,
                 device: None,
                 batches: None,
@@ -252,7 +268,7 @@ pub fn encode_reply(reply: &Reply) -> Vec<Bytes> {
                 back_us: None,
                 reply_us: None,
             },
-            None,
+            Vec::new(),
         ),
     };
     let head = rmp_serde::to_vec_named(&header).expect("reply header always serialises");
@@ -284,24 +300,62 @@ pub fn encode_request(header: &RequestHeader, payload: &Payload) -> Vec<Bytes> {
     frames
 }
 
-/// Decodes a reply (for clients): the header, and the output tensor on success.
-pub fn decode_reply(frames: &[Bytes]) -> Result<(ReplyHeader, Option<HostTensor>), String> {
+/// A successful reply's payload, as a client reads it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ReplyData {
+    /// One tensor, `shape` of the header.
+    Dense(HostTensor),
+    /// A sparse model's rows (`format: "csr"`).
+    Sparse(SparseRows),
+}
+
+impl ReplyData {
+    /// The dense tensor, if the reply is one.
+    pub fn dense(self) -> Option<HostTensor> {
+        match self {
+            ReplyData::Dense(t) => Some(t),
+            ReplyData::Sparse(_) => None,
+        }
+    }
+}
+
+/// Decodes a reply (for clients): the header, and the output on success.
+pub fn decode_reply(frames: &[Bytes]) -> Result<(ReplyHeader, Option<ReplyData>), String> {
     let (head, rest) = frames.split_first().ok_or("empty reply")?;
     let header: ReplyHeader =
         rmp_serde::from_slice(head).map_err(|e| format!("malformed reply header: {e}"))?;
-    let tensor = match (header.status, header.dtype, &header.shape, rest) {
-        (Status::Ok, Some(dtype), Some(shape), [data]) => Some(
+    let data = match (header.status, header.dtype, &header.shape, rest) {
+        (Status::Ok, Some(dtype), Some(shape), frames)
+            if header.format.as_deref() == Some("csr") =>
+        {
+            let [rows, width] = shape[..] else {
+                return Err(format!(
+                    "a sparse reply's shape is [rows, width], got {shape:?}"
+                ));
+            };
+            Some(ReplyData::Sparse(
+                SparseRows::from_frames(rows as usize, width as usize, dtype, frames)
+                    .map_err(|e| format!("sparse reply payload: {e}"))?,
+            ))
+        }
+        (Status::Ok, _, _, _) if header.format.is_some() => {
+            return Err(format!(
+                "unknown reply format {:?}",
+                header.format.as_deref().unwrap_or_default()
+            ))
+        }
+        (Status::Ok, Some(dtype), Some(shape), [data]) => Some(ReplyData::Dense(
             HostTensor::new(
                 dtype,
                 shape.iter().map(|&d| d as usize).collect(),
                 data.clone(),
             )
             .map_err(|e| format!("reply payload: {e}"))?,
-        ),
+        )),
         (Status::Ok, ..) => return Err("ok reply without dtype, shape and one payload".into()),
         (Status::Error, ..) => None,
     };
-    Ok((header, tensor))
+    Ok((header, data))
 }
 
 #[cfg(test)]
@@ -481,6 +535,7 @@ mod tests {
         let reply = Reply::Ok {
             id: 3,
             output: out.clone(),
+            sparse: None,
             bucket: "8x16".into(),
             device: "cpu:0".into(),
             queued_us: 10,
@@ -506,7 +561,7 @@ mod tests {
             (3, Status::Ok, Some("8x16"))
         );
         assert_eq!(h.batches, Some(2));
-        assert_eq!(t.unwrap(), out);
+        assert_eq!(t.unwrap(), ReplyData::Dense(out));
         let (h, t) =
             decode_reply(&encode_reply(&Reply::error(4, ErrorCode::TooLong, "long"))).unwrap();
         assert_eq!(
@@ -514,6 +569,46 @@ mod tests {
             (Some(ErrorCode::TooLong), Some("long"), None)
         );
         assert_eq!(Hops::from_header(&h), None);
+    }
+
+    /// A sparse model's rows go out as CSR frames, values in the asked dtype.
+    #[test]
+    fn sparse_replies_round_trip() {
+        let dense = HostTensor::from_f32(vec![2, 4], &[0.0, 2.0, 0.0, 0.5, 1.0, 0.0, 0.0, 0.0]);
+        for (top_k, dtype, want) in [
+            (
+                None,
+                DType::F32,
+                vec![vec![(1, 2.0), (3, 0.5)], vec![(0, 1.0)]],
+            ),
+            (Some(1), DType::F16, vec![vec![(1, 2.0)], vec![(0, 1.0)]]),
+        ] {
+            let reply = Reply::Ok {
+                id: 5,
+                output: dense.clone(),
+                sparse: Some(crate::protocol::Sparsify { top_k, dtype }),
+                bucket: "64t".into(),
+                device: "cpu:0".into(),
+                queued_us: 0,
+                compute_us: 0,
+                total_us: 0,
+                batches: 1,
+                hops: Hops::default(),
+            };
+            let frames = encode_reply(&reply);
+            assert_eq!(frames.len(), 4);
+            let (h, data) = decode_reply(&frames).unwrap();
+            assert_eq!((h.format.as_deref(), h.dtype), (Some("csr"), Some(dtype)));
+            assert_eq!(h.shape, Some(vec![2, 4]));
+            let Some(ReplyData::Sparse(rows)) = data else {
+                panic!("not sparse: {data:?}")
+            };
+            for (r, entries) in want.iter().enumerate() {
+                let (idx, val) = rows.row(r);
+                let got: Vec<(u32, f32)> = idx.iter().copied().zip(val.iter().copied()).collect();
+                assert_eq!(&got, entries);
+            }
+        }
     }
 
     /// A client of an older daemon (no hop keys) and an older client (which
@@ -528,6 +623,7 @@ mod tests {
         let reply = Reply::Ok {
             id: 9,
             output: HostTensor::from_f32(vec![1, 1], &[1.0]),
+            sparse: None,
             bucket: "64t".into(),
             device: "cpu:0".into(),
             queued_us: 1,

@@ -16,7 +16,7 @@ use crate::tensor::DType;
 pub const ECHO_LIMIT: usize = 64;
 
 /// Keys a request header may carry, in the order the document lists them.
-pub const KEYS: [&str; 13] = [
+pub const KEYS: [&str; 14] = [
     "v",
     "id",
     "model",
@@ -30,6 +30,7 @@ pub const KEYS: [&str; 13] = [
     "output_dtype",
     "prompt_name",
     "dimensions",
+    "top_k",
 ];
 
 /// The versions of the protocol this daemon speaks.
@@ -358,6 +359,10 @@ fn decode(bytes: &[u8]) -> Result<RequestHeader, String> {
             "dimensions" => {
                 let d = uint(&mut r, "an unsigned integer")?;
                 h.dimensions = Some(u32::try_from(d).unwrap_or(u32::MAX));
+            }
+            "top_k" => {
+                let k = uint(&mut r, "an unsigned integer")?;
+                h.top_k = Some(u32::try_from(k).unwrap_or(u32::MAX));
             }
             "dtype" | "output_dtype" => {
                 let s = string(&mut r, "a dtype name such as \"f32\"")?;

@@ -17,8 +17,12 @@
 pub mod client;
 mod codec;
 pub mod header;
+pub mod sparse;
 
-pub use codec::{decode_reply, decode_request, encode_reply, encode_request, DecodeLimits};
+pub use codec::{
+    decode_reply, decode_request, encode_reply, encode_request, DecodeLimits, ReplyData,
+};
+pub use sparse::{SparseRows, Sparsify};
 
 use crate::tensor::{DType, HostTensor};
 use serde::{Deserialize, Serialize};
@@ -147,6 +151,10 @@ pub struct RequestHeader {
     /// normalises; default: the folder's `truncate_dim`, else all.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dimensions: Option<u32>,
+    /// Sparse models: keep each row's `top_k` largest entries; default: all
+    /// non-zero ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<u32>,
 }
 
 impl RequestHeader {
@@ -166,6 +174,7 @@ impl RequestHeader {
             output_dtype: None,
             prompt_name: None,
             dimensions: None,
+            top_k: None,
         }
     }
 }
@@ -233,6 +242,10 @@ pub struct ReplyHeader {
     pub dtype: Option<DType>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shape: Option<Vec<u64>>,
+    /// `"csr"`: a sparse model's reply, three payload frames (indptr,
+    /// indices, values; see [`SparseRows`]); absent: one dense tensor frame.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
     /// The bucket the request ran in, `"<batch>x<seq>"` (seq 1 for models
     /// without a sequence axis), `"<tokens>t"` (a packed token budget), or
     /// `"eager"`. When its rows ran in several batches: the largest of
@@ -341,7 +354,10 @@ impl Hops {
 pub enum Reply {
     Ok {
         id: u64,
+        /// Full rows; a sparse model's are sent as their non-zero entries (`sparse`).
         output: HostTensor,
+        /// A sparse model's rows: cut to CSR form when the reply is encoded.
+        sparse: Option<Sparsify>,
         bucket: String,
         device: String,
         queued_us: u64,

@@ -650,6 +650,12 @@ pub(crate) fn pool(
                 let denom = (count as f32).max(1e-9);
                 o.iter_mut().for_each(|a| *a /= denom);
             }
+            Pooling::Sum => {
+                o.fill(0.0);
+                for t in pooled() {
+                    o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a += v);
+                }
+            }
             Pooling::Cls if skip.is_none() && mask.is_some() => o.copy_from_slice(token(0)),
             Pooling::Cls => match pooled().next() {
                 Some(t) => o.copy_from_slice(token(t)),

@@ -762,6 +762,7 @@ impl BatcherState {
         let reply = Reply::Ok {
             id: p.client_id,
             output: tensor,
+            sparse: p.form.sparse,
             bucket,
             device,
             queued_us,

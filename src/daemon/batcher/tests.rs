@@ -342,6 +342,7 @@ async fn a_request_larger_than_every_bucket_is_split_and_reassembled_in_order() 
         Reply::Ok {
             id,
             output,
+            sparse: None,
             bucket,
             batches,
             compute_us,

@@ -1,4 +1,4 @@
-//! text-embeddings-inference's routes: `POST /embed`, `POST /rerank`,
+//! text-embeddings-inference's routes: `POST /embed`, `POST /embed_sparse`, `POST /rerank`,
 //! `POST /tokenize`, `GET /info` (field names and reply shapes as TEI's
 //! `router/src/http/types.rs`; what differs is in `docs/http.md`).
 
@@ -45,6 +45,30 @@ struct EmbedRequest {
     dimensions: Option<u32>,
     #[serde(default)]
     model: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EmbedSparseRequest {
+    inputs: Inputs,
+    #[serde(default)]
+    truncate: Option<bool>,
+    #[serde(default)]
+    truncation_direction: Option<String>,
+    #[serde(default)]
+    prompt_name: Option<String>,
+    /// A replayd extension: keep each row's `top_k` largest entries.
+    #[serde(default)]
+    top_k: Option<u32>,
+    #[serde(default)]
+    model: Option<String>,
+}
+
+/// TEI's `SparseValue`: one vocabulary entry of a sparse embedding.
+#[derive(Serialize)]
+pub(super) struct SparseValue {
+    index: u32,
+    value: f32,
 }
 
 #[derive(Deserialize)]
@@ -251,6 +275,44 @@ pub(super) async fn embed(
     Ok(Json(rows))
 }
 
+/// `POST /embed_sparse`: a sparse encoder's non-zero vocabulary weights
+/// per text, in index order.
+pub(super) async fn embed_sparse(
+    State(front): State<Arc<HttpFront>>,
+    raw: Result<Bytes, BytesRejection>,
+) -> Result<Json<Vec<Vec<SparseValue>>>, Failure> {
+    let req: EmbedSparseRequest = front.request(SHAPE, raw)?;
+    let direction = front.direction(req.truncation_direction.as_deref())?;
+    let texts = front.inputs(req.inputs)?;
+    let model = front.model_for(SHAPE, req.model, Want::Sparse)?;
+    let truncate = req.truncate.unwrap_or(AUTO_TRUNCATE);
+    let (mut header, payload) = if truncate && direction == TruncationDirection::Left {
+        let ids = front
+            .left_cut_ids(model, texts, req.prompt_name.as_deref())
+            .await?;
+        (front.header(model, InputKind::Ids), Payload::Ids(ids))
+    } else {
+        let mut header = front.header(model, InputKind::Texts);
+        header.prompt_name = req.prompt_name;
+        header.truncate = truncate;
+        (header, Payload::Texts(texts))
+    };
+    header.top_k = req.top_k;
+    let rows = front.send_sparse(SHAPE, &header, &payload).await?;
+    Ok(Json(
+        (0..rows.rows())
+            .map(|r| {
+                let (indices, values) = rows.row(r);
+                indices
+                    .iter()
+                    .zip(values)
+                    .map(|(&index, &value)| SparseValue { index, value })
+                    .collect()
+            })
+            .collect(),
+    ))
+}
+
 /// `POST /rerank`: one (query, text) pair per text through the
 /// cross-encoder, best score first.
 pub(super) async fn rerank(
@@ -440,6 +502,8 @@ impl HttpFront {
             (_, Task::Score { labels }) => {
                 json!({"classifier": {"num_labels": labels, "activation": activation}})
             }
+            // TEI's name: an embedding model whose pooling is "splade".
+            (_, Task::Sparse) => json!({"embedding": {"pooling": "splade"}}),
             (_, Task::Embed) => Value::Null,
         };
         let max_input_length = match info.input {

@@ -37,6 +37,13 @@ impl EncoderConfig {
         }
     }
 
+    /// A `*ForMaskedLM` architecture (the masked-LM head SPLADE pools).
+    pub(super) fn is_masked_lm(&self) -> bool {
+        self.architecture
+            .as_deref()
+            .is_some_and(|a| a.ends_with("ForMaskedLM"))
+    }
+
     /// The longest sequence the position table holds.
     pub(super) fn positions(&self) -> usize {
         match self.pad {

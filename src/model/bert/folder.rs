@@ -40,7 +40,9 @@
 
 use super::config::EncoderConfig;
 use super::modernbert::{ModernBertConfig, ModernBertNames};
-use super::{BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, ModernBertArch};
+use super::{
+    BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, MlmHead, ModernBertArch,
+};
 use crate::model::files::read_json;
 use crate::model::program::{Activation, Pooling, PositionBias, WeightId};
 use crate::model::safetensors_file::{read_header, Header, TensorFile};
@@ -293,6 +295,9 @@ struct Folder {
     dense: Vec<DenseModule>,
     /// A cross-encoder's activation.
     activation: Option<Activation>,
+    /// A sparse encoder's `SpladePooling`: the pooling over tokens and the
+    /// activation each masked-LM logit gets first.
+    splade: Option<(Pooling, Activation)>,
     max_seq_len: usize,
     tokenizer: TokenizerSpec,
     prompts: BTreeMap<String, String>,
@@ -316,6 +321,7 @@ fn pooling_name(p: Pooling) -> &'static str {
         Pooling::Mean => "mean",
         Pooling::Cls => "cls",
         Pooling::Max => "max",
+        Pooling::Sum => "sum",
     }
 }
 
@@ -328,6 +334,8 @@ fn activation_name(a: Activation) -> &'static str {
         Activation::Tanh => "Tanh",
         Activation::Sigmoid => "Sigmoid",
         Activation::Silu => "SiLU",
+        Activation::Log1pRelu => "log1p(ReLU)",
+        Activation::Log1pLog1pRelu => "log1p(log1p(ReLU))",
     }
 }
 
@@ -392,6 +400,24 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
     };
     let kind = match (st_config.model_type.as_deref(), &modules, config.labels) {
         (Some("CrossEncoder"), Some(_), Some(_)) => FolderType::CrossEncoder,
+        (Some("SparseEncoder"), Some(_), None) if config.is_masked_lm() => {
+            if config.family == Family::ModernBert {
+                return Err(ModelError::file(
+                    &config_path,
+                    "ModernBERT sparse encoders are not served yet (BERT, DistilBERT and XLM-RoBERTa masked-LM heads are)",
+                ));
+            }
+            FolderType::SparseEncoder
+        }
+        (Some("SparseEncoder"), Some(_), _) => {
+            return Err(ModelError::file(
+                &config_path,
+                format!(
+                    "a SparseEncoder folder needs a *ForMaskedLM architecture (SPLADE pools the masked-LM head's logits), config.json has {}",
+                    config.architecture.as_deref().unwrap_or("none")
+                ),
+            ))
+        }
         (Some("CrossEncoder"), _, None) => {
             return Err(ModelError::file(
                 &config_path,
@@ -414,7 +440,7 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
         (None | Some("SentenceTransformer"), Some(_), None) => FolderType::SentenceTransformer,
         (None, None, Some(_)) => FolderType::CrossEncoder,
         (None, None, None) => FolderType::SentenceTransformer,
-        (Some(t @ ("SentenceTransformer" | "CrossEncoder")), None, _) => {
+        (Some(t @ ("SentenceTransformer" | "CrossEncoder" | "SparseEncoder")), None, _) => {
             return Err(ModelError::file(
                 st_path(),
                 format!("model_type {t:?} without modules.json"),
@@ -424,7 +450,7 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
             return Err(ModelError::file(
                 st_path(),
                 format!(
-                    "unsupported `model_type` {other:?} (replayd serves SentenceTransformer and CrossEncoder folders)"
+                    "unsupported `model_type` {other:?} (replayd serves SentenceTransformer, CrossEncoder and SparseEncoder folders)"
                 ),
             ))
         }
@@ -446,6 +472,10 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
                 "CrossEncoder ({} label{})",
                 config.labels.unwrap_or(1),
                 if config.labels == Some(1) { "" } else { "s" }
+            ),
+            FolderType::SparseEncoder => format!(
+                "SparseEncoder (SPLADE over {} vocabulary logits)",
+                config.vocab
             ),
         },
         if modules.is_some() {
@@ -657,9 +687,55 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
         }
     }
 
+    // SpladePooling (sparse encoders): the only module after the Transformer.
+    let splade = if kind == FolderType::SparseEncoder {
+        let list = modules.as_deref().unwrap_or_default();
+        match list {
+            [_, m] if m.kind == ModuleKind::SpladePooling => {
+                let (mode, act) = st::read_splade_pooling(&m.dir, config.vocab)?;
+                let rel = if m.rel.is_empty() {
+                    "SpladePooling defaults".to_string()
+                } else {
+                    format!("{}/config.json", m.rel)
+                };
+                derived_list.push(derived(
+                    "splade",
+                    format!(
+                        "{} over tokens of {}",
+                        pooling_name(mode),
+                        activation_name(act)
+                    ),
+                    rel,
+                ));
+                for (set, key) in [
+                    (model.pooling.is_some(), "pooling"),
+                    (model.normalize.is_some(), "normalize"),
+                ] {
+                    if set {
+                        return Err(ModelError::Invalid {
+                            model: model.name.clone(),
+                            message: format!(
+                                "`{key}` does not apply to a sparse encoder (its SpladePooling module decides how tokens are pooled)"
+                            ),
+                        });
+                    }
+                }
+                Some((mode, act))
+            }
+            _ => {
+                return Err(ModelError::file(
+                    &modules_path,
+                    "a SparseEncoder folder is a masked-LM Transformer then SpladePooling (other sparse modules are not served)",
+                ))
+            }
+        }
+    } else {
+        None
+    };
+
     // Prompts.
     let mut prompts: BTreeMap<String, String> = BTreeMap::new();
-    if kind == FolderType::SentenceTransformer {
+    if kind != FolderType::CrossEncoder {
         // SentenceTransformer._default_prompts: query and document, "" unless saved.
         prompts.insert("query".into(), String::new());
         prompts.insert("document".into(), String::new());
@@ -727,11 +803,16 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
                 Some(d)
             }
         }
-        (Some(d), FolderType::CrossEncoder) => {
+        (Some(d), FolderType::CrossEncoder | FolderType::SparseEncoder) => {
             return Err(ModelError::file(
                 dir.join("config_sentence_transformers.json"),
                 format!(
-                    "`truncate_dim` {d} in a cross-encoder folder: its scores cannot be truncated"
+                    "`truncate_dim` {d} in a {} folder: its outputs cannot be truncated",
+                    if kind == FolderType::CrossEncoder {
+                        "cross-encoder"
+                    } else {
+                        "sparse encoder"
+                    }
                 ),
             ))
         }
@@ -761,6 +842,7 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
         normalize,
         dense,
         activation,
+        splade,
         max_seq_len,
         tokenizer,
         prompts,
@@ -793,6 +875,20 @@ struct TensorNames {
     relative_bias: Option<String>,
     /// A cross-encoder's (pooler / dense, classifier / out_proj).
     classifier: Option<((String, String), (String, String))>,
+    /// A sparse encoder's masked-LM head.
+    mlm: Option<MlmNames>,
+}
+
+/// The masked-LM head's tensors: transform (dense + activation +
+/// LayerNorm), then the decoder to the vocabulary and its bias.
+struct MlmNames {
+    transform: (String, String),
+    norm: (String, String),
+    /// `None`: tied to the word embeddings (not saved; transformers ties them).
+    decoder: Option<String>,
+    bias: String,
+    act: Activation,
+    eps: f32,
 }
 
 struct LayerNames {
@@ -860,7 +956,11 @@ impl LayerLayout {
     }
 }
 
-fn tensor_names(header: &Header, c: &EncoderConfig) -> Result<TensorNames, ModelError> {
+fn tensor_names(
+    header: &Header,
+    c: &EncoderConfig,
+    masked_lm: bool,
+) -> Result<TensorNames, ModelError> {
     let base = match c.family {
         Family::Bert => "bert.",
         Family::XlmRoberta => "roberta.",
@@ -995,6 +1095,11 @@ fn tensor_names(header: &Header, c: &EncoderConfig) -> Result<TensorNames, Model
             })
         }
     };
+    let mlm = if masked_lm {
+        Some(mlm_names(header, c, &dense, &norm)?)
+    } else {
+        None
+    };
     Ok(TensorNames {
         word,
         position,
@@ -1003,6 +1108,95 @@ fn tensor_names(header: &Header, c: &EncoderConfig) -> Result<TensorNames, Model
         layers,
         relative_bias,
         classifier,
+        mlm,
+    })
+}
+
+/// Checks a linear layer's (weight, bias) of `[out, in]` and names them.
+type DenseNames<'a> =
+    dyn Fn(String, usize, usize, &str) -> Result<(String, String), ModelError> + 'a;
+
+/// The masked-LM head of a `*ForMaskedLM` checkpoint, by family (BERT's
+/// `cls.predictions`, DistilBERT's `vocab_*`, XLM-R's `lm_head`), checked
+/// for shape. `dense` and `norm` check a (weight, bias) pair and a
+/// LayerNorm of the hidden width.
+fn mlm_names(
+    header: &Header,
+    c: &EncoderConfig,
+    dense: &DenseNames<'_>,
+    norm: &dyn Fn(String) -> Result<(String, String), ModelError>,
+) -> Result<MlmNames, ModelError> {
+    let h = c.hidden;
+    let why_h = format!(" (config.json: hidden_size {h})");
+    // (transform, its activation, LayerNorm, decoder, bias).
+    let (transform, act, ln, decoder, biases): (&str, Activation, &str, &str, &[&str]) =
+        match c.family {
+            Family::Bert => (
+                "cls.predictions.transform.dense",
+                c.act,
+                "cls.predictions.transform.LayerNorm",
+                "cls.predictions.decoder",
+                &["cls.predictions.bias", "cls.predictions.decoder.bias"],
+            ),
+            Family::DistilBert => (
+                "vocab_transform",
+                c.act,
+                "vocab_layer_norm",
+                "vocab_projector",
+                &["vocab_projector.bias"],
+            ),
+            // RobertaLMHead applies gelu whatever hidden_act says.
+            Family::XlmRoberta => (
+                "lm_head.dense",
+                Activation::Gelu,
+                "lm_head.layer_norm",
+                "lm_head.decoder",
+                &["lm_head.bias", "lm_head.decoder.bias"],
+            ),
+            Family::Mpnet | Family::ModernBert => {
+                return Err(ModelError::file(
+                    &header.path,
+                    format!(
+                "{} masked-LM heads are not served yet (BERT, DistilBERT and XLM-RoBERTa ones are)",
+                c.family.model_type()
+            ),
+                ))
+            }
+        };
+    let (tw, tb) = dense(transform.to_string(), h, h, &why_h)?;
+    let norm = norm(ln.to_string())?;
+    let why_v = format!(" (config.json: vocab_size {}, hidden_size {h})", c.vocab);
+    let decoder_weight = format!("{decoder}.weight");
+    let decoder = if header.get(&decoder_weight).is_some() {
+        header.expect_shape(&decoder_weight, &[c.vocab, h], &why_v)?;
+        Some(decoder_weight)
+    } else if c.json.get("tie_word_embeddings").and_then(Value::as_bool) == Some(false) {
+        return Err(ModelError::file(
+            &header.path,
+            format!("missing tensor `{decoder_weight}` (config.json: tie_word_embeddings false)"),
+        ));
+    } else {
+        None
+    };
+    let bias = biases
+        .iter()
+        .find(|b| header.get(b).is_some())
+        .ok_or_else(|| {
+            ModelError::file(
+                &header.path,
+                format!("missing tensor `{}` (the masked-LM head's bias)", biases[0]),
+            )
+        })?
+        .to_string();
+    header.expect_shape(&bias, &[c.vocab], &why_v)?;
+    Ok(MlmNames {
+        transform: (tw, tb),
+        norm,
+        decoder,
+        bias,
+        act,
+        // DistilBERT's vocab_layer_norm uses eps 1e-12 (c.eps already is).
+        eps: c.eps,
     })
 }
 
@@ -1022,6 +1216,7 @@ fn dense_names(d: &st::DenseConfig) -> Result<Header, ModelError> {
 
 fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
     let output_dim = match (folder.config.labels, folder.dense.last()) {
+        _ if folder.kind == FolderType::SparseEncoder => folder.config.vocab,
         (Some(labels), _) if folder.kind == FolderType::CrossEncoder => labels,
         (_, Some(d)) => d.config.outputs,
         _ => folder.config.hidden,
@@ -1041,6 +1236,7 @@ fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
             FolderType::CrossEncoder => Task::Score {
                 labels: folder.config.labels.unwrap_or(1),
             },
+            FolderType::SparseEncoder => Task::Sparse,
         },
         tokenizer: Some(folder.tokenizer.clone()),
         prompts: Prompts {
@@ -1077,7 +1273,11 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     if folder.config.family == Family::ModernBert {
         return load_modernbert(config, &folder, &file);
     }
-    let names = tensor_names(&file.header, &folder.config)?;
+    let names = tensor_names(
+        &file.header,
+        &folder.config,
+        folder.kind == FolderType::SparseEncoder,
+    )?;
     let c = &folder.config;
     let h = c.hidden;
     let mut weights = Weights::new();
@@ -1185,6 +1385,32 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
         }
         _ => None,
     };
+    let mlm = match (&names.mlm, folder.splade) {
+        (Some(n), Some((pooling, splade_act))) => {
+            let mut push = |name: &str| -> Result<WeightId, ModelError> {
+                let (shape, data) = file.f32(name)?;
+                Ok(weights.push(name, shape, data))
+            };
+            Some(MlmHead {
+                transform_weight: push(&n.transform.0)?,
+                transform_bias: push(&n.transform.1)?,
+                act: n.act,
+                norm_gamma: push(&n.norm.0)?,
+                norm_beta: push(&n.norm.1)?,
+                eps: n.eps,
+                // Tied: the word embeddings are the decoder's [vocab, hidden] weight.
+                decoder_weight: match &n.decoder {
+                    Some(name) => push(name)?,
+                    None => word,
+                },
+                decoder_bias: push(&n.bias)?,
+                vocab: c.vocab,
+                splade_act,
+                pooling,
+            })
+        }
+        _ => None,
+    };
     let dense = dense_layers(&folder, &mut weights)?;
     let arch = BertArch {
         hidden: c.hidden,
@@ -1207,6 +1433,7 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
         pool_skip: !folder.include_prompt && classifier.is_none(),
         dense,
         classifier,
+        mlm,
     };
     Ok(Model {
         info: info(config, &folder),
@@ -1296,7 +1523,11 @@ pub fn inspect(config: &ModelSpec) -> Result<ModelInfo, ModelError> {
         let m = ModernBertConfig::read(&c.json, c.layers, &folder.config_path)?;
         ModernBertNames::check(&header, c, &m)?;
     } else {
-        tensor_names(&header, &folder.config)?;
+        tensor_names(
+            &header,
+            &folder.config,
+            folder.kind == FolderType::SparseEncoder,
+        )?;
     }
     for d in &folder.dense {
         dense_names(&d.config)?;
@@ -1683,6 +1914,98 @@ mod tests {
             write(bad);
             assert_error(inspect(&c), &["truncate_dim", "positive integer"]);
         }
+    }
+
+    /// A copy of a test folder (tests/data/models) to edit.
+    fn test_folder_copy(name: &str) -> tempfile::TempDir {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data/models")
+            .join(name);
+        let dir = tempfile::tempdir().unwrap();
+        for entry in walk(&src) {
+            let to = dir.path().join(entry.strip_prefix(&src).unwrap());
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(&entry, to).unwrap();
+        }
+        dir
+    }
+
+    fn walk(dir: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn sparse_encoder_folders_are_read_and_checked() {
+        let dir = test_folder_copy("splade-st");
+        let c = config(dir.path());
+        let info = inspect(&c).unwrap();
+        assert_eq!((info.task, info.output_dim), (Task::Sparse, 1432));
+        assert!(!info.normalized);
+        assert!(
+            info.derived_summary()
+                .contains("max over tokens of log1p(ReLU)"),
+            "{}",
+            info.derived_summary()
+        );
+        let model = load(&c).unwrap();
+        let Architecture::Bert(arch) = &model.arch else {
+            panic!("not BERT")
+        };
+        let head = arch.mlm.as_ref().expect("a masked-LM head");
+        // Tied: the decoder is the word embedding table itself.
+        assert_eq!(head.decoder_weight, arch.embeddings.word);
+        let write = |file: &str, edit: &dyn Fn(&mut Value)| {
+            let path = dir.path().join(file);
+            let mut json: Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            edit(&mut json);
+            std::fs::write(path, json.to_string()).unwrap();
+        };
+        write("1_SpladePooling/config.json", &|j| {
+            j["pooling_strategy"] = "mean".into()
+        });
+        assert_error(inspect(&c), &["pooling_strategy", "\"max\" or \"sum\""]);
+        write("1_SpladePooling/config.json", &|j| {
+            j["pooling_strategy"] = "sum".into();
+            j["activation_function"] = "gelu".into();
+        });
+        assert_error(inspect(&c), &["activation_function"]);
+        write("1_SpladePooling/config.json", &|j| {
+            j["activation_function"] = "log1p_relu".into();
+        });
+        assert!(inspect(&c)
+            .unwrap()
+            .derived_summary()
+            .contains("sum over tokens of log1p(log1p(ReLU))"));
+        write("config_sentence_transformers.json", &|j| {
+            j["truncate_dim"] = 64.into()
+        });
+        assert_error(inspect(&c), &["truncate_dim", "sparse encoder"]);
+        write("config_sentence_transformers.json", &|j| {
+            j.as_object_mut().unwrap().remove("truncate_dim");
+        });
+        let mut pooled = c.clone();
+        pooled.pooling = Some(Pooling::Mean);
+        assert_error(
+            inspect(&pooled),
+            &["`pooling` does not apply to a sparse encoder"],
+        );
+        write("config.json", &|j| {
+            j["architectures"] = serde_json::json!(["BertModel"])
+        });
+        assert_error(
+            inspect(&c),
+            &["SparseEncoder folder needs a *ForMaskedLM", "BertModel"],
+        );
     }
 
     #[test]

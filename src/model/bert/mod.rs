@@ -26,8 +26,8 @@ pub use folder::{inspect, load, mpnet_bucket, MPNET_BIAS_RADIUS};
 pub use modernbert::{ModernBertArch, ModernBertLayer};
 
 use super::program::{
-    Activation, AddLayerNorm, Attention, BufId, EmbedLayerNorm, InputRole, Linear, Normalize, Pool,
-    Pooling, PositionBias, PositionIds, ProgramBuilder, Seqs, WeightId,
+    Activation, AddLayerNorm, Attention, BufId, EmbedLayerNorm, InputRole, LayerNorm, Linear,
+    Normalize, Pool, Pooling, PositionBias, PositionIds, ProgramBuilder, Seqs, WeightId,
 };
 use super::Program;
 use serde::{Deserialize, Serialize};
@@ -93,6 +93,26 @@ pub struct Classifier {
 }
 
 /// Weight ids of the embedding block.
+/// A sparse encoder's head: the masked-LM head (transform, LayerNorm,
+/// decoder to the vocabulary) and SPLADE's pooling of its logits
+/// (`splade_act` on each logit, then `pooling` over the tokens).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlmHead {
+    pub transform_weight: WeightId,
+    pub transform_bias: WeightId,
+    pub act: Activation,
+    pub norm_gamma: WeightId,
+    pub norm_beta: WeightId,
+    pub eps: f32,
+    /// `[vocab, hidden]`; the word embeddings when tied.
+    pub decoder_weight: WeightId,
+    pub decoder_bias: WeightId,
+    pub vocab: usize,
+    pub splade_act: Activation,
+    /// `Max` or `Sum`.
+    pub pooling: Pooling,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct BertEmbeddings {
     /// `[vocab_size, hidden]`
@@ -162,6 +182,9 @@ pub struct BertArch {
     /// A cross-encoder's head (then `pooling`, `normalize` and `dense` do
     /// not apply).
     pub classifier: Option<Classifier>,
+    /// A sparse encoder's head (then `pooling`, `normalize`, `dense` and
+    /// `classifier` do not apply).
+    pub mlm: Option<MlmHead>,
 }
 
 /// The sizes of a synthetic BERT encoder, for tests that need one without
@@ -238,6 +261,7 @@ impl BertArch {
             pool_skip: false,
             dense: Vec::new(),
             classifier: None,
+            mlm: None,
         }
     }
 }
@@ -245,6 +269,9 @@ impl BertArch {
 impl BertArch {
     /// Width of one output row: the labels, the last Dense's outputs, or the hidden size.
     pub fn output_dim(&self) -> usize {
+        if let Some(m) = &self.mlm {
+            return m.vocab;
+        }
         match (&self.classifier, self.dense.last()) {
             (Some(c), _) => c.labels,
             (None, Some(d)) => d.outputs,
@@ -439,6 +466,7 @@ impl BertArch {
             normalize: self.normalize,
             dense: &self.dense,
             classifier: self.classifier.as_ref(),
+            mlm: self.mlm.as_ref(),
         }
         .push(b, hidden, seqs, skip)
     }
@@ -451,6 +479,7 @@ pub(crate) struct Head<'a> {
     pub normalize: bool,
     pub dense: &'a [DenseLayer],
     pub classifier: Option<&'a Classifier>,
+    pub mlm: Option<&'a MlmHead>,
 }
 
 impl Head<'_> {
@@ -507,6 +536,60 @@ impl Head<'_> {
                 c.labels,
                 h,
             ));
+            return output;
+        }
+        if let Some(m) = self.mlm {
+            // Every token's logits ([tokens, vocab]: the largest buffer of
+            // such a program), activated in the decoder's epilogue, then
+            // pooled per sequence.
+            let rows = seqs.token_rows();
+            let transformed = b.activation("mlm_transform", rows * h);
+            let logits = b.activation("mlm_logits", rows * m.vocab);
+            let output = b.output("sparse", out_rows * m.vocab);
+            let token_linear = |x, w, bias, act, out, n| Linear {
+                x,
+                w,
+                bias: Some(bias),
+                act,
+                out,
+                m: rows,
+                n,
+                k: h,
+            };
+            b.push(token_linear(
+                hidden,
+                m.transform_weight,
+                m.transform_bias,
+                m.act,
+                transformed,
+                h,
+            ));
+            b.push(LayerNorm {
+                x: transformed,
+                gamma: m.norm_gamma,
+                beta: Some(m.norm_beta),
+                eps: m.eps,
+                out: transformed,
+                rows,
+                hidden: h,
+            });
+            b.push(token_linear(
+                transformed,
+                m.decoder_weight,
+                m.decoder_bias,
+                m.splade_act,
+                logits,
+                m.vocab,
+            ));
+            b.push(Pool {
+                x: logits,
+                out: output,
+                hidden: m.vocab,
+                mode: m.pooling,
+                normalize: false,
+                skip: None,
+                seqs,
+            });
             return output;
         }
         if self.dense.is_empty() {

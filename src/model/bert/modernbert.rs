@@ -256,6 +256,7 @@ impl ModernBertArch {
             normalize: self.normalize,
             dense: &self.dense,
             classifier: None,
+            mlm: None,
         }
         .push(b, hidden, seqs, skip)
     }

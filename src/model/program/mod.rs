@@ -145,6 +145,12 @@ pub enum Activation {
     Sigmoid,
     /// `x·sigmoid(x)` (`"silu"`, `"swish"`).
     Silu,
+    /// `ln(1 + max(x, 0))`: SPLADE's `"relu"` activation over masked-LM
+    /// logits (sentence-transformers' `SpladePooling`).
+    Log1pRelu,
+    /// `ln(1 + ln(1 + max(x, 0)))`: SPLADE's `"log1p_relu"` (OpenSearch's
+    /// models).
+    Log1pLog1pRelu,
 }
 
 impl Activation {
@@ -175,6 +181,8 @@ impl Activation {
             Activation::Tanh => x.tanh(),
             Activation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
             Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::Log1pRelu => x.max(0.0).ln_1p(),
+            Activation::Log1pLog1pRelu => x.max(0.0).ln_1p().ln_1p(),
         }
     }
 }
@@ -203,6 +211,9 @@ pub enum Pooling {
     Cls,
     /// Element-wise max over tokens where the attention mask is 1.
     Max,
+    /// Sum over tokens where the attention mask is 1 (SPLADE's `"sum"`
+    /// pooling; not a sentence-transformers `Pooling` mode).
+    Sum,
 }
 
 /// How an embedding op derives each token's row of the position table.

@@ -65,6 +65,8 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
             Activation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
             Activation::Silu => x / (1.0 + (-x).exp()),
             Activation::Identity => x,
+            Activation::Log1pRelu => x.max(0.0).ln_1p(),
+            Activation::Log1pLog1pRelu => x.max(0.0).ln_1p().ln_1p(),
         }
     };
     // Softmax-weighted sum of `v` rows for one query (f64), given its scores
@@ -229,6 +231,7 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                                 .iter()
                                 .map(|&i| xs(i, c))
                                 .fold(f64::NEG_INFINITY, f64::max),
+                            Pooling::Sum => pooled.iter().map(|&i| xs(i, c)).sum::<f64>(),
                         };
                     }
                     if normalize {

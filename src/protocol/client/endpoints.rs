@@ -11,8 +11,7 @@
 //! every reply that came before it. [`Shared::pick`] chooses the endpoint
 //! of the next send.
 
-use crate::protocol::{decode_reply, ReplyHeader};
-use crate::tensor::HostTensor;
+use crate::protocol::{decode_reply, ReplyData, ReplyHeader};
 use crate::transport::{Dealer, DealerReceiver, DealerSender, TransportStats};
 use bytes::Bytes;
 use std::collections::{HashMap, HashSet};
@@ -61,7 +60,7 @@ pub(super) enum Outcome {
 
 /// A reply as the call gets it.
 pub(super) enum Decoded {
-    Reply(Box<ReplyHeader>, Option<HostTensor>),
+    Reply(Box<ReplyHeader>, Option<ReplyData>),
     UnknownCode { code: String, message: String },
     Malformed(String),
 }

@@ -109,7 +109,8 @@
 //! sends, the choice of endpoint).
 
 use crate::protocol::{
-    decode_reply, encode_request, ErrorCode, InputKind, Payload, ReplyHeader, RequestHeader, Status,
+    decode_reply, encode_request, ErrorCode, InputKind, Payload, ReplyData, ReplyHeader,
+    RequestHeader, SparseRows, Status,
 };
 use crate::tensor::{DType, HostTensor};
 use crate::transport::{Dealer, DealerReceiver, DealerSender, Security, TransportLimits};
@@ -257,11 +258,28 @@ pub fn client_limits() -> TransportLimits {
     }
 }
 
-/// A reply: its header and, on success, the output tensor.
+/// A reply: its header and, on success, the output tensor (or, from a
+/// sparse encoder, its rows' non-zero entries).
 #[derive(Clone, Debug)]
 pub struct Response {
     pub header: ReplyHeader,
     pub output: Option<HostTensor>,
+    pub sparse: Option<SparseRows>,
+}
+
+impl Response {
+    fn new(header: ReplyHeader, data: Option<ReplyData>) -> Response {
+        let (output, sparse) = match data {
+            Some(ReplyData::Dense(t)) => (Some(t), None),
+            Some(ReplyData::Sparse(s)) => (None, Some(s)),
+            None => (None, None),
+        };
+        Response {
+            header,
+            output,
+            sparse,
+        }
+    }
 }
 
 /// A successful typed call.
@@ -274,6 +292,16 @@ pub struct Output {
     /// The endpoint that answered.
     pub endpoint: String,
     /// Sends made for this request (1 unless it was re-sent).
+    pub attempts: u32,
+}
+
+/// A successful call to a sparse encoder ([`Client::call_sparse`]).
+#[derive(Clone, Debug)]
+pub struct SparseOutput {
+    /// Each row's non-zero entries (values widened to f32).
+    pub rows: SparseRows,
+    pub header: ReplyHeader,
+    pub endpoint: String,
     pub attempts: u32,
 }
 
@@ -330,6 +358,7 @@ pub struct Call {
     truncate: bool,
     output_dtype: DType,
     dimensions: Option<u32>,
+    top_k: Option<u32>,
 }
 
 impl Call {
@@ -344,6 +373,7 @@ impl Call {
             truncate: true,
             output_dtype: DType::F32,
             dimensions: None,
+            top_k: None,
         }
     }
 
@@ -402,6 +432,12 @@ impl Call {
     /// (Matryoshka), normalised again when the model normalises.
     pub fn dimensions(mut self, n: u32) -> Call {
         self.dimensions = Some(n);
+        self
+    }
+
+    /// Sparse encoders: keep each row's `k` largest entries.
+    pub fn top_k(mut self, k: u32) -> Call {
+        self.top_k = Some(k);
         self
     }
 }
@@ -579,6 +615,53 @@ impl Client {
 
     /// Runs one request with the retries of the module docs.
     pub async fn call(&self, call: Call) -> Result<Output, Error> {
+        let model = call.model.clone();
+        let (data, header, endpoint, attempts) = self.call_data(call).await?;
+        match data {
+            ReplyData::Dense(tensor) => Ok(Output {
+                tensor,
+                header,
+                endpoint,
+                attempts,
+            }),
+            ReplyData::Sparse(_) => Err(Error::InvalidArgument(format!(
+                "model {model} is a sparse encoder: its rows come back with call_sparse or embed_sparse"
+            ))),
+        }
+    }
+
+    /// Runs one request to a sparse encoder (SPLADE): each row's non-zero
+    /// entries, or its [`Call::top_k`] largest.
+    pub async fn call_sparse(&self, call: Call) -> Result<SparseOutput, Error> {
+        let model = call.model.clone();
+        let (data, header, endpoint, attempts) = self.call_data(call).await?;
+        match data {
+            ReplyData::Sparse(rows) => Ok(SparseOutput {
+                rows,
+                header,
+                endpoint,
+                attempts,
+            }),
+            ReplyData::Dense(_) => Err(Error::InvalidArgument(format!(
+                "model {model} returns dense rows: use call or embed_texts"
+            ))),
+        }
+    }
+
+    /// Sparse-encodes texts: one row of (index, weight) entries per text,
+    /// in order; `top_k` keeps each row's largest.
+    pub async fn embed_sparse<S: Into<String>>(
+        &self,
+        model: &str,
+        texts: impl IntoIterator<Item = S>,
+        top_k: Option<u32>,
+    ) -> Result<SparseRows, Error> {
+        let mut call = Call::texts(model, texts);
+        call.top_k = top_k;
+        Ok(self.call_sparse(call).await?.rows)
+    }
+
+    async fn call_data(&self, call: Call) -> Result<(ReplyData, ReplyHeader, String, u32), Error> {
         // The daemon drops the connection on a message over its limit, with
         // no reply (libzmq refuses it before reading the body): say so now
         // rather than after the timeout.
@@ -598,6 +681,7 @@ impl Client {
             header.output_dtype = Some(call.output_dtype);
         }
         header.dimensions = call.dimensions;
+        header.top_k = call.top_k;
         header.deadline_unix_us = call.deadline.map(unix_us);
         if let Payload::Tensor(t) = &call.payload {
             header.dtype = Some(t.dtype);
@@ -606,14 +690,9 @@ impl Client {
         let (reply, endpoint, attempts) = self
             .run(header, &call.payload, timeout, call.deadline, Policy::Retry)
             .await?;
-        let (header, tensor) = reply;
-        match (header.status, tensor) {
-            (Status::Ok, Some(tensor)) => Ok(Output {
-                tensor,
-                header,
-                endpoint,
-                attempts,
-            }),
+        let (header, data) = reply;
+        match (header.status, data) {
+            (Status::Ok, Some(data)) => Ok((data, header, endpoint, attempts)),
             _ => Err(Error::Protocol {
                 endpoint,
                 message: "an ok reply without a tensor".into(),
@@ -737,14 +816,11 @@ impl Client {
         payload: &Payload,
         timeout: Duration,
     ) -> Result<Response, Error> {
-        let ((mut header_out, output), _, _) = self
+        let ((mut header_out, data), _, _) = self
             .run(header.clone(), payload, timeout, None, Policy::Once)
             .await?;
         header_out.id = header.id;
-        Ok(Response {
-            header: header_out,
-            output,
-        })
+        Ok(Response::new(header_out, data))
     }
 
     /// Runs an MLP-style model on rows, once (see [`Client::request`]).
@@ -783,7 +859,7 @@ impl Client {
         timeout: Duration,
         deadline: Option<SystemTime>,
         policy: Policy,
-    ) -> Result<((ReplyHeader, Option<HostTensor>), String, u32), Error> {
+    ) -> Result<((ReplyHeader, Option<ReplyData>), String, u32), Error> {
         let shared = &*self.shared;
         let opts = &self.options;
         let started = Instant::now();
@@ -915,7 +991,7 @@ impl Client {
         used: &mut HashSet<usize>,
         attempts: u32,
         policy: Policy,
-    ) -> Option<Result<((ReplyHeader, Option<HostTensor>), String), Error>> {
+    ) -> Option<Result<((ReplyHeader, Option<ReplyData>), String), Error>> {
         let shared = &*self.shared;
         let opts = &self.options;
         match outcome {
@@ -1038,11 +1114,11 @@ impl RawClient {
     /// Receives and decodes one reply.
     pub async fn recv_reply(&mut self, timeout: Duration) -> Result<Response, Error> {
         let frames = self.recv(timeout).await?;
-        let (header, output) = decode_reply(&frames).map_err(|message| Error::Protocol {
+        let (header, data) = decode_reply(&frames).map_err(|message| Error::Protocol {
             endpoint: String::new(),
             message,
         })?;
-        Ok(Response { header, output })
+        Ok(Response::new(header, data))
     }
 }
 

@@ -142,6 +142,8 @@ pub fn act_code(a: Activation) -> i32 {
         Activation::Tanh => 4,
         Activation::Sigmoid => 5,
         Activation::Silu => 6,
+        Activation::Log1pRelu => 7,
+        Activation::Log1pLog1pRelu => 8,
     }
 }
 
@@ -379,6 +381,8 @@ mod tests {
             ("ACT_TANH", Activation::Tanh),
             ("ACT_SIGMOID", Activation::Sigmoid),
             ("ACT_SILU", Activation::Silu),
+            ("ACT_LOG1P_RELU", Activation::Log1pRelu),
+            ("ACT_LOG1P_LOG1P_RELU", Activation::Log1pLog1pRelu),
         ];
         assert_defines("common.cuh", &codes.map(|(n, a)| (n, act_code(a) as i64)));
     }

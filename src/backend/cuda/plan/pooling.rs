@@ -23,6 +23,7 @@ pub fn pool_code(p: Pooling) -> i32 {
         Pooling::Mean => 0,
         Pooling::Cls => 1,
         Pooling::Max => 2,
+        Pooling::Sum => 3,
     }
 }
 
@@ -96,6 +97,7 @@ mod tests {
                 ("POOL_MEAN", pool_code(Pooling::Mean) as i64),
                 ("POOL_CLS", pool_code(Pooling::Cls) as i64),
                 ("POOL_MAX", pool_code(Pooling::Max) as i64),
+                ("POOL_SUM", pool_code(Pooling::Sum) as i64),
             ],
         );
     }
