@@ -62,14 +62,14 @@ __device__ __forceinline__ void add_rows_impl(const T* __restrict__ x, T* __rest
 }
 
 // Rotary embedding in place on the q and k parts of qkv ([rows, 3·heads·d],
-// q | k | v), "rotate half": for d' < d/2 and angle a = p · theta^(−2d'/d)
-// (f32, as transformers), x[d'] ← x[d']·cos a − x[d' + d/2]·sin a and
+// q | k | v), "rotate half": for d' < d/2 and angle a = p · scale ·
+// theta^(−2d'/d) (f32, as transformers; scale is 1 but for GTE's NTK), x[d'] ← x[d']·cos a − x[d' + d/2]·sin a and
 // x[d' + d/2] ← x[d' + d/2]·cos a + x[d']·sin a. The position p of row r is
 // positions[r] (packed) or r % seq (padded). Grid-stride over
 // rows × 2·heads × d/2 pairs.
 template <typename T>
 __device__ __forceinline__ void rotary_impl(T* qkv, const int* __restrict__ positions, int seq, int rows, int heads,
-                                            int head_dim, float theta) {
+                                            int head_dim, float theta, float scale) {
     const int half = head_dim / 2;
     const int per_row = 2 * heads * half;
     const int n = rows * per_row;
@@ -79,7 +79,7 @@ __device__ __forceinline__ void rotary_impl(T* qkv, const int* __restrict__ posi
         const int h = rest / half;  // 0 .. 2·heads: the q heads, then the k heads
         const int d = rest - h * half;
         const int p = positions != 0 ? positions[r] : r % seq;
-        const float inv = 1.0f / powf(theta, (float)(2 * d) / (float)head_dim);
+        const float inv = scale / powf(theta, (float)(2 * d) / (float)head_dim);
         float s, c;
         sincosf((float)p * inv, &s, &c);
         T* x = qkv + (size_t)r * 3 * heads * head_dim + (size_t)h * head_dim;
@@ -194,9 +194,9 @@ __device__ __forceinline__ void attention_window_impl(const T* __restrict__ qkv,
         add_rows_impl<T>(x, into, n);                                                                             \
     }                                                                                                             \
     extern "C" __global__ void rotary_##SUF(T* qkv, const int* positions, int seq, int rows, int heads,           \
-                                            int head_dim, float theta) {                                          \
+                                            int head_dim, float theta, float scale) {                             \
         pdl_enter();                                                                                              \
-        rotary_impl<T>(qkv, positions, seq, rows, heads, head_dim, theta);                                        \
+        rotary_impl<T>(qkv, positions, seq, rows, heads, head_dim, theta, scale);                                 \
     }                                                                                                             \
     extern "C" __global__ void gated_##SUF(const T* x, T* out, int rows, int width, int act, int act_first) {     \
         pdl_enter();                                                                                              \

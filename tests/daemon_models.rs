@@ -30,13 +30,17 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(300);
 
 /// The sentence-embedding folders.
-const EMBEDDERS: [&str; 6] = [
+const EMBEDDERS: [&str; 10] = [
     "bert-st-old",
     "bert-st-new",
     "xlmr-st",
     "mpnet-st",
     "distilbert-st",
     "modernbert-st",
+    "gte-st",
+    "gte-hub-st",
+    "nomic-st",
+    "nomic-hub-st",
 ];
 /// The cross-encoder folders (new, legacy and 4.x formats; BERT and XLM-R).
 const CROSS_ENCODERS: [&str; 4] = [

@@ -75,6 +75,8 @@ from transformers import (  # noqa: E402
     DistilBertModel,
     DistilBertTokenizer,
     GPT2Config,
+    GteConfig,
+    GteModel,
     GPT2Model,
     GPT2Tokenizer,
     ModernBertConfig,
@@ -83,6 +85,8 @@ from transformers import (  # noqa: E402
     MPNetModel,
     PreTrainedTokenizerFast,
     MPNetTokenizer,
+    NomicBertConfig,
+    NomicBertModel,
     XLMRobertaConfig,
     XLMRobertaForSequenceClassification,
     XLMRobertaModel,
@@ -628,6 +632,117 @@ def build_splade(tmp: Path, name: str, family: str, strategy: str, activation: s
     se.save(str(path))
     tidy_folder(path)
     return path
+
+
+def save_safetensors(path: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(path), metadata={"format": "pt"})
+
+
+def build_rotary(tmp: Path, family: str, seed: int) -> tuple[Path, Path]:
+    """GTE (GteModel) or NomicBERT (NomicBertModel) from transformers 5, saved by
+    sentence-transformers 6.2 (post-norm, rotary positions, gated feed-forward), and the same
+    weights in the layout of the Hub's remote code (GTE's `new` model: fused `qkv_proj`,
+    `up_gate_proj`, `attn_ln`/`mlp_ln`; NomicBERT's: `Wqkv`, `fc11`/`fc12`/`fc2`, `norm1`/`norm2`,
+    `emb_ln`, GPT-2 style config keys). The Hub layout's folder gets the built-in folder's
+    reference (same weights, same function)."""
+    vocab = uncased_bert_vocab()
+    tok = BertTokenizer(vocab=vocab, do_lower_case=True, model_max_length=96)
+    if family == "gte":
+        cfg = GteConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=512, type_vocab_size=1, pad_token_id=0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+        model = GteModel(cfg)
+        pooling, prompts = "cls", {"query": "", "document": ""}
+    else:
+        cfg = NomicBertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=256, max_position_embeddings=512, type_vocab_size=2,
+                              pad_token_id=0, layer_norm_eps=1e-5, hidden_act="silu",
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+        model = NomicBertModel(cfg)
+        pooling, prompts = "mean", {"search_query": "search_query: ", "search_document": "search_document: "}
+    init_weights(model, seed)
+    hf = tmp / f"{family}-st-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(modules=[Transformer(str(hf)), Pooling(32, pooling), Normalize()],
+                             prompts=prompts, device="cpu")
+    path = OUT / f"{family}-st"
+    st.save(str(path))
+    tidy_folder(path)
+
+    # The Hub layout of the same weights.
+    hub = OUT / f"{family}-hub-st"
+    shutil.copytree(path, hub)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {}
+    L = cfg.num_hidden_layers
+    if family == "gte":
+        rename = {"embeddings.": "embeddings."}
+        out["embeddings.word_embeddings.weight"] = sd["embeddings.word_embeddings.weight"]
+        out["embeddings.token_type_embeddings.weight"] = sd["embeddings.token_type_embeddings.weight"]
+        for n in ("weight", "bias"):
+            out[f"embeddings.LayerNorm.{n}"] = sd[f"embeddings.LayerNorm.{n}"]
+        for l in range(L):
+            a, b = f"layers.{l}.", f"encoder.layer.{l}."
+            for n in ("weight", "bias"):
+                out[b + f"attention.qkv_proj.{n}"] = torch.cat([sd[a + f"self_attn.{x}_proj.{n}"] for x in "qkv"])
+                out[b + f"attention.o_proj.{n}"] = sd[a + f"self_attn.o_proj.{n}"]
+                out[b + f"attn_ln.{n}"] = sd[a + f"post_attention_layernorm.{n}"]
+                out[b + f"mlp_ln.{n}"] = sd[a + f"post_mlp_layernorm.{n}"]
+                out[b + f"mlp.down_proj.{n}"] = sd[a + f"mlp.down_proj.{n}"]
+            # new-impl: up_states, gate = split(up_gate_proj(x)): [up | gate]
+            out[b + "mlp.up_gate_proj.weight"] = torch.cat([sd[a + "mlp.up_proj.weight"], sd[a + "mlp.gate_proj.weight"]])
+        hub_cfg = {
+            "architectures": ["NewModel"], "model_type": "new",
+            "auto_map": {"AutoConfig": "Alibaba-NLP/new-impl--configuration.NewConfig",
+                         "AutoModel": "Alibaba-NLP/new-impl--modeling.NewModel"},
+            "vocab_size": cfg.vocab_size, "hidden_size": 32, "num_hidden_layers": L, "num_attention_heads": 4,
+            "intermediate_size": 64, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+            "attention_probs_dropout_prob": 0.0, "max_position_embeddings": 512, "type_vocab_size": 1,
+            "initializer_range": 0.02, "layer_norm_type": "layer_norm", "layer_norm_eps": cfg.layer_norm_eps,
+            "position_embedding_type": "rope", "rope_theta": 500.0, "rope_scaling": None,
+            "pack_qkv": True, "unpad_inputs": False, "use_memory_efficient_attention": False,
+            "logn_attention_scale": False, "logn_attention_clip1": False, "pad_token_id": 0,
+            "torch_dtype": "float32", "transformers_version": "4.39.1",
+        }
+    else:
+        out["embeddings.word_embeddings.weight"] = sd["embeddings.word_embeddings.weight"]
+        out["embeddings.token_type_embeddings.weight"] = sd["embeddings.token_type_embeddings.weight"]
+        for n in ("weight", "bias"):
+            out[f"emb_ln.{n}"] = sd[f"embeddings.LayerNorm.{n}"]
+        for l in range(L):
+            a, b = f"layers.{l}.", f"encoder.layers.{l}."
+            out[b + "attn.Wqkv.weight"] = torch.cat([sd[a + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+            out[b + "attn.out_proj.weight"] = sd[a + "self_attn.o_proj.weight"]
+            out[b + "mlp.fc11.weight"] = sd[a + "mlp.up_proj.weight"]
+            out[b + "mlp.fc12.weight"] = sd[a + "mlp.gate_proj.weight"]
+            out[b + "mlp.fc2.weight"] = sd[a + "mlp.down_proj.weight"]
+            for n in ("weight", "bias"):
+                out[b + f"norm1.{n}"] = sd[a + f"post_attention_layernorm.{n}"]
+                out[b + f"norm2.{n}"] = sd[a + f"post_mlp_layernorm.{n}"]
+        hub_cfg = {
+            "architectures": ["NomicBertModel"], "model_type": "nomic_bert",
+            "auto_map": {"AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig",
+                         "AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"},
+            "activation_function": "swiglu", "attn_pdrop": 0.0, "bos_token_id": None, "causal": False,
+            "dense_seq_output": True, "embd_pdrop": 0.0, "eos_token_id": None, "fused_bias_fc": True,
+            "fused_dropout_add_ln": True, "initializer_range": 0.02, "layer_norm_epsilon": 1e-5,
+            "max_trained_positions": 2048, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "n_embd": 32,
+            "n_head": 4, "n_inner": 256, "n_layer": L, "n_positions": 512, "pad_vocab_size_multiple": 1,
+            "parallel_block": False, "parallel_block_tied_norm": False, "prenorm": False, "qkv_proj_bias": False,
+            "reorder_and_upcast_attn": False, "resid_pdrop": 0.0, "rotary_emb_base": 1000,
+            "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "rotary_emb_scale_base": None,
+            "rotary_scaling_factor": None, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
+            "summary_activation": None, "summary_first_dropout": 0.0, "summary_proj_to_labels": True,
+            "summary_type": "cls_index", "summary_use_proj": True, "torch_dtype": "float32",
+            "transformers_version": "4.34.0", "type_vocab_size": 2, "use_cache": True, "use_flash_attn": True,
+            "use_rms_norm": False, "use_xentropy": True, "vocab_size": cfg.vocab_size,
+        }
+    (hub / "model.safetensors").unlink()
+    save_safetensors(hub / "model.safetensors", out)
+    write_json(hub / "config.json", hub_cfg)
+    return path, hub
 
 
 def np_mlm_head(W: dict, cfg: dict, h: np.ndarray) -> np.ndarray:
@@ -1309,11 +1424,66 @@ def np_modernbert(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
     return ln(h, "final_norm")
 
 
+def np_rotary_post(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
+    """GTE / NomicBERT (transformers 5's GteModel / NomicBertModel) for one unpadded sequence:
+    word + token type 0, LayerNorm; per layer q/k/v (bias where saved), rotary "rotate half",
+    softmax attention, o, LayerNorm(h + o), act(gate) * up, down, LayerNorm(h + down)."""
+    L = len(ids)
+    eps = cfg["layer_norm_eps"]
+    H = cfg["num_attention_heads"]
+    D = cfg["hidden_size"] // H
+    theta = cfg["rope_parameters"]["rope_theta"]
+    act = np_gelu if cfg["hidden_act"] == "gelu" else (lambda x: x / (1 + np.exp(-x)))
+
+    def lin(x, name):
+        b = W.get(name + ".bias")
+        return x @ W[name + ".weight"].T + (0 if b is None else b)
+
+    def ln(x, name):
+        return np_ln(x, W[name + ".weight"], W[name + ".bias"], eps)
+
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D)))
+    ang = (np.arange(L, dtype=np.float32)[:, None] * inv[None, :]).astype(np.float64)
+    cos = np.concatenate([np.cos(ang), np.cos(ang)], -1)
+    sin = np.concatenate([np.sin(ang), np.sin(ang)], -1)
+
+    def rope(x):  # (H, L, D)
+        return x * cos + np.concatenate([-x[..., D // 2:], x[..., : D // 2]], -1) * sin
+
+    # transformers 5 saves both in the Hub's tensor names (its conversion mapping, reversed).
+    gte = cfg["model_type"] == "gte"
+    I = cfg["intermediate_size"]
+    h = ln(W["embeddings.word_embeddings.weight"][np.asarray(ids)] + W["embeddings.token_type_embeddings.weight"][0],
+           "embeddings.LayerNorm" if gte else "emb_ln")
+    for layer in range(cfg["num_hidden_layers"]):
+        if gte:
+            p = f"encoder.layer.{layer}."
+            qkv, o, n1, n2 = p + "attention.qkv_proj", p + "attention.o_proj", p + "attn_ln", p + "mlp_ln"
+        else:
+            p = f"encoder.layers.{layer}."
+            qkv, o, n1, n2 = p + "attn.Wqkv", p + "attn.out_proj", p + "norm1", p + "norm2"
+        q, k, v = (x.reshape(L, H, D).transpose(1, 0, 2) for x in np.split(lin(h, qkv), 3, axis=1))
+        q, k = rope(q), rope(k)
+        s = q @ k.transpose(0, 2, 1) / math.sqrt(D)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        c = ((e / e.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(L, H * D)
+        h = ln(h + lin(c, o), n1)
+        if gte:  # new-impl: [up | gate]
+            ug = lin(h, p + "mlp.up_gate_proj")
+            up, gate, down = ug[:, :I], ug[:, I:], p + "mlp.down_proj"
+        else:
+            up, gate, down = lin(h, p + "mlp.fc11"), lin(h, p + "mlp.fc12"), p + "mlp.fc2"
+        h = ln(h + lin(act(gate) * up, down), n2)
+    return h
+
+
 def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], type_ids: list[int] | None) -> np.ndarray:
     if family == "distilbert":
         return np_distilbert(W, cfg, ids)
     if family == "modernbert":
         return np_modernbert(W, cfg, ids)
+    if family in ("gte", "nomic_bert"):
+        return np_rotary_post(W, cfg, ids)
     ids_a = np.asarray(ids)
     L = len(ids)
     e = W[prefix + "embeddings.word_embeddings.weight"][ids_a]
@@ -1368,7 +1538,7 @@ def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], typ
 
 def family_of(cfg: dict) -> str:
     return {"bert": "bert", "xlm-roberta": "xlmr", "mpnet": "mpnet", "distilbert": "distilbert",
-            "modernbert": "modernbert"}[cfg["model_type"]]
+            "modernbert": "modernbert", "gte": "gte", "nomic_bert": "nomic_bert"}[cfg["model_type"]]
 
 
 def cosine(a, b) -> float:
@@ -1512,6 +1682,36 @@ FOLDERS = {
         "within ±4 tokens, shorter than most test texts), GeGLU `Wi` (32→2·48) with exact GELU. A "
         "byte-level BPE tokenizer (`[CLS] $A [SEP]`), `model_max_length: 96`. Mean pooling, "
         "Normalize; prompts `query` = `\"query: \"`, `document` = `\"\"`, no default."
+    ),
+    "gte-st": (
+        "GTE (transformers 5's GteModel, `model_type: gte`) saved by sentence-transformers 6.2: "
+        "post-norm LayerNorms, q/k/v/o projections with bias, rotary positions (`rope_parameters` "
+        "default, θ = 500), a gated feed-forward `act(gate_proj x) · up_proj x` (exact GELU) with "
+        "`down_proj` bias, one token type folded into every token. Uncased WordPiece, "
+        "`model_max_length: 96` of 512 positions. CLS pooling, Normalize."
+    ),
+    "gte-hub-st": (
+        "The gte-st weights in the layout of the Hub's remote code (Alibaba-NLP/new-impl, "
+        "`model_type: new`, `architectures: [NewModel]`, `rope_theta`, `rope_scaling: null`): "
+        "`encoder.layer.N.attention.qkv_proj` ([q; k; v]), `attention.o_proj`, `attn_ln`, "
+        "`mlp.up_gate_proj` ([up; gate], no bias), `mlp.down_proj`, `mlp_ln`. Its reference is "
+        "gte-st's: the same function of the same weights (sentence-transformers would need the "
+        "remote code to load it)."
+    ),
+    "nomic-st": (
+        "NomicBERT (transformers 5's NomicBertModel, `model_type: nomic_bert`) saved by "
+        "sentence-transformers 6.2: post-norm, no linear biases, full rotary positions "
+        "(θ = 1000), SwiGLU `silu(gate_proj x) · up_proj x` (width 256), token type 0 folded "
+        "in, LayerNorm eps 1e-5. Mean pooling, Normalize; prompts `search_query: ` and "
+        "`search_document: ` (no default)."
+    ),
+    "nomic-hub-st": (
+        "The nomic-st weights in the layout of the Hub's remote code (nomic-ai/nomic-bert-2048, "
+        "GPT-2 style keys `n_embd`, `n_layer`, `n_head`, `n_inner`, `n_positions`, "
+        "`layer_norm_epsilon`, `rotary_emb_base`, `activation_function: swiglu`, "
+        "`rotary_scaling_factor: null`): `emb_ln`, `encoder.layers.N.attn.Wqkv`, `attn.out_proj`, "
+        "`mlp.fc11` (up), `mlp.fc12` (gate), `mlp.fc2`, `norm1`, `norm2`. Its reference is "
+        "nomic-st's."
     ),
     "splade-st": (
         "A SPLADE sparse encoder saved by SparseEncoder 6.2: BertForMaskedLM (the masked-LM head "
@@ -1698,6 +1898,9 @@ def main() -> None:
                 "bert-cross-encoder-v4", 8002,
                 {"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity", "version": "4.1.0"}})),
         ]
+        gte, gte_hub = build_rotary(tmp, "gte", 1301)
+        nomic, nomic_hub = build_rotary(tmp, "nomic", 1302)
+        st_specs += [("gte-st", gte, "bert", LONG_EN), ("nomic-st", nomic, "bert", LONG_EN)]
         splade_specs = [
             ("splade-st", build_splade(tmp, "splade-st", "bert", "max", "relu", 1201)),
             ("splade-distilbert-st", build_splade(tmp, "splade-distilbert-st", "distilbert", "sum", "log1p_relu", 1202)),
@@ -1708,6 +1911,9 @@ def main() -> None:
         for name, path, kind, long_base in st_specs:
             rows = st_reference(path, kind, long_base)
             write_reference(path, rows)
+            if name in ("gte-st", "nomic-st"):
+                # The Hub layout computes the same function from the same weights.
+                write_reference(OUT / name.replace("-st", "-hub-st"), rows)
             m = SentenceTransformer(str(path), device="cpu")
             info[name] = {
                 "max length": m.max_seq_length,

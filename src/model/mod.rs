@@ -264,7 +264,7 @@ impl ModelInfo {
 pub enum Architecture {
     Mlp(mlp::MlpArch),
     Bert(bert::BertArch),
-    ModernBert(bert::ModernBertArch),
+    RotaryEncoder(bert::RotaryEncoderArch),
 }
 
 /// A model with its weights in host memory (f32), ready for a backend to upload.
@@ -296,7 +296,7 @@ impl Model {
             (crate::bucket::Bucket::Packed { tokens, seqs }, Architecture::Bert(arch)) => {
                 Ok(arch.packed_program(tokens, seqs))
             }
-            (crate::bucket::Bucket::Packed { tokens, seqs }, Architecture::ModernBert(arch)) => {
+            (crate::bucket::Bucket::Packed { tokens, seqs }, Architecture::RotaryEncoder(arch)) => {
                 Ok(arch.packed_program(tokens, seqs))
             }
             (crate::bucket::Bucket::Packed { .. }, Architecture::Mlp(_)) => {
@@ -319,7 +319,7 @@ impl Model {
                 let tokens = rows.tokens().max(1);
                 arch.packed_program_upto(tokens, n, rows.max_len().clamp(1, tokens))
             }
-            (Architecture::ModernBert(arch), BatchRows::Tokens(_)) if packed => {
+            (Architecture::RotaryEncoder(arch), BatchRows::Tokens(_)) if packed => {
                 let tokens = rows.tokens().max(1);
                 arch.packed_program_upto(tokens, n, rows.max_len().clamp(1, tokens))
             }
@@ -334,7 +334,7 @@ impl Model {
         match &self.arch {
             Architecture::Mlp(arch) => arch.program(batch),
             Architecture::Bert(arch) => arch.program(batch, seq),
-            Architecture::ModernBert(arch) => arch.program(batch, seq),
+            Architecture::RotaryEncoder(arch) => arch.program(batch, seq),
         }
     }
 }

@@ -39,12 +39,14 @@
 //! describe everything they resolved in [`ModelInfo::derived`].
 
 use super::config::EncoderConfig;
+use super::gte;
 use super::modernbert::{ModernBertConfig, ModernBertNames};
 use super::{
-    BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, MlmHead, ModernBertArch,
+    BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, MlmHead, NormPlacement,
+    RotaryEncoderArch,
 };
 use crate::model::files::read_json;
-use crate::model::program::{Activation, Pooling, PositionBias, WeightId};
+use crate::model::program::{Activation, GateOn, Pooling, PositionBias, WeightId};
 use crate::model::safetensors_file::{read_header, Header, TensorFile};
 use crate::model::st::{self, FolderType, ModuleKind};
 use crate::model::tokenizer::{self, ClassSettings, TokenizerClass, TokenizerSpec};
@@ -83,13 +85,15 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     if !json.is_object() {
         return Err(err("expected a JSON object".into()));
     }
-    let serves = "replayd serves BERT, XLM-RoBERTa, MPNet, DistilBERT and ModernBERT encoders: model_type \"bert\", \"xlm-roberta\", \"mpnet\", \"distilbert\" or \"modernbert\"";
+    let serves = "replayd serves BERT, XLM-RoBERTa, MPNet, DistilBERT, ModernBERT, GTE and NomicBERT encoders: model_type \"bert\", \"xlm-roberta\", \"mpnet\", \"distilbert\", \"modernbert\", \"new\" / \"gte\" or \"nomic_bert\"";
     let family = match json.get("model_type").and_then(Value::as_str) {
         Some("bert") => Family::Bert,
         Some("xlm-roberta") => Family::XlmRoberta,
         Some("mpnet") => Family::Mpnet,
         Some("distilbert") => Family::DistilBert,
         Some("modernbert") => Family::ModernBert,
+        Some("new" | "gte") => Family::Gte,
+        Some("nomic_bert") => Family::NomicBert,
         Some(other) => {
             let arch = json
                 .get("architectures")
@@ -130,6 +134,15 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         Family::Mpnet => ("MPNetModel", "MPNetForSequenceClassification"),
         Family::DistilBert => ("DistilBertModel", "DistilBertForSequenceClassification"),
         Family::ModernBert => ("ModernBertModel", "ModernBertForSequenceClassification"),
+        Family::Gte
+            if architecture
+                .as_deref()
+                .is_some_and(|a| a.starts_with("New")) =>
+        {
+            ("NewModel", "NewForSequenceClassification")
+        }
+        Family::Gte => ("GteModel", "GteForSequenceClassification"),
+        Family::NomicBert => ("NomicBertModel", "NomicBertForSequenceClassification"),
     };
     let masked_lm = format!("{}ForMaskedLM", base.trim_end_matches("Model"));
     let head = match architecture.as_deref() {
@@ -137,7 +150,13 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         Some(a) if a == base || a == masked_lm => false,
         // Its head is pre_classifier + ReLU + classifier on [CLS], not
         // BERT's tanh pooler: refused rather than run as BERT's.
-        Some(a) if a == classifier && matches!(family, Family::DistilBert | Family::ModernBert) => {
+        Some(a)
+            if a == classifier
+                && matches!(
+                    family,
+                    Family::DistilBert | Family::ModernBert | Family::Gte | Family::NomicBert
+                ) =>
+        {
             return Err(err(format!(
                 "unsupported architecture {a}: {} cross-encoders are not served yet ({base} and {masked_lm} are)",
                 family.model_type()
@@ -162,9 +181,18 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
                 .ok_or_else(|| err(format!("`{key}` is {v}, expected a positive integer"))),
         }
     };
+    // NomicBERT's remote code keeps GPT-2's names (n_embd, …).
+    let gpt2_keys = family == Family::NomicBert && json.get("n_embd").is_some();
     // DistilBertConfig names its sizes its own way.
     let [k_hidden, k_heads, k_layers, k_intermediate, k_act] = match family {
         Family::DistilBert => ["dim", "n_heads", "n_layers", "hidden_dim", "activation"],
+        _ if gpt2_keys => [
+            "n_embd",
+            "n_head",
+            "n_layer",
+            "n_inner",
+            "activation_function",
+        ],
         Family::ModernBert => [
             "hidden_size",
             "num_attention_heads",
@@ -183,11 +211,32 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     let hidden = size(k_hidden, None)?;
     let heads = size(k_heads, None)?;
     let layers = size(k_layers, None)?;
-    let intermediate = size(k_intermediate, None)?;
-    let max_position = size("max_position_embeddings", None)?;
+    let intermediate = if gpt2_keys {
+        // NomicBertMLP: n_inner (null: 4·n_embd), rounded up to 256.
+        let n = match json.get("n_inner") {
+            None | Some(Value::Null) => 4 * hidden,
+            Some(_) => size("n_inner", None)?,
+        };
+        n.div_ceil(256) * 256
+    } else {
+        size(k_intermediate, None)?
+    };
+    let max_position = size(
+        if gpt2_keys {
+            "n_positions"
+        } else {
+            "max_position_embeddings"
+        },
+        None,
+    )?;
     let vocab = size("vocab_size", None)?;
     let type_vocab = match family {
         Family::Mpnet | Family::DistilBert | Family::ModernBert => 0,
+        // gte-base-en-v1.5 has none (0); the others one row.
+        Family::Gte => match json.get("type_vocab_size") {
+            Some(v) if v.as_u64() == Some(0) => 0,
+            _ => size("type_vocab_size", Some(1))?,
+        },
         _ => size("type_vocab_size", Some(2))?,
     };
     if hidden % heads != 0 {
@@ -196,6 +245,18 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         )));
     }
     let act = match json.get(k_act) {
+        // The remote code's gated units: SwiGLU, GeGLU, GLU.
+        Some(v) if gpt2_keys => match v.as_str() {
+            Some("swiglu") => Activation::Silu,
+            Some("geglu") => Activation::Gelu,
+            Some("glu") => Activation::Sigmoid,
+            _ => {
+                return Err(err(format!(
+                    "unsupported activation_function {v} (NomicBERT's gated \"swiglu\", \"geglu\" or \"glu\")"
+                )))
+            }
+        },
+        None if family == Family::NomicBert => Activation::Silu,
         None => Activation::Gelu,
         Some(v) => v.as_str().and_then(Activation::parse).ok_or_else(|| {
             err(format!(
@@ -205,12 +266,13 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     };
     let eps_key = match family {
         Family::ModernBert => "norm_eps",
+        _ if gpt2_keys => "layer_norm_epsilon",
         _ => "layer_norm_eps",
     };
     let eps = match json.get(eps_key) {
         // DistilBERT's LayerNorms hard-code 1e-12 whatever the config says.
         _ if family == Family::DistilBert => 1e-12,
-        None if family == Family::ModernBert => 1e-5,
+        None if family == Family::ModernBert || gpt2_keys => 1e-5,
         None => 1e-12,
         Some(v) => v
             .as_f64()
@@ -218,7 +280,10 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
             .ok_or_else(|| err(format!("`{eps_key}` is {v}, expected a positive number")))?
             as f32,
     };
-    if let Some(v) = json.get("position_embedding_type") {
+    if let Some(v) = json
+        .get("position_embedding_type")
+        .filter(|_| family != Family::Gte)
+    {
         if v.as_str() != Some("absolute") {
             return Err(err(format!(
                 "unsupported position_embedding_type {v} (only \"absolute\")"
@@ -226,7 +291,11 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         }
     }
     let pad = match family {
-        Family::Bert | Family::DistilBert | Family::ModernBert => None,
+        Family::Bert
+        | Family::DistilBert
+        | Family::ModernBert
+        | Family::Gte
+        | Family::NomicBert => None,
         // XLMRobertaEmbeddings: padding_idx = config.pad_token_id.
         Family::XlmRoberta => Some(match json.get("pad_token_id") {
             None | Some(Value::Null) => 1,
@@ -940,7 +1009,9 @@ impl LayerLayout {
                 attention_norm: "attention.LayerNorm",
                 ..BERT
             },
-            Family::ModernBert => unreachable!("ModernBERT's names are modernbert.rs's"),
+            Family::ModernBert | Family::Gte | Family::NomicBert => {
+                unreachable!("the rotary encoders' names are modernbert.rs's and gte.rs's")
+            }
             Family::DistilBert => LayerLayout {
                 layers: "transformer.layer",
                 query: "attention.q_lin",
@@ -966,7 +1037,9 @@ fn tensor_names(
         Family::XlmRoberta => "roberta.",
         Family::Mpnet => "mpnet.",
         Family::DistilBert => "distilbert.",
-        Family::ModernBert => unreachable!("ModernBERT's names are modernbert.rs's"),
+        Family::ModernBert | Family::Gte | Family::NomicBert => {
+            unreachable!("the rotary encoders' names are modernbert.rs's and gte.rs's")
+        }
     };
     let prefix = if header.get("embeddings.word_embeddings.weight").is_some() {
         ""
@@ -1153,7 +1226,7 @@ fn mlm_names(
                 "lm_head.decoder",
                 &["lm_head.bias", "lm_head.decoder.bias"],
             ),
-            Family::Mpnet | Family::ModernBert => {
+            Family::Mpnet | Family::ModernBert | Family::Gte | Family::NomicBert => {
                 return Err(ModelError::file(
                     &header.path,
                     format!(
@@ -1270,8 +1343,10 @@ fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
 pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let folder = describe(config)?;
     let file = TensorFile::open(&folder.weights)?;
-    if folder.config.family == Family::ModernBert {
-        return load_modernbert(config, &folder, &file);
+    match folder.config.family {
+        Family::ModernBert => return load_modernbert(config, &folder, &file),
+        Family::Gte | Family::NomicBert => return load_rotary_post(config, &folder, &file),
+        _ => {}
     }
     let names = tensor_names(
         &file.header,
@@ -1486,7 +1561,7 @@ fn load_modernbert(
     let mut weights = Weights::new();
     let encoder = names.load(file, c, &m, &mut weights)?;
     let dense = dense_layers(folder, &mut weights)?;
-    let arch = ModernBertArch {
+    let arch = RotaryEncoderArch {
         hidden: c.hidden,
         heads: c.heads,
         head_dim: c.hidden / c.heads,
@@ -1498,7 +1573,10 @@ fn load_modernbert(
         word: encoder.word,
         embedding_norm: encoder.embedding_norm,
         layers: encoder.layers,
-        final_norm: encoder.final_norm,
+        final_norm: Some(encoder.final_norm),
+        gate_on: GateOn::First,
+        rope_scale: 1.0,
+        placement: NormPlacement::Pre,
         pooling: folder.pooling,
         normalize: folder.normalize,
         pool_skip: !folder.include_prompt,
@@ -1506,7 +1584,47 @@ fn load_modernbert(
     };
     Ok(Model {
         info: info(config, folder),
-        arch: Architecture::ModernBert(arch),
+        arch: Architecture::RotaryEncoder(arch),
+        weights,
+    })
+}
+
+/// [`load`] for a GTE or NomicBERT folder ([`super::gte`]).
+fn load_rotary_post(
+    config: &ModelSpec,
+    folder: &Folder,
+    file: &TensorFile,
+) -> Result<Model, ModelError> {
+    let c = &folder.config;
+    let rope = gte::RotaryConfig::read(c, &folder.config_path)?;
+    let mut weights = Weights::new();
+    let encoder = gte::load(file, c, &rope, &mut weights)?;
+    let dense = dense_layers(folder, &mut weights)?;
+    let arch = RotaryEncoderArch {
+        hidden: c.hidden,
+        heads: c.heads,
+        head_dim: c.hidden / c.heads,
+        intermediate: c.intermediate,
+        hidden_act: c.act,
+        rope_scale: rope.scale,
+        // [up | gate]: the activation on the gate, the second half.
+        gate_on: GateOn::Second,
+        placement: NormPlacement::Post,
+        norm_eps: c.eps,
+        vocab_size: c.vocab,
+        max_seq_len: folder.max_seq_len,
+        word: encoder.word,
+        embedding_norm: encoder.embedding_norm,
+        layers: encoder.layers,
+        final_norm: None,
+        pooling: folder.pooling,
+        normalize: folder.normalize,
+        pool_skip: !folder.include_prompt,
+        dense,
+    };
+    Ok(Model {
+        info: info(config, folder),
+        arch: Architecture::RotaryEncoder(arch),
         weights,
     })
 }
@@ -1522,6 +1640,9 @@ pub fn inspect(config: &ModelSpec) -> Result<ModelInfo, ModelError> {
         let c = &folder.config;
         let m = ModernBertConfig::read(&c.json, c.layers, &folder.config_path)?;
         ModernBertNames::check(&header, c, &m)?;
+    } else if matches!(folder.config.family, Family::Gte | Family::NomicBert) {
+        gte::RotaryConfig::read(&folder.config, &folder.config_path)?;
+        gte::check_names(&header, &folder.config)?;
     } else {
         tensor_names(
             &header,
@@ -2006,6 +2127,88 @@ mod tests {
             inspect(&c),
             &["SparseEncoder folder needs a *ForMaskedLM", "BertModel"],
         );
+    }
+
+    /// GTE's static NTK scaling as its remote code computes it, and the
+    /// NomicBERT settings replayd does not serve, refused by name.
+    #[test]
+    fn gte_ntk_scaling_and_nomic_refusals() {
+        let edit = |dir: &Path, key: &str, v: Value| {
+            let path = dir.join("config.json");
+            let mut json: Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            json[key] = v;
+            std::fs::write(path, json.to_string()).unwrap();
+        };
+        let dir = test_folder_copy("gte-hub-st");
+        edit(
+            dir.path(),
+            "rope_scaling",
+            serde_json::json!({"type": "ntk", "factor": 2.0}),
+        );
+        let model = load(&config(dir.path())).unwrap();
+        let Architecture::RotaryEncoder(arch) = &model.arch else {
+            panic!("not a rotary encoder")
+        };
+        let d = arch.head_dim;
+        let program = arch.program(1, 4);
+        let rotary = program
+            .ops
+            .iter()
+            .find_map(|op| match op {
+                crate::model::program::Op::Rotary(r) => Some(r.clone()),
+                _ => None,
+            })
+            .unwrap();
+        // new-impl's NTKScalingRotaryEmbedding: base = θ · factor, then
+        // inv_freq = base^(−2i/d) / factor^(2/d), at every length.
+        for i in 0..d / 2 {
+            let base = 500.0f64 * 2.0;
+            let inv = base.powf(-((2 * i) as f64) / d as f64) / 2f64.powf(2.0 / d as f64);
+            for p in [1usize, 7, 300] {
+                let (cos, _) = rotary.angle(p, i);
+                assert!(
+                    (cos as f64 - (p as f64 * inv).cos()).abs() < 1e-4,
+                    "position {p}, pair {i}"
+                );
+            }
+        }
+        edit(
+            dir.path(),
+            "rope_scaling",
+            serde_json::json!({"type": "dynamic", "factor": 2.0}),
+        );
+        assert_error(inspect(&config(dir.path())), &["unsupported rope_scaling"]);
+
+        let dir = test_folder_copy("nomic-hub-st");
+        let c = config(dir.path());
+        assert!(inspect(&c).is_ok());
+        for (key, v, needle) in [
+            (
+                "rotary_scaling_factor",
+                serde_json::json!(2.0),
+                "dynamic NTK",
+            ),
+            (
+                "rotary_emb_fraction",
+                serde_json::json!(0.5),
+                "rotary_emb_fraction",
+            ),
+            (
+                "rotary_emb_interleaved",
+                serde_json::json!(true),
+                "rotary_emb_interleaved",
+            ),
+            (
+                "activation_function",
+                serde_json::json!("gelu"),
+                "activation_function",
+            ),
+        ] {
+            let fresh = test_folder_copy("nomic-hub-st");
+            edit(fresh.path(), key, v);
+            assert_error(inspect(&config(fresh.path())), &[needle]);
+        }
     }
 
     #[test]

@@ -20,10 +20,12 @@
 
 mod config;
 mod folder;
+mod gte;
 mod modernbert;
+mod rotary;
 
 pub use folder::{inspect, load, mpnet_bucket, MPNET_BIAS_RADIUS};
-pub use modernbert::{ModernBertArch, ModernBertLayer};
+pub use rotary::{Norm, NormPlacement, RotaryEncoderArch, RotaryLayer};
 
 use super::program::{
     Activation, AddLayerNorm, Attention, BufId, EmbedLayerNorm, InputRole, LayerNorm, Linear,
@@ -46,8 +48,13 @@ pub enum Family {
     /// types.
     DistilBert,
     /// `model_type` `modernbert`: pre-norm, rotary, GeGLU, local and
-    /// global attention ([`ModernBertArch`]).
+    /// global attention ([`RotaryEncoderArch`]).
     ModernBert,
+    /// `model_type` `new` (GTE's remote code) or `gte` (transformers 5):
+    /// post-norm, rotary, gated GELU ([`RotaryEncoderArch`]).
+    Gte,
+    /// `model_type` `nomic_bert`: post-norm, rotary, SwiGLU, no linear biases.
+    NomicBert,
 }
 
 impl Family {
@@ -59,6 +66,8 @@ impl Family {
             Family::Mpnet => "mpnet",
             Family::DistilBert => "distilbert",
             Family::ModernBert => "modernbert",
+            Family::Gte => "gte",
+            Family::NomicBert => "nomic_bert",
         }
     }
 }

@@ -19,248 +19,10 @@
 //! released models).
 
 use super::config::EncoderConfig;
-use super::{DenseLayer, Head};
-use crate::model::program::{
-    Activation, Add, Attention, BufId, Embed, GateOn, Gated, InputRole, LayerNorm, Linear, Pooling,
-    Program, ProgramBuilder, Rotary, Seqs, WeightId,
-};
+use super::rotary::{Norm, RotaryLayer};
+use crate::model::program::WeightId;
 use crate::model::safetensors_file::{Header, TensorFile};
 use crate::model::{ModelError, Weights};
-
-/// A LayerNorm's weights (`bias` where the config has `norm_bias`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Norm {
-    pub weight: WeightId,
-    pub bias: Option<WeightId>,
-}
-
-/// Weight ids of one ModernBERT layer.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ModernBertLayer {
-    /// `attn_norm` (absent in layer 0, where it is the identity).
-    pub attention_norm: Option<Norm>,
-    /// `attn.Wqkv`: `[3·hidden, hidden]`, output `[q | k | v]`.
-    pub qkv_weight: WeightId,
-    pub qkv_bias: Option<WeightId>,
-    /// `attn.Wo`: `[hidden, hidden]`.
-    pub attention_output_weight: WeightId,
-    pub attention_output_bias: Option<WeightId>,
-    pub mlp_norm: Norm,
-    /// `mlp.Wi`: `[2·intermediate, hidden]`, output `[input | gate]`.
-    pub input_weight: WeightId,
-    pub input_bias: Option<WeightId>,
-    /// `mlp.Wo`: `[hidden, intermediate]`.
-    pub output_weight: WeightId,
-    pub output_bias: Option<WeightId>,
-    /// Sliding-window attention (`±window` keys) and its rotary base, or
-    /// global attention with the global base.
-    pub window: Option<usize>,
-    pub rope_theta: f32,
-}
-
-/// A loaded ModernBERT encoder with its sentence-transformers head.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ModernBertArch {
-    pub hidden: usize,
-    pub heads: usize,
-    pub head_dim: usize,
-    pub intermediate: usize,
-    pub hidden_act: Activation,
-    pub norm_eps: f32,
-    pub vocab_size: usize,
-    /// Longest input in tokens, special tokens included.
-    pub max_seq_len: usize,
-    /// `embeddings.tok_embeddings`: `[vocab, hidden]`.
-    pub word: WeightId,
-    pub embedding_norm: Norm,
-    pub layers: Vec<ModernBertLayer>,
-    pub final_norm: Norm,
-    pub pooling: Pooling,
-    pub normalize: bool,
-    pub pool_skip: bool,
-    pub dense: Vec<DenseLayer>,
-}
-
-impl ModernBertArch {
-    /// Width of one output row: the last Dense's outputs, or the hidden size.
-    pub fn output_dim(&self) -> usize {
-        self.dense.last().map_or(self.hidden, |d| d.outputs)
-    }
-
-    /// The encoder at `batch` rows of `seq` tokens (padded).
-    pub fn program(&self, batch: usize, seq: usize) -> Program {
-        let rows = batch * seq;
-        let mut b = ProgramBuilder::new();
-        let ids = b.input("input_ids", InputRole::TokenIds, rows);
-        let mask = b.input("attention_mask", InputRole::AttentionMask, rows);
-        let skip = self
-            .pool_skip
-            .then(|| b.input("pool_skip", InputRole::PoolSkip, batch));
-        let seqs = Seqs::Padded { mask, batch, seq };
-        let output = self.encoder(&mut b, seqs, ids, skip);
-        b.finish(batch, seq, output, self.output_dim())
-    }
-
-    /// The encoder over a packed budget of `tokens` slots holding up to
-    /// `seqs` sequences of at most `min(max_seq_len, tokens)` tokens.
-    pub fn packed_program(&self, tokens: usize, seqs: usize) -> Program {
-        self.packed_program_upto(tokens, seqs, self.max_seq_len.min(tokens))
-    }
-
-    /// [`ModernBertArch::packed_program`] accepting sequences of at most
-    /// `max_seq_len` tokens.
-    pub fn packed_program_upto(&self, tokens: usize, seqs: usize, max_seq_len: usize) -> Program {
-        let mut b = ProgramBuilder::new();
-        let ids = b.input("input_ids", InputRole::TokenIds, tokens);
-        let positions = b.input("position_ids", InputRole::Positions, tokens);
-        let offsets = b.input("cu_seqlens", InputRole::SeqOffsets, seqs + 1);
-        let skip = self
-            .pool_skip
-            .then(|| b.input("pool_skip", InputRole::PoolSkip, seqs));
-        let layout = Seqs::Packed {
-            offsets,
-            positions,
-            tokens,
-            seqs,
-            max_seq_len,
-        };
-        let output = self.encoder(&mut b, layout, ids, skip);
-        b.finish_packed(tokens, seqs, max_seq_len, output, self.output_dim())
-    }
-
-    /// Five activations serve every layer: the residual stream `hidden`,
-    /// `normed` (a norm's output), `qkv`, `context` and `gated` (the
-    /// attention output and the gated unit's), with `wide` for `Wi`'s
-    /// `[input | gate]` and `proj` for the two output projections.
-    fn encoder(
-        &self,
-        b: &mut ProgramBuilder,
-        seqs: Seqs,
-        ids: BufId,
-        skip: Option<BufId>,
-    ) -> BufId {
-        let rows = seqs.token_rows();
-        let (h, i) = (self.hidden, self.intermediate);
-        let hidden = b.activation("hidden", rows * h);
-        let normed = b.activation("normed", rows * h);
-        let qkv = b.activation("qkv", rows * 3 * h);
-        let context = b.activation("context", rows * h);
-        let proj = b.activation("proj", rows * h);
-        let wide = b.activation("wide", rows * 2 * i);
-        let gated = b.activation("gated", rows * i);
-        let norm = |x, out, n: Norm| LayerNorm {
-            x,
-            gamma: n.weight,
-            beta: n.bias,
-            eps: self.norm_eps,
-            out,
-            rows,
-            hidden: h,
-        };
-        let linear = |x, w, bias, out, n, k| Linear {
-            x,
-            w,
-            bias,
-            act: Activation::Identity,
-            out,
-            m: rows,
-            n,
-            k,
-        };
-        let add = |x| Add {
-            x,
-            into: hidden,
-            rows,
-            width: h,
-        };
-        b.push(Embed {
-            ids,
-            word: self.word,
-            out: hidden,
-            hidden: h,
-            seqs,
-        });
-        b.push(norm(hidden, hidden, self.embedding_norm));
-        for layer in &self.layers {
-            let attention_in = match layer.attention_norm {
-                Some(n) => {
-                    b.push(norm(hidden, normed, n));
-                    normed
-                }
-                None => hidden,
-            };
-            b.push(linear(
-                attention_in,
-                layer.qkv_weight,
-                layer.qkv_bias,
-                qkv,
-                3 * h,
-                h,
-            ));
-            b.push(Rotary {
-                qkv,
-                heads: self.heads,
-                head_dim: self.head_dim,
-                theta: layer.rope_theta,
-                seqs,
-            });
-            b.push(Attention {
-                qkv,
-                out: context,
-                heads: self.heads,
-                head_dim: self.head_dim,
-                bias: None,
-                window: layer.window,
-                seqs,
-            });
-            b.push(linear(
-                context,
-                layer.attention_output_weight,
-                layer.attention_output_bias,
-                proj,
-                h,
-                h,
-            ));
-            b.push(add(proj));
-            b.push(norm(hidden, normed, layer.mlp_norm));
-            b.push(linear(
-                normed,
-                layer.input_weight,
-                layer.input_bias,
-                wide,
-                2 * i,
-                h,
-            ));
-            b.push(Gated {
-                x: wide,
-                out: gated,
-                rows,
-                width: i,
-                act: self.hidden_act,
-                on: GateOn::First,
-            });
-            b.push(linear(
-                gated,
-                layer.output_weight,
-                layer.output_bias,
-                proj,
-                h,
-                i,
-            ));
-            b.push(add(proj));
-        }
-        b.push(norm(hidden, hidden, self.final_norm));
-        Head {
-            hidden: h,
-            pooling: self.pooling,
-            normalize: self.normalize,
-            dense: &self.dense,
-            classifier: None,
-            mlm: None,
-        }
-        .push(b, hidden, seqs, skip)
-    }
-}
 
 /// ModernBERT's settings beyond the sizes `folder.rs` reads, from
 /// config.json (both layouts: `global_attn_every_n_layers` with
@@ -499,7 +261,7 @@ impl ModernBertNames {
             let (input_weight, input_bias) = pair(format!("layers.{l}.mlp.Wi"), m.mlp_bias)?;
             let (output_weight, output_bias) = pair(format!("layers.{l}.mlp.Wo"), m.mlp_bias)?;
             let global = m.global[l];
-            layers.push(ModernBertLayer {
+            layers.push(RotaryLayer {
                 attention_norm,
                 qkv_weight,
                 qkv_bias,
@@ -532,7 +294,7 @@ impl ModernBertNames {
 pub(super) struct EncoderWeights {
     pub word: WeightId,
     pub embedding_norm: Norm,
-    pub layers: Vec<ModernBertLayer>,
+    pub layers: Vec<RotaryLayer>,
     pub final_norm: Norm,
 }
 

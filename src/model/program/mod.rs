@@ -551,7 +551,15 @@ pub struct Rotary {
     pub heads: usize,
     pub head_dim: usize,
     pub theta: f32,
+    /// Multiplies every frequency: 1, or GTE's static NTK scaling
+    /// (`factor^(−2/head_dim)`, with `theta` already `base · factor`).
+    #[serde(default = "unit_scale")]
+    pub scale: f32,
     pub seqs: Seqs,
+}
+
+fn unit_scale() -> f32 {
+    1.0
 }
 
 impl Rotary {
@@ -559,7 +567,7 @@ impl Rotary {
     /// them (inverse frequencies and their product with the position in
     /// f32).
     pub fn angle(&self, p: usize, d: usize) -> (f32, f32) {
-        let inv = 1.0 / self.theta.powf((2 * d) as f32 / self.head_dim as f32);
+        let inv = self.scale / self.theta.powf((2 * d) as f32 / self.head_dim as f32);
         let a = p as f32 * inv;
         (a.cos(), a.sin())
     }

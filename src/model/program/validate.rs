@@ -445,6 +445,9 @@ impl Program {
                 if !(r.theta.is_finite() && r.theta > 1.0) {
                     return invalid(format!("{}: rotary theta {} is not > 1", c.what, r.theta));
                 }
+                if !(r.scale.is_finite() && r.scale > 0.0) {
+                    return invalid(format!("{}: rotary scale {} is not > 0", c.what, r.scale));
+                }
                 c.out(r.qkv, 3 * r.seqs.token_rows() * r.heads * r.head_dim)
             }
             Op::Gated(g) => {

@@ -517,7 +517,7 @@ fn modernbert_programs_match_the_f64_reference() {
     let dir = reference_dir().join("models/modernbert-st");
     let model =
         crate::model::Model::load(&ModelSpec::new("modernbert", ModelKind::Bert, dir)).unwrap();
-    let Architecture::ModernBert(arch) = &model.arch else {
+    let Architecture::RotaryEncoder(arch) = &model.arch else {
         panic!("not read as ModernBERT")
     };
     assert_eq!(

@@ -148,6 +148,7 @@ impl Planner<'_> {
             Arg::I32(op.heads as i32),
             Arg::I32(op.head_dim as i32),
             Arg::F32(op.theta),
+            Arg::F32(op.scale),
         ];
         let name = format!("rotary_{}", suffix(self.compute));
         self.kernel(name, (ew_blocks(pairs), 1, 1), EW_THREADS, 0, args);
