@@ -9,6 +9,7 @@ See README.md for the API, the failure semantics and the switch from
 sentence-transformers.
 """
 
+from ._protocol import SparseEmbeddings
 from .aio import AsyncClient
 from .client import Client
 from .errors import (
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client",
     "AsyncClient",
+    "SparseEmbeddings",
     "ReplaydError",
     "BadRequest",
     "UnknownModel",

@@ -93,7 +93,9 @@ class _ClientBase:
         model: Optional[str] = None,
         timeout: Optional[float] = 60.0,
         *,
-        max_in_flight: int = 1024,
+        # At most half the daemon's server.send_hwm (1,000 by default), past
+        # which it drops replies: see the README.
+        max_in_flight: int = 256,
         max_attempts: int = 4,
         liveness_timeout: Optional[float] = 30.0,
         max_items_per_request: int = proto.DEFAULT_MAX_ITEMS,
@@ -224,6 +226,36 @@ class _ClientBase:
         call = self._items_call(frames, order, fields, batch_size, timeout, deadline)
         n = len(texts)
         return _Prepared(call, lambda c: proto.assemble(c.outputs(), n))
+
+    def _prep_embed_sparse(
+        self,
+        texts: Union[str, Sequence[str]],
+        model: Optional[str],
+        top_k: Optional[int],
+        batch_size: Optional[int],
+        timeout: Optional[float],
+        priority: int,
+        deadline: Optional[float],
+        truncate: bool,
+        output_dtype: str,
+    ) -> _Prepared:
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        fields = proto.base_fields(
+            self._model(model),
+            "texts",
+            priority=priority,
+            deadline=deadline,
+            truncate=truncate,
+            output_dtype=output_dtype,
+            top_k=top_k,
+        )
+        frames = proto.text_frames(texts)
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        call = self._items_call(frames, order, fields, batch_size, timeout, deadline)
+        n = len(texts)
+        return _Prepared(call, lambda c: proto.assemble_sparse(c.outputs(), n))
 
     def _prep_embed_ids(
         self,

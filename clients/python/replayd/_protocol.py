@@ -40,6 +40,7 @@ def base_fields(
     truncate: Optional[bool] = None,
     output_dtype: str = "f32",
     dimensions: Optional[int] = None,
+    top_k: Optional[int] = None,
 ) -> dict:
     """The header keys shared by every request of one call (no ``v``/``id``/``timeout_us``)."""
     if not isinstance(model, str) or not model:
@@ -67,6 +68,10 @@ def base_fields(
         if isinstance(dimensions, bool) or not isinstance(dimensions, (int, np.integer)) or dimensions < 1:
             raise ValueError(f"dimensions must be a positive int or None, got {dimensions!r}")
         fields["dimensions"] = int(dimensions)
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        fields["top_k"] = int(top_k)
     return fields
 
 
@@ -114,8 +119,74 @@ def chunk_by(
     return chunks
 
 
-def decode_output(head: dict, frames: Sequence[Any]) -> np.ndarray:
-    """The output tensor of an ``ok`` reply, as a read-only array over the frame."""
+class SparseEmbeddings:
+    """A sparse encoder's rows (SPLADE weights over the vocabulary) in CSR form:
+    row ``i``'s entries are ``indices[indptr[i]:indptr[i+1]]`` (vocabulary ids,
+    ascending) with ``values`` alike. ``scipy.sparse.csr_matrix((values, indices,
+    indptr), shape)`` takes them as they are (:meth:`to_scipy`)."""
+
+    def __init__(self, indptr: np.ndarray, indices: np.ndarray, values: np.ndarray, shape: Tuple[int, int]):
+        self.indptr = indptr
+        self.indices = indices
+        self.values = values
+        self.shape = (int(shape[0]), int(shape[1]))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def row(self, i: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Row ``i``'s (indices, values)."""
+        a, b = int(self.indptr[i]), int(self.indptr[i + 1])
+        return self.indices[a:b], self.values[a:b]
+
+    def __iter__(self):
+        return (self.row(i) for i in range(len(self)))
+
+    def to_dense(self) -> np.ndarray:
+        out = np.zeros(self.shape, dtype=self.values.dtype)
+        for i in range(len(self)):
+            idx, val = self.row(i)
+            out[i, idx] = val
+        return out
+
+    def to_scipy(self):
+        import scipy.sparse  # optional dependency
+
+        return scipy.sparse.csr_matrix((self.values, self.indices, self.indptr), shape=self.shape)
+
+    def __repr__(self) -> str:
+        return f"SparseEmbeddings(rows={self.shape[0]}, width={self.shape[1]}, nnz={len(self.indices)})"
+
+
+def _decode_csr(head: dict, frames: Sequence[Any], dtype: np.dtype, shape: list) -> SparseEmbeddings:
+    rid = head.get("id")
+    if len(shape) != 2 or len(frames) != 4:
+        raise ProtocolError(
+            f"sparse reply has shape {shape!r} and {len(frames) - 1} payload frames (expected [rows, width] and 3)",
+            rid,
+        )
+    rows, width = shape
+    bufs = [bytes(f) if not isinstance(f, (bytes, bytearray, memoryview)) else f for f in frames[1:]]
+    if len(bufs[0]) % 4 or len(bufs[1]) % 4:
+        raise ProtocolError("sparse reply's indptr or indices is not whole u32s", rid)
+    indptr = np.frombuffer(bufs[0], dtype="<u4")
+    indices = np.frombuffer(bufs[1], dtype="<u4")
+    if len(bufs[2]) != len(indices) * dtype.itemsize:
+        raise ProtocolError("sparse reply's values and indices differ in length", rid)
+    values = np.frombuffer(bufs[2], dtype=dtype)
+    if (
+        len(indptr) != rows + 1
+        or (rows >= 0 and len(indptr) and (indptr[0] != 0 or indptr[-1] != len(indices)))
+        or np.any(np.diff(indptr.astype(np.int64)) < 0)
+        or (len(indices) and int(indices.max()) >= width)
+    ):
+        raise ProtocolError("sparse reply's indptr and indices are inconsistent", rid)
+    return SparseEmbeddings(indptr, indices, values, (rows, width))
+
+
+def decode_output(head: dict, frames: Sequence[Any]) -> Any:
+    """The output of an ``ok`` reply: a read-only array over the tensor frame,
+    or for a sparse encoder (``format: "csr"``) a :class:`SparseEmbeddings`."""
     dtype = _DTYPES.get(head.get("dtype"))
     shape = head.get("shape")
     if dtype is None or not isinstance(shape, list) or not all(
@@ -124,6 +195,10 @@ def decode_output(head: dict, frames: Sequence[Any]) -> np.ndarray:
         raise ProtocolError(
             f"reply has dtype {head.get('dtype')!r} and shape {shape!r}", head.get("id")
         )
+    if head.get("format") == "csr":
+        return _decode_csr(head, frames, dtype, shape)
+    if head.get("format") is not None:
+        raise ProtocolError(f"unknown reply format {head.get('format')!r}", head.get("id"))
     if len(frames) < 2:
         raise ProtocolError("ok reply without a tensor frame", head.get("id"))
     buf = frames[1]
@@ -136,11 +211,34 @@ def decode_output(head: dict, frames: Sequence[Any]) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def check_rows(out: np.ndarray, rows: int, rid: Any) -> None:
+def check_rows(out: Any, rows: int, rid: Any) -> None:
+    if isinstance(out, SparseEmbeddings):
+        if len(out) != rows:
+            raise ProtocolError(f"sparse reply has {len(out)} rows for a request of {rows}", rid)
+        return
     if out.ndim < 1 or out.shape[0] != rows:
         raise ProtocolError(
             f"reply has shape {list(out.shape)} for a request of {rows} rows", rid
         )
+
+
+def assemble_sparse(results: Sequence[Tuple[List[int], Any]], n: int) -> SparseEmbeddings:
+    """Per-request sparse rows back in input order, as one :class:`SparseEmbeddings`."""
+    rows: List[Any] = [None] * n
+    width = 0
+    for idx, part in results:
+        if not isinstance(part, SparseEmbeddings):
+            raise ProtocolError("a sparse call got a dense reply")
+        width = part.shape[1]
+        for j, i in enumerate(idx):
+            rows[i] = part.row(j)
+    vdtype = results[0][1].values.dtype if results else np.dtype("<f4")
+    indptr = np.zeros(n + 1, dtype=np.uint32)
+    for i, r in enumerate(rows):
+        indptr[i + 1] = indptr[i] + (len(r[0]) if r is not None else 0)
+    indices = np.concatenate([r[0] for r in rows if r is not None]) if n else np.empty(0, np.uint32)
+    values = np.concatenate([r[1] for r in rows if r is not None]) if n else np.empty(0, vdtype)
+    return SparseEmbeddings(indptr, indices.astype(np.uint32), values, (n, width))
 
 
 def assemble(
@@ -150,6 +248,8 @@ def assemble(
     if not results:
         return np.empty((0, 0), dtype=dtype or np.float32)
     first = results[0][1]
+    if isinstance(first, SparseEmbeddings):
+        raise ValueError("the model is a sparse encoder: its rows come back from embed_sparse")
     out = np.empty((n,) + first.shape[1:], dtype=dtype or first.dtype)
     for idx, arr in results:
         if arr.shape[1:] != first.shape[1:]:

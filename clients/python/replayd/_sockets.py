@@ -21,9 +21,10 @@ def configure(sock: zmq.Socket, reconnect_interval: float) -> None:
     # pipe when the peer dies, and if that happens while a multipart reply is
     # half read the DEALER aborts the process (fq.cpp:80, "!_more"). Without
     # it the pipe outlives reconnections; the client sends only to endpoints
-    # whose connection is up (monitor events), and what a dying connection
-    # still held goes out again on reconnection (a duplicate at worst, whose
-    # reply is dropped by id).
+    # whose connection is up (monitor events), and when a connection drops it
+    # closes the socket and opens a new one, so that what the dead connection
+    # still held (sent before the disconnect event was read) is not delivered
+    # to the next one on top of the client's own re-sends.
     sock.setsockopt(zmq.IMMEDIATE, 0)
     # The client bounds what it has outstanding itself (max_in_flight); a
     # high-water mark would only make a burst block or fail.

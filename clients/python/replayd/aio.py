@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 
 from . import _sockets
+from ._protocol import SparseEmbeddings
 from ._api import _ClientBase, _Prepared
 from ._core import Call, Endpoint
 from .errors import ConnectionLost
@@ -46,6 +47,7 @@ class AsyncClient(_ClientBase):
         self._tasks: List[asyncio.Task] = []
         self._socks: Dict[Endpoint, Any] = {}
         self._mons: Dict[Endpoint, Any] = {}
+        self._readers: Dict[Endpoint, asyncio.Task] = {}
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at: Optional[float] = None
         self._closed = False
@@ -69,6 +71,26 @@ class AsyncClient(_ClientBase):
         return await self._run(
             self._prep_embed(
                 texts, model, batch_size, timeout, priority, deadline, truncate, output_dtype, dimensions
+            )
+        )
+
+    async def embed_sparse(
+        self,
+        texts: Union[str, Sequence[str]],
+        model: Optional[str] = None,
+        *,
+        top_k: Optional[int] = None,
+        batch_size: Optional[int] = 32,
+        timeout: Optional[float] = None,
+        priority: int = 0,
+        deadline: Optional[float] = None,
+        truncate: bool = True,
+        output_dtype: str = "f32",
+    ) -> SparseEmbeddings:
+        """See :meth:`Client.embed_sparse`."""
+        return await self._run(
+            self._prep_embed_sparse(
+                texts, model, top_k, batch_size, timeout, priority, deadline, truncate, output_dtype
             )
         )
 
@@ -198,18 +220,33 @@ class AsyncClient(_ClientBase):
             self._drop_sockets()
             self._core.reset(ConnectionLost("the event loop of these calls ended"))
         self._loop = loop
-        ctx = self._ctx if self._ctx is not None else zmq.asyncio.Context.instance()
-        self._ctx = ctx
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context.instance()
         for ep in self._core.endpoints:
-            sock = ctx.socket(zmq.DEALER)
-            _sockets.configure(sock, self.reconnect_interval)
-            mon = sock.get_monitor_socket(_sockets.MONITOR_EVENTS)
+            self._open(ep)
+
+    def _open(self, ep: Endpoint, delay: float = 0.0) -> None:
+        """A new socket for ``ep``, with its reader and monitor tasks; it
+        connects after ``delay`` seconds."""
+        loop = self._loop
+        sock = self._ctx.socket(zmq.DEALER)
+        _sockets.configure(sock, self.reconnect_interval)
+        mon = sock.get_monitor_socket(_sockets.MONITOR_EVENTS)
+        if delay > 0:
+            loop.call_later(delay, self._connect, ep, sock)
+        else:
             sock.connect(ep.address)
-            self._socks[ep] = sock
-            self._mons[ep] = mon
-            ep.send = self._sender(sock)
-            self._tasks.append(loop.create_task(self._reader(ep, sock)))
-            self._tasks.append(loop.create_task(self._monitor(ep, mon)))
+        self._socks[ep] = sock
+        self._mons[ep] = mon
+        ep.send = self._sender(sock)
+        reader = loop.create_task(self._reader(ep, sock))
+        self._readers[ep] = reader
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks += [reader, loop.create_task(self._monitor(ep, mon))]
+
+    def _connect(self, ep: Endpoint, sock) -> None:
+        if self._socks.get(ep) is sock:  # not replaced or closed meanwhile
+            sock.connect(ep.address)
 
     @staticmethod
     def _sender(sock):
@@ -247,18 +284,17 @@ class AsyncClient(_ClientBase):
         self._kick()
 
     async def _reader(self, ep: Endpoint, sock) -> None:
-        loop = self._loop
-        n = 0
         try:
             while True:
-                frames = await sock.recv_multipart(copy=True)
-                self._core.on_reply(ep, frames, loop.time())
-                self._kick()
-                n += 1
-                if n % 32 == 0:
-                    # Awaiting a reply that is already there does not yield;
-                    # let the callers, timers and monitors run now and then.
-                    await asyncio.sleep(0)
+                # Wait for replies without taking one: only _drain takes them,
+                # and it settles each at once, so no reply is ever held unread
+                # in a future when the monitor handles a disconnect (and
+                # replaces this socket): it would be lost with the socket.
+                await sock.poll(flags=zmq.POLLIN)
+                if self._drain(ep, sock, 32):
+                    self._kick()
+                # Let the callers, timers and monitors run between batches.
+                await asyncio.sleep(0)
         except (asyncio.CancelledError, zmq.ContextTerminated):
             raise
         except Exception as e:  # pragma: no cover - a bug; don't leave callers hanging
@@ -274,7 +310,9 @@ class AsyncClient(_ClientBase):
                 if event == _sockets.UP:
                     self._core.on_connected(ep, loop.time())
                 elif event == _sockets.DOWN:
-                    self._core.on_disconnected(ep, loop.time())
+                    if self._on_down(ep):
+                        self._kick()
+                        return  # the socket was replaced; its new monitor takes over
                 elif event == _sockets.STOPPED:
                     return
                 self._kick()
@@ -283,6 +321,60 @@ class AsyncClient(_ClientBase):
         except Exception as e:  # pragma: no cover
             log.exception("replayd: monitor for %s failed", ep.address)
             self._fail_all(e)
+
+    def _on_down(self, ep: Endpoint) -> bool:
+        """``ep``'s connection dropped. Returns whether its socket was replaced."""
+        now = self._loop.time()
+        if not ep.connected or self._closed:  # a failed handshake: nothing was sent on it
+            self._core.on_disconnected(ep, now)
+            return False
+        # Replies that came before the connection dropped may still wait in the
+        # socket: this event comes on the monitor's socket, and the reader task
+        # may not have had its turn since. Settle them first; otherwise
+        # on_disconnected counts their requests lost, re-sends them all, and
+        # drops the replies as late when the reader gets to them.
+        self._drain(ep, self._socks[ep])
+        self._core.on_disconnected(ep, now)
+        # What was sent after the connection died but before this event sits in
+        # the socket's queue (no ZMQ_IMMEDIATE), and libzmq would hand it to the
+        # next connection on top of the re-sends of the same requests, which
+        # on_disconnected just scheduled: the restarted daemon would hold more
+        # of this client's requests than max_in_flight, and past its send_hwm
+        # it drops replies -- requests never answered nor re-sent. A fresh
+        # socket starts empty: only what the client counts reaches the daemon.
+        self._replace(ep)
+        return True
+
+    def _drain(self, ep: Endpoint, sock, limit: Optional[int] = None) -> int:
+        """Settles the replies ``sock`` holds (at most ``limit``); returns how many."""
+        n = 0
+        while limit is None or n < limit:
+            f = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)  # resolved at once
+            exc = f.exception()
+            if exc is not None:
+                if isinstance(exc, zmq.Again):
+                    break
+                raise exc
+            self._core.on_reply(ep, f.result(), self._loop.time())
+            n += 1
+        return n
+
+    def _replace(self, ep: Endpoint) -> None:
+        reader = self._readers.pop(ep, None)
+        if reader is not None:
+            reader.cancel()
+        sock = self._socks.pop(ep)
+        mon = self._mons.pop(ep)
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        sock.close(linger=0)  # drops what it still holds
+        mon.close(linger=0)
+        # Connect after reconnect_interval, as libzmq would have reconnected
+        # the old socket: a daemon that is shutting down may still accept a
+        # connection for a moment.
+        self._open(ep, self.reconnect_interval)
 
     def _fail_all(self, e: BaseException) -> None:
         self._core.close()
@@ -340,6 +432,7 @@ class AsyncClient(_ClientBase):
             mon.close(linger=0)
         self._socks.clear()
         self._mons.clear()
+        self._readers.clear()
         return live
 
     async def __aenter__(self) -> "AsyncClient":

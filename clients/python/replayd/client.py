@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import zmq
 
 from . import _sockets
 from ._api import _ClientBase, _Prepared
+from ._protocol import SparseEmbeddings
 from ._core import Endpoint
 from .errors import ConnectionLost
 
@@ -34,6 +35,10 @@ class Client(_ClientBase):
             for ever). Also sent to the daemon as ``timeout_us`` (the time
             left when each request is sent).
         max_in_flight: most requests outstanding at once (all endpoints).
+            Keep it at most half the daemon's ``server.send_hwm`` (1,000 by
+            default): past that many unsent replies queued for one client,
+            the daemon drops replies, and libzmq frees that room only
+            every ``send_hwm / 2`` replies sent.
         max_attempts: most times one request is sent (first send included)
             when its daemon is lost, draining (``unavailable``) or
             ``overloaded``.
@@ -70,21 +75,30 @@ class Client(_ClientBase):
         self._poller = zmq.Poller()
         self._socks: Dict[Any, Endpoint] = {}
         self._mons: Dict[Any, Endpoint] = {}
+        self._connect_at: Dict[Any, Tuple[float, str]] = {}  # socket: (when, address)
         self._closed = False
         try:
             for ep in self._core.endpoints:
-                sock = self._ctx.socket(zmq.DEALER)
-                _sockets.configure(sock, self.reconnect_interval)
-                mon = sock.get_monitor_socket(_sockets.MONITOR_EVENTS)
-                sock.connect(ep.address)
-                ep.send = self._sender(sock)
-                self._socks[sock] = ep
-                self._mons[mon] = ep
-                self._poller.register(sock, zmq.POLLIN)
-                self._poller.register(mon, zmq.POLLIN)
+                self._open(ep)
         except Exception:
             self.close()
             raise
+
+    def _open(self, ep: Endpoint, delay: float = 0.0) -> None:
+        """A new socket (and its monitor) for ``ep``; it connects after
+        ``delay`` seconds (at the first poll from then on)."""
+        sock = self._ctx.socket(zmq.DEALER)
+        _sockets.configure(sock, self.reconnect_interval)
+        mon = sock.get_monitor_socket(_sockets.MONITOR_EVENTS)
+        if delay > 0:
+            self._connect_at[sock] = (time.monotonic() + delay, ep.address)
+        else:
+            sock.connect(ep.address)
+        ep.send = self._sender(sock)
+        self._socks[sock] = ep
+        self._mons[mon] = ep
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(mon, zmq.POLLIN)
 
     @staticmethod
     def _sender(sock: zmq.Socket):
@@ -125,6 +139,32 @@ class Client(_ClientBase):
         return self._run(
             self._prep_embed(
                 texts, model, batch_size, timeout, priority, deadline, truncate, output_dtype, dimensions
+            )
+        )
+
+    def embed_sparse(
+        self,
+        texts: Union[str, Sequence[str]],
+        model: Optional[str] = None,
+        *,
+        top_k: Optional[int] = None,
+        batch_size: Optional[int] = 32,
+        timeout: Optional[float] = None,
+        priority: int = 0,
+        deadline: Optional[float] = None,
+        truncate: bool = True,
+        output_dtype: str = "f32",
+    ) -> SparseEmbeddings:
+        """A sparse encoder's (SPLADE's) vocabulary weights for ``texts``: a
+        :class:`SparseEmbeddings` with one row per text, in input order,
+        holding each text's non-zero weights (``top_k=k``: its ``k`` largest)
+        as sentence-transformers' ``SparseEncoder.encode`` computes them.
+        ``SparseEmbeddings.to_scipy()`` gives a ``scipy.sparse.csr_matrix``,
+        ``to_dense()`` a ``(len(texts), vocab_size)`` array. The other
+        arguments are :meth:`embed`'s."""
+        return self._run(
+            self._prep_embed_sparse(
+                texts, model, top_k, batch_size, timeout, priority, deadline, truncate, output_dtype
             )
         )
 
@@ -262,36 +302,79 @@ class Client(_ClientBase):
             return prep.finish(call)
 
     def _poll_once(self, wait: float) -> None:
+        if self._connect_at:
+            now = time.monotonic()
+            for sock, (at, address) in list(self._connect_at.items()):
+                if at <= now:
+                    del self._connect_at[sock]
+                    sock.connect(address)
+                else:
+                    wait = min(wait, at - now)
         ms = int(wait * 1000 + 0.999)
         ready = dict(self._poller.poll(ms))
         if not ready:
             return
-        core = self._core
         # Replies first: those a dying connection delivered before it closed
         # settle their requests instead of being re-sent.
         for sock, ep in self._socks.items():
             if sock in ready:
-                for _ in range(100_000):
-                    try:
-                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    core.on_reply(ep, frames, time.monotonic())
-        for mon, ep in self._mons.items():
+                self._drain(sock, ep)
+        for mon, ep in list(self._mons.items()):
             if mon in ready:
                 while True:
                     try:
                         frames = mon.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    self._on_event(ep, _sockets.event_of(frames))
+                    if self._on_event(ep, _sockets.event_of(frames)):
+                        break  # that monitor was closed with its socket
 
-    def _on_event(self, ep: Endpoint, event: int) -> None:
+    def _drain(self, sock: zmq.Socket, ep: Endpoint) -> None:
+        for _ in range(100_000):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self._core.on_reply(ep, frames, time.monotonic())
+
+    def _on_event(self, ep: Endpoint, event: int) -> bool:
+        """Returns whether ``ep``'s socket was replaced."""
         now = time.monotonic()
         if event == _sockets.UP:
             self._core.on_connected(ep, now)
         elif event == _sockets.DOWN:
+            if not ep.connected:  # a handshake that failed: nothing was sent on it
+                self._core.on_disconnected(ep, now)
+                return False
+            sock = next(s for s, e in self._socks.items() if e is ep)
+            self._drain(sock, ep)  # replies that came since the poll
             self._core.on_disconnected(ep, now)
+            # What was sent after the connection died but before this event
+            # still sits in the socket (no ZMQ_IMMEDIATE) and would go to the
+            # next connection on top of the re-sends on_disconnected scheduled:
+            # more of our requests at the daemon than max_in_flight, and past
+            # its send_hwm it drops replies (never answered nor re-sent). A
+            # fresh socket starts empty. (See AsyncClient._on_down.)
+            self._replace(ep, sock)
+            return True
+        return False
+
+    def _replace(self, ep: Endpoint, sock: zmq.Socket) -> None:
+        mon = next(m for m, e in self._mons.items() if e is ep)
+        for s in (sock, mon):
+            self._poller.unregister(s)
+        del self._socks[sock]
+        del self._mons[mon]
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        sock.close(linger=0)  # drops what it still holds
+        mon.close(linger=0)
+        # Connect after reconnect_interval, as libzmq would have reconnected
+        # the old socket: a daemon that is shutting down may still accept a
+        # connection for a moment.
+        self._open(ep, self.reconnect_interval)
 
     # ------------------------------------------------------------ lifetime
 
@@ -311,6 +394,7 @@ class Client(_ClientBase):
             mon.close(linger=0)
         self._socks.clear()
         self._mons.clear()
+        self._connect_at.clear()
 
     def __enter__(self) -> "Client":
         return self

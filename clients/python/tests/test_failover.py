@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import MINILM, MLP, Daemon, cosines, free_port, minilm_toml, mlp_toml
+from conftest import MINILM, MLP, Daemon, cosines, free_port, minilm_toml, mlp_toml, replayd_bin
 from replayd import AsyncClient, Client, ConnectionLost, NoHealthyEndpoint, Timeout
 
 
@@ -98,6 +100,19 @@ def assert_mlp(got, x, ref):
     assert errs.max() < 1e-5, f"row {int(errs.argmax())} wrong"
 
 
+def daemon_socket_stats(d):
+    """The daemon's own counters of its client socket (`replayctl stats`):
+    messages_received, messages_sent (replies handed to libzmq), dropped_sends..."""
+    ctl = replayd_bin().with_name("replayctl")
+    if not ctl.exists():
+        pytest.skip(f"no replayctl beside {replayd_bin()}")
+    out = subprocess.run(
+        [str(ctl), "--control", d.control, "stats", "--json"], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["transport"]["client"]
+
+
 def short_texts(minilm_set, n):
     texts, ids, want = minilm_set
     pool = [i for i, s in enumerate(ids) if len(s) <= 16]
@@ -182,6 +197,99 @@ def test_async_client_survives_a_restart(fixed, mlp_reference):
     assert_mlp(got, x, mlp_reference)
     assert_mlp(after, x[:5], mlp_reference)
     assert st["disconnects"] >= 1 and st["lost"] >= 1, st
+
+
+# The three tests below force, with a real daemon, the interleavings behind a
+# request of test_async_client_survives_a_restart once never being answered
+# nor re-sent: the client's event loop (or the sync client, between polls) is
+# busy while the connection dies, so the replies and the disconnect event wait
+# in their sockets (the reply socket and the monitor's), and requests are sent
+# on a connection that is already dead.
+
+
+def test_async_replies_that_came_before_a_disconnect_settle_their_requests(fixed, mlp_reference):
+    """The daemon answers every request, then exits, while the event loop is
+    blocked. Whichever the loop then reads first, replies or the disconnect
+    event, the replies settle their requests: nothing counts as lost, nothing
+    is re-sent (the daemon stays down, so a re-sent request would never be
+    answered)."""
+    n = 200  # not above max_in_flight: all go out at once
+    x = rows(n, 11)
+
+    async def main():
+        async with AsyncClient(fixed.endpoint, timeout=10) as ac:
+            assert_mlp(await ac.infer(MLP, x[:2]), x[:2], mlp_reference)
+            ep = ac._core.endpoints[0]
+            base = daemon_socket_stats(fixed)["messages_sent"]
+            calls = [asyncio.ensure_future(ac.infer(MLP, x[i : i + 1])) for i in range(n)]
+            await asyncio.sleep(0)  # every call sends its request; no reply is read yet
+            assert ep.sent == 1 + n and ep.replies == 1, ac.stats()
+            # The loop stays blocked from here: the daemon answers everything,
+            # and SIGTERM makes it deliver what it has sent, then close.
+            wait_until(lambda: daemon_socket_stats(fixed)["messages_sent"] >= base + n, what="every reply")
+            fixed.signal(signal.SIGTERM)
+            fixed.proc.wait(30)
+            time.sleep(0.3)  # the client's libzmq takes the replies, then the disconnect
+            got = np.concatenate(await asyncio.gather(*calls))
+            return got, ac.stats()[0]
+
+    got, st = asyncio.run(main())
+    assert_mlp(got, x, mlp_reference)
+    assert st["disconnects"] == 1 and st["lost"] == 0 and st["resent"] == 0, st
+
+
+def test_async_sends_on_a_dead_connection_do_not_reach_the_next_one(fixed, mlp_reference):
+    """Requests sent after the connection died but before the disconnect
+    event was read are re-sent by the client once the daemon is back; libzmq
+    must not deliver its own copies as well. (With them the restarted daemon
+    holds more of the client's requests than max_in_flight, and past its
+    send_hwm it drops replies: requests never answered nor re-sent.)"""
+    n = 100
+    x = rows(n, 12)
+    killed = threading.Event()
+
+    async def main():
+        async with AsyncClient(f"tcp://127.0.0.1:{fixed.port}", timeout=60) as ac:
+            assert_mlp(await ac.infer(MLP, x[:2]), x[:2], mlp_reference)
+            ep = ac._core.endpoints[0]
+            # The loop is blocked: the daemon dies and the client's libzmq sees
+            # it, but the disconnect event waits unread on the monitor socket.
+            fixed.kill()
+            time.sleep(0.3)
+            calls = [asyncio.ensure_future(ac.infer(MLP, x[i : i + 1])) for i in range(n)]
+            await asyncio.sleep(0)  # the calls run before the loop reads any socket
+            assert ep.sent == 1 + n and ep.connected, ac.stats()  # sent on the dead connection
+            killed.set()
+            got = np.concatenate(await asyncio.gather(*calls))
+            return got, ac.stats()[0]
+
+    call = in_background(lambda: asyncio.run(main()))
+    assert killed.wait(30)
+    fixed.start()
+    got, st = call()
+    assert_mlp(got, x, mlp_reference)
+    assert st["lost"] == n and st["resent"] == n, st
+    assert daemon_socket_stats(fixed)["messages_received"] == n  # the re-sends, and only them
+
+
+def test_sends_on_a_dead_connection_do_not_reach_the_next_one(fixed, mlp_reference):
+    """The same for the blocking client, which reads connection events only
+    when it polls, after it has sent."""
+    n = 100
+    x = rows(n, 13)
+    with Client(f"tcp://127.0.0.1:{fixed.port}", timeout=60) as c:
+        assert_mlp(c.infer(MLP, x[:2]), x[:2], mlp_reference)
+        fixed.kill()
+        time.sleep(0.3)  # dead, and the client's libzmq knows; the client has not polled since
+        call = in_background(lambda: c.infer(MLP, x, batch_size=1))
+        ep = c._core.endpoints[0]
+        wait_until(lambda: ep.lost == n, what="the requests sent on the dead connection counted lost")
+        fixed.start()
+        got = call()
+        assert_mlp(got, x, mlp_reference)
+        st = c.stats()[0]
+        assert st["sent"] == 1 + 2 * n and st["resent"] == n, st
+    assert daemon_socket_stats(fixed)["messages_received"] == n
 
 
 # ------------------------------------------------------------ two daemons
