@@ -16,6 +16,10 @@
 // attention_tc_bias_<t>_d<D> (MPNet): plus the relative position bias of
 // attention.cu's rel_bias, added to the scaled scores before the mask.
 //
+// attention_tc_win_<t>_d<D> (ModernBERT's local layers): query i sees only
+// keys j with |i − j| <= window; a warp skips the key blocks wholly outside
+// its 16 queries' band and tests scores only in blocks the band cuts.
+//
 // tc_attend is the loop; attention_varlen.cu's tensor-core kernel runs it too.
 
 #define TC_WARPS 4
@@ -91,10 +95,11 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // only where mrow[j] != 0, and a row with no key gets zeros.
 // KB (keys per shared-memory block) is TC_KB(D) unless the caller knows the
 // sequence is shorter (attention_tc_s16_<t>_d<D>: 16).
-template <typename T, int D, bool BIAS, bool MASK, int KB = TC_KB(D)>
+template <typename T, int D, bool BIAS, bool MASK, int KB = TC_KB(D), bool WIN = false>
 __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row_stride, int HD, int seq, int q_first,
                                           int q_end, const int* __restrict__ mrow, float scale,
-                                          const T* __restrict__ brow, int radius, T* __restrict__ obase) {
+                                          const T* __restrict__ brow, int radius, T* __restrict__ obase,
+                                          int window = 0) {
     static_assert(KB % 16 == 0 && KB <= 64, "a key block is whole mma k-steps, its mask one 64-bit word");
     constexpr int KS = D + TC_PAD;  // row stride of sK and sV (halves): ldmatrix rows hit distinct banks
     constexpr int ND = D / 8;       // output n-tiles
@@ -166,7 +171,10 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
         const int st = kb & 1, kb0 = kb * KB;
         cp_async_wait<1>();  // block kb has landed (kb+1 may still fly)
         __syncthreads();
-        if (active) {
+        // WIN: this warp's queries q0 .. q0+15 against keys kb0 .. kb0+KB-1.
+        const bool band_skip = WIN && (kb0 > q0 + 15 + window || kb0 + KB - 1 < q0 - window);
+        const bool band_full = !WIN || (kb0 >= q0 + 15 - window && kb0 + KB - 1 <= q0 + window);
+        if (active && !band_skip) {
             // S = Q K^T: K's rows are the B fragments as stored.
             float sc[NK][4];
 #pragma unroll
@@ -208,6 +216,10 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
                         s = fmaf(s, scale, rel_bias(brow, radius, q0 + g + 8 * (e >> 1), kb0 + nt * 8 + t4 * 2 + (e & 1))) *
                             TC_LOG2E;
                     if (!full && !((lt >> (nt * 8 + (e & 1))) & 1ull)) s = NEG_INF_F;
+                    if (WIN && !band_full) {
+                        const int d = (q0 + g + 8 * (e >> 1)) - (kb0 + nt * 8 + t4 * 2 + (e & 1));
+                        if (d > window || d < -window) s = NEG_INF_F;
+                    }
                     sc[nt][e] = s;
                     mx[e >> 1] = fmaxf(mx[e >> 1], s);
                 }
@@ -285,17 +297,17 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
     }
 }
 
-template <typename T, int D, bool BIAS, int KB = TC_KB(D)>
+template <typename T, int D, bool BIAS, int KB = TC_KB(D), bool WIN = false>
 __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, const int* __restrict__ mask,
                                                   T* __restrict__ out, int seq, int heads, float scale,
-                                                  const T* __restrict__ pbias, int radius) {
+                                                  const T* __restrict__ pbias, int radius, int window = 0) {
     const int b = blockIdx.z, h = blockIdx.y;
     const int HD = heads * D;
     const size_t row_stride = (size_t)3 * HD;
     const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * D;
     const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
-    tc_attend<T, D, BIAS, true, KB>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mask + (size_t)b * seq, scale,
-                                    brow, radius, out + (size_t)b * seq * HD + (size_t)h * D);
+    tc_attend<T, D, BIAS, true, KB, WIN>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mask + (size_t)b * seq,
+                                         scale, brow, radius, out + (size_t)b * seq * HD + (size_t)h * D, window);
 }
 
 #define ATTENTION_TC_KERNEL(T, SUF, D)                                                                            \
@@ -307,6 +319,12 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
         attention_tc_bias_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale,   \
                                        const T* pbias, int radius) { pdl_enter();                                              \
         attention_tc_impl<T, D, true>(qkv, mask, out, seq, heads, scale, pbias, radius);                          \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                    \
+        attention_tc_win_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale,    \
+                                      int window) {                                                               \
+        pdl_enter();                                                                                              \
+        attention_tc_impl<T, D, false, TC_KB(D), true>(qkv, mask, out, seq, heads, scale, nullptr, 0, window);    \
     }
 
 // attention_tc_s16_<t>_d<D>, attention_tc_bias_s16_<t>_d<D>: the same for

@@ -67,10 +67,10 @@ __device__ __forceinline__ void varlen_zero(T* out, int q_start, int q_count, in
     }
 }
 
-template <typename T, int D, bool BIAS>
+template <typename T, int D, bool BIAS, bool WIN = false>
 __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ qkv, const int* __restrict__ tiles,
                                                          T* __restrict__ out, int heads, float scale, int tokens,
-                                                         const T* __restrict__ pbias, int radius) {
+                                                         const T* __restrict__ pbias, int radius, int window = 0) {
     const int tile = blockIdx.x / heads, h = blockIdx.x % heads;
     int q_start, q_count, kv_start, kv_len;
     // Tensor-core tiles never exceed `tokens` keys; `tokens` bounds kv_len.
@@ -85,9 +85,9 @@ __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ q
     // end (the last key block's tail) are masked by the length.
     const int q_first = q_start - kv_start;
     const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
-    tc_attend<T, D, BIAS, false>(qkv + (size_t)kv_start * row_stride + (size_t)h * D, row_stride, HD, kv_len, q_first,
-                                 q_first + q_count, nullptr, scale, brow, radius,
-                                 out + (size_t)kv_start * HD + (size_t)h * D);
+    tc_attend<T, D, BIAS, false, TC_KB(D), WIN>(qkv + (size_t)kv_start * row_stride + (size_t)h * D, row_stride, HD,
+                                                kv_len, q_first, q_first + q_count, nullptr, scale, brow, radius,
+                                                out + (size_t)kv_start * HD + (size_t)h * D, window);
 }
 
 // Dynamic shared memory (floats): VA_QT*(DMAX+1) + ATT_KC*(DMAX+1) + VA_QT*(max_len|1),
@@ -243,6 +243,12 @@ __device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv,
         attention_varlen_tc_bias_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale, \
                                               int tokens, const T* pbias, int radius) { pdl_enter();                        \
         attention_varlen_tc_impl<T, D, true>(qkv, tiles, out, heads, scale, tokens, pbias, radius);            \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                 \
+        attention_varlen_tc_win_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale,  \
+                                             int tokens, int window) {                                         \
+        pdl_enter();                                                                                           \
+        attention_varlen_tc_impl<T, D, false, true>(qkv, tiles, out, heads, scale, tokens, nullptr, 0, window); \
     }
 
 #define ATTENTION_VARLEN_KERNEL(T, SUF, DMAX)                                                                  \

@@ -67,10 +67,19 @@ __device__ __forceinline__ void add_rows_impl(const T* __restrict__ x, T* __rest
 // x[d' + d/2] ← x[d' + d/2]·cos a + x[d']·sin a. The position p of row r is
 // positions[r] (packed) or r % seq (padded). Grid-stride over
 // rows × 2·heads × d/2 pairs.
+#define ROTARY_MAX_HALF 128
+
 template <typename T>
 __device__ __forceinline__ void rotary_impl(T* qkv, const int* __restrict__ positions, int seq, int rows, int heads,
                                             int head_dim, float theta, float scale) {
     const int half = head_dim / 2;
+    // The frequencies, once a block (half <= ROTARY_MAX_HALF, host-checked):
+    // a powf per element made the kernel compute-bound (38.7 µs a layer at
+    // (32, 128), 768 wide, on an H100).
+    __shared__ float inv_s[ROTARY_MAX_HALF];
+    for (int d = threadIdx.x; d < half; d += blockDim.x)
+        inv_s[d] = scale / powf(theta, (float)(2 * d) / (float)head_dim);
+    __syncthreads();
     const int per_row = 2 * heads * half;
     const int n = rows * per_row;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -79,9 +88,8 @@ __device__ __forceinline__ void rotary_impl(T* qkv, const int* __restrict__ posi
         const int h = rest / half;  // 0 .. 2·heads: the q heads, then the k heads
         const int d = rest - h * half;
         const int p = positions != 0 ? positions[r] : r % seq;
-        const float inv = scale / powf(theta, (float)(2 * d) / (float)head_dim);
         float s, c;
-        sincosf((float)p * inv, &s, &c);
+        sincosf((float)p * inv_s[d], &s, &c);
         T* x = qkv + (size_t)r * 3 * heads * head_dim + (size_t)h * head_dim;
         const float a = to_f32(x[d]);
         const float b = to_f32(x[d + half]);
@@ -91,10 +99,31 @@ __device__ __forceinline__ void rotary_impl(T* qkv, const int* __restrict__ posi
 }
 
 // out[r, j] = act(x[r, j]) · x[r, width + j] (act_first) or
-// x[r, j] · act(x[r, width + j]): grid-stride over rows × width.
+// x[r, j] · act(x[r, width + j]): grid-stride over rows × width, 16 bytes a
+// thread at a time where width allows (the scalar loop ran at a third of
+// the memory bandwidth: 60 µs for 4096 × 3072 f16 on an H100).
 template <typename T>
 __device__ __forceinline__ void gated_impl(const T* __restrict__ x, T* __restrict__ out, int rows, int width, int act,
                                            int act_first) {
+    constexpr int V = 16 / sizeof(T);
+    if (width % V == 0) {
+        const int wv = width / V;
+        const int n = rows * wv;
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+            const int r = i / wv;
+            const int j = (i - r * wv) * V;
+            T a[V], b[V], o[V];
+            *reinterpret_cast<uint4*>(a) = *reinterpret_cast<const uint4*>(x + (size_t)r * 2 * width + j);
+            *reinterpret_cast<uint4*>(b) = *reinterpret_cast<const uint4*>(x + (size_t)r * 2 * width + width + j);
+#pragma unroll
+            for (int e = 0; e < V; e++) {
+                const float fa = to_f32(a[e]), fb = to_f32(b[e]);
+                o[e] = from_f32<T>(act_first ? apply_act(fa, act) * fb : fa * apply_act(fb, act));
+            }
+            *reinterpret_cast<uint4*>(out + (size_t)r * width + j) = *reinterpret_cast<const uint4*>(o);
+        }
+        return;
+    }
     const int n = rows * width;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const int r = i / width;

@@ -135,6 +135,13 @@ const ENTRY_POINTS: &[(&str, &[&str], &[usize])] = &[
     ("rotary_{t}", DTYPE_SUFFIXES, &[]),
     ("gated_{t}", DTYPE_SUFFIXES, &[]),
     ("attention_window_{t}", DTYPE_SUFFIXES, &[]),
+    // Sliding windows on tensor cores (attention_tc.cu, attention_varlen.cu)
+    ("attention_tc_win_{t}_d{d}", HALF, ATTENTION_TC_HEAD_DIMS),
+    (
+        "attention_varlen_tc_win_{t}_d{d}",
+        HALF,
+        ATTENTION_TC_HEAD_DIMS,
+    ),
     // stage.cu, fault.cu
     ("stage_in", PLAIN, &[]),
     ("stage_in_inl", PLAIN, &[]),
@@ -875,8 +882,9 @@ mod tests {
         );
         assert!(!needs_dynamic_smem("attention_window_f16"));
         let all = expected_entry_points();
-        // 133, and prenorm.cu's six families in three types.
-        assert_eq!(all.len(), 133 + 18, "{all:?}");
+        // 133, prenorm.cu's six families in three types, and the windowed
+        // tensor-core attention (padded and varlen, two types, three head sizes).
+        assert_eq!(all.len(), 133 + 18 + 12, "{all:?}");
         for name in [
             "embed_ln_packed_f32",
             "attention_varlen_tc_bf16_d128",

@@ -123,18 +123,22 @@ pub fn write_tile_table(
 impl Planner<'_> {
     /// `Attention` on the kernel of its layout, dtype and head size.
     pub(super) fn attention(&mut self, idx: usize, op: &Attention) -> Result<usize, BackendError> {
-        if let Some(window) = op.window {
-            return self.attention_window(idx, op, window);
-        }
         let (heads, head_dim, seqs) = (op.heads, op.head_dim, op.seqs);
         let t = self.compute;
+        let tensor_cores = self.on(KernelPath::TcAttention)
+            && matches!(t, DType::F16 | DType::BF16)
+            && ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
+        // A sliding window on tensor cores (`_win`), else the warp-per-query
+        // kernel (f32, other head sizes).
+        if let Some(window) = op.window {
+            if !tensor_cores || op.bias.is_some() {
+                return self.attention_window(idx, op, window);
+            }
+        }
         let what = format!("op {idx} (Attention)");
         let dmax = attention_dmax(head_dim).ok_or_else(|| {
             BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
         })?;
-        let tensor_cores = self.on(KernelPath::TcAttention)
-            && matches!(t, DType::F16 | DType::BF16)
-            && ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
         // The grid: a padded batch's (query tiles, heads, rows); a packed
         // one's tiles × heads, each block reading its tile from the table.
         let grid = match seqs {
@@ -185,7 +189,10 @@ impl Planner<'_> {
         let q_l = self.float_in(op.qkv, rows * 3 * hd, t)?;
         let (dst, pending) = self.float_out(op.out, rows * hd, t);
         let scale = Arg::F32(1.0 / (head_dim as f32).sqrt());
-        let (tag, bias_args) = self.bias_args(op.bias, heads, &what)?;
+        let (tag, bias_args) = match op.window {
+            Some(w) => ("_win", vec![Arg::I32(i32::try_from(w).unwrap_or(i32::MAX))]),
+            None => self.bias_args(op.bias, heads, &what)?,
+        };
         let mut args = vec![Arg::Ptr(q_l), Arg::Ptr(index), Arg::Ptr(dst)];
         let i32s = |v: &[usize]| v.iter().map(|&v| Arg::I32(v as i32)).collect::<Vec<_>>();
         match (seqs, tensor_cores) {
@@ -220,6 +227,7 @@ impl Planner<'_> {
         let (name, block) = if tensor_cores {
             // Padded sequences of at most 16 tokens: 16-key blocks.
             let s16 = !seqs.is_packed()
+                && op.window.is_none()
                 && self.on(KernelPath::AttnS16)
                 && max_len <= ATTN_S16_MAX_SEQ
                 && ATTENTION_TC_S16_HEAD_DIMS.contains(&head_dim);

@@ -15,6 +15,8 @@ use crate::model::program::{Add, Attention, Embed, GateOn, Gated, LayerNorm, Rot
 const WINDOW_THREADS: u32 = 128;
 /// The largest head size `attention_window` takes (`WATT_DMAX`).
 pub const WINDOW_DMAX: usize = 128;
+/// Most frequency pairs a rotary head has (`ROTARY_MAX_HALF` in prenorm.cu).
+const ROTARY_MAX_HALF: usize = 128;
 
 /// `n` as a kernel's i32 argument, or the op's refusal.
 fn i32_of(n: usize, what: &str) -> Result<i32, BackendError> {
@@ -133,6 +135,13 @@ impl Planner<'_> {
 
     pub(super) fn rotary(&mut self, idx: usize, op: &Rotary) -> Result<usize, BackendError> {
         let what = format!("op {idx} (Rotary)");
+        if op.head_dim / 2 > ROTARY_MAX_HALF {
+            return Err(BackendError::Unsupported(format!(
+                "{what}: head size {} (at most {})",
+                op.head_dim,
+                2 * ROTARY_MAX_HALF
+            )));
+        }
         let rows = op.seqs.token_rows();
         let pairs = rows * op.heads * op.head_dim;
         let qkv = self.in_place(op.qkv, &what)?;
@@ -246,6 +255,12 @@ mod tests {
 
     #[test]
     fn window_sizes_match_the_kernels() {
-        assert_defines("prenorm.cu", &[("WATT_DMAX", WINDOW_DMAX as i64)]);
+        assert_defines(
+            "prenorm.cu",
+            &[
+                ("WATT_DMAX", WINDOW_DMAX as i64),
+                ("ROTARY_MAX_HALF", ROTARY_MAX_HALF as i64),
+            ],
+        );
     }
 }
