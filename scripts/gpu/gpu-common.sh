@@ -1,5 +1,6 @@
 # Shared by the scripts that run on a GPU machine (bench-host.sh,
-# gpu-check.sh, gpu-kernel-ab.sh, gpu-latency-ab.sh, gpu-families.sh).
+# gpu-check.sh, gpu-kernel-ab.sh, gpu-latency-ab.sh, gpu-families.sh,
+# gpu-family-speed.sh).
 # Sourced from the repository root (`. scripts/gpu/gpu-common.sh`); defines
 # functions and nothing else.
 
