@@ -517,3 +517,46 @@ fn distilbert_cross_encoders_are_refused_by_name() {
         "{e}"
     );
 }
+
+/// nomic-embed-text's Matryoshka recipe for NomicBERT folders: LayerNorm
+/// without affine over the whole embedding, then the cut, then L2 (the
+/// LayerNorm's scale is undone by the L2, so the reference is computed from
+/// the normalised embedding); other families only cut (and re-normalise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nomic_dimensions_follow_its_recipe() {
+    let daemon = Daemon::start(&daemon_config(&models_toml(
+        &["nomic-st", "gte-st"],
+        false,
+        "",
+    )));
+    let client = daemon.client().await;
+    for name in ["nomic-st", "gte-st"] {
+        for row in reference(name)
+            .iter()
+            .filter(|r| r["prompt_name"].is_null())
+            .take(6)
+        {
+            let mut header = RequestHeader::new(client.next_id(), name, InputKind::Texts);
+            header.dimensions = Some(16);
+            let payload = Payload::Texts(vec![row["text"].as_str().unwrap().to_string()]);
+            let r = client.request(&header, &payload, T).await.unwrap();
+            assert_eq!(r.header.status, Status::Ok, "{:?}", r.header.message);
+            let got = r.output.unwrap().to_f32_vec().unwrap();
+            assert_eq!(got.len(), 16);
+            let full = floats(&row["embedding"]);
+            let mean = if name == "nomic-st" {
+                full.iter().map(|v| *v as f64).sum::<f64>() / full.len() as f64
+            } else {
+                0.0
+            };
+            let cut: Vec<f32> = full[..16]
+                .iter()
+                .map(|v| (*v as f64 - mean) as f32)
+                .collect();
+            let c = cosine(&got, &cut);
+            assert!(c >= 0.9999, "{name} {}: cosine {c}", row["case"]);
+            let norm: f64 = got.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+            assert!((norm - 1.0).abs() < 1e-5, "{name}: norm {norm}");
+        }
+    }
+}

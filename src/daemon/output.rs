@@ -8,7 +8,7 @@
 //! assembled rows to [`OutputForm::apply`] once per request, so a truncated
 //! embedding is the full one cut, never a different graph.
 
-use crate::model::{ModelInfo, Task};
+use crate::model::{Matryoshka, ModelInfo, Task};
 use crate::protocol::{ErrorCode, Sparsify};
 use crate::tensor::{DType, HostTensor};
 use bytes::Bytes;
@@ -24,6 +24,10 @@ pub struct OutputForm {
     /// L2-normalised (a `Normalize` module ends its chain), and a cut unit
     /// vector is no longer one.
     pub renormalize: bool,
+    /// nomic-embed-text's recipe: the row's mean subtracted before the cut
+    /// (a LayerNorm without affine, whose scale the L2 after it undoes),
+    /// then L2 whatever the model does.
+    pub center: bool,
     /// A sparse model: the rows go out as their non-zero entries.
     pub sparse: Option<Sparsify>,
 }
@@ -34,6 +38,7 @@ impl Default for OutputForm {
             dtype: DType::F32,
             dimensions: None,
             renormalize: false,
+            center: false,
             sparse: None,
         }
     }
@@ -111,10 +116,12 @@ impl OutputForm {
                 (d < width).then_some(d)
             }
         };
+        let center = dimensions.is_some() && model.matryoshka == Matryoshka::LayerNormThenTruncate;
         Ok(OutputForm {
             dtype,
             dimensions,
-            renormalize: dimensions.is_some() && model.normalized,
+            renormalize: dimensions.is_some() && (model.normalized || center),
+            center,
             sparse: None,
         })
     }
@@ -127,9 +134,15 @@ impl OutputForm {
                 for row in data.chunks_exact(width * 4) {
                     let kept = &row[..keep * 4];
                     if self.renormalize {
+                        let value = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64;
+                        let mean = if self.center {
+                            row.chunks_exact(4).map(value).sum::<f64>() / width as f64
+                        } else {
+                            0.0
+                        };
                         let values: Vec<f32> = kept
                             .chunks_exact(4)
-                            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                            .map(|b| (value(b) - mean) as f32)
                             .collect();
                         let norm = values
                             .iter()
@@ -197,6 +210,7 @@ mod tests {
             derived: Vec::new(),
             normalized,
             truncate_dim,
+            matryoshka: Default::default(),
         }
     }
 
@@ -279,6 +293,23 @@ mod tests {
         let dense = embedder(4, true, None);
         let (_, msg) = OutputForm::for_model(&dense, DType::F32, None, Some(3)).unwrap_err();
         assert!(msg.contains("sparse encoders"), "{msg}");
+    }
+
+    #[test]
+    fn nomic_layer_norms_before_the_cut() {
+        let mut m = embedder(4, true, None);
+        m.matryoshka = Matryoshka::LayerNormThenTruncate;
+        let form = OutputForm::for_model(&m, DType::F32, Some(2), None).unwrap();
+        assert!(form.center && form.renormalize);
+        // mean 0.25: [1, 0.5, -0.25, -0.25] − 0.25 = [0.75, 0.25, …] → L2.
+        let t = form.apply(1, 4, rows(&[1.0, 0.5, -0.25, -0.25]));
+        let (a, b) = (0.75f64, 0.25f64);
+        let n = (a * a + b * b).sqrt();
+        let got = t.to_f32_vec().unwrap();
+        assert!((got[0] as f64 - a / n).abs() < 1e-6 && (got[1] as f64 - b / n).abs() < 1e-6);
+        // The full width: no cut, nothing changed.
+        let full = OutputForm::for_model(&m, DType::F32, None, None).unwrap();
+        assert!(!full.center);
     }
 
     #[test]

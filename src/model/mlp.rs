@@ -257,6 +257,7 @@ fn info(config: &ModelSpec, layers: &[LayerKeys]) -> ModelInfo {
     ModelInfo {
         normalized: false,
         truncate_dim: None,
+        matryoshka: Default::default(),
         name: config.name.clone(),
         kind: ModelKind::Mlp,
         input: InputSpec::Features {

@@ -239,6 +239,23 @@ pub struct ModelInfo {
     /// a reply has when the request names no `dimensions`.
     #[serde(default)]
     pub truncate_dim: Option<usize>,
+    /// How a Matryoshka cut is made (`dimensions`, `truncate_dim`).
+    #[serde(default)]
+    pub matryoshka: Matryoshka,
+}
+
+/// How an embedding is cut to fewer dimensions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Matryoshka {
+    /// Keep the first values (then L2 again where the model normalises):
+    /// sentence-transformers' `truncate_dim`.
+    #[default]
+    Truncate,
+    /// nomic-embed-text's recipe: a LayerNorm without affine over the whole
+    /// embedding, keep the first values, then L2. Its scale is undone by the
+    /// L2, so it is the row minus its mean, cut, normalised.
+    LayerNormThenTruncate,
 }
 
 impl ModelInfo {

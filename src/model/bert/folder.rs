@@ -51,8 +51,8 @@ use crate::model::safetensors_file::{read_header, Header, TensorFile};
 use crate::model::st::{self, FolderType, ModuleKind};
 use crate::model::tokenizer::{self, ClassSettings, TokenizerClass, TokenizerSpec};
 use crate::model::{
-    Architecture, Derived, InputSpec, Model, ModelError, ModelInfo, ModelKind, ModelSpec, Prompt,
-    Prompts, Task, Weights,
+    Architecture, Derived, InputSpec, Matryoshka, Model, ModelError, ModelInfo, ModelKind,
+    ModelSpec, Prompt, Prompts, Task, Weights,
 };
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -1336,6 +1336,11 @@ fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
                 .last()
                 .map_or(folder.normalize, |d| d.normalize),
         truncate_dim: folder.truncate_dim,
+        matryoshka: if folder.config.family == Family::NomicBert {
+            Matryoshka::LayerNormThenTruncate
+        } else {
+            Matryoshka::Truncate
+        },
     }
 }
 

@@ -339,6 +339,7 @@ fn synthetic_bert(hidden: usize, heads: usize, pooling: Pooling, seed: u64) -> M
             derived: Vec::new(),
             normalized: false,
             truncate_dim: None,
+            matryoshka: Default::default(),
         },
         arch: Architecture::Bert(arch),
         weights: w,
