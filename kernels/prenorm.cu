@@ -98,6 +98,65 @@ __device__ __forceinline__ void rotary_impl(T* qkv, const int* __restrict__ posi
     }
 }
 
+// rotary_ntk_<t> (NomicBERT's dynamic NTK, decided per sequence): the same
+// rotation, one block a row, with the base of its sequence's length len:
+// theta · (factor · len / max_trained − (factor − 1))^(d / (d − 2)) when len
+// > max_trained (factor 0: never). The length comes from the row's mask
+// (padded: `index` is the mask, rows of `seq`) or from the offsets (packed:
+// `index` holds nseqs + 1 of them; a row past the last sequence is tail).
+template <typename T>
+__device__ __forceinline__ void rotary_ntk_impl(T* qkv, const int* __restrict__ index, int packed, int seq,
+                                                int nseqs, int heads, int head_dim, float theta, float scale,
+                                                float factor, int max_trained) {
+    const int r = blockIdx.x;
+    const int half = head_dim / 2;
+    __shared__ int len_s, pos_s;
+    __shared__ float inv_s[ROTARY_MAX_HALF];
+    if (packed) {
+        if (threadIdx.x == 0) {
+            // The last s with offsets[s] <= r; s == nseqs: the tail.
+            int lo = 0, hi = nseqs;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (index[mid] <= r) lo = mid; else hi = mid - 1;
+            }
+            len_s = lo < nseqs ? index[lo + 1] - index[lo] : 0;
+            pos_s = lo < nseqs ? r - index[lo] : 0;
+        }
+    } else {
+        if (threadIdx.x == 0) {
+            len_s = 0;
+            pos_s = r % seq;
+        }
+        __syncthreads();
+        const int* m = index + (size_t)(r / seq) * seq;
+        int n = 0;
+        for (int j = threadIdx.x; j < seq; j += blockDim.x) n += m[j] != 0;
+        atomicAdd(&len_s, n);
+    }
+    __syncthreads();
+    const int len = len_s;
+    float base = theta;
+    if (factor > 0.0f && len > max_trained)
+        base = (float)((double)theta * pow((double)factor * len / max_trained - ((double)factor - 1.0),
+                                           (double)head_dim / (double)(head_dim - 2)));
+    for (int d = threadIdx.x; d < half; d += blockDim.x)
+        inv_s[d] = scale / powf(base, (float)(2 * d) / (float)head_dim);
+    __syncthreads();
+    const float p = (float)pos_s;
+    T* row = qkv + (size_t)r * 3 * heads * head_dim;
+    for (int i = threadIdx.x; i < 2 * heads * half; i += blockDim.x) {
+        const int h = i / half, d = i - h * half;
+        float s, c;
+        sincosf(p * inv_s[d], &s, &c);
+        T* x = row + (size_t)h * head_dim;
+        const float a = to_f32(x[d]);
+        const float b = to_f32(x[d + half]);
+        x[d] = from_f32<T>(a * c - b * s);
+        x[d + half] = from_f32<T>(b * c + a * s);
+    }
+}
+
 // out[r, j] = act(x[r, j]) · x[r, width + j] (act_first) or
 // x[r, j] · act(x[r, width + j]): grid-stride over rows × width, 16 bytes a
 // thread at a time where width allows (the scalar loop ran at a third of
@@ -226,6 +285,12 @@ __device__ __forceinline__ void attention_window_impl(const T* __restrict__ qkv,
                                             int head_dim, float theta, float scale) {                             \
         pdl_enter();                                                                                              \
         rotary_impl<T>(qkv, positions, seq, rows, heads, head_dim, theta, scale);                                 \
+    }                                                                                                             \
+    extern "C" __global__ void rotary_ntk_##SUF(T* qkv, const int* index, int packed, int seq, int nseqs,       \
+                                                int heads, int head_dim, float theta, float scale, float factor,  \
+                                                int max_trained) {                                                \
+        pdl_enter();                                                                                              \
+        rotary_ntk_impl<T>(qkv, index, packed, seq, nseqs, heads, head_dim, theta, scale, factor, max_trained);  \
     }                                                                                                             \
     extern "C" __global__ void gated_##SUF(const T* x, T* out, int rows, int width, int act, int act_first) {     \
         pdl_enter();                                                                                              \

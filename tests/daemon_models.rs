@@ -30,7 +30,7 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(300);
 
 /// The sentence-embedding folders.
-const EMBEDDERS: [&str; 10] = [
+const EMBEDDERS: [&str; 11] = [
     "bert-st-old",
     "bert-st-new",
     "xlmr-st",
@@ -41,6 +41,7 @@ const EMBEDDERS: [&str; 10] = [
     "gte-hub-st",
     "nomic-st",
     "nomic-hub-st",
+    "nomic-ntk-hub-st",
 ];
 /// The cross-encoder folders (new, legacy and 4.x formats; BERT and XLM-R).
 const CROSS_ENCODERS: [&str; 4] = [
@@ -558,5 +559,57 @@ async fn nomic_dimensions_follow_its_recipe() {
             let norm: f64 = got.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
             assert!((norm - 1.0).abs() < 1e-5, "{name}: norm {norm}");
         }
+    }
+}
+
+/// NomicBERT's dynamic NTK is decided per sequence: a short text's
+/// embedding is the same (≤ 1e-5) alone and padded or packed beside a long
+/// one, whose own length would give a different base.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dynamic_ntk_does_not_depend_on_batch_mates() {
+    let name = "nomic-ntk-hub-st";
+    let mut toml = models_toml(
+        &[name],
+        false,
+        "batching = \"padded\"\nbatch_buckets = [1, 2]\nseq_buckets = [96]",
+    );
+    toml.push_str(
+        &models_toml(
+            &[name],
+            false,
+            "batching = \"packed\"\ntoken_budgets = [256]\nmax_seqs_per_batch = 8",
+        )
+        .replacen(&format!("name = \"{name}\""), "name = \"packed\"", 1),
+    );
+    let daemon = Daemon::start(&daemon_config(&toml));
+    let client = daemon.client().await;
+    let rows = reference(name);
+    let short = rows.iter().find(|r| r["case"] == "ordinary-1").unwrap();
+    let long = rows
+        .iter()
+        .find(|r| r["case"] == "exactly-max-length")
+        .unwrap();
+    let text = |r: &Value| r["text"].as_str().unwrap().to_string();
+    for model in [name, "packed"] {
+        let alone = request(&client, model, Payload::Texts(vec![text(short)]), None).await;
+        let both = request(
+            &client,
+            model,
+            Payload::Texts(vec![text(short), text(long)]),
+            None,
+        )
+        .await;
+        let dim = alone.len();
+        let diff = alone
+            .iter()
+            .zip(&both[..dim])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            diff <= 1e-5,
+            "{model}: the short text moved by {diff} beside a long one"
+        );
+        let c = cosine(&both[dim..], &floats(&long["embedding"]));
+        assert!(c >= 0.9999, "{model}: the long text: cosine {c}");
     }
 }

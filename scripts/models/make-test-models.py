@@ -745,6 +745,99 @@ def build_rotary(tmp: Path, family: str, seed: int) -> tuple[Path, Path]:
     return path, hub
 
 
+def build_nomic_ntk(tmp: Path, seed: int) -> Path:
+    """NomicBERT with dynamic NTK rope scaling in the Hub remote code's layout
+    (`rotary_scaling_factor: 2`, `max_trained_positions: 8`, `n_positions: 512`), so that
+    most test texts are longer than the trained length and rotate with a larger base. Its
+    reference comes from transformers 5's NomicBertModel with `rope_type: dynamic` (the same
+    formula, with max_position_embeddings as the trained length), one text at a time in a fresh
+    model (its frequencies are per batch and cached across calls)."""
+    vocab = uncased_bert_vocab()
+    tok = BertTokenizer(vocab=vocab, do_lower_case=True, model_max_length=96)
+    cfg = NomicBertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=256, max_position_embeddings=8, type_vocab_size=2,
+                          pad_token_id=0, layer_norm_eps=1e-5, hidden_act="silu",
+                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1000.0})
+    model = NomicBertModel(cfg)
+    init_weights(model, seed)
+    hf = tmp / "nomic-ntk-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(modules=[Transformer(str(hf), max_seq_length=96), Pooling(32, "mean"), Normalize()],
+                             device="cpu")
+    builtin = tmp / "nomic-ntk-builtin"
+    st.save(str(builtin))
+    path = OUT / "nomic-ntk-hub-st"
+    shutil.copytree(builtin, path)
+    tidy_folder(path)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {"embeddings.word_embeddings.weight": sd["embeddings.word_embeddings.weight"],
+           "embeddings.token_type_embeddings.weight": sd["embeddings.token_type_embeddings.weight"]}
+    for n in ("weight", "bias"):
+        out[f"emb_ln.{n}"] = sd[f"embeddings.LayerNorm.{n}"]
+    for l in range(cfg.num_hidden_layers):
+        a, b = f"layers.{l}.", f"encoder.layers.{l}."
+        out[b + "attn.Wqkv.weight"] = torch.cat([sd[a + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[b + "attn.out_proj.weight"] = sd[a + "self_attn.o_proj.weight"]
+        out[b + "mlp.fc11.weight"] = sd[a + "mlp.up_proj.weight"]
+        out[b + "mlp.fc12.weight"] = sd[a + "mlp.gate_proj.weight"]
+        out[b + "mlp.fc2.weight"] = sd[a + "mlp.down_proj.weight"]
+        for n in ("weight", "bias"):
+            out[b + f"norm1.{n}"] = sd[a + f"post_attention_layernorm.{n}"]
+            out[b + f"norm2.{n}"] = sd[a + f"post_mlp_layernorm.{n}"]
+    (path / "model.safetensors").unlink()
+    save_safetensors(path / "model.safetensors", out)
+    write_json(path / "config.json", {
+        "architectures": ["NomicBertModel"], "model_type": "nomic_bert",
+        "activation_function": "swiglu", "attn_pdrop": 0.0, "causal": False, "layer_norm_epsilon": 1e-5,
+        "max_trained_positions": 8, "mlp_fc1_bias": False, "mlp_fc2_bias": False, "n_embd": 32, "n_head": 4,
+        "n_inner": 256, "n_layer": cfg.num_hidden_layers, "n_positions": 512, "prenorm": False,
+        "qkv_proj_bias": False, "rotary_emb_base": 1000, "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False, "rotary_emb_scale_base": None, "rotary_scaling_factor": 2.0,
+        "type_vocab_size": 2, "use_rms_norm": False, "vocab_size": cfg.vocab_size,
+    })
+    # One text at a time, each in a fresh model.
+    probe = SentenceTransformer(str(builtin), device="cpu")
+    probe.max_seq_length = 96
+    tok = probe[0].tokenizer
+    cases = [c for c in st_cases(tok, "bert", 96, LONG_EN, "", []) if c["case"] != "special-token-strings"]
+    rows = []
+    W = load_np(path / "model.safetensors")
+    hub_cfg = read_json(path / "config.json")
+    for c in cases:
+        m = SentenceTransformer(str(builtin), device="cpu")
+        # sentence-transformers caps the length at max_position_embeddings (8, the trained
+        # length here); the Hub folder allows n_positions.
+        m.max_seq_length = 96
+        m.eval()
+        with torch.inference_mode():
+            e = m.encode([c["text"]], convert_to_numpy=True, batch_size=1)[0]
+        m = SentenceTransformer(str(builtin), device="cpu")  # fresh again: the cache
+        m.max_seq_length = 96
+        m.eval()
+        with torch.inference_mode():
+            feats = m.preprocess([c["text"]])
+            pooled = m[1](m[0](dict(feats)))["sentence_embedding"][0].float().numpy()
+        ids = feats["input_ids"][0].tolist()
+        t_ids, _ = tokenizers_crate_ids(path, 96, False, c["text"])
+        assert t_ids == ids, (c["case"], t_ids, ids)
+        # float64 numpy with the per-sequence base
+        h = np_rotary_post(W, dict(hub_cfg, model_type="nomic_bert", layer_norm_eps=1e-5,
+                                   num_attention_heads=4, hidden_size=32, num_hidden_layers=cfg.num_hidden_layers,
+                                   intermediate_size=256, hidden_act="silu",
+                                   rope_parameters={"rope_theta": 1000.0, "factor": 2.0,
+                                                    "max_trained": 8}), ids)
+        x = h.mean(0)
+        x = x / np.linalg.norm(x)
+        assert cosine(x, e) > 0.999999, (c["case"], cosine(x, e))
+        assert cosine(pooled, e) > 0.999999, c["case"]
+        rows.append({"case": c["case"], "text": c["text"], "prompt_name": None, "prompt": None, "ids": ids,
+                     "pooled": pooled.tolist(), "embedding": e.tolist()})
+    assert sum(len(r["ids"]) > 8 for r in rows) >= len(rows) // 2
+    write_reference(path, rows)
+    return path
+
+
 def np_mlm_head(W: dict, cfg: dict, h: np.ndarray) -> np.ndarray:
     """The masked-LM head's logits for hidden states h (float64)."""
     if cfg["model_type"] == "bert":
@@ -1433,6 +1526,10 @@ def np_rotary_post(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
     H = cfg["num_attention_heads"]
     D = cfg["hidden_size"] // H
     theta = cfg["rope_parameters"]["rope_theta"]
+    rp = cfg["rope_parameters"]
+    if "max_trained" in rp and L > rp["max_trained"]:  # dynamic NTK, for this sequence's length
+        f = rp["factor"]
+        theta = theta * ((f * L / rp["max_trained"]) - (f - 1)) ** (D / (D - 2))
     act = np_gelu if cfg["hidden_act"] == "gelu" else (lambda x: x / (1 + np.exp(-x)))
 
     def lin(x, name):
@@ -1713,6 +1810,13 @@ FOLDERS = {
         "`mlp.fc11` (up), `mlp.fc12` (gate), `mlp.fc2`, `norm1`, `norm2`. Its reference is "
         "nomic-st's."
     ),
+    "nomic-ntk-hub-st": (
+        "NomicBERT in the Hub layout with dynamic NTK rope scaling: `rotary_scaling_factor: 2`, "
+        "`max_trained_positions: 8`, `n_positions: 512`, max_seq_length 96, so most texts are "
+        "longer than the trained length and rotate with base θ·(2·len/8 − 1)^(d/(d−2)) of their "
+        "own length. Reference: transformers 5's NomicBertModel with `rope_type: dynamic`, one text "
+        "at a time in a fresh model (transformers decides the base per batch and caches it)."
+    ),
     "splade-st": (
         "A SPLADE sparse encoder saved by SparseEncoder 6.2: BertForMaskedLM (the masked-LM head "
         "`cls.predictions.transform` dense + GELU + LayerNorm, then the decoder tied to the word "
@@ -1900,6 +2004,7 @@ def main() -> None:
         ]
         gte, gte_hub = build_rotary(tmp, "gte", 1301)
         nomic, nomic_hub = build_rotary(tmp, "nomic", 1302)
+        build_nomic_ntk(tmp, 1303)
         st_specs += [("gte-st", gte, "bert", LONG_EN), ("nomic-st", nomic, "bert", LONG_EN)]
         splade_specs = [
             ("splade-st", build_splade(tmp, "splade-st", "bert", "max", "relu", 1201)),

@@ -220,6 +220,26 @@ impl<'a> SeqIndex<'a> {
         }
     }
 
+    /// The length of the sequence row `r` belongs to (its real tokens).
+    fn len_of(self, r: usize) -> usize {
+        match self {
+            SeqIndex::Padded { mask, seq } => {
+                let b = r / seq;
+                mask[b * seq..(b + 1) * seq]
+                    .iter()
+                    .filter(|&&m| m != 0)
+                    .count()
+            }
+            SeqIndex::Packed { offsets, .. } => {
+                // The sequence s with offsets[s] <= r < offsets[s + 1].
+                let s = offsets
+                    .partition_point(|&o| o as usize <= r)
+                    .saturating_sub(1);
+                (offsets[(s + 1).min(offsets.len() - 1)] - offsets[s]).max(0) as usize
+            }
+        }
+    }
+
     /// The index in its sequence of the token at row `r`.
     fn index_of(self, r: usize) -> usize {
         match self {
@@ -328,12 +348,12 @@ pub(crate) fn rotary(
         3 * hd,
         threads,
         |row_index, row| {
-            let p = if row_index < covered {
-                seqs.index_of(row_index)
+            let (p, len) = if row_index < covered {
+                (seqs.index_of(row_index), seqs.len_of(row_index))
             } else {
-                0
+                (0, 0)
             };
-            let angles: Vec<(f32, f32)> = (0..half).map(|d| r.angle(p, d)).collect();
+            let angles: Vec<(f32, f32)> = (0..half).map(|d| r.angle_in(p, len, d)).collect();
             for head in row[..2 * hd].chunks_exact_mut(r.head_dim) {
                 let (a, b) = head.split_at_mut(half);
                 for ((x, y), &(cos, sin)) in a.iter_mut().zip(b.iter_mut()).zip(&angles) {

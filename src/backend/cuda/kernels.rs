@@ -133,6 +133,7 @@ const ENTRY_POINTS: &[(&str, &[&str], &[usize])] = &[
     ("ln_rows_{t}", DTYPE_SUFFIXES, &[]),
     ("add_rows_{t}", DTYPE_SUFFIXES, &[]),
     ("rotary_{t}", DTYPE_SUFFIXES, &[]),
+    ("rotary_ntk_{t}", DTYPE_SUFFIXES, &[]),
     ("gated_{t}", DTYPE_SUFFIXES, &[]),
     ("attention_window_{t}", DTYPE_SUFFIXES, &[]),
     // Sliding windows on tensor cores (attention_tc.cu, attention_varlen.cu)
@@ -882,9 +883,10 @@ mod tests {
         );
         assert!(!needs_dynamic_smem("attention_window_f16"));
         let all = expected_entry_points();
-        // 133, prenorm.cu's six families in three types, and the windowed
-        // tensor-core attention (padded and varlen, two types, three head sizes).
-        assert_eq!(all.len(), 133 + 18 + 12, "{all:?}");
+        // 133, prenorm.cu's seven families in three types (rotary_ntk last),
+        // and the windowed tensor-core attention (padded and varlen, two
+        // types, three head sizes).
+        assert_eq!(all.len(), 133 + 18 + 12 + 3, "{all:?}");
         for name in [
             "embed_ln_packed_f32",
             "attention_varlen_tc_bf16_d128",

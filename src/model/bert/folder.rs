@@ -1581,6 +1581,7 @@ fn load_modernbert(
         final_norm: Some(encoder.final_norm),
         gate_on: GateOn::First,
         rope_scale: 1.0,
+        rope_dynamic: None,
         placement: NormPlacement::Pre,
         pooling: folder.pooling,
         normalize: folder.normalize,
@@ -1612,6 +1613,7 @@ fn load_rotary_post(
         intermediate: c.intermediate,
         hidden_act: c.act,
         rope_scale: rope.scale,
+        rope_dynamic: rope.dynamic,
         // [up | gate]: the activation on the gate, the second half.
         gate_on: GateOn::Second,
         placement: NormPlacement::Post,

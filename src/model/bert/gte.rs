@@ -21,13 +21,14 @@
 //! GTE's `rope_scaling: {type: "ntk", factor}` is its remote code's static
 //! NTK scaling: base `θ·factor` and every frequency times
 //! `factor^(−2/head_dim)`, at every length. NomicBERT's dynamic NTK
-//! (`rotary_scaling_factor`), partial rotary and interleaved rotary are
-//! refused by name.
+//! (`rotary_scaling_factor`, past `max_trained_positions`) is decided per
+//! sequence from its own length, never per batch; partial and interleaved
+//! rotary are refused by name.
 
 use super::config::EncoderConfig;
 use super::rotary::{Norm, RotaryLayer};
 use super::Family;
-use crate::model::program::WeightId;
+use crate::model::program::{DynamicNtk, WeightId};
 use crate::model::safetensors_file::{Header, TensorFile};
 use crate::model::{ModelError, Weights};
 use serde_json::Value;
@@ -39,6 +40,8 @@ pub(super) struct RotaryConfig {
     pub theta: f32,
     /// [`crate::model::program::Rotary::scale`]: 1, or GTE's NTK factor^(−2/d).
     pub scale: f32,
+    /// NomicBERT's dynamic NTK scaling past `max_trained_positions`.
+    pub dynamic: Option<DynamicNtk>,
 }
 
 impl RotaryConfig {
@@ -57,18 +60,43 @@ impl RotaryConfig {
                 .get("rope_type")
                 .and_then(Value::as_str)
                 .unwrap_or("default");
-            if ty != "default" {
-                return Err(err(format!(
-                    "unsupported rope_parameters.rope_type {ty:?} (\"default\")"
-                )));
-            }
             let theta = match rp.get("rope_theta") {
                 Some(v) => number(v, "rope_parameters.rope_theta")?,
                 None => default_theta(c.family),
             };
+            let dynamic = match ty {
+                "default" => None,
+                // transformers' dynamic NTK: the same formula, from the
+                // original maximum (for one unpadded sequence).
+                "dynamic" if c.family == Family::NomicBert => {
+                    let factor = number(
+                        rp.get("factor").unwrap_or(&Value::Null),
+                        "rope_parameters.factor",
+                    )?;
+                    let max = rp
+                        .get("original_max_position_embeddings")
+                        .and_then(Value::as_u64)
+                        .map_or(c.max_position, |m| m as usize);
+                    Some(DynamicNtk {
+                        factor: factor as f32,
+                        max_trained: max,
+                    })
+                }
+                _ => {
+                    return Err(err(format!(
+                        "unsupported rope_parameters.rope_type {ty:?} (\"default\"{})",
+                        if c.family == Family::NomicBert {
+                            " or \"dynamic\""
+                        } else {
+                            ""
+                        }
+                    )))
+                }
+            };
             return Ok(RotaryConfig {
                 theta: theta as f32,
                 scale: 1.0,
+                dynamic,
             });
         }
         match c.family {
@@ -99,6 +127,7 @@ impl RotaryConfig {
                     None => Ok(RotaryConfig {
                         theta: theta as f32,
                         scale: 1.0,
+                        dynamic: None,
                     }),
                     Some(s) => {
                         let ty = s.get("type").or_else(|| s.get("rope_type"));
@@ -115,6 +144,7 @@ impl RotaryConfig {
                         Ok(RotaryConfig {
                             theta: (theta * f) as f32,
                             scale: f.powf(-2.0 / d) as f32,
+                            dynamic: None,
                         })
                     }
                 }
@@ -125,20 +155,31 @@ impl RotaryConfig {
                     ("rotary_emb_interleaved", Value::Bool(false)),
                     ("prenorm", Value::Bool(false)),
                     ("causal", Value::Bool(false)),
-                    ("rotary_scaling_factor", Value::Null),
                     ("rotary_emb_scale_base", Value::Null),
                 ] {
                     if let Some(v) = json.get(key).filter(|v| **v != ok) {
                         return Err(err(format!(
-                            "unsupported `{key}` {v} (replayd serves NomicBERT with {ok}{})",
-                            if key == "rotary_scaling_factor" {
-                                ": dynamic NTK scaling is not served yet"
-                            } else {
-                                ""
-                            }
+                            "unsupported `{key}` {v} (replayd serves NomicBERT with {ok})"
                         )));
                     }
                 }
+                // Dynamic NTK past max_trained_positions, per sequence (the
+                // remote code decides it per padded batch: a text's
+                // embedding would depend on its batch-mates).
+                let dynamic = match json.get("rotary_scaling_factor") {
+                    None | Some(Value::Null) => None,
+                    Some(v) => Some(DynamicNtk {
+                        factor: number(v, "rotary_scaling_factor")? as f32,
+                        max_trained: match json.get("max_trained_positions") {
+                            None | Some(Value::Null) => 2048,
+                            Some(m) => m.as_u64().filter(|&m| m > 0).ok_or_else(|| {
+                                err(format!(
+                                    "`max_trained_positions` is {m}, expected a positive integer"
+                                ))
+                            })? as usize,
+                        },
+                    }),
+                };
                 if let Some(v) = json.get("rotary_emb_fraction") {
                     if v.as_f64() != Some(1.0) {
                         return Err(err(format!(
@@ -153,6 +194,7 @@ impl RotaryConfig {
                 Ok(RotaryConfig {
                     theta: theta as f32,
                     scale: 1.0,
+                    dynamic,
                 })
             }
         }

@@ -21,8 +21,8 @@
 
 use super::{DenseLayer, Head};
 use crate::model::program::{
-    Activation, Add, AddLayerNorm, Attention, BufId, Embed, GateOn, Gated, InputRole, LayerNorm,
-    Linear, Pooling, Program, ProgramBuilder, Rotary, Seqs, WeightId,
+    Activation, Add, AddLayerNorm, Attention, BufId, DynamicNtk, Embed, GateOn, Gated, InputRole,
+    LayerNorm, Linear, Pooling, Program, ProgramBuilder, Rotary, Seqs, WeightId,
 };
 
 /// Where a layer's two LayerNorms sit.
@@ -77,6 +77,8 @@ pub struct RotaryEncoderArch {
     pub hidden_act: Activation,
     /// Every layer's rotary frequency multiplier ([`Rotary::scale`]).
     pub rope_scale: f32,
+    /// NomicBERT's dynamic NTK scaling ([`Rotary::dynamic`]).
+    pub rope_dynamic: Option<DynamicNtk>,
     /// Which half of the gated unit the activation applies to.
     pub gate_on: GateOn,
     pub placement: NormPlacement,
@@ -240,6 +242,7 @@ impl RotaryEncoderArch {
                 head_dim: self.head_dim,
                 theta: layer.rope_theta,
                 scale: self.rope_scale,
+                dynamic: self.rope_dynamic,
                 seqs,
             });
             b.push(Attention {

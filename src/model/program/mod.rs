@@ -555,7 +555,21 @@ pub struct Rotary {
     /// (`factor^(−2/head_dim)`, with `theta` already `base · factor`).
     #[serde(default = "unit_scale")]
     pub scale: f32,
+    /// NomicBERT's dynamic NTK scaling, decided per sequence: a sequence
+    /// longer than `max_trained` tokens rotates with a larger base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic: Option<DynamicNtk>,
     pub seqs: Seqs,
+}
+
+/// `base' = θ · (factor · len / max_trained − (factor − 1))^(d / (d − 2))`
+/// for a sequence of `len > max_trained` tokens (head size `d`), as
+/// NomicBERT's remote code and transformers' `"dynamic"` rope compute it
+/// for one unpadded sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DynamicNtk {
+    pub factor: f32,
+    pub max_trained: usize,
 }
 
 fn unit_scale() -> f32 {
@@ -563,6 +577,31 @@ fn unit_scale() -> f32 {
 }
 
 impl Rotary {
+    /// The base a sequence of `len` tokens rotates with.
+    pub fn theta_for(&self, len: usize) -> f32 {
+        match self.dynamic {
+            Some(n) if len > n.max_trained => {
+                let dim = self.head_dim as f64;
+                let f = n.factor as f64;
+                (self.theta as f64
+                    * (f * len as f64 / n.max_trained as f64 - (f - 1.0)).powf(dim / (dim - 2.0)))
+                    as f32
+            }
+            _ => self.theta,
+        }
+    }
+
+    /// [`Rotary::angle`] in a sequence of `len` tokens (the base of
+    /// [`Rotary::theta_for`]).
+    pub fn angle_in(&self, p: usize, len: usize, d: usize) -> (f32, f32) {
+        let inv = self.scale
+            / self
+                .theta_for(len)
+                .powf((2 * d) as f32 / self.head_dim as f32);
+        let a = p as f32 * inv;
+        (a.cos(), a.sin())
+    }
+
     /// `cos θ_d` and `sin θ_d` for position `p`, as transformers computes
     /// them (inverse frequencies and their product with the position in
     /// f32).

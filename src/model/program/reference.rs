@@ -345,12 +345,13 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 } = *r;
                 let (hd, half) = (heads * head_dim, head_dim / 2);
                 for (start, real) in sequences(seqs, &bufs) {
+                    let len = real.iter().filter(|&&r| r).count();
                     for i in 0..real.len() {
                         // Queries and keys: the first two thirds of the row.
                         for head in 0..2 * heads {
                             let base = (start + i) * 3 * hd + head * head_dim;
                             for d in 0..half {
-                                let (cos, sin) = r.angle(i, d);
+                                let (cos, sin) = r.angle_in(i, len, d);
                                 let (cos, sin) = (cos as f64, sin as f64);
                                 let (a, b) = (bufs[qkv.0][base + d], bufs[qkv.0][base + d + half]);
                                 bufs[qkv.0][base + d] = a * cos - b * sin;

@@ -17,6 +17,8 @@ const WINDOW_THREADS: u32 = 128;
 pub const WINDOW_DMAX: usize = 128;
 /// Most frequency pairs a rotary head has (`ROTARY_MAX_HALF` in prenorm.cu).
 const ROTARY_MAX_HALF: usize = 128;
+/// Threads of `rotary_ntk_<t>`'s block (one row).
+const ROTARY_NTK_THREADS: u32 = 128;
 
 /// `n` as a kernel's i32 argument, or the op's refusal.
 fn i32_of(n: usize, what: &str) -> Result<i32, BackendError> {
@@ -145,6 +147,31 @@ impl Planner<'_> {
         let rows = op.seqs.token_rows();
         let pairs = rows * op.heads * op.head_dim;
         let qkv = self.in_place(op.qkv, &what)?;
+        if let Some(n) = op.dynamic {
+            // A block a row: its sequence's length decides its base.
+            let (index, packed, seq, nseqs) = match op.seqs {
+                Seqs::Padded { mask, seq, .. } => (self.int_loc(mask), 0, seq, 0),
+                Seqs::Packed { offsets, seqs, .. } => (self.int_loc(offsets), 1, 1, seqs),
+            };
+            let args = vec![
+                Arg::Ptr(qkv),
+                Arg::Ptr(index),
+                Arg::I32(packed),
+                Arg::I32(i32_of(seq, &what)?),
+                Arg::I32(i32_of(nseqs, &what)?),
+                Arg::I32(op.heads as i32),
+                Arg::I32(op.head_dim as i32),
+                Arg::F32(op.theta),
+                Arg::F32(op.scale),
+                Arg::F32(n.factor),
+                Arg::I32(i32_of(n.max_trained, &what)?),
+            ];
+            let blocks = u32::try_from(rows)
+                .map_err(|_| BackendError::Unsupported(format!("{what}: {rows} rows")))?;
+            let name = format!("rotary_ntk_{}", suffix(self.compute));
+            self.kernel(name, (blocks, 1, 1), ROTARY_NTK_THREADS, 0, args);
+            return Ok(1);
+        }
         let (positions, seq) = match op.seqs {
             Seqs::Padded { seq, .. } => (Arg::Null, seq),
             Seqs::Packed { positions, .. } => (Arg::Ptr(self.int_loc(positions)), 1),
