@@ -2193,8 +2193,8 @@ mod tests {
         for (key, v, needle) in [
             (
                 "rotary_scaling_factor",
-                serde_json::json!(2.0),
-                "dynamic NTK",
+                serde_json::json!(-1.0),
+                "rotary_scaling_factor",
             ),
             (
                 "rotary_emb_fraction",
