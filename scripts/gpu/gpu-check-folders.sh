@@ -8,7 +8,8 @@
 #   OUT=dir scripts/gpu/gpu-check-folders.sh [FOLDER...]
 #
 # Without FOLDER arguments: the families added after gpu-families.sh's list
-# (SPLADE, GTE, NomicBERT), and GTE with its remote code's static NTK rope
+# (SPLADE, GTE, NomicBERT with and without dynamic NTK, ModernBERT on the
+# windowed tensor-core attention), and GTE with its remote code's static NTK rope
 # scaling (gte-hub-st with rope_scaling {type: ntk, factor: 2}).
 # Results: $OUT/check-folders.md, backend_check.json and .log.
 set -uo pipefail
@@ -24,7 +25,7 @@ MODELS=$(pwd)/tests/data/models
 WORK=$(mktemp -d)
 FOLDERS=("$@")
 if [ ${#FOLDERS[@]} -eq 0 ]; then
-  FOLDERS=(splade-st splade-distilbert-st gte-st gte-hub-st nomic-st nomic-hub-st)
+  FOLDERS=(splade-st splade-distilbert-st gte-st gte-hub-st nomic-st nomic-hub-st nomic-ntk-hub-st modernbert-st)
   cp -R "$MODELS/gte-hub-st" "$WORK/gte-ntk"
   $PY - "$WORK/gte-ntk/config.json" <<'PY'
 import json, sys
