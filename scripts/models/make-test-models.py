@@ -639,6 +639,27 @@ def save_safetensors(path: Path, tensors: dict) -> None:
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(path), metadata={"format": "pt"})
 
 
+def nomic_hub_tensors(sd: dict, layers: int) -> dict:
+    """transformers 5's NomicBertModel state dict in the Hub remote code's names: `emb_ln`,
+    `encoder.layers.N.attn.Wqkv` ([q; k; v]), `attn.out_proj`, `mlp.fc11` (up), `mlp.fc12`
+    (gate), `mlp.fc2`, `norm1`, `norm2`."""
+    out = {"embeddings.word_embeddings.weight": sd["embeddings.word_embeddings.weight"],
+           "embeddings.token_type_embeddings.weight": sd["embeddings.token_type_embeddings.weight"]}
+    for n in ("weight", "bias"):
+        out[f"emb_ln.{n}"] = sd[f"embeddings.LayerNorm.{n}"]
+    for l in range(layers):
+        a, b = f"layers.{l}.", f"encoder.layers.{l}."
+        out[b + "attn.Wqkv.weight"] = torch.cat([sd[a + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[b + "attn.out_proj.weight"] = sd[a + "self_attn.o_proj.weight"]
+        out[b + "mlp.fc11.weight"] = sd[a + "mlp.up_proj.weight"]
+        out[b + "mlp.fc12.weight"] = sd[a + "mlp.gate_proj.weight"]
+        out[b + "mlp.fc2.weight"] = sd[a + "mlp.down_proj.weight"]
+        for n in ("weight", "bias"):
+            out[b + f"norm1.{n}"] = sd[a + f"post_attention_layernorm.{n}"]
+            out[b + f"norm2.{n}"] = sd[a + f"post_mlp_layernorm.{n}"]
+    return out
+
+
 def build_rotary(tmp: Path, family: str, seed: int) -> tuple[Path, Path]:
     """GTE (GteModel) or NomicBERT (NomicBertModel) from transformers 5, saved by
     sentence-transformers 6.2 (post-norm, rotary positions, gated feed-forward), and the same
@@ -707,20 +728,7 @@ def build_rotary(tmp: Path, family: str, seed: int) -> tuple[Path, Path]:
             "torch_dtype": "float32", "transformers_version": "4.39.1",
         }
     else:
-        out["embeddings.word_embeddings.weight"] = sd["embeddings.word_embeddings.weight"]
-        out["embeddings.token_type_embeddings.weight"] = sd["embeddings.token_type_embeddings.weight"]
-        for n in ("weight", "bias"):
-            out[f"emb_ln.{n}"] = sd[f"embeddings.LayerNorm.{n}"]
-        for l in range(L):
-            a, b = f"layers.{l}.", f"encoder.layers.{l}."
-            out[b + "attn.Wqkv.weight"] = torch.cat([sd[a + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-            out[b + "attn.out_proj.weight"] = sd[a + "self_attn.o_proj.weight"]
-            out[b + "mlp.fc11.weight"] = sd[a + "mlp.up_proj.weight"]
-            out[b + "mlp.fc12.weight"] = sd[a + "mlp.gate_proj.weight"]
-            out[b + "mlp.fc2.weight"] = sd[a + "mlp.down_proj.weight"]
-            for n in ("weight", "bias"):
-                out[b + f"norm1.{n}"] = sd[a + f"post_attention_layernorm.{n}"]
-                out[b + f"norm2.{n}"] = sd[a + f"post_mlp_layernorm.{n}"]
+        out = nomic_hub_tensors(sd, L)
         hub_cfg = {
             "architectures": ["NomicBertModel"], "model_type": "nomic_bert",
             "auto_map": {"AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig",
@@ -771,20 +779,7 @@ def build_nomic_ntk(tmp: Path, seed: int) -> Path:
     shutil.copytree(builtin, path)
     tidy_folder(path)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = {"embeddings.word_embeddings.weight": sd["embeddings.word_embeddings.weight"],
-           "embeddings.token_type_embeddings.weight": sd["embeddings.token_type_embeddings.weight"]}
-    for n in ("weight", "bias"):
-        out[f"emb_ln.{n}"] = sd[f"embeddings.LayerNorm.{n}"]
-    for l in range(cfg.num_hidden_layers):
-        a, b = f"layers.{l}.", f"encoder.layers.{l}."
-        out[b + "attn.Wqkv.weight"] = torch.cat([sd[a + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        out[b + "attn.out_proj.weight"] = sd[a + "self_attn.o_proj.weight"]
-        out[b + "mlp.fc11.weight"] = sd[a + "mlp.up_proj.weight"]
-        out[b + "mlp.fc12.weight"] = sd[a + "mlp.gate_proj.weight"]
-        out[b + "mlp.fc2.weight"] = sd[a + "mlp.down_proj.weight"]
-        for n in ("weight", "bias"):
-            out[b + f"norm1.{n}"] = sd[a + f"post_attention_layernorm.{n}"]
-            out[b + f"norm2.{n}"] = sd[a + f"post_mlp_layernorm.{n}"]
+    out = nomic_hub_tensors(sd, cfg.num_hidden_layers)
     (path / "model.safetensors").unlink()
     save_safetensors(path / "model.safetensors", out)
     write_json(path / "config.json", {

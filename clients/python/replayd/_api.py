@@ -207,25 +207,10 @@ class _ClientBase:
         output_dtype: str,
         dimensions: Optional[int] = None,
     ) -> _Prepared:
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = list(texts)
-        fields = proto.base_fields(
-            self._model(model),
-            "texts",
-            priority=priority,
-            deadline=deadline,
-            truncate=truncate,
-            output_dtype=output_dtype,
-            dimensions=dimensions,
+        return self._prep_texts(
+            texts, model, batch_size, timeout, priority, deadline, truncate, output_dtype,
+            proto.assemble, dimensions=dimensions,
         )
-        frames = proto.text_frames(texts)
-        # Longest first, as sentence-transformers does: texts of similar length
-        # share a request, so the daemon pads each request less.
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        call = self._items_call(frames, order, fields, batch_size, timeout, deadline)
-        n = len(texts)
-        return _Prepared(call, lambda c: proto.assemble(c.outputs(), n))
 
     def _prep_embed_sparse(
         self,
@@ -239,6 +224,26 @@ class _ClientBase:
         truncate: bool,
         output_dtype: str,
     ) -> _Prepared:
+        return self._prep_texts(
+            texts, model, batch_size, timeout, priority, deadline, truncate, output_dtype,
+            proto.assemble_sparse, top_k=top_k,
+        )
+
+    def _prep_texts(
+        self,
+        texts: Union[str, Sequence[str]],
+        model: Optional[str],
+        batch_size: Optional[int],
+        timeout: Optional[float],
+        priority: int,
+        deadline: Optional[float],
+        truncate: bool,
+        output_dtype: str,
+        assemble: Callable[[Any, int], Any],
+        **extra: Any,
+    ) -> _Prepared:
+        """A ``texts`` call: the texts grouped longest first into requests,
+        their outputs put back in input order by ``assemble``."""
         if isinstance(texts, str):
             texts = [texts]
         texts = list(texts)
@@ -249,13 +254,15 @@ class _ClientBase:
             deadline=deadline,
             truncate=truncate,
             output_dtype=output_dtype,
-            top_k=top_k,
+            **extra,
         )
         frames = proto.text_frames(texts)
+        # Longest first, as sentence-transformers does: texts of similar length
+        # share a request, so the daemon pads each request less.
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         call = self._items_call(frames, order, fields, batch_size, timeout, deadline)
         n = len(texts)
-        return _Prepared(call, lambda c: proto.assemble_sparse(c.outputs(), n))
+        return _Prepared(call, lambda c: assemble(c.outputs(), n))
 
     def _prep_embed_ids(
         self,

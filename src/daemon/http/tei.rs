@@ -6,7 +6,7 @@ use super::{default_true, Failure, HttpFront, Kind, Rows, ServedModel, Shape, Wa
 use crate::bucket::GridSpec;
 use crate::daemon::tokenize::{TokenizeError, TokenizerPool};
 use crate::model::{Derived, InputSpec, ModelInfo, Prompt, Task};
-use crate::protocol::{ErrorCode, InputKind, Payload};
+use crate::protocol::{ErrorCode, InputKind, Payload, RequestHeader};
 use crate::tensor::DType;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -239,28 +239,50 @@ impl HttpFront {
     }
 }
 
+impl HttpFront {
+    /// The protocol request for `/embed`'s and `/embed_sparse`'s `inputs`:
+    /// texts (the frontend applies the prompt and cuts from the right), or
+    /// with `truncate` and `"left"` the ids tokenized and cut here.
+    async fn texts_request(
+        &self,
+        model: &ServedModel,
+        inputs: Inputs,
+        truncate: Option<bool>,
+        direction: Option<&str>,
+        prompt_name: Option<String>,
+    ) -> Result<(RequestHeader, Payload), Failure> {
+        let direction = self.direction(direction)?;
+        let texts = self.inputs(inputs)?;
+        let truncate = truncate.unwrap_or(AUTO_TRUNCATE);
+        if truncate && direction == TruncationDirection::Left {
+            let ids = self
+                .left_cut_ids(model, texts, prompt_name.as_deref())
+                .await?;
+            return Ok((self.header(model, InputKind::Ids), Payload::Ids(ids)));
+        }
+        let mut header = self.header(model, InputKind::Texts);
+        header.prompt_name = prompt_name;
+        header.truncate = truncate;
+        Ok((header, Payload::Texts(texts)))
+    }
+}
+
 /// `POST /embed`.
 pub(super) async fn embed(
     State(front): State<Arc<HttpFront>>,
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Rows>, Failure> {
     let req: EmbedRequest = front.request(SHAPE, raw)?;
-    let direction = front.direction(req.truncation_direction.as_deref())?;
-    let texts = front.inputs(req.inputs)?;
     let model = front.model_for(SHAPE, req.model, Want::Embedding)?;
-    let truncate = req.truncate.unwrap_or(AUTO_TRUNCATE);
-    let (mut header, payload) = if truncate && direction == TruncationDirection::Left {
-        let ids = front
-            .left_cut_ids(model, texts, req.prompt_name.as_deref())
-            .await?;
-        (front.header(model, InputKind::Ids), Payload::Ids(ids))
-    } else {
-        // The frontend applies the prompt and cuts from the right.
-        let mut header = front.header(model, InputKind::Texts);
-        header.prompt_name = req.prompt_name;
-        header.truncate = truncate;
-        (header, Payload::Texts(texts))
-    };
+    let (mut header, payload) = front
+        .texts_request(
+            model,
+            req.inputs,
+            req.truncate,
+            req.truncation_direction.as_deref(),
+            req.prompt_name,
+        )
+        .await?;
     header.dimensions = req.dimensions;
     let mut rows = front.send(SHAPE, &header, &payload).await?;
     if req.normalize {
@@ -282,21 +304,16 @@ pub(super) async fn embed_sparse(
     raw: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Vec<Vec<SparseValue>>>, Failure> {
     let req: EmbedSparseRequest = front.request(SHAPE, raw)?;
-    let direction = front.direction(req.truncation_direction.as_deref())?;
-    let texts = front.inputs(req.inputs)?;
     let model = front.model_for(SHAPE, req.model, Want::Sparse)?;
-    let truncate = req.truncate.unwrap_or(AUTO_TRUNCATE);
-    let (mut header, payload) = if truncate && direction == TruncationDirection::Left {
-        let ids = front
-            .left_cut_ids(model, texts, req.prompt_name.as_deref())
-            .await?;
-        (front.header(model, InputKind::Ids), Payload::Ids(ids))
-    } else {
-        let mut header = front.header(model, InputKind::Texts);
-        header.prompt_name = req.prompt_name;
-        header.truncate = truncate;
-        (header, Payload::Texts(texts))
-    };
+    let (mut header, payload) = front
+        .texts_request(
+            model,
+            req.inputs,
+            req.truncate,
+            req.truncation_direction.as_deref(),
+            req.prompt_name,
+        )
+        .await?;
     header.top_k = req.top_k;
     let rows = front.send_sparse(SHAPE, &header, &payload).await?;
     Ok(Json(
