@@ -42,8 +42,8 @@ use super::config::EncoderConfig;
 use super::gte;
 use super::modernbert::{ModernBertConfig, ModernBertNames};
 use super::{
-    BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, MlmHead, NormPlacement,
-    RotaryEncoderArch,
+    BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, MlmHead, Norm,
+    NormPlacement, RotaryEncoderArch, RotaryLayer,
 };
 use crate::model::files::read_json;
 use crate::model::program::{Activation, GateOn, Pooling, PositionBias, WeightId};
@@ -1567,32 +1567,59 @@ fn load_modernbert(
     let encoder = names.load(file, c, &m, &mut weights)?;
     let dense = dense_layers(folder, &mut weights)?;
     let arch = RotaryEncoderArch {
-        hidden: c.hidden,
-        heads: c.heads,
-        head_dim: c.hidden / c.heads,
-        intermediate: c.intermediate,
-        hidden_act: c.act,
-        norm_eps: c.eps,
-        vocab_size: c.vocab,
-        max_seq_len: folder.max_seq_len,
-        word: encoder.word,
-        embedding_norm: encoder.embedding_norm,
-        layers: encoder.layers,
         final_norm: Some(encoder.final_norm),
+        // [input | gate]: GeGLU's activation on the first half.
         gate_on: GateOn::First,
-        rope_scale: 1.0,
-        rope_dynamic: None,
         placement: NormPlacement::Pre,
-        pooling: folder.pooling,
-        normalize: folder.normalize,
-        pool_skip: !folder.include_prompt,
-        dense,
+        ..rotary_arch(
+            folder,
+            encoder.word,
+            encoder.embedding_norm,
+            encoder.layers,
+            dense,
+        )
     };
     Ok(Model {
         info: info(config, folder),
         arch: Architecture::RotaryEncoder(arch),
         weights,
     })
+}
+
+/// The parts of a [`RotaryEncoderArch`] every family fills alike: sizes from
+/// config.json, the head from the sentence-transformers modules, and the
+/// defaults the families' loaders override (pre-norm, no final norm, the
+/// gate on the first half, plain rotary).
+fn rotary_arch(
+    folder: &Folder,
+    word: WeightId,
+    embedding_norm: Norm,
+    layers: Vec<RotaryLayer>,
+    dense: Vec<DenseLayer>,
+) -> RotaryEncoderArch {
+    let c = &folder.config;
+    RotaryEncoderArch {
+        hidden: c.hidden,
+        heads: c.heads,
+        head_dim: c.hidden / c.heads,
+        intermediate: c.intermediate,
+        hidden_act: c.act,
+        rope_scale: 1.0,
+        rope_dynamic: None,
+        gate_on: GateOn::First,
+        placement: NormPlacement::Pre,
+        norm_eps: c.eps,
+        vocab_size: c.vocab,
+        max_seq_len: folder.max_seq_len,
+        word,
+        embedding_norm,
+        layers,
+        final_norm: None,
+        pooling: folder.pooling,
+        normalize: folder.normalize,
+        pool_skip: !folder.include_prompt,
+        dense,
+    }
 }
 
 /// [`load`] for a GTE or NomicBERT folder ([`super::gte`]).
@@ -1607,27 +1634,18 @@ fn load_rotary_post(
     let encoder = gte::load(file, c, &rope, &mut weights)?;
     let dense = dense_layers(folder, &mut weights)?;
     let arch = RotaryEncoderArch {
-        hidden: c.hidden,
-        heads: c.heads,
-        head_dim: c.hidden / c.heads,
-        intermediate: c.intermediate,
-        hidden_act: c.act,
         rope_scale: rope.scale,
         rope_dynamic: rope.dynamic,
         // [up | gate]: the activation on the gate, the second half.
         gate_on: GateOn::Second,
         placement: NormPlacement::Post,
-        norm_eps: c.eps,
-        vocab_size: c.vocab,
-        max_seq_len: folder.max_seq_len,
-        word: encoder.word,
-        embedding_norm: encoder.embedding_norm,
-        layers: encoder.layers,
-        final_norm: None,
-        pooling: folder.pooling,
-        normalize: folder.normalize,
-        pool_skip: !folder.include_prompt,
-        dense,
+        ..rotary_arch(
+            folder,
+            encoder.word,
+            encoder.embedding_norm,
+            encoder.layers,
+            dense,
+        )
     };
     Ok(Model {
         info: info(config, folder),
