@@ -4,10 +4,15 @@
 //! head-size class, on tensor cores and CUDA cores, packed graphs replayed
 //! with batches of changing shapes), replay latency and per-step GPU time on
 //! a MiniLM-shaped model (padded and packed), NVML, and (with `--fault`, in
-//! its own process) fault injection.
+//! its own process) fault injection. Decoders (Qwen3- and EmbeddingGemma-
+//! shaped: grouped-query heads, causal and windowed masks, head sizes 32 to
+//! 256, RMSNorm and the q/k norms with rotary, last-token pooling, one
+//! sequence of 2,048 tokens) against the same reference, and per-step GPU
+//! time of Qwen3-0.6B- and EmbeddingGemma-shaped layers (`--decoders-only`:
+//! just those).
 //!
 //! Usage (GPU machine):
-//!   cuda_selftest [--gpu 0] [--iters 500] [--json out.json] [--packed-only]
+//!   cuda_selftest [--gpu 0] [--iters 500] [--json out.json] [--packed-only | --decoders-only]
 //!   cuda_selftest --fault [--gpu 0]
 //!
 //! Exit status: 0 all pass, 1 a failure, 2 no usable GPU.
@@ -20,8 +25,8 @@ use replayd::backend::cuda::{CudaBackend, CudaOptions};
 use replayd::backend::{Backend, BackendError};
 use replayd::gpu::{self, nvml};
 use replayd::model::program::{
-    AddLayerNorm, Attention, BufId, EmbedLayerNorm, InputRole, Linear, Pool, ProgramBuilder, Seqs,
-    WeightId,
+    Add, AddLayerNorm, Attention, BufId, Embed, EmbedLayerNorm, GateOn, Gated, HeadRmsNorm,
+    InputRole, Linear, Pool, ProgramBuilder, RmsNorm, Rotary, Seqs, WeightId,
 };
 use replayd::model::{Activation, BatchRows, Pooling, Program, Weights};
 use replayd::tensor::DType;
@@ -231,9 +236,12 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
         b.push(Attention {
             bias: None,
             window: None,
+            causal: false,
+            scale: None,
             qkv,
             out: ctx,
             heads: d.heads,
+            kv_heads: d.heads,
             head_dim: h / d.heads,
             seqs,
         });
@@ -298,6 +306,407 @@ fn bert_ops(b: &mut ProgramBuilder, m: &Bert, seqs: Seqs, ids: BufId, types: Buf
         seqs,
     });
     out
+}
+
+/// A decoder embedding model's shape (Qwen3 / EmbeddingGemma style).
+#[derive(Clone, Copy, Debug)]
+struct DecDims {
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    inter: usize,
+    layers: usize,
+    vocab: usize,
+    causal: bool,
+    /// The even layers' sliding window (the odd ones are global).
+    window: Option<usize>,
+    scale: Option<f32>,
+    embed_scale: f32,
+    /// RMSNorm weight offset: 0 (Qwen3) or 1 (Gemma).
+    offset: f32,
+    /// Gemma's norms after attention and the MLP.
+    post_norms: bool,
+    pooling: Pooling,
+    act: Activation,
+}
+
+struct Dec {
+    d: DecDims,
+    weights: Weights,
+    word: WeightId,
+    /// input norm, qkv, q norm, k norm, o, post-attention norm, MLP norm,
+    /// gate|up, down, post-MLP norm.
+    layers: Vec<[WeightId; 10]>,
+    final_norm: WeightId,
+}
+
+fn decoder(d: DecDims, rng: &mut Rng) -> Dec {
+    let (h, i, hd) = (d.hidden, d.inter, d.heads * d.head_dim);
+    let qkv_w = (d.heads + 2 * d.kv_heads) * d.head_dim;
+    let mut w = Weights::new();
+    let norm = |w: &mut Weights, name: String, n: usize, rng: &mut Rng| {
+        let base = 1.0 - d.offset;
+        w.push(
+            name,
+            vec![n],
+            (0..n).map(|_| base + 0.2 * rng.unit()).collect(),
+        )
+    };
+    let s = |k: usize| 1.0 / (k as f32).sqrt();
+    let word = w.push("word", vec![d.vocab, h], rng.vec(d.vocab * h, 0.5));
+    let mut layers = Vec::new();
+    for l in 0..d.layers {
+        let input = norm(&mut w, format!("{l}.in"), h, rng);
+        let qkv = w.push(format!("{l}.qkv"), vec![qkv_w, h], rng.vec(qkv_w * h, s(h)));
+        let qn = norm(&mut w, format!("{l}.qn"), d.head_dim, rng);
+        let kn = norm(&mut w, format!("{l}.kn"), d.head_dim, rng);
+        let o = w.push(format!("{l}.o"), vec![h, hd], rng.vec(h * hd, s(hd)));
+        let pa = norm(&mut w, format!("{l}.pa"), h, rng);
+        let mn = norm(&mut w, format!("{l}.mn"), h, rng);
+        let gu = w.push(format!("{l}.gu"), vec![2 * i, h], rng.vec(2 * i * h, s(h)));
+        let down = w.push(format!("{l}.down"), vec![h, i], rng.vec(h * i, s(i)));
+        let pm = norm(&mut w, format!("{l}.pm"), h, rng);
+        layers.push([input, qkv, qn, kn, o, pa, mn, gu, down, pm]);
+    }
+    let final_norm = norm(&mut w, "final".into(), h, rng);
+    Dec {
+        d,
+        weights: w,
+        word,
+        layers,
+        final_norm,
+    }
+}
+
+fn decoder_program(m: &Dec, batch: usize, seq: usize) -> Program {
+    let mut b = ProgramBuilder::new();
+    let ids = b.input("ids", InputRole::TokenIds, batch * seq);
+    let mask = b.input("mask", InputRole::AttentionMask, batch * seq);
+    let out = decoder_ops(&mut b, m, Seqs::Padded { mask, batch, seq }, ids);
+    b.finish(batch, seq, out, m.d.hidden)
+}
+
+fn packed_decoder_program(m: &Dec, tokens: usize, seqs: usize, max_len: usize) -> Program {
+    let mut b = ProgramBuilder::new();
+    let ids = b.input("ids", InputRole::TokenIds, tokens);
+    let positions = b.input("positions", InputRole::Positions, tokens);
+    let offsets = b.input("offsets", InputRole::SeqOffsets, seqs + 1);
+    let layout = Seqs::Packed {
+        offsets,
+        positions,
+        tokens,
+        seqs,
+        max_seq_len: max_len,
+    };
+    let out = decoder_ops(&mut b, m, layout, ids);
+    b.finish_packed(tokens, seqs, max_len, out, m.d.hidden)
+}
+
+/// The decoder's forward pass as src/model/bert/decoder.rs builds it.
+fn decoder_ops(b: &mut ProgramBuilder, m: &Dec, seqs: Seqs, ids: BufId) -> BufId {
+    let d = m.d;
+    let (h, i, rows) = (d.hidden, d.inter, seqs.token_rows());
+    let (heads, kv_heads, hdim) = (d.heads, d.kv_heads, d.head_dim);
+    let qkv_w = (heads + 2 * kv_heads) * hdim;
+    let hidden = b.activation("hidden", rows * h);
+    let normed = b.activation("normed", rows * h);
+    let qkv = b.activation("qkv", rows * qkv_w);
+    let ctx = b.activation("ctx", rows * heads * hdim);
+    let proj = b.activation("proj", rows * h);
+    let wide = b.activation("wide", rows * 2 * i);
+    let gated = b.activation("gated", rows * i);
+    let out = b.output("out", seqs.count() * h);
+    let norm = |x, out, gamma| RmsNorm {
+        x,
+        gamma,
+        eps: 1e-6,
+        weight_offset: d.offset,
+        out,
+        rows,
+        hidden: h,
+    };
+    let linear = |x, w, out, n, k| Linear {
+        x,
+        w,
+        bias: None,
+        act: Activation::Identity,
+        out,
+        m: rows,
+        n,
+        k,
+    };
+    let add = Add {
+        x: proj,
+        into: hidden,
+        rows,
+        width: h,
+    };
+    b.push(Embed {
+        ids,
+        word: m.word,
+        out: hidden,
+        hidden: h,
+        scale: d.embed_scale,
+        seqs,
+    });
+    for (l, w) in m.layers.iter().enumerate() {
+        let [input, wqkv, qn, kn, wo, pa, mn, gu, down, pm] = *w;
+        b.push(norm(hidden, normed, input));
+        b.push(linear(normed, wqkv, qkv, qkv_w, h));
+        b.push(HeadRmsNorm {
+            qkv,
+            rows,
+            heads,
+            kv_heads,
+            head_dim: hdim,
+            q_gamma: qn,
+            k_gamma: kn,
+            eps: 1e-6,
+            weight_offset: d.offset,
+        });
+        b.push(Rotary {
+            qkv,
+            heads,
+            kv_heads,
+            head_dim: hdim,
+            theta: if l % 2 == 0 { 10000.0 } else { 1e6 },
+            scale: 1.0,
+            dynamic: None,
+            seqs,
+        });
+        b.push(Attention {
+            qkv,
+            out: ctx,
+            heads,
+            kv_heads,
+            head_dim: hdim,
+            bias: None,
+            window: if l % 2 == 0 { d.window } else { None },
+            causal: d.causal,
+            scale: d.scale,
+            seqs,
+        });
+        b.push(linear(ctx, wo, proj, h, heads * hdim));
+        if d.post_norms {
+            b.push(norm(proj, proj, pa));
+        }
+        b.push(add.clone());
+        b.push(norm(hidden, normed, mn));
+        b.push(linear(normed, gu, wide, 2 * i, h));
+        b.push(Gated {
+            x: wide,
+            out: gated,
+            rows,
+            width: i,
+            act: d.act,
+            on: GateOn::First,
+        });
+        b.push(linear(gated, down, proj, h, i));
+        if d.post_norms {
+            b.push(norm(proj, proj, pm));
+        }
+        b.push(add.clone());
+    }
+    b.push(norm(hidden, hidden, m.final_norm));
+    b.push(Pool {
+        x: hidden,
+        out,
+        hidden: h,
+        mode: d.pooling,
+        normalize: true,
+        skip: None,
+        seqs,
+    });
+    out
+}
+
+/// Decoders against the f64 reference: every mask (causal, windowed, both,
+/// neither), grouped-query heads, head sizes 32 to 256 (tensor cores in
+/// f16/bf16, the warp per query in f32), padded and packed, one sequence of
+/// 2,048 tokens; then per-step GPU time of Qwen3-0.6B- and
+/// EmbeddingGemma-shaped layers.
+fn decoder_checks(
+    gpu: &mut CudaBackend,
+    rep: &mut Report,
+    rng: &mut Rng,
+) -> Result<(), BackendError> {
+    println!("== decoders (Qwen3 / EmbeddingGemma-shaped)");
+    let qwen = DecDims {
+        hidden: 256,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        inter: 512,
+        layers: 2,
+        vocab: 1000,
+        causal: true,
+        window: None,
+        scale: None,
+        embed_scale: 1.0,
+        offset: 0.0,
+        post_norms: false,
+        pooling: Pooling::LastToken,
+        act: Activation::Silu,
+    };
+    let gemma = DecDims {
+        heads: 3,
+        kv_heads: 1,
+        head_dim: 256,
+        inter: 384,
+        causal: false,
+        window: Some(7),
+        scale: Some(0.07),
+        embed_scale: 16.0,
+        offset: 1.0,
+        post_norms: true,
+        pooling: Pooling::Mean,
+        act: Activation::GeluTanh,
+        ..qwen
+    };
+    let cases = [
+        ("qwen3-like d128 gqa4 causal", qwen),
+        ("gemma-like d256 gqa3 window", gemma),
+        (
+            "d64 mha causal+window",
+            DecDims {
+                heads: 4,
+                kv_heads: 4,
+                head_dim: 64,
+                window: Some(5),
+                ..qwen
+            },
+        ),
+        (
+            "d32 gqa2 bidirectional",
+            DecDims {
+                heads: 8,
+                kv_heads: 4,
+                head_dim: 32,
+                causal: false,
+                pooling: Pooling::Mean,
+                ..qwen
+            },
+        ),
+        (
+            "d256 gqa3 causal+window",
+            DecDims {
+                causal: true,
+                pooling: Pooling::LastToken,
+                ..gemma
+            },
+        ),
+    ];
+    let dtypes = [
+        (DType::F32, 0.99999),
+        (DType::F16, 0.999),
+        (DType::BF16, 0.99),
+    ];
+    for (label, d) in cases {
+        let m = decoder(d, rng);
+        for (b, s, n) in [(1usize, 16usize, 1usize), (3, 100, 3), (2, 256, 2)] {
+            let rows = token_rows(n, s, d.vocab, rng);
+            for (dt, th) in dtypes {
+                let p = decoder_program(&m, b, s);
+                let name = format!("{label} b{b} s{s} ({n} rows) {dt}");
+                run_case(gpu, rep, &name, &m.weights, dt, &p, &rows, true, th, false)?;
+            }
+        }
+        let (tokens, seqs, max_len) = (512, 8, 300);
+        let batches = vec![
+            packed_rows(&fill_lens(tokens, seqs, max_len, rng), d.vocab, rng),
+            packed_rows(&[1], d.vocab, rng),
+            packed_rows(&[max_len, 0, 65, 1], d.vocab, rng),
+            packed_rows(&fill_lens(tokens - 7, seqs - 1, max_len, rng), d.vocab, rng),
+        ];
+        for (dt, th) in dtypes {
+            let p = packed_decoder_program(&m, tokens, seqs, max_len);
+            let name = format!("{label} packed {tokens}t/{seqs}s/<={max_len} {dt}");
+            run_packed_sequence(gpu, rep, &name, &m.weights, dt, &p, &batches, th)?;
+        }
+    }
+    // One long sequence (no score matrix anywhere: the band kernels stream
+    // the keys), padded and packed.
+    let long = decoder(
+        DecDims {
+            heads: 4,
+            kv_heads: 1,
+            layers: 1,
+            ..qwen
+        },
+        rng,
+    );
+    for (dt, th) in [(DType::F16, 0.999), (DType::BF16, 0.99)] {
+        let p = decoder_program(&long, 1, 2048);
+        let rows = token_rows(1, 2048, qwen.vocab, rng);
+        run_case(
+            gpu,
+            rep,
+            &format!("qwen3-like s2048 {dt}"),
+            &long.weights,
+            dt,
+            &p,
+            &rows,
+            true,
+            th,
+            false,
+        )?;
+        let p = packed_decoder_program(&long, 4096, 4, 2048);
+        let batches = vec![packed_rows(&[2048, 1500, 500, 48], qwen.vocab, rng)];
+        run_packed_sequence(
+            gpu,
+            rep,
+            &format!("qwen3-like packed 4096t {dt}"),
+            &long.weights,
+            dt,
+            &p,
+            &batches,
+            th,
+        )?;
+    }
+    // Per-step GPU time of real shapes (two layers, a small vocabulary).
+    let shapes = [
+        (
+            "qwen3-0.6b-shaped",
+            DecDims {
+                hidden: 1024,
+                heads: 16,
+                kv_heads: 8,
+                inter: 3072,
+                ..qwen
+            },
+            DType::F16,
+        ),
+        (
+            "embeddinggemma-shaped",
+            DecDims {
+                hidden: 768,
+                inter: 1152,
+                window: Some(256),
+                ..gemma
+            },
+            DType::BF16,
+        ),
+    ];
+    for (label, d, dt) in shapes {
+        let m = decoder(d, rng);
+        let gw = gpu.upload_weights(&m.weights, dt)?;
+        for (b, s) in [(1usize, 16usize), (8, 512), (1, 8192)] {
+            let prof = gpu.profile_program(&m.weights, &gw, &decoder_program(&m, b, s), 10)?;
+            let total: f64 = prof.iter().map(|p| p.1).sum();
+            println!(
+                "  PROFILE {label} {dt} ({b},{s}): {} steps, sum {total:.1} us",
+                prof.len()
+            );
+            for (name, us) in &prof {
+                println!("    {us:8.2} us  {name}");
+            }
+            rep.json.push(
+                serde_json::json!({"profile": format!("{label} {dt} ({b},{s})"), "steps": prof}),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Sequences of the given lengths with random ids.
@@ -668,6 +1077,7 @@ fn main() {
     // Only the packed checks, profiles and latencies (with the padded
     // MiniLM-shaped ones to compare with): what a packed-batching change needs.
     let packed_only = args.iter().any(|a| a == "--packed-only");
+    let decoders_only = args.iter().any(|a| a == "--decoders-only");
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .try_init();
@@ -704,6 +1114,9 @@ fn main() {
     };
     let mut rng = Rng(0x1234_5678);
     let result = (|| -> Result<(), BackendError> {
+        if decoders_only {
+            return decoder_checks(&mut gpu, &mut rep, &mut rng);
+        }
         let base = BertDims {
             hidden: 384,
             heads: 12,
@@ -991,6 +1404,10 @@ fn main() {
             &batches,
             0.999,
         )?;
+
+        if !packed_only {
+            decoder_checks(&mut gpu, &mut rep, &mut rng)?;
+        }
 
         println!("== latency (launch -> collect, one at a time; then 2 in flight)");
         if !packed_only {

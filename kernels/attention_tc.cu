@@ -1,6 +1,7 @@
 // Multi-head self-attention on tensor cores (f16/bf16 storage, f32 accumulation),
 // same semantics as attention.cu (padding mask, max-subtracted softmax, zeros
-// for queries whose keys are all masked), for head sizes of exactly 32, 64, 128.
+// for queries whose keys are all masked), for head sizes of exactly 32, 64, 128
+// (and 256: the band kernels).
 //
 // One block of 4 warps per (64 queries, head, batch); each warp owns 16 query
 // rows. Keys and values stream through shared memory TC_KB(D) at a time, two
@@ -16,9 +17,25 @@
 // attention_tc_bias_<t>_d<D> (MPNet): plus the relative position bias of
 // attention.cu's rel_bias, added to the scaled scores before the mask.
 //
-// attention_tc_win_<t>_d<D> (ModernBERT's local layers): query i sees only
-// keys j with |i − j| <= window; a warp skips the key blocks wholly outside
-// its 16 queries' band and tests scores only in blocks the band cuts.
+// attention_tc_band_<t>_d<D> (decoders: Qwen3, EmbeddingGemma; D = 32, 64,
+// 128, 256): grouped-query heads and a key band. The qkv row is [q: heads·d |
+// k: kv_heads·d | v: kv_heads·d] for a head size d <= D (a multiple of 8; the
+// kernel's columns past d are zeros) and query head h reads key/value head
+// h / (heads / kv_heads) (kv_heads = heads: plain multi-head attention); query
+// i sees only the keys j with i − left <= j <= i + right (positions in the
+// sequence): causal is right = 0, a sliding window left = right = window,
+// both together left = window, right = 0, neither left = right = seq. The
+// scale is the caller's (Gemma: query_pre_attn_scalar^-1/2). A block loads
+// and visits only the key blocks its 64 queries' band reaches (causal: none
+// after its last query); inside, a warp skips the key blocks wholly outside
+// its 16 queries' band and tests scores only in the blocks the band cuts.
+// Head size 256 takes 16-key blocks (two blocks of K and V in 33 KiB of
+// static shared memory; Q's fragments and the 16 x 256 output stay in
+// registers) and rescales its output only when a row's running max grows.
+//
+// attention_tc_win_<t>_d<D> (ModernBERT's local layers): the band kernel with
+// left = right = window and kv_heads = heads, its arguments those of before
+// the band (one window).
 //
 // tc_attend is the loop; attention_varlen.cu's tensor-core kernel runs it too.
 
@@ -28,7 +45,9 @@
 #define TC_PAD 8
 // Keys per shared-memory block: two blocks of K and V stay under the 48 KB
 // of static shared memory for every head size.
-#define TC_KB(D) ((D) >= 128 ? 32 : 64)
+// Head size 256: 16 keys (its 16 x 256 output tile takes 128 registers a
+// thread; a 32-key block of K and V would not fit static shared memory).
+#define TC_KB(D) ((D) >= 256 ? 16 : (D) >= 128 ? 32 : 64)
 // Blocks an SM must hold (the register budget it implies): for head size 32,
 // 6 blocks fill the shared memory and keep 24 warps resident (at the 121
 // registers the compiler picks unbounded, 4: measured latency-bound).
@@ -88,18 +107,23 @@ __device__ __forceinline__ float ex2_approx(float x) {
 }
 
 // One head of one tile of at most TC_QT queries against the `seq` keys of
-// their sequence. `base` is the sequence's first qkv row at this head's
-// columns (rows `row_stride` apart, K at +HD, V at +2HD); `obase` the
-// sequence's first output row at this head (rows HD apart). Queries q_first ..
-// q_end-1 (relative to the sequence) are this block's; with MASK, key j counts
-// only where mrow[j] != 0, and a row with no key gets zeros.
+// their sequence. `base` is the sequence's first qkv row at this head's query
+// columns (rows `row_stride` apart, its key head at +koff, its value head at
+// +voff: +HD and +2HD for multi-head attention); `obase` the sequence's first
+// output row at this head (rows HD apart). Queries q_first .. q_end-1
+// (relative to the sequence) are this block's; with MASK, key j counts only
+// where mrow[j] != 0, and a row with no key gets zeros. With BAND, query i
+// sees only keys i - left .. i + right. GQA (the band kernels' geometry):
+// koff and voff are the caller's (else +HD and +2HD), and the head has `hd`
+// values (hd <= D, a multiple of 8): the columns past it are zeros in Q, K
+// and V (zero-filled, never read) and are not written.
 // KB (keys per shared-memory block) is TC_KB(D) unless the caller knows the
 // sequence is shorter (attention_tc_s16_<t>_d<D>: 16).
-template <typename T, int D, bool BIAS, bool MASK, int KB = TC_KB(D), bool WIN = false>
-__device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row_stride, int HD, int seq, int q_first,
-                                          int q_end, const int* __restrict__ mrow, float scale,
+template <typename T, int D, bool BIAS, bool MASK, int KB = TC_KB(D), bool BAND = false, bool GQA = false>
+__device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row_stride, int HD, int koff, int voff,
+                                          int seq, int q_first, int q_end, const int* __restrict__ mrow, float scale,
                                           const T* __restrict__ brow, int radius, T* __restrict__ obase,
-                                          int window = 0) {
+                                          int left = 0, int right = 0, int hd = D) {
     static_assert(KB % 16 == 0 && KB <= 64, "a key block is whole mma k-steps, its mask one 64-bit word");
     constexpr int KS = D + TC_PAD;  // row stride of sK and sV (halves): ldmatrix rows hit distinct banks
     constexpr int ND = D / 8;       // output n-tiles
@@ -115,18 +139,36 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
     const int q0 = q_first + warp * 16;
     const bool active = q0 < q_end;
     const int nblocks = (seq + KB - 1) / KB;
+    // The key blocks this tile visits: all, or (BAND) those holding a key
+    // that one of its queries q_first .. q_last sees.
+    int kb_begin = 0, kb_end = nblocks;
+    if (BAND) {
+        const int q_last = min(q_first + TC_QT, q_end) - 1;
+        kb_begin = max(q_first - left, 0) / KB;
+        kb_end = min(q_last + right, seq - 1) / KB + 1;
+    }
 
     // Issues key block `kb`'s K and V rows into stage `st` (rows past the end
     // zero-filled) and commits them as one group; an empty group past the last.
     auto issue = [&](int kb, int st) {
-        if (kb < nblocks) {
+        if (kb < kb_end) {
             const int kb0 = kb * KB;
             for (int i = tid; i < KB * CH; i += TC_THREADS) {
                 const int j = i / CH, d = (i % CH) * 8;
-                const bool in = kb0 + j < seq;
-                const T* r = base + (size_t)(in ? kb0 + j : 0) * row_stride;
-                cp_async16(&sK[st][j * KS + d], r + HD + d, in);
-                cp_async16(&sV[st][j * KS + d], r + 2 * HD + d, in);
+                if (GQA) {
+                    // Rows past the end and columns past the head: zeros.
+                    const bool in = kb0 + j < seq && d < hd;
+                    const T* r = base + (size_t)(in ? kb0 + j : 0) * row_stride + (in ? d : 0);
+                    cp_async16(&sK[st][j * KS + d], r + koff, in);
+                    cp_async16(&sV[st][j * KS + d], r + voff, in);
+                } else {
+                    const bool in = kb0 + j < seq;
+                    const T* r = base + (size_t)(in ? kb0 + j : 0) * row_stride;
+                    // (Multi-head: HD and 2·HD written out, which the
+                    // compiler schedules better than the same values passed in.)
+                    cp_async16(&sK[st][j * KS + d], r + HD + d, in);
+                    cp_async16(&sV[st][j * KS + d], r + 2 * HD + d, in);
+                }
             }
             // The mask as bits, 32 keys a word (one ballot a warp; every lane
             // of the warp takes part, also where KB < 32).
@@ -150,11 +192,13 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
         for (int r = 0; r < 4; r++) {
             const int row = q0 + g + ((r & 1) ? 8 : 0);
             const int col = kk * 16 + t4 * 2 + ((r & 2) ? 8 : 0);
-            qa[kk][r] = (row < q_end) ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col) : 0u;
+            qa[kk][r] = (row < q_end && (!GQA || col < hd))
+                            ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col)
+                            : 0u;
         }
     // The first key blocks, while Q's loads are on their way.
-    issue(0, 0);
-    issue(1, 1);
+    issue(kb_begin, 0);
+    issue(kb_begin + 1, 1);
 
     float o[ND][4];
 #pragma unroll
@@ -167,13 +211,13 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
     // This lane's ldmatrix row: matrix lane/8, row lane%8 of it.
     const int lm = lane >> 3, lr = lane & 7;
 
-    for (int kb = 0; kb < nblocks; kb++) {
-        const int st = kb & 1, kb0 = kb * KB;
+    for (int kb = kb_begin; kb < kb_end; kb++) {
+        const int st = (kb - kb_begin) & 1, kb0 = kb * KB;
         cp_async_wait<1>();  // block kb has landed (kb+1 may still fly)
         __syncthreads();
-        // WIN: this warp's queries q0 .. q0+15 against keys kb0 .. kb0+KB-1.
-        const bool band_skip = WIN && (kb0 > q0 + 15 + window || kb0 + KB - 1 < q0 - window);
-        const bool band_full = !WIN || (kb0 >= q0 + 15 - window && kb0 + KB - 1 <= q0 + window);
+        // BAND: this warp's queries q0 .. q0+15 against keys kb0 .. kb0+KB-1.
+        const bool band_skip = BAND && (kb0 > q0 + 15 + right || kb0 + KB - 1 < q0 - left);
+        const bool band_full = !BAND || (kb0 >= q0 + 15 - left && kb0 + KB - 1 <= q0 + right);
         if (active && !band_skip) {
             // S = Q K^T: K's rows are the B fragments as stored.
             float sc[NK][4];
@@ -216,9 +260,9 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
                         s = fmaf(s, scale, rel_bias(brow, radius, q0 + g + 8 * (e >> 1), kb0 + nt * 8 + t4 * 2 + (e & 1))) *
                             TC_LOG2E;
                     if (!full && !((lt >> (nt * 8 + (e & 1))) & 1ull)) s = NEG_INF_F;
-                    if (WIN && !band_full) {
+                    if (BAND && !band_full) {
                         const int d = (q0 + g + 8 * (e >> 1)) - (kb0 + nt * 8 + t4 * 2 + (e & 1));
-                        if (d > window || d < -window) s = NEG_INF_F;
+                        if (d > left || d < -right) s = NEG_INF_F;
                     }
                     sc[nt][e] = s;
                     mx[e >> 1] = fmaxf(mx[e >> 1], s);
@@ -231,7 +275,10 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
                 mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
                 mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
                 const float m_new = fmaxf(m_run[r], mx[r] * mul);
-                alpha[r] = (m_new == NEG_INF_F) ? 1.0f : ex2_approx(m_run[r] - m_new);
+                // (Head size 256: exactly 1 where the max stays, so the
+                // rescale below can be skipped.)
+                alpha[r] = (m_new == NEG_INF_F || (D >= 256 && m_new == m_run[r])) ? 1.0f
+                                                                                  : ex2_approx(m_run[r] - m_new);
                 m_run[r] = m_new;
                 // A row with no live key yet: every p is 0 (ex2(-inf)).
                 sub[r] = (m_new == NEG_INF_F) ? 0.0f : m_new;
@@ -248,12 +295,17 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
                 }
 #pragma unroll
             for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * alpha[r] + rs[r];
+            // Head size 256: 128 products a thread for 16 keys; skipped
+            // (warp-uniformly) where no row's max grew, as multiplying by
+            // 1 changes nothing.
+            if (D < 256 || __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-            for (int i = 0; i < ND; i++) {
-                o[i][0] *= alpha[0];
-                o[i][1] *= alpha[0];
-                o[i][2] *= alpha[1];
-                o[i][3] *= alpha[1];
+                for (int i = 0; i < ND; i++) {
+                    o[i][0] *= alpha[0];
+                    o[i][1] *= alpha[0];
+                    o[i][2] *= alpha[1];
+                    o[i][3] *= alpha[1];
+                }
             }
             // O += P V: the score fragments of key tiles 2ks and 2ks+1 form
             // the A operand; ldmatrix.trans turns V's rows into B fragments
@@ -292,22 +344,48 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
         T* orow = obase + (size_t)row * HD;
 #pragma unroll
         for (int nd = 0; nd < ND; nd++) {
+            if (GQA && nd * 8 >= hd) break;
             *reinterpret_cast<unsigned*>(orow + nd * 8 + t4 * 2) = pack2<T>(o[nd][2 * r] * inv, o[nd][2 * r + 1] * inv);
         }
     }
 }
 
-template <typename T, int D, bool BIAS, int KB = TC_KB(D), bool WIN = false>
+// Where head h's key and value heads start, relative to its query head, and
+// the qkv row's width: multi-head (+HD, +2HD, 3HD), or with GQA grouped-query
+// heads of hd values (`kv_heads` key heads after the `heads` query heads,
+// then as many value heads; query head h reads h / (heads / kv_heads)).
+template <int D, bool GQA>
+__device__ __forceinline__ void tc_kv_offsets(int h, int heads, int kv_heads, int hd, int& koff, int& voff,
+                                              size_t& row_stride) {
+    const int HD = heads * (GQA ? hd : D);
+    if (GQA) {
+        const int kvh = h / (heads / kv_heads);
+        koff = HD + (kvh - h) * hd;
+        voff = HD + (kv_heads + kvh - h) * hd;
+        row_stride = (size_t)(heads + 2 * kv_heads) * hd;
+    } else {
+        koff = HD;
+        voff = 2 * HD;
+        row_stride = (size_t)3 * HD;
+    }
+}
+
+template <typename T, int D, bool BIAS, int KB = TC_KB(D), bool BAND = false, bool GQA = false>
 __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, const int* __restrict__ mask,
                                                   T* __restrict__ out, int seq, int heads, float scale,
-                                                  const T* __restrict__ pbias, int radius, int window = 0) {
+                                                  const T* __restrict__ pbias, int radius, int kv_heads = 0,
+                                                  int left = 0, int right = 0, int head_dim = D) {
     const int b = blockIdx.z, h = blockIdx.y;
-    const int HD = heads * D;
-    const size_t row_stride = (size_t)3 * HD;
-    const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * D;
+    const int hd = GQA ? head_dim : D;
+    const int HD = heads * hd;
+    int koff, voff;
+    size_t row_stride;
+    tc_kv_offsets<D, GQA>(h, heads, kv_heads, hd, koff, voff, row_stride);
+    const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * hd;
     const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
-    tc_attend<T, D, BIAS, true, KB, WIN>(base, row_stride, HD, seq, blockIdx.x * TC_QT, seq, mask + (size_t)b * seq,
-                                         scale, brow, radius, out + (size_t)b * seq * HD + (size_t)h * D, window);
+    tc_attend<T, D, BIAS, true, KB, BAND, GQA>(base, row_stride, HD, koff, voff, seq, blockIdx.x * TC_QT, seq,
+                                               mask + (size_t)b * seq, scale, brow, radius,
+                                               out + (size_t)b * seq * HD + (size_t)h * hd, left, right, hd);
 }
 
 #define ATTENTION_TC_KERNEL(T, SUF, D)                                                                            \
@@ -324,7 +402,20 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
         attention_tc_win_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale,    \
                                       int window) {                                                               \
         pdl_enter();                                                                                              \
-        attention_tc_impl<T, D, false, TC_KB(D), true>(qkv, mask, out, seq, heads, scale, nullptr, 0, window);    \
+        attention_tc_impl<T, D, false, TC_KB(D), true>(qkv, mask, out, seq, heads, scale, nullptr, 0, heads,      \
+                                                       window, window);                                           \
+    }
+
+// attention_tc_band_<t>_d<D>: grouped-query heads of head_dim values (a
+// multiple of 8, at most D), the key band [i - left, i + right] (see the
+// top of the file).
+#define ATTENTION_TC_BAND_KERNEL(T, SUF, D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                    \
+        attention_tc_band_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, int kv_heads,  \
+                                       int head_dim, float scale, int left, int right) {                          \
+        pdl_enter();                                                                                              \
+        attention_tc_impl<T, D, false, TC_KB(D), true, true>(qkv, mask, out, seq, heads, scale, nullptr, 0,       \
+                                                             kv_heads, left, right, head_dim);                    \
     }
 
 // attention_tc_s16_<t>_d<D>, attention_tc_bias_s16_<t>_d<D>: the same for
@@ -353,6 +444,14 @@ ATTENTION_TC_KERNEL(f16_t, f16, 128)
 ATTENTION_TC_KERNEL(bf16_t, bf16, 32)
 ATTENTION_TC_KERNEL(bf16_t, bf16, 64)
 ATTENTION_TC_KERNEL(bf16_t, bf16, 128)
+ATTENTION_TC_BAND_KERNEL(f16_t, f16, 32)
+ATTENTION_TC_BAND_KERNEL(f16_t, f16, 64)
+ATTENTION_TC_BAND_KERNEL(f16_t, f16, 128)
+ATTENTION_TC_BAND_KERNEL(f16_t, f16, 256)
+ATTENTION_TC_BAND_KERNEL(bf16_t, bf16, 32)
+ATTENTION_TC_BAND_KERNEL(bf16_t, bf16, 64)
+ATTENTION_TC_BAND_KERNEL(bf16_t, bf16, 128)
+ATTENTION_TC_BAND_KERNEL(bf16_t, bf16, 256)
 ATTENTION_TC_S16_KERNEL(f16_t, f16, 32)
 ATTENTION_TC_S16_KERNEL(f16_t, f16, 64)
 ATTENTION_TC_S16_KERNEL(bf16_t, bf16, 32)

@@ -36,6 +36,13 @@
 // (MPNet): plus the relative position bias of attention.cu's rel_bias, by
 // positions within the sequence, added to the scaled scores.
 //
+// attention_varlen_tc_band_<t>_d<D> (decoders; D = 32, 64, 128, 256): the
+// tensor-core kernel with grouped-query heads of head_dim <= D values (qkv
+// rows of (heads + 2·kv_heads)·head_dim) and the key band [i - left, i +
+// right] of attention_tc.cu's
+// band kernels, by positions within the sequence; attention_varlen_tc_win_
+// is it with kv_heads = heads and left = right = window.
+//
 // Uses tc_attend and TC_* from attention_tc.cu and ATT_* from
 // attention.cu (one translation unit, those files come first).
 
@@ -67,27 +74,32 @@ __device__ __forceinline__ void varlen_zero(T* out, int q_start, int q_count, in
     }
 }
 
-template <typename T, int D, bool BIAS, bool WIN = false>
+template <typename T, int D, bool BIAS, bool BAND = false, bool GQA = false>
 __device__ __forceinline__ void attention_varlen_tc_impl(const T* __restrict__ qkv, const int* __restrict__ tiles,
                                                          T* __restrict__ out, int heads, float scale, int tokens,
-                                                         const T* __restrict__ pbias, int radius, int window = 0) {
+                                                         const T* __restrict__ pbias, int radius, int kv_heads = 0,
+                                                         int left = 0, int right = 0, int head_dim = D) {
     const int tile = blockIdx.x / heads, h = blockIdx.x % heads;
     int q_start, q_count, kv_start, kv_len;
     // Tensor-core tiles never exceed `tokens` keys; `tokens` bounds kv_len.
     if (!varlen_tile(tiles, tile, VT_QT, tokens, tokens, q_start, q_count, kv_start, kv_len)) return;
-    const int HD = heads * D;
+    const int hd = GQA ? head_dim : D;
+    const int HD = heads * hd;
     if (kv_len == 0) {
-        varlen_zero<T>(out, q_start, q_count, HD, h, D);
+        varlen_zero<T>(out, q_start, q_count, HD, h, hd);
         return;
     }
-    const size_t row_stride = (size_t)3 * HD;
+    int koff, voff;
+    size_t row_stride;
+    tc_kv_offsets<D, GQA>(h, heads, kv_heads, hd, koff, voff, row_stride);
     // Everything is relative to the sequence's first token; keys past its
     // end (the last key block's tail) are masked by the length.
     const int q_first = q_start - kv_start;
     const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
-    tc_attend<T, D, BIAS, false, TC_KB(D), WIN>(qkv + (size_t)kv_start * row_stride + (size_t)h * D, row_stride, HD,
-                                                kv_len, q_first, q_first + q_count, nullptr, scale, brow, radius,
-                                                out + (size_t)kv_start * HD + (size_t)h * D, window);
+    tc_attend<T, D, BIAS, false, TC_KB(D), BAND, GQA>(qkv + (size_t)kv_start * row_stride + (size_t)h * hd,
+                                                      row_stride, HD, koff, voff, kv_len, q_first,
+                                                      q_first + q_count, nullptr, scale, brow, radius,
+                                                      out + (size_t)kv_start * HD + (size_t)h * hd, left, right, hd);
 }
 
 // Dynamic shared memory (floats): VA_QT*(DMAX+1) + ATT_KC*(DMAX+1) + VA_QT*(max_len|1),
@@ -248,7 +260,17 @@ __device__ __forceinline__ void attention_varlen_impl(const T* __restrict__ qkv,
         attention_varlen_tc_win_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, float scale,  \
                                              int tokens, int window) {                                         \
         pdl_enter();                                                                                           \
-        attention_varlen_tc_impl<T, D, false, true>(qkv, tiles, out, heads, scale, tokens, nullptr, 0, window); \
+        attention_varlen_tc_impl<T, D, false, true>(qkv, tiles, out, heads, scale, tokens, nullptr, 0, heads,  \
+                                                    window, window);                                           \
+    }
+
+#define ATTENTION_VARLEN_TC_BAND_KERNEL(T, SUF, D)                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MIN_BLOCKS(D))                                 \
+        attention_varlen_tc_band_##SUF##_d##D(const T* qkv, const int* tiles, T* out, int heads, int kv_heads, \
+                                              int head_dim, float scale, int tokens, int left, int right) {    \
+        pdl_enter();                                                                                           \
+        attention_varlen_tc_impl<T, D, false, true, true>(qkv, tiles, out, heads, scale, tokens, nullptr, 0,   \
+                                                          kv_heads, left, right, head_dim);                    \
     }
 
 #define ATTENTION_VARLEN_KERNEL(T, SUF, DMAX)                                                                  \
@@ -271,6 +293,15 @@ ATTENTION_VARLEN_TC_KERNEL(f16_t, f16, 128)
 ATTENTION_VARLEN_TC_KERNEL(bf16_t, bf16, 32)
 ATTENTION_VARLEN_TC_KERNEL(bf16_t, bf16, 64)
 ATTENTION_VARLEN_TC_KERNEL(bf16_t, bf16, 128)
+
+ATTENTION_VARLEN_TC_BAND_KERNEL(f16_t, f16, 32)
+ATTENTION_VARLEN_TC_BAND_KERNEL(f16_t, f16, 64)
+ATTENTION_VARLEN_TC_BAND_KERNEL(f16_t, f16, 128)
+ATTENTION_VARLEN_TC_BAND_KERNEL(f16_t, f16, 256)
+ATTENTION_VARLEN_TC_BAND_KERNEL(bf16_t, bf16, 32)
+ATTENTION_VARLEN_TC_BAND_KERNEL(bf16_t, bf16, 64)
+ATTENTION_VARLEN_TC_BAND_KERNEL(bf16_t, bf16, 128)
+ATTENTION_VARLEN_TC_BAND_KERNEL(bf16_t, bf16, 256)
 
 ATTENTION_VARLEN_KERNEL(float, f32, 32)
 ATTENTION_VARLEN_KERNEL(float, f32, 64)

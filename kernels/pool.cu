@@ -4,18 +4,21 @@
 // mode : 0 = mean over tokens with mask != 0 (divided by max(sum(mask), 1e-9)),
 //        1 = cls (the first token), 2 = max over tokens with mask != 0
 //        (0 where a row has none, as the CPU backend does), 3 = sum over
-//        tokens with mask != 0 (SPLADE's sum pooling: the mean, undivided).
+//        tokens with mask != 0 (SPLADE's sum pooling: the mean, undivided),
+//        4 = last token (the last position with mask != 0, found by the
+//        block's threads together; zeros where the row has none).
 // Then, if `normalize`, out[b] /= max(||out[b]||, 1e-12).
 //
 // pool_skip_<t> (include_prompt = false): `skip` is i32 [batch]; row b pools
 // only its positions s >= skip[b] (clamped to [0, seq]) with mask != 0: mean
-// and max over those, cls the first of them; a row with none gives zeros.
+// and max over those, cls the first of them, last token the last of them; a
+// row with none gives zeros.
 //
 // pool_ln_<t> (a deferred LayerNorm, see gemm_small.cu): x is the f32
 // pre-norm rows [batch*seq, hidden] of the last add + LayerNorm, normalised
 // with gamma `lg`, beta `lb`, eps `leps` as they are loaded (each warp holds
 // whole token rows: hidden <= POOL_CHUNK) and rounded to T, the values the
-// LayerNorm would have stored; mean and max only (host-checked). Its last
+// LayerNorm would have stored; mean, max and sum only (host-checked). Its last
 // argument `out_rows` is the number of rows it writes (the batch's own, at
 // most the grid): a staged graph's pool_ln writes straight into the batch's
 // pinned host slot (stage.cu), where every row written crosses PCIe.
@@ -35,6 +38,7 @@
 #define POOL_CLS 1
 #define POOL_MAX 2
 #define POOL_SUM 3
+#define POOL_LAST 4
 
 // A warp's token row v (lane l holds columns l + 32·k, hidden <= POOL_CHUNK)
 // normalised in place and rounded to T.
@@ -228,7 +232,8 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
     const int* mb = mask + (size_t)b * seq;
     float* ob = out + (size_t)b * hidden;
     if constexpr (sizeof(TX) == 4 && sizeof(T) == 2) {  // pool_ln_<t>, not yet past pdl_enter
-        if (lg != 0 && skip == 0 && mode != POOL_CLS && hidden % 128 == 0 && hidden <= POOL_CHUNK) {
+        if (lg != 0 && skip == 0 && mode != POOL_CLS && mode != POOL_LAST && hidden % 128 == 0 &&
+            hidden <= POOL_CHUNK) {
             pool_ln_vec4<T>(reinterpret_cast<const float*>(xb), mb, seq, ob, hidden, mode, normalize, lg, lb, leps,
                             part, sh, true);
             return;
@@ -240,11 +245,27 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
     const int first = skip ? min(max(skip[b], 0), seq) : 0;
 
     float sq = 0.0f;
-    if (mode == POOL_CLS) {
-        // Without `skip`, token 0 whatever its mask; with it, the first
+    if (mode == POOL_CLS || mode == POOL_LAST) {
+        // cls: without `skip`, token 0 whatever its mask; with it, the first
+        // unmasked position >= first (none: zeros). Last token: the last
         // unmasked position >= first (none: zeros).
         int t0 = 0;
-        if (skip) {
+        if (mode == POOL_LAST) {
+            __shared__ int last_s;
+            if (tid == 0) last_s = -1;
+            __syncthreads();
+            int mine = -1;
+            for (int s = first + tid; s < seq; s += POOL_THREADS)
+                if (mb[s] != 0) mine = s;
+            mine = max(mine, __shfl_xor_sync(0xffffffffu, mine, 16));
+            mine = max(mine, __shfl_xor_sync(0xffffffffu, mine, 8));
+            mine = max(mine, __shfl_xor_sync(0xffffffffu, mine, 4));
+            mine = max(mine, __shfl_xor_sync(0xffffffffu, mine, 2));
+            mine = max(mine, __shfl_xor_sync(0xffffffffu, mine, 1));
+            if (lane == 0 && mine >= 0) atomicMax(&last_s, mine);
+            __syncthreads();
+            t0 = last_s < 0 ? seq : last_s;
+        } else if (skip) {
             t0 = first;
             while (t0 < seq && mb[t0] == 0) t0++;
         }
@@ -332,7 +353,7 @@ __device__ __forceinline__ void pool_impl(const TX* __restrict__ x, const int* _
         const float total = block_sum(sq, sh);
         const float inv = 1.0f / fmaxf(sqrtf(total), 1e-12f);
         // Each thread rescales exactly the columns it wrote above.
-        if (mode == POOL_CLS) {
+        if (mode == POOL_CLS || mode == POOL_LAST) {
             for (int c = tid; c < hidden; c += POOL_THREADS) ob[c] *= inv;
         } else {
             for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK)

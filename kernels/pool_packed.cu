@@ -6,12 +6,14 @@
 // out     : f32 [seqs, hidden]
 // mode    : POOL_MEAN (average of the sequence's tokens), POOL_CLS (its first
 //           token), POOL_MAX (element-wise maximum), POOL_SUM (the tokens'
-//           sum, SPLADE's sum pooling); an empty sequence gives
+//           sum, SPLADE's sum pooling), POOL_LAST (its last token, slot
+//           offsets[s+1] - 1); an empty sequence gives
 //           zeros in every mode. Then, if `normalize`, out[s] /= max(||out[s]||, 1e-12).
 //
 // pool_packed_skip_<t> (include_prompt = false): `skip` is i32 [seqs];
 // sequence s pools its slots from offsets[s] + skip[s] (a negative skip
-// counts as 0; zeros when none are left).
+// counts as 0; zeros when none are left; the last token is the sequence's
+// whenever one is left).
 //
 // pool_packed_ln_<t>: x is the f32 pre-norm rows of a deferred LayerNorm,
 // normalised as they are loaded, as pool.cu's pool_ln_<t>, and writes only
@@ -49,16 +51,17 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
         return;
     }
     if constexpr (sizeof(TX) == 4 && sizeof(T) == 2) {  // pool_packed_ln_<t> (pool.cu, pool_ln_vec4)
-        if (lg != 0 && mode != POOL_CLS && hidden % 128 == 0 && hidden <= POOL_CHUNK) {
+        if (lg != 0 && mode != POOL_CLS && mode != POOL_LAST && hidden % 128 == 0 && hidden <= POOL_CHUNK) {
             pool_ln_vec4<T>(reinterpret_cast<const float*>(xs), nullptr, len, os, hidden, mode, normalize, lg, lb,
                             leps, part, sh, false);
             return;
         }
     }
     float sq = 0.0f;
-    if (mode == POOL_CLS) {
+    if (mode == POOL_CLS || mode == POOL_LAST) {
+        const TX* xr = mode == POOL_LAST ? xs + (size_t)(len - 1) * hidden : xs;
         for (int c = tid; c < hidden; c += POOL_THREADS) {
-            const float v = to_f32(xs[c]);
+            const float v = to_f32(xr[c]);
             os[c] = v;
             sq += v * v;
         }
@@ -116,7 +119,7 @@ __device__ __forceinline__ void pool_packed_impl(const TX* __restrict__ x, const
         const float total = block_sum(sq, sh);
         const float inv = 1.0f / fmaxf(sqrtf(total), 1e-12f);
         // Each thread rescales exactly the columns it wrote above.
-        if (mode == POOL_CLS) {
+        if (mode == POOL_CLS || mode == POOL_LAST) {
             for (int c = tid; c < hidden; c += POOL_THREADS) os[c] *= inv;
         } else {
             for (int c0 = 0; c0 < hidden; c0 += POOL_CHUNK)

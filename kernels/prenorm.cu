@@ -1,7 +1,10 @@
 // Pre-norm encoders with rotary positions (ModernBERT): the embedding
 // gather without position table, a LayerNorm without residual (bias
 // optional), the residual add, rotary position embedding on q and k, the
-// gated feed-forward unit, and sliding-window attention.
+// gated feed-forward unit, and sliding-window attention; and the decoders'
+// attention off the tensor cores (attention_band_<t>_d<N>: grouped-query
+// heads, causal / windowed band, any length). decoder.cu uses the rotary
+// helpers (rotary_row_len_pos, rotary_ntk_base).
 //
 // Straightforward kernels: each op is one pass over its activations; the
 // fused and tensor-core forms are for later (issue 32). Ids are clamped into
@@ -104,14 +107,12 @@ __device__ __forceinline__ void rotary_impl(T* qkv, const int* __restrict__ posi
 // > max_trained (factor 0: never). The length comes from the row's mask
 // (padded: `index` is the mask, rows of `seq`) or from the offsets (packed:
 // `index` holds nseqs + 1 of them; a row past the last sequence is tail).
-template <typename T>
-__device__ __forceinline__ void rotary_ntk_impl(T* qkv, const int* __restrict__ index, int packed, int seq,
-                                                int nseqs, int heads, int head_dim, float theta, float scale,
-                                                float factor, int max_trained) {
-    const int r = blockIdx.x;
-    const int half = head_dim / 2;
-    __shared__ int len_s, pos_s;
-    __shared__ float inv_s[ROTARY_MAX_HALF];
+// Block-wide: the length of row r's sequence and r's position in it, from
+// the mask (padded: `index` is the mask, rows of `seq`) or the offsets
+// (packed: nseqs + 1 of them; a row past the last sequence is tail: 0, 0),
+// in shared memory `len_s`, `pos_s` (read after the closing barrier).
+__device__ __forceinline__ void rotary_row_len_pos(const int* __restrict__ index, int packed, int seq, int nseqs,
+                                                   int r, int& len_s, int& pos_s) {
     if (packed) {
         if (threadIdx.x == 0) {
             // The last s with offsets[s] <= r; s == nseqs: the tail.
@@ -135,11 +136,29 @@ __device__ __forceinline__ void rotary_ntk_impl(T* qkv, const int* __restrict__ 
         atomicAdd(&len_s, n);
     }
     __syncthreads();
-    const int len = len_s;
+}
+
+// The rotary base of a sequence of `len` tokens under dynamic NTK (factor 0:
+// theta).
+__device__ __forceinline__ float rotary_ntk_base(float theta, float factor, int max_trained, int len, int head_dim) {
     float base = theta;
     if (factor > 0.0f && len > max_trained)
         base = (float)((double)theta * pow((double)factor * len / max_trained - ((double)factor - 1.0),
                                            (double)head_dim / (double)(head_dim - 2)));
+    return base;
+}
+
+template <typename T>
+__device__ __forceinline__ void rotary_ntk_impl(T* qkv, const int* __restrict__ index, int packed, int seq,
+                                                int nseqs, int heads, int head_dim, float theta, float scale,
+                                                float factor, int max_trained) {
+    const int r = blockIdx.x;
+    const int half = head_dim / 2;
+    __shared__ int len_s, pos_s;
+    __shared__ float inv_s[ROTARY_MAX_HALF];
+    rotary_row_len_pos(index, packed, seq, nseqs, r, len_s, pos_s);
+    const int len = len_s;
+    const float base = rotary_ntk_base(theta, factor, max_trained, len, head_dim);
     for (int d = threadIdx.x; d < half; d += blockDim.x)
         inv_s[d] = scale / powf(base, (float)(2 * d) / (float)head_dim);
     __syncthreads();
@@ -195,21 +214,39 @@ __device__ __forceinline__ void gated_impl(const T* __restrict__ x, T* __restric
 
 // Sliding-window attention: one warp per (query row, head) over the keys of
 // its sequence within ±window of it, online softmax in f32; each lane keeps
-// head_dim / 32 (at most 4) output values. Padded (offsets null): row r is
-// position r % seq of sequence r / seq, its keys those with mask 1. Packed:
-// row r's sequence is found in offsets (nseqs + 1 values); tail rows get
-// zeros. A query that sees no key gets zeros.
+// head_dim / 32 (at most DMAX / 32) output values. Padded (offsets null): row
+// r is position r % seq of sequence r / seq, its keys those with mask 1.
+// Packed: row r's sequence is found in offsets (nseqs + 1 values); tail rows
+// get zeros. A query that sees no key gets zeros.
+//
+// attention_band_<t>_d<DMAX> (decoders off the tensor cores: f32, head sizes
+// other than 32/64/128/256, tc_attention off; DMAX 128 or 256): the same
+// loop with grouped-query heads (qkv rows of (heads + 2·kv_heads)·head_dim,
+// query head h reading key/value head h / (heads / kv_heads)) and the keys
+// i - left .. i + right (causal: right = 0), the caller's scale. Its state
+// is a warp's registers, so any sequence length runs (slowly: a key a step).
 #define WATT_DMAX 128
-template <typename T>
+template <typename T, int DMAX = WATT_DMAX, bool GQA = false>
 __device__ __forceinline__ void attention_window_impl(const T* __restrict__ qkv, const int* __restrict__ index,
                                                       T* __restrict__ out, int packed, int seq, int nseqs, int rows,
-                                                      int heads, int head_dim, float scale, int window) {
+                                                      int heads, int head_dim, float scale, int left, int right,
+                                                      int kv_heads = 0) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (warp >= rows * heads) return;
     const int r = warp / heads;
     const int h = warp - r * heads;
     const int hd = heads * head_dim;
+    // GQA: the row's width and where this head's key and value columns
+    // start.
+    size_t width = 0;
+    int kcol = 0, vcol = 0;
+    if (GQA) {
+        const int kvh = h / (heads / kv_heads);
+        width = (size_t)(heads + 2 * kv_heads) * head_dim;
+        kcol = hd + kvh * head_dim;
+        vcol = hd + (kv_heads + kvh) * head_dim;
+    }
     int start, len;
     if (packed) {
         int lo = 0, hi = nseqs;  // the s with offsets[s] <= r < offsets[s + 1]
@@ -229,23 +266,25 @@ __device__ __forceinline__ void attention_window_impl(const T* __restrict__ qkv,
         len = seq;
     }
     const int i = r - start;
-    float q[WATT_DMAX / 32], acc[WATT_DMAX / 32];
+    float q[DMAX / 32], acc[DMAX / 32];
 #pragma unroll
-    for (int k = 0; k < WATT_DMAX / 32; k++) {
+    for (int k = 0; k < DMAX / 32; k++) {
         const int d = lane + 32 * k;
-        q[k] = d < head_dim && len > 0 ? to_f32(qkv[(size_t)r * 3 * hd + h * head_dim + d]) : 0.0f;
+        q[k] = d < head_dim && len > 0 ? to_f32(qkv[(GQA ? (size_t)r * width : (size_t)r * 3 * hd) + h * head_dim + d]) : 0.0f;
         acc[k] = 0.0f;
     }
     float m = NEG_INF_F, l = 0.0f;
-    const int lo = max(0, i - window), hi = min(len - 1, i + window);
+    const int lo = max(0, i - left), hi = min(len - 1, i + right);
     for (int j = lo; j <= hi; j++) {
         if (!packed && index[start + j] == 0) continue;
-        const T* kv = qkv + (size_t)(start + j) * 3 * hd + h * head_dim;
+        // (Multi-head: the addresses written as they were before grouped
+        // heads, so the window kernel compiles as it did.)
+        const T* kv = GQA ? qkv + (size_t)(start + j) * width : qkv + (size_t)(start + j) * 3 * hd + h * head_dim;
         float dot = 0.0f;
 #pragma unroll
-        for (int k = 0; k < WATT_DMAX / 32; k++) {
+        for (int k = 0; k < DMAX / 32; k++) {
             const int d = lane + 32 * k;
-            if (d < head_dim) dot += q[k] * to_f32(kv[hd + d]);
+            if (d < head_dim) dot += q[k] * to_f32(kv[GQA ? kcol + d : hd + d]);
         }
         const float sc = warp_sum(dot) * scale;
         const float m2 = fmaxf(m, sc);
@@ -253,15 +292,15 @@ __device__ __forceinline__ void attention_window_impl(const T* __restrict__ qkv,
         const float p = __expf(sc - m2);
         l = l * corr + p;
 #pragma unroll
-        for (int k = 0; k < WATT_DMAX / 32; k++) {
+        for (int k = 0; k < DMAX / 32; k++) {
             const int d = lane + 32 * k;
-            acc[k] = acc[k] * corr + (d < head_dim ? p * to_f32(kv[2 * hd + d]) : 0.0f);
+            acc[k] = acc[k] * corr + (d < head_dim ? p * to_f32(kv[GQA ? vcol + d : 2 * hd + d]) : 0.0f);
         }
         m = m2;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
-    for (int k = 0; k < WATT_DMAX / 32; k++) {
+    for (int k = 0; k < DMAX / 32; k++) {
         const int d = lane + 32 * k;
         if (d < head_dim) out[(size_t)r * hd + h * head_dim + d] = from_f32<T>(acc[k] * inv);
     }
@@ -300,9 +339,26 @@ __device__ __forceinline__ void attention_window_impl(const T* __restrict__ qkv,
                                                       int seq, int nseqs, int rows, int heads, int head_dim,      \
                                                       float scale, int window) {                                  \
         pdl_enter();                                                                                              \
-        attention_window_impl<T>(qkv, index, out, packed, seq, nseqs, rows, heads, head_dim, scale, window);      \
+        attention_window_impl<T>(qkv, index, out, packed, seq, nseqs, rows, heads, head_dim, scale, window,       \
+                                 window);                                                                         \
+    }
+
+#define ATTENTION_BAND_KERNEL(T, SUF, DMAX)                                                                       \
+    extern "C" __global__ void attention_band_##SUF##_d##DMAX(const T* qkv, const int* index, T* out, int packed,  \
+                                                             int seq, int nseqs, int rows, int heads,             \
+                                                             int kv_heads, int head_dim, float scale, int left,   \
+                                                             int right) {                                         \
+        pdl_enter();                                                                                              \
+        attention_window_impl<T, DMAX, true>(qkv, index, out, packed, seq, nseqs, rows, heads, head_dim, scale,  \
+                                             left, right, kv_heads);                                              \
     }
 
 PRENORM_KERNELS(float, f32)
 PRENORM_KERNELS(f16_t, f16)
 PRENORM_KERNELS(bf16_t, bf16)
+ATTENTION_BAND_KERNEL(float, f32, 128)
+ATTENTION_BAND_KERNEL(float, f32, 256)
+ATTENTION_BAND_KERNEL(f16_t, f16, 128)
+ATTENTION_BAND_KERNEL(f16_t, f16, 256)
+ATTENTION_BAND_KERNEL(bf16_t, bf16, 128)
+ATTENTION_BAND_KERNEL(bf16_t, bf16, 256)

@@ -210,6 +210,37 @@ impl Grid {
         }
     }
 
+    /// The grid without `dropped` (buckets a device's memory does not
+    /// hold): a packed grid loses those budgets, a padded one the batch
+    /// sizes of those buckets. `None` when nothing would be left.
+    pub fn without(&self, dropped: &[Bucket]) -> Option<Grid> {
+        match self {
+            Grid::Packed(g) => {
+                let budgets: Vec<usize> = g
+                    .budgets
+                    .iter()
+                    .copied()
+                    .filter(|&t| !dropped.iter().any(|b| b.is_packed() && b.tokens() == t))
+                    .collect();
+                (!budgets.is_empty()).then(|| Grid::Packed(TokenGrid::new(budgets, g.max_seqs)))
+            }
+            Grid::Padded(g) => {
+                let batches: Vec<usize> = g
+                    .batches
+                    .iter()
+                    .copied()
+                    .filter(|&n| {
+                        !dropped
+                            .iter()
+                            .any(|b| matches!(*b, Bucket::Padded { batch, .. } if batch == n))
+                    })
+                    .collect();
+                (!batches.is_empty())
+                    .then(|| Grid::Padded(BucketGrid::new(batches, g.seqs.clone())))
+            }
+        }
+    }
+
     /// The grid as the stats and the reload answer show it.
     pub fn describe(&self) -> GridSpec {
         match self {
@@ -286,6 +317,30 @@ pub fn fits(bucket: Bucket, lens: impl IntoIterator<Item = usize>) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_grid_without_dropped_buckets() {
+        use super::*;
+        let packed = Grid::Packed(TokenGrid::new(vec![1024, 4096, 16384], 64));
+        let cut = packed.without(&[packed.largest_first()[0]]).unwrap();
+        assert_eq!(
+            cut.describe(),
+            GridSpec::Packed {
+                token_budgets: vec![1024, 4096],
+                max_seqs_per_batch: 64
+            }
+        );
+        assert!(packed.without(&packed.largest_first()).is_none());
+        let padded = Grid::Padded(BucketGrid::new(vec![1, 8, 32], vec![128, 512]));
+        let cut = padded.without(&[Bucket::new(32, 512)]).unwrap();
+        assert_eq!(
+            cut.describe(),
+            GridSpec::Padded {
+                batch_buckets: vec![1, 8],
+                seq_buckets: vec![128, 512]
+            }
+        );
+    }
+
     use super::*;
 
     #[test]

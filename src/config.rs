@@ -415,7 +415,8 @@ pub struct ModelConfig {
     /// BERT: the model folder. MLP: a `.safetensors` file, or a folder with
     /// `model.safetensors` and an optional `config.json` naming the activation.
     pub path: PathBuf,
-    /// Compute dtype on the device: `auto` (f16 on CUDA, f32 on the CPU
+    /// Compute dtype on the device: `auto` (f16 on CUDA — bf16 for the
+    /// decoder embedding models, Qwen3 and Gemma 3 — and f32 on the CPU
     /// backend), f32, f16 or bf16. As written in the file; [`Self::dtype`]
     /// is what it resolves to.
     #[serde(rename = "dtype", default)]
@@ -629,7 +630,18 @@ impl Config {
     /// tools call it once they know.
     pub fn resolve_for_backend(&mut self, cuda: bool) {
         for m in &mut self.models {
-            m.dtype = m.dtype_setting.resolve(cuda);
+            m.dtype = match m.dtype_setting {
+                // Decoder embedding models are trained in bf16 and overflow
+                // f16 (Gemma 3's activations reach inf).
+                DTypeSetting::Auto
+                    if cuda
+                        && m.kind == ModelKind::Bert
+                        && crate::model::bert::prefers_bf16(&m.path) =>
+                {
+                    DType::BF16
+                }
+                setting => setting.resolve(cuda),
+            };
         }
     }
 
@@ -1038,6 +1050,28 @@ path = "mlp.safetensors"
         let mut c = Config::parse(&MINIMAL.replace("path", "dtype = \"bf16\"\npath")).unwrap();
         c.resolve_for_backend(false);
         assert_eq!(c.models[0].dtype, DType::BF16);
+    }
+
+    /// Decoder embedding models (trained in bf16; Gemma 3 overflows f16)
+    /// get bf16 from `auto` on CUDA; encoders keep f16.
+    #[test]
+    fn auto_dtype_is_bf16_for_decoders_on_cuda() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/models");
+        for (folder, want) in [
+            ("qwen3-st", DType::BF16),
+            ("gemma3-st", DType::BF16),
+            ("bert-st-new", DType::F16),
+        ] {
+            let toml = format!(
+                "[[models]]\nname = \"m\"\nkind = \"bert\"\npath = \"{}\"\n",
+                dir.join(folder).display()
+            );
+            let mut c = Config::parse(&toml).unwrap();
+            c.resolve_for_backend(true);
+            assert_eq!(c.models[0].dtype, want, "{folder}");
+            c.resolve_for_backend(false);
+            assert_eq!(c.models[0].dtype, DType::F32, "{folder}");
+        }
     }
 
     #[test]

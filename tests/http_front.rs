@@ -595,6 +595,7 @@ async fn tei_routes_answer_as_text_embeddings_inference() {
             &test_model("bert-cross-encoder-legacy"),
             "[16, 64]",
         ),
+        model_toml("qwen3", &test_model("qwen3-st"), "[16, 64]"),
     ]
     .concat();
     let config = format!(
@@ -969,7 +970,7 @@ async fn tei_routes_answer_as_text_embeddings_inference() {
         256,
     );
     let models = v["models"].as_array().unwrap();
-    assert_eq!(models.len(), 4, "{v}");
+    assert_eq!(models.len(), 5, "{v}");
     expect(
         &models[0],
         "minilm",
@@ -987,4 +988,12 @@ async fn tei_routes_answer_as_text_embeddings_inference() {
     let reranker = |a: &str| json!({"reranker": {"num_labels": 1, "activation": a}});
     expect(&models[2], "ce-sigmoid", reranker("Sigmoid"), 64, 64);
     expect(&models[3], "ce-identity", reranker("Identity"), 512, 64);
+    // sentence-transformers' `lasttoken` in TEI's spelling.
+    expect(
+        &models[4],
+        "qwen3",
+        json!({"embedding": {"pooling": "last_token"}}),
+        64,
+        64,
+    );
 }

@@ -6,7 +6,9 @@
 //! `embed_ln_vec_*`, `bias_act_vec_*`, `gemm_small_*`, `pool_ln_*`; XLM-R /
 //! MPNet position ids, `embed_ln_padpos_*`;
 //! row normalisation, `l2norm_rows_*`; MPNet's relative attention bias,
-//! `attention*_bias_*`; prompt-skipping pooling, `pool*_skip_*`); and that
+//! `attention*_bias_*`; prompt-skipping pooling, `pool*_skip_*`; the
+//! decoders' band attention, `attention*_band_*`, and decoder.cu's
+//! `rms_norm_*`, `qk_norm_rope_*`, `embed_scaled_*`); and that
 //! `replayd precompile --arch 90` fills a kernel cache the backend then loads
 //! without compiling. Needs no GPU and no
 //! CUDA toolkit, only NVRTC (`scripts/dev/install-nvrtc.sh` puts the pinned wheel

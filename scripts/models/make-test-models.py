@@ -24,7 +24,8 @@ reference is computed from the folder as reloaded from disk, and the script chec
 * an independent float64 numpy forward pass written from
   docs/notes/sentence-transformers-folders.md (embeddings, position ids, MPNet's
   relative bias, attention, pooling, Dense, Normalize, classifier heads) agrees with
-  sentence-transformers on every case;
+  sentence-transformers on every case (for Qwen3 and Gemma 3, written from transformers
+  5.24's modeling_qwen3.py / modeling_gemma3.py and masking_utils.py: np_decoder);
 * a batched encode equals the per-text one.
 """
 from __future__ import annotations
@@ -79,6 +80,9 @@ from transformers import (  # noqa: E402
     GteModel,
     GPT2Model,
     GPT2Tokenizer,
+    Gemma3TextConfig,
+    Gemma3TextModel,
+    GemmaTokenizer,
     ModernBertConfig,
     ModernBertModel,
     MPNetConfig,
@@ -87,6 +91,9 @@ from transformers import (  # noqa: E402
     MPNetTokenizer,
     NomicBertConfig,
     NomicBertModel,
+    Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3Model,
     XLMRobertaConfig,
     XLMRobertaForSequenceClassification,
     XLMRobertaModel,
@@ -206,6 +213,10 @@ HARD = [
 def special_text(kind: str) -> str:
     if kind == "bert":
         return "special tokens in text: [CLS] [SEP] [PAD] [MASK] [UNK] end"
+    if kind == "qwen":
+        return "special tokens in text: <|endoftext|> <|im_start|> <|im_end|> <s> </s> end"
+    if kind == "gemma":
+        return "special tokens in text: <bos> <eos> <pad> <mask> <unk> <start_of_turn> end"
     return "special tokens in text: <s> </s> <pad> <mask> <unk> end"
 
 
@@ -387,6 +398,127 @@ def train_byte_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str
     for c in alphabet:
         vocab[c] = len(vocab)
     return vocab, []
+
+
+def greedy_bpe_merges(words: dict[tuple[str, ...], int], n_merges: int, alphabet: set[str] | None = None) -> list[tuple[str, str]]:
+    """BPE merges learned by the textbook loop, deterministically (the tokenizers library's
+    BpeTrainer is not trusted to break ties the same way on every run): count the adjacent symbol
+    pairs of every word weighted by its count, merge the most frequent pair (ties: the
+    lexicographically smallest), repeat. Symbols outside `alphabet` (when given) never merge."""
+    from collections import Counter
+
+    words = dict(words)
+    merges: list[tuple[str, str]] = []
+    for _ in range(n_merges):
+        pairs: Counter = Counter()
+        for w, n in words.items():
+            for a, b in zip(w, w[1:]):
+                if alphabet is None or ((a in alphabet or len(a) > 1) and (b in alphabet or len(b) > 1)):
+                    pairs[(a, b)] += n
+        if not pairs:
+            break
+        best = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))[0]
+        merges.append(best)
+        merged: dict[tuple[str, ...], int] = {}
+        for w, n in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] = merged.get(tuple(out), 0) + n
+        words = merged
+    return merges
+
+
+def gpt2_byte_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode characters in its vocabulary's order (`!` = 0 … then the bytes
+    that are not printable, mapped to U+0100 on), as GPT-2's and Qwen's vocabularies begin."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    out = [chr(c) for c in cs]
+    assert sorted(out) == sorted(pre_tokenizers.ByteLevel.alphabet())
+    return out
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def qwen_tokenizer(model_max_length: int) -> Qwen2Tokenizer:
+    """A byte-level BPE in Qwen2/Qwen3's layout, written by transformers' Qwen2Tokenizer (NFC
+    normalizer, Qwen2's regex Split then ByteLevel without its own regex, ByteLevel decoder): the 256
+    byte symbols in GPT-2's order, 300 merges learned from CORPUS (greedy_bpe_merges), then
+    <|endoftext|> <|im_start|> <|im_end|> last. As Qwen3-Embedding's tokenizer.json, the
+    post-processor appends <|endoftext|> to every sequence (`$A <|endoftext|>`); eos_token is
+    <|im_end|>, pad_token <|endoftext|>, padding side left."""
+    probe = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(gpt2_byte_alphabet())}, merges=[])
+    bt = probe.backend_tokenizer
+    from collections import Counter
+
+    words: Counter = Counter()
+    for line in corpus_lines():
+        for w, _ in bt.pre_tokenizer.pre_tokenize_str(bt.normalizer.normalize_str(line)):
+            words[tuple(w)] += 1
+    merges = greedy_bpe_merges(words, 300)
+    vocab = {c: i for i, c in enumerate(gpt2_byte_alphabet())}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    for s in QWEN_SPECIALS:
+        vocab[s] = len(vocab)
+    eot = vocab["<|endoftext|>"]
+    post = processors.TemplateProcessing(
+        single="$A:0 <|endoftext|>:0", pair="$A:0 <|endoftext|>:0 $B:1 <|endoftext|>:1",
+        special_tokens=[("<|endoftext|>", eot)],
+    )
+    return Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, bos_token=None,
+        eos_token="<|im_end|>", pad_token="<|endoftext|>", extra_special_tokens=["<|im_start|>"],
+        model_max_length=model_max_length, padding_side="left", post_processor=post,
+        clean_up_tokenization_spaces=False, split_special_tokens=False, errors="replace",
+    )
+
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def gemma_tokenizer(model_max_length: int) -> GemmaTokenizer:
+    """A SentencePiece-style BPE with byte fallback in Gemma 3's layout, written by transformers'
+    GemmaTokenizer (normalizer Replace " " → "▁", a Split on " " that finds none after it, BPE with
+    byte_fallback and fuse_unk, decoder ▁ → space + ByteFallback + Fuse): <pad>=0 <eos>=1 <bos>=2
+    <unk>=3 <mask>=4 <start_of_turn>=5 <end_of_turn>=6, <0x00>…<0xFF> = 7…262, then the characters
+    seen at least 3 times in CORPUS and 300 merges learned from its ▁-prefixed words (other
+    characters, most CJK/Hangul and all emoji, go through byte fallback). The post-processor is
+    `<bos> $A <eos>` (add_bos_token and add_eos_token, as EmbeddingGemma's); padding side right."""
+    import re
+    from collections import Counter
+
+    counts = Counter(c for line in corpus_lines() for c in line.replace(" ", "▁"))
+    alphabet = sorted(c for c, n in counts.items() if n >= 3)
+    words: Counter = Counter()
+    for line in corpus_lines():
+        for w in re.findall("▁?[^▁]+", line.replace(" ", "▁")):
+            words[tuple(w)] += 1
+    merges = greedy_bpe_merges(words, 300, set(alphabet))
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIALS)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for c in alphabet:
+        vocab.setdefault(c, len(vocab))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    return GemmaTokenizer(
+        vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=True, padding_side="right",
+        extra_special_tokens=["<start_of_turn>", "<end_of_turn>"], model_max_length=model_max_length,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1152,6 +1284,135 @@ def build_unsupported_module(tmp: Path) -> Path:
     return path
 
 
+def init_rms_norms(model: torch.nn.Module, seed: int, center: float) -> None:
+    """Redraws every RMSNorm weight as center + 0.2·N(0, 1) (Qwen3 multiplies by w, so center 1;
+    Gemma 3 by 1 + w, so center 0), so that a norm applied with the wrong convention, or skipped,
+    changes the output."""
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if type(mod).__name__.endswith("RMSNorm"):
+                g = np.random.default_rng([seed, zlib.crc32(name.encode())])
+                v = center + 0.2 * g.standard_normal(tuple(mod.weight.shape))
+                mod.weight.copy_(torch.from_numpy(np.asarray(v, dtype=np.float32)))
+
+
+def sentence_bert_config_legacy(path: Path, max_seq_length: int) -> None:
+    """sentence_bert_config.json as Qwen3-Embedding's and EmbeddingGemma's folders have it (written
+    by sentence-transformers < 6): the maximum there, under a much larger tokenizer
+    model_max_length."""
+    write_json(path / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
+
+
+QWEN3_PROMPTS = {
+    "query": "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:",
+    "document": "",
+}
+
+
+def build_qwen3_st(tmp: Path) -> Path:
+    """Qwen3 (Qwen3Model) as Qwen3-Embedding: causal, GQA, q_norm/k_norm, bf16 weights in two
+    shards, last-token pooling over the appended <|endoftext|>, Normalize, the query instruction."""
+    tok = qwen_tokenizer(131072)
+    eot = tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False, sliding_window=None, max_window_layers=2, attention_bias=False,
+        bos_token_id=eot, eos_token_id=eot,
+    )
+    model = Qwen3Model(cfg)
+    init_weights(model, 9001)
+    init_rms_norms(model, 9002, 1.0)
+    model = model.to(torch.bfloat16)
+    hf = tmp / "qwen3-st-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    st = SentenceTransformer(
+        modules=[Transformer(str(hf)), Pooling(32, "lasttoken", include_prompt=True), Normalize()],
+        prompts=QWEN3_PROMPTS, default_prompt_name=None, device="cpu",
+    )
+    assert st[0].auto_model.dtype == torch.bfloat16
+    path = OUT / "qwen3-st"
+    st.save(str(path))
+    # Sharded as the Hub's multi-GB folders are: model-0000N-of-0000M.safetensors and
+    # model.safetensors.index.json (transformers' own save, with a small shard size).
+    (path / "model.safetensors").unlink()
+    st[0].auto_model.save_pretrained(path, max_shard_size="48KB")
+    shards = sorted(p.name for p in path.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and not (path / "model.safetensors").exists(), shards
+    sentence_bert_config_legacy(path, 64)
+    # sentence-transformers saved model_max_length capped at max_position_embeddings (512); the
+    # real folder's tokenizer_config.json says 131072, above its 32768 positions.
+    tc = read_json(path / "tokenizer_config.json")
+    assert tc["model_max_length"] == 512
+    tc["model_max_length"] = 131072
+    write_json(path / "tokenizer_config.json", tc)
+    tidy_folder(path)
+    return path
+
+
+EMBEDDINGGEMMA_PROMPTS = {
+    "query": "task: search result | query: ",
+    "document": "title: none | text: ",
+    "BitextMining": "task: search result | query: ",
+    "Clustering": "task: clustering | query: ",
+    "Classification": "task: classification | query: ",
+    "InstructionRetrieval": "task: code retrieval | query: ",
+    "MultilabelClassification": "task: classification | query: ",
+    "PairClassification": "task: sentence similarity | query: ",
+    "Reranking": "task: search result | query: ",
+    "Retrieval": "task: search result | query: ",
+    "Retrieval-query": "task: search result | query: ",
+    "Retrieval-document": "title: none | text: ",
+    "STS": "task: sentence similarity | query: ",
+    "Summarization": "task: summarization | query: ",
+}
+
+
+def build_gemma3_st(tmp: Path) -> Path:
+    """Gemma 3 text (Gemma3TextModel) as EmbeddingGemma: bidirectional attention, three sliding
+    layers then one global, sandwich norms, bf16 weights; mean pooling, Dense 32→48, Dense 48→32
+    (no bias, identity), Normalize, EmbeddingGemma's prompts."""
+    tok = gemma_tokenizer(2048)
+    cfg = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=24, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=512, rms_norm_eps=1e-6, query_pre_attn_scalar=12, sliding_window=10,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        use_bidirectional_attention=True, final_logit_softcapping=None, attn_logit_softcapping=None,
+        attention_bias=False, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    assert cfg.sliding_window == 6  # 10 // 2 + 1 in memory; to_dict writes (6 - 1) * 2 = 10 back
+    model = Gemma3TextModel(cfg)
+    init_weights(model, 9101)
+    init_rms_norms(model, 9102, 0.0)
+    model = model.to(torch.bfloat16)
+    hf = tmp / "gemma3-st-hf"
+    model.save_pretrained(hf)
+    tok.save_pretrained(hf)
+    d1 = Dense(32, 48, bias=False, activation_function=torch.nn.Identity())
+    d2 = Dense(48, 32, bias=False, activation_function=torch.nn.Identity())
+    init_weights(d1, 9103)
+    init_weights(d2, 9104)
+    st = SentenceTransformer(
+        modules=[Transformer(str(hf)), Pooling(32, "mean"), d1, d2, Normalize()],
+        prompts=EMBEDDINGGEMMA_PROMPTS, default_prompt_name=None, device="cpu",
+    )
+    assert st[0].auto_model.dtype == torch.bfloat16
+    path = OUT / "gemma3-st"
+    st.save(str(path))
+    assert read_json(path / "tokenizer_config.json")["model_max_length"] == 512  # 2048, capped at 512 positions
+    sentence_bert_config_legacy(path, 64)
+    tidy_folder(path)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # Cases
 # ---------------------------------------------------------------------------------------------
@@ -1265,16 +1526,33 @@ def module_list(model) -> list:
     return list(model._modules.values())
 
 
-def st_reference(path: Path, kind: str, long_base: str, token_case: str = "ordinary-1") -> list[dict]:
-    m = SentenceTransformer(str(path), device="cpu")
+def load_st(path: Path) -> SentenceTransformer:
+    """SentenceTransformer(folder) on the CPU. A folder whose weights are stored in bfloat16 is
+    loaded in float32 (model_kwargs dtype float32: transformers 5 would otherwise keep the saved
+    dtype, `dtype="auto"`), so its reference is the float32 function of the stored bf16 values."""
+    if read_json(path / "config.json").get("dtype") == "bfloat16":
+        m = SentenceTransformer(str(path), device="cpu", model_kwargs={"dtype": torch.float32})
+        assert m[0].auto_model.dtype == torch.float32
+        return m
+    return SentenceTransformer(str(path), device="cpu")
+
+
+def st_reference(path: Path, kind: str, long_base: str, token_case: str = "ordinary-1",
+                 prompt_names: list[str] | None = None, truncate_dims: tuple[int, ...] = (),
+                 truncate_cases: tuple[str, ...] = ()) -> list[dict]:
+    """Reference rows of a SentenceTransformer folder. prompt_names: the prompts to make cases for
+    (default: every non-empty one); truncate_dims: Matryoshka cuts recorded as `truncated` for the
+    truncate_cases (what encode(truncate_dim=…) returns)."""
+    m = load_st(path)
     m.eval()
     tok = m[0].tokenizer
     max_len = m.max_seq_length
     sbc = read_json(path / "sentence_bert_config.json")
     lower = bool(sbc.get("do_lower_case", False))
-    prompt_names = [k for k, v in m.prompts.items() if v]
-    if m.default_prompt_name:
-        prompt_names += [k for k, v in m.prompts.items() if not v and k in ("document",)]
+    if prompt_names is None:
+        prompt_names = [k for k, v in m.prompts.items() if v]
+        if m.default_prompt_name:
+            prompt_names += [k for k, v in m.prompts.items() if not v and k in ("document",)]
     default_prompt = m.prompts.get(m.default_prompt_name, "") if m.default_prompt_name else ""
     cases = st_cases(tok, kind, max_len, long_base, default_prompt, prompt_names)
     pooling = next(x for x in module_list(m) if isinstance(x, Pooling))
@@ -1322,6 +1600,14 @@ def st_reference(path: Path, kind: str, long_base: str, token_case: str = "ordin
             for c, e in zip(group, embs):
                 assert np.allclose(e, c["_inter"]["final"], atol=2e-6), (path.name, c["case"])
                 c["_embedding"] = e
+            for dim in truncate_dims:
+                sel = [c for c in group if c["case"] in truncate_cases]
+                if sel:
+                    cut = m.encode([c["text"] for c in sel], prompt_name=pn, convert_to_numpy=True,
+                                   batch_size=64, truncate_dim=dim)
+                    for c, e in zip(sel, cut):
+                        assert e.shape == (dim,) and np.allclose(e, c["_embedding"][:dim], atol=2e-6)
+                        c.setdefault("_truncated", {})[str(dim)] = e
     has_dense = any(isinstance(x, Dense) for x in module_list(m))
     has_norm = any(isinstance(x, Normalize) for x in module_list(m))
     for c in cases:
@@ -1333,7 +1619,11 @@ def st_reference(path: Path, kind: str, long_base: str, token_case: str = "ordin
         if has_dense and has_norm:
             row["dense"] = c["_inter"]["dense"].tolist()
         row["embedding"] = c["_embedding"].tolist()
+        if "_truncated" in c:
+            row["truncated"] = {k: v.tolist() for k, v in c["_truncated"].items()}
         rows.append(row)
+    if truncate_dims:
+        assert sum("truncated" in r for r in rows) >= 2
     numpy_check_st(path, m, pooling, rows)
     # The folder's own peculiarities must be observable: ignoring do_lower_case or trusting the
     # tokenizer.json's baked truncation must change some ids.
@@ -1569,7 +1859,97 @@ def np_rotary_post(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
     return h
 
 
+def np_rms(x, w, eps, one_plus: bool):
+    """RMSNorm over the last axis: x / sqrt(mean(x²) + eps) · w (Qwen3), · (1 + w) (Gemma 3)."""
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y * (1.0 + w) if one_plus else y * w
+
+
+def np_rope(x, theta: float, positions: np.ndarray):
+    """Rotary "rotate half" on x (heads, L, D), the angles in float32 as transformers computes them."""
+    D = x.shape[-1]
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, D, 2, dtype=np.float32) / np.float32(D)))
+    ang = (positions.astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)
+    cos = np.concatenate([np.cos(ang), np.cos(ang)], -1)
+    sin = np.concatenate([np.sin(ang), np.sin(ang)], -1)
+    return x * cos + np.concatenate([-x[..., D // 2:], x[..., : D // 2]], -1) * sin
+
+
+def np_gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def np_decoder(W: dict, cfg: dict, ids: list[int]) -> np.ndarray:
+    """Qwen3 (Qwen3Model) or Gemma 3 text (Gemma3TextModel) for one unpadded sequence, from the
+    saved config.json keys alone. Positions 0…L−1. Per layer: pre-norm; q/k/v without bias, q and
+    k RMS-normed per head (q_norm/k_norm over head_dim) before rotary; the KV head of query head h
+    is h // (heads / kv_heads); softmax(q·k · scale + mask)·v; o_proj.
+      Qwen3: RMSNorm · w, scale head_dim^-½, causal mask (use_sliding_window false), residual after
+        o_proj and after the SwiGLU MLP silu(gate)·up → down, final norm.
+      Gemma 3: embeddings · float32(√hidden) (the compute dtype's rounding), RMSNorm · (1 + w),
+        scale query_pre_attn_scalar^-½, rotary θ per layer type (rope_parameters[layer_type]),
+        sandwich norms (post_attention_layernorm on the attention output before the residual add,
+        pre_/post_feedforward_layernorm around the GeGLU MLP gelu_tanh(gate)·up → down), final norm.
+        use_bidirectional_attention: full layers see every token; sliding layers see keys with
+        |i − j| < sliding_window // 2 + 1 (sliding_window as saved), i.e. |i − j| ≤ sliding_window // 2."""
+    L = len(ids)
+    gemma = cfg["model_type"] == "gemma3_text"
+    eps = cfg["rms_norm_eps"]
+    H, KV, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    pos = np.arange(L)
+    h = W["embed_tokens.weight"][np.asarray(ids)]
+    if gemma:
+        h = h * np.float64(np.float32(math.sqrt(cfg["hidden_size"])))
+        scale = cfg["query_pre_attn_scalar"] ** -0.5
+        act = np_gelu_tanh
+        assert cfg["hidden_activation"] == "gelu_pytorch_tanh"
+        assert cfg["attn_logit_softcapping"] is None and cfg["use_bidirectional_attention"]
+    else:
+        scale = D**-0.5
+        act = lambda x: x / (1.0 + np.exp(-x))  # noqa: E731
+        assert cfg["hidden_act"] == "silu" and not cfg["use_sliding_window"]
+    assert not cfg["attention_bias"]
+
+    def norm(x, name):
+        return np_rms(x, W[name + ".weight"], eps, gemma)
+
+    dist = pos[:, None] - pos[None, :]
+    for layer, kind in enumerate(cfg["layer_types"]):
+        p = f"layers.{layer}."
+        a = norm(h, p + "input_layernorm")
+        q = (a @ W[p + "self_attn.q_proj.weight"].T).reshape(L, H, D).transpose(1, 0, 2)
+        k = (a @ W[p + "self_attn.k_proj.weight"].T).reshape(L, KV, D).transpose(1, 0, 2)
+        v = (a @ W[p + "self_attn.v_proj.weight"].T).reshape(L, KV, D).transpose(1, 0, 2)
+        q, k = norm(q, p + "self_attn.q_norm"), norm(k, p + "self_attn.k_norm")
+        rp = cfg["rope_parameters"][kind] if gemma else cfg["rope_parameters"]
+        assert rp["rope_type"] == "default"
+        q, k = np_rope(q, rp["rope_theta"], pos), np_rope(k, rp["rope_theta"], pos)
+        kv_of = np.arange(H) // (H // KV)
+        s = q @ k[kv_of].transpose(0, 2, 1) * scale
+        if not gemma:
+            allowed = dist >= 0
+        elif kind == "sliding_attention":
+            allowed = np.abs(dist) < cfg["sliding_window"] // 2 + 1
+        else:
+            allowed = np.ones((L, L), dtype=bool)
+        s = np.where(allowed[None], s, -np.inf)
+        e = np.exp(s - s.max(-1, keepdims=True))
+        c = ((e / e.sum(-1, keepdims=True)) @ v[kv_of]).transpose(1, 0, 2).reshape(L, H * D)
+        o = c @ W[p + "self_attn.o_proj.weight"].T
+        if gemma:
+            h = h + norm(o, p + "post_attention_layernorm")
+            m = norm(h, p + "pre_feedforward_layernorm")
+        else:
+            h = h + o
+            m = norm(h, p + "post_attention_layernorm")
+        f = (act(m @ W[p + "mlp.gate_proj.weight"].T) * (m @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+        h = h + (norm(f, p + "post_feedforward_layernorm") if gemma else f)
+    return norm(h, "norm")
+
+
 def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], type_ids: list[int] | None) -> np.ndarray:
+    if family in ("qwen3", "gemma3_text"):
+        return np_decoder(W, cfg, ids)
     if family == "distilbert":
         return np_distilbert(W, cfg, ids)
     if family == "modernbert":
@@ -1630,7 +2010,8 @@ def np_encoder(W: dict, prefix: str, family: str, cfg: dict, ids: list[int], typ
 
 def family_of(cfg: dict) -> str:
     return {"bert": "bert", "xlm-roberta": "xlmr", "mpnet": "mpnet", "distilbert": "distilbert",
-            "modernbert": "modernbert", "gte": "gte", "nomic_bert": "nomic_bert"}[cfg["model_type"]]
+            "modernbert": "modernbert", "gte": "gte", "nomic_bert": "nomic_bert", "qwen3": "qwen3",
+            "gemma3_text": "gemma3_text"}[cfg["model_type"]]
 
 
 def cosine(a, b) -> float:
@@ -1639,16 +2020,49 @@ def cosine(a, b) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
+def load_np_any(path: Path) -> dict[str, np.ndarray]:
+    """load_np for any dtype safetensors stores (bfloat16 is read through torch)."""
+    from safetensors.torch import load_file
+
+    return {k: v.float().numpy().astype(np.float64) for k, v in load_file(str(path)).items()}
+
+
+def load_model_np(path: Path) -> dict[str, np.ndarray]:
+    """A folder's transformer weights in float64: model.safetensors, or the shards that
+    model.safetensors.index.json's weight_map names."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        files = ["model.safetensors"]
+    else:
+        wm = read_json(index)["weight_map"]
+        files = sorted(set(wm.values()))
+    W = {}
+    for f in files:
+        for k, v in load_np_any(path / f).items():
+            assert k not in W
+            W[k] = v
+    if index.exists():
+        assert sorted(W) == sorted(wm) and all(k in load_file(str(path / wm[k])) for k in wm)
+    return W
+
+
+NP_ACTIVATIONS = {"torch.nn.modules.activation.Tanh": np.tanh, "torch.nn.modules.linear.Identity": lambda x: x}
+
+
 def numpy_check_st(path: Path, m, pooling: Pooling, rows: list[dict]) -> None:
     cfg = read_json(path / "config.json")
     fam = family_of(cfg)
-    W = load_np(path / "model.safetensors")
-    dense_w = None
+    W = load_model_np(path)
+    denses = []
     mods = read_json(path / "modules.json")
     for mod in mods:
         if mod["type"].endswith("Dense"):
-            D = load_np(path / mod["path"] / "model.safetensors")
-            dense_w = (D["linear.weight"], D["linear.bias"])
+            D = load_np_any(path / mod["path"] / "model.safetensors")
+            dcfg = read_json(path / mod["path"] / "config.json")
+            assert ("linear.bias" in D) == dcfg["bias"]
+            denses.append((D["linear.weight"], D.get("linear.bias"), NP_ACTIVATIONS[dcfg["activation_function"]]))
     normalize = any(mod["type"].endswith("Normalize") for mod in mods)
     modes = (pooling.pooling_mode,) if isinstance(pooling.pooling_mode, str) else pooling.pooling_mode
     for r in rows:
@@ -1665,12 +2079,16 @@ def numpy_check_st(path: Path, m, pooling: Pooling, rows: list[dict]) -> None:
                 parts.append(sel[0])
             elif mode == "max":
                 parts.append(sel.max(0))
+            elif mode == "lasttoken":
+                parts.append(sel[-1])
             else:
                 raise AssertionError(mode)
         x = np.concatenate(parts)
         assert cosine(x, r.get("pooled", r["embedding"])) > 0.999999, (path.name, r["case"])
-        if dense_w is not None:
-            x = np.tanh(dense_w[0] @ x + dense_w[1])
+        for w, b, act in denses:
+            x = act(w @ x + (0 if b is None else b))
+        if denses:
+            assert cosine(x, r.get("dense", r["embedding"])) > 0.999999, (path.name, r["case"])
         if normalize:
             x = x / max(np.linalg.norm(x), 1e-12)
         c = cosine(x, r["embedding"])
@@ -1697,6 +2115,37 @@ def numpy_check_ce(path: Path, ce, rows: list[dict]) -> None:
         score = 1.0 / (1.0 + np.exp(-logits)) if act == "Sigmoid" else logits
         assert act in ("Sigmoid", "Identity"), act
         assert np.allclose(np.atleast_1d(score), np.atleast_1d(r["score"]), atol=1e-4), (path.name, r["case"])
+
+
+ST_REFERENCE_OPTIONS = {
+    # EmbeddingGemma's fourteen prompts hold five distinct strings; the query and document ones are enough.
+    "gemma3-st": {
+        "prompt_names": ["query", "document"],
+        "truncate_dims": (16,),
+        "truncate_cases": ("ordinary-1", "accents", "cjk-zh", "prompt-query-ordinary-1", "prompt-document-ordinary-1"),
+    },
+}
+
+
+def check_decoder_rows(path: Path, kind: str, rows: list[dict]) -> None:
+    """What the decoder folders exist to show: Qwen3's tokenizer.json appends <|endoftext|> to every
+    text (truncated ones included) and last-token pooling reads it; Gemma's puts <bos> … <eos> around
+    every text, some characters go through byte fallback, and texts are longer than the window."""
+    tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+    cfg = read_json(path / "config.json")
+    if kind == "qwen":
+        eot = tk.token_to_id("<|endoftext|>")
+        assert all(r["ids"][-1] == eot for r in rows)
+        assert any(r["ids"].count(eot) > 1 for r in rows)  # the special-token-strings case
+        assert any("untruncated_length" in r and r["prompt"] for r in rows)
+        assert cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+    else:
+        bos, eos = tk.token_to_id("<bos>"), tk.token_to_id("<eos>")
+        assert all(r["ids"][0] == bos and r["ids"][-1] == eos for r in rows)
+        byte_ids = {tk.token_to_id(f"<0x{b:02X}>") for b in range(256)}
+        assert sum(any(i in byte_ids for i in r["ids"]) for r in rows) >= 5
+        assert sum(len(r["ids"]) > cfg["sliding_window"] for r in rows) >= len(rows) // 2
+        assert cfg["query_pre_attn_scalar"] != cfg["head_dim"]
 
 
 def write_reference(path: Path, rows: list[dict]) -> None:
@@ -1812,6 +2261,101 @@ FOLDERS = {
         "own length. Reference: transformers 5's NomicBertModel with `rope_type: dynamic`, one text "
         "at a time in a fresh model (transformers decides the base per batch and caches it)."
     ),
+    "qwen3-st": (
+        "Qwen3-Embedding-like: transformers 5's Qwen3Model (`model_type: qwen3`, `architectures: "
+        "[Qwen3Model]`), a causal decoder, saved by sentence-transformers 6.2 and then re-saved by "
+        "transformers' `save_pretrained(max_shard_size=48KB)` into `model-00001-of-00002.safetensors`, "
+        "`model-00002-of-00002.safetensors` and `model.safetensors.index.json` (`weight_map`: every "
+        "tensor → its shard; `metadata.total_size`), **bfloat16** (`dtype: bfloat16` in config.json). "
+        "Tensors: `embed_tokens.weight` (no lm_head: `tie_word_embeddings: true`), "
+        "`layers.N.input_layernorm.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight` (no bias, "
+        "`attention_bias: false`), `layers.N.self_attn.q_norm.weight` / `k_norm.weight` (width "
+        "head_dim), `layers.N.post_attention_layernorm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`, "
+        "`norm.weight`. Config: `hidden_size: 32`, `num_hidden_layers: 2`, `num_attention_heads: 4`, "
+        "`num_key_value_heads: 2` (GQA: query head h reads KV head h // 2), `head_dim: 16` (q is 64 "
+        "wide, not hidden_size), `intermediate_size: 64`, `hidden_act: silu`, `rms_norm_eps: 1e-06`, "
+        "`rope_parameters: {rope_type: default, rope_theta: 1000000.0}` (transformers 4.x folders, as "
+        "the Hub's Qwen3-Embedding, say `rope_theta` / `rope_scaling: null` at the top level instead; "
+        "transformers 5 reads those into rope_parameters), `use_sliding_window: false`, "
+        "`sliding_window: null`, `layer_types` all `full_attention`. Semantics (modeling_qwen3.py): "
+        "Qwen3RMSNorm is x·rsqrt(mean(x²) + eps)·w (weights here are 1 + 0.2·N(0,1), not ones); q_norm "
+        "and k_norm are applied per head to q and k after the projections and before rotary; rotary is "
+        "rotate-half over the whole head_dim with inv_freq = θ^(−2i/head_dim); scale head_dim^−½; causal "
+        "mask; residual after o_proj and after the SwiGLU MLP down(silu(gate x)·up x); final `norm`. "
+        "Tokenizer: a byte-level BPE written by transformers' Qwen2Tokenizer (`tokenizer_class: "
+        "Qwen2Tokenizer`): NFC normalizer, Qwen2's regex Split then ByteLevel (no regex of its own), the "
+        "256 byte symbols in GPT-2's order (ids 0–255), 300 merges learned from the script's text, then "
+        "`<|endoftext|>` = 556, `<|im_start|>` = 557, `<|im_end|>` = 558 (vocab_size 559). As the real "
+        "Qwen3-Embedding tokenizer.json, the post-processor is TemplateProcessing `$A <|endoftext|>` "
+        "(pair `$A <|endoftext|> $B <|endoftext|>`): every text ends with id 556, also when truncated "
+        "(the text loses its tokens, the appended one stays). tokenizer_config.json: `eos_token: "
+        "<|im_end|>` (not what is appended), `pad_token: <|endoftext|>`, `bos_token`/`unk_token` null, "
+        "`padding_side: left`, `model_max_length: 131072` (as the real file; above the 512 positions, "
+        "and sentence-transformers' own save would have capped it at 512). `sentence_bert_config.json` "
+        "is the real folder's `{max_seq_length: 64, do_lower_case: false}` (so 64 wins). Pooling "
+        "`lasttoken` (`include_prompt: true`): the final norm's output at the last token (the appended "
+        "<|endoftext|>); Normalize. Prompts as Qwen3-Embedding-0.6B: `query` = `\"Instruct: Given a web "
+        "search query, retrieve relevant passages that answer the query\\nQuery:\"` (a newline inside, "
+        "no space after the colon: the text follows directly), `document` = `\"\"`, "
+        "`default_prompt_name: null`. Reference: float32 computation from the bf16 values "
+        "(`SentenceTransformer(folder, model_kwargs={\"dtype\": torch.float32})`: a plain load keeps "
+        "bfloat16 in transformers 5, `dtype=\"auto\"`)."
+    ),
+    "gemma3-st": (
+        "EmbeddingGemma-like: transformers 5's Gemma3TextModel (`model_type: gemma3_text`, "
+        "`architectures: [Gemma3TextModel]`) with `use_bidirectional_attention: true`, saved by "
+        "sentence-transformers 6.2 in one `model.safetensors`, **bfloat16** (the Dense weights too: "
+        "sentence-transformers casts the whole pipeline to the transformer's dtype). Tensors: "
+        "`embed_tokens.weight`, `layers.N.input_layernorm.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`, "
+        "`layers.N.self_attn.q_norm.weight` / `k_norm.weight` (width head_dim), "
+        "`layers.N.post_attention_layernorm.weight`, `layers.N.pre_feedforward_layernorm.weight`, "
+        "`layers.N.mlp.{gate,up,down}_proj.weight`, `layers.N.post_feedforward_layernorm.weight`, "
+        "`norm.weight`; `2_Dense/model.safetensors` and `3_Dense/model.safetensors` hold `linear.weight` "
+        "only. Config: `hidden_size: 32`, `num_hidden_layers: 4`, `num_attention_heads: 2`, "
+        "`num_key_value_heads: 1`, `head_dim: 24` (q is 48 wide), `intermediate_size: 48`, "
+        "`hidden_activation: gelu_pytorch_tanh`, `query_pre_attn_scalar: 12` (≠ head_dim), "
+        "`rms_norm_eps: 1e-06`, `layer_types: [sliding_attention ×3, full_attention]` (authoritative: the "
+        "saved `_sliding_window_pattern: 6` only fills layer_types when it is missing, and would make all "
+        "four layers sliding), `rope_parameters: {full_attention: {rope_type: default, rope_theta: "
+        "1000000.0}, sliding_attention: {rope_type: default, rope_theta: 10000.0}}` (transformers 4.x "
+        "folders, as the Hub's EmbeddingGemma, say `rope_theta` (→ full_attention) and "
+        "`rope_local_base_freq` (→ sliding_attention) instead: configuration_gemma3.py "
+        "`convert_rope_params_to_dict`), `sliding_window: 10`, `attn_logit_softcapping: null`, "
+        "`final_logit_softcapping: null`, `pad_token_id: 0`. Semantics verified in transformers 5.24: "
+        "(1) **window** — `Gemma3TextConfig.__post_init__` turns the saved `sliding_window` w into "
+        "w // 2 + 1 in memory when use_bidirectional_attention is set (`to_dict` writes (w′ − 1)·2 back, "
+        "so an odd saved value does not survive a re-save); `Gemma3TextModel.forward` builds the sliding "
+        "mask as `create_sliding_window_causal_mask` (masking_utils.py: kv ≤ q and kv > q − w′) OR "
+        "`_bidirectional_window_overlay(w′)` (|q − kv| < w′), which together are |i − j| < w // 2 + 1, "
+        "i.e. **|i − j| ≤ w // 2 = 5 here** (EmbeddingGemma's 512: ±256); full layers get the causal "
+        "mask OR always-true: every token; padding is ANDed afterwards (sdpa_mask). (2) **scale** "
+        "`query_pre_attn_scalar^−½` (Gemma3Attention.scaling), not head_dim. (3) **embeddings** are "
+        "multiplied by `Gemma3TextScaledWordEmbedding.embed_scale` = √hidden_size held as a tensor and "
+        "cast to the weight dtype at use: float32 √32 = 5.65685415 here (a bf16 computation would use "
+        "5.65625). (4) Gemma3RMSNorm is x·rsqrt(mean(x²) + eps)·(1 + w), computed in float32 (weights "
+        "0.2·N(0,1) here). (5) per layer: input_layernorm → attention (q_norm/k_norm per head before "
+        "rotary; rotate-half; θ by the layer's type; KV head shared by both query heads) → o_proj → "
+        "post_attention_layernorm → residual add; pre_feedforward_layernorm → down(gelu_tanh(gate x)·up x) "
+        "→ post_feedforward_layernorm → residual add; final `norm`. Positions 0…L−1. Tokenizer: Gemma "
+        "3's layout written by transformers' GemmaTokenizer (`tokenizer_class: GemmaTokenizer`): "
+        "normalizer Replace(\" \" → \"▁\"), pre-tokenizer Split(\" \", merged_with_previous) (finds "
+        "no space after the normalizer), BPE with `byte_fallback: true`, `fuse_unk: true`; `<pad>` = 0, "
+        "`<eos>` = 1, `<bos>` = 2, `<unk>` = 3, `<mask>` = 4, `<start_of_turn>` = 5, `<end_of_turn>` = 6, "
+        "`<0x00>`…`<0xFF>` = 7…262, then the text's frequent characters and 300 merges (vocab_size 658); "
+        "no dummy prefix (a text's first word has no ▁). Characters outside the vocabulary (most "
+        "CJK/Hangul, emoji, `—`, some capitals and punctuation) become their UTF-8 bytes. "
+        "Post-processor `<bos> $A <eos>`; `padding_side: right`, `model_max_length: 512` (the "
+        "tokenizer's 2048 capped at max_position_embeddings by sentence-transformers' save); "
+        "`sentence_bert_config.json` `{max_seq_length: 64, do_lower_case: false}` (64 wins). Modules as "
+        "EmbeddingGemma-300m: Pooling `mean` → `2_Dense` (32→48, `bias: false`, "
+        "`torch.nn.modules.linear.Identity`) → `3_Dense` (48→32, same) → `4_Normalize`; `dense` in the "
+        "reference is after 3_Dense. Prompts: EmbeddingGemma's fourteen (`query` = `\"task: search "
+        "result | query: \"`, `document` = `\"title: none | text: \"`, `Clustering`, `STS`, … ), "
+        "`default_prompt_name: null`; the cases use `query` and `document`. `truncated` holds "
+        "`encode(…, truncate_dim=16)` for a few cases: the first 16 components of the normalized "
+        "embedding, **not** re-normalized (sentence-transformers cuts after Normalize). Reference: "
+        "float32 from the bf16 values, as for qwen3-st."
+    ),
     "splade-st": (
         "A SPLADE sparse encoder saved by SparseEncoder 6.2: BertForMaskedLM (the masked-LM head "
         "`cls.predictions.transform` dense + GELU + LayerNorm, then the decoder tied to the word "
@@ -1870,7 +2414,9 @@ README_HEAD = """\
 Small random-weight models in the folder layouts sentence-transformers users have, with the
 outputs sentence-transformers computes for them. They are the reference for reading model
 folders exactly as sentence-transformers does (max length, tokenizer overrides, pooling,
-prompts, Dense, Normalize, cross-encoder activations) and for the XLM-R and MPNet encoders.
+prompts, Dense, Normalize, cross-encoder activations), for the XLM-R and MPNet encoders, and for
+the decoder-style embedding models (Qwen3-Embedding-like `qwen3-st/`, EmbeddingGemma-like
+`gemma3-st/`).
 The rules behind them are in `docs/notes/sentence-transformers-folders.md`.
 
 Made by `scripts/models/make-test-models.py` (it deletes and rewrites this folder; deterministic:
@@ -1885,7 +2431,8 @@ does, and every tokenizer.json is written by transformers' own tokenizer class
 (`bert-cross-encoder/` reuses the real all-MiniLM-L6-v2 tokenizer from
 `scripts/dev/fetch-model.sh`). Weights are drawn from numpy's PCG64 with fixed seeds, larger than a trained
 model's so that attention is far from uniform; the padding rows of word and position
-embeddings are zero, as in trained models. The script also checks every reference row
+embeddings are zero, as in trained models. `qwen3-st/` and `gemma3-st/` store theirs in
+bfloat16, and their references are float32 computations from those stored values. The script also checks every reference row
 against `tokenizers.Tokenizer.from_file(tokenizer.json)` (with the overrides the notes
 describe) and against an independent float64 numpy forward pass written from the notes.
 
@@ -1916,8 +2463,9 @@ Sentence encoders:
 | `untruncated_length` | token count before truncation, where truncation happened |
 | `token_embeddings` | the encoder's last hidden state (one row per token), for the `ordinary-1` case only |
 | `pooled` | the Pooling module's output (before Dense/Normalize) |
-| `dense` | after the Dense module (before Normalize) |
-| `embedding` | `SentenceTransformer(folder, device="cpu").encode(texts, prompt_name=…, convert_to_numpy=True)`, f32 |
+| `dense` | after the (last) Dense module (before Normalize) |
+| `embedding` | `SentenceTransformer(folder, device="cpu").encode(texts, prompt_name=…, convert_to_numpy=True)`, f32 (bf16 folders: loaded with `model_kwargs={{"dtype": torch.float32}}`) |
+| `truncated` | `{{"16": […]}}`: `encode(…, truncate_dim=16)`, the first 16 components of `embedding` (not re-normalized); gemma3-st only, a few cases |
 
 Cross-encoders:
 
@@ -1986,6 +2534,8 @@ def main() -> None:
             ("mpnet-st", build_mpnet_st(tmp), "mpnet", LONG_EN),
             ("distilbert-st", build_distilbert_st(tmp), "bert", LONG_EN),
             ("modernbert-st", build_modernbert_st(tmp), "bert", LONG_EN),
+            ("qwen3-st", build_qwen3_st(tmp), "qwen", LONG_EN),
+            ("gemma3-st", build_gemma3_st(tmp), "gemma", LONG_MULTI),
         ]
         ce_specs = [
             ("bert-cross-encoder", build_bert_cross_encoder(tmp)),
@@ -2009,12 +2559,14 @@ def main() -> None:
         build_unsupported_module(tmp)
 
         for name, path, kind, long_base in st_specs:
-            rows = st_reference(path, kind, long_base)
+            rows = st_reference(path, kind, long_base, **ST_REFERENCE_OPTIONS.get(name, {}))
+            if kind in ("qwen", "gemma"):
+                check_decoder_rows(path, kind, rows)
             write_reference(path, rows)
             if name in ("gte-st", "nomic-st"):
                 # The Hub layout computes the same function from the same weights.
                 write_reference(OUT / name.replace("-st", "-hub-st"), rows)
-            m = SentenceTransformer(str(path), device="cpu")
+            m = load_st(path)
             info[name] = {
                 "max length": m.max_seq_length,
                 "embedding dimension": m.get_embedding_dimension(),

@@ -60,6 +60,17 @@ impl BackendError {
     }
 }
 
+/// What capturing a program would allocate on a device, known before the
+/// capture (the start-up memory budget, [`crate::worker::memory_budget`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphNeed {
+    /// The activation arena its program needs. A model's graphs share one
+    /// arena, as large as the largest of them needs.
+    pub arena_bytes: u64,
+    /// Its own static buffers (inputs and output).
+    pub fixed_bytes: u64,
+}
+
 /// One device's executor. See the module docs for the life cycle.
 pub trait Backend {
     /// A model's weights, resident on the device.
@@ -111,6 +122,28 @@ pub trait Backend {
         program: &Program,
         rows: &BatchRows,
     ) -> Result<Vec<f32>, BackendError>;
+
+    /// Free device memory, on a backend whose graphs must fit a device
+    /// (CUDA); `None`: no limit to budget (the CPU and null backends).
+    fn free_memory(&mut self) -> Result<Option<u64>, BackendError> {
+        Ok(None)
+    }
+
+    /// What capturing `program` would allocate, planned without allocating.
+    fn graph_need(
+        &mut self,
+        _model: &Model,
+        _weights: &Self::Weights,
+        _program: &Program,
+    ) -> Result<GraphNeed, BackendError> {
+        Ok(GraphNeed::default())
+    }
+
+    /// Device bytes of a model's uploaded weights, and of the activation
+    /// arena its graphs share now.
+    fn resident_bytes(&self, _weights: &Self::Weights) -> (u64, u64) {
+        (0, 0)
+    }
 
     /// Deliberately corrupts the device (fault-injection tests). The next
     /// launch or collect then returns [`BackendError::DeviceFault`].

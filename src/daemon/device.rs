@@ -36,14 +36,14 @@ use super::messages::{
     Batch, BatchOutcome, BatchOutput, BatchReport, BatcherMsg, DeviceId, DeviceMsg, DeviceStatus,
     StatusSender, WorkerEvent,
 };
-use super::metrics::{GraphStats, Metrics};
+use super::metrics::{GraphStats, Metrics, ModelMemoryStats};
 use super::report::{Reporter, Via};
 use super::route::DeviceRoute;
 use super::watchdog::Watchdog;
 use crate::bucket::{Bucket, Grid};
 use crate::model::BatchRows;
 use crate::transport::{Dealer, DealerSender, Security};
-use crate::worker::link::{self, FaultKind, FromWorker, GraphReport, ToWorker};
+use crate::worker::link::{self, FaultKind, FromWorker, GraphReport, ModelMemory, ToWorker};
 use crate::worker::shm::{self, Ring, RingSpec};
 use crate::worker::WorkerBackend;
 use bytes::Bytes;
@@ -551,7 +551,20 @@ impl DeviceState {
                 info,
                 graphs,
                 startup_ms,
+                memory,
             } => {
+                let models = model_memory(&memory, &graphs, &self.args.model_names);
+                for (m, stats) in memory.iter().zip(&models) {
+                    for d in &stats.dropped {
+                        tracing::warn!(device = %self.label(), model = %stats.model, "no graph for {d} (the device memory does not hold it)");
+                    }
+                    if !m.dropped.is_empty() {
+                        let _ = self.args.batcher.cast(BatcherMsg::CutGrid {
+                            model: m.model,
+                            dropped: m.dropped.iter().map(|d| d.0).collect(),
+                        });
+                    }
+                }
                 let capture_ms = graphs.iter().map(|g| g.capture_us).sum::<u64>() / 1000;
                 let memory: u64 = graphs.iter().map(|g| g.memory_bytes).sum();
                 tracing::info!(
@@ -573,6 +586,7 @@ impl DeviceState {
                     .update_device(self.args.metrics_index, |d| {
                         d.name = info.name.clone();
                         d.graphs = graph_stats;
+                        d.models = models;
                         d.startup_ms = Some(startup_ms);
                         d.capture = None;
                         d.inflight = 0;
@@ -1158,6 +1172,35 @@ impl DeviceState {
 }
 
 /// A worker's graph reports, with model names resolved, for the stats.
+/// Each model's memory report, with its graphs' buffers summed and its
+/// dropped buckets in words.
+fn model_memory(
+    memory: &[ModelMemory],
+    graphs: &[GraphReport],
+    model_names: &[String],
+) -> Vec<ModelMemoryStats> {
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    memory
+        .iter()
+        .map(|m| ModelMemoryStats {
+            model: model_names.get(m.model).cloned().unwrap_or_default(),
+            weights_bytes: m.weights_bytes,
+            arena_bytes: m.arena_bytes,
+            graph_bytes: graphs
+                .iter()
+                .filter(|g| g.model == m.model)
+                .map(|g| g.memory_bytes)
+                .sum::<u64>()
+                .saturating_sub(m.arena_bytes),
+            dropped: m
+                .dropped
+                .iter()
+                .map(|(b, need, free)| format!("{b} needs {}, {} free", mib(*need), mib(*free)))
+                .collect(),
+        })
+        .collect()
+}
+
 fn graph_stats(reports: &[GraphReport], model_names: &[String]) -> Vec<GraphStats> {
     reports
         .iter()

@@ -150,6 +150,10 @@ pub enum BatcherMsg {
     Outstanding(RpcReplyPort<usize>),
     /// Send no new batches to this device (`true`) or take it back (`false`).
     SetDrained { device: DeviceId, drained: bool },
+    /// A device's memory holds no graph for these buckets of `model`: the
+    /// model's grid loses them (so no batch is formed that only the eager
+    /// path, short of memory too, could run).
+    CutGrid { model: usize, dropped: Vec<Bucket> },
     /// A reload: new scheduling limits, and the grids of the models whose
     /// grid changed (their queued items move to the new grid's lanes).
     /// Answers once in force.

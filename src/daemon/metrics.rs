@@ -35,7 +35,7 @@ use tokio::sync::watch;
 
 // The device and graph records live with the other stats types; the device
 // actors and the batcher name them from here.
-pub use super::stats::{DeviceStats, EagerReason, GraphStats};
+pub use super::stats::{DeviceStats, EagerReason, GraphStats, ModelMemoryStats};
 
 /// Use of one (model, bucket), counted when its batches complete (see
 /// [`BucketReport`] for each count).

@@ -1,19 +1,21 @@
 //! The MLP: `Linear → activation → Linear → …` from a PyTorch `state_dict`.
 //!
-//! Source ([`ModelSpec::path`]): a `.safetensors` file, or a folder holding
-//! `model.safetensors` and an optional `config.json`
-//! (`{"model_type": "mlp", "activation": "relu"}`). [`ModelSpec::activation`]
-//! overrides the folder's activation; the default is ReLU.
+//! Source ([`ModelSpec::path`]): a `.safetensors` file (or a sharded
+//! checkpoint's `.index.json`), or a folder holding `model.safetensors` (or
+//! a sharded `model.safetensors.index.json` and its shards) and an optional
+//! `config.json` (`{"model_type": "mlp", "activation": "relu"}`).
+//! [`ModelSpec::activation`] overrides the folder's activation; the default
+//! is ReLU.
 //!
 //! The layers are the `nn.Sequential` keys `N.weight` (`[out, in]`) and
 //! `N.bias` (`[out]`, optional), ordered by `N` (activation modules have no
 //! parameters, so `N` has gaps: `0`, `2`, …). A common prefix such as `net.`
 //! (a `Sequential` inside a module) is accepted. The activation follows every
-//! layer but the last.
+//! layer but the last. Weights are kept as stored (memory-mapped).
 
 use super::files::read_json;
 use super::program::{Activation, InputRole, Linear, ProgramBuilder, WeightId};
-use super::safetensors_file::{read_header, Header, TensorFile};
+use super::safetensors_file::{checkpoint_in, read_header, Header, TensorFile};
 use super::{
     Architecture, InputSpec, Model, ModelError, ModelInfo, ModelKind, ModelSpec, Program, Weights,
 };
@@ -95,13 +97,7 @@ struct Source {
 fn source(config: &ModelSpec) -> Result<Source, ModelError> {
     let path = &config.path;
     if path.is_dir() {
-        let weights = path.join("model.safetensors");
-        if !weights.is_file() {
-            return Err(ModelError::file(
-                &weights,
-                "missing file (an MLP folder needs model.safetensors)",
-            ));
-        }
+        let weights = checkpoint_in(path)?;
         let config_json = path.join("config.json");
         Ok(Source {
             weights,
@@ -273,7 +269,7 @@ fn info(config: &ModelSpec, layers: &[LayerKeys]) -> ModelInfo {
     }
 }
 
-/// Loads the MLP's weights (converted to f32).
+/// Loads the MLP's weights (as stored).
 pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let source = source(config)?;
     let activation = activation(config, &source)?;
@@ -282,12 +278,12 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let mut weights = Weights::new();
     let mut arch_layers = Vec::with_capacity(keys.len());
     for (i, key) in keys.iter().enumerate() {
-        let (shape, data) = file.f32(&key.weight)?;
-        let weight = weights.push(key.weight.clone(), shape, data);
+        let (shape, data) = file.stored(&key.weight)?;
+        let weight = weights.push_data(key.weight.clone(), shape, data);
         let bias = match &key.bias {
             Some(name) => {
-                let (shape, data) = file.f32(name)?;
-                Some(weights.push(name.clone(), shape, data))
+                let (shape, data) = file.stored(name)?;
+                Some(weights.push_data(name.clone(), shape, data))
             }
             None => None,
         };

@@ -13,8 +13,9 @@
 //! * [`tokenizer`]: a folder's tokenizer as transformers 5 builds it;
 //!   [`wordpiece`]: the fast path that gives a BERT WordPiece tokenizer's ids
 //!   for ASCII text without the `tokenizers` crate.
-//! * [`files`], [`safetensors_file`]: reading JSON and safetensors files, with
-//!   errors that name the file.
+//! * [`files`], [`safetensors_file`]: reading JSON files and safetensors
+//!   checkpoints (one file or sharded, memory-mapped), with errors that name
+//!   the file; [`weights`]: the weight table, held as stored.
 //!
 //! What to load comes in a [`ModelSpec`] (the daemon's config builds one per
 //! `[[models]]` entry); nothing here reads the daemon's configuration.
@@ -50,7 +51,7 @@ pub(crate) fn minilm_dir() -> std::path::PathBuf {
 
 pub use batch::BatchRows;
 pub use program::{Activation, InputRole, Pooling, Program, ProgramFacts};
-pub use weights::Weights;
+pub use weights::{WeightData, Weights};
 
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
@@ -282,9 +283,12 @@ pub enum Architecture {
     Mlp(mlp::MlpArch),
     Bert(bert::BertArch),
     RotaryEncoder(bert::RotaryEncoderArch),
+    Decoder(bert::DecoderArch),
 }
 
-/// A model with its weights in host memory (f32), ready for a backend to upload.
+/// A model with its weights in host memory (as the checkpoint stores them,
+/// mostly memory-mapped, or f32 where a loader computed them), ready for a
+/// backend to upload.
 #[derive(Clone, Debug)]
 pub struct Model {
     pub info: ModelInfo,
@@ -316,6 +320,9 @@ impl Model {
             (crate::bucket::Bucket::Packed { tokens, seqs }, Architecture::RotaryEncoder(arch)) => {
                 Ok(arch.packed_program(tokens, seqs))
             }
+            (crate::bucket::Bucket::Packed { tokens, seqs }, Architecture::Decoder(arch)) => {
+                Ok(arch.packed_program(tokens, seqs))
+            }
             (crate::bucket::Bucket::Packed { .. }, Architecture::Mlp(_)) => {
                 Err(ModelError::Invalid {
                     model: self.info.name.clone(),
@@ -340,6 +347,10 @@ impl Model {
                 let tokens = rows.tokens().max(1);
                 arch.packed_program_upto(tokens, n, rows.max_len().clamp(1, tokens))
             }
+            (Architecture::Decoder(arch), BatchRows::Tokens(_)) if packed => {
+                let tokens = rows.tokens().max(1);
+                arch.packed_program_upto(tokens, n, rows.max_len().clamp(1, tokens))
+            }
             (_, BatchRows::Tokens(_)) => self.program(n, rows.max_len().max(1)),
             (_, BatchRows::Features { .. }) => self.program(n, 1),
         }
@@ -352,6 +363,7 @@ impl Model {
             Architecture::Mlp(arch) => arch.program(batch),
             Architecture::Bert(arch) => arch.program(batch, seq),
             Architecture::RotaryEncoder(arch) => arch.program(batch, seq),
+            Architecture::Decoder(arch) => arch.program(batch, seq),
         }
     }
 }

@@ -496,9 +496,10 @@ pub fn read_pooling(
             "mean" => Pooling::Mean,
             "cls" => Pooling::Cls,
             "max" => Pooling::Max,
+            "lasttoken" => Pooling::LastToken,
             other => {
                 return Err(err(format!(
-                    "unsupported pooling mode {other:?} (replayd pools with mean, cls or max)"
+                    "unsupported pooling mode {other:?} (replayd pools with mean, cls, max or lasttoken)"
                 )))
             }
         },
@@ -906,7 +907,10 @@ mod tests {
             Err("several modes"),
         );
         check(r#"{"pooling_mode": ["cls", "mean"]}"#, Err("several modes"));
-        check(r#"{"pooling_mode_lasttoken": true}"#, Err("lasttoken"));
+        check(
+            r#"{"pooling_mode_lasttoken": true}"#,
+            Ok((Pooling::LastToken, true)),
+        );
         check(r#"{"embedding_dimension": 9}"#, Err("hidden_size 8"));
         check(
             r#"{"pooling_mode": "mean", "frobnicate": 1}"#,

@@ -1,25 +1,47 @@
 //! The tokenizer of a model folder, built as transformers 5 builds it.
 //!
-//! transformers 5 does not use a BERT, MPNet or XLM-R folder's
-//! `tokenizer.json` as is: the tokenizer class (`tokenizer_config.json`
-//! `tokenizer_class`, else the `model_type`'s) takes only the vocabulary
-//! (and the file's truncation direction) from the file and builds its own
-//! normalizer, pre-tokenizer and post-processor from `tokenizer_config.json`
-//! (see `docs/notes/sentence-transformers-folders.md` §3). [`build`] does
-//! the same with the `tokenizers` crate: it reads the file as JSON, computes
-//! the components the class would build, compares them with the file's
+//! transformers 5 does not use a folder's `tokenizer.json` as is: the
+//! tokenizer class (`tokenizer_config.json` `tokenizer_class`, else the
+//! `model_type`'s) takes only parts of the file (the vocabulary and merges,
+//! the post-processor for the decoder classes, the truncation direction)
+//! and builds the rest itself from `tokenizer_config.json` (see
+//! `docs/notes/sentence-transformers-folders.md` §3). [`build`] does the
+//! same with the `tokenizers` crate: it reads the file as JSON, computes the
+//! components the class would build, compares them with the file's
 //! (ids-relevant fields only) and replaces those that differ, then loads
 //! the result. Every replacement is reported (the start-up log and the
 //! model's `derived` settings say so), so a folder whose file disagrees with
-//! its config is visible. `TokenizersBackend` / `PreTrainedTokenizerFast`
-//! folders are loaded whole, as transformers does; any other class is
-//! refused by name.
+//! its class is visible.
+//!
+//! * `BertTokenizer`, `MPNetTokenizer`, `XLMRobertaTokenizer`: normalizer,
+//!   pre-tokenizer and post-processor rebuilt from tokenizer_config.json.
+//! * `Qwen2Tokenizer` (Qwen2/Qwen3 folders): BPE with the class's own flags,
+//!   NFC, the Qwen2 split regex + ByteLevel; the post-processor is the
+//!   file's (Qwen3-Embedding's appends `<|endoftext|>`). The class also
+//!   re-adds its special tokens with plain flags (no lstrip/rstrip, not
+//!   normalized).
+//! * `GemmaTokenizer`: byte-fallback BPE, `Replace(" ", "▁")`,
+//!   `Split(" ", merged_with_previous)`; the post-processor is the file's.
+//!
+//! For the two decoder classes transformers would rebuild the
+//! post-processor from `add_bos_token` / `add_eos_token` only when the
+//! file has none (or when they are passed to `from_pretrained` by the
+//! caller): `PreTrainedTokenizerBase._from_pretrained` drops both keys of
+//! tokenizer_config.json whenever a tokenizer.json exists, so with a file
+//! post-processor the flags are never read, and without one the rebuilt
+//! template adds nothing (`$A` / `$A $B`), which is what no post-processor
+//! does too. So the file's post-processor is kept as is.
+//!
+//! `TokenizersBackend` / `PreTrainedTokenizerFast` folders are loaded whole,
+//! as transformers does; any other class is refused by name.
 //!
 //! On top, as sentence-transformers does: an old folder's
 //! `sentence_bert_config.json` `do_lower_case: true` puts a `Lowercase`
 //! normalizer in front (unless the normalizer already has one), and the
 //! file's own truncation and padding are dropped (the caller truncates at
-//! the resolved maximum, `longest_first`, and never pads).
+//! the resolved maximum, `longest_first`, and never pads; the tokenizers
+//! crate truncates the text before the post-processor adds its tokens, so
+//! an appended end token survives truncation).
 
 use super::ModelError;
 use serde::{Deserialize, Serialize};
@@ -38,23 +60,41 @@ pub enum TokenizerClass {
     /// `XLMRobertaTokenizer`: the file's Precompiled charsmap only,
     /// WhitespaceSplit + Metaspace, `<s> A </s></s> B </s>`.
     XlmRoberta,
+    /// `Qwen2Tokenizer`: byte-level BPE (no unk, no byte fallback), NFC,
+    /// Qwen2's split regex + ByteLevel; the file's post-processor.
+    Qwen2,
+    /// `GemmaTokenizer`: BPE with byte fallback and `<unk>`,
+    /// `Replace(" ", "▁")`, `Split(" ", merged_with_previous)`; the file's
+    /// post-processor.
+    Gemma,
     /// `TokenizersBackend` / `PreTrainedTokenizerFast`: the file as is.
     File,
 }
 
+/// The classes [`TokenizerClass::resolve`] knows, for its error message.
+const KNOWN_CLASSES: &str =
+    "BertTokenizer, MPNetTokenizer, XLMRobertaTokenizer, Qwen2Tokenizer and GemmaTokenizer";
+
 impl TokenizerClass {
     /// The class transformers uses for `tokenizer_class` (or, when absent,
-    /// for the `model_type`).
+    /// for the `model_type`). As `AutoTokenizer` does, a `qwen2` model
+    /// (transformers lists its Hub `tokenizer_class` as unreliable) always
+    /// gets `Qwen2Tokenizer`.
     pub fn resolve(tokenizer_class: Option<&str>, model_type: &str) -> Result<Self, String> {
-        let name = match tokenizer_class {
-            Some(n) => n.strip_suffix("Fast").unwrap_or(n).to_string(),
-            None => match model_type {
+        let name = match (tokenizer_class, model_type) {
+            // MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS: a hub class other
+            // than the model type's registered one is replaced by it.
+            (_, "qwen2") => "Qwen2Tokenizer".into(),
+            (Some(n), _) => n.strip_suffix("Fast").unwrap_or(n).to_string(),
+            (None, _) => match model_type {
                 "bert" | "distilbert" => "BertTokenizer".into(),
                 "mpnet" => "MPNetTokenizer".into(),
                 "xlm-roberta" => "XLMRobertaTokenizer".into(),
+                "qwen3" => "Qwen2Tokenizer".into(),
+                "gemma" | "gemma2" | "gemma3" | "gemma3_text" => "GemmaTokenizer".into(),
                 other => {
                     return Err(format!(
-                        "no tokenizer_class, and model_type {other:?} has no known tokenizer"
+                        "no tokenizer_class, and model_type {other:?} has no known tokenizer (replayd knows {KNOWN_CLASSES})"
                     ))
                 }
             },
@@ -65,10 +105,12 @@ impl TokenizerClass {
             "BertTokenizer" | "DistilBertTokenizer" => TokenizerClass::Bert,
             "MPNetTokenizer" => TokenizerClass::MpNet,
             "XLMRobertaTokenizer" => TokenizerClass::XlmRoberta,
+            "Qwen2Tokenizer" => TokenizerClass::Qwen2,
+            "GemmaTokenizer" => TokenizerClass::Gemma,
             "TokenizersBackend" | "PreTrainedTokenizer" => TokenizerClass::File,
             other => {
                 return Err(format!(
-                    "unsupported tokenizer_class {other:?} (replayd rebuilds BertTokenizer, MPNetTokenizer and XLMRobertaTokenizer as transformers 5 does, and loads TokenizersBackend / PreTrainedTokenizerFast files whole)"
+                    "unsupported tokenizer_class {other:?} (replayd rebuilds {KNOWN_CLASSES} as transformers 5 does, and loads TokenizersBackend / PreTrainedTokenizerFast files whole)"
                 ))
             }
         })
@@ -79,6 +121,8 @@ impl TokenizerClass {
             TokenizerClass::Bert => "BertTokenizer",
             TokenizerClass::MpNet => "MPNetTokenizer",
             TokenizerClass::XlmRoberta => "XLMRobertaTokenizer",
+            TokenizerClass::Qwen2 => "Qwen2Tokenizer",
+            TokenizerClass::Gemma => "GemmaTokenizer",
             TokenizerClass::File => "TokenizersBackend",
         }
     }
@@ -92,12 +136,17 @@ pub struct ClassSettings {
     /// `None`: follows `do_lower_case` (BertNormalizer's rule).
     pub strip_accents: Option<bool>,
     pub tokenize_chinese_chars: bool,
+    /// XLM-R's Metaspace (default true), Qwen2's ByteLevel (default false).
     pub add_prefix_space: bool,
-    pub cls_token: String,
-    pub sep_token: String,
-    pub unk_token: String,
+    /// `None` for the classes without one (Qwen2, Gemma).
+    pub cls_token: Option<String>,
+    pub sep_token: Option<String>,
+    /// `None`: Qwen2 with `unk_token: null` (its BPE has no unknown token
+    /// either way).
+    pub unk_token: Option<String>,
     /// Special tokens the class registers (cls, sep, pad, mask, unk, bos,
-    /// eos, additional): each must be an added special token of the file.
+    /// eos, the extra / additional special tokens and model-specific
+    /// `*_token` keys): each must be an added special token of the file.
     pub special_tokens: Vec<String>,
 }
 
@@ -129,10 +178,22 @@ fn token_string(v: &Value) -> Option<String> {
     }
 }
 
+/// transformers' `SPECIAL_TOKENS_ATTRIBUTES`: the named special tokens.
+const NAMED_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
 impl ClassSettings {
     /// The settings `class` reads from `tokenizer_config.json` (`config`,
     /// an empty object when the file is absent). Errors name the key.
     pub fn read(class: TokenizerClass, config: &Value, path: &Path) -> Result<Self, ModelError> {
+        use TokenizerClass::*;
         let err = |m: String| ModelError::file(path, m);
         let boolean = |key: &str, default: bool| -> Result<bool, ModelError> {
             match config.get(key) {
@@ -141,19 +202,41 @@ impl ClassSettings {
                 Some(v) => Err(err(format!("`{key}` is {v}, expected true or false"))),
             }
         };
-        let token = |key: &str, default: &str| -> Result<String, ModelError> {
+        // Each class's `__init__` defaults for the named special tokens.
+        let default = |key: &str| -> Option<&'static str> {
+            let d = match class {
+                Bert => ["", "", "[UNK]", "[SEP]", "[PAD]", "[CLS]", "[MASK]"],
+                MpNet => ["", "", "[UNK]", "</s>", "<pad>", "<s>", "<mask>"],
+                XlmRoberta => ["", "", "<unk>", "</s>", "<pad>", "<s>", "<mask>"],
+                Qwen2 => [
+                    "",
+                    "<|endoftext|>",
+                    "<|endoftext|>",
+                    "",
+                    "<|endoftext|>",
+                    "",
+                    "",
+                ],
+                Gemma => ["<bos>", "<eos>", "<unk>", "", "<pad>", "", "<mask>"],
+                File => [""; 7],
+            };
+            let i = NAMED_TOKENS.iter().position(|k| *k == key)?;
+            Some(d[i]).filter(|t| !t.is_empty())
+        };
+        // A named token: the key's string, else the class default. An
+        // explicit null is passed to the class as None; the encoder
+        // classes here have always read it as their default.
+        let token = |key: &str| -> Result<Option<String>, ModelError> {
             match config.get(key) {
-                None | Some(Value::Null) => Ok(default.to_string()),
+                None => Ok(default(key).map(str::to_string)),
+                Some(Value::Null) if matches!(class, Qwen2 | Gemma) => Ok(None),
+                Some(Value::Null) => Ok(default(key).map(str::to_string)),
                 Some(v) => token_string(v)
+                    .map(Some)
                     .ok_or_else(|| err(format!("`{key}` is {v}, expected a token string"))),
             }
         };
-        let (cls, sep, unk, pad, mask) = match class {
-            TokenizerClass::Bert => ("[CLS]", "[SEP]", "[UNK]", "[PAD]", "[MASK]"),
-            TokenizerClass::MpNet => ("<s>", "</s>", "[UNK]", "<pad>", "<mask>"),
-            _ => ("<s>", "</s>", "<unk>", "<pad>", "<mask>"),
-        };
-        if matches!(class, TokenizerClass::Bert | TokenizerClass::MpNet) {
+        if matches!(class, Bert | MpNet) {
             if !boolean("do_basic_tokenize", true)? {
                 return Err(err(
                     "unsupported `do_basic_tokenize: false` (replayd builds the basic tokenizer)"
@@ -179,46 +262,68 @@ impl ClassSettings {
                 )))
             }
         };
+        let unk_token = token("unk_token")?;
+        if class == Gemma && unk_token.is_none() {
+            // GemmaTokenizer would build its BPE with the unknown token "None".
+            return Err(err(
+                "unsupported `unk_token: null` for GemmaTokenizer (its BPE needs an unknown token)"
+                    .into(),
+            ));
+        }
+        let mut special = Vec::new();
+        for key in NAMED_TOKENS {
+            special.extend(token(key)?);
+        }
+        if class != File {
+            // transformers 5: `extra_special_tokens` (a list, or a dict of
+            // model-specific tokens), else the older
+            // `additional_special_tokens`; and every other `*_token` key with
+            // a string value is a model-specific special token.
+            let nonempty = |v: &&Value| match v {
+                Value::Array(a) => !a.is_empty(),
+                Value::Object(m) => !m.is_empty(),
+                _ => false,
+            };
+            let extra = config
+                .get("extra_special_tokens")
+                .filter(nonempty)
+                .or_else(|| config.get("additional_special_tokens"));
+            match extra {
+                Some(Value::Array(a)) => special.extend(a.iter().filter_map(token_string)),
+                Some(Value::Object(m)) => special.extend(m.values().filter_map(token_string)),
+                _ => {}
+            }
+            if let Some(m) = config.as_object() {
+                for (key, v) in m {
+                    if key.ends_with("_token") && !NAMED_TOKENS.contains(&key.as_str()) {
+                        if let Value::String(t) = v {
+                            special.push(t.clone());
+                        }
+                    }
+                }
+            }
+        }
+        special.sort();
+        special.dedup();
         let settings = ClassSettings {
             do_lower_case: boolean("do_lower_case", true)?,
             strip_accents,
             tokenize_chinese_chars: boolean("tokenize_chinese_chars", true)?,
-            add_prefix_space: boolean("add_prefix_space", true)?,
-            cls_token: token("cls_token", cls)?,
-            sep_token: token("sep_token", sep)?,
-            unk_token: token("unk_token", unk)?,
-            special_tokens: {
-                let mut v = Vec::new();
-                for (key, default) in [
-                    ("cls_token", Some(cls)),
-                    ("sep_token", Some(sep)),
-                    ("unk_token", Some(unk)),
-                    ("pad_token", Some(pad)),
-                    ("mask_token", Some(mask)),
-                    ("bos_token", None),
-                    ("eos_token", None),
-                ] {
-                    let t = match (config.get(key), default) {
-                        (None | Some(Value::Null), Some(d)) if class != TokenizerClass::File => {
-                            Some(d.to_string())
-                        }
-                        (None | Some(Value::Null), _) => None,
-                        (Some(v), _) => Some(token_string(v).ok_or_else(|| {
-                            err(format!("`{key}` is {v}, expected a token string"))
-                        })?),
-                    };
-                    v.extend(t);
-                }
-                if let Some(extra) = config.get("additional_special_tokens") {
-                    for t in extra.as_array().into_iter().flatten() {
-                        v.extend(token_string(t));
-                    }
-                }
-                v.sort();
-                v.dedup();
-                v
-            },
+            // Qwen2Tokenizer: `add_prefix_space=None` → False.
+            add_prefix_space: boolean("add_prefix_space", class != Qwen2)?,
+            cls_token: token("cls_token")?,
+            sep_token: token("sep_token")?,
+            unk_token,
+            special_tokens: special,
         };
+        // TokenizersBackend sets `encode_special_tokens` from it: special
+        // tokens written in a text would be tokenized as text.
+        if boolean("split_special_tokens", false)? {
+            return Err(err(
+                "unsupported `split_special_tokens: true` (replayd matches special tokens in the text)"
+                    .into(),
+            ));
+        }
         match config.get("truncation_side").and_then(Value::as_str) {
             None | Some("right") => {}
             Some(side) => {
@@ -232,17 +337,58 @@ impl ClassSettings {
 }
 
 /// The ids-relevant part of a component, for comparing the file's with the
-/// one the class builds (RobertaProcessing's offset flags change offsets
-/// only).
+/// one the class builds: RobertaProcessing's offset flags and a ByteLevel
+/// pre-tokenizer's `trim_offsets` (anywhere in a Sequence) change offsets
+/// only.
 fn ids_relevant(v: &Value) -> Value {
     let mut v = v.clone();
-    if let Some(m) = v.as_object_mut() {
-        if m.get("type").and_then(Value::as_str) == Some("RobertaProcessing") {
-            m.remove("trim_offsets");
-            m.remove("add_prefix_space");
-        }
-    }
+    strip_offset_flags(&mut v);
     v
+}
+
+fn strip_offset_flags(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            match m.get("type").and_then(Value::as_str) {
+                Some("RobertaProcessing") => {
+                    m.remove("trim_offsets");
+                    m.remove("add_prefix_space");
+                }
+                Some("ByteLevel") => {
+                    m.remove("trim_offsets");
+                }
+                _ => {}
+            }
+            m.values_mut().for_each(strip_offset_flags);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_offset_flags),
+        _ => {}
+    }
+}
+
+/// Qwen2Tokenizer's `PRETOKENIZE_REGEX` (`models/qwen2/tokenization_qwen2.py`).
+const QWEN2_PRETOKENIZE_REGEX: &str = r#"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"#;
+
+/// Whether a BPE model field of the file means the same as the class's
+/// value for the ids: an absent key is the `tokenizers` default (null /
+/// false), an empty prefix or suffix is none, and dropout 0 is none.
+fn bpe_field_same(key: &str, have: Option<&Value>, want: &Value) -> bool {
+    let norm = |v: Option<&Value>| -> Value {
+        match (key, v) {
+            ("fuse_unk" | "byte_fallback" | "ignore_merges", None | Some(Value::Null)) => {
+                json!(false)
+            }
+            (_, None) => Value::Null,
+            ("continuing_subword_prefix" | "end_of_word_suffix", Some(Value::String(s)))
+                if s.is_empty() =>
+            {
+                Value::Null
+            }
+            ("dropout", Some(Value::Number(n))) if n.as_f64() == Some(0.0) => Value::Null,
+            (_, Some(v)) => v.clone(),
+        }
+    };
+    norm(have) == norm(Some(want))
 }
 
 /// The id of `token` in the file: an added token, else the model's vocabulary.
@@ -303,6 +449,68 @@ fn template(cls: (&str, u64), sep: (&str, u64), roberta_pair: bool) -> Value {
     })
 }
 
+/// A component's JSON, cut to 160 characters for a note.
+fn brief(v: &Value) -> String {
+    let t = v.to_string();
+    match t.char_indices().nth(160) {
+        Some((cut, _)) => format!("{}…", &t[..cut]),
+        None => t,
+    }
+}
+
+/// Where two components differ, for a note: descends while exactly one
+/// field (or Sequence element) differs and returns its path
+/// (`pretokenizers[1].add_prefix_space: `, empty at the top) and the two
+/// differing parts.
+fn difference<'a>(have: &'a Value, want: &'a Value) -> (String, &'a Value, &'a Value) {
+    let (mut h, mut w) = (have, want);
+    let mut path = String::new();
+    loop {
+        let step = match (h, w) {
+            (Value::Object(ho), Value::Object(wo)) => {
+                let mut keys = ho
+                    .keys()
+                    .chain(wo.keys().filter(|k| !ho.contains_key(*k)))
+                    .filter(|k| ho.get(*k) != wo.get(*k));
+                match (keys.next(), keys.next()) {
+                    (Some(k), None) => match (ho.get(k), wo.get(k)) {
+                        (Some(hv), Some(wv)) => Some((
+                            if path.is_empty() {
+                                k.clone()
+                            } else {
+                                format!(".{k}")
+                            },
+                            hv,
+                            wv,
+                        )),
+                        _ => None,
+                    },
+                    _ => None,
+                }
+            }
+            (Value::Array(ha), Value::Array(wa)) if ha.len() == wa.len() => {
+                let mut idx = (0..ha.len()).filter(|&i| ha[i] != wa[i]);
+                match (idx.next(), idx.next()) {
+                    (Some(i), None) => Some((format!("[{i}]"), &ha[i], &wa[i])),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        match step {
+            Some((seg, hv, wv)) => {
+                path.push_str(&seg);
+                (h, w) = (hv, wv);
+            }
+            None => break,
+        }
+    }
+    if !path.is_empty() {
+        path.push_str(": ");
+    }
+    (path, h, w)
+}
+
 /// The first `Precompiled` normalizer of `n` (itself or inside a Sequence).
 fn precompiled(n: &Value) -> Option<Value> {
     match n.get("type").and_then(Value::as_str) {
@@ -353,6 +561,7 @@ pub fn build(spec: &TokenizerSpec) -> Result<(Tokenizer, Vec<String>), ModelErro
     let s = &spec.settings;
     let class = spec.class;
     if class != TokenizerClass::File {
+        use TokenizerClass::*;
         let id_of = |t: &str| {
             token_id(&file, t).ok_or_else(|| {
                 err(format!(
@@ -381,11 +590,22 @@ pub fn build(spec: &TokenizerSpec) -> Result<(Tokenizer, Vec<String>), ModelErro
                 )));
             }
         }
-        let cls = (s.cls_token.as_str(), id_of(&s.cls_token)?);
-        let sep = (s.sep_token.as_str(), id_of(&s.sep_token)?);
+        // The encoder classes' [CLS]/[SEP] (with their ids), for their
+        // post-processors.
+        let named = |t: &Option<String>, what: &str| -> Result<(String, u64), ModelError> {
+            let t = t
+                .as_deref()
+                .ok_or_else(|| err(format!("{} needs a {what} token", class.name())))?;
+            Ok((t.to_string(), id_of(t)?))
+        };
+        let (cls, sep) = match class {
+            Bert | MpNet | XlmRoberta => (named(&s.cls_token, "cls")?, named(&s.sep_token, "sep")?),
+            _ => Default::default(),
+        };
+        let (cls, sep) = ((cls.0.as_str(), cls.1), (sep.0.as_str(), sep.1));
         // XLMRobertaTokenizer's Unigram takes the unknown token's id.
         let xlmr_unk = match class {
-            TokenizerClass::XlmRoberta => Some(id_of(&s.unk_token)?),
+            XlmRoberta => Some(id_of(s.unk_token.as_deref().unwrap_or_default())?),
             _ => None,
         };
         let bert_normalizer = json!({
@@ -395,19 +615,23 @@ pub fn build(spec: &TokenizerSpec) -> Result<(Tokenizer, Vec<String>), ModelErro
             "strip_accents": s.strip_accents,
             "lowercase": s.do_lower_case,
         });
+        // (normalizer, pre-tokenizer, post-processor); no post-processor:
+        // the file's is kept (the decoder classes, see the module docs).
         let (normalizer, pre, post) = match class {
-            TokenizerClass::Bert => (
+            Bert => (
                 bert_normalizer,
                 json!({"type": "BertPreTokenizer"}),
-                template(cls, sep, false),
+                Some(template(cls, sep, false)),
             ),
-            TokenizerClass::MpNet => (
+            MpNet => (
                 bert_normalizer,
                 json!({"type": "BertPreTokenizer"}),
-                json!({"type": "RobertaProcessing", "sep": [sep.0, sep.1], "cls": [cls.0, cls.1],
-                       "trim_offsets": true, "add_prefix_space": false}),
+                Some(
+                    json!({"type": "RobertaProcessing", "sep": [sep.0, sep.1], "cls": [cls.0, cls.1],
+                           "trim_offsets": true, "add_prefix_space": false}),
+                ),
             ),
-            TokenizerClass::XlmRoberta => (
+            XlmRoberta => (
                 file.get("normalizer")
                     .and_then(precompiled)
                     .unwrap_or(Value::Null),
@@ -416,38 +640,42 @@ pub fn build(spec: &TokenizerSpec) -> Result<(Tokenizer, Vec<String>), ModelErro
                     {"type": "Metaspace", "replacement": "\u{2581}",
                      "prepend_scheme": if s.add_prefix_space { "always" } else { "never" },
                      "split": true}]}),
-                template(cls, sep, true),
+                Some(template(cls, sep, true)),
             ),
-            TokenizerClass::File => unreachable!(),
+            Qwen2 => (
+                json!({"type": "NFC"}),
+                json!({"type": "Sequence", "pretokenizers": [
+                    {"type": "Split", "pattern": {"Regex": QWEN2_PRETOKENIZE_REGEX},
+                     "behavior": "Isolated", "invert": false},
+                    {"type": "ByteLevel", "add_prefix_space": s.add_prefix_space,
+                     "trim_offsets": true, "use_regex": false}]}),
+                None,
+            ),
+            Gemma => (
+                json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}),
+                json!({"type": "Split", "pattern": {"String": " "},
+                       "behavior": "MergedWithPrevious", "invert": false}),
+                None,
+            ),
+            File => unreachable!(),
         };
-        for (key, want) in [
-            ("normalizer", normalizer),
-            ("pre_tokenizer", pre),
-            ("post_processor", post),
-        ] {
+        let mut rebuilt = vec![("normalizer", normalizer), ("pre_tokenizer", pre)];
+        rebuilt.extend(post.map(|p| ("post_processor", p)));
+        for (key, want) in rebuilt {
             let have = file.get(key).cloned().unwrap_or(Value::Null);
-            if ids_relevant(&have) != ids_relevant(&want) {
-                let brief = |v: &Value| -> String {
-                    let t = v.to_string();
-                    if t.len() > 160 {
-                        format!(
-                            "{}…",
-                            &t[..t.char_indices().nth(160).map_or(t.len(), |c| c.0)]
-                        )
-                    } else {
-                        t
-                    }
-                };
+            let (have_ids, want_ids) = (ids_relevant(&have), ids_relevant(&want));
+            if have_ids != want_ids {
+                let (at, h, w) = difference(&have_ids, &want_ids);
                 notes.push(format!(
-                    "{key} rebuilt as {} does from tokenizer_config.json: {} (the file had {})",
+                    "{key} rebuilt as {} does from tokenizer_config.json: {at}{} (the file had {})",
                     class.name(),
-                    brief(&want),
-                    brief(&have)
+                    brief(w),
+                    brief(h)
                 ));
                 file[key] = want;
             }
         }
-        // The model: the unknown token (and WordPiece's fixed settings).
+        // The model: the unknown token and the class's fixed settings.
         let model = file
             .get_mut("model")
             .and_then(Value::as_object_mut)
@@ -458,27 +686,55 @@ pub fn build(spec: &TokenizerSpec) -> Result<(Tokenizer, Vec<String>), ModelErro
             .unwrap_or("")
             .to_string();
         let mut want: Vec<(&str, Value)> = Vec::new();
+        let unk = s.unk_token.clone().unwrap_or_default();
         match (class, kind.as_str()) {
-            (TokenizerClass::Bert | TokenizerClass::MpNet, "WordPiece") => {
-                want.push(("unk_token", json!(s.unk_token)));
+            (Bert | MpNet, "WordPiece") => {
+                want.push(("unk_token", json!(unk)));
                 want.push(("continuing_subword_prefix", json!("##")));
                 want.push(("max_input_chars_per_word", json!(100)));
             }
-            (TokenizerClass::XlmRoberta, "Unigram") => {}
+            (XlmRoberta, "Unigram") => {}
+            // `BPE(vocab, merges, dropout=None, unk_token=None,
+            // continuing_subword_prefix="", end_of_word_suffix="",
+            // fuse_unk=False, byte_fallback=False)`.
+            (Qwen2, "BPE") => want.extend([
+                ("dropout", Value::Null),
+                ("unk_token", Value::Null),
+                ("continuing_subword_prefix", json!("")),
+                ("end_of_word_suffix", json!("")),
+                ("fuse_unk", json!(false)),
+                ("byte_fallback", json!(false)),
+                ("ignore_merges", json!(false)),
+            ]),
+            // `BPE(vocab, merges, fuse_unk=True, unk_token=str(unk_token),
+            // dropout=None, byte_fallback=True)`.
+            (Gemma, "BPE") => want.extend([
+                ("dropout", Value::Null),
+                ("unk_token", json!(unk)),
+                ("continuing_subword_prefix", Value::Null),
+                ("end_of_word_suffix", Value::Null),
+                ("fuse_unk", json!(true)),
+                ("byte_fallback", json!(true)),
+                ("ignore_merges", json!(false)),
+            ]),
             (c, k) => {
                 return Err(err(format!(
                     "{} builds a {} model, the file has {k:?}",
                     c.name(),
-                    if c == TokenizerClass::XlmRoberta {
-                        "Unigram"
-                    } else {
-                        "WordPiece"
+                    match c {
+                        XlmRoberta => "Unigram",
+                        Qwen2 | Gemma => "BPE",
+                        _ => "WordPiece",
                     }
                 )))
             }
         }
         for (key, v) in want {
-            if model.get(key) != Some(&v) {
+            let same = match kind.as_str() {
+                "BPE" => bpe_field_same(key, model.get(key), &v),
+                _ => model.get(key) == Some(&v),
+            };
+            if !same {
                 notes.push(format!(
                     "model.{key} set to {v} as {} does (the file had {})",
                     class.name(),
@@ -496,6 +752,42 @@ pub fn build(spec: &TokenizerSpec) -> Result<(Tokenizer, Vec<String>), ModelErro
                         model.get(key).map_or("nothing".into(), |x| x.to_string())
                     ));
                     model.insert(key.into(), v);
+                }
+            }
+        }
+        // Qwen2Tokenizer ends its `__init__` with `add_tokens([AddedToken(t,
+        // special=True) for t in all_special_tokens])`, which replaces each
+        // special token's flags with plain ones (no lstrip / rstrip /
+        // single_word, not normalized). GemmaTokenizer keeps the file's.
+        if class == Qwen2 {
+            let plain = [
+                ("single_word", false),
+                ("lstrip", false),
+                ("rstrip", false),
+                ("normalized", false),
+                ("special", true),
+            ];
+            for t in file
+                .get_mut("added_tokens")
+                .and_then(Value::as_array_mut)
+                .into_iter()
+                .flatten()
+            {
+                let Some(content) = t.get("content").and_then(Value::as_str).map(str::to_string)
+                else {
+                    continue;
+                };
+                if !s.special_tokens.contains(&content) {
+                    continue;
+                }
+                for (key, v) in plain {
+                    if t.get(key).and_then(Value::as_bool) != Some(v) {
+                        notes.push(format!(
+                            "added token {content:?}: {key} set to {v} as Qwen2Tokenizer does (the file had {})",
+                            t.get(key).map_or("nothing".into(), |x| x.to_string())
+                        ));
+                        t[key] = json!(v);
+                    }
                 }
             }
         }
@@ -551,6 +843,44 @@ mod tests {
         );
         let e = TokenizerClass::resolve(Some("GPT2Tokenizer"), "gpt2").unwrap_err();
         assert!(e.contains("GPT2Tokenizer"), "{e}");
+        assert!(
+            e.contains("Qwen2Tokenizer") && e.contains("GemmaTokenizer"),
+            "{e}"
+        );
+        // The decoder classes: by name (with or without Fast) and by model type.
+        assert_eq!(
+            TokenizerClass::resolve(Some("Qwen2TokenizerFast"), "qwen3"),
+            Ok(Qwen2)
+        );
+        assert_eq!(TokenizerClass::resolve(None, "qwen3"), Ok(Qwen2));
+        assert_eq!(TokenizerClass::resolve(None, "qwen2"), Ok(Qwen2));
+        assert_eq!(
+            TokenizerClass::resolve(Some("GemmaTokenizerFast"), "x"),
+            Ok(Gemma)
+        );
+        for t in ["gemma", "gemma2", "gemma3", "gemma3_text"] {
+            assert_eq!(TokenizerClass::resolve(None, t), Ok(Gemma), "{t}");
+        }
+        // AutoTokenizer replaces a qwen2 folder's hub class (checked with
+        // transformers 5.24: PreTrainedTokenizerFast → Qwen2Tokenizer), not
+        // a qwen3 folder's.
+        assert_eq!(
+            TokenizerClass::resolve(Some("PreTrainedTokenizerFast"), "qwen2"),
+            Ok(Qwen2)
+        );
+        assert_eq!(
+            TokenizerClass::resolve(Some("PreTrainedTokenizerFast"), "qwen3"),
+            Ok(File)
+        );
+        let e = TokenizerClass::resolve(None, "llama").unwrap_err();
+        assert!(e.contains("llama") && e.contains("GemmaTokenizer"), "{e}");
+        // Serialized names stay snake_case.
+        assert_eq!(serde_json::to_value(Qwen2).unwrap(), json!("qwen2"));
+        assert_eq!(serde_json::to_value(Gemma).unwrap(), json!("gemma"));
+        assert_eq!(
+            serde_json::to_value(XlmRoberta).unwrap(),
+            json!("xlm_roberta")
+        );
     }
 
     /// A tokenizer.json whose normalizer does not lowercase, under a
@@ -594,6 +924,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("truncation_side") && e.contains("left"), "{e}");
+        let e = ClassSettings::read(
+            TokenizerClass::Qwen2,
+            &json!({"split_special_tokens": true}),
+            p,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("split_special_tokens"), "{e}");
         let e = ClassSettings::read(TokenizerClass::Bert, &json!({"never_split": ["x"]}), p)
             .unwrap_err()
             .to_string();
@@ -611,5 +949,416 @@ mod tests {
         };
         let e = build(&spec).unwrap_err().to_string();
         assert!(e.contains("[NOPE]") && e.contains("tokenizer.json"), "{e}");
+    }
+
+    /// A test folder's tokenizer spec, read as `bert/folder.rs` reads it:
+    /// the class from tokenizer_config.json / config.json, the maximum from
+    /// sentence_bert_config.json `max_seq_length`.
+    fn folder_spec(dir: &Path) -> TokenizerSpec {
+        let read = |f: &str| -> Value {
+            serde_json::from_str(&std::fs::read_to_string(dir.join(f)).unwrap()).unwrap()
+        };
+        let config = read("config.json");
+        let tc = read("tokenizer_config.json");
+        let class = TokenizerClass::resolve(
+            tc.get("tokenizer_class").and_then(Value::as_str),
+            config["model_type"].as_str().unwrap(),
+        )
+        .unwrap();
+        let settings = ClassSettings::read(class, &tc, &dir.join("tokenizer_config.json")).unwrap();
+        TokenizerSpec {
+            path: dir.join("tokenizer.json"),
+            class,
+            settings,
+            lowercase: false,
+            max_len: read("sentence_bert_config.json")["max_seq_length"]
+                .as_u64()
+                .unwrap() as usize,
+            token_types: false,
+        }
+    }
+
+    /// The daemon's truncation (`daemon::tokenize::TextTokenizer::with_limits`):
+    /// the tokenizers crate's, at `max_len` tokens, specials included.
+    fn truncating(tok: &Tokenizer, max_len: usize) -> Tokenizer {
+        let mut t = tok.clone();
+        t.with_truncation(Some(tokenizers::TruncationParams {
+            direction: tokenizers::TruncationDirection::Right,
+            max_length: max_len,
+            strategy: tokenizers::TruncationStrategy::LongestFirst,
+            stride: 0,
+        }))
+        .unwrap();
+        t
+    }
+
+    /// reference.jsonl rows: (case, prompt + text, ids, untruncated_length).
+    fn reference(dir: &Path) -> Vec<(String, String, Vec<u32>, Option<usize>)> {
+        std::fs::read_to_string(dir.join("reference.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let r: Value = serde_json::from_str(l).unwrap();
+                let text = format!(
+                    "{}{}",
+                    r["prompt"].as_str().unwrap_or(""),
+                    r["text"].as_str().unwrap()
+                );
+                let ids = r["ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_u64().unwrap() as u32)
+                    .collect();
+                let untruncated = r.get("untruncated_length").and_then(Value::as_u64);
+                (
+                    r["case"].as_str().unwrap().to_string(),
+                    text,
+                    ids,
+                    untruncated.map(|n| n as usize),
+                )
+            })
+            .collect()
+    }
+
+    /// Every reference row of `dir` through `build` and the daemon's
+    /// truncation gives sentence-transformers' ids; truncated rows keep
+    /// the post-processor's tokens (checked by `check`).
+    fn assert_reference_ids(dir: &Path, tok: &Tokenizer, max_len: usize) -> usize {
+        let trunc = truncating(tok, max_len);
+        let rows = reference(dir);
+        let mut truncated = 0;
+        for (case, text, want, untruncated) in &rows {
+            let got = trunc.encode(text.as_str(), true).unwrap();
+            assert_eq!(got.get_ids(), &want[..], "{}: {case}", dir.display());
+            if let Some(n) = untruncated {
+                truncated += 1;
+                assert_eq!(want.len(), max_len, "{case}");
+                let full = tok.encode(text.as_str(), true).unwrap();
+                assert_eq!(
+                    full.len(),
+                    *n,
+                    "{}: {case} before truncation",
+                    dir.display()
+                );
+            }
+        }
+        assert!(rows.len() > 20);
+        truncated
+    }
+
+    /// Qwen3 (Qwen2Tokenizer): the file was written by the class, so nothing
+    /// is rebuilt; every row's ids are sentence-transformers', and every
+    /// row (truncated ones included) ends with the `<|endoftext|>` the
+    /// file's post-processor appends.
+    #[test]
+    fn qwen3_folder_gives_sentence_transformers_ids() {
+        let dir = models().join("qwen3-st");
+        let spec = folder_spec(&dir);
+        assert_eq!(spec.class, TokenizerClass::Qwen2);
+        assert!(!spec.settings.add_prefix_space);
+        let (tok, notes) = build(&spec).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        let eot = tok.token_to_id("<|endoftext|>").unwrap();
+        let truncated = assert_reference_ids(&dir, &tok, spec.max_len);
+        assert!(truncated >= 3, "the folder has over-long rows");
+        let trunc = truncating(&tok, spec.max_len);
+        for (case, text, _, _) in reference(&dir) {
+            let ids = trunc.encode(text.as_str(), true).unwrap();
+            assert_eq!(ids.get_ids().last(), Some(&eot), "{case}");
+        }
+        // A text far over the maximum: cut to max_len − 1 tokens, then the
+        // end token.
+        let long = "replay the graph ".repeat(200);
+        let ids = trunc.encode(long.as_str(), true).unwrap();
+        assert_eq!(ids.len(), spec.max_len);
+        assert_eq!(ids.get_ids().last(), Some(&eot));
+        let full = tok.encode(long.as_str(), true).unwrap();
+        assert_eq!(
+            ids.get_ids()[..spec.max_len - 1],
+            full.get_ids()[..spec.max_len - 1]
+        );
+    }
+
+    /// Gemma 3 (GemmaTokenizer): `<bos> … <eos>` from the file's
+    /// post-processor, byte fallback for characters outside the vocabulary.
+    #[test]
+    fn gemma3_folder_gives_sentence_transformers_ids() {
+        let dir = models().join("gemma3-st");
+        let spec = folder_spec(&dir);
+        assert_eq!(spec.class, TokenizerClass::Gemma);
+        let (tok, notes) = build(&spec).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        let truncated = assert_reference_ids(&dir, &tok, spec.max_len);
+        assert!(truncated >= 3, "the folder has over-long rows");
+        let (bos, eos) = (
+            tok.token_to_id("<bos>").unwrap(),
+            tok.token_to_id("<eos>").unwrap(),
+        );
+        let trunc = truncating(&tok, spec.max_len);
+        for (case, text, _, _) in reference(&dir) {
+            let ids = trunc.encode(text.as_str(), true).unwrap();
+            let ids = ids.get_ids();
+            assert_eq!((ids[0], ids[ids.len() - 1]), (bos, eos), "{case}");
+        }
+    }
+
+    /// A copy of `folder`'s tokenizer.json, edited by `edit`, with the
+    /// folder's spec pointing at it.
+    fn edited(folder: &str, edit: impl FnOnce(&mut Value)) -> (tempfile::TempDir, TokenizerSpec) {
+        let dir = models().join(folder);
+        let mut spec = folder_spec(&dir);
+        let mut file: Value =
+            serde_json::from_str(&std::fs::read_to_string(&spec.path).unwrap()).unwrap();
+        edit(&mut file);
+        let tmp = tempfile::tempdir().unwrap();
+        spec.path = tmp.path().join("tokenizer.json");
+        std::fs::write(&spec.path, file.to_string()).unwrap();
+        (tmp, spec)
+    }
+
+    /// A Qwen2 file whose pre-tokenizer differs from the class's (GPT-2's
+    /// ByteLevel with its own regex and a prefix space) gets the class's,
+    /// reported; ByteLevel's `trim_offsets` (offsets only, `false` in the
+    /// real Qwen3 files) is not a difference, nor is an empty vs null
+    /// subword prefix.
+    #[test]
+    fn qwen2_pretokenizer_that_differs_is_rebuilt_and_reported() {
+        let (_tmp, spec) = edited("qwen3-st", |f| {
+            f["pre_tokenizer"] = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+        });
+        let raw = Tokenizer::from_file(&spec.path).unwrap();
+        let (tok, notes) = build(&spec).unwrap();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("pre_tokenizer rebuilt as Qwen2Tokenizer"),
+            "{notes:?}"
+        );
+        let dir = models().join("qwen3-st");
+        assert_reference_ids(&dir, &tok, spec.max_len);
+        let text = "Hello World";
+        assert_ne!(
+            raw.encode(text, true).unwrap().get_ids(),
+            tok.encode(text, true).unwrap().get_ids(),
+            "the file's pre-tokenizer gives other ids"
+        );
+
+        let (_tmp, spec) = edited("qwen3-st", |f| {
+            f["pre_tokenizer"]["pretokenizers"][1]["trim_offsets"] = json!(false);
+            f["model"]["continuing_subword_prefix"] = Value::Null;
+            f["model"].as_object_mut().unwrap().remove("ignore_merges");
+        });
+        let (_, notes) = build(&spec).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+
+        // The class's own model flags: a byte-fallback, unk-carrying BPE is
+        // set back (and said so).
+        let (_tmp, spec) = edited("qwen3-st", |f| {
+            f["model"]["byte_fallback"] = json!(true);
+            f["normalizer"] = Value::Null;
+        });
+        let (_, notes) = build(&spec).unwrap();
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(
+            notes.iter().any(|n| n.contains("normalizer rebuilt")),
+            "{notes:?}"
+        );
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.contains("model.byte_fallback set to false")),
+            "{notes:?}"
+        );
+    }
+
+    /// `add_prefix_space: true` in tokenizer_config.json goes into Qwen2's
+    /// ByteLevel (a file without it is rebuilt).
+    #[test]
+    fn qwen2_add_prefix_space_comes_from_tokenizer_config() {
+        let (_tmp, mut spec) = edited("qwen3-st", |_| {});
+        spec.settings = ClassSettings::read(
+            TokenizerClass::Qwen2,
+            &json!({"add_prefix_space": true, "eos_token": "<|im_end|>", "bos_token": null, "unk_token": null}),
+            Path::new("tokenizer_config.json"),
+        )
+        .unwrap();
+        let (tok, notes) = build(&spec).unwrap();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("pretokenizers[1].add_prefix_space: true (the file had false)"),
+            "{notes:?}"
+        );
+        let (plain, _) = build(&folder_spec(&models().join("qwen3-st"))).unwrap();
+        assert_ne!(
+            tok.encode("hello", true).unwrap().get_ids(),
+            plain.encode("hello", true).unwrap().get_ids()
+        );
+    }
+
+    /// The post-processor of the decoder classes is the file's:
+    /// transformers 5 drops tokenizer_config.json's `add_bos_token` /
+    /// `add_eos_token` whenever a tokenizer.json exists, so they never
+    /// rebuild it; a file without one adds nothing (the class's rebuilt
+    /// template is `$A` / `$A $B`).
+    #[test]
+    fn decoder_post_processor_is_the_files() {
+        for (folder, extra) in [
+            (
+                "qwen3-st",
+                json!({"add_eos_token": false, "add_bos_token": true}),
+            ),
+            (
+                "gemma3-st",
+                json!({"add_bos_token": false, "add_eos_token": false}),
+            ),
+        ] {
+            let dir = models().join(folder);
+            let mut spec = folder_spec(&dir);
+            let mut tc: Value = serde_json::from_str(
+                &std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap(),
+            )
+            .unwrap();
+            for (k, v) in extra.as_object().unwrap() {
+                tc[k] = v.clone();
+            }
+            spec.settings = ClassSettings::read(spec.class, &tc, &dir.join("x")).unwrap();
+            let (tok, notes) = build(&spec).unwrap();
+            assert!(notes.is_empty(), "{folder}: {notes:?}");
+            assert_reference_ids(&dir, &tok, spec.max_len);
+
+            let (_tmp, spec) = edited(folder, |f| f["post_processor"] = Value::Null);
+            let (tok, notes) = build(&spec).unwrap();
+            assert!(notes.is_empty(), "{folder}: {notes:?}");
+            let ids = tok.encode("a", true).unwrap();
+            assert_eq!(ids.get_special_tokens_mask(), &[0], "{folder}");
+        }
+    }
+
+    /// GemmaTokenizer's own components: a Gemma-1-style normalizer
+    /// (Prepend + Replace, no pre-tokenizer) and a BPE without byte
+    /// fallback are rebuilt, each reported, and give the reference ids.
+    #[test]
+    fn gemma_components_that_differ_are_rebuilt_and_reported() {
+        let (_tmp, spec) = edited("gemma3-st", |f| {
+            f["normalizer"] = json!({"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "\u{2581}"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}]});
+            f["pre_tokenizer"] = Value::Null;
+            f["model"]["byte_fallback"] = json!(false);
+        });
+        let (tok, notes) = build(&spec).unwrap();
+        assert_eq!(notes.len(), 3, "{notes:?}");
+        for what in [
+            "normalizer rebuilt",
+            "pre_tokenizer rebuilt",
+            "model.byte_fallback set to true",
+        ] {
+            assert!(notes.iter().any(|n| n.contains(what)), "{what}: {notes:?}");
+        }
+        assert_reference_ids(&models().join("gemma3-st"), &tok, spec.max_len);
+    }
+
+    /// Qwen2Tokenizer re-adds its special tokens with plain flags: a file's
+    /// `lstrip` on `<|im_start|>` is dropped (transformers 5.24 keeps the
+    /// space before it), reported. GemmaTokenizer keeps the file's flags.
+    #[test]
+    fn qwen2_special_token_flags_are_the_classs() {
+        let set_lstrip = |name: &'static str| {
+            move |f: &mut Value| {
+                for t in f["added_tokens"].as_array_mut().unwrap() {
+                    if t["content"] == name {
+                        t["lstrip"] = json!(true);
+                    }
+                }
+            }
+        };
+        let (_tmp, spec) = edited("qwen3-st", set_lstrip("<|im_start|>"));
+        let (tok, notes) = build(&spec).unwrap();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("<|im_start|>") && notes[0].contains("lstrip"),
+            "{notes:?}"
+        );
+        let ids = tok.encode("a <|im_start|>b", false).unwrap();
+        let start = tok.token_to_id("<|im_start|>").unwrap();
+        assert_eq!(
+            ids.get_tokens()[1],
+            "\u{120}",
+            "the space stays: {:?}",
+            ids.get_tokens()
+        );
+        assert_eq!(ids.get_ids()[2], start);
+
+        let (_tmp, spec) = edited("gemma3-st", set_lstrip("<mask>"));
+        let (tok, notes) = build(&spec).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        let ids = tok.encode("a <mask>b", false).unwrap();
+        assert_eq!(
+            ids.get_ids()[1],
+            tok.token_to_id("<mask>").unwrap(),
+            "lstrip kept"
+        );
+    }
+
+    /// Each class's special tokens: its defaults, explicit nulls (Qwen3's
+    /// `bos_token` / `unk_token`), `extra_special_tokens` (or the older
+    /// `additional_special_tokens`) and model-specific `*_token` keys.
+    #[test]
+    fn decoder_class_settings() {
+        let p = Path::new("tokenizer_config.json");
+        let q = ClassSettings::read(TokenizerClass::Qwen2, &json!({}), p).unwrap();
+        assert_eq!(q.special_tokens, vec!["<|endoftext|>".to_string()]);
+        assert_eq!(
+            (q.cls_token.as_deref(), q.unk_token.as_deref()),
+            (None, Some("<|endoftext|>"))
+        );
+        assert!(!q.add_prefix_space);
+        let q = ClassSettings::read(
+            TokenizerClass::Qwen2,
+            &json!({"unk_token": null, "bos_token": null, "eos_token": "<|im_end|>",
+                    "pad_token": "<|endoftext|>", "add_prefix_space": null,
+                    "extra_special_tokens": ["<|im_start|>"],
+                    "additional_special_tokens": ["<|ignored|>"]}),
+            p,
+        )
+        .unwrap();
+        assert_eq!(q.unk_token, None);
+        assert_eq!(
+            q.special_tokens,
+            ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+        );
+        let g = ClassSettings::read(TokenizerClass::Gemma, &json!({}), p).unwrap();
+        assert_eq!(
+            g.special_tokens,
+            ["<bos>", "<eos>", "<mask>", "<pad>", "<unk>"]
+        );
+        let g = ClassSettings::read(
+            TokenizerClass::Gemma,
+            &json!({"additional_special_tokens": ["<start_of_turn>"], "boi_token": "<start_of_image>",
+                    "image_token_index": 5, "add_bos_token": true}),
+            p,
+        )
+        .unwrap();
+        assert!(g.special_tokens.contains(&"<start_of_turn>".to_string()));
+        assert!(g.special_tokens.contains(&"<start_of_image>".to_string()));
+        assert_eq!(g.special_tokens.len(), 7);
+        let e = ClassSettings::read(TokenizerClass::Gemma, &json!({"unk_token": null}), p)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unk_token"), "{e}");
+        // A registered token missing from the file is named.
+        let dir = models().join("gemma3-st");
+        let mut spec = folder_spec(&dir);
+        spec.settings = ClassSettings::read(
+            TokenizerClass::Gemma,
+            &json!({"boi_token": "<start_of_image>"}),
+            p,
+        )
+        .unwrap();
+        let e = build(&spec).unwrap_err().to_string();
+        assert!(
+            e.contains("<start_of_image>") && e.contains("GemmaTokenizer"),
+            "{e}"
+        );
     }
 }

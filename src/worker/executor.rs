@@ -8,6 +8,7 @@
 
 use super::graph_cache::GraphCache;
 use super::link::{self, FaultKind, FromWorker, ToWorker, WorkerError};
+use super::memory_budget;
 use super::shm::{self, Ring};
 use super::{WorkerArgs, WorkerBackend};
 use crate::backend::cuda::{CudaBackend, CudaOptions};
@@ -306,6 +307,9 @@ fn serve<B: Backend>(
             Ok(m) => m,
             Err(e) => outbox.die(e.to_string(), link::EXIT_STARTUP_FAILED),
         };
+        if let Err(message) = memory_budget::check_weights(&mut backend, &model) {
+            outbox.die(message, link::EXIT_STARTUP_FAILED);
+        }
         let weights = match backend.upload(&model) {
             Ok(w) => w,
             Err(e) => outbox.die(
@@ -317,30 +321,58 @@ fn serve<B: Backend>(
     }
     let mut cache: GraphCache<B> = GraphCache::new();
     let mut graphs = Vec::new();
+    let mut memory = Vec::new();
     if !args.eager {
         // Progress for the daemon's status line (and its watchdog).
         let total: usize = models.iter().map(|(_, _, g)| g.largest_first().len()).sum();
         let mut captured = 0;
         outbox.send(&FromWorker::Progress { captured, total }, None);
         for (index, (model, weights, grid)) in models.iter().enumerate() {
+            // The grid as the device's memory holds it (largest first).
+            let fit = match memory_budget::plan_buckets(
+                &mut backend,
+                model,
+                weights,
+                &grid.largest_first(),
+            ) {
+                Ok(f) => f,
+                Err(e) => outbox.die(
+                    format!("planning model {}: {e}", model.info.name),
+                    startup_code(&e),
+                ),
+            };
+            for (bucket, need) in &fit.dropped {
+                tracing::warn!(
+                    model = %model.info.name,
+                    %bucket,
+                    needs = %memory_budget::mib(need.needed),
+                    free = %memory_budget::mib(need.free),
+                    "bucket dropped: its graph does not fit in the device memory left after the weights and the larger graphs (its batches run on a smaller graph or eagerly)"
+                );
+            }
+            captured += fit.dropped.len();
             let each = |_: &link::GraphReport| {
                 captured += 1;
                 outbox.send(&FromWorker::Progress { captured, total }, None);
             };
-            match cache.capture_buckets(
-                &mut backend,
-                index,
-                model,
-                weights,
-                &grid.largest_first(),
-                each,
-            ) {
+            match cache.capture_buckets(&mut backend, index, model, weights, &fit.kept, each) {
                 Ok(reports) => graphs.extend(reports),
                 Err(e) => outbox.die(
                     format!("capturing model {}: {e}", model.info.name),
                     startup_code(&e),
                 ),
             }
+            let (weights_bytes, arena_bytes) = backend.resident_bytes(weights);
+            memory.push(link::ModelMemory {
+                model: index,
+                weights_bytes,
+                arena_bytes,
+                dropped: fit
+                    .dropped
+                    .iter()
+                    .map(|(b, n)| (*b, n.needed, n.free))
+                    .collect(),
+            });
         }
     }
     outbox.send(
@@ -348,6 +380,7 @@ fn serve<B: Backend>(
             info: backend.info(),
             graphs,
             startup_ms: started.elapsed().as_millis() as u64,
+            memory,
         },
         None,
     );

@@ -105,6 +105,19 @@ pub struct GraphReport {
     pub memory_bytes: u64,
 }
 
+/// A model's device memory on a worker, as reported at start-up.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelMemory {
+    pub model: usize,
+    /// Its uploaded weights.
+    pub weights_bytes: u64,
+    /// The activation arena its graphs share.
+    pub arena_bytes: u64,
+    /// Buckets the memory budget left without a graph: (bucket, bytes it
+    /// needed, bytes that were free beyond the reserve).
+    pub dropped: Vec<(Bucket, u64, u64)>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum FromWorker {
     /// Every model is loaded and every graph captured: the worker takes work.
@@ -112,6 +125,9 @@ pub enum FromWorker {
         info: DeviceInfo,
         graphs: Vec<GraphReport>,
         startup_ms: u64,
+        /// Each model's device memory (CUDA; empty on other backends).
+        #[serde(default)]
+        memory: Vec<ModelMemory>,
     },
     /// A batch finished; one data frame with `rows · output_dim` little-endian
     /// f32, or (with `slot`) no frame: the output lies in that ring slot.

@@ -3,6 +3,8 @@
 //! * [`link`] — the messages it exchanges with its device actor (the one
 //!   place that wire is encoded and decoded).
 //! * [`graph_cache`] — the captured graphs, per (model, bucket).
+//! * [`memory_budget`] — which buckets get a graph on a device too small
+//!   for the whole grid.
 //! * [`executor`] — the backend thread: loads models, captures, runs batches.
 //! * [`shm`] — the shared-memory ring and doorbell that carry batches and
 //!   outputs (the socket then carries only control).
@@ -16,6 +18,7 @@
 pub mod executor;
 pub mod graph_cache;
 pub mod link;
+pub mod memory_budget;
 pub mod shm;
 
 use crate::config::Config;

@@ -1,7 +1,9 @@
 //! The CPU backend: a real backend and the numerical reference for CUDA.
 //!
-//! * Weights are kept as f32; for f16/bf16 models every weight is rounded
-//!   through that dtype at upload, and all arithmetic is f32.
+//! * Weights are kept as f32: the model's (held as the checkpoint stores
+//!   them, [`crate::model::WeightData`]) are converted at upload, and for
+//!   f16/bf16 models every weight is rounded through that dtype (a no-op for
+//!   one stored in it); all arithmetic is f32.
 //! * "Capture" ([`Backend::capture`]) allocates the program's static inputs
 //!   and output once and resolves its ops into a replayable plan bound to
 //!   those buffers (see `plan.rs`); a replay packs the batch into the static
@@ -73,7 +75,8 @@ impl CpuWeights {
         self.dtype
     }
 
-    /// Bytes of the uploaded weights (f32).
+    /// Bytes of the uploaded weights (the CPU backend holds them as f32,
+    /// whatever the checkpoint stores).
     pub fn bytes(&self) -> u64 {
         self.tensors.iter().map(|t| t.data.len() as u64 * 4).sum()
     }
@@ -228,7 +231,7 @@ fn replay(
 }
 
 /// Rounds `x` through `dtype` (identity for f32).
-fn round_through(dtype: DType, x: f32) -> f32 {
+pub(crate) fn round_through(dtype: DType, x: f32) -> f32 {
     match dtype {
         DType::F16 => half::f16::from_f32(x).to_f32(),
         DType::BF16 => half::bf16::from_f32(x).to_f32(),
@@ -264,10 +267,16 @@ impl Backend for CpuBackend {
             .map(|(_, t)| CpuTensor {
                 name: t.name.clone(),
                 shape: t.shape.clone(),
-                data: if dtype == DType::F32 {
-                    t.data.clone()
+                // As stored or computed, in f32 (exact), then rounded
+                // through the compute dtype (a no-op when stored in it).
+                data: if dtype == DType::F32 || t.data.dtype() == dtype {
+                    t.data.to_f32().into_owned()
                 } else {
-                    t.data.iter().map(|&x| round_through(dtype, x)).collect()
+                    t.data
+                        .to_f32()
+                        .iter()
+                        .map(|&x| round_through(dtype, x))
+                        .collect()
                 },
             })
             .collect();

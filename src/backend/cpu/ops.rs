@@ -9,7 +9,7 @@
 //! No kernel allocates: every buffer, including attention's score scratch,
 //! is passed in.
 
-use crate::model::program::{Activation, GateOn, Pooling, PositionIds, Rotary};
+use crate::model::program::{Activation, Attention, GateOn, Pooling, PositionIds, Rotary};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -283,13 +283,78 @@ pub(crate) fn embed_layer_norm(
     });
 }
 
-/// `out[r] = word[ids[r]]` for every row `r` of `ids` (a rotary model's
-/// embedding: no position or token-type table).
-pub(crate) fn embed(threads: usize, ids: &[i32], word: &[f32], out: &mut [f32], hidden: usize) {
+/// `out[r] = word[ids[r]] · scale` for every row `r` of `ids` (a rotary
+/// model's embedding: no position or token-type table).
+pub(crate) fn embed(
+    threads: usize,
+    ids: &[i32],
+    word: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    hidden: usize,
+) {
     let rows = ids.len();
     for_rows(&mut out[..rows * hidden], hidden, threads, |r, row| {
         let id = ids[r] as usize;
-        row.copy_from_slice(&word[id * hidden..(id + 1) * hidden]);
+        let src = &word[id * hidden..(id + 1) * hidden];
+        if scale == 1.0 {
+            row.copy_from_slice(src);
+        } else {
+            row.iter_mut().zip(src).for_each(|(o, &w)| *o = w * scale);
+        }
+    });
+}
+
+/// `x = x / √(mean(x²) + eps) · (offset + gamma)` in place over rows of
+/// `gamma.len()` values (an RMSNorm; see
+/// [`crate::model::program::RmsNorm`]).
+pub(crate) fn rms_norm_row(row: &mut [f32], gamma: &[f32], offset: f32, eps: f32) {
+    let ms = row.iter().map(|v| v * v).sum::<f32>() / row.len() as f32;
+    let r = 1.0 / (ms + eps).sqrt();
+    row.iter_mut()
+        .zip(gamma)
+        .for_each(|(v, &g)| *v *= r * (offset + g));
+}
+
+/// [`rms_norm_row`] over `rows` rows of `x`, in place.
+pub(crate) fn rms_norm_in_place(
+    threads: usize,
+    x: &mut [f32],
+    gamma: &[f32],
+    offset: f32,
+    eps: f32,
+    rows: usize,
+) {
+    let hidden = gamma.len();
+    for_rows(&mut x[..rows * hidden], hidden, threads, |_, row| {
+        rms_norm_row(row, gamma, offset, eps)
+    });
+}
+
+/// Qwen3's and Gemma's q/k norms: [`rms_norm_row`] over every query head
+/// (with `q_gamma`) and key head (`k_gamma`) of `qkv`'s first `rows` rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_rms_norm(
+    threads: usize,
+    qkv: &mut [f32],
+    rows: usize,
+    heads: usize,
+    kv_heads: usize,
+    q_gamma: &[f32],
+    k_gamma: &[f32],
+    offset: f32,
+    eps: f32,
+) {
+    let d = q_gamma.len();
+    let width = (heads + 2 * kv_heads) * d;
+    for_rows(&mut qkv[..rows * width], width, threads, |_, row| {
+        for (i, head) in row[..(heads + kv_heads) * d]
+            .chunks_exact_mut(d)
+            .enumerate()
+        {
+            let g = if i < heads { q_gamma } else { k_gamma };
+            rms_norm_row(head, g, offset, eps);
+        }
     });
 }
 
@@ -341,11 +406,13 @@ pub(crate) fn rotary(
     tokens: usize,
     r: &Rotary,
 ) {
-    let (hd, half) = (r.heads * r.head_dim, r.head_dim / 2);
+    let half = r.head_dim / 2;
+    let width = (r.heads + 2 * r.kv_heads) * r.head_dim;
+    let rotated = (r.heads + r.kv_heads) * r.head_dim;
     let covered = seqs.covered();
     for_rows(
-        &mut qkv[..tokens * 3 * hd],
-        3 * hd,
+        &mut qkv[..tokens * width],
+        width,
         threads,
         |row_index, row| {
             let (p, len) = if row_index < covered {
@@ -354,7 +421,7 @@ pub(crate) fn rotary(
                 (0, 0)
             };
             let angles: Vec<(f32, f32)> = (0..half).map(|d| r.angle_in(p, len, d)).collect();
-            for head in row[..2 * hd].chunks_exact_mut(r.head_dim) {
+            for head in row[..rotated].chunks_exact_mut(r.head_dim) {
                 let (a, b) = head.split_at_mut(half);
                 for ((x, y), &(cos, sin)) in a.iter_mut().zip(b.iter_mut()).zip(&angles) {
                     let (u, v) = (*x, *y);
@@ -421,39 +488,45 @@ impl SharedOut {
     }
 }
 
-/// Multi-head self-attention over a fused `[q | k | v]` projection; see
-/// [`crate::model::program::Op::Attention`].
+/// Query rows a task scores at once: the score scratch is
+/// `ATTENTION_QUERY_BLOCK × len` per worker, so memory stays bounded for
+/// long sequences.
+pub(crate) const ATTENTION_QUERY_BLOCK: usize = 256;
+
+/// The score scratch one worker needs for sequences of up to `max_len`.
+pub(crate) fn attention_scratch(max_len: usize) -> usize {
+    max_len.min(ATTENTION_QUERY_BLOCK) * max_len
+}
+
+/// Multi-head attention over a fused `[q | k | v]` projection; see
+/// [`crate::model::program::Attention`] (grouped-query heads, the
+/// window and causal masks, the score scale). A task is one (sequence,
+/// query head); it scores blocks of up to [`ATTENTION_QUERY_BLOCK`]
+/// queries against the sequence's keys by gemm into a per-worker scratch,
+/// softmax per query row (over the keys whose mask is set, max
+/// subtracted), then `O = P·V` by gemm straight into the head's columns
+/// of `out`. Keys after a padded sequence's last real one are skipped
+/// (their probability is exactly 0), so padding cannot change any value;
+/// a sequence with no real key produces zeros, and the first `tokens`
+/// rows no sequence covers (a packed batch's tail) are zeroed.
 ///
-/// One task per (sequence, head): scores `S = Q·Kᵀ/√d` by gemm into a
-/// per-worker scratch of `max_len²` floats, softmax per query row (over the
-/// keys whose mask is set, max subtracted), then `O = P·V` by gemm straight
-/// into the head's columns of `out`. Keys after a padded sequence's last
-/// real one are skipped (their probability is exactly 0), so a padded
-/// sequence costs what its real length costs in the score/value products,
-/// and padding cannot change any value; masked keys inside that range get
-/// probability 0, and a sequence with no real key produces zeros. Empty
-/// sequences cost nothing; the first `tokens` rows no sequence covers (a
-/// packed batch's tail) are zeroed.
-///
-/// `scratch` holds `workers · max_len²` floats; tasks are dealt round-robin
-/// to `workers = scratch.len() / max_len²` parallel workers.
-///
-/// `bias` is a position-bias table `[heads, 2·radius + 1]` and its radius
-/// (see [`crate::model::program::PositionBias`]), added to the scaled scores.
-#[allow(clippy::too_many_arguments)]
+/// `scratch` holds `workers ·` [`attention_scratch`] floats; tasks are
+/// dealt round-robin to the workers. `bias` is a position-bias table
+/// `[heads, 2·radius + 1]` and its radius (see
+/// [`crate::model::program::PositionBias`]), added to the scaled scores.
 pub(crate) fn attention(
     qkv: &[f32],
     seqs: SeqIndex<'_>,
     out: &mut [f32],
     scratch: &mut [f32],
     tokens: usize,
-    heads: usize,
-    head_dim: usize,
+    a: &Attention,
     bias: Option<(&[f32], usize)>,
-    window: Option<usize>,
 ) {
+    let (heads, head_dim) = (a.heads, a.head_dim);
     let h = heads * head_dim;
-    let stride = 3 * h;
+    let stride = a.qkv_width();
+    let group = heads / a.kv_heads;
     let max_len = seqs.max_len();
     let covered = seqs.covered();
     assert!(
@@ -464,13 +537,15 @@ pub(crate) fn attention(
         "sequences are checked when the batch is packed"
     );
     assert!(qkv.len() >= tokens * stride && out.len() >= tokens * h);
-    assert!(scratch.len() >= max_len * max_len && max_len > 0);
+    let chunk = attention_scratch(max_len);
+    assert!(scratch.len() >= chunk && max_len > 0);
     out[covered * h..tokens * h].fill(0.0);
     let tasks = seqs.count() * heads;
-    let scale = 1.0 / (head_dim as f32).sqrt();
+    let scale = a.score_scale();
     let shared = SharedOut(out.as_mut_ptr());
     let run = |task: usize, s: &mut [f32]| {
         let (seq, head) = (task / heads, task % heads);
+        let kv_head = head / group;
         let (start, len) = seqs.rows(seq);
         let mask = seqs.mask(seq);
         let kv_len = mask.map_or(len, |m| {
@@ -488,79 +563,83 @@ pub(crate) fn attention(
             }
             return;
         }
-        let base = start * stride + head * head_dim;
-        let q = qkv[base..].as_ptr();
-        let k = qkv[base + h..].as_ptr();
-        let v = qkv[base + 2 * h..].as_ptr();
-        let s = &mut s[..len * kv_len];
-        // SAFETY (both products): Q is len×head_dim at q + i·stride + d, Kᵀ
-        // is head_dim×kv_len at k + j·stride + d, V is kv_len×head_dim at
-        // v + j·stride + d; every offset is below (start+len)·stride − base,
-        // in `qkv`. S is len×kv_len in `s`; O is this task's block of `out`.
-        unsafe {
-            gemm::gemm(
-                len,
-                kv_len,
-                head_dim,
-                s.as_mut_ptr(),
-                1,
-                kv_len as isize,
-                false,
-                q,
-                1,
-                stride as isize,
-                k,
-                stride as isize,
-                1,
-                0.0,
-                scale,
-                false,
-                false,
-                false,
-                Parallelism::None,
-            );
-        }
-        if let Some((table, radius)) = bias {
-            add_position_bias(s, kv_len, 0, table, radius, head);
-        }
-        for (i, row) in s.chunks_exact_mut(kv_len).enumerate() {
-            if let Some(w) = window {
-                for (j, v) in row.iter_mut().enumerate() {
-                    if i.abs_diff(j) > w {
-                        *v = f32::NEG_INFINITY;
+        let base = start * stride;
+        let k = qkv[base + h + kv_head * head_dim..].as_ptr();
+        let v = qkv[base + h + a.kv_heads * head_dim + kv_head * head_dim..].as_ptr();
+        for q0 in (0..len).step_by(ATTENTION_QUERY_BLOCK) {
+            let rows = ATTENTION_QUERY_BLOCK.min(len - q0);
+            let q = qkv[base + q0 * stride + head * head_dim..].as_ptr();
+            let s = &mut s[..rows * kv_len];
+            // SAFETY (both products): Q is rows×head_dim at q + i·stride +
+            // d, Kᵀ is head_dim×kv_len at k + j·stride + d, V is
+            // kv_len×head_dim at v + j·stride + d; every offset is below
+            // (start+len)·stride − base, in `qkv`. S is rows×kv_len in `s`;
+            // O is rows q0.. of this task's block of `out`.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    kv_len,
+                    head_dim,
+                    s.as_mut_ptr(),
+                    1,
+                    kv_len as isize,
+                    false,
+                    q,
+                    1,
+                    stride as isize,
+                    k,
+                    stride as isize,
+                    1,
+                    0.0,
+                    scale,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
+            }
+            if let Some((table, radius)) = bias {
+                add_position_bias(s, kv_len, q0, table, radius, head);
+            }
+            for (r, row) in s.chunks_exact_mut(kv_len).enumerate() {
+                let i = q0 + r;
+                if a.window.is_some() || a.causal {
+                    for (j, v) in row.iter_mut().enumerate() {
+                        if !a.sees(i, j) {
+                            *v = f32::NEG_INFINITY;
+                        }
                     }
                 }
+                match mask {
+                    Some(m) => masked_softmax(row, &m[..kv_len]),
+                    None => softmax(row),
+                }
             }
-            match mask {
-                Some(m) => masked_softmax(row, &m[..kv_len]),
-                None => softmax(row),
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    head_dim,
+                    kv_len,
+                    o.add(q0 * h),
+                    1,
+                    h as isize,
+                    false,
+                    s.as_ptr(),
+                    1,
+                    kv_len as isize,
+                    v,
+                    1,
+                    stride as isize,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
             }
-        }
-        unsafe {
-            gemm::gemm(
-                len,
-                head_dim,
-                kv_len,
-                o,
-                1,
-                h as isize,
-                false,
-                s.as_ptr(),
-                1,
-                kv_len as isize,
-                v,
-                1,
-                stride as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                Parallelism::None,
-            );
         }
     };
-    let chunk = max_len * max_len;
     let workers = (scratch.len() / chunk).clamp(1, tasks.max(1));
     if workers == 1 {
         let s = &mut scratch[..chunk];
@@ -641,7 +720,7 @@ fn masked_softmax(row: &mut [f32], mask: &[i32]) {
 /// sequence pools its real tokens from index `skip[s]` on (0 without a
 /// skip): mean divides by their count, max takes their element-wise
 /// maximum, cls the first of them (a padded sequence without a skip: slot
-/// 0, real or not); none left gives zeros.
+/// 0, real or not), last token the last of them; none left gives zeros.
 pub(crate) fn pool(
     x: &[f32],
     seqs: SeqIndex<'_>,
@@ -676,6 +755,10 @@ pub(crate) fn pool(
                     o.iter_mut().zip(token(t)).for_each(|(a, &v)| *a += v);
                 }
             }
+            Pooling::LastToken => match pooled().next_back() {
+                Some(t) => o.copy_from_slice(token(t)),
+                None => o.fill(0.0),
+            },
             Pooling::Cls if skip.is_none() && mask.is_some() => o.copy_from_slice(token(0)),
             Pooling::Cls => match pooled().next() {
                 Some(t) => o.copy_from_slice(token(t)),
@@ -775,6 +858,74 @@ mod tests {
             .collect()
     }
 
+    /// An attention op of these head counts (buffers unused here).
+    fn mha(heads: usize, kv_heads: usize, head_dim: usize) -> Attention {
+        use crate::model::program::{BufId, Seqs};
+        Attention {
+            qkv: BufId(0),
+            out: BufId(1),
+            heads,
+            kv_heads,
+            head_dim,
+            bias: None,
+            window: None,
+            causal: false,
+            scale: None,
+            seqs: Seqs::Padded {
+                mask: BufId(2),
+                batch: 1,
+                seq: 1,
+            },
+        }
+    }
+
+    /// Causal grouped-query attention over a sequence longer than a query
+    /// block equals a naive f64 computation (each query head reading its
+    /// group's key/value head, keys up to its own position).
+    #[test]
+    fn causal_grouped_query_attention_over_query_blocks() {
+        let (len, heads, kv_heads, d) = (ATTENTION_QUERY_BLOCK + 45, 4, 2, 8);
+        let width = (heads + 2 * kv_heads) * d;
+        let qkv: Vec<f32> = (0..len * width)
+            .map(|i| ((i * 7919) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let mut op = mha(heads, kv_heads, d);
+        op.causal = true;
+        op.scale = Some(0.3);
+        let mask = vec![1; len];
+        let mut out = vec![f32::NAN; len * heads * d];
+        let mut scratch = vec![0.0; 2 * attention_scratch(len)];
+        let seqs = SeqIndex::Padded {
+            mask: &mask,
+            seq: len,
+        };
+        attention(&qkv, seqs, &mut out, &mut scratch, len, &op, None);
+        for h in 0..heads {
+            let kv = h / 2;
+            for i in [0, 1, 200, ATTENTION_QUERY_BLOCK, len - 1] {
+                let q = &qkv[i * width + h * d..][..d];
+                let scores: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        let k = &qkv[j * width + heads * d + kv * d..][..d];
+                        q.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>() * 0.3
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let total: f64 = e.iter().sum();
+                for c in 0..d {
+                    let want: f64 = (0..=i)
+                        .map(|j| {
+                            e[j] / total * qkv[j * width + (heads + kv_heads + kv) * d + c] as f64
+                        })
+                        .sum();
+                    let got = out[i * heads * d + h * d + c] as f64;
+                    assert!((got - want).abs() < 1e-5, "h{h} i{i} c{c}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn attention_matches_naive_reference_with_masks() {
         let (batch, seq, heads, d) = (3, 7, 2, 4);
@@ -796,9 +947,7 @@ mod tests {
                 &mut out,
                 &mut scratch,
                 batch * seq,
-                heads,
-                d,
-                None,
+                &mha(heads, heads, d),
                 None,
             );
             for b in 0..batch {
@@ -831,6 +980,8 @@ mod tests {
         pool(&x, seqs, &mut out, 2, Pooling::Mean, false, None);
         assert_eq!(out, [2.0, 3.0, 5.0, -6.0]);
         pool(&x, seqs, &mut out, 2, Pooling::Max, false, None);
+        assert_eq!(out, [3.0, 4.0, 5.0, -6.0]);
+        pool(&x, seqs, &mut out, 2, Pooling::LastToken, false, None);
         assert_eq!(out, [3.0, 4.0, 5.0, -6.0]);
         pool(&x, seqs, &mut out, 2, Pooling::Cls, true, None);
         let n = (5.0f32).sqrt();
@@ -875,9 +1026,7 @@ mod tests {
                 &mut out,
                 &mut scratch,
                 tokens,
-                heads,
-                d,
-                None,
+                &mha(heads, heads, d),
                 None,
             );
             for (s, &len) in lens.iter().enumerate().filter(|(_, &l)| l > 0) {
@@ -890,7 +1039,8 @@ mod tests {
                     mask: &mask,
                     seq: len,
                 };
-                attention(rows, one, &mut want, &mut sc, len, heads, d, None, None);
+                let op = mha(heads, heads, d);
+                attention(rows, one, &mut want, &mut sc, len, &op, None);
                 let got = &out[start * h..(start + len) * h];
                 for (a, b) in got.iter().zip(&want) {
                     assert!((a - b).abs() < 1e-6, "seq {s}: {a} vs {b}");
@@ -916,6 +1066,8 @@ mod tests {
         assert_eq!(out, [3.0, 0.0, 0.0, 0.0, 7.0, 8.0]);
         pool(&x, seqs, &mut out, 2, Pooling::Max, false, None);
         assert_eq!(out, [5.0, 4.0, 0.0, 0.0, 7.0, 8.0]);
+        pool(&x, seqs, &mut out, 2, Pooling::LastToken, false, None);
+        assert_eq!(out, [5.0, -6.0, 0.0, 0.0, 7.0, 8.0]);
         pool(&x, seqs, &mut out, 2, Pooling::Cls, true, None);
         let n = (5.0f32).sqrt();
         assert_eq!(out[..2], [1.0 / n, 2.0 / n]);

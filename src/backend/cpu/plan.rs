@@ -19,7 +19,7 @@
 
 use super::arena::{Arena, ArenaNeeds, ARENA_ALIGN};
 use super::ops::{self, SeqIndex};
-use super::CpuWeights;
+use super::{round_through, CpuWeights};
 use crate::model::program::validate::op_buffers;
 use crate::model::program::{BufKind, InputRole, Layout, Op, Program, Seqs, WeightId};
 use crate::model::BatchRows;
@@ -244,6 +244,8 @@ fn restrict(op: &Op, full: Shape, active: Shape) -> Option<Op> {
         Op::LayerNorm(l) => l.rows = rows(l.rows)?,
         Op::Add(a) => a.rows = rows(a.rows)?,
         Op::Gated(g) => g.rows = rows(g.rows)?,
+        Op::RmsNorm(n) => n.rows = rows(n.rows)?,
+        Op::HeadRmsNorm(n) => n.rows = rows(n.rows)?,
         Op::EmbedLayerNorm(_) | Op::Attention(_) | Op::Pool(_) | Op::Embed(_) | Op::Rotary(_) => {}
     }
     Some(op)
@@ -286,10 +288,10 @@ impl Plan {
         let (batch, seq) = (program.batch, program.seq);
         let steps = program.ops.clone();
         // Attention's score scratch: a (sequence, head) task's scores.
-        let max_attention_seq = steps
+        let attention_scratch = steps
             .iter()
             .filter_map(|op| match op {
-                Op::Attention(a) => Some(a.seqs.max_len()),
+                Op::Attention(a) => Some(ops::attention_scratch(a.seqs.max_len())),
                 _ => None,
             })
             .max()
@@ -326,7 +328,7 @@ impl Plan {
         let workers = threads.max(1);
         let needs = ArenaNeeds {
             activations,
-            scratch: workers * max_attention_seq * max_attention_seq,
+            scratch: workers * attention_scratch,
         };
         let full = full_shape(program.layout, batch, seq);
         let smallest = match full {
@@ -450,6 +452,7 @@ impl Plan {
         let threads = self.threads;
         let weights = &self.weights.tensors;
         let wt = |w: WeightId| weights[w.0].data.as_slice();
+        let dtype = self.weights.dtype();
         let full = self.full();
         let active = self.active;
         let slots = &mut self.slots;
@@ -529,17 +532,15 @@ impl Plan {
                     );
                 }
                 Op::Attention(a) => {
-                    let len = a.seqs.max_len();
+                    let chunk = ops::attention_scratch(a.seqs.max_len());
                     ops::attention(
                         bufs.f32(a.qkv.0),
                         seq_index(a.seqs),
                         o,
-                        &mut arena.scratch[..threads * len * len],
+                        &mut arena.scratch[..threads * chunk],
                         a.seqs.token_rows(),
-                        a.heads,
-                        a.head_dim,
+                        a,
                         a.bias.map(|b| (wt(b.table), b.radius)),
-                        a.window,
                     );
                 }
                 Op::Pool(p) => ops::pool(
@@ -554,7 +555,15 @@ impl Plan {
                 Op::Normalize(n) => ops::normalize_rows(&mut o[..n.rows * n.width], n.width),
                 Op::Embed(e) => {
                     let rows = e.seqs.token_rows();
-                    ops::embed(threads, &bufs.i32(e.ids.0)[..rows], wt(e.word), o, e.hidden)
+                    let scale = round_through(dtype, e.scale);
+                    ops::embed(
+                        threads,
+                        &bufs.i32(e.ids.0)[..rows],
+                        wt(e.word),
+                        scale,
+                        o,
+                        e.hidden,
+                    )
                 }
                 Op::LayerNorm(l) => {
                     if l.x != l.out {
@@ -576,6 +585,24 @@ impl Plan {
                 Op::Gated(g) => {
                     ops::gated(threads, bufs.f32(g.x.0), o, g.rows, g.width, g.act, g.on)
                 }
+                Op::RmsNorm(n) => {
+                    if n.x != n.out {
+                        let len = n.rows * n.hidden;
+                        o[..len].copy_from_slice(&bufs.f32(n.x.0)[..len]);
+                    }
+                    ops::rms_norm_in_place(threads, o, wt(n.gamma), n.weight_offset, n.eps, n.rows);
+                }
+                Op::HeadRmsNorm(n) => ops::head_rms_norm(
+                    threads,
+                    o,
+                    n.rows,
+                    n.heads,
+                    n.kv_heads,
+                    wt(n.q_gamma),
+                    wt(n.k_gamma),
+                    n.weight_offset,
+                    n.eps,
+                ),
             }
         }
     }

@@ -38,6 +38,9 @@ pub const KERNEL_FILES: &[(&str, &str)] = kernel_files![
     // Pre-norm encoders with rotary positions (ModernBERT; after
     // layernorm.cu, whose LN_VPT it shares).
     "prenorm.cu",
+    // Decoders (Qwen3, EmbeddingGemma): RMSNorm, the q/k norms with rotary,
+    // the scaled embedding (after prenorm.cu, whose rotary helpers it uses).
+    "decoder.cu",
     "stage.cu",
     "fault.cu",
 ];

@@ -46,6 +46,15 @@ pub const ATTENTION_DMAX: &[usize] = &[32, 64, 128];
 /// Head sizes of the tensor-core attention kernel (`attention_tc_<t>_d<N>`, f16/bf16).
 pub const ATTENTION_TC_HEAD_DIMS: &[usize] = &[32, 64, 128];
 
+/// Head sizes of the tensor-core band kernels (`attention_tc_band_<t>_d<N>`,
+/// `attention_varlen_tc_band_<t>_d<N>`: grouped-query heads, causal and
+/// windowed masks; f16/bf16).
+pub const ATTENTION_TC_BAND_HEAD_DIMS: &[usize] = &[32, 64, 128, 256];
+
+/// Head-size classes of the CUDA-core band kernel (`attention_band_<t>_d<N>`,
+/// a warp per query: decoders off the tensor cores).
+pub const ATTENTION_BAND_DMAX: &[usize] = &[128, 256];
+
 /// Head sizes of its 16-key-block variant for short padded sequences
 /// (`attention_tc_s16_<t>_d<N>`, plan::ATTN_S16_MAX_SEQ).
 pub const ATTENTION_TC_S16_HEAD_DIMS: &[usize] = &[32, 64];
@@ -143,6 +152,28 @@ const ENTRY_POINTS: &[(&str, &[&str], &[usize])] = &[
         HALF,
         ATTENTION_TC_HEAD_DIMS,
     ),
+    // Decoders: grouped-query heads with causal / windowed bands on tensor
+    // cores (attention_tc.cu, attention_varlen.cu) and a warp per query
+    // (prenorm.cu); RMSNorm with its residual adds, the q/k norms with
+    // rotary, the scaled embedding (decoder.cu)
+    (
+        "attention_tc_band_{t}_d{d}",
+        HALF,
+        ATTENTION_TC_BAND_HEAD_DIMS,
+    ),
+    (
+        "attention_varlen_tc_band_{t}_d{d}",
+        HALF,
+        ATTENTION_TC_BAND_HEAD_DIMS,
+    ),
+    (
+        "attention_band_{t}_d{d}",
+        DTYPE_SUFFIXES,
+        ATTENTION_BAND_DMAX,
+    ),
+    ("rms_norm_{t}", DTYPE_SUFFIXES, &[]),
+    ("qk_norm_rope_{t}", DTYPE_SUFFIXES, &[]),
+    ("embed_scaled_{t}", DTYPE_SUFFIXES, &[]),
     // stage.cu, fault.cu
     ("stage_in", PLAIN, &[]),
     ("stage_in_inl", PLAIN, &[]),
@@ -173,10 +204,12 @@ pub fn expected_entry_points() -> Vec<String> {
 /// sequence), whose limit is raised at load. The tensor-core attention
 /// kernels use static shared memory.
 pub fn needs_dynamic_smem(name: &str) -> bool {
-    // `attention_window_<t>` (prenorm.cu) keeps its state in registers.
+    // `attention_window_<t>` and `attention_band_<t>_d<N>` (prenorm.cu) keep
+    // their state in registers.
     name.starts_with("attention_")
         && !name.contains("_tc_")
         && !name.starts_with("attention_window_")
+        && !name.starts_with("attention_band_")
 }
 
 /// What NVRTC produces for a device.
@@ -882,15 +915,26 @@ mod tests {
                 && !needs_dynamic_smem("attention_varlen_tc_bf16_d64")
         );
         assert!(!needs_dynamic_smem("attention_window_f16"));
+        assert!(!needs_dynamic_smem("attention_band_f32_d256"));
+        assert!(!needs_dynamic_smem("attention_tc_band_f16_d256"));
         let all = expected_entry_points();
         // 133, prenorm.cu's seven families in three types (rotary_ntk last),
-        // and the windowed tensor-core attention (padded and varlen, two
-        // types, three head sizes).
-        assert_eq!(all.len(), 133 + 18 + 12 + 3, "{all:?}");
+        // the windowed tensor-core attention (padded and varlen, two types,
+        // three head sizes), and the decoders' kernels: the tensor-core band
+        // attention (padded and varlen, two types, four head sizes), the
+        // CUDA-core band attention (three types, two head-size classes) and
+        // decoder.cu's three families in three types.
+        assert_eq!(all.len(), 133 + 18 + 12 + 3 + 16 + 6 + 9, "{all:?}");
         for name in [
             "embed_ln_packed_f32",
             "attention_varlen_tc_bf16_d128",
             "skinny_bf16_f32",
+            "attention_tc_band_bf16_d256",
+            "attention_varlen_tc_band_f16_d128",
+            "attention_band_f32_d256",
+            "rms_norm_bf16",
+            "qk_norm_rope_f16",
+            "embed_scaled_f32",
         ] {
             assert!(all.iter().any(|n| n == name), "{name}");
         }

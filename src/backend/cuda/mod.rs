@@ -16,7 +16,9 @@
 //! the daemon.
 //!
 //! Life cycle on a worker: [`CudaBackend::new`] (context, streams, kernels,
-//! cuBLASLt handle and workspace) → `upload` per model → `capture` per bucket
+//! cuBLASLt handle and workspace) → `upload` per model (every weight in one
+//! device buffer, copied as the checkpoint stores it when that is the
+//! compute dtype, else converted piecewise on the way) → `capture` per bucket
 //! (largest first: the first capture sizes the model's shared activation
 //! arena) → `launch`/`collect` per batch. After a [`BackendError::DeviceFault`]
 //! every call fails fast and dropping the backend touches no CUDA resource;
@@ -47,7 +49,7 @@ use self::matmul::Matmul;
 use self::mem::{align_up, DeviceBuf};
 use self::plan::{Limits, Plan};
 use self::resolve::Bases;
-use crate::backend::{Backend, BackendError};
+use crate::backend::{Backend, BackendError, GraphNeed};
 use crate::config::{KernelPath, KernelPaths};
 use crate::gpu::libs::{self, CudaLib};
 use crate::gpu::{cuda_device_count, format_uuid, DeviceInfo};
@@ -149,6 +151,11 @@ pub struct CudaBackend {
 
 /// Staging slots each graph starts with (one running, one being filled).
 pub const DEFAULT_STAGING_SLOTS: usize = 2;
+
+/// The most host memory a weight upload stages at once: the pieces of the
+/// weights it must convert to the compute dtype (those stored in it are
+/// copied from where they lie).
+const UPLOAD_STAGING_BYTES: usize = 64 << 20;
 
 impl CudaBackend {
     /// Opens CUDA device `ordinal`: checks the libraries, creates the context
@@ -789,44 +796,7 @@ impl CudaBackend {
         if !dtype.is_float() {
             return Err(BackendError::Unsupported(format!("compute dtype {dtype}")));
         }
-        let mut offsets = Vec::with_capacity(host.len());
-        let mut total = 0usize;
-        for (_, t) in host.iter() {
-            offsets.push(total);
-            total += align_up(t.data.len() * dtype.size(), mem::ALIGN);
-        }
-        let mut staging = vec![0u8; total.max(1)];
-        for ((_, t), &off) in host.iter().zip(&offsets) {
-            let dst = &mut staging[off..off + t.data.len() * dtype.size()];
-            match dtype {
-                DType::F32 => dst
-                    .chunks_exact_mut(4)
-                    .zip(&t.data)
-                    .for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
-                DType::F16 => dst
-                    .chunks_exact_mut(2)
-                    .zip(&t.data)
-                    .for_each(|(d, v)| d.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
-                DType::BF16 => dst
-                    .chunks_exact_mut(2)
-                    .zip(&t.data)
-                    .for_each(|(d, v)| d.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
-                _ => unreachable!("checked above"),
-            }
-        }
-        let ctx = self.inner.ctx.clone();
-        let buf = DeviceBuf::alloc(&ctx, staging.len()).cu("weights")?;
-        // SAFETY: `buf` holds staging.len() bytes; synchronous copy.
-        unsafe {
-            sys::cuMemcpyHtoD_v2(
-                buf.ptr(),
-                staging.as_ptr() as *const std::ffi::c_void,
-                staging.len(),
-            )
-        }
-        .result()
-        .cu("copy weights")?;
-        let ptrs = offsets.iter().map(|&o| buf.ptr() + o as u64).collect();
+        let (buf, ptrs) = upload_to(&self.inner.ctx, host, dtype, UPLOAD_STAGING_BYTES)?;
         Ok(CudaWeights {
             buf,
             ptrs,
@@ -915,6 +885,28 @@ impl Backend for CudaBackend {
         graph.memory().total_bytes
     }
 
+    fn free_memory(&mut self) -> Result<Option<u64>, BackendError> {
+        Ok(Some(self.mem_info()?.0 as u64))
+    }
+
+    fn graph_need(
+        &mut self,
+        model: &Model,
+        weights: &CudaWeights,
+        program: &Program,
+    ) -> Result<GraphNeed, BackendError> {
+        let plan = self.plan_of(&model.weights, weights, program)?;
+        let plan = plan.for_graph(&self.limits);
+        Ok(GraphNeed {
+            arena_bytes: plan.arena_bytes as u64,
+            fixed_bytes: (plan.input_bytes + plan.output_elems * 4) as u64,
+        })
+    }
+
+    fn resident_bytes(&self, weights: &CudaWeights) -> (u64, u64) {
+        (weights.bytes(), weights.arena_bytes())
+    }
+
     fn launch(
         &mut self,
         graph: &mut CapturedGraph,
@@ -978,6 +970,58 @@ impl Backend for CudaBackend {
     }
 }
 
+/// Uploads every weight into one device buffer, each at an
+/// `mem::ALIGN`-aligned offset (the padding zeroed), in float `dtype`; returns
+/// the buffer and each weight's address. A weight held in `dtype` already (as
+/// the checkpoint stores it, usually a slice of the mapped file) is copied
+/// from where it lies; any other is converted element by element, a piece at
+/// a time, through one staging buffer of at most `staging_bytes`, so no
+/// whole-model (or whole-tensor) copy is ever made on the host.
+fn upload_to(
+    ctx: &Arc<CudaContext>,
+    host: &Weights,
+    dtype: DType,
+    staging_bytes: usize,
+) -> Result<(DeviceBuf, Vec<u64>), BackendError> {
+    let size = dtype.size();
+    let mut offsets = Vec::with_capacity(host.len());
+    let mut total = 0usize;
+    for (_, t) in host.iter() {
+        offsets.push(total);
+        total += align_up(t.data.len() * size, mem::ALIGN);
+    }
+    let buf = DeviceBuf::zeroed(ctx, total).cu("weights")?;
+    let copy = |dst: u64, src: &[u8]| -> Result<(), BackendError> {
+        // SAFETY: `dst` lies in `buf` with room for `src` (offsets above);
+        // synchronous copy from host memory we borrow.
+        unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const std::ffi::c_void, src.len()) }
+            .result()
+            .cu("copy weights")
+    };
+    let mut staging = Vec::new();
+    let per_piece = (staging_bytes / size).max(1);
+    for ((_, t), &off) in host.iter().zip(&offsets) {
+        let dst = buf.ptr() + off as u64;
+        if t.data.is_empty() {
+            continue;
+        }
+        if let Some(src) = t.data.le_bytes(dtype) {
+            copy(dst, src)?;
+            continue;
+        }
+        let mut first = 0;
+        while first < t.data.len() {
+            let n = per_piece.min(t.data.len() - first);
+            staging.resize(n * size, 0u8);
+            t.data.write_as(dtype, first, &mut staging);
+            copy(dst + (first * size) as u64, &staging)?;
+            first += n;
+        }
+    }
+    let ptrs = offsets.iter().map(|&o| buf.ptr() + o as u64).collect();
+    Ok((buf, ptrs))
+}
+
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         if self.faulted.is_some() {
@@ -995,6 +1039,70 @@ impl Drop for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every weight reads back as `write_as` converts it, in each compute
+    /// dtype, whether copied as stored or converted piecewise (a staging
+    /// buffer of 256 bytes: several pieces per tensor). Needs a GPU; passes
+    /// without one.
+    #[test]
+    fn weights_upload_as_stored_or_converted() {
+        use crate::model::WeightData;
+        if cuda_device_count().map_or(true, |n| n == 0) {
+            return;
+        }
+        let ctx = CudaContext::new(0).expect("a context on GPU 0");
+        let values: Vec<f32> = (0..1000)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0)
+            .collect();
+        let bytes = |f: fn(f32) -> [u8; 2]| -> bytes::Bytes {
+            values
+                .iter()
+                .flat_map(|&v| f(v))
+                .collect::<Vec<u8>>()
+                .into()
+        };
+        let mut w = Weights::new();
+        w.push("computed f32", vec![1000], values.clone());
+        w.push("empty", vec![0], Vec::new());
+        w.push_data(
+            "stored bf16",
+            vec![10, 100],
+            WeightData::from_le_bytes(
+                DType::BF16,
+                bytes(|v| half::bf16::from_f32(v).to_le_bytes()),
+            ),
+        );
+        w.push_data(
+            "stored f16",
+            vec![1000],
+            WeightData::from_le_bytes(DType::F16, bytes(|v| half::f16::from_f32(v).to_le_bytes())),
+        );
+        let f32_bytes: Vec<u8> = values[..999].iter().flat_map(|v| v.to_le_bytes()).collect();
+        w.push_data(
+            "stored f32",
+            vec![999],
+            WeightData::from_le_bytes(DType::F32, f32_bytes.into()),
+        );
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let (buf, ptrs) = upload_to(&ctx, &w, dtype, 256).unwrap();
+            let mut back = vec![0u8; buf.bytes()];
+            // SAFETY: `back` holds the whole buffer; synchronous copy.
+            unsafe { dres::memcpy_dtoh_sync(&mut back, buf.ptr()) }.unwrap();
+            let mut end = 0;
+            for ((_, t), &ptr) in w.iter().zip(&ptrs) {
+                let off = (ptr - buf.ptr()) as usize;
+                assert!(
+                    back[end..off].iter().all(|&b| b == 0),
+                    "padding before {}",
+                    t.name
+                );
+                let mut want = vec![0u8; t.data.len() * dtype.size()];
+                t.data.write_as(dtype, 0, &mut want);
+                end = off + want.len();
+                assert!(back[off..end] == want[..], "{} as {dtype}", t.name);
+            }
+        }
+    }
 
     #[test]
     fn no_gpu_here_is_an_error_not_a_panic() {

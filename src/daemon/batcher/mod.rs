@@ -376,6 +376,7 @@ impl Actor for BatcherActor {
                 state.reconfigure(config, max_attempts, grids);
                 let _ = port.send(());
             }
+            BatcherMsg::CutGrid { model, dropped } => state.cut_grid(model, &dropped),
         }
         state.run_actions(Instant::now());
         state.arm_timer(&myself);
@@ -837,6 +838,28 @@ impl BatcherState {
     ) {
         self.scheduler.set_config(config);
         self.max_attempts = max_attempts;
+        self.set_grids(grids);
+    }
+
+    /// A device could not hold `dropped`'s graphs: the model's grid loses
+    /// them (a grid with nothing left stays, its batches running eagerly).
+    fn cut_grid(&mut self, model: usize, dropped: &[Bucket]) {
+        let Some(m) = self.models.get(model) else {
+            return;
+        };
+        if !dropped.iter().any(|&b| m.grid.contains(b)) {
+            return;
+        }
+        match m.grid.without(dropped) {
+            Some(grid) => self.set_grids(vec![(model, grid)]),
+            None => {
+                tracing::warn!(model = %m.name, "a device's memory holds none of the model's graphs: its batches run eagerly")
+            }
+        }
+    }
+
+    /// Puts new grids in force (queued items move to the new lanes).
+    fn set_grids(&mut self, grids: Vec<(usize, Grid)>) {
         for (model, grid) in grids {
             let largest = {
                 let failed = self.scheduler.set_grid(model, grid.clone());
@@ -846,7 +869,7 @@ impl BatcherState {
                         id,
                         ErrorCode::TooLong,
                         &format!(
-                            "after a reload, an item is longer than the largest bucket {largest} holds, and no eager worker is configured"
+                            "after a grid change (a reload, or a device whose memory holds fewer graphs), an item is longer than the largest bucket {largest} holds, and no eager worker is configured"
                         ),
                     );
                 }

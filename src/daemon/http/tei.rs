@@ -509,7 +509,11 @@ impl HttpFront {
     /// TEI's `Info` for one model, and `max_request_bytes`.
     fn info_of(&self, model: &ServedModel, grids: &HashMap<String, GridSpec>) -> Value {
         let info = &model.info;
-        let pooling = derived(info, "pooling").map(|d| d.value.as_str());
+        // TEI spells sentence-transformers' `lasttoken` `last_token`.
+        let pooling = derived(info, "pooling").map(|d| match d.value.as_str() {
+            "lasttoken" => "last_token",
+            other => other,
+        });
         let activation = derived(info, "activation").map(|d| d.value.as_str());
         let model_type = match (Kind::of(info), info.task) {
             (Kind::Embedding, _) => json!({"embedding": {"pooling": pooling}}),

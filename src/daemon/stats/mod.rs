@@ -275,6 +275,8 @@ pub struct DeviceStats {
     pub last_error: Option<String>,
     pub startup_ms: Option<u64>,
     pub graphs: Vec<GraphStats>,
+    /// Each model's device memory on the current worker (CUDA).
+    pub models: Vec<ModelMemoryStats>,
     pub batches: u64,
     /// Batches served by replaying a captured graph.
     pub graph_replays: u64,
@@ -299,6 +301,20 @@ pub struct DeviceStats {
     pub shm_slots_free: u64,
     /// Live figures from NVML where available.
     pub gpu: Option<GpuReading>,
+}
+
+/// A model's device memory on one device: weights, the activation arena
+/// its graphs share, its graphs' own buffers, and the buckets the start-up
+/// memory budget left without a graph.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ModelMemoryStats {
+    pub model: String,
+    pub weights_bytes: u64,
+    pub arena_bytes: u64,
+    pub graph_bytes: u64,
+    /// `bucket: needs N MiB, M MiB free`, one per dropped bucket.
+    pub dropped: Vec<String>,
 }
 
 /// One captured graph on a device.

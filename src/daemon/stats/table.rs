@@ -346,6 +346,7 @@ pub fn devices(devices: &[DeviceStats]) -> String {
         4,
     );
     let mut errors = Vec::new();
+    let mut models = Vec::new();
     for d in devices {
         let memory: u64 = d.graphs.iter().map(|g| g.memory_bytes).sum();
         let (gmem, util, temp) = match d.gpu.as_ref().and_then(|g| g.sample()) {
@@ -387,9 +388,29 @@ pub fn devices(devices: &[DeviceStats]) -> String {
         if let Some(e) = &d.last_error {
             errors.push(format!("  {}: {e}", d.label));
         }
+        for m in &d.models {
+            models.push(format!(
+                "  {} {}: weights {}, activations {}, graph buffers {}{}",
+                d.label,
+                m.model,
+                mib(m.weights_bytes),
+                mib(m.arena_bytes),
+                mib(m.graph_bytes),
+                if m.dropped.is_empty() {
+                    String::new()
+                } else {
+                    format!("; no graph (memory): {}", m.dropped.join("; "))
+                }
+            ));
+        }
     }
     let mut out = t.to_string();
     out.push('\n');
+    if !models.is_empty() {
+        out.push_str("memory per model:\n");
+        out.push_str(&models.join("\n"));
+        out.push('\n');
+    }
     if !errors.is_empty() {
         out.push_str("last errors:\n");
         out.push_str(&errors.join("\n"));

@@ -18,7 +18,8 @@
 //!   hyper-parameters (required: `hidden_size`,
 //!   `num_attention_heads`, `num_hidden_layers`, `intermediate_size`,
 //!   `vocab_size`, `max_position_embeddings`; DistilBERT's `dim`,
-//!   `n_heads`, `n_layers`, `hidden_dim`); `model.safetensors` (the base
+//!   `n_heads`, `n_layers`, `hidden_dim`); `model.safetensors`, or a
+//!   sharded `model.safetensors.index.json` with its shards (the base
 //!   model's weights, optionally under `bert.` / `roberta.` / `mpnet.` /
 //!   `distilbert.`, with the
 //!   classification head for a cross-encoder); `tokenizer.json` and
@@ -34,20 +35,22 @@
 //!
 //! [`inspect`] reads the JSON files, the safetensors headers (no weight data)
 //! and builds the tokenizer (to report what it rebuilt and count each
-//! prompt's tokens); [`load`] reads the weights, fusing each layer's query,
-//! key and value projections into one `[3·hidden, hidden]` weight. Both
+//! prompt's tokens); [`load`] maps the weights and keeps them as stored
+//! (f32 only where it computes a table), fusing each layer's query, key
+//! and value projections into one `[3·hidden, hidden]` weight. Both
 //! describe everything they resolved in [`ModelInfo::derived`].
 
 use super::config::EncoderConfig;
+use super::decoder_config::{self, DecoderConfig};
 use super::gte;
 use super::modernbert::{ModernBertConfig, ModernBertNames};
 use super::{
-    BertArch, BertEmbeddings, BertLayer, Classifier, DenseLayer, Family, MlmHead, Norm,
-    NormPlacement, RotaryEncoderArch, RotaryLayer,
+    BertArch, BertEmbeddings, BertLayer, Classifier, DecoderArch, DenseLayer, Family, MlmHead,
+    Norm, NormPlacement, RotaryEncoderArch, RotaryLayer,
 };
 use crate::model::files::read_json;
 use crate::model::program::{Activation, GateOn, Pooling, PositionBias, WeightId};
-use crate::model::safetensors_file::{read_header, Header, TensorFile};
+use crate::model::safetensors_file::{checkpoint_in, read_header, Header, TensorFile};
 use crate::model::st::{self, FolderType, ModuleKind};
 use crate::model::tokenizer::{self, ClassSettings, TokenizerClass, TokenizerSpec};
 use crate::model::{
@@ -85,7 +88,7 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     if !json.is_object() {
         return Err(err("expected a JSON object".into()));
     }
-    let serves = "replayd serves BERT, XLM-RoBERTa, MPNet, DistilBERT, ModernBERT, GTE and NomicBERT encoders: model_type \"bert\", \"xlm-roberta\", \"mpnet\", \"distilbert\", \"modernbert\", \"new\" / \"gte\" or \"nomic_bert\"";
+    let serves = "replayd serves BERT, XLM-RoBERTa, MPNet, DistilBERT, ModernBERT, GTE and NomicBERT encoders and Qwen3 and Gemma 3 embedding models: model_type \"bert\", \"xlm-roberta\", \"mpnet\", \"distilbert\", \"modernbert\", \"new\" / \"gte\", \"nomic_bert\", \"qwen3\" or \"gemma3_text\"";
     let family = match json.get("model_type").and_then(Value::as_str) {
         Some("bert") => Family::Bert,
         Some("xlm-roberta") => Family::XlmRoberta,
@@ -94,6 +97,8 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         Some("modernbert") => Family::ModernBert,
         Some("new" | "gte") => Family::Gte,
         Some("nomic_bert") => Family::NomicBert,
+        Some("qwen3") => Family::Qwen3,
+        Some("gemma3_text") => Family::Gemma3,
         Some(other) => {
             let arch = json
                 .get("architectures")
@@ -143,18 +148,28 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         }
         Family::Gte => ("GteModel", "GteForSequenceClassification"),
         Family::NomicBert => ("NomicBertModel", "NomicBertForSequenceClassification"),
+        Family::Qwen3 => ("Qwen3Model", "Qwen3ForSequenceClassification"),
+        Family::Gemma3 => ("Gemma3TextModel", "Gemma3TextForSequenceClassification"),
     };
     let masked_lm = format!("{}ForMaskedLM", base.trim_end_matches("Model"));
     let head = match architecture.as_deref() {
         None => false,
         Some(a) if a == base || a == masked_lm => false,
+        // Qwen3-Embedding's config names the causal LM; its checkpoint is
+        // the base model (the LM head, if saved, is not read).
+        Some(a) if family.is_decoder() && a.ends_with("ForCausalLM") => false,
         // Its head is pre_classifier + ReLU + classifier on [CLS], not
         // BERT's tanh pooler: refused rather than run as BERT's.
         Some(a)
             if a == classifier
                 && matches!(
                     family,
-                    Family::DistilBert | Family::ModernBert | Family::Gte | Family::NomicBert
+                    Family::DistilBert
+                        | Family::ModernBert
+                        | Family::Gte
+                        | Family::NomicBert
+                        | Family::Qwen3
+                        | Family::Gemma3
                 ) =>
         {
             return Err(err(format!(
@@ -193,7 +208,7 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
             "n_inner",
             "activation_function",
         ],
-        Family::ModernBert => [
+        Family::ModernBert | Family::Gemma3 => [
             "hidden_size",
             "num_attention_heads",
             "num_hidden_layers",
@@ -231,7 +246,11 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     )?;
     let vocab = size("vocab_size", None)?;
     let type_vocab = match family {
-        Family::Mpnet | Family::DistilBert | Family::ModernBert => 0,
+        Family::Mpnet
+        | Family::DistilBert
+        | Family::ModernBert
+        | Family::Qwen3
+        | Family::Gemma3 => 0,
         // gte-base-en-v1.5 has none (0); the others one row.
         Family::Gte => match json.get("type_vocab_size") {
             Some(v) if v.as_u64() == Some(0) => 0,
@@ -239,7 +258,8 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         },
         _ => size("type_vocab_size", Some(2))?,
     };
-    if hidden % heads != 0 {
+    // The decoders' head size is a key of its own (`head_dim`).
+    if hidden % heads != 0 && !family.is_decoder() {
         return Err(err(format!(
             "{k_hidden} {hidden} is not a multiple of {k_heads} {heads}"
         )));
@@ -256,7 +276,8 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
                 )))
             }
         },
-        None if family == Family::NomicBert => Activation::Silu,
+        None if family == Family::NomicBert || family == Family::Qwen3 => Activation::Silu,
+        None if family == Family::Gemma3 => Activation::GeluTanh,
         None => Activation::Gelu,
         Some(v) => v.as_str().and_then(Activation::parse).ok_or_else(|| {
             err(format!(
@@ -266,6 +287,7 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     };
     let eps_key = match family {
         Family::ModernBert => "norm_eps",
+        Family::Qwen3 | Family::Gemma3 => "rms_norm_eps",
         _ if gpt2_keys => "layer_norm_epsilon",
         _ => "layer_norm_eps",
     };
@@ -273,6 +295,7 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         // DistilBERT's LayerNorms hard-code 1e-12 whatever the config says.
         _ if family == Family::DistilBert => 1e-12,
         None if family == Family::ModernBert || gpt2_keys => 1e-5,
+        None if family.is_decoder() => 1e-6,
         None => 1e-12,
         Some(v) => v
             .as_f64()
@@ -295,7 +318,9 @@ fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
         | Family::DistilBert
         | Family::ModernBert
         | Family::Gte
-        | Family::NomicBert => None,
+        | Family::NomicBert
+        | Family::Qwen3
+        | Family::Gemma3 => None,
         // XLMRobertaEmbeddings: padding_idx = config.pad_token_id.
         Family::XlmRoberta => Some(match json.get("pad_token_id") {
             None | Some(Value::Null) => 1,
@@ -391,6 +416,7 @@ fn pooling_name(p: Pooling) -> &'static str {
         Pooling::Cls => "cls",
         Pooling::Max => "max",
         Pooling::Sum => "sum",
+        Pooling::LastToken => "lasttoken",
     }
 }
 
@@ -422,6 +448,20 @@ fn model_max_length(config: &Value, path: &Path) -> Result<Option<u64>, ModelErr
             )),
         },
     }
+}
+
+/// Whether a folder holds a model that `dtype = "auto"` runs in bf16 on
+/// CUDA: the decoder families (trained in bf16; Gemma 3 overflows f16).
+/// Unreadable folders say no (inspecting them reports why).
+pub fn prefers_bf16(dir: &Path) -> bool {
+    let transformer = match st::read_modules(dir) {
+        Ok(Some(list)) => list
+            .iter()
+            .find(|m| m.kind == ModuleKind::Transformer)
+            .map_or_else(|| dir.to_path_buf(), |m| m.dir.clone()),
+        _ => dir.to_path_buf(),
+    };
+    parse_config(&transformer.join("config.json")).is_ok_and(|c| c.family.is_decoder())
 }
 
 fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
@@ -461,6 +501,12 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
     };
     let config_path = transformer_dir.join("config.json");
     let config = parse_config(&config_path)?;
+    if config.family == Family::Gemma3 && model.dtype == crate::tensor::DType::F16 {
+        return Err(ModelError::file(
+            &config_path,
+            "dtype f16 is refused for Gemma 3: its activations overflow f16 (transformers computes NaN in f16); use bf16 or f32 (dtype = \"auto\" picks bf16 on CUDA)",
+        ));
+    }
     let st_path = || {
         st_config
             .path
@@ -887,21 +933,18 @@ fn describe(model: &ModelSpec) -> Result<Folder, ModelError> {
         }
     };
 
-    let weights = transformer_dir.join("model.safetensors");
-    if !weights.is_file() {
+    // model.safetensors, or a sharded checkpoint's index.
+    let weights = checkpoint_in(&transformer_dir).map_err(|missing| {
         let pickle = transformer_dir.join("pytorch_model.bin");
-        let index = transformer_dir.join("model.safetensors.index.json");
-        return Err(if pickle.is_file() {
+        if pickle.is_file() {
             ModelError::file(
                 &pickle,
-                "a Python pickle: replayd reads weights from model.safetensors only (convert it with safetensors)",
+                "a Python pickle: replayd reads weights from safetensors only, model.safetensors or a sharded model.safetensors.index.json (convert it with safetensors)",
             )
-        } else if index.is_file() {
-            ModelError::file(&index, "sharded checkpoints are not supported")
         } else {
-            ModelError::file(&weights, "missing file")
-        });
-    }
+            missing
+        }
+    })?;
     Ok(Folder {
         config,
         config_path: config_path.clone(),
@@ -1009,8 +1052,12 @@ impl LayerLayout {
                 attention_norm: "attention.LayerNorm",
                 ..BERT
             },
-            Family::ModernBert | Family::Gte | Family::NomicBert => {
-                unreachable!("the rotary encoders' names are modernbert.rs's and gte.rs's")
+            Family::ModernBert
+            | Family::Gte
+            | Family::NomicBert
+            | Family::Qwen3
+            | Family::Gemma3 => {
+                unreachable!("the rotary families' names are modernbert.rs's, gte.rs's and decoder_config.rs's")
             }
             Family::DistilBert => LayerLayout {
                 layers: "transformer.layer",
@@ -1037,8 +1084,10 @@ fn tensor_names(
         Family::XlmRoberta => "roberta.",
         Family::Mpnet => "mpnet.",
         Family::DistilBert => "distilbert.",
-        Family::ModernBert | Family::Gte | Family::NomicBert => {
-            unreachable!("the rotary encoders' names are modernbert.rs's and gte.rs's")
+        Family::ModernBert | Family::Gte | Family::NomicBert | Family::Qwen3 | Family::Gemma3 => {
+            unreachable!(
+                "the rotary families' names are modernbert.rs's, gte.rs's and decoder_config.rs's"
+            )
         }
     };
     let prefix = if header.get("embeddings.word_embeddings.weight").is_some() {
@@ -1226,7 +1275,12 @@ fn mlm_names(
                 "lm_head.decoder",
                 &["lm_head.bias", "lm_head.decoder.bias"],
             ),
-            Family::Mpnet | Family::ModernBert | Family::Gte | Family::NomicBert => {
+            Family::Mpnet
+            | Family::ModernBert
+            | Family::Gte
+            | Family::NomicBert
+            | Family::Qwen3
+            | Family::Gemma3 => {
                 return Err(ModelError::file(
                     &header.path,
                     format!(
@@ -1344,13 +1398,14 @@ fn info(model: &ModelSpec, folder: &Folder) -> ModelInfo {
     }
 }
 
-/// Loads the configs and the weights (converted to f32; q/k/v fused).
+/// Loads the configs and the weights (as stored; q/k/v fused).
 pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let folder = describe(config)?;
     let file = TensorFile::open(&folder.weights)?;
     match folder.config.family {
         Family::ModernBert => return load_modernbert(config, &folder, &file),
         Family::Gte | Family::NomicBert => return load_rotary_post(config, &folder, &file),
+        Family::Qwen3 | Family::Gemma3 => return load_decoder(config, &folder, &file),
         _ => {}
     }
     let names = tensor_names(
@@ -1362,8 +1417,8 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let h = c.hidden;
     let mut weights = Weights::new();
     let mut push = |name: &str| -> Result<WeightId, ModelError> {
-        let (shape, data) = file.f32(name)?;
-        Ok(weights.push(name, shape, data))
+        let (shape, data) = file.stored(name)?;
+        Ok(weights.push_data(name, shape, data))
     };
     let word = push(&names.word)?;
     let position = push(&names.position)?;
@@ -1376,8 +1431,8 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
         ),
     };
     let mut push = |name: &str| -> Result<WeightId, ModelError> {
-        let (shape, data) = file.f32(name)?;
-        Ok(weights.push(name, shape, data))
+        let (shape, data) = file.stored(name)?;
+        Ok(weights.push_data(name, shape, data))
     };
     let embeddings = BertEmbeddings {
         word,
@@ -1389,25 +1444,16 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let mut layers = Vec::with_capacity(names.layers.len());
     for ln in &names.layers {
         // [q; k; v] rows: the fused projection's output is [q | k | v].
-        let mut qkv_w = Vec::with_capacity(3 * h * h);
-        let mut qkv_b = Vec::with_capacity(3 * h);
-        for (w, b) in &ln.qkv {
-            qkv_w.extend_from_slice(&file.f32(w)?.1);
-            qkv_b.extend_from_slice(&file.f32(b)?.1);
-        }
-        let (base, _) = ln.qkv[0]
-            .0
-            .rsplit_once(".attention.")
-            .expect("a layer tensor");
-        let qkv_weight = weights.push(
-            format!("{base}.attention.qkv.weight"),
-            vec![3 * h, h],
-            qkv_w,
-        );
-        let qkv_bias = weights.push(format!("{base}.attention.qkv.bias"), vec![3 * h], qkv_b);
+        let [(qw, qb), (kw, kb), (vw, vb)] = &ln.qkv;
+        let (qkv_shape, qkv_w) = file.concat_rows(&[qw, kw, vw])?;
+        let (qkv_b_shape, qkv_b) = file.concat_rows(&[qb, kb, vb])?;
+        let (base, _) = qw.rsplit_once(".attention.").expect("a layer tensor");
+        let qkv_weight =
+            weights.push_data(format!("{base}.attention.qkv.weight"), qkv_shape, qkv_w);
+        let qkv_bias = weights.push_data(format!("{base}.attention.qkv.bias"), qkv_b_shape, qkv_b);
         let mut push = |name: &str| -> Result<WeightId, ModelError> {
-            let (shape, data) = file.f32(name)?;
-            Ok(weights.push(name, shape, data))
+            let (shape, data) = file.stored(name)?;
+            Ok(weights.push_data(name, shape, data))
         };
         layers.push(BertLayer {
             qkv_weight,
@@ -1451,8 +1497,8 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let classifier = match (&names.classifier, folder.activation) {
         (Some((pooler, out)), Some(activation)) => {
             let mut push = |name: &str| -> Result<WeightId, ModelError> {
-                let (shape, data) = file.f32(name)?;
-                Ok(weights.push(name, shape, data))
+                let (shape, data) = file.stored(name)?;
+                Ok(weights.push_data(name, shape, data))
             };
             Some(Classifier {
                 pooler_weight: push(&pooler.0)?,
@@ -1468,8 +1514,8 @@ pub fn load(config: &ModelSpec) -> Result<Model, ModelError> {
     let mlm = match (&names.mlm, folder.splade) {
         (Some(n), Some((pooling, splade_act))) => {
             let mut push = |name: &str| -> Result<WeightId, ModelError> {
-                let (shape, data) = file.f32(name)?;
-                Ok(weights.push(name, shape, data))
+                let (shape, data) = file.stored(name)?;
+                Ok(weights.push_data(name, shape, data))
             };
             Some(MlmHead {
                 transform_weight: push(&n.transform.0)?,
@@ -1534,11 +1580,11 @@ fn dense_layers(folder: &Folder, weights: &mut Weights) -> Result<Vec<DenseLayer
             .parent()
             .and_then(Path::file_name)
             .map_or(String::new(), |n| n.to_string_lossy().into_owned());
-        let (shape, data) = f.f32("linear.weight")?;
-        let weight = weights.push(format!("{dir}/linear.weight"), shape, data);
+        let (shape, data) = f.stored("linear.weight")?;
+        let weight = weights.push_data(format!("{dir}/linear.weight"), shape, data);
         let bias = if d.config.bias {
-            let (shape, data) = f.f32("linear.bias")?;
-            Some(weights.push(format!("{dir}/linear.bias"), shape, data))
+            let (shape, data) = f.stored("linear.bias")?;
+            Some(weights.push_data(format!("{dir}/linear.bias"), shape, data))
         } else {
             None
         };
@@ -1654,6 +1700,46 @@ fn load_rotary_post(
     })
 }
 
+/// [`load`] for a Qwen3 or Gemma 3 folder ([`super::decoder_config`]).
+fn load_decoder(
+    config: &ModelSpec,
+    folder: &Folder,
+    file: &TensorFile,
+) -> Result<Model, ModelError> {
+    let c = &folder.config;
+    let d = DecoderConfig::read(c, &folder.config_path)?;
+    let mut weights = Weights::new();
+    let loaded = decoder_config::load(file, c, &d, &mut weights)?;
+    let dense = dense_layers(folder, &mut weights)?;
+    let arch = DecoderArch {
+        hidden: c.hidden,
+        heads: c.heads,
+        kv_heads: d.kv_heads,
+        head_dim: d.head_dim,
+        intermediate: c.intermediate,
+        act: c.act,
+        norm_eps: c.eps,
+        norm_offset: d.norm_offset,
+        embed_scale: d.embed_scale,
+        causal: d.causal,
+        attention_scale: d.attention_scale,
+        vocab_size: c.vocab,
+        max_seq_len: folder.max_seq_len,
+        word: loaded.word,
+        layers: loaded.layers,
+        final_norm: loaded.final_norm,
+        pooling: folder.pooling,
+        normalize: folder.normalize,
+        pool_skip: !folder.include_prompt,
+        dense,
+    };
+    Ok(Model {
+        info: info(config, folder),
+        arch: Architecture::Decoder(arch),
+        weights,
+    })
+}
+
 /// Reads the configs and the safetensors headers (no weight data), checks
 /// every tensor's presence and shape, builds the tokenizer (reporting what
 /// it rebuilt) and counts each prompt's tokens as sentence-transformers
@@ -1668,6 +1754,9 @@ pub fn inspect(config: &ModelSpec) -> Result<ModelInfo, ModelError> {
     } else if matches!(folder.config.family, Family::Gte | Family::NomicBert) {
         gte::RotaryConfig::read(&folder.config, &folder.config_path)?;
         gte::check_names(&header, &folder.config)?;
+    } else if folder.config.family.is_decoder() {
+        let d = DecoderConfig::read(&folder.config, &folder.config_path)?;
+        decoder_config::check_names(&header, &folder.config, &d)?;
     } else {
         tensor_names(
             &header,
@@ -1816,13 +1905,13 @@ mod tests {
             .f32("encoder.layer.2.attention.self.key.weight")
             .unwrap()
             .1;
-        assert_eq!(&qkv.data[384 * 384..2 * 384 * 384], &key[..]);
+        assert_eq!(&qkv.data.to_f32()[384 * 384..2 * 384 * 384], &key[..]);
         let value_bias = file
             .f32("encoder.layer.2.attention.self.value.bias")
             .unwrap()
             .1;
         assert_eq!(
-            &model.weights.get(arch.layers[2].qkv_bias).data[768..],
+            &model.weights.get(arch.layers[2].qkv_bias).data.to_f32()[768..],
             &value_bias[..]
         );
         // 5 embedding tensors + 12 per layer (q/k/v fused into 2).
@@ -2237,6 +2326,62 @@ mod tests {
     }
 
     #[test]
+    fn sharded_checkpoint_loads_like_the_single_file() {
+        let dir = test_folder_copy("bert-st-new");
+        let c = config(dir.path());
+        let (info, single) = (inspect(&c).unwrap(), load(&c).unwrap());
+        // Re-shard it as save_pretrained(max_shard_size=…) does: the tensors
+        // over three files, an index naming each one's file.
+        let path = dir.path().join("model.safetensors");
+        let src = TensorFile::open(&path).unwrap();
+        let names: Vec<&String> = src.header.tensors.keys().collect();
+        let mut map = serde_json::Map::new();
+        for shard in 0..3 {
+            let file = format!("model-{:05}-of-00003.safetensors", shard + 1);
+            let tensors: Vec<(&String, Vec<usize>, crate::model::WeightData)> = names
+                .iter()
+                .skip(shard)
+                .step_by(3)
+                .map(|n| {
+                    let (shape, data) = src.stored(n).unwrap();
+                    (*n, shape, data)
+                })
+                .collect();
+            let views = tensors.iter().map(|(n, shape, data)| {
+                map.insert(n.to_string(), file.clone().into());
+                let bytes = data.le_bytes(DType::F32).expect("an f32 checkpoint");
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    shape.clone(),
+                    bytes,
+                );
+                (n.to_string(), view.unwrap())
+            });
+            safetensors::serialize_to_file(views, None, &dir.path().join(&file)).unwrap();
+        }
+        drop(src);
+        std::fs::remove_file(&path).unwrap();
+        let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
+        let index_path = dir.path().join("model.safetensors.index.json");
+        std::fs::write(&index_path, index.to_string()).unwrap();
+        assert_eq!(inspect(&c).unwrap(), info);
+        let sharded = load(&c).unwrap();
+        assert_eq!(sharded.weights, single.weights);
+        // Neither file: the error names both.
+        std::fs::remove_file(&index_path).unwrap();
+        for result in [inspect(&c).map(drop), load(&c).map(drop)] {
+            assert_error(
+                result,
+                &[
+                    "model.safetensors",
+                    "missing file",
+                    "model.safetensors.index.json",
+                ],
+            );
+        }
+    }
+
+    #[test]
     fn bert_prefixed_keys_and_no_sentence_transformers_files() {
         // A BertModel saved inside a task model: every key prefixed `bert.`;
         // no modules.json / pooling config: mean pooling, no normalisation.
@@ -2297,6 +2442,7 @@ mod tests {
         let want =
             half::bf16::from_f32(src.f32("embeddings.word_embeddings.weight").unwrap().1[1000])
                 .to_f32();
-        assert_eq!(word.data[1000], want);
+        assert_eq!(word.data.dtype(), DType::BF16, "kept as stored");
+        assert_eq!(word.data.to_f32()[1000], want);
     }
 }

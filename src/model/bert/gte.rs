@@ -339,7 +339,8 @@ pub(super) struct EncoderWeights {
     pub layers: Vec<RotaryLayer>,
 }
 
-/// Reads the encoder's weights into `weights`.
+/// Reads the encoder's weights into `weights`: as stored, but the word
+/// table (token type 0 added, in f32).
 pub(super) fn load(
     file: &TensorFile,
     c: &EncoderConfig,
@@ -378,24 +379,20 @@ pub(super) fn load(
             Family::Gte => linear(file, weights, format!("{p}mlp.up_gate_proj"))?,
             _ => {
                 // [fc11 (up); fc12 (gate)]: the gate is the second half.
-                let (_, up) = file.f32(&format!("{p}mlp.fc11.weight"))?;
-                let (_, gate) = file.f32(&format!("{p}mlp.fc12.weight"))?;
-                let w = weights.push(
-                    format!("{p}mlp.[fc11; fc12].weight"),
-                    vec![2 * c.intermediate, h],
-                    [up, gate].concat(),
-                );
+                let (shape, data) = file.concat_rows(&[
+                    &format!("{p}mlp.fc11.weight"),
+                    &format!("{p}mlp.fc12.weight"),
+                ])?;
+                let w = weights.push_data(format!("{p}mlp.[fc11; fc12].weight"), shape, data);
                 let has = |n: &str| header.get(&format!("{p}mlp.{n}.bias")).is_some();
                 let b = match (has("fc11"), has("fc12")) {
                     (false, false) => None,
                     (true, true) => {
-                        let (_, up) = file.f32(&format!("{p}mlp.fc11.bias"))?;
-                        let (_, gate) = file.f32(&format!("{p}mlp.fc12.bias"))?;
-                        Some(weights.push(
-                            format!("{p}mlp.[fc11; fc12].bias"),
-                            vec![2 * c.intermediate],
-                            [up, gate].concat(),
-                        ))
+                        let (shape, data) = file.concat_rows(&[
+                            &format!("{p}mlp.fc11.bias"),
+                            &format!("{p}mlp.fc12.bias"),
+                        ])?;
+                        Some(weights.push_data(format!("{p}mlp.[fc11; fc12].bias"), shape, data))
                     }
                     _ => {
                         return Err(ModelError::file(
@@ -436,8 +433,8 @@ fn push_one(
     weights: &mut Weights,
     name: String,
 ) -> Result<WeightId, ModelError> {
-    let (shape, data) = file.f32(&name)?;
-    Ok(weights.push(name, shape, data))
+    let (shape, data) = file.stored(&name)?;
+    Ok(weights.push_data(name, shape, data))
 }
 
 /// A linear layer's weight, and its bias where the checkpoint has one.

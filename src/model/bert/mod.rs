@@ -19,12 +19,15 @@
 //! and config names differ too; `folder.rs` maps them onto one layout.
 
 mod config;
+mod decoder;
+mod decoder_config;
 mod folder;
 mod gte;
 mod modernbert;
 mod rotary;
 
-pub use folder::{inspect, load, mpnet_bucket, MPNET_BIAS_RADIUS};
+pub use decoder::{DecoderArch, DecoderLayer};
+pub use folder::{inspect, load, mpnet_bucket, prefers_bf16, MPNET_BIAS_RADIUS};
 pub use rotary::{Norm, NormPlacement, RotaryEncoderArch, RotaryLayer};
 
 use super::program::{
@@ -55,6 +58,13 @@ pub enum Family {
     Gte,
     /// `model_type` `nomic_bert`: post-norm, rotary, SwiGLU, no linear biases.
     NomicBert,
+    /// `model_type` `qwen3` (Qwen3-Embedding): a causal decoder with
+    /// grouped-query attention, RMSNorm, SwiGLU ([`DecoderArch`]).
+    Qwen3,
+    /// `model_type` `gemma3_text` with bidirectional attention
+    /// (EmbeddingGemma): RMSNorm around every sublayer, GeGLU, local and
+    /// global layers ([`DecoderArch`]).
+    Gemma3,
 }
 
 impl Family {
@@ -68,7 +78,14 @@ impl Family {
             Family::ModernBert => "modernbert",
             Family::Gte => "gte",
             Family::NomicBert => "nomic_bert",
+            Family::Qwen3 => "qwen3",
+            Family::Gemma3 => "gemma3_text",
         }
+    }
+
+    /// The decoder families ([`DecoderArch`]).
+    pub fn is_decoder(self) -> bool {
+        matches!(self, Family::Qwen3 | Family::Gemma3)
     }
 }
 
@@ -419,9 +436,12 @@ impl BertArch {
                 qkv,
                 out: context,
                 heads: self.heads,
+                kv_heads: self.heads,
                 head_dim: self.head_dim,
                 bias: self.position_bias,
                 window: None,
+                causal: false,
+                scale: None,
                 seqs,
             });
             b.push(linear(

@@ -220,7 +220,8 @@ impl ModernBertNames {
         format!("{}{rest}", self.prefix)
     }
 
-    /// Reads the encoder's weights into `weights`; the head's come after.
+    /// Reads the encoder's weights into `weights` (as stored); the head's
+    /// come after.
     pub(super) fn load(
         &self,
         file: &TensorFile,
@@ -230,8 +231,8 @@ impl ModernBertNames {
     ) -> Result<EncoderWeights, ModelError> {
         let mut push = |rest: String| -> Result<WeightId, ModelError> {
             let name = self.name(&rest);
-            let (shape, data) = file.f32(&name)?;
-            Ok(weights.push(name, shape, data))
+            let (shape, data) = file.stored(&name)?;
+            Ok(weights.push_data(name, shape, data))
         };
         let word = push("embeddings.tok_embeddings.weight".into())?;
         // A layer's weight, and its bias where the config has one.

@@ -98,6 +98,45 @@ pub struct RotaryEncoderArch {
     pub dense: Vec<DenseLayer>,
 }
 
+/// The inputs of a model without token types at a padded shape: ids, the
+/// mask and (where pooling skips a prompt) the skip counts; returns the
+/// ids, the layout and the skip input.
+pub(super) fn padded_inputs(
+    b: &mut ProgramBuilder,
+    batch: usize,
+    seq: usize,
+    pool_skip: bool,
+) -> (BufId, Seqs, Option<BufId>) {
+    let rows = batch * seq;
+    let ids = b.input("input_ids", InputRole::TokenIds, rows);
+    let mask = b.input("attention_mask", InputRole::AttentionMask, rows);
+    let skip = pool_skip.then(|| b.input("pool_skip", InputRole::PoolSkip, batch));
+    (ids, Seqs::Padded { mask, batch, seq }, skip)
+}
+
+/// [`padded_inputs`] of a packed budget: ids, positions, the cumulative
+/// lengths and the skip counts.
+pub(super) fn packed_inputs(
+    b: &mut ProgramBuilder,
+    tokens: usize,
+    seqs: usize,
+    max_seq_len: usize,
+    pool_skip: bool,
+) -> (BufId, Seqs, Option<BufId>) {
+    let ids = b.input("input_ids", InputRole::TokenIds, tokens);
+    let positions = b.input("position_ids", InputRole::Positions, tokens);
+    let offsets = b.input("cu_seqlens", InputRole::SeqOffsets, seqs + 1);
+    let skip = pool_skip.then(|| b.input("pool_skip", InputRole::PoolSkip, seqs));
+    let layout = Seqs::Packed {
+        offsets,
+        positions,
+        tokens,
+        seqs,
+        max_seq_len,
+    };
+    (ids, layout, skip)
+}
+
 impl RotaryEncoderArch {
     /// Width of one output row: the last Dense's outputs, or the hidden size.
     pub fn output_dim(&self) -> usize {
@@ -106,14 +145,8 @@ impl RotaryEncoderArch {
 
     /// The encoder at `batch` rows of `seq` tokens (padded).
     pub fn program(&self, batch: usize, seq: usize) -> Program {
-        let rows = batch * seq;
         let mut b = ProgramBuilder::new();
-        let ids = b.input("input_ids", InputRole::TokenIds, rows);
-        let mask = b.input("attention_mask", InputRole::AttentionMask, rows);
-        let skip = self
-            .pool_skip
-            .then(|| b.input("pool_skip", InputRole::PoolSkip, batch));
-        let seqs = Seqs::Padded { mask, batch, seq };
+        let (ids, seqs, skip) = padded_inputs(&mut b, batch, seq, self.pool_skip);
         let output = self.encoder(&mut b, seqs, ids, skip);
         b.finish(batch, seq, output, self.output_dim())
     }
@@ -128,19 +161,7 @@ impl RotaryEncoderArch {
     /// `max_seq_len` tokens.
     pub fn packed_program_upto(&self, tokens: usize, seqs: usize, max_seq_len: usize) -> Program {
         let mut b = ProgramBuilder::new();
-        let ids = b.input("input_ids", InputRole::TokenIds, tokens);
-        let positions = b.input("position_ids", InputRole::Positions, tokens);
-        let offsets = b.input("cu_seqlens", InputRole::SeqOffsets, seqs + 1);
-        let skip = self
-            .pool_skip
-            .then(|| b.input("pool_skip", InputRole::PoolSkip, seqs));
-        let layout = Seqs::Packed {
-            offsets,
-            positions,
-            tokens,
-            seqs,
-            max_seq_len,
-        };
+        let (ids, layout, skip) = packed_inputs(&mut b, tokens, seqs, max_seq_len, self.pool_skip);
         let output = self.encoder(&mut b, layout, ids, skip);
         b.finish_packed(tokens, seqs, max_seq_len, output, self.output_dim())
     }
@@ -195,6 +216,7 @@ impl RotaryEncoderArch {
             word: self.word,
             out: hidden,
             hidden: h,
+            scale: 1.0,
             seqs,
         });
         b.push(norm(hidden, hidden, self.embedding_norm));
@@ -239,6 +261,7 @@ impl RotaryEncoderArch {
             b.push(Rotary {
                 qkv,
                 heads: self.heads,
+                kv_heads: self.heads,
                 head_dim: self.head_dim,
                 theta: layer.rope_theta,
                 scale: self.rope_scale,
@@ -249,9 +272,12 @@ impl RotaryEncoderArch {
                 qkv,
                 out: context,
                 heads: self.heads,
+                kv_heads: self.heads,
                 head_dim: self.head_dim,
                 bias: None,
                 window: layer.window,
+                causal: false,
+                scale: None,
                 seqs,
             });
             b.push(linear(

@@ -214,6 +214,9 @@ pub enum Pooling {
     /// Sum over tokens where the attention mask is 1 (SPLADE's `"sum"`
     /// pooling; not a sentence-transformers `Pooling` mode).
     Sum,
+    /// The last real token's vector (sentence-transformers' `lasttoken`:
+    /// a decoder's embedding, its appended end-of-text token).
+    LastToken,
 }
 
 /// How an embedding op derives each token's row of the position table.
@@ -362,6 +365,8 @@ pub enum Op {
     Add(Add),
     Rotary(Rotary),
     Gated(Gated),
+    RmsNorm(RmsNorm),
+    HeadRmsNorm(HeadRmsNorm),
 }
 
 macro_rules! op_from {
@@ -384,7 +389,9 @@ op_from!(
     LayerNorm,
     Add,
     Rotary,
-    Gated
+    Gated,
+    RmsNorm,
+    HeadRmsNorm
 );
 
 impl Op {
@@ -401,7 +408,9 @@ impl Op {
             | Op::Normalize(_)
             | Op::LayerNorm(_)
             | Op::Add(_)
-            | Op::Gated(_) => None,
+            | Op::Gated(_)
+            | Op::RmsNorm(_)
+            | Op::HeadRmsNorm(_) => None,
         }
     }
 
@@ -418,7 +427,9 @@ impl Op {
             | Op::Normalize(_)
             | Op::LayerNorm(_)
             | Op::Add(_)
-            | Op::Gated(_) => None,
+            | Op::Gated(_)
+            | Op::RmsNorm(_)
+            | Op::HeadRmsNorm(_) => None,
         }
     }
 }
@@ -479,39 +490,76 @@ pub struct AddLayerNorm {
 
 /// Multi-head self-attention over a fused projection, each query
 /// attending to the real tokens of its own sequence. `qkv` is
-/// `[token rows, 3·heads·head_dim]`, laid out `[q | k | v]` with heads
-/// contiguous inside each part; `out` is `[token rows, heads·head_dim]`.
-/// Scale is `1/√head_dim`. Padded: keys with mask 0 get −∞ before the
-/// softmax, and a row with none unmasked produces zeros. Packed: the
-/// keys are those of the query's sequence; tail slots produce zeros.
+/// `[token rows, (heads + 2·kv_heads)·head_dim]`, laid out `[q | k | v]`
+/// with heads contiguous inside each part (`heads` query heads,
+/// `kv_heads` key and value heads); `out` is `[token rows,
+/// heads·head_dim]`. Query head `h` reads key/value head
+/// `h / (heads / kv_heads)` (grouped-query attention; `kv_heads = heads`
+/// is plain multi-head attention). Scale is `scale`, else
+/// `1/√head_dim`. Padded: keys with mask 0 get −∞ before the softmax,
+/// and a row with none unmasked produces zeros. Packed: the keys are
+/// those of the query's sequence; tail slots produce zeros.
 ///
 /// With `bias`, [`PositionBias`] is added to every score after the
 /// scaling and before the mask (MPNet), by positions within the
-/// sequence. With `window` (ModernBERT's local layers), query `i` sees
-/// only the keys `j` of its sequence with `|i − j| ≤ window`.
+/// sequence. With `window` (ModernBERT's and Gemma's local layers), query
+/// `i` sees only the keys `j` of its sequence with `|i − j| ≤ window`;
+/// with `causal` (decoders) only those with `j ≤ i`; both may be set.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Attention {
     pub qkv: BufId,
     pub out: BufId,
     pub heads: usize,
+    pub kv_heads: usize,
     pub head_dim: usize,
     #[serde(default)]
     pub bias: Option<PositionBias>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window: Option<usize>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub causal: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<f32>,
     pub seqs: Seqs,
 }
 
-/// For every token row `r`: `out[r] = word[ids[r]]`: the embedding of a
-/// model whose positions are rotary ([`Rotary`]), with no position or
-/// token-type table (tail slots hold id 0 and get its row).
+impl Attention {
+    /// Width of a `qkv` row: `(heads + 2·kv_heads)·head_dim`.
+    pub fn qkv_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+
+    /// The score scale: `scale`, else `1/√head_dim`.
+    pub fn score_scale(&self) -> f32 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / (self.head_dim as f32).sqrt())
+    }
+
+    /// Whether key `j` is visible to query `i` (positions in one
+    /// sequence) under the window and causal masks.
+    pub fn sees(&self, i: usize, j: usize) -> bool {
+        (!self.causal || j <= i) && self.window.is_none_or(|w| i.abs_diff(j) <= w)
+    }
+}
+
+/// For every token row `r`: `out[r] = word[ids[r]] · scale`: the
+/// embedding of a model whose positions are rotary ([`Rotary`]), with no
+/// position or token-type table (tail slots hold id 0 and get its row).
+/// `scale` is 1, or Gemma's `√hidden`, applied in the compute dtype (the
+/// scale itself rounded to it, as Gemma's `embed_scale` is).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Embed {
     pub ids: BufId,
     pub word: WeightId,
     pub out: BufId,
     pub hidden: usize,
+    #[serde(default = "unit_scale", skip_serializing_if = "is_unit")]
+    pub scale: f32,
     pub seqs: Seqs,
+}
+
+fn is_unit(x: &f32) -> bool {
+    *x == 1.0
 }
 
 /// `out = LayerNorm(x)` over the last dimension (`hidden`), with a bias
@@ -528,6 +576,38 @@ pub struct LayerNorm {
     pub hidden: usize,
 }
 
+/// Root-mean-square norm over the last dimension (`hidden`): `out =
+/// x / √(mean(x²) + eps) · (weight_offset + gamma)`, computed in f32.
+/// `weight_offset` is 0 (Qwen3, Llama) or 1 (Gemma's `1 + weight`).
+/// `out` may alias `x`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RmsNorm {
+    pub x: BufId,
+    pub gamma: WeightId,
+    pub eps: f32,
+    pub weight_offset: f32,
+    pub out: BufId,
+    pub rows: usize,
+    pub hidden: usize,
+}
+
+/// [`RmsNorm`] of every query head (with `q_gamma`) and every key head
+/// (with `k_gamma`, both `[head_dim]`) of a fused `qkv` buffer, in place
+/// (laid out as [`Attention`] reads it; values untouched): Qwen3's and
+/// Gemma 3's `q_norm` and `k_norm`, before [`Rotary`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HeadRmsNorm {
+    pub qkv: BufId,
+    pub rows: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub q_gamma: WeightId,
+    pub k_gamma: WeightId,
+    pub eps: f32,
+    pub weight_offset: f32,
+}
+
 /// `into += x` over `rows × width` values: a pre-norm block's residual add.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Add {
@@ -537,8 +617,9 @@ pub struct Add {
     pub width: usize,
 }
 
-/// Rotary position embedding, in place on the query and key parts of a
-/// fused `qkv` buffer (laid out as [`Attention`] reads it), in the
+/// Rotary position embedding, in place on the `heads` query heads and
+/// `kv_heads` key heads of a fused `qkv` buffer (laid out as
+/// [`Attention`] reads it), in the
 /// "rotate half" form of Hugging Face's `apply_rotary_pos_emb`: for each
 /// head, `d < head_dim / 2` and the token's position `p` in its sequence,
 /// with `θ_d = p · theta^(−2d / head_dim)`,
@@ -549,6 +630,7 @@ pub struct Add {
 pub struct Rotary {
     pub qkv: BufId,
     pub heads: usize,
+    pub kv_heads: usize,
     pub head_dim: usize,
     pub theta: f32,
     /// Multiplies every frequency: 1, or GTE's static NTK scaling
@@ -640,13 +722,14 @@ pub struct Gated {
 /// hidden]` (f32), then optional L2 normalisation of each row
 /// (`x / max(‖x‖, 1e-12)`). Mean: the average over the sequence's real
 /// tokens (divided by `max(count, 1e-9)` as sentence-transformers
-/// does); max: their element-wise maximum; cls: the first (padded: slot
-/// 0). A sequence with no token gives zeros (padded cls: slot 0).
+/// does); max: their element-wise maximum; sum: their sum; cls: the first
+/// (padded: slot 0); last token: the last real one (padded: the last slot
+/// with mask 1). A sequence with no token gives zeros (padded cls: slot 0).
 ///
 /// With `skip` (a [`InputRole::PoolSkip`] input of one count per
 /// sequence), sequence `b` pools only its tokens from index `skip[b]`
-/// on: mean and max over those, cls the first of them; none left gives
-/// zeros.
+/// on: mean and max over those, cls the first of them, last token the
+/// last if any is left; none left gives zeros.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Pool {
     pub x: BufId,

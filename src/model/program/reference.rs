@@ -6,8 +6,8 @@
 
 use super::{
     Activation, Add, AddLayerNorm, Attention, BufKind, Embed, EmbedLayerNorm, GateOn, Gated,
-    InputRole, LayerNorm, Linear, Normalize, Op, Pool, Pooling, PositionBias, Program, Rotary,
-    Seqs, WeightId,
+    HeadRmsNorm, InputRole, LayerNorm, Linear, Normalize, Op, Pool, Pooling, PositionBias, Program,
+    RmsNorm, Rotary, Seqs, WeightId,
 };
 use crate::model::batch::PackTarget;
 use crate::model::{BatchRows, Weights};
@@ -42,8 +42,10 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
             bufs[id.0] = v.iter().map(|x| *x as f64).collect();
         }
     }
-    let wt =
-        |id: WeightId| -> Vec<f64> { w.get(id).data.iter().map(|v| round(*v, dtype)).collect() };
+    let wt = |id: WeightId| -> Vec<f64> {
+        let data = w.get(id).data.to_f32();
+        data.iter().map(|v| round(*v, dtype)).collect()
+    };
     let ln = |v: &mut [f64], g: &[f64], b: &[f64], eps: f32| {
         let n = v.len() as f64;
         let mean = v.iter().sum::<f64>() / n;
@@ -51,6 +53,13 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
         let r = 1.0 / (var + eps as f64).sqrt();
         for (i, x) in v.iter_mut().enumerate() {
             *x = (*x - mean) * r * g[i] + b[i];
+        }
+    };
+    let rms = |v: &mut [f64], g: &[f64], offset: f32, eps: f32| {
+        let ms = v.iter().map(|x| x * x).sum::<f64>() / v.len() as f64;
+        let r = 1.0 / (ms + eps as f64).sqrt();
+        for (x, g) in v.iter_mut().zip(g) {
+            *x *= r * (offset as f64 + g);
         }
     };
     let act = |a: Activation, x: f64| -> f64 {
@@ -163,26 +172,28 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                     qkv,
                     out,
                     heads,
+                    kv_heads,
                     head_dim,
                     bias,
-                    window,
                     seqs,
+                    ..
                 } = *a;
                 let bias = bias_of(bias);
-                let near = |i: usize, j: usize| window.is_none_or(|w| i.abs_diff(j) <= w);
-                let hd = heads * head_dim;
+                let (hd, kvd, width) = (heads * head_dim, kv_heads * head_dim, a.qkv_width());
+                let group = heads / kv_heads;
                 let q = bufs[qkv.0].clone();
-                let scale = 1.0 / (head_dim as f64).sqrt();
+                let scale = a.score_scale() as f64;
                 // Rows no sequence covers (a packed tail) stay zero.
                 bufs[out.0][..seqs.token_rows() * hd].fill(0.0);
                 for (start, real) in sequences(seqs, &bufs) {
                     for h in 0..heads {
+                        let kv = h / group;
                         for i in 0..real.len() {
-                            let qrow = &q[(start + i) * 3 * hd + h * head_dim..][..head_dim];
+                            let qrow = &q[(start + i) * width + h * head_dim..][..head_dim];
                             let scores: Vec<Option<f64>> = (0..real.len())
                                 .map(|j| {
-                                    (real[j] && near(i, j)).then(|| {
-                                        let krow = &q[(start + j) * 3 * hd + hd + h * head_dim..]
+                                    (real[j] && a.sees(i, j)).then(|| {
+                                        let krow = &q[(start + j) * width + hd + kv * head_dim..]
                                             [..head_dim];
                                         qrow.iter().zip(krow).map(|(a, c)| a * c).sum::<f64>()
                                             * scale
@@ -191,7 +202,7 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                                 })
                                 .collect();
                             let value = |j: usize, d: usize| {
-                                q[(start + j) * 3 * hd + 2 * hd + h * head_dim + d]
+                                q[(start + j) * width + hd + kvd + kv * head_dim + d]
                             };
                             let o = &mut bufs[out.0][(start + i) * hd + h * head_dim..][..head_dim];
                             attend(&scores, &value, o);
@@ -232,6 +243,7 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                                 .map(|&i| xs(i, c))
                                 .fold(f64::NEG_INFINITY, f64::max),
                             Pooling::Sum => pooled.iter().map(|&i| xs(i, c)).sum::<f64>(),
+                            Pooling::LastToken => pooled.last().map_or(0.0, |&i| xs(i, c)),
                         };
                     }
                     if normalize {
@@ -298,12 +310,17 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                     word,
                     out,
                     hidden,
+                    scale,
                     seqs,
                 } = *e;
                 let wd = wt(word);
+                let scale = round(scale, dtype);
                 for r in 0..seqs.token_rows() {
                     let id = bufs[ids.0][r] as usize;
-                    let row = wd[id * hidden..(id + 1) * hidden].to_vec();
+                    let row: Vec<f64> = wd[id * hidden..(id + 1) * hidden]
+                        .iter()
+                        .map(|v| v * scale)
+                        .collect();
                     bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&row);
                 }
             }
@@ -339,17 +356,18 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                 let Rotary {
                     qkv,
                     heads,
+                    kv_heads,
                     head_dim,
                     seqs,
                     ..
                 } = *r;
-                let (hd, half) = (heads * head_dim, head_dim / 2);
+                let (width, half) = ((heads + 2 * kv_heads) * head_dim, head_dim / 2);
                 for (start, real) in sequences(seqs, &bufs) {
                     let len = real.iter().filter(|&&r| r).count();
                     for i in 0..real.len() {
-                        // Queries and keys: the first two thirds of the row.
-                        for head in 0..2 * heads {
-                            let base = (start + i) * 3 * hd + head * head_dim;
+                        // Queries and keys: the row's first heads + kv_heads heads.
+                        for head in 0..heads + kv_heads {
+                            let base = (start + i) * width + head * head_dim;
                             for d in 0..half {
                                 let (cos, sin) = r.angle_in(i, len, d);
                                 let (cos, sin) = (cos as f64, sin as f64);
@@ -358,6 +376,40 @@ pub fn run(p: &Program, w: &Weights, dtype: DType, rows: &BatchRows) -> Vec<f32>
                                 bufs[qkv.0][base + d + half] = b * cos + a * sin;
                             }
                         }
+                    }
+                }
+            }
+            Op::RmsNorm(n) => {
+                let RmsNorm {
+                    x,
+                    out,
+                    rows,
+                    hidden,
+                    ..
+                } = *n;
+                let g = wt(n.gamma);
+                for r in 0..rows {
+                    let mut v = bufs[x.0][r * hidden..(r + 1) * hidden].to_vec();
+                    rms(&mut v, &g, n.weight_offset, n.eps);
+                    bufs[out.0][r * hidden..(r + 1) * hidden].copy_from_slice(&v);
+                }
+            }
+            Op::HeadRmsNorm(n) => {
+                let HeadRmsNorm {
+                    qkv,
+                    rows,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    ..
+                } = *n;
+                let (gq, gk) = (wt(n.q_gamma), wt(n.k_gamma));
+                let width = (heads + 2 * kv_heads) * head_dim;
+                for r in 0..rows {
+                    for head in 0..heads + kv_heads {
+                        let g = if head < heads { &gq } else { &gk };
+                        let v = &mut bufs[qkv.0][r * width + head * head_dim..][..head_dim];
+                        rms(v, g, n.weight_offset, n.eps);
                     }
                 }
             }

@@ -241,6 +241,25 @@ impl<'a> Checker<'a> {
         Ok(())
     }
 
+    /// Grouped-query attention: the query heads split evenly over the
+    /// key/value heads.
+    fn kv_heads(&self, heads: usize, kv_heads: usize) -> Result<(), ProgramError> {
+        if !heads.is_multiple_of(kv_heads) {
+            return invalid(format!(
+                "{}: {heads} query heads do not split over {kv_heads} key/value heads",
+                self.what
+            ));
+        }
+        Ok(())
+    }
+
+    fn norm_eps(&self, eps: f32) -> Result<(), ProgramError> {
+        if !(eps.is_finite() && eps >= 0.0) {
+            return invalid(format!("{}: norm eps {eps} is not ≥ 0", self.what));
+        }
+        Ok(())
+    }
+
     /// An embedding table `[rows ≥ min_rows, width]`; returns its rows.
     fn table(&self, id: WeightId, min_rows: usize, width: usize) -> Result<usize, ProgramError> {
         let what = &self.what;
@@ -286,6 +305,8 @@ pub fn op_buffers(op: &Op) -> (Vec<BufId>, BufId) {
             (vec![r.qkv, positions], r.qkv)
         }
         Op::Gated(g) => (vec![g.x], g.out),
+        Op::RmsNorm(n) => (vec![n.x], n.out),
+        Op::HeadRmsNorm(n) => (vec![n.qkv], n.qkv),
     }
 }
 
@@ -388,14 +409,18 @@ impl Program {
             }
             Op::Attention(a) => {
                 c.seqs(a.seqs)?;
-                c.positive(&[a.heads, a.head_dim])?;
+                c.positive(&[a.heads, a.kv_heads, a.head_dim])?;
+                c.kv_heads(a.heads, a.kv_heads)?;
                 c.distinct(a.qkv, a.out, "out aliases qkv")?;
                 if let Some(b) = a.bias {
                     c.weight(b.table, &[a.heads, 2 * b.radius + 1])?;
                 }
-                let width = a.seqs.token_rows() * a.heads * a.head_dim;
-                c.buf(a.qkv, 3 * width, false)?;
-                c.out(a.out, width)
+                if let Some(s) = a.scale.filter(|s| !(s.is_finite() && *s > 0.0)) {
+                    return invalid(format!("{}: score scale {s} is not > 0", c.what));
+                }
+                let rows = a.seqs.token_rows();
+                c.buf(a.qkv, rows * a.qkv_width(), false)?;
+                c.out(a.out, rows * a.heads * a.head_dim)
             }
             Op::Pool(p) => {
                 c.seqs(p.seqs)?;
@@ -414,6 +439,12 @@ impl Program {
             Op::Embed(e) => {
                 c.seqs(e.seqs)?;
                 c.positive(&[e.hidden])?;
+                if !(e.scale.is_finite() && e.scale > 0.0) {
+                    return invalid(format!(
+                        "{}: embedding scale {} is not > 0",
+                        c.what, e.scale
+                    ));
+                }
                 let rows = e.seqs.token_rows();
                 c.role(e.ids, InputRole::TokenIds, rows)?;
                 *vocab = Some(c.table(e.word, 1, e.hidden)?);
@@ -448,13 +479,33 @@ impl Program {
                 if !(r.scale.is_finite() && r.scale > 0.0) {
                     return invalid(format!("{}: rotary scale {} is not > 0", c.what, r.scale));
                 }
-                c.out(r.qkv, 3 * r.seqs.token_rows() * r.heads * r.head_dim)
+                c.kv_heads(r.heads, r.kv_heads)?;
+                c.out(
+                    r.qkv,
+                    r.seqs.token_rows() * (r.heads + 2 * r.kv_heads) * r.head_dim,
+                )
             }
             Op::Gated(g) => {
                 c.positive(&[g.rows, g.width])?;
                 c.distinct(g.x, g.out, "out aliases x")?;
                 c.buf(g.x, 2 * g.rows * g.width, false)?;
                 c.out(g.out, g.rows * g.width)
+            }
+            Op::RmsNorm(n) => {
+                let elems = n.rows * n.hidden;
+                c.positive(&[n.rows, n.hidden])?;
+                c.norm_eps(n.eps)?;
+                c.buf(n.x, elems, false)?;
+                c.weight(n.gamma, &[n.hidden])?;
+                c.out(n.out, elems)
+            }
+            Op::HeadRmsNorm(n) => {
+                c.positive(&[n.rows, n.heads, n.kv_heads, n.head_dim])?;
+                c.kv_heads(n.heads, n.kv_heads)?;
+                c.norm_eps(n.eps)?;
+                c.weight(n.q_gamma, &[n.head_dim])?;
+                c.weight(n.k_gamma, &[n.head_dim])?;
+                c.out(n.qkv, n.rows * (n.heads + 2 * n.kv_heads) * n.head_dim)
             }
         }
     }
@@ -575,6 +626,8 @@ fn op_name(op: &Op) -> &'static str {
         Op::Add(_) => "Add",
         Op::Rotary(_) => "Rotary",
         Op::Gated(_) => "Gated",
+        Op::RmsNorm(_) => "RmsNorm",
+        Op::HeadRmsNorm(_) => "HeadRmsNorm",
     }
 }
 
@@ -723,9 +776,12 @@ mod tests {
         b.push(Attention {
             bias: None,
             window: None,
+            causal: false,
+            scale: None,
             qkv,
             out: ctx,
             heads: 2,
+            kv_heads: 2,
             head_dim: 4,
             seqs,
         });

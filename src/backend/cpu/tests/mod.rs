@@ -128,14 +128,13 @@ fn mlp_f64(model: &Model, input: &[f32], rows: usize) -> Vec<f64> {
     };
     let mut x: Vec<f64> = input.iter().map(|&v| v as f64).collect();
     for layer in &arch.layers {
-        let w = &model.weights.get(layer.weight).data;
+        let w = model.weights.get(layer.weight).data.to_f32();
+        let bias = layer.bias.map(|b| model.weights.get(b).data.to_f32());
         let (n, k) = (layer.out_features, layer.in_features);
         let mut y = vec![0.0f64; rows * n];
         for r in 0..rows {
             for j in 0..n {
-                let mut acc = layer
-                    .bias
-                    .map_or(0.0, |b| model.weights.get(b).data[j] as f64);
+                let mut acc = bias.as_ref().map_or(0.0, |b| b[j] as f64);
                 for i in 0..k {
                     acc += x[r * k + i] * w[j * k + i] as f64;
                 }

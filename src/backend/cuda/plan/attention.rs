@@ -7,12 +7,22 @@
 //! a packed batch's blocks take their work from a tile table the host
 //! writes for every batch ([`write_tile_table`]). MPNet's relative position
 //! bias is the `_bias` variant of each.
+//!
+//! Decoders (grouped-query heads, a causal mask, head size 256) take the
+//! `_band` kernels: the same tensor-core kernels with `kv_heads`, the head
+//! size and the key band `[i − left, i + right]` ([`band_bounds`]: causal is
+//! `right = 0`, a sliding window bounds both sides), head-size classes 32,
+//! 64, 128 and 256 (any multiple of 8 up to 256: [`band_tc_class`]), and
+//! off the tensor cores (f32, other head sizes, `tc_attention` off) a warp
+//! per query (`attention_band_<t>_d{128,256}`, prenorm.cu), whose state is
+//! in registers, so no sequence is too long for it. Sliding windows without
+//! those (ModernBERT) keep `_win` and `attention_window`.
 
 use super::planner::Planner;
 use super::program::INT_INPUT_ALIGN;
 use super::{suffix, Arg, Loc, TileTable};
 use crate::backend::cuda::kernels::{
-    ATTENTION_DMAX, ATTENTION_TC_HEAD_DIMS, ATTENTION_TC_S16_HEAD_DIMS,
+    ATTENTION_DMAX, ATTENTION_TC_BAND_HEAD_DIMS, ATTENTION_TC_HEAD_DIMS, ATTENTION_TC_S16_HEAD_DIMS,
 };
 use crate::backend::cuda::mem::align_up;
 use crate::backend::BackendError;
@@ -40,6 +50,37 @@ pub const TILE_ENTRY: usize = 4;
 /// The longest padded sequence that takes `attention_tc_s16`
 /// ([`KernelPath::AttnS16`]).
 pub const ATTN_S16_MAX_SEQ: usize = 16;
+
+/// Whether `op` takes the band kernels: grouped-query heads, the causal
+/// mask, or a head size over 128 (EmbeddingGemma's 256).
+pub fn is_band(op: &Attention) -> bool {
+    op.kv_heads != op.heads || op.causal || op.head_dim > 128
+}
+
+/// The key band `(left, right)` of a band kernel: query `i` sees keys
+/// `i − left ..= i + right` of its sequence. Causal: `right = 0`; a window
+/// `w`: at most `w` on either side; unbounded sides are `slots` (the
+/// longest a sequence can be: the padded length, or the packed budget),
+/// at most 2²⁸ so that the kernels' `i + right` cannot overflow.
+pub fn band_bounds(op: &Attention, slots: usize) -> (i32, i32) {
+    let slots = slots.min(1 << 28);
+    let side = op.window.map_or(slots, |w| w.min(slots)) as i32;
+    (side, if op.causal { 0 } else { side })
+}
+
+/// The tensor-core band kernel's head-size class for `head_dim` (the
+/// `d<N>` suffix, [`ATTENTION_TC_BAND_HEAD_DIMS`]): the smallest that holds
+/// it, for head sizes that are a multiple of 8 (16-byte rows); the columns
+/// past the head are zeros in the kernel.
+pub fn band_tc_class(head_dim: usize) -> Option<usize> {
+    if head_dim == 0 || !head_dim.is_multiple_of(8) {
+        return None;
+    }
+    ATTENTION_TC_BAND_HEAD_DIMS
+        .iter()
+        .copied()
+        .find(|&d| head_dim <= d)
+}
 
 /// The attention kernel's head-size class (the `d<N>` suffix).
 pub fn attention_dmax(head_dim: usize) -> Option<usize> {
@@ -125,20 +166,38 @@ impl Planner<'_> {
     pub(super) fn attention(&mut self, idx: usize, op: &Attention) -> Result<usize, BackendError> {
         let (heads, head_dim, seqs) = (op.heads, op.head_dim, op.seqs);
         let t = self.compute;
+        let band = is_band(op);
+        // The band kernels take any head size of a multiple of 8 up to 256
+        // (in the class above it); the others exactly theirs.
+        let tc_class = if band {
+            band_tc_class(head_dim)
+        } else {
+            ATTENTION_TC_HEAD_DIMS
+                .contains(&head_dim)
+                .then_some(head_dim)
+        };
         let tensor_cores = self.on(KernelPath::TcAttention)
             && matches!(t, DType::F16 | DType::BF16)
-            && ATTENTION_TC_HEAD_DIMS.contains(&head_dim);
-        // A sliding window on tensor cores (`_win`), else the warp-per-query
-        // kernel (f32, other head sizes).
+            && tc_class.is_some();
+        // Off the tensor cores, a decoder's attention takes the warp per
+        // query (`attention_band`, any length); so does a sliding window
+        // (`attention_window`, f32, other head sizes).
+        if band && !tensor_cores {
+            return self.attention_band(idx, op);
+        }
         if let Some(window) = op.window {
-            if !tensor_cores || op.bias.is_some() {
+            if !band && (!tensor_cores || op.bias.is_some()) {
                 return self.attention_window(idx, op, window);
             }
         }
         let what = format!("op {idx} (Attention)");
-        let dmax = attention_dmax(head_dim).ok_or_else(|| {
-            BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
-        })?;
+        let dmax = if let (true, Some(class)) = (tensor_cores, tc_class) {
+            class
+        } else {
+            attention_dmax(head_dim).ok_or_else(|| {
+                BackendError::Unsupported(format!("{what}: head size {head_dim} (at most 128)"))
+            })?
+        };
         // The grid: a padded batch's (query tiles, heads, rows); a packed
         // one's tiles × heads, each block reading its tile from the table.
         let grid = match seqs {
@@ -186,18 +245,34 @@ impl Planner<'_> {
         };
         let rows = seqs.token_rows();
         let hd = heads * head_dim;
-        let q_l = self.float_in(op.qkv, rows * 3 * hd, t)?;
+        let q_l = self.float_in(op.qkv, rows * op.qkv_width(), t)?;
         let (dst, pending) = self.float_out(op.out, rows * hd, t);
-        let scale = Arg::F32(1.0 / (head_dim as f32).sqrt());
+        let scale = Arg::F32(op.score_scale());
+        let slots = match seqs {
+            Seqs::Padded { seq, .. } => seq,
+            Seqs::Packed { tokens, .. } => tokens,
+        };
         let (tag, bias_args) = match op.window {
+            _ if band => {
+                let (left, right) = band_bounds(op, slots);
+                ("_band", vec![Arg::I32(left), Arg::I32(right)])
+            }
             Some(w) => ("_win", vec![Arg::I32(i32::try_from(w).unwrap_or(i32::MAX))]),
             None => self.bias_args(op.bias, heads, &what)?,
         };
         let mut args = vec![Arg::Ptr(q_l), Arg::Ptr(index), Arg::Ptr(dst)];
         let i32s = |v: &[usize]| v.iter().map(|&v| Arg::I32(v as i32)).collect::<Vec<_>>();
+        // The band kernels take the key/value heads and the head size after
+        // the query heads.
+        let kv = if band {
+            vec![op.kv_heads, head_dim]
+        } else {
+            vec![]
+        };
         match (seqs, tensor_cores) {
             (Seqs::Padded { seq, .. }, true) => {
                 args.extend(i32s(&[seq, heads]));
+                args.extend(i32s(&kv));
                 args.push(scale);
             }
             (Seqs::Padded { seq, .. }, false) => {
@@ -206,6 +281,7 @@ impl Planner<'_> {
             }
             (Seqs::Packed { tokens, .. }, true) => {
                 args.extend(i32s(&[heads]));
+                args.extend(i32s(&kv));
                 args.push(scale);
                 args.extend(i32s(&[tokens]));
             }
@@ -228,12 +304,13 @@ impl Planner<'_> {
             // Padded sequences of at most 16 tokens: 16-key blocks.
             let s16 = !seqs.is_packed()
                 && op.window.is_none()
+                && !band
                 && self.on(KernelPath::AttnS16)
                 && max_len <= ATTN_S16_MAX_SEQ
                 && ATTENTION_TC_S16_HEAD_DIMS.contains(&head_dim);
             let s16 = if s16 { "_s16" } else { "" };
             (
-                format!("attention{variant}_tc{tag}{s16}_{ts}_d{head_dim}"),
+                format!("attention{variant}_tc{tag}{s16}_{ts}_d{dmax}"),
                 TC_THREADS,
             )
         } else {
@@ -644,6 +721,97 @@ mod tests {
                         b.column(q, k),
                         kernel_col(radius as i64, q as i64, k as i64)
                     );
+                }
+            }
+        }
+    }
+
+    /// A host emulation of the band kernels' key skipping (attention_tc.cu
+    /// `tc_attend` with BAND: the block's key-block range, each warp's
+    /// skipped and uncut blocks, the per-score test; prenorm.cu's warp
+    /// kernel's key range) with the bounds [`band_bounds`] gives: a query
+    /// scores exactly the keys `Attention::sees`, for every mask, tile,
+    /// key-block size and sequence length.
+    #[test]
+    fn band_skipping_is_the_mask() {
+        let mut seed = 0x9e37_79b9u64;
+        let mut next = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let mut op = Attention {
+            qkv: BufId(0),
+            out: BufId(1),
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            bias: None,
+            window: None,
+            causal: false,
+            scale: None,
+            seqs: Seqs::Padded {
+                mask: BufId(2),
+                batch: 1,
+                seq: 1,
+            },
+        };
+        for _ in 0..3000 {
+            let seq = 1 + next(300);
+            op.causal = next(2) == 0;
+            op.window = [None, Some(0), Some(1), Some(next(80)), Some(1000)][next(5)];
+            // The unbounded side: the padded length, or a packed budget.
+            let slots = seq + next(3) * next(200);
+            let (left, right) = band_bounds(&op, slots);
+            let (left, right) = (left as i64, right as i64);
+            let kb = [16i64, 32, 64][next(3)];
+            let seq = seq as i64;
+            // Every 64-query tile of the sequence (the last one partial).
+            for q_first in (0..seq).step_by(64) {
+                let q_end = seq.min(q_first + 64);
+                let q_last = q_end - 1;
+                let nblocks = (seq + kb - 1) / kb;
+                let kb_begin = (q_first - left).max(0) / kb;
+                let kb_end = (q_last + right).min(seq - 1) / kb + 1;
+                assert!(kb_begin < kb_end && kb_end <= nblocks);
+                let mut seen = vec![false; (seq * seq) as usize];
+                for w in 0..4 {
+                    let q0 = q_first + 16 * w;
+                    if q0 >= q_end {
+                        continue;
+                    }
+                    for b in kb_begin..kb_end {
+                        let kb0 = b * kb;
+                        let skip = kb0 > q0 + 15 + right || kb0 + kb - 1 < q0 - left;
+                        let full = kb0 >= q0 + 15 - left && kb0 + kb - 1 <= q0 + right;
+                        if skip {
+                            continue;
+                        }
+                        for q in q0..(q0 + 16).min(q_end) {
+                            for k in kb0..(kb0 + kb).min(seq) {
+                                let d = q - k;
+                                if full || !(d > left || d < -right) {
+                                    seen[(q * seq + k) as usize] = true;
+                                }
+                            }
+                        }
+                    }
+                }
+                for q in q_first..q_end {
+                    // The warp kernel's range.
+                    let (lo, hi) = ((q - left).max(0), (seq - 1).min(q + right));
+                    for k in 0..seq {
+                        let want = op.sees(q as usize, k as usize);
+                        assert_eq!(
+                            seen[(q * seq + k) as usize],
+                            want,
+                            "tc: seq {seq}, window {:?}, causal {}, kb {kb}, query {q}, key {k}",
+                            op.window,
+                            op.causal
+                        );
+                        assert_eq!((lo..=hi).contains(&k), want, "warp kernel");
+                    }
                 }
             }
         }

@@ -175,7 +175,7 @@ impl Planner<'_> {
     /// Whether `ops[idx]` can apply the LayerNorm whose output is `x` (`rows`
     /// × `hidden`) itself ([`KernelPath::LnDefer`]): a Linear reading `x`
     /// that runs on `gemm_small` ([`Planner::linear_kernel`], the Linear's
-    /// own choice), or a mean / max pooling of `x` that nothing reads after
+    /// own choice), or a mean / max / sum pooling of `x` that nothing reads after
     /// (the LayerNorm's output is then never stored).
     pub(super) fn takes_deferred_ln(
         &self,
@@ -211,7 +211,7 @@ impl Planner<'_> {
                 ..
             })) => {
                 px == x
-                    && mode != Pooling::Cls
+                    && !matches!(mode, Pooling::Cls | Pooling::LastToken)
                     && skip.is_none()
                     && (seqs.token_rows(), ph) == (rows, hidden)
                     && hidden <= POOL_LN_MAX_HIDDEN

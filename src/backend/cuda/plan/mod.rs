@@ -24,6 +24,7 @@
 //! | `norms.rs` | `AddLayerNorm` (`add_ln[_vec]`) and the LayerNorm a Linear leaves to the op after it |
 //! | `pooling.rs` | `Pool` (`pool[_ln|_skip]`, `pool_packed*`) |
 //! | `prenorm.rs` | pre-norm rotary encoders' ops: `Embed`, `LayerNorm`, `Add`, `Rotary`, `Gated`, sliding-window `Attention` (prenorm.cu) |
+//! | `decoder.rs` | the decoders' ops (decoder.cu): `RmsNorm` with the residual `Add`s around it, `HeadRmsNorm` with the `Rotary` after it, a scaled `Embed` |
 //! | `heads.rs` | `Normalize` after a Dense module (`l2norm_rows`) |
 //! | `staged_io.rs` | small graphs reading and writing the batch's pinned slot themselves |
 //!
@@ -38,6 +39,7 @@
 //! (`[devices] kernel_paths_off`, [`KernelPath`]).
 
 mod attention;
+mod decoder;
 mod embeddings;
 mod heads;
 mod linear;
@@ -51,9 +53,11 @@ mod staged_io;
 pub(crate) mod test_support;
 
 pub use attention::{
-    attention_dmax, attention_smem_bytes, max_tiles, write_tile_table, ATTN_S16_MAX_SEQ, ATT_KC,
-    ATT_QT, ATT_THREADS, TC_QT, TC_THREADS, TILE_ENTRY, VARLEN_QT, VARLEN_TC_QT,
+    attention_dmax, attention_smem_bytes, band_bounds, band_tc_class, is_band, max_tiles,
+    write_tile_table, ATTN_S16_MAX_SEQ, ATT_KC, ATT_QT, ATT_THREADS, TC_QT, TC_THREADS, TILE_ENTRY,
+    VARLEN_QT, VARLEN_TC_QT,
 };
+pub use decoder::{rms_threads, RMS_MAX_THREADS, RMS_VPT};
 pub use heads::rownorm_threads;
 pub use linear::{
     gemm_small_fits, skinny_fits, GS_MAXM, GS_MAXM_PADDED, GS_NB, GS_THREADS, GS_WARPS,

@@ -1,5 +1,7 @@
-//! `Pool`: a block per sequence averaging (or taking the max, or the first
-//! of) its real tokens (`pool`, `pool_packed`); `_skip` variants start each
+//! `Pool`: a block per sequence averaging (or summing, or taking the max,
+//! the first or the last of) its real tokens (`pool`, `pool_packed`; the
+//! last token of a padded row is found by the block's threads together);
+//! `_skip` variants start each
 //! sequence past its prompt, and `_ln` ones apply the LayerNorm the last
 //! `gemm_small` left to them ([`KernelPath::LnDefer`](crate::config::KernelPath::LnDefer))
 //! as they read each token.
@@ -24,6 +26,7 @@ pub fn pool_code(p: Pooling) -> i32 {
         Pooling::Cls => 1,
         Pooling::Max => 2,
         Pooling::Sum => 3,
+        Pooling::LastToken => 4,
     }
 }
 
@@ -98,6 +101,7 @@ mod tests {
                 ("POOL_CLS", pool_code(Pooling::Cls) as i64),
                 ("POOL_MAX", pool_code(Pooling::Max) as i64),
                 ("POOL_SUM", pool_code(Pooling::Sum) as i64),
+                ("POOL_LAST", pool_code(Pooling::LastToken) as i64),
             ],
         );
     }

@@ -4,31 +4,45 @@
 //! (`add_rows`), `Rotary` (`rotary`, in place on q and k), `Gated`
 //! (`gated`) and sliding-window `Attention` (`attention_window`, a warp per
 //! query and head). One pass each, no fusion yet.
+//!
+//! The decoders' forms of the same ops go to decoder.cu's kernels
+//! ([`super::decoder`]): an `Embed` with a scale (`embed_scaled`), an `Add`
+//! the next `RmsNorm` reads (`rms_norm`, both in one pass), a `Rotary` over
+//! grouped-query heads (`qk_norm_rope` without the norm); and their
+//! attention off the tensor cores to `attention_band_<t>_d<N>`, the warp
+//! per query with grouped-query heads and the causal/window band.
 
+use super::attention::band_bounds;
 use super::norms::ln_threads;
 use super::planner::{ew_blocks, Planner, EW_THREADS};
 use super::{act_code, suffix, Arg, Loc};
 use crate::backend::BackendError;
-use crate::model::program::{Add, Attention, Embed, GateOn, Gated, LayerNorm, Rotary, Seqs};
+use crate::model::program::{Add, Attention, Embed, GateOn, Gated, LayerNorm, Op, Rotary, Seqs};
 
 /// Threads per block of `attention_window` (a warp per query and head).
 const WINDOW_THREADS: u32 = 128;
 /// The largest head size `attention_window` takes (`WATT_DMAX`).
 pub const WINDOW_DMAX: usize = 128;
+/// The head-size classes of `attention_band_<t>_d<N>`.
+pub const BAND_DMAX: [usize; 2] = [128, 256];
 /// Most frequency pairs a rotary head has (`ROTARY_MAX_HALF` in prenorm.cu).
-const ROTARY_MAX_HALF: usize = 128;
+pub(super) const ROTARY_MAX_HALF: usize = 128;
 /// Threads of `rotary_ntk_<t>`'s block (one row).
 const ROTARY_NTK_THREADS: u32 = 128;
 
 /// `n` as a kernel's i32 argument, or the op's refusal.
-fn i32_of(n: usize, what: &str) -> Result<i32, BackendError> {
+pub(super) fn i32_of(n: usize, what: &str) -> Result<i32, BackendError> {
     i32::try_from(n).map_err(|_| BackendError::Unsupported(format!("{what}: {n} elements")))
 }
 
 impl Planner<'_> {
     /// A buffer an op updates in place: it must already hold the compute
     /// type (activations do).
-    fn in_place(&self, b: crate::model::program::BufId, what: &str) -> Result<Loc, BackendError> {
+    pub(super) fn in_place(
+        &self,
+        b: crate::model::program::BufId,
+        what: &str,
+    ) -> Result<Loc, BackendError> {
         if self.dtype(b) != self.compute {
             return Err(BackendError::Unsupported(format!(
                 "{what}: updates a {} buffer in place",
@@ -44,8 +58,12 @@ impl Planner<'_> {
             word,
             out,
             hidden,
+            scale,
             seqs,
         } = *op;
+        if scale != 1.0 {
+            return self.embed_scaled(idx, op);
+        }
         let t = self.compute;
         let what = format!("op {idx} (Embed)");
         let rows = seqs.token_rows();
@@ -119,6 +137,12 @@ impl Planner<'_> {
             rows,
             width,
         } = *op;
+        // An Add whose sum the next RmsNorm normalises: one pass for both.
+        if let Some(Op::RmsNorm(norm)) = self.program.ops.get(idx + 1) {
+            if let Some(consumed) = self.add_rms_norm(idx, op, norm)? {
+                return Ok(consumed);
+            }
+        }
         let t = self.compute;
         let what = format!("op {idx} (Add)");
         let n = rows * width;
@@ -136,6 +160,10 @@ impl Planner<'_> {
     }
 
     pub(super) fn rotary(&mut self, idx: usize, op: &Rotary) -> Result<usize, BackendError> {
+        // Grouped-query heads: decoder.cu's rotary (without the q/k norm).
+        if op.kv_heads != op.heads {
+            return self.qk_norm_rope(idx, None, Some(op));
+        }
         let what = format!("op {idx} (Rotary)");
         if op.head_dim / 2 > ROTARY_MAX_HALF {
             return Err(BackendError::Unsupported(format!(
@@ -233,14 +261,60 @@ impl Planner<'_> {
         op: &Attention,
         window: usize,
     ) -> Result<usize, BackendError> {
-        let t = self.compute;
         let what = format!("op {idx} (Attention, window ±{window})");
-        let (heads, head_dim, seqs) = (op.heads, op.head_dim, op.seqs);
-        if head_dim == 0 || head_dim > WINDOW_DMAX {
+        if op.head_dim == 0 || op.head_dim > WINDOW_DMAX {
             return Err(BackendError::Unsupported(format!(
-                "{what}: head size {head_dim} (at most {WINDOW_DMAX})"
+                "{what}: head size {} (at most {WINDOW_DMAX})",
+                op.head_dim
             )));
         }
+        let window = Arg::I32(i32_of(window, &what)?);
+        let name = format!("attention_window_{}", suffix(self.compute));
+        self.warp_attention(op, &what, name, None, vec![window])
+    }
+
+    /// A decoder's `Attention` off the tensor cores (f32, other head sizes,
+    /// `tc_attention` off): `attention_band_<t>_d<N>`, a warp per query over
+    /// the keys of its band, any sequence length.
+    pub(super) fn attention_band(
+        &mut self,
+        idx: usize,
+        op: &Attention,
+    ) -> Result<usize, BackendError> {
+        let what = format!("op {idx} (Attention)");
+        let Some(dmax) = BAND_DMAX.into_iter().find(|&d| op.head_dim <= d) else {
+            return Err(BackendError::Unsupported(format!(
+                "{what}: head size {} (at most {})",
+                op.head_dim, BAND_DMAX[1]
+            )));
+        };
+        let slots = match op.seqs {
+            Seqs::Padded { seq, .. } => seq,
+            Seqs::Packed { tokens, .. } => tokens,
+        };
+        let (left, right) = band_bounds(op, slots);
+        let name = format!("attention_band_{}_d{dmax}", suffix(self.compute));
+        self.warp_attention(
+            op,
+            &what,
+            name,
+            Some(op.kv_heads),
+            vec![Arg::I32(left), Arg::I32(right)],
+        )
+    }
+
+    /// prenorm.cu's warp-per-query attention `name`: its arguments, with
+    /// `kv_heads` after the heads where given, then `tail`.
+    fn warp_attention(
+        &mut self,
+        op: &Attention,
+        what: &str,
+        name: String,
+        kv_heads: Option<usize>,
+        tail: Vec<Arg>,
+    ) -> Result<usize, BackendError> {
+        let t = self.compute;
+        let (heads, head_dim, seqs) = (op.heads, op.head_dim, op.seqs);
         let rows = seqs.token_rows();
         let hd = heads * head_dim;
         let warps = rows * heads;
@@ -248,14 +322,15 @@ impl Planner<'_> {
             u32::try_from(warps.div_ceil((WINDOW_THREADS / 32) as usize)).map_err(|_| {
                 BackendError::Unsupported(format!("{what}: {rows} rows x {heads} heads"))
             })?;
-        i32_of(rows * 3 * hd, &what)?;
+        let width = op.qkv_width();
+        i32_of(rows * width, what)?;
         let (index, packed, seq, nseqs) = match seqs {
             Seqs::Padded { mask, seq, .. } => (self.int_loc(mask), 0, seq, 0),
             Seqs::Packed { offsets, seqs, .. } => (self.int_loc(offsets), 1, 1, seqs),
         };
-        let q_l = self.float_in(op.qkv, rows * 3 * hd, t)?;
+        let q_l = self.float_in(op.qkv, rows * width, t)?;
         let (dst, pending) = self.float_out(op.out, rows * hd, t);
-        let args = vec![
+        let mut args = vec![
             Arg::Ptr(q_l),
             Arg::Ptr(index),
             Arg::Ptr(dst),
@@ -264,11 +339,10 @@ impl Planner<'_> {
             Arg::I32(nseqs as i32),
             Arg::I32(rows as i32),
             Arg::I32(heads as i32),
-            Arg::I32(head_dim as i32),
-            Arg::F32(1.0 / (head_dim as f32).sqrt()),
-            Arg::I32(i32_of(window, &what)?),
         ];
-        let name = format!("attention_window_{}", suffix(t));
+        args.extend(kv_heads.map(|k| Arg::I32(k as i32)));
+        args.extend([Arg::I32(head_dim as i32), Arg::F32(op.score_scale())]);
+        args.extend(tail);
         self.kernel(name, (blocks, 1, 1), WINDOW_THREADS, 0, args);
         self.finish_out(pending, rows * hd)?;
         Ok(1)

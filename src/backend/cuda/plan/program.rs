@@ -34,14 +34,22 @@ fn input_align(role: InputRole) -> usize {
 /// relative attention bias (the `attention*_bias` kernels), pooling that
 /// skips a prompt (`pool[_packed]_skip`) and `Normalize` (`l2norm_rows`).
 /// The pre-norm, rotary ops of ModernBERT plan onto `prenorm.cu`
-/// (`plan/prenorm.rs`); a sliding window together with a position bias
-/// (no model has both) is refused. Shape limits of one device (shared
-/// memory, grid sizes) are refused where the op is planned.
+/// (`plan/prenorm.rs`); the decoders' (Qwen3, EmbeddingGemma) RMSNorms,
+/// q/k norms, grouped-query, causal and rescaled attention, scaled
+/// embedding and last-token pooling onto decoder.cu and the band attention
+/// kernels (`plan/decoder.rs`, `plan/attention.rs`). A position bias
+/// together with a sliding window, a causal mask, grouped-query heads or
+/// heads over 128 (no model has both) is refused. Shape limits of one
+/// device (shared memory, grid sizes) are refused where the op is planned.
 pub fn not_on_cuda(op: &Op) -> Option<String> {
     match op {
         Op::Attention(a) if a.window.is_some() && a.bias.is_some() => {
             Some("sliding-window attention with a position bias has no CUDA kernel".to_string())
         }
+        Op::Attention(a) if a.bias.is_some() && super::attention::is_band(a) => Some(
+            "a position bias with causal or grouped-query attention, or heads over 128, has no CUDA kernel"
+                .to_string(),
+        ),
         _ => None,
     }
 }
@@ -136,6 +144,8 @@ pub fn plan(
             Op::Add(op) => p.add(i, op)?,
             Op::Rotary(op) => p.rotary(i, op)?,
             Op::Gated(op) => p.gated(i, op)?,
+            Op::RmsNorm(op) => p.rms_norm(i, op)?,
+            Op::HeadRmsNorm(op) => p.head_rms_norm(i, op)?,
         };
     }
     if p.deferred_ln.is_some() {

@@ -1,6 +1,8 @@
 //! What the planner's tests share: small programs built by the real
 //! builders (MiniLM-shaped BERT encoders, the seed-sized MLP, the family
-//! test folders), and readers of a plan's steps.
+//! test folders), decoders (Qwen3- and EmbeddingGemma-shaped) built op by
+//! op as `src/model/bert/decoder.rs` builds them ([`TinyDecoder`]), and
+//! readers of a plan's steps.
 
 pub(crate) use super::*;
 pub(crate) use crate::config::KernelPath;
@@ -213,5 +215,234 @@ pub(crate) fn assert_defines(file: &str, defines: &[(&str, i64)]) {
                 == (Some("#define"), Some(name), Some(&value.to_string()))
         });
         assert!(found, "{file} does not define {name} as {value}");
+    }
+}
+
+/// The shape of a hand-built decoder (Qwen3 / EmbeddingGemma style) for
+/// the planner's tests.
+#[derive(Clone, Debug)]
+pub(crate) struct TinyDecoder {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub inter: usize,
+    pub causal: bool,
+    /// Layer 0's sliding window (the others are global).
+    pub window: Option<usize>,
+    pub scale: Option<f32>,
+    pub embed_scale: f32,
+    pub norm_offset: f32,
+    /// Gemma's RMSNorms on the attention's and the MLP's outputs.
+    pub post_norms: bool,
+    pub pooling: Pooling,
+    pub skip: bool,
+}
+
+impl TinyDecoder {
+    /// Qwen3-Embedding-0.6B's shapes (one layer): 16 query heads over 8
+    /// key/value heads of 128, causal, last-token pooling.
+    pub(crate) fn qwen3() -> TinyDecoder {
+        TinyDecoder {
+            layers: 1,
+            hidden: 1024,
+            heads: 16,
+            kv_heads: 8,
+            head_dim: 128,
+            inter: 3072,
+            causal: true,
+            window: None,
+            scale: None,
+            embed_scale: 1.0,
+            norm_offset: 0.0,
+            post_norms: false,
+            pooling: Pooling::LastToken,
+            skip: false,
+        }
+    }
+
+    /// EmbeddingGemma-300m's shapes (two layers, the first local): 3 query
+    /// heads over one key/value head of 256, bidirectional, its scales and
+    /// post-norms, mean pooling.
+    pub(crate) fn gemma() -> TinyDecoder {
+        TinyDecoder {
+            layers: 2,
+            hidden: 768,
+            heads: 3,
+            kv_heads: 1,
+            head_dim: 256,
+            inter: 1152,
+            causal: false,
+            window: Some(256),
+            scale: Some(256f32.powf(-0.5)),
+            embed_scale: 768f32.sqrt(),
+            norm_offset: 1.0,
+            post_norms: true,
+            pooling: Pooling::Mean,
+            skip: false,
+        }
+    }
+
+    /// The program at `batch` rows of `seq` (padded), or (`packed`) over
+    /// `batch` slots holding up to `seq` sequences, with zero weights.
+    pub(crate) fn build(&self, batch: usize, seq: usize, packed: bool) -> (Program, Weights) {
+        let mut w = Weights::new();
+        let mut weight = |name: &str, shape: Vec<usize>| {
+            let n = shape.iter().product();
+            w.push(name, shape, vec![0.0; n])
+        };
+        let (h, i) = (self.hidden, self.inter);
+        let (heads, kv_heads, d) = (self.heads, self.kv_heads, self.head_dim);
+        let qkv_width = (heads + 2 * kv_heads) * d;
+        let word = weight("embed", vec![1000, h]);
+        let mut b = ProgramBuilder::new();
+        let (rows, count, seqs, ids) = if packed {
+            let (tokens, nseqs) = (batch, seq);
+            let ids = b.input("input_ids", InputRole::TokenIds, tokens);
+            let positions = b.input("position_ids", InputRole::Positions, tokens);
+            let offsets = b.input("cu_seqlens", InputRole::SeqOffsets, nseqs + 1);
+            let seqs = Seqs::Packed {
+                offsets,
+                positions,
+                tokens,
+                seqs: nseqs,
+                max_seq_len: tokens,
+            };
+            (tokens, nseqs, seqs, ids)
+        } else {
+            let ids = b.input("input_ids", InputRole::TokenIds, batch * seq);
+            let mask = b.input("attention_mask", InputRole::AttentionMask, batch * seq);
+            (batch * seq, batch, Seqs::Padded { mask, batch, seq }, ids)
+        };
+        let skip = self
+            .skip
+            .then(|| b.input("pool_skip", InputRole::PoolSkip, count));
+        let hidden = b.activation("hidden", rows * h);
+        let normed = b.activation("normed", rows * h);
+        let qkv = b.activation("qkv", rows * qkv_width);
+        let context = b.activation("context", rows * heads * d);
+        let proj = b.activation("proj", rows * h);
+        let wide = b.activation("wide", rows * 2 * i);
+        let gated = b.activation("gated", rows * i);
+        let out = b.output("embedding", count * h);
+        b.push(Embed {
+            ids,
+            word,
+            out: hidden,
+            hidden: h,
+            scale: self.embed_scale,
+            seqs,
+        });
+        let norm = |x, out, gamma| RmsNorm {
+            x,
+            gamma,
+            eps: 1e-6,
+            weight_offset: self.norm_offset,
+            out,
+            rows,
+            hidden: h,
+        };
+        let linear = |x, w, out, n, k| Linear {
+            x,
+            w,
+            bias: None,
+            act: Activation::Identity,
+            out,
+            m: rows,
+            n,
+            k,
+        };
+        let add = Add {
+            x: proj,
+            into: hidden,
+            rows,
+            width: h,
+        };
+        for l in 0..self.layers {
+            let g = weight(&format!("{l}.input_norm"), vec![h]);
+            b.push(norm(hidden, normed, g));
+            let wqkv = weight(&format!("{l}.qkv"), vec![qkv_width, h]);
+            b.push(linear(normed, wqkv, qkv, qkv_width, h));
+            let q_gamma = weight(&format!("{l}.q_norm"), vec![d]);
+            let k_gamma = weight(&format!("{l}.k_norm"), vec![d]);
+            b.push(HeadRmsNorm {
+                qkv,
+                rows,
+                heads,
+                kv_heads,
+                head_dim: d,
+                q_gamma,
+                k_gamma,
+                eps: 1e-6,
+                weight_offset: self.norm_offset,
+            });
+            b.push(Rotary {
+                qkv,
+                heads,
+                kv_heads,
+                head_dim: d,
+                theta: 1e6,
+                scale: 1.0,
+                dynamic: None,
+                seqs,
+            });
+            b.push(Attention {
+                qkv,
+                out: context,
+                heads,
+                kv_heads,
+                head_dim: d,
+                bias: None,
+                window: if l == 0 { self.window } else { None },
+                causal: self.causal,
+                scale: self.scale,
+                seqs,
+            });
+            let wo = weight(&format!("{l}.o"), vec![h, heads * d]);
+            b.push(linear(context, wo, proj, h, heads * d));
+            if self.post_norms {
+                let g = weight(&format!("{l}.post_attention_norm"), vec![h]);
+                b.push(norm(proj, proj, g));
+            }
+            b.push(add.clone());
+            let g = weight(&format!("{l}.mlp_norm"), vec![h]);
+            b.push(norm(hidden, normed, g));
+            let wgu = weight(&format!("{l}.gate_up"), vec![2 * i, h]);
+            b.push(linear(normed, wgu, wide, 2 * i, h));
+            b.push(Gated {
+                x: wide,
+                out: gated,
+                rows,
+                width: i,
+                act: Activation::Silu,
+                on: GateOn::First,
+            });
+            let wd = weight(&format!("{l}.down"), vec![h, i]);
+            b.push(linear(gated, wd, proj, h, i));
+            if self.post_norms {
+                let g = weight(&format!("{l}.post_mlp_norm"), vec![h]);
+                b.push(norm(proj, proj, g));
+            }
+            b.push(add.clone());
+        }
+        let g = weight("final_norm", vec![h]);
+        b.push(norm(hidden, hidden, g));
+        b.push(Pool {
+            x: hidden,
+            out,
+            hidden: h,
+            mode: self.pooling,
+            normalize: true,
+            skip,
+            seqs,
+        });
+        let p = if packed {
+            b.finish_packed(batch, seq, batch, out, h)
+        } else {
+            b.finish(batch, seq, out, h)
+        };
+        p.validate(&w).unwrap_or_else(|e| panic!("{self:?}: {e}"));
+        (p, w)
     }
 }
