@@ -135,7 +135,7 @@ endpoint = "ipc://$WORK/replayd.sock"
 control_endpoint = "ipc://$WORK/control.sock"
 
 [batching]
-max_wait_us = 200
+max_wait_us = 50
 
 [eager]
 workers = 1

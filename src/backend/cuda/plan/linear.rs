@@ -46,14 +46,24 @@ pub const GS_MAXM: usize = 64;
 /// budget costs what it does at (1, 16).
 pub const GS_MAXM_PADDED: usize = 32;
 
+/// The largest weight (`n · k` elements) `gemm_small` takes. Measured on an
+/// H100 (2026-12-05, bf16, replay with copies): Qwen3-0.6B's Linears
+/// (4096×1024, 6144×1024, 1024×3072) through cuBLASLt give the 64-token
+/// packed graph 1,358 µs against 1,898 on `gemm_small` and (1, 16) 1,241
+/// against 1,283, while EmbeddingGemma's (at most 2304×768) keep
+/// `gemm_small` ((1, 16) 799 µs against 894 through cuBLASLt).
+pub const GS_MAX_WEIGHT_ELEMS: usize = 3 << 20;
+
 /// Whether a Linear of `m` rows, `n` outputs and `k` inputs in `t` runs on
 /// `gemm_small`: f16/bf16, at most `max_rows` rows ([`GS_MAXM_PADDED`] or,
-/// packed, [`GS_MAXM`]), K in chunks of 32.
+/// packed, [`GS_MAXM`]), K in chunks of 32, a weight of at most
+/// [`GS_MAX_WEIGHT_ELEMS`].
 pub fn gemm_small_fits(m: usize, n: usize, k: usize, t: DType, max_rows: usize) -> bool {
     matches!(t, DType::F16 | DType::BF16)
         && (1..=max_rows.min(GS_MAXM)).contains(&m)
         && n > 0
         && k > 0
+        && n.saturating_mul(k) <= GS_MAX_WEIGHT_ELEMS
         && k.is_multiple_of(32)
         && k <= i32::MAX as usize
         && n <= i32::MAX as usize
