@@ -60,8 +60,8 @@ pub use attention::{
 pub use decoder::{rms_threads, RMS_MAX_THREADS, RMS_VPT};
 pub use heads::rownorm_threads;
 pub use linear::{
-    gemm_small_fits, skinny_fits, GS_MAXM, GS_MAXM_PADDED, GS_NB, GS_THREADS, GS_WARPS,
-    SKINNY_MAX_WEIGHT_BYTES, SK_COLS, SK_MAXM, SK_WARPS,
+    gemm_small_fits, skinny_fits, GS_MAXM, GS_MAXM_PADDED, GS_MAX_WEIGHT_ELEMS, GS_NB, GS_THREADS,
+    GS_WARPS, SKINNY_MAX_WEIGHT_BYTES, SK_COLS, SK_MAXM, SK_WARPS,
 };
 pub use norms::{ln_threads, ln_vec_fits, LNV_J, LNV_WARPS, LN_VPT};
 pub use planner::{
