@@ -109,6 +109,76 @@ async fn four_simulated_devices_deliver_four_times_one() {
     );
 }
 
+/// Each device's busy time (time with a batch held) and token slots in
+/// flight: a simulated device held busy for a while reports nearly that
+/// time busy (each of its batches takes 20 ms asleep) and nothing more once
+/// idle, and had token slots in flight while loaded (the stats; `replayctl
+/// devices` and `/metrics` show the same fields).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_report_busy_time_and_tokens_in_flight() {
+    let daemon = Daemon::start(&null_config(1, ""));
+    let client = Arc::new(Client::connect(&daemon.endpoint).await.unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (client, stop) = (client.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let r = client.infer("mlp", &one_row(), T).await.unwrap();
+                assert_eq!(r.header.status, Status::Ok, "{:?}", r.header);
+            }
+        }));
+    }
+    let started = Instant::now();
+    // While loaded, the device holds batches: some token slots in flight.
+    let mut seen_tokens = 0;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let d = device(&daemon.stats());
+        seen_tokens = seen_tokens.max(d["inflight_tokens"].as_u64().unwrap());
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let loaded = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let d = device(&daemon.stats());
+    let (batches, busy_us) = (
+        d["batches"].as_u64().unwrap(),
+        d["busy_us"].as_u64().unwrap(),
+    );
+    assert!(seen_tokens >= 1, "no token slots were ever in flight: {d}");
+    assert_eq!(d["inflight_tokens"], 0, "{d}");
+    // Each batch held the device at least its 20 ms, never longer than the
+    // load lasted in all.
+    assert!(
+        busy_us >= batches * BATCH_US * 9 / 10,
+        "{batches} batches of {BATCH_US} µs, busy {busy_us} µs"
+    );
+    assert!(
+        busy_us <= loaded.as_micros() as u64 + 200_000,
+        "busy {busy_us} µs in {loaded:?}"
+    );
+    // Idle now: the busy time stays.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        device(&daemon.stats())["busy_us"].as_u64().unwrap(),
+        busy_us
+    );
+}
+
+/// The stats of the one graph device.
+fn device(stats: &serde_json::Value) -> serde_json::Value {
+    stats["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["label"] == "null:0")
+        .cloned()
+        .unwrap_or_else(|| panic!("no null:0 in {stats}"))
+}
+
 /// A time table drives the batch time: a bucket at 50 ms makes a request in
 /// it take at least that, one at 1 ms does not, and a bucket missing from
 /// the table takes the time of the smallest there that holds it.

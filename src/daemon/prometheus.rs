@@ -469,6 +469,25 @@ fn devices(o: &mut DescriptorEncoder, devices: &[DeviceStats]) -> fmt::Result {
     )?;
     family(
         o,
+        "device_inflight_tokens",
+        "Token slots of the batches the worker holds.",
+        devices
+            .iter()
+            .map(|d| (by_device(d), count(d.inflight_tokens))),
+    )?;
+    family(
+        o,
+        "device_busy_seconds",
+        "Time during which the worker held at least one batch (its rate is the device's busy fraction).",
+        devices.iter().map(|d| {
+            (
+                by_device(d),
+                ConstCounter::new(d.busy_us as f64 / 1e6),
+            )
+        }),
+    )?;
+    family(
+        o,
         "device_drained",
         "1 while the operator has drained the device.",
         devices
@@ -604,6 +623,19 @@ mod tests {
         m.reply_ok(700, 100, 300, 1);
         m.model_error("enc\"x", ErrorCode::Overloaded);
         m.error(ErrorCode::UnknownModel);
+        let (_tx, status) = tokio::sync::watch::channel(DeviceStatus::Ready);
+        let d = m.add_device(
+            DeviceStats {
+                label: "cuda:0".into(),
+                ..Default::default()
+            },
+            status,
+        );
+        m.update_device(d, |d| {
+            d.inflight = 2;
+            d.inflight_tokens = 4096;
+            d.busy_us = 1_500_000;
+        });
         let text = render(m.snapshot());
         let line = |prefix: &str| -> f64 {
             text.lines()
@@ -646,6 +678,14 @@ mod tests {
         );
         assert_eq!(line("replayd_request_duration_seconds_sum"), 0.0007);
         assert!(text.contains("# TYPE replayd_device_duration_seconds histogram"));
+        assert_eq!(
+            line(r#"replayd_device_inflight_tokens{device="cuda:0""#),
+            4096.0
+        );
+        assert_eq!(
+            line(r#"replayd_device_busy_seconds_total{device="cuda:0""#),
+            1.5
+        );
         assert!(text.contains("# TYPE replayd_requests_total counter"));
         assert!(
             text.contains("# HELP replayd_reloads_total Configuration reloads that took effect.\n")

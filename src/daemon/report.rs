@@ -13,7 +13,8 @@
 //!   ([`Reporter::unsent`]);
 //! * takes each outcome ([`Reporter::report`]): the watchdog hears the worker
 //!   and learns the batch's cost, the device's counters move (batches, by
-//!   transport, graph replays or eager runs, in flight, last error), and the
+//!   transport, graph replays or eager runs, batches and token slots in
+//!   flight, busy time — time with at least one batch held —, last error), and the
 //!   batcher gets one [`BatcherMsg::Report`], except for a fatal failure: the
 //!   worker exits next and its death re-dispatches the batch;
 //! * says when the worker is gone ([`Reporter::worker_gone`]): nothing is in
@@ -26,10 +27,27 @@
 
 use super::messages::{Batch, BatchOutcome, BatchReport, BatcherMsg, DeviceId};
 use super::metrics::Metrics;
+use super::stats::DeviceStats;
 use super::watchdog::Watchdog;
 use ractor::ActorRef;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
+
+/// What a worker holds after a change, and the busy time before it.
+#[derive(Clone, Copy)]
+struct Holding {
+    batches: u64,
+    tokens: u64,
+    busy_us: u64,
+}
+
+impl Holding {
+    fn apply(self, d: &mut DeviceStats) {
+        d.inflight = self.batches;
+        d.inflight_tokens = self.tokens;
+        d.busy_us += self.busy_us;
+    }
+}
 
 /// Which transport brought a report back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,31 +93,37 @@ impl Reporter {
         self.watchdog.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn set_inflight(&self, inflight: usize) {
+    /// Changes what the worker holds through `change`, and returns
+    /// (batches, token slots) held after it and the busy time since the
+    /// last change (µs; 0 when it held nothing).
+    fn hold(&self, change: impl FnOnce(&mut Watchdog)) -> Holding {
+        let mut w = self.watchdog();
+        let busy_us = w.take_busy_us(Instant::now());
+        change(&mut w);
+        Holding {
+            batches: w.inflight() as u64,
+            tokens: w.inflight_tokens() as u64,
+            busy_us,
+        }
+    }
+
+    fn set_holding(&self, h: Holding) {
         self.metrics
-            .update_device(self.metrics_index, |d| d.inflight = inflight as u64);
+            .update_device(self.metrics_index, |d| h.apply(d));
     }
 
     /// `batch` (attempt `attempt`, `token_slots` computed tokens) is about to
     /// go to the worker. Called before the send: the answer may come back
     /// before the send returns.
     pub fn sent(&self, batch: &Batch, attempt: u32, token_slots: usize) {
-        let inflight = {
-            let mut w = self.watchdog();
-            w.sent(batch.id, attempt, batch.model, token_slots);
-            w.inflight()
-        };
-        self.set_inflight(inflight);
+        let h = self.hold(|w| w.sent(batch.id, attempt, batch.model, token_slots));
+        self.set_holding(h);
     }
 
     /// A batch registered with [`Self::sent`] never reached the worker.
     pub fn unsent(&self, batch: &Batch, attempt: u32) {
-        let inflight = {
-            let mut w = self.watchdog();
-            w.forget(batch.id, attempt);
-            w.inflight()
-        };
-        self.set_inflight(inflight);
+        let h = self.hold(|w| w.forget(batch.id, attempt));
+        self.set_holding(h);
     }
 
     /// What became of a batch the worker held, as `via` brought it back.
@@ -109,14 +133,11 @@ impl Reporter {
             BatchOutcome::Done(output) => Some(output.compute_us),
             BatchOutcome::Failed(_) => None,
         };
-        let inflight = {
-            let mut w = self.watchdog();
-            w.finished(report.batch, report.attempt, compute_us, Instant::now());
-            w.inflight()
-        };
+        let h = self.hold(|w| w.finished(report.batch, report.attempt, compute_us, Instant::now()));
+        let inflight = h.batches as usize;
         let fatal = matches!(&report.outcome, BatchOutcome::Failed(e) if e.is_fatal());
         self.metrics.update_device(self.metrics_index, |d| {
-            d.inflight = inflight as u64;
+            h.apply(d);
             if let Via::Ring { free_slots } = via {
                 d.shm_slots_free = free_slots as u64;
             }
@@ -149,8 +170,8 @@ impl Reporter {
     /// The worker is gone (it exited, or could not be started): it holds
     /// nothing now, and the batcher re-dispatches what the device held.
     pub fn worker_gone(&self, reason: String) {
-        self.watchdog().reset(Instant::now());
-        self.set_inflight(0);
+        let h = self.hold(|w| w.reset(Instant::now()));
+        self.set_holding(h);
         let _ = self.batcher.cast(BatcherMsg::DeviceDown {
             device: self.device,
             reason,

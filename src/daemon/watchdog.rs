@@ -37,6 +37,8 @@ pub struct Watchdog {
     cold_us_per_token: f64,
     last_heard: Instant,
     inflight: HashMap<(u64, u32), InFlight>,
+    /// Since when busy time is counted ([`Watchdog::take_busy_us`]).
+    busy_mark: Instant,
     us_per_token: HashMap<usize, f64>,
 }
 
@@ -49,6 +51,7 @@ impl Watchdog {
             cold_us_per_token,
             last_heard: now,
             inflight: HashMap::new(),
+            busy_mark: now,
             us_per_token: HashMap::new(),
         }
     }
@@ -97,6 +100,25 @@ impl Watchdog {
 
     pub fn inflight(&self) -> usize {
         self.inflight.len()
+    }
+
+    /// The time since the last call (or since the watchdog was made) during
+    /// which the worker held at least one batch, in µs; the count restarts
+    /// at `now`. Called before each change of what the worker holds, so the
+    /// holding was constant over the interval.
+    pub fn take_busy_us(&mut self, now: Instant) -> u64 {
+        let busy = if self.inflight.is_empty() {
+            0
+        } else {
+            now.saturating_duration_since(self.busy_mark).as_micros() as u64
+        };
+        self.busy_mark = now;
+        busy
+    }
+
+    /// Token slots the worker computes for the batches it holds.
+    pub fn inflight_tokens(&self) -> usize {
+        self.inflight.values().map(|f| f.token_slots).sum()
     }
 
     /// How long the worker may stay silent from the last time it was heard.

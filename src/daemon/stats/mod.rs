@@ -284,6 +284,12 @@ pub struct DeviceStats {
     pub eager_runs: u64,
     /// Batches sent to the worker and not yet back.
     pub inflight: u64,
+    /// Token slots those batches compute (a packed batch's budget, a
+    /// padded one's batch × seq, an eager one's tokens).
+    pub inflight_tokens: u64,
+    /// Microseconds during which the worker held at least one batch (its
+    /// rate is the device's busy fraction).
+    pub busy_us: u64,
     /// Drained by the operator (`replayctl drain`): takes no new batches.
     pub drained: bool,
     /// Graphs captured so far / to capture, while the worker captures.

@@ -336,6 +336,7 @@ pub fn devices(devices: &[DeviceStats]) -> String {
             "graph memory",
             "batches",
             "in flight",
+            "busy",
             "restarts",
             "faults",
             "hangs",
@@ -377,7 +378,12 @@ pub fn devices(devices: &[DeviceStats]) -> String {
             d.graphs.len().to_string(),
             mib(memory),
             thousands(d.batches),
-            d.inflight.to_string(),
+            if d.inflight_tokens > 0 {
+                format!("{} ({} t)", d.inflight, thousands(d.inflight_tokens))
+            } else {
+                d.inflight.to_string()
+            },
+            format!("{:.1} s", d.busy_us as f64 / 1e6),
             d.restarts.to_string(),
             d.device_faults.to_string(),
             d.hangs.to_string(),
