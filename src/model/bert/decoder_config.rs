@@ -96,27 +96,25 @@ impl DecoderConfig {
                 c.heads
             )));
         }
-        // A rope_parameters entry (or the old keys): its base, refusing
-        // scaled rope types.
-        let theta_of = |rp: &Value, key: &str| -> Result<f32, ModelError> {
+        // Only the default rotary embedding: a scaled rope type is refused.
+        let default_rope = |rp: &Value, key: &str| -> Result<(), ModelError> {
             match rp.get("rope_type").or_else(|| rp.get("type")).and_then(Value::as_str) {
-                None | Some("default") => {}
-                Some(other) => {
-                    return Err(err(format!(
-                        "unsupported `{key}` rope_type {other:?} (replayd serves the default rotary embedding)"
-                    )))
-                }
+                None | Some("default") => Ok(()),
+                Some(other) => Err(err(format!(
+                    "unsupported `{key}` rope_type {other:?} (replayd serves the default rotary embedding)"
+                ))),
             }
+        };
+        // A rope_parameters entry's base.
+        let theta_of = |rp: &Value, key: &str| -> Result<f32, ModelError> {
+            default_rope(rp, key)?;
             let theta = rp
                 .get("rope_theta")
                 .ok_or_else(|| err(format!("`{key}` has no rope_theta")))?;
             number(theta, &format!("{key}.rope_theta"))
         };
         if let Some(v) = json.get("rope_scaling").filter(|v| !v.is_null()) {
-            theta_of(
-                &serde_json::json!({"rope_type": v.get("rope_type").or_else(|| v.get("type")), "rope_theta": 1.0}),
-                "rope_scaling",
-            )?;
+            default_rope(v, "rope_scaling")?;
         }
         let rope_parameters = json.get("rope_parameters").filter(|v| !v.is_null());
         let old_theta = |key: &str, default: f32| -> Result<f32, ModelError> {
@@ -424,4 +422,98 @@ pub(super) fn load(
         layers,
         final_norm,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The test folder's config.json with `edit` applied, read as the
+    /// loader reads it.
+    fn read(folder: &str, edit: impl FnOnce(&mut Value)) -> Result<DecoderConfig, String> {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data/models")
+            .join(folder)
+            .join("config.json");
+        let mut json: Value = serde_json::from_str(&std::fs::read_to_string(src).unwrap()).unwrap();
+        edit(&mut json);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, json.to_string()).unwrap();
+        let c = super::super::folder::parse_config(&path).map_err(|e| e.to_string())?;
+        DecoderConfig::read(&c, &path).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn gemma_windows_bases_and_scales() {
+        let d = read("gemma3-st", |_| {}).unwrap();
+        // Saved sliding_window 10, bidirectional: |i − j| < 10 / 2 + 1.
+        let local = (Some(5), 10_000.0);
+        assert_eq!(d.layers, vec![local, local, local, (None, 1_000_000.0)]);
+        assert_eq!((d.head_dim, d.kv_heads, d.causal), (24, 1, false));
+        assert_eq!(d.attention_scale, Some(1.0 / 12f32.sqrt()));
+        assert_eq!((d.embed_scale, d.norm_offset), (32f32.sqrt(), 1.0));
+        // transformers 4's keys give the same layers.
+        let old = read("gemma3-st", |j| {
+            let o = j.as_object_mut().unwrap();
+            o.remove("rope_parameters");
+            o.insert("rope_theta".into(), 1_000_000.0.into());
+            o.insert("rope_local_base_freq".into(), 10_000.0.into());
+        })
+        .unwrap();
+        assert_eq!(old.layers, d.layers);
+        // A causal Gemma sees i − 10 < j ≤ i.
+        let causal = read("gemma3-st", |j| {
+            j["use_bidirectional_attention"] = false.into()
+        })
+        .unwrap();
+        assert!(causal.causal);
+        assert_eq!(causal.layers[0], (Some(9), 10_000.0));
+    }
+
+    #[test]
+    fn qwen3_is_causal_and_global() {
+        let d = read("qwen3-st", |_| {}).unwrap();
+        assert_eq!(d.layers, vec![(None, 1_000_000.0); 2]);
+        assert_eq!((d.head_dim, d.kv_heads, d.causal), (16, 2, true));
+        assert_eq!(
+            (d.attention_scale, d.embed_scale, d.norm_offset),
+            (None, 1.0, 0.0)
+        );
+    }
+
+    #[test]
+    fn what_is_not_served_is_refused_by_name() {
+        let cases: [(&str, fn(&mut Value), &str); 5] = [
+            (
+                "qwen3-st",
+                |j| j["use_sliding_window"] = true.into(),
+                "use_sliding_window",
+            ),
+            (
+                "qwen3-st",
+                |j| j["rope_parameters"]["rope_type"] = "yarn".into(),
+                "\"yarn\"",
+            ),
+            (
+                "qwen3-st",
+                |j| j["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0}),
+                "\"linear\"",
+            ),
+            (
+                "qwen3-st",
+                |j| j["num_key_value_heads"] = 3.into(),
+                "num_key_value_heads 3",
+            ),
+            (
+                "gemma3-st",
+                |j| j["attn_logit_softcapping"] = 50.0.into(),
+                "soft-capping",
+            ),
+        ];
+        for (folder, edit, needle) in cases {
+            let e = read(folder, edit).unwrap_err();
+            assert!(e.contains(needle), "{needle}: {e}");
+        }
+    }
 }

@@ -82,7 +82,7 @@ pub fn mpnet_bucket(relative: i64) -> usize {
     ret + large.min(15) as usize
 }
 
-fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
+pub(super) fn parse_config(path: &Path) -> Result<EncoderConfig, ModelError> {
     let json = read_json(path)?;
     let err = |m: String| ModelError::file(path, m);
     if !json.is_object() {
