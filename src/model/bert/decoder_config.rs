@@ -482,9 +482,12 @@ mod tests {
         );
     }
 
+    /// A folder, an edit of its config.json, and a word the refusal names.
+    type Refusal = (&'static str, fn(&mut Value), &'static str);
+
     #[test]
     fn what_is_not_served_is_refused_by_name() {
-        let cases: [(&str, fn(&mut Value), &str); 5] = [
+        let cases: [Refusal; 5] = [
             (
                 "qwen3-st",
                 |j| j["use_sliding_window"] = true.into(),
