@@ -19,7 +19,7 @@
 //! those (ModernBERT) keep `_win` and `attention_window`.
 
 use super::planner::Planner;
-use super::program::INT_INPUT_ALIGN;
+use super::INT_INPUT_ALIGN;
 use super::{suffix, Arg, Loc, TileTable};
 use crate::backend::cuda::kernels::{
     ATTENTION_DMAX, ATTENTION_TC_BAND_HEAD_DIMS, ATTENTION_TC_HEAD_DIMS, ATTENTION_TC_S16_HEAD_DIMS,

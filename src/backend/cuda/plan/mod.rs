@@ -68,7 +68,15 @@ pub use planner::{
     ew_blocks, COUNTER_BLOCK_BYTES, EW_MAX_BLOCKS, EW_THREADS, EW_VEC, MAX_COUNTERS,
 };
 pub use pooling::{pool_code, POOL_LN_MAX_HIDDEN, POOL_THREADS};
-pub use program::{not_on_cuda, plan, INT_INPUT_ALIGN};
+pub use program::{not_on_cuda, plan};
+
+/// Alignment of the integer inputs (ids, masks, offsets, tile tables) in
+/// the input block: enough for the kernels' 16-byte loads, and tight, so
+/// the (1, 16) block is 192 bytes rather than 768: it travels whole as a
+/// kernel parameter ([`INLINE_WORDS`]) or across PCIe
+/// at every replay. Float features keep [`ALIGN`](crate::backend::cuda::mem::ALIGN) (cuBLASLt reads them).
+pub const INT_INPUT_ALIGN: usize = 64;
+
 pub use staged_io::{
     INLINE_WORDS, OUTPUT_SENTINEL, STAGED_INPUT_MAX_BYTES, STAGED_OUTPUT_MAX_BYTES, STAGE_THREADS,
 };

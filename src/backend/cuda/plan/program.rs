@@ -3,7 +3,7 @@
 //! function of its stage in order, and the [`Plan`] that results.
 
 use super::planner::Planner;
-use super::{InputSlot, Limits, Loc, Plan, MAX_COUNTERS};
+use super::{InputSlot, Limits, Loc, Plan, INT_INPUT_ALIGN, MAX_COUNTERS};
 use crate::backend::cuda::mem::{align_up, ALIGN};
 use crate::backend::BackendError;
 use crate::config::KernelPath;
@@ -11,13 +11,6 @@ use crate::model::program::{BufId, BufKind, InputRole, Op};
 use crate::model::{Program, Weights};
 use crate::tensor::DType;
 use std::collections::HashMap;
-
-/// Alignment of the integer inputs (ids, masks, offsets, tile tables) in
-/// the input block: enough for the kernels' 16-byte loads, and tight, so
-/// the (1, 16) block is 192 bytes rather than 768: it travels whole as a
-/// kernel parameter ([`INLINE_WORDS`](super::INLINE_WORDS)) or across PCIe
-/// at every replay. Float features keep [`ALIGN`] (cuBLASLt reads them).
-pub const INT_INPUT_ALIGN: usize = 64;
 
 fn input_align(role: InputRole) -> usize {
     if role == InputRole::Features {
