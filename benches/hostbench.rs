@@ -34,6 +34,7 @@ use replayd::bucket::{Bucket, Grid, TokenGrid};
 use replayd::daemon::batcher::queue::{
     Action, DeviceKind, QueuedRequest, Scheduler, SchedulerConfig,
 };
+use replayd::daemon::batcher::shards::Batchers;
 use replayd::daemon::batcher::{BatcherActor, BatcherArgs, ModelSlot, SubmitQueue};
 use replayd::daemon::device::{DeviceActor, DeviceArgs, WorkerCommand};
 use replayd::daemon::messages::{
@@ -446,6 +447,8 @@ async fn batcher(t: &mut Table, args: &Args) {
             max_attempts: 3,
             metrics: metrics.clone(),
             submissions: queue.clone(),
+            shard: 0,
+            load: Default::default(),
         },
     )
     .await
@@ -634,7 +637,7 @@ async fn link(t: &mut Table, args: &Args) {
                     eager: false,
                 },
                 runtime_dir: runtime_dir.clone(),
-                batcher: fake.clone(),
+                batchers: Batchers::over(fake.clone(), &[DeviceKind::Graph]),
                 route: route.clone(),
                 metrics: metrics.clone(),
                 status: Arc::new(status),

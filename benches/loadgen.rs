@@ -125,6 +125,13 @@ struct Args {
     /// How requests are sent (see [`Engine`]).
     #[arg(long, value_enum, default_value_t = Engine::Async)]
     engine: Engine,
+    /// Open loop (threads engine): send this many requests per second in
+    /// all, evenly paced per socket, with at most `--concurrency` in flight;
+    /// a reply's latency runs from when its request was due, so a daemon
+    /// that falls behind shows it. 0: closed loop (a new request as soon as
+    /// one is answered).
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
 }
 
 /// How the generator keeps its requests in flight.
@@ -625,6 +632,7 @@ fn socket_thread(
     run: &Run,
     zmq_ctx: &zmq::Context,
     index: usize,
+    sockets: usize,
     window: usize,
     mut t: Tally,
 ) -> Tally {
@@ -639,8 +647,16 @@ fn socket_thread(
     let mut next_id = (index as u64) << 40;
     let mut free: Vec<usize> = (0..window).rev().collect();
     let mut open = true;
+    // Open loop: this socket's share of `--rate`, one request every `every`.
+    let every =
+        (run.args.rate > 0.0).then(|| Duration::from_secs_f64(sockets as f64 / run.args.rate));
+    let mut due =
+        Instant::now() + every.map_or(Duration::ZERO, |e| e.mul_f64(index as f64 / sockets as f64));
     loop {
         while open && !free.is_empty() {
+            if every.is_some() && Instant::now() < due {
+                break;
+            }
             if !run.may_issue() {
                 open = false;
                 break;
@@ -650,7 +666,14 @@ fn socket_thread(
             let req = run.make_request(next_id, &mut draws[slot]);
             let frames = encode_request(&req.header, &req.payload);
             let parts: Vec<&[u8]> = frames.iter().map(|f| f.as_ref()).collect();
-            let t0 = Instant::now();
+            let t0 = match every {
+                Some(e) => {
+                    let t0 = due;
+                    due += e;
+                    t0
+                }
+                None => Instant::now(),
+            };
             if let Err(e) = socket.send_multipart(parts, 0) {
                 run.record(&mut t, &req, t0, Err(format!("send: {e}")));
                 free.push(slot);
@@ -659,14 +682,34 @@ fn socket_thread(
             in_flight.insert(next_id, (req, t0, slot));
         }
         if in_flight.is_empty() {
-            break;
+            if !open {
+                break;
+            }
+            // Open loop, nothing out: sleep until the next request is due.
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            continue;
         }
-        // Wait for a reply, at most until the oldest request times out.
+        // Wait for a reply, at most until the oldest request times out (or,
+        // open loop, the next request is due).
         let oldest = in_flight.values().map(|(_, t0, _)| *t0).min().unwrap();
-        let left = timeout.saturating_sub(oldest.elapsed());
+        let mut left = timeout.saturating_sub(oldest.elapsed());
+        if every.is_some() && open && !free.is_empty() {
+            left = left.min(due.saturating_duration_since(Instant::now()));
+            if left < Duration::from_millis(1) {
+                // zmq_poll counts whole milliseconds: take what is there, then sleep the rest.
+                if socket.poll(zmq::POLLIN, 0).expect("zmq_poll") == 0 {
+                    std::thread::sleep(left);
+                    continue;
+                }
+                left = Duration::ZERO;
+            }
+        }
         let ready = socket
             .poll(zmq::POLLIN, left.as_millis().max(1) as i64)
             .expect("zmq_poll");
+        if ready == 0 && every.is_some() && oldest.elapsed() < timeout {
+            continue; // a request is due, none timed out
+        }
         if ready == 0 {
             let expired: Vec<u64> = in_flight
                 .iter()
@@ -721,6 +764,10 @@ async fn generate(args: Args) {
     let mlp_reference = args.verify_mlp.as_ref().map(MlpReference::load);
     if corpus.is_none() && args.features.is_none() {
         eprintln!("replayd-loadgen: give --texts FILE or --features N");
+        std::process::exit(2);
+    }
+    if args.rate > 0.0 && args.engine != Engine::Threads {
+        eprintln!("replayd-loadgen: --rate needs --engine threads");
         std::process::exit(2);
     }
     let output_dtype: DType = args.output_dtype.parse().expect("--output-dtype");
@@ -824,7 +871,9 @@ async fn generate(args: Args) {
                 threads.push(
                     std::thread::Builder::new()
                         .name(format!("loadgen-socket-{s}"))
-                        .spawn(move || socket_thread(&ctx, &zmq_ctx, s, window.max(1), tally))
+                        .spawn(move || {
+                            socket_thread(&ctx, &zmq_ctx, s, sockets, window.max(1), tally)
+                        })
                         .expect("spawn a socket thread"),
                 );
             }
@@ -888,6 +937,7 @@ async fn generate(args: Args) {
     let report = json!({
         "model": args.model,
         "concurrency": args.concurrency,
+        "rate": args.rate,
         "batch": args.batch,
         "requests": t.ok + errors,
         "ok": t.ok,

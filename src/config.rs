@@ -216,6 +216,10 @@ pub struct BatchingConfig {
     pub max_inflight_per_device: usize,
     /// Times a batch is retried after its worker died before its requests get `internal`.
     pub max_attempts: u32,
+    /// Batcher shards, each scheduling for its own group of graph devices
+    /// (eager devices serve every shard); 0 = one per two graph devices,
+    /// at most 8. Not changed by a reload.
+    pub shards: usize,
 }
 
 impl Default for BatchingConfig {
@@ -225,6 +229,7 @@ impl Default for BatchingConfig {
             max_queue: 4096,
             max_inflight_per_device: 2,
             max_attempts: 3,
+            shards: 0,
         }
     }
 }
@@ -698,6 +703,7 @@ impl Config {
                 NO_MAX,
             ),
             ("batching.max_wait_us", b.max_wait_us, 0, 10_000_000),
+            ("batching.shards", n(b.shards), 0, 64),
             (
                 "batching.max_attempts",
                 u64::from(b.max_attempts),

@@ -238,3 +238,74 @@ fn a_bad_time_table_stops_start_up_naming_it() {
         assert!(log.contains(what), "{log}");
     }
 }
+
+/// Two batcher shards (`batching.shards`) over four simulated devices: the
+/// devices are dealt to them in turn and the stats say so, requests spread
+/// over both (every device runs batches), and a worker killed under load
+/// loses nothing: its shard re-dispatches what it held onto its other
+/// device, and every request is answered `ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_batchers_spread_the_load_and_lose_nothing_when_a_worker_dies() {
+    let config = null_config(4, "[batching]\nshards = 2\n").replace(
+        &format!("null_us_per_batch = {BATCH_US}"),
+        "null_us_per_batch = 5000",
+    );
+    let daemon = Daemon::start(&config);
+    let stats = daemon.stats();
+    assert_eq!(
+        stats["queue_depth"]["by_shard"].as_array().map(Vec::len),
+        Some(2),
+        "{}",
+        stats["queue_depth"]
+    );
+    for (label, shard) in [("null:0", 0), ("null:1", 1), ("null:2", 0), ("null:3", 1)] {
+        assert_eq!(daemon.device(label)["shard"], shard, "{label}");
+    }
+    let victim = daemon.device("null:0")["worker_pid"].as_i64().unwrap() as i32;
+    let client = Arc::new(Client::connect(&daemon.endpoint).await.unwrap());
+    let (done, stop) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (client, done, stop) = (client.clone(), done.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let r = client.infer("mlp", &one_row(), T).await.unwrap();
+                assert_eq!(r.header.status, Status::Ok, "{:?}", r.header);
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // SAFETY: signalling a worker process this test's daemon started.
+    unsafe { libc::kill(victim, libc::SIGKILL) };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let answered = done.load(Ordering::Relaxed);
+    assert!(answered > 1000, "only {answered} requests answered");
+    for label in ["null:0", "null:1", "null:2", "null:3"] {
+        let d = daemon.device(label);
+        assert!(
+            d["batches"].as_u64().unwrap() > 0,
+            "{label} ran nothing: {d}"
+        );
+    }
+    let replaced = daemon.wait_for("null:0's new worker", T, |s| {
+        s["devices"][0]["restarts"].as_u64() >= Some(1)
+    });
+    let requests = &replaced["requests"];
+    assert_eq!(requests["ok"].as_u64(), Some(answered), "{requests}");
+    let errors: u64 = requests["errors"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    assert_eq!(errors, 0, "{requests}");
+    eprintln!("2 shards, 4 devices, a worker killed: {answered} requests, all ok");
+}

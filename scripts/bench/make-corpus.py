@@ -12,6 +12,7 @@ on the H200 in the "Padding-free batching" issue).
 
     scripts/bench/make-corpus.py /tmp/corpus.jsonl
     scripts/bench/make-corpus.py --vocab models/all-MiniLM-L6-v2/vocab.txt --count 20000 OUT
+    scripts/bench/make-corpus.py --mu 3.1 --max-words 254 OUT   # mean ~30 tokens, tail to 256
 """
 
 import argparse
@@ -29,10 +30,10 @@ def words_of(vocab: Path) -> list:
         return [w for w in (line.rstrip("\n") for line in f) if w.isalpha() and len(w) > 2]
 
 
-def corpus(words: list, count: int, seed: int = 7):
+def corpus(words: list, count: int, seed: int = 7, mu: float = 3.0, max_words: int = 200):
     rng = random.Random(seed)
     for _ in range(count):
-        k = max(3, min(200, int(rng.lognormvariate(3.0, 0.7))))
+        k = max(3, min(max_words, int(rng.lognormvariate(mu, 0.7))))
         yield " ".join(rng.choice(words) for _ in range(k))
 
 
@@ -41,6 +42,8 @@ def main() -> int:
     p.add_argument("out", type=Path, help="JSONL file to write")
     p.add_argument("--vocab", type=Path, default=DEFAULT_VOCAB, help="the model's vocab.txt (default: %(default)s)")
     p.add_argument("--count", type=int, default=20000, help="number of texts (default: %(default)s)")
+    p.add_argument("--mu", type=float, default=3.0, help="mean of the log of the word count (default: %(default)s; 3.1 gives a mean of about 30 tokens)")
+    p.add_argument("--max-words", type=int, default=200, help="longest text in words (default: %(default)s; 254 is a 256-token tail)")
     args = p.parse_args()
     words = words_of(args.vocab)
     if not words:
@@ -48,7 +51,7 @@ def main() -> int:
         return 1
     tokens = []
     with open(args.out, "w", encoding="utf-8") as f:
-        for text in corpus(words, args.count):
+        for text in corpus(words, args.count, mu=args.mu, max_words=args.max_words):
             f.write(json.dumps({"text": text}) + "\n")
             tokens.append(text.count(" ") + 1 + 2)
     tokens.sort()

@@ -31,10 +31,11 @@
 //! the actor's [`Reporter`] ([`super::report`]): this actor hands it the
 //! socket's answers, the ring's reader task the ring's.
 
+use super::batcher::shards::Batchers;
 use super::fast_link::{self, FastLink};
 use super::messages::{
-    Batch, BatchOutcome, BatchOutput, BatchReport, BatcherMsg, DeviceId, DeviceMsg, DeviceStatus,
-    StatusSender, WorkerEvent,
+    Batch, BatchOutcome, BatchOutput, BatchReport, DeviceId, DeviceMsg, DeviceStatus, StatusSender,
+    WorkerEvent,
 };
 use super::metrics::{GraphStats, Metrics, ModelMemoryStats};
 use super::report::{Reporter, Via};
@@ -77,7 +78,7 @@ pub struct DeviceArgs {
     pub label: String,
     pub worker: WorkerCommand,
     pub runtime_dir: PathBuf,
-    pub batcher: ActorRef<BatcherMsg>,
+    pub batchers: Batchers,
     pub metrics: Arc<Metrics>,
     /// Where this slot's [`DeviceStatus`] is published.
     pub status: StatusSender,
@@ -175,7 +176,7 @@ impl Actor for DeviceActor {
         args.route.attach(myself.clone());
         let reporter = Arc::new(Reporter::new(
             args.device,
-            args.batcher.clone(),
+            args.batchers.clone(),
             args.metrics.clone(),
             args.metrics_index,
             Watchdog::new(
@@ -559,10 +560,8 @@ impl DeviceState {
                         tracing::warn!(device = %self.label(), model = %stats.model, "no graph for {d} (the device memory does not hold it)");
                     }
                     if !m.dropped.is_empty() {
-                        let _ = self.args.batcher.cast(BatcherMsg::CutGrid {
-                            model: m.model,
-                            dropped: m.dropped.iter().map(|d| d.0).collect(),
-                        });
+                        let dropped: Vec<_> = m.dropped.iter().map(|d| d.0).collect();
+                        self.args.batchers.cut_grid(m.model, &dropped);
                     }
                 }
                 let capture_ms = graphs.iter().map(|g| g.capture_us).sum::<u64>() / 1000;
@@ -599,12 +598,9 @@ impl DeviceState {
                 if self.stopping {
                     self.send(link::encode(&ToWorker::Shutdown, []));
                 } else {
-                    let _ = self.args.batcher.cast(BatcherMsg::SetDrained {
-                        device,
-                        drained: self.drained,
-                    });
+                    self.args.batchers.set_drained(device, self.drained);
                     self.start_fast_link();
-                    let _ = self.args.batcher.cast(BatcherMsg::DeviceUp { device });
+                    self.args.batchers.device_up(device);
                     self.reconcile_grids();
                     self.schedule_watchdog(myself);
                 }
@@ -913,10 +909,9 @@ impl DeviceState {
         self.args
             .metrics
             .update_device(self.args.metrics_index, |d| d.drained = drain);
-        let _ = self.args.batcher.cast(BatcherMsg::SetDrained {
-            device: self.args.device,
-            drained: drain || self.restart_pending,
-        });
+        self.args
+            .batchers
+            .set_drained(self.args.device, drain || self.restart_pending);
         let held = self.reporter.watchdog().inflight();
         if drain {
             if self.status == DeviceStatus::Ready {
@@ -967,10 +962,7 @@ impl DeviceState {
             _ => {}
         }
         self.restart_pending = true;
-        let _ = self.args.batcher.cast(BatcherMsg::SetDrained {
-            device: self.args.device,
-            drained: true,
-        });
+        self.args.batchers.set_drained(self.args.device, true);
         self.set_status(DeviceStatus::Draining);
         let held = self.reporter.watchdog().inflight();
         tracing::info!(device = %self.label(), batches = held, "restart: draining, then a fresh worker");

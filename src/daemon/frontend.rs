@@ -14,8 +14,8 @@
 //! cannot hold the daemon's memory or delay other clients.
 
 use super::admission::{Admission, Refusal, Ticket};
-use super::batcher::SubmitQueue;
-use super::messages::{BatcherMsg, Stamps, Submission};
+use super::batcher::shards::Batchers;
+use super::messages::{Stamps, Submission};
 use super::metrics::Metrics;
 use super::output::OutputForm;
 use super::tokenize::{PromptUse, TextInput, TokenizeError, TokenizerPool};
@@ -27,7 +27,6 @@ use crate::protocol::{
 use crate::tensor::DType;
 use crate::transport::{Incoming, Router, RouterSender, TransportError};
 use bytes::Bytes;
-use ractor::ActorRef;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -44,8 +43,7 @@ pub struct ServedModel {
 pub struct Frontend {
     models: Vec<ServedModel>,
     by_name: HashMap<String, usize>,
-    batcher: ActorRef<BatcherMsg>,
-    submissions: Arc<SubmitQueue>,
+    batchers: Batchers,
     metrics: Arc<Metrics>,
     limits: DecodeLimits,
     admission: Arc<Admission>,
@@ -100,11 +98,10 @@ fn prompt_for(info: &ModelInfo, name: Option<&str>) -> Result<Option<PromptUse>,
 }
 
 impl Frontend {
-    /// `submissions` is the batcher's [`SubmitQueue`].
+    /// `batchers` takes every accepted request.
     pub fn new(
         models: Vec<ServedModel>,
-        batcher: ActorRef<BatcherMsg>,
-        submissions: Arc<SubmitQueue>,
+        batchers: Batchers,
         metrics: Arc<Metrics>,
         limits: DecodeLimits,
         admission: Arc<Admission>,
@@ -117,8 +114,7 @@ impl Frontend {
         Self {
             models,
             by_name,
-            batcher,
-            submissions,
+            batchers,
             metrics,
             limits,
             admission,
@@ -470,7 +466,7 @@ impl Frontend {
             reply: tx,
             stamps,
         };
-        if !self.submissions.submit(&self.batcher, submission) {
+        if !self.batchers.submit(submission) {
             return Err(ProtocolError::new(
                 id,
                 ErrorCode::Unavailable,

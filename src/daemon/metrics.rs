@@ -16,7 +16,7 @@
 //!   tokens (padded buckets: `batch · seq` slots per batch; packed buckets:
 //!   the budget); `row_fill` is real rows over the bucket's rows.
 
-use super::messages::DeviceStatus;
+use super::messages::{DeviceKind, DeviceStatus};
 use super::stats::{
     BucketReport, BucketsReport, CumulativeHistogram, DevicesReport, Eager, GraphUse, Health,
     HistogramSummary, Latency, LatencyHistograms, ModelGrid, ModelReport, ModelRequests, Padding,
@@ -103,8 +103,10 @@ pub(crate) struct Inner {
     models: Vec<ModelStats>,
     errors: BTreeMap<ErrorCode, u64>,
     retried_batches: u64,
-    queue_depth: BTreeMap<String, u64>,
-    eager_queue_depth: u64,
+    /// Per model, each batcher shard's queued requests (index: shard).
+    queue_depth: BTreeMap<String, Vec<u64>>,
+    /// Each shard's requests waiting for an eager worker.
+    eager_queue_depth: Vec<u64>,
     devices: Vec<DeviceStats>,
     statuses: Vec<watch::Receiver<DeviceStatus>>,
     /// Each socket's counters: one, or (`sharded`) one per shard of it.
@@ -411,7 +413,7 @@ impl Metrics {
                 errors: BTreeMap::new(),
                 retried_batches: 0,
                 queue_depth: BTreeMap::new(),
-                eager_queue_depth: 0,
+                eager_queue_depth: Vec::new(),
                 devices: Vec::new(),
                 statuses: Vec::new(),
                 transports: Vec::new(),
@@ -566,12 +568,16 @@ impl Metrics {
         }
     }
 
-    pub fn set_queue_depth(&self, model: &str, depth: u64) {
-        self.lock().queue_depth.insert(model.to_string(), depth);
+    /// Batcher shard `shard` holds `depth` of `model`'s requests queued.
+    pub fn set_queue_depth(&self, shard: usize, model: &str, depth: u64) {
+        let mut m = self.lock();
+        let per_shard = m.queue_depth.entry(model.to_string()).or_default();
+        set_at(per_shard, shard, depth);
     }
 
-    pub fn set_eager_queue_depth(&self, depth: u64) {
-        self.lock().eager_queue_depth = depth;
+    /// Batcher shard `shard` holds `depth` requests waiting for an eager worker.
+    pub fn set_eager_queue_depth(&self, shard: usize, depth: u64) {
+        set_at(&mut self.lock().eager_queue_depth, shard, depth);
     }
 
     /// Registers a device slot and the channel its status is published on;
@@ -617,6 +623,7 @@ impl Metrics {
             .zip(&m.statuses)
             .map(|(d, status)| DeviceStats {
                 state: *status.borrow(),
+                queued: device_queue(d, &m.queue_depth, &m.eager_queue_depth),
                 ..d.clone()
             })
             .collect()
@@ -742,10 +749,7 @@ impl Metrics {
                 by_model: m.eager_by_model.clone(),
             },
             retried_batches: m.retried_batches,
-            queue_depth: QueueDepth {
-                by_model: m.queue_depth.clone(),
-                eager: m.eager_queue_depth,
-            },
+            queue_depth: queue_depth(&m.queue_depth, &m.eager_queue_depth),
             latency: Latency {
                 total: percentiles(&m.latency.total),
                 queued: percentiles(&m.latency.queued),
@@ -780,6 +784,43 @@ impl Transport {
             total: shards.iter().copied().sum(),
             shards: if self.sharded { shards } else { Vec::new() },
         }
+    }
+}
+
+/// Writes `value` at `index`, growing `v` with zeros as needed.
+fn set_at(v: &mut Vec<u64>, index: usize, value: u64) {
+    if v.len() <= index {
+        v.resize(index + 1, 0);
+    }
+    v[index] = value;
+}
+
+/// The queue depths over every shard, and each shard's over every model.
+fn queue_depth(by_model: &BTreeMap<String, Vec<u64>>, eager: &[u64]) -> QueueDepth {
+    let mut shards = vec![0u64; eager.len()];
+    for per_shard in by_model.values() {
+        for (s, &n) in per_shard.iter().enumerate() {
+            let sum = shards.get(s).copied().unwrap_or(0) + n;
+            set_at(&mut shards, s, sum);
+        }
+    }
+    QueueDepth {
+        by_model: by_model
+            .iter()
+            .map(|(name, per_shard)| (name.clone(), per_shard.iter().sum()))
+            .collect(),
+        eager: eager.iter().sum(),
+        by_shard: shards,
+    }
+}
+
+/// What waits for a device: its shard's queued requests (a graph device), or
+/// every shard's eager queue (an eager device serves them all).
+fn device_queue(d: &DeviceStats, by_model: &BTreeMap<String, Vec<u64>>, eager: &[u64]) -> u64 {
+    match (d.role, d.shard) {
+        (DeviceKind::Eager, _) => eager.iter().sum(),
+        (_, Some(s)) => by_model.values().filter_map(|v| v.get(s)).sum(),
+        (_, None) => 0,
     }
 }
 

@@ -34,7 +34,8 @@
 //! `RELOADING=1` at the start and `READY=1` at the end either way.
 
 use super::admission::Admission;
-use super::messages::{BatcherMsg, DeviceMsg};
+use super::batcher::shards::Batchers;
+use super::messages::DeviceMsg;
 use super::metrics::Metrics;
 use super::stats::{ReloadReport, ReloadedModel};
 use super::supervisor::SupervisorMsg;
@@ -150,7 +151,7 @@ pub struct Reloader {
     config_path: PathBuf,
     state: tokio::sync::Mutex<State>,
     supervisor: ActorRef<SupervisorMsg>,
-    batcher: ActorRef<BatcherMsg>,
+    batchers: Batchers,
     metrics: Arc<Metrics>,
     admission: Arc<Admission>,
     /// Set once every device was ready for the first time: before that a
@@ -164,7 +165,7 @@ impl Reloader {
         config: Config,
         snapshot: PathBuf,
         supervisor: ActorRef<SupervisorMsg>,
-        batcher: ActorRef<BatcherMsg>,
+        batchers: Batchers,
         metrics: Arc<Metrics>,
         admission: Arc<Admission>,
     ) -> Self {
@@ -177,7 +178,7 @@ impl Reloader {
                 seq: 0,
             }),
             supervisor,
-            batcher,
+            batchers,
             metrics,
             admission,
             ready: Arc::new(AtomicBool::new(false)),
@@ -292,19 +293,16 @@ impl Reloader {
             snapshot = Some(path);
         }
         let config = scheduler_config(&new);
-        let call = self
-            .batcher
-            .call(
-                |port| BatcherMsg::Reconfigure {
-                    config,
-                    max_attempts: new.batching.max_attempts,
-                    grids: grids.clone(),
-                    port,
-                },
-                Some(Duration::from_secs(30)),
+        let taken = self
+            .batchers
+            .reconfigure(
+                config,
+                new.batching.max_attempts,
+                grids.clone(),
+                Duration::from_secs(30),
             )
             .await;
-        if !matches!(call, Ok(CallResult::Success(()))) {
+        if !taken {
             return Err("the batcher did not take the new configuration".into());
         }
         self.admission.set_limit(new.batching.max_queue);

@@ -25,11 +25,11 @@
 //! worker or a re-dispatched attempt, over either transport, is ignored in
 //! one place.
 
-use super::messages::{Batch, BatchOutcome, BatchReport, BatcherMsg, DeviceId};
+use super::batcher::shards::Batchers;
+use super::messages::{Batch, BatchOutcome, BatchReport, DeviceId};
 use super::metrics::Metrics;
 use super::stats::DeviceStats;
 use super::watchdog::Watchdog;
-use ractor::ActorRef;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -61,7 +61,7 @@ pub enum Via {
 /// See the module docs. One per device actor, shared with the ring's reader.
 pub struct Reporter {
     device: DeviceId,
-    batcher: ActorRef<BatcherMsg>,
+    batchers: Batchers,
     metrics: Arc<Metrics>,
     metrics_index: usize,
     watchdog: Mutex<Watchdog>,
@@ -70,14 +70,14 @@ pub struct Reporter {
 impl Reporter {
     pub fn new(
         device: DeviceId,
-        batcher: ActorRef<BatcherMsg>,
+        batchers: Batchers,
         metrics: Arc<Metrics>,
         metrics_index: usize,
         watchdog: Watchdog,
     ) -> Self {
         Reporter {
             device,
-            batcher,
+            batchers,
             metrics,
             metrics_index,
             watchdog: Mutex::new(watchdog),
@@ -159,10 +159,7 @@ impl Reporter {
             }
         });
         if !fatal {
-            let _ = self.batcher.cast(BatcherMsg::Report {
-                device: self.device,
-                report,
-            });
+            self.batchers.report(self.device, report);
         }
         inflight
     }
@@ -172,9 +169,6 @@ impl Reporter {
     pub fn worker_gone(&self, reason: String) {
         let h = self.hold(|w| w.reset(Instant::now()));
         self.set_holding(h);
-        let _ = self.batcher.cast(BatcherMsg::DeviceDown {
-            device: self.device,
-            reason,
-        });
+        self.batchers.device_down(self.device, &reason);
     }
 }

@@ -6,12 +6,13 @@
 //! accepted request is answered — or the grace period ends, and whatever is
 //! left is answered `unavailable` — the workers are stopped and `run` returns.
 
-use super::batcher::{BatcherActor, BatcherArgs, ModelSlot};
+use super::batcher::shards::{Batchers, ShardedArgs};
+use super::batcher::ModelSlot;
 use super::control::Control;
 use super::device::{DeviceArgs, WorkerCommand};
 use super::frontend::{Frontend, ServedModel};
 use super::http_server;
-use super::messages::{BatcherMsg, DeviceKind, DeviceStatus};
+use super::messages::{DeviceKind, DeviceStatus};
 use super::metrics::{DeviceStats, Metrics, ModelStats};
 use super::reload::Reloader;
 use super::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
@@ -537,22 +538,17 @@ pub async fn run(
     for slot in &model_slots {
         metrics.set_model_grid(&slot.name, &slot.grid);
     }
-    let submissions = Arc::new(super::batcher::SubmitQueue::default());
     let routes: Vec<Arc<super::route::DeviceRoute>> =
         planned.iter().map(|_| Arc::default()).collect();
-    let (batcher, batcher_handle) = Actor::spawn(
-        None,
-        BatcherActor,
-        BatcherArgs {
-            models: model_slots,
-            devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
-            routes: routes.clone(),
-            config: super::reload::scheduler_config(&config),
-            max_attempts: config.batching.max_attempts,
-            metrics: metrics.clone(),
-            submissions: submissions.clone(),
-        },
-    )
+    let (batchers, batcher_handles) = Batchers::spawn(ShardedArgs {
+        models: model_slots,
+        devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
+        routes: routes.clone(),
+        config: super::reload::scheduler_config(&config),
+        max_attempts: config.batching.max_attempts,
+        metrics: metrics.clone(),
+        shards: config.batching.shards,
+    })
     .await
     .context("cannot start the batcher")?;
 
@@ -586,6 +582,9 @@ pub async fn run(
                     DeviceStats {
                         label: d.label.clone(),
                         role: d.kind,
+                        shard: (d.kind == DeviceKind::Graph)
+                            .then(|| batchers.shard_of_device(slot))
+                            .flatten(),
                         ..Default::default()
                     },
                     status_rx,
@@ -594,7 +593,7 @@ pub async fn run(
                 label: d.label,
                 worker: d.worker,
                 runtime_dir: config.server.runtime_dir.clone(),
-                batcher: batcher.clone(),
+                batchers: batchers.clone(),
                 route: routes[slot].clone(),
                 metrics: metrics.clone(),
                 model_names: model_names.clone(),
@@ -623,7 +622,7 @@ pub async fn run(
         Supervisor,
         SupervisorArgs {
             devices: device_args,
-            batcher: batcher.clone(),
+            batchers: batchers.clone(),
         },
     )
     .await
@@ -647,8 +646,7 @@ pub async fn run(
     let frontend = Arc::new(
         Frontend::new(
             models,
-            batcher.clone(),
-            submissions,
+            batchers.clone(),
             metrics.clone(),
             DecodeLimits {
                 max_bytes: config.server.max_request_bytes,
@@ -678,7 +676,7 @@ pub async fn run(
         config.clone(),
         snapshot,
         supervisor.clone(),
-        batcher.clone(),
+        batchers.clone(),
         metrics.clone(),
         admission.clone(),
     ));
@@ -705,10 +703,10 @@ pub async fn run(
         tracing::info!(
             "systemd watchdog: WATCHDOG=1 every {interval:?} while the batcher and frontend answer"
         );
-        let (batcher, frontend) = (batcher.clone(), frontend.clone());
+        let (batchers, frontend) = (batchers.clone(), frontend.clone());
         tokio::spawn(super::notify::watchdog_loop(interval, move |within| {
-            let (batcher, frontend) = (batcher.clone(), frontend.clone());
-            async move { probe(&batcher, &frontend, within).await }
+            let (batchers, frontend) = (batchers.clone(), frontend.clone());
+            async move { probe(&batchers, &frontend, within).await }
         }))
     });
     let ready_task = tokio::spawn(announce_ready(
@@ -731,19 +729,11 @@ pub async fn run(
     ready_task.abort();
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
     let started = Instant::now();
-    match batcher.call(BatcherMsg::Drain, Some(grace)).await {
-        Ok(ractor::rpc::CallResult::Success(())) => {
-            tracing::info!("drained in {:?}", started.elapsed())
-        }
-        _ => {
-            let left = batcher
-                .call(BatcherMsg::Abort, Some(Duration::from_secs(5)))
-                .await
-                .ok();
-            tracing::warn!(
-                "grace period of {grace:?} ended; answered the rest unavailable ({left:?})"
-            );
-        }
+    if batchers.drain(grace).await {
+        tracing::info!("drained in {:?}", started.elapsed())
+    } else {
+        let left = batchers.abort(Duration::from_secs(5)).await;
+        tracing::warn!("grace period of {grace:?} ended; answered the rest unavailable ({left:?})");
     }
     // Every request is answered; the frontend flushes the last replies and stops.
     let _ = stop_tx.send(true);
@@ -760,9 +750,9 @@ pub async fn run(
         .call(SupervisorMsg::StopAll, Some(Duration::from_secs(60)))
         .await;
     supervisor.stop(None);
-    batcher.stop(None);
+    batchers.stop();
     let _ = supervisor_handle.await;
-    let _ = batcher_handle.await;
+    futures::future::join_all(batcher_handles).await;
     status_task.abort();
     if let Some(task) = watchdog_task {
         task.abort();
@@ -786,18 +776,12 @@ fn remove_snapshots(dir: &std::path::Path) {
 
 /// The health loop's probe: the batcher actor answers a call and the
 /// frontend's socket loop has turned within the last few turns.
-async fn probe(
-    batcher: &ractor::ActorRef<BatcherMsg>,
-    frontend: &Frontend,
-    within: Duration,
-) -> Result<(), String> {
+async fn probe(batchers: &Batchers, frontend: &Frontend, within: Duration) -> Result<(), String> {
     let before = frontend.turns();
-    match batcher.call(BatcherMsg::Outstanding, Some(within)).await {
-        Ok(ractor::rpc::CallResult::Success(_)) => {}
-        Ok(ractor::rpc::CallResult::Timeout) => {
-            return Err(format!("the batcher did not answer within {within:?}"))
-        }
-        _ => return Err("the batcher is gone".into()),
+    if batchers.outstanding(within).await.is_none() {
+        return Err(format!(
+            "a batcher shard did not answer within {within:?} (or is gone)"
+        ));
     }
     // The frontend's loop turns at least every TURN; give it three.
     let deadline = Instant::now() + (3 * super::frontend::TURN).min(within);

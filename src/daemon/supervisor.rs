@@ -8,8 +8,9 @@
 //! route to the batcher over as it starts. Worker *processes* are restarted by their device
 //! actor; this layer only guards against bugs in the actors themselves.
 
+use super::batcher::shards::Batchers;
 use super::device::{DeviceActor, DeviceArgs};
-use super::messages::{BatcherMsg, DeviceMsg};
+use super::messages::DeviceMsg;
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::time::Duration;
 
@@ -25,13 +26,13 @@ pub enum SupervisorMsg {
 
 pub struct SupervisorArgs {
     pub devices: Vec<DeviceArgs>,
-    pub batcher: ActorRef<BatcherMsg>,
+    pub batchers: Batchers,
 }
 
 pub struct SupervisorState {
     args: Vec<DeviceArgs>,
     children: Vec<ActorRef<DeviceMsg>>,
-    batcher: ActorRef<BatcherMsg>,
+    batchers: Batchers,
     stopping: bool,
     replacements: u64,
 }
@@ -74,7 +75,7 @@ impl Actor for Supervisor {
         Ok(SupervisorState {
             args: args.devices,
             children,
-            batcher: args.batcher,
+            batchers: args.batchers,
             stopping: false,
             replacements: 0,
         })
@@ -136,10 +137,9 @@ impl Actor for Supervisor {
         }
         let args = state.args[slot].clone();
         tracing::error!(device = %args.label, "device actor {why}; replacing it");
-        let _ = state.batcher.cast(BatcherMsg::DeviceDown {
-            device: args.device,
-            reason: format!("device actor {why}"),
-        });
+        state
+            .batchers
+            .device_down(args.device, &format!("device actor {why}"));
         state.replacements += 1;
         state.children[slot] = Self::start_child(&myself, args).await?;
         Ok(())

@@ -23,6 +23,7 @@
 //! [`tests`](self) drives the actor against fake device actors.
 
 pub mod queue;
+pub mod shards;
 #[cfg(test)]
 mod tests;
 
@@ -43,6 +44,7 @@ use queue::{
     Scheduler, SchedulerConfig,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use shards::{first_batch_id, load_of, ShardLoad};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -106,6 +108,12 @@ pub struct BatcherArgs {
     pub metrics: Arc<Metrics>,
     /// The frontend's submissions ([`BatcherMsg::SubmitQueued`]).
     pub submissions: Arc<SubmitQueue>,
+    /// This batcher's index among the shards ([`shards`]): its batch ids
+    /// carry it, and its queue depths are published under it.
+    pub shard: usize,
+    /// Its load as the frontend routes by: each request's tokens leave it
+    /// when the request is answered.
+    pub load: Arc<ShardLoad>,
 }
 
 /// The shape that ran some of a request's rows; the reply names the largest.
@@ -133,6 +141,8 @@ impl Shape {
 
 struct Pending {
     model: usize,
+    /// Its weight in the shard's load ([`load_of`]).
+    load: u64,
     client_id: u64,
     input: Arc<BatchRows>,
     received: Instant,
@@ -263,6 +273,8 @@ pub struct BatcherState {
     /// has its reply finds it counted in the stats.
     outbox: Vec<(oneshot::Sender<Reply>, Reply)>,
     submissions: Arc<SubmitQueue>,
+    shard: usize,
+    load: Arc<ShardLoad>,
 }
 
 pub struct BatcherActor;
@@ -301,7 +313,7 @@ impl Actor for BatcherActor {
             pending: HashMap::new(),
             inflight: HashMap::new(),
             next_request: 1,
-            next_batch: 1,
+            next_batch: first_batch_id(args.shard),
             timer_at: None,
             drain_waiters: Vec::new(),
             max_attempts: args.max_attempts,
@@ -309,6 +321,8 @@ impl Actor for BatcherActor {
             ledger: Ledger::default(),
             outbox: Vec::new(),
             submissions: args.submissions,
+            shard: args.shard,
+            load: args.load,
         })
     }
 
@@ -443,6 +457,7 @@ impl BatcherState {
             deadline: sub.deadline,
         };
         let lens = queued.lens.clone();
+        let load = load_of(&sub.input);
         match self.scheduler.enqueue(queued) {
             Ok(placement) => {
                 self.ledger.accepted(model, &lens);
@@ -457,6 +472,7 @@ impl BatcherState {
                     id,
                     Pending {
                         model,
+                        load,
                         client_id: sub.client_id,
                         input: Arc::new(sub.input),
                         received: sub.received,
@@ -494,6 +510,7 @@ impl BatcherState {
     }
 
     fn reject(&mut self, sub: Submission, code: ErrorCode, message: String) {
+        self.load.done(load_of(&sub.input));
         self.ledger.push(Observation::ModelError {
             model: sub.model,
             code,
@@ -506,6 +523,7 @@ impl BatcherState {
     fn fail(&mut self, id: RequestId, code: ErrorCode, message: &str) {
         self.scheduler.finish(id);
         if let Some(p) = self.pending.remove(&id) {
+            self.load.done(p.load);
             self.ledger.push(Observation::ModelError {
                 model: p.model,
                 code,
@@ -734,6 +752,7 @@ impl BatcherState {
         let Some(p) = self.pending.remove(&id) else {
             return;
         };
+        self.load.done(p.load);
         let rows = p.rows();
         let hops = p.hops();
         let data = match p.output {
@@ -927,13 +946,13 @@ impl BatcherState {
             let depth = self.scheduler.queued_for_model(i) as u64;
             if self.published[i] != depth {
                 self.published[i] = depth;
-                self.metrics.set_queue_depth(&m.name, depth);
+                self.metrics.set_queue_depth(self.shard, &m.name, depth);
             }
         }
         let eager = self.scheduler.queued_eager() as u64;
         if self.published_eager != eager {
             self.published_eager = eager;
-            self.metrics.set_eager_queue_depth(eager);
+            self.metrics.set_eager_queue_depth(self.shard, eager);
         }
     }
 }

@@ -112,6 +112,8 @@ async fn harness_waiting(
             max_attempts,
             metrics: metrics.clone(),
             submissions: submissions.clone(),
+            shard: 0,
+            load: Default::default(),
         },
     )
     .await
@@ -710,7 +712,10 @@ impl TestRing {
         let metrics_index = h.metrics.add_device(Default::default(), status);
         let reporter = Arc::new(Reporter::new(
             device,
-            h.batcher.clone(),
+            super::shards::Batchers::over(
+                h.batcher.clone(),
+                &vec![DeviceKind::Graph; h.routes.len()],
+            ),
             h.metrics.clone(),
             metrics_index,
             Watchdog::new(Duration::from_secs(60), 1.0, Instant::now()),

@@ -206,6 +206,9 @@ pub struct QueueDepth {
     pub by_model: BTreeMap<String, u64>,
     /// Requests with items waiting for an eager worker.
     pub eager: u64,
+    /// Each batcher shard's requests waiting for a graph, over every model
+    /// (`batching.shards`; one entry with one shard).
+    pub by_shard: Vec<u64>,
 }
 
 /// Latency of successful replies.
@@ -290,6 +293,13 @@ pub struct DeviceStats {
     /// Microseconds during which the worker held at least one batch (its
     /// rate is the device's busy fraction).
     pub busy_us: u64,
+    /// The batcher shard that feeds it (`batching.shards`); none for an
+    /// eager device, which every shard feeds.
+    pub shard: Option<usize>,
+    /// Requests waiting for it: its shard's queued requests with items for
+    /// a graph (shared with the shard's other devices), or, for an eager
+    /// device, every shard's eager queue.
+    pub queued: u64,
     /// Drained by the operator (`replayctl drain`): takes no new batches.
     pub drained: bool,
     /// Graphs captured so far / to capture, while the worker captures.
