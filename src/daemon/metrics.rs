@@ -79,8 +79,51 @@ struct Latencies {
     total_buckets: Buckets,
     queued_buckets: Buckets,
     compute_buckets: Buckets,
-    /// One per [`Hops::NAMES`].
-    hops: Vec<Histogram<u64>>,
+}
+
+/// Shards of the per-hop histograms ([`HopShards`]).
+const HOP_SHARDS: usize = 8;
+
+/// The per-hop histograms (one per [`Hops::NAMES`]), sharded by thread:
+/// every reply records its hops, from whichever runtime thread sends it,
+/// and one lock for all of them was the reply path's one contended lock.
+/// Merged when the stats are taken.
+struct HopShards(Box<[Mutex<Vec<Histogram<u64>>>]>);
+
+impl HopShards {
+    fn new() -> Self {
+        HopShards((0..HOP_SHARDS).map(|_| Mutex::new(Self::empty())).collect())
+    }
+
+    fn empty() -> Vec<Histogram<u64>> {
+        Hops::NAMES.iter().map(|_| histogram()).collect()
+    }
+
+    fn record(&self, hops: &Hops) {
+        thread_local! {
+            static SHARD: usize = {
+                static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % HOP_SHARDS
+            };
+        }
+        let shard = SHARD.with(|s| *s);
+        let mut h = self.0[shard].lock().unwrap_or_else(|p| p.into_inner());
+        for (h, v) in h.iter_mut().zip(hops.values()) {
+            // 0 µs is recorded as the histogram's lowest value, 1 µs.
+            let _ = h.record(v.max(1));
+        }
+    }
+
+    fn merged(&self) -> Vec<Histogram<u64>> {
+        let mut all = Self::empty();
+        for shard in self.0.iter() {
+            let shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            for (a, h) in all.iter_mut().zip(shard.iter()) {
+                let _ = a.add(h);
+            }
+        }
+        all
+    }
 }
 
 /// A socket the stats report under `transport.<name>`.
@@ -376,6 +419,7 @@ impl Ledger {
 pub struct Metrics {
     started: Instant,
     inner: Mutex<Inner>,
+    hops: HopShards,
     /// Busy time of the serial stages, outside the lock.
     pub stages: super::stages::Stages,
 }
@@ -401,6 +445,7 @@ impl Metrics {
         Self {
             started: Instant::now(),
             stages: Default::default(),
+            hops: HopShards::new(),
             inner: Mutex::new(Inner {
                 requests_accepted: 0,
                 replies_ok: 0,
@@ -424,7 +469,6 @@ impl Metrics {
                     total_buckets: Buckets::default(),
                     queued_buckets: Buckets::default(),
                     compute_buckets: Buckets::default(),
-                    hops: Hops::NAMES.iter().map(|_| histogram()).collect(),
                 },
                 per_model: BTreeMap::new(),
                 bucket_latency: PerBucket::default(),
@@ -561,11 +605,7 @@ impl Metrics {
 
     /// Where a successful reply's time went (recorded as it is sent).
     pub fn reply_hops(&self, hops: &Hops) {
-        let mut m = self.lock();
-        for (h, v) in m.latency.hops.iter_mut().zip(hops.values()) {
-            // 0 µs is recorded as the histogram's lowest value, 1 µs.
-            let _ = h.record(v.max(1));
-        }
+        self.hops.record(hops);
     }
 
     /// Batcher shard `shard` holds `depth` of `model`'s requests queued.
@@ -653,6 +693,7 @@ impl Metrics {
     /// Everything `replayctl stats` shows; Prometheus's `/metrics` is
     /// encoded from it too.
     pub fn snapshot(&self) -> Stats {
+        let hop_histograms = self.hops.merged();
         let m = self.lock();
         // Per model and overall: real and computed tokens over every bucket.
         let mut by_model: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
@@ -761,7 +802,7 @@ impl Metrics {
                 },
                 hops: Hops::NAMES
                     .iter()
-                    .zip(&m.latency.hops)
+                    .zip(&hop_histograms)
                     .map(|(name, h)| (name.to_string(), percentiles(h)))
                     .collect(),
             },

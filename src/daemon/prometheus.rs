@@ -407,6 +407,19 @@ fn eager_and_queues(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
         "eager_queue_depth",
         "Requests with items waiting for an eager worker.",
         [(NONE, count(s.queue_depth.eager))],
+    )?;
+    let shards: Vec<String> = (0..s.queue_depth.by_shard.len())
+        .map(|i| i.to_string())
+        .collect();
+    family(
+        o,
+        "shard_queue_depth",
+        "Requests with items waiting for a graph, per batcher shard (batching.shards).",
+        s.queue_depth
+            .by_shard
+            .iter()
+            .zip(&shards)
+            .map(|(n, shard)| ([("shard", shard.as_str())], count(*n))),
     )
 }
 
@@ -466,6 +479,12 @@ fn devices(o: &mut DescriptorEncoder, devices: &[DeviceStats]) -> fmt::Result {
         "device_inflight_batches",
         "Batches sent to the worker and not yet back.",
         devices.iter().map(|d| (by_device(d), count(d.inflight))),
+    )?;
+    family(
+        o,
+        "device_queued_requests",
+        "Requests waiting for the device: its batcher shard's queue (shared with the shard's other devices), or every shard's eager queue for an eager device.",
+        devices.iter().map(|d| (by_device(d), count(d.queued))),
     )?;
     family(
         o,

@@ -334,6 +334,8 @@ pub fn devices(devices: &[DeviceStats]) -> String {
             "pid",
             "graphs",
             "graph memory",
+            "shard",
+            "queued",
             "batches",
             "in flight",
             "busy",
@@ -377,6 +379,8 @@ pub fn devices(devices: &[DeviceStats]) -> String {
             or_dash(d.worker_pid),
             d.graphs.len().to_string(),
             mib(memory),
+            d.shard.map_or_else(|| "all".to_string(), |s| s.to_string()),
+            thousands(d.queued),
             thousands(d.batches),
             if d.inflight_tokens > 0 {
                 format!("{} ({} t)", d.inflight, thousands(d.inflight_tokens))
