@@ -308,4 +308,43 @@ async fn sharded_batchers_spread_the_load_and_lose_nothing_when_a_worker_dies() 
         .sum();
     assert_eq!(errors, 0, "{requests}");
     eprintln!("2 shards, 4 devices, a worker killed: {answered} requests, all ok");
+
+    // Both of shard 1's devices drained: new requests go to shard 0 alone
+    // (none waits in a shard that has no device to run it).
+    for label in ["null:1", "null:3"] {
+        let out = tokio::task::block_in_place(|| daemon.ctl(&["drain", label]));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let before: Vec<u64> = ["null:1", "null:3"]
+        .iter()
+        .map(|l| daemon.device(l)["batches"].as_u64().unwrap())
+        .collect();
+    let mut replies = Vec::new();
+    for _ in 0..32 {
+        let client = client.clone();
+        replies.push(tokio::spawn(async move {
+            client
+                .infer("mlp", &one_row(), Duration::from_secs(10))
+                .await
+                .unwrap()
+        }));
+    }
+    for r in replies {
+        let r = r.await.unwrap();
+        assert_eq!(r.header.status, Status::Ok, "{:?}", r.header);
+        assert!(
+            matches!(r.header.device.as_deref(), Some("null:0" | "null:2")),
+            "{:?}",
+            r.header.device
+        );
+    }
+    let after: Vec<u64> = ["null:1", "null:3"]
+        .iter()
+        .map(|l| daemon.device(l)["batches"].as_u64().unwrap())
+        .collect();
+    assert_eq!(before, after, "a drained shard's devices ran batches");
 }
