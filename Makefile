@@ -6,7 +6,8 @@ run: model
 	cargo run --release --bin replayd -- --config config/replayd.toml
 
 # Everything CI runs: lint, every Rust test (needs the model and NVRTC), the
-# host-stage micro-benchmarks (figures printed), the Python client's tests
+# host-stage micro-benchmarks and the scaling benchmark's smoke run (figures
+# printed), the Python client's tests
 # against the daemon cargo just built, the deployment files' checks, and a
 # bounded fuzz run (FUZZ_SECONDS per target).
 test: model nvrtc lint
@@ -14,6 +15,12 @@ test: model nvrtc lint
 	# Each host stage's figures, printed (debug build, a few seconds: that it
 	# runs and what it measures; speed is read from a release build).
 	cargo run --quiet --bin replayd-hostbench -- --seconds 0.25 --iters 300
+	# The scaling benchmark's flow (issue 35) on this machine's CPUs: 1 and 2
+	# simulated devices and zero-time ones, every reply counted (about a
+	# minute; figures printed, not judged: the GPU machine's are in
+	# docs/perf-log.md).
+	SCALE_GPU=0 SCALE_SECONDS=4 SCALE_DEVICES="1 2" SCALE_BIN=target/debug \
+	  SCALE_MODEL=models/all-MiniLM-L6-v2 OUT=target/scale-smoke scripts/bench/scale-devices.sh
 	scripts/dev/python-tests.sh
 	scripts/dev/check-deploy.sh
 	scripts/dev/fuzz.sh

@@ -75,11 +75,13 @@ DETAILS=$WORK/details
 mkdir -p "$DETAILS"
 T0=$(date +%s)
 log() { echo "[scale +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/scale-devices.log"; }
+FAILED=0
+fail() { log "FAIL: $*"; FAILED=1; }
 DAEMON=""
 cleanup() { [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-COMMIT=$(cat .carry/COMMIT 2>/dev/null | tr '\n' ' ' || git rev-parse --short HEAD)
+if [ -f .carry/COMMIT ]; then COMMIT=$(tr '\n' ' ' < .carry/COMMIT); else COMMIT=$(git rev-parse --short HEAD 2>/dev/null); fi
 log "commit $COMMIT, baseline $(cat .carry/before/COMMIT 2>/dev/null || echo none), $(nproc) cores"
 [ "$GPU" = 1 ] && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/scale-devices.log" 2>&1
 python3 scripts/bench/make-corpus.py --mu 3.1 --max-words 254 --vocab "$MODEL/vocab.txt" "$WORK/corpus.jsonl" 2>&1 | tee -a "$OUT/scale-devices.log"
@@ -105,7 +107,7 @@ TOML
   "$bin/replayd" --config "$WORK/$name.toml" --ready-file "$WORK/ready.json" > "$DETAILS/replayd_$name.log" 2>&1 &
   DAEMON=$!
   if ! wait_ready "$DAEMON" "$WORK/ready.json"; then
-    log "FAIL: replayd ($name) did not become ready"; tail -20 "$DETAILS/replayd_$name.log"; DAEMON=""; return 1
+    fail "replayd ($name) did not become ready"; tail -20 "$DETAILS/replayd_$name.log"; DAEMON=""; return 1
   fi
   ENDPOINT=$(python3 -c "import json; print(json.load(open('$WORK/ready.json'))['endpoint'])")
   CTL=("$bin/replayctl" --control "ipc://$WORK/control.sock")
@@ -129,7 +131,7 @@ load() {
   if wait "$lg"; then
     log "$name: $(grep -v '^{' "$DETAILS/load_$name.log" | head -1)"
   else
-    log "FAIL: load $name"; tail -3 "$DETAILS/load_$name.log"
+    fail "load $name"; tail -3 "$DETAILS/load_$name.log"
   fi
 }
 
@@ -139,7 +141,7 @@ if [ "$GPU" = 1 ]; then
   bert_model minilm "$MODEL" f16 packed > "$WORK/check.toml"
   log "backend-check: each packed bucket's time on this GPU"
   timeout 240 "$BIN/replayd" backend-check --config "$WORK/check.toml" --out "$TIMINGS" --iters 100 --warmup 10 \
-    --no-eager --no-compare --check-rows 2 > "$DETAILS/backend_check.log" 2>&1 || log "FAIL: backend-check"
+    --no-eager --no-compare --check-rows 2 > "$DETAILS/backend_check.log" 2>&1 || fail "backend-check"
   cp "$TIMINGS" "$OUT/timings.json" 2>/dev/null
 else
   # Without a GPU: 40 µs a batch plus 0.1 µs a token slot, per packed budget.
@@ -295,3 +297,4 @@ print("\n".join(lines + rows + lines_fault))
 PY
 tar -C "$WORK" -czf "$OUT/details.tar.gz" details
 log "done"
+exit "$FAILED"
