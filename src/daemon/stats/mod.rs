@@ -385,8 +385,12 @@ pub struct StageTotals {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct StageBusy {
+    /// Summed over the client socket shards' receive loops.
     pub frontend_loop: Busy,
+    /// Summed over the batcher shards (`batching.shards`): busy time over
+    /// wall time can reach the shard count; each shard is one serial task.
     pub batcher: Busy,
+    /// Summed over the workers' ring readers.
     pub ring_reader: Busy,
 }
 
