@@ -15,8 +15,10 @@
 //!   and learns the batch's cost, the device's counters move (batches, by
 //!   transport, graph replays or eager runs, batches and token slots in
 //!   flight, busy time — time with at least one batch held —, last error), and the
-//!   batcher gets one [`BatcherMsg::Report`], except for a fatal failure: the
-//!   worker exits next and its death re-dispatches the batch;
+//!   batcher shard that sent it gets one
+//!   [`super::messages::BatcherMsg::Report`] ([`Batchers::report`]), except
+//!   for a fatal failure: the worker exits next and its death re-dispatches
+//!   the batch;
 //! * says when the worker is gone ([`Reporter::worker_gone`]): nothing is in
 //!   flight any more and the batcher re-dispatches what the device held.
 //!
