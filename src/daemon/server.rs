@@ -6,7 +6,8 @@
 //! accepted request is answered — or the grace period ends, and whatever is
 //! left is answered `unavailable` — the workers are stopped and `run` returns.
 
-use super::batcher::shards::{Batchers, ShardedArgs};
+use super::batcher::shards::Batchers;
+use super::batcher::start::{start as start_batchers, ShardedArgs};
 use super::batcher::ModelSlot;
 use super::control::Control;
 use super::device::{DeviceArgs, WorkerCommand};
@@ -540,7 +541,7 @@ pub async fn run(
     }
     let routes: Vec<Arc<super::route::DeviceRoute>> =
         planned.iter().map(|_| Arc::default()).collect();
-    let (batchers, batcher_handles) = Batchers::spawn(ShardedArgs {
+    let (batchers, batcher_handles) = start_batchers(ShardedArgs {
         models: model_slots,
         devices: planned.iter().map(|d| (d.kind, d.label.clone())).collect(),
         routes: routes.clone(),

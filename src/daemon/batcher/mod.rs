@@ -24,6 +24,7 @@
 
 pub mod queue;
 pub mod shards;
+pub mod start;
 #[cfg(test)]
 mod tests;
 
@@ -44,6 +45,7 @@ use queue::{
     Scheduler, SchedulerConfig,
 };
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+pub use shards::SubmitQueue;
 use shards::{first_batch_id, load_of, ShardLoad};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -55,46 +57,6 @@ use tokio::sync::oneshot;
 pub struct ModelSlot {
     pub name: String,
     pub grid: Grid,
-}
-
-/// Submissions on their way to the batcher, which takes them all at once:
-/// under load one mailbox message and one scheduling pass serve every
-/// request that arrived meanwhile, where a message each made the batcher
-/// the daemon's busiest serial stage. [`SubmitQueue::submit`] wakes the
-/// batcher ([`BatcherMsg::SubmitQueued`]) only when the queue was empty; the
-/// batcher always empties it, so none waits for a wake that was not sent.
-/// It is the one way in for requests.
-#[derive(Default)]
-pub struct SubmitQueue {
-    items: std::sync::Mutex<Vec<Submission>>,
-}
-
-impl SubmitQueue {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Submission>> {
-        self.items.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Queues a submission for `batcher`, waking it when the queue was
-    /// empty. False when the batcher has stopped: nothing will take the
-    /// queue then, so it is emptied here and the reply channels it held are
-    /// dropped (their handlers answer "the request was dropped").
-    pub fn submit(&self, batcher: &ActorRef<BatcherMsg>, submission: Submission) -> bool {
-        let was_empty = {
-            let mut items = self.lock();
-            items.push(submission);
-            items.len() == 1
-        };
-        if was_empty && batcher.cast(BatcherMsg::SubmitQueued).is_err() {
-            drop(self.take());
-            return false;
-        }
-        true
-    }
-
-    /// Everything queued, in order.
-    pub fn take(&self) -> Vec<Submission> {
-        std::mem::take(&mut *self.lock())
-    }
 }
 
 pub struct BatcherArgs {

@@ -26,21 +26,16 @@
 //! admission gates ([`super::super::admission`]), which count across
 //! shards; each shard's own `max_queue` stays as a backstop.
 
-use super::{BatcherActor, BatcherArgs, ModelSlot, SubmitQueue};
+use super::queue::{BatchId, DeviceId, DeviceKind, SchedulerConfig};
 use crate::bucket::{Bucket, Grid};
 use crate::daemon::messages::{BatchReport, BatcherMsg, Submission};
-use crate::daemon::metrics::Metrics;
-use crate::daemon::route::DeviceRoute;
 use crate::model::BatchRows;
 use ractor::rpc::CallResult;
-use ractor::{Actor, ActorRef};
+use ractor::ActorRef;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::task::JoinHandle;
-
-use super::queue::{BatchId, DeviceId, DeviceKind, SchedulerConfig};
 
 /// The most shards `batching.shards = 0` picks.
 pub const MAX_SHARDS: usize = 8;
@@ -76,6 +71,46 @@ pub fn shard_count(wanted: usize, graph_devices: usize) -> usize {
     }
 }
 
+/// Submissions on their way to the batcher, which takes them all at once:
+/// under load one mailbox message and one scheduling pass serve every
+/// request that arrived meanwhile, where a message each made the batcher
+/// the daemon's busiest serial stage. [`SubmitQueue::submit`] wakes the
+/// batcher ([`BatcherMsg::SubmitQueued`]) only when the queue was empty; the
+/// batcher always empties it, so none waits for a wake that was not sent.
+/// It is the one way in for requests.
+#[derive(Default)]
+pub struct SubmitQueue {
+    items: std::sync::Mutex<Vec<Submission>>,
+}
+
+impl SubmitQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Submission>> {
+        self.items.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues a submission for `batcher`, waking it when the queue was
+    /// empty. False when the batcher has stopped: nothing will take the
+    /// queue then, so it is emptied here and the reply channels it held are
+    /// dropped (their handlers answer "the request was dropped").
+    pub fn submit(&self, batcher: &ActorRef<BatcherMsg>, submission: Submission) -> bool {
+        let was_empty = {
+            let mut items = self.lock();
+            items.push(submission);
+            items.len() == 1
+        };
+        if was_empty && batcher.cast(BatcherMsg::SubmitQueued).is_err() {
+            drop(self.take());
+            return false;
+        }
+        true
+    }
+
+    /// Everything queued, in order.
+    pub fn take(&self) -> Vec<Submission> {
+        std::mem::take(&mut *self.lock())
+    }
+}
+
 /// A shard's load as the frontend sees it.
 #[derive(Default)]
 pub struct ShardLoad {
@@ -96,19 +131,31 @@ impl ShardLoad {
     }
 }
 
-struct Shard {
-    actor: ActorRef<BatcherMsg>,
-    submissions: Arc<SubmitQueue>,
-    load: Arc<ShardLoad>,
+pub(super) struct Shard {
+    pub(super) actor: ActorRef<BatcherMsg>,
+    pub(super) submissions: Arc<SubmitQueue>,
+    pub(super) load: Arc<ShardLoad>,
 }
 
 /// One device slot as the shards know it.
-struct DeviceLinks {
+pub(super) struct DeviceLinks {
     kind: DeviceKind,
     /// (shard, the id that shard knows the device by).
-    links: Vec<(usize, DeviceId)>,
+    pub(super) links: Vec<(usize, DeviceId)>,
     up: AtomicBool,
     drained: AtomicBool,
+}
+
+impl DeviceLinks {
+    /// A slot of `kind`, down until its worker is ready.
+    pub(super) fn new(kind: DeviceKind) -> Self {
+        DeviceLinks {
+            kind,
+            links: Vec::new(),
+            up: AtomicBool::new(false),
+            drained: AtomicBool::new(false),
+        }
+    }
 }
 
 impl DeviceLinks {
@@ -132,23 +179,9 @@ pub struct Batchers {
     inner: Arc<Inner>,
 }
 
-/// What [`Batchers::spawn`] needs: [`BatcherArgs`] for the whole daemon.
-pub struct ShardedArgs {
-    pub models: Vec<ModelSlot>,
-    /// Every device slot: its kind and label, in slot order.
-    pub devices: Vec<(DeviceKind, String)>,
-    /// The way to each device slot, in slot order.
-    pub routes: Vec<Arc<DeviceRoute>>,
-    pub config: SchedulerConfig,
-    pub max_attempts: u32,
-    pub metrics: Arc<Metrics>,
-    /// `batching.shards` (0: automatic, see [`shard_count`]).
-    pub shards: usize,
-}
-
 /// Which slots each shard serves: `plan[s]` lists shard `s`'s slots in
 /// the order of its local ids.
-fn partition(kinds: &[DeviceKind], shards: usize) -> Vec<Vec<DeviceId>> {
+pub(super) fn partition(kinds: &[DeviceKind], shards: usize) -> Vec<Vec<DeviceId>> {
     let mut plan = vec![Vec::new(); shards];
     let graph = kinds
         .iter()
@@ -173,81 +206,6 @@ thread_local! {
 }
 
 impl Batchers {
-    /// Starts the shards. Returns the handle and each actor's join handle.
-    pub async fn spawn(args: ShardedArgs) -> anyhow::Result<(Batchers, Vec<JoinHandle<()>>)> {
-        anyhow::ensure!(
-            args.routes.len() == args.devices.len(),
-            "{} device routes for {} devices",
-            args.routes.len(),
-            args.devices.len()
-        );
-        let kinds: Vec<DeviceKind> = args.devices.iter().map(|(k, _)| *k).collect();
-        let graph = kinds.iter().filter(|k| **k == DeviceKind::Graph).count();
-        let count = shard_count(args.shards, graph);
-        if args.shards > count {
-            tracing::info!(
-                wanted = args.shards,
-                shards = count,
-                "batching.shards is more than the graph devices: one shard per device"
-            );
-        }
-        let plan = partition(&kinds, count);
-        let mut devices: Vec<DeviceLinks> = kinds
-            .iter()
-            .map(|&kind| DeviceLinks {
-                kind,
-                links: Vec::new(),
-                up: AtomicBool::new(false),
-                drained: AtomicBool::new(false),
-            })
-            .collect();
-        let mut shards = Vec::with_capacity(count);
-        let mut handles = Vec::with_capacity(count);
-        for (s, slots) in plan.iter().enumerate() {
-            for (local, &slot) in slots.iter().enumerate() {
-                devices[slot].links.push((s, local));
-            }
-            let submissions = Arc::new(SubmitQueue::default());
-            let load = Arc::new(ShardLoad::default());
-            let (actor, handle) = Actor::spawn(
-                None,
-                BatcherActor,
-                BatcherArgs {
-                    models: args.models.clone(),
-                    devices: slots.iter().map(|&d| args.devices[d].clone()).collect(),
-                    routes: slots.iter().map(|&d| args.routes[d].clone()).collect(),
-                    config: args.config.clone(),
-                    max_attempts: args.max_attempts,
-                    metrics: args.metrics.clone(),
-                    submissions: submissions.clone(),
-                    shard: s,
-                    load: load.clone(),
-                },
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot start batcher shard {s}: {e}"))?;
-            shards.push(Shard {
-                actor,
-                submissions,
-                load,
-            });
-            handles.push(handle);
-        }
-        tracing::info!(
-            shards = count,
-            graph_devices = graph,
-            "batcher shards (batching.shards)"
-        );
-        let batchers = Batchers {
-            inner: Arc::new(Inner {
-                shards,
-                devices,
-                recount: Mutex::new(()),
-            }),
-        };
-        Ok((batchers, handles))
-    }
-
     /// One shard that is an actor started elsewhere, serving every slot of
     /// `kinds` under its own id (the device benchmark's stand-in batcher).
     pub fn over(actor: ActorRef<BatcherMsg>, kinds: &[DeviceKind]) -> Batchers {
@@ -255,19 +213,23 @@ impl Batchers {
             .iter()
             .enumerate()
             .map(|(slot, &kind)| DeviceLinks {
-                kind,
                 links: vec![(0, slot)],
-                up: AtomicBool::new(false),
-                drained: AtomicBool::new(false),
+                ..DeviceLinks::new(kind)
             })
             .collect();
+        let shard = Shard {
+            actor,
+            submissions: Arc::default(),
+            load: Arc::default(),
+        };
+        Batchers::of(vec![shard], devices)
+    }
+
+    /// The handle over started shards and the slots' links to them.
+    pub(super) fn of(shards: Vec<Shard>, devices: Vec<DeviceLinks>) -> Batchers {
         Batchers {
             inner: Arc::new(Inner {
-                shards: vec![Shard {
-                    actor,
-                    submissions: Arc::default(),
-                    load: Arc::default(),
-                }],
+                shards,
                 devices,
                 recount: Mutex::new(()),
             }),
