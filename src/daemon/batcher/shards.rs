@@ -1,4 +1,4 @@
-//! The batcher, sharded: several [`BatcherActor`]s, each owning a group of
+//! The batcher, sharded: several [`super::BatcherActor`]s, each owning a group of
 //! the graph devices, so that no single actor is on every request's way.
 //!
 //! * **Partition.** Graph devices are dealt to the shards in turn (device
