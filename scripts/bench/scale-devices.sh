@@ -5,28 +5,28 @@
 # (and, with CARRY_BEFORE, the binaries of an earlier commit under
 # .carry/before/, run beside the current ones as the baseline).
 #
-#   scripts/bench/scale-devices.sh        # on the GPU machine, about 8 minutes
+#   scripts/bench/scale-devices.sh        # on the GPU machine, about 6 minutes
 #   SCALE_GPU=0 SCALE_SECONDS=4 SCALE_DEVICES="1 2" scripts/bench/scale-devices.sh
 #                                         # a smoke run without a GPU (null devices of a
 #                                         # made-up time table; CI-sized machines)
 #
-# Steps:
+# Steps, most important first (a time limit that stops the run leaves the
+# table of what ran):
 # 1. `replayd backend-check --out` on the GPU: each packed MiniLM f16
 #    bucket's launch → collect time, the table the simulated devices use
 #    (`devices.null_timings`). Without a GPU, a table scaled from token slots.
-# 2. Several workers on the one GPU (`devices.workers_per_gpu` 1, 2, 4), the
+# 2. Zero-time devices (null backend, 8 devices that take no time): the
+#    host path's ceiling at 1 and at 32 texts per request, current binary
+#    and baseline.
+# 3. Simulated H200s running MiniLM (null devices sleeping each bucket's
+#    measured time): 1, 8, 2 and 4 devices at 1 and 32 texts per request:
+#    texts/s and the ratio to one device; the baseline binary at 8 devices.
+# 4. 8 simulated devices at 80 % of step 3's rate, open loop
+#    (`replayd-loadgen --rate`): p50/p99.
+# 5. Several workers on the one GPU (`devices.workers_per_gpu` 1, 2, 4), the
 #    corpus 32 texts per request: texts/s. Then with 4 workers, one worker
 #    killed (SIGKILL) under that load: errors (must be 0), p99 and max
 #    latency of the window around the fault, and when the worker was back.
-# 3. Zero-time devices (null backend, 8 devices that take no time): the
-#    host path's ceiling at 1 and at 32 texts per request, current binary
-#    and baseline.
-# 4. Simulated H200s running MiniLM (null devices sleeping each bucket's
-#    measured time): 1, 2, 4 and 8 devices at 1 and 32 texts per request:
-#    texts/s and the efficiency against N × one device; the baseline binary
-#    at 8 devices.
-# 5. 8 simulated devices at 80 % of step 4's rate, open loop
-#    (`replayd-loadgen --rate`): p50/p99.
 # Every load reports p50/p99 and each thread group's CPU
 # (scripts/bench/thread-cpu.py). The corpus: lognormal lengths, mean about
 # 30 tokens, a tail to 256 (make-corpus.py --mu 3.1 --max-words 254).
@@ -39,7 +39,8 @@ OUT=${OUT:-/tmp/scale-devices}
 mkdir -p "$OUT"
 GPU=${SCALE_GPU:-1}
 SECONDS_PER_LOAD=${SCALE_SECONDS:-10}
-DEVICE_COUNTS=${SCALE_DEVICES:-1 2 4 8}
+# Most important first: a time limit that stops the run leaves 1 and 8.
+DEVICE_COUNTS=${SCALE_DEVICES:-1 8 2 4}
 WORKERS=${SCALE_WORKERS:-1 2 4}
 . scripts/gpu/gpu-common.sh
 BIN=$(carried_bin "${SCALE_BIN:-}") || { echo "no binaries (run scripts/gpu/gpu-carry.sh, carry .carry)"; exit 1; }
@@ -78,8 +79,96 @@ log() { echo "[scale +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/scale-devices
 FAILED=0
 fail() { log "FAIL: $*"; FAILED=1; }
 DAEMON=""
-cleanup() { [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null; rm -rf "$WORK"; }
+# The table of what ran (also when a time limit stops the run part way:
+# the steps go most important first).
+table() {
+python3 - "$DETAILS" "$OUT" "$COMMIT" "$DEVICE_COUNTS" <<'PY' || true
+import json, os, sys
+details, out, commit = sys.argv[1], sys.argv[2], sys.argv[3]
+counts = sorted(sys.argv[4].split(), key=int)
+def texts(t):
+    return "1 text" if t == "b1" else "32 texts"
+def get(name):
+    try:
+        return json.load(open(f"{details}/load_{name}.json"))
+    except OSError:
+        return None
+def cpu(name):
+    try:
+        groups = json.load(open(f"{details}/cpu_{name}.json"))["groups"]
+    except (OSError, KeyError, ValueError):
+        return ""
+    parts = []
+    for proc in ("daemon", "daemon/child", "loadgen"):
+        mine = [g for g in groups if g["process"] == proc]
+        if not mine:
+            continue
+        total = sum(g["cores"] for g in mine)
+        top = sorted(mine, key=lambda g: -g["cores"])[:4]
+        label = "workers" if proc == "daemon/child" else proc
+        parts.append(f"{label} {total:.1f} (" + ", ".join(
+            f"{g['threads']}×{g['thread_count']} {g['cores']:.2f}" for g in top) + ")")
+    return "; ".join(parts)
+rows, results = [], {}
+def row(label, name, base=None):
+    r = get(name)
+    if r is None:
+        rows.append(f"| {label} | missing | | | | | |")
+        return
+    results[name] = {k: r.get(k) for k in ("texts_per_s", "requests_per_s", "ok", "requests", "errors", "latency_us", "rate")}
+    extra = ""
+    if base is not None:
+        extra = f"{r['texts_per_s'] / base:.2f}"
+    errs = sum(r.get("errors", {}).values())
+    rows.append(f"| {label} | {r['texts_per_s']:,.0f} | {extra} | {r['latency_us']['p50']:,} | {r['latency_us']['p99']:,} | "
+                f"{r['ok']:,} ok, {errs} errors | {cpu(name)} |")
+lines = [f"# Scaling with devices (issue 35), commit {commit}", "",
+         "| load | texts/s | × (see section) | p50 µs | p99 µs | replies | CPU cores by thread group |",
+         "|---|---|---|---|---|---|---|"]
+sections = []
+w1 = get("gpu_w1_b32")
+for w in ("1", "2", "4"):
+    if get(f"gpu_w{w}_b32"):
+        row(f"real GPU, workers_per_gpu {w}, 32 texts/req (× workers_per_gpu 1)", f"gpu_w{w}_b32", w1 and w1["texts_per_s"])
+if get("gpu_w4_fault"):
+    row("real GPU, 4 workers, one killed (window around the fault)", "gpu_w4_fault", w1 and w1["texts_per_s"])
+for b in ("cur", "base"):
+    for t in ("b1", "b32"):
+        if get(f"zero_{b}_{t}"):
+            cur = get(f"zero_cur_{t}")
+            row(f"zero-time, 8 devices, {texts(t)}/req, {'current' if b == 'cur' else 'baseline'} (× current)", f"zero_{b}_{t}",
+                cur and cur["texts_per_s"])
+for t in ("b1", "b32"):
+    one = get(f"sim1_{t}")
+    for n in counts:
+        if get(f"sim{n}_{t}"):
+            row(f"simulated H200 ×{n}, {texts(t)}/req (× one device; efficiency = ×/{n})", f"sim{n}_{t}", one and one["texts_per_s"])
+    last = counts[-1]
+    if get(f"sim{last}_base_{t}"):
+        row(f"simulated H200 ×{last}, {texts(t)}/req, baseline (× one device, current)", f"sim{last}_base_{t}", one and one["texts_per_s"])
+    if get(f"sim{last}_80_{t}"):
+        r = get(f"sim{last}_80_{t}")
+        row(f"simulated H200 ×{last}, {texts(t)}/req, open loop at {r.get('rate', 0):,.0f} req/s (80 %)", f"sim{last}_80_{t}")
+try:
+    fault = json.load(open(f"{details}/fault.json"))
+    lines_fault = [f"", f"Killed worker back ({fault['state']}) {fault['back_s']} s after the kill."]
+    results["fault"] = fault
+except OSError:
+    lines_fault = []
+open(f"{out}/scale-devices.md", "w").write("\n".join(lines + rows + lines_fault) + "\n")
+json.dump(results, open(f"{out}/scale-devices.json", "w"), indent=1)
+print("\n".join(lines + rows + lines_fault))
+PY
+  tar -C "$WORK" -czf "$OUT/details.tar.gz" details
+}
+TABLED=0
+cleanup() {
+  [ -n "$DAEMON" ] && kill -TERM "$DAEMON" 2>/dev/null
+  [ "$TABLED" = 1 ] || { log "stopped part way: the table holds what ran"; table; }
+  rm -rf "$WORK"
+}
 trap cleanup EXIT
+trap 'exit 143' TERM INT
 
 if [ -f .carry/COMMIT ]; then COMMIT=$(tr '\n' ' ' < .carry/COMMIT); else COMMIT=$(git rev-parse --short HEAD 2>/dev/null); fi
 log "commit $COMMIT, baseline $(cat .carry/before/COMMIT 2>/dev/null || echo none), $(nproc) cores"
@@ -152,7 +241,45 @@ json.dump({"buckets": [{"model": "minilm", "bucket": f"{b}t", "us": 40 + 0.1 * b
 PY
 fi
 
-# --- 2. several workers on the one GPU, and one killed under load
+# --- 2. zero-time devices: the host path's ceiling
+for b in cur ${BASE:+base}; do
+  bin=$BIN; [ "$b" = base ] && bin=$BASE
+  start_daemon "zero_$b" "$bin" 'backend = "null"
+cpu_devices = 8' || continue
+  load "zero_${b}_b1" 1 2048 32
+  load "zero_${b}_b32" 32 256 16
+  stop_daemon "zero_$b"
+done
+
+# --- 3. simulated H200s
+sim() { # NAME BIN DEVICES
+  start_daemon "$1" "$2" "backend = \"null\"
+cpu_devices = $3
+null_timings = \"$TIMINGS\""
+}
+for n in $DEVICE_COUNTS; do
+  sim "sim$n" "$BIN" "$n" || continue
+  load "sim${n}_b1" 1 $(( 512 * n )) $(( n < 4 ? 8 * n : 32 ))
+  load "sim${n}_b32" 32 $(( 32 * n )) $(( n < 2 ? 8 : 16 ))
+  stop_daemon "sim$n"
+done
+last=$(echo $DEVICE_COUNTS | tr ' ' '\n' | sort -n | tail -1)
+if [ -n "$BASE" ] && sim "sim${last}_base" "$BASE" "$last"; then
+  load "sim${last}_base_b1" 1 $(( 512 * last )) 32
+  load "sim${last}_base_b32" 32 $(( 32 * last )) 16
+  stop_daemon "sim${last}_base"
+fi
+
+# --- 4. 80 % of the peak, open loop
+if sim "sim${last}_80" "$BIN" "$last"; then
+  for b in 1 32; do
+    rate=$(python3 -c "import json; print(0.8 * json.load(open('$DETAILS/load_sim${last}_b$b.json'))['requests_per_s'])" 2>/dev/null)
+    [ -n "$rate" ] && load "sim${last}_80_b$b" "$b" $(( b == 1 ? 4096 : 512 )) 32 --rate "$rate"
+  done
+  stop_daemon "sim${last}_80"
+fi
+
+# --- 5. several workers on the one GPU, and one killed under load
 if [ "$GPU" = 1 ]; then
   for w in $WORKERS; do
     start_daemon "gpu_w$w" "$BIN" "backend = \"cuda\"
@@ -182,119 +309,7 @@ workers_per_gpu = $w" || continue
   done
 fi
 
-# --- 3. zero-time devices: the host path's ceiling
-for b in cur ${BASE:+base}; do
-  bin=$BIN; [ "$b" = base ] && bin=$BASE
-  start_daemon "zero_$b" "$bin" 'backend = "null"
-cpu_devices = 8' || continue
-  load "zero_${b}_b1" 1 2048 32
-  load "zero_${b}_b32" 32 256 16
-  stop_daemon "zero_$b"
-done
-
-# --- 4. simulated H200s
-sim() { # NAME BIN DEVICES
-  start_daemon "$1" "$2" "backend = \"null\"
-cpu_devices = $3
-null_timings = \"$TIMINGS\""
-}
-for n in $DEVICE_COUNTS; do
-  sim "sim$n" "$BIN" "$n" || continue
-  load "sim${n}_b1" 1 $(( 512 * n )) $(( n < 4 ? 8 * n : 32 ))
-  load "sim${n}_b32" 32 $(( 32 * n )) $(( n < 2 ? 8 : 16 ))
-  stop_daemon "sim$n"
-done
-last=${DEVICE_COUNTS##* }
-if [ -n "$BASE" ] && sim "sim${last}_base" "$BASE" "$last"; then
-  load "sim${last}_base_b1" 1 $(( 512 * last )) 32
-  load "sim${last}_base_b32" 32 $(( 32 * last )) 16
-  stop_daemon "sim${last}_base"
-fi
-
-# --- 5. 80 % of the peak, open loop
-if sim "sim${last}_80" "$BIN" "$last"; then
-  for b in 1 32; do
-    rate=$(python3 -c "import json; print(0.8 * json.load(open('$DETAILS/load_sim${last}_b$b.json'))['requests_per_s'])" 2>/dev/null)
-    [ -n "$rate" ] && load "sim${last}_80_b$b" "$b" $(( b == 1 ? 4096 : 512 )) 32 --rate "$rate"
-  done
-  stop_daemon "sim${last}_80"
-fi
-
-# --- the table
-python3 - "$DETAILS" "$OUT" "$COMMIT" "$DEVICE_COUNTS" <<'PY'
-import json, os, sys
-details, out, commit, counts = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
-def get(name):
-    try:
-        return json.load(open(f"{details}/load_{name}.json"))
-    except OSError:
-        return None
-def cpu(name):
-    try:
-        groups = json.load(open(f"{details}/cpu_{name}.json"))["groups"]
-    except (OSError, KeyError, ValueError):
-        return ""
-    parts = []
-    for proc in ("daemon", "daemon/child", "loadgen"):
-        mine = [g for g in groups if g["process"] == proc]
-        if not mine:
-            continue
-        total = sum(g["cores"] for g in mine)
-        top = sorted(mine, key=lambda g: -g["cores"])[:4]
-        label = "workers" if proc == "daemon/child" else proc
-        parts.append(f"{label} {total:.1f} (" + ", ".join(
-            f"{g['threads']}×{g['thread_count']} {g['cores']:.2f}" for g in top) + ")")
-    return "; ".join(parts)
-rows, results = [], {}
-def row(label, name, base=None):
-    r = get(name)
-    if r is None:
-        rows.append(f"| {label} | missing | | | | | |")
-        return
-    results[name] = {k: r.get(k) for k in ("texts_per_s", "requests_per_s", "ok", "requests", "errors", "latency_us", "rate")}
-    extra = ""
-    if base is not None:
-        extra = f"{r['texts_per_s'] / base:.2f}"
-    errs = sum(r.get("errors", {}).values())
-    rows.append(f"| {label} | {r['texts_per_s']:,.0f} | {extra} | {r['latency_us']['p50']:,} | {r['latency_us']['p99']:,} | "
-                f"{r['ok']:,} ok, {errs} errors | {cpu(name)} |")
-lines = [f"# Scaling with devices (issue 35), commit {commit}", "",
-         "| load | texts/s | × (see section) | p50 µs | p99 µs | replies | CPU cores by thread group |",
-         "|---|---|---|---|---|---|---|"]
-sections = []
-w1 = get("gpu_w1_b32")
-for w in ("1", "2", "4"):
-    if get(f"gpu_w{w}_b32"):
-        row(f"real GPU, workers_per_gpu {w}, 32 texts/req (× workers_per_gpu 1)", f"gpu_w{w}_b32", w1 and w1["texts_per_s"])
-if get("gpu_w4_fault"):
-    row("real GPU, 4 workers, one killed (window around the fault)", "gpu_w4_fault", w1 and w1["texts_per_s"])
-for b in ("cur", "base"):
-    for t in ("b1", "b32"):
-        if get(f"zero_{b}_{t}"):
-            cur = get(f"zero_cur_{t}")
-            row(f"zero-time, 8 devices, {t[1:]} text{"" if t == "b1" else "s"}/req, {'current' if b == 'cur' else 'baseline'} (× current)", f"zero_{b}_{t}",
-                cur and cur["texts_per_s"])
-for t in ("b1", "b32"):
-    one = get(f"sim1_{t}")
-    for n in counts:
-        if get(f"sim{n}_{t}"):
-            row(f"simulated H200 ×{n}, {t[1:]} text{"" if t == "b1" else "s"}/req (× one device; efficiency = ×/{n})", f"sim{n}_{t}", one and one["texts_per_s"])
-    last = counts[-1]
-    if get(f"sim{last}_base_{t}"):
-        row(f"simulated H200 ×{last}, {t[1:]} text{"" if t == "b1" else "s"}/req, baseline (× one device, current)", f"sim{last}_base_{t}", one and one["texts_per_s"])
-    if get(f"sim{last}_80_{t}"):
-        r = get(f"sim{last}_80_{t}")
-        row(f"simulated H200 ×{last}, {t[1:]} text{"" if t == "b1" else "s"}/req, open loop at {r.get('rate', 0):,.0f} req/s (80 %)", f"sim{last}_80_{t}")
-try:
-    fault = json.load(open(f"{details}/fault.json"))
-    lines_fault = [f"", f"Killed worker back ({fault['state']}) {fault['back_s']} s after the kill."]
-    results["fault"] = fault
-except OSError:
-    lines_fault = []
-open(f"{out}/scale-devices.md", "w").write("\n".join(lines + rows + lines_fault) + "\n")
-json.dump(results, open(f"{out}/scale-devices.json", "w"), indent=1)
-print("\n".join(lines + rows + lines_fault))
-PY
-tar -C "$WORK" -czf "$OUT/details.tar.gz" details
+table
+TABLED=1
 log "done"
 exit "$FAILED"
