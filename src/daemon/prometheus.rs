@@ -414,7 +414,7 @@ fn eager_and_queues(o: &mut DescriptorEncoder, s: &Stats) -> fmt::Result {
     family(
         o,
         "shard_queue_depth",
-        "Requests with items waiting for a graph, per batcher shard (batching.shards).",
+        "Requests with items waiting for a graph, per batcher shard.",
         s.queue_depth
             .by_shard
             .iter()
