@@ -142,13 +142,13 @@ for t in ("b1", "b32"):
     one = get(f"sim1_{t}")
     for n in counts:
         if get(f"sim{n}_{t}"):
-            row(f"simulated H200 ×{n}, {texts(t)}/req (× one device; efficiency = ×/{n})", f"sim{n}_{t}", one and one["texts_per_s"])
+            row(f"simulated GPU ×{n}, {texts(t)}/req (× one device; efficiency = ×/{n})", f"sim{n}_{t}", one and one["texts_per_s"])
     last = counts[-1]
     if get(f"sim{last}_base_{t}"):
-        row(f"simulated H200 ×{last}, {texts(t)}/req, baseline (× one device, current)", f"sim{last}_base_{t}", one and one["texts_per_s"])
+        row(f"simulated GPU ×{last}, {texts(t)}/req, baseline (× one device, current)", f"sim{last}_base_{t}", one and one["texts_per_s"])
     if get(f"sim{last}_80_{t}"):
         r = get(f"sim{last}_80_{t}")
-        row(f"simulated H200 ×{last}, {texts(t)}/req, open loop at {r.get('rate', 0):,.0f} req/s (80 %)", f"sim{last}_80_{t}")
+        row(f"simulated GPU ×{last}, {texts(t)}/req, open loop at {r.get('rate', 0):,.0f} req/s (80 %)", f"sim{last}_80_{t}")
 try:
     fault = json.load(open(f"{details}/fault.json"))
     lines_fault = [f"", f"Killed worker back ({fault['state']}) {fault['back_s']} s after the kill."]
