@@ -3,7 +3,7 @@
 ptxas itself, on a machine without a GPU.
 
 Compiles kernels/ as the backend does (the files in the order of
-`KERNEL_FILES` in src/backend/cuda/kernels.rs, one translation unit) with
+`KERNEL_FILES` in src/backend/cuda/kernel_sources.rs, one translation unit) with
 the NVRTC that scripts/dev/install-nvrtc.sh puts in .nvrtc/, with `-Xptxas=-v`,
 and prints one line per entry point whose name contains one of the given
 words (all of them without words). The whole compile takes a few minutes.
@@ -20,10 +20,10 @@ LIB = os.path.join(REPO, ".nvrtc", "nvidia", "cu13", "lib")
 
 
 def sources():
-    rs = open(os.path.join(REPO, "src", "backend", "cuda", "kernels.rs")).read()
+    rs = open(os.path.join(REPO, "src", "backend", "cuda", "kernel_sources.rs")).read()
     start = rs.index("pub const KERNEL_FILES")
     table = rs[start:rs.index("];", start)]
-    files = re.findall(r'include_str!\("\.\./\.\./\.\./kernels/([^"]+)"\)', table)
+    files = re.findall(r'^\s*"([^"]+\.cuh?)",', table, re.M)
     return "".join(f'#line 1 "{f}"\n' + open(os.path.join(REPO, "kernels", f)).read() + "\n" for f in files)
 
 
