@@ -4,7 +4,7 @@
 // (and 256: the band kernels).
 //
 // One block of 4 warps per (64 queries, head, batch); each warp owns 16 query
-// rows. Keys and values stream through shared memory TC_KB(D) at a time, two
+// rows (the `_q128` kernels: 128 queries, two 16-row tiles a warp). Keys and values stream through shared memory TC_KB(D) at a time, two
 // blocks in flight (cp.async, so the next block's loads overlap this one's
 // products); scores S = Q.K^T and the output O += P.V use
 // mma.sync.m16n8k16 (row.col), with the online softmax of FlashAttention-2:
@@ -106,44 +106,51 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return y;
 }
 
-// One head of one tile of at most TC_QT queries against the `seq` keys of
-// their sequence. `base` is the sequence's first qkv row at this head's query
-// columns (rows `row_stride` apart, its key head at +koff, its value head at
-// +voff: +HD and +2HD for multi-head attention); `obase` the sequence's first
-// output row at this head (rows HD apart). Queries q_first .. q_end-1
-// (relative to the sequence) are this block's; with MASK, key j counts only
-// where mrow[j] != 0, and a row with no key gets zeros. With BAND, query i
-// sees only keys i - left .. i + right. GQA (the band kernels' geometry):
-// koff and voff are the caller's (else +HD and +2HD), and the head has `hd`
-// values (hd <= D, a multiple of 8): the columns past it are zeros in Q, K
-// and V (zero-filled, never read) and are not written.
+// One head of one tile of at most TC_QT · MR queries against the `seq` keys
+// of their sequence. `base` is the sequence's first qkv row at this head's
+// query columns (rows `row_stride` apart, its key head at +koff, its value
+// head at +voff: +HD and +2HD for multi-head attention); `obase` the
+// sequence's first output row at this head (rows HD apart). Queries q_first
+// .. q_end-1 (relative to the sequence) are this block's; with MASK, key j
+// counts only where mrow[j] != 0, and a row with no key gets zeros. With
+// BAND, query i sees only keys i - left .. i + right. GQA (the band kernels'
+// geometry): koff and voff are the caller's (else +HD and +2HD), and the head
+// has `hd` values (hd <= D, a multiple of 8): the columns past it are zeros in
+// Q, K and V (zero-filled, never read) and are not written.
 // KB (keys per shared-memory block) is TC_KB(D) unless the caller knows the
 // sequence is shorter (attention_tc_s16_<t>_d<D>: 16).
-template <typename T, int D, bool BIAS, bool MASK, int KB = TC_KB(D), bool BAND = false, bool GQA = false>
+// MR: 16-row query tiles per warp (1 or 2). With 2 (the `_q128` kernels, 128
+// queries a block) every K and V fragment a warp loads from shared memory
+// feeds two mma instead of one, halving the ldmatrix traffic per product, and
+// the warp has two independent chains of products and softmax to interleave.
+template <typename T, int D, bool BIAS, bool MASK, int KB = TC_KB(D), bool BAND = false, bool GQA = false,
+          int MR = 1>
 __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row_stride, int HD, int koff, int voff,
                                           int seq, int q_first, int q_end, const int* __restrict__ mrow, float scale,
                                           const T* __restrict__ brow, int radius, T* __restrict__ obase,
                                           int left = 0, int right = 0, int hd = D) {
     static_assert(KB % 16 == 0 && KB <= 64, "a key block is whole mma k-steps, its mask one 64-bit word");
+    static_assert(MR == 1 || MR == 2, "one or two row tiles a warp");
     constexpr int KS = D + TC_PAD;  // row stride of sK and sV (halves): ldmatrix rows hit distinct banks
     constexpr int ND = D / 8;       // output n-tiles
     constexpr int KD = D / 16;      // k-steps over the head
     constexpr int NK = KB / 8;      // score n-tiles per key block
     constexpr int CH = D / 8;       // 16-byte chunks per row
+    constexpr int WR = 16 * MR;     // query rows a warp
     __shared__ __align__(16) u16 sK[2][KB * KS];
     __shared__ __align__(16) u16 sV[2][KB * KS];
     __shared__ unsigned sM[2][(KB + 31) / 32];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int q0 = q_first + warp * 16;
+    const int q0 = q_first + warp * WR;
     const bool active = q0 < q_end;
     const int nblocks = (seq + KB - 1) / KB;
     // The key blocks this tile visits: all, or (BAND) those holding a key
     // that one of its queries q_first .. q_last sees.
     int kb_begin = 0, kb_end = nblocks;
     if (BAND) {
-        const int q_last = min(q_first + TC_QT, q_end) - 1;
+        const int q_last = min(q_first + TC_QT * MR, q_end) - 1;
         kb_begin = max(q_first - left, 0) / KB;
         kb_end = min(q_last + right, seq - 1) / KB + 1;
     }
@@ -185,28 +192,38 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
     // issued first: the mask's ballot in `issue` waits for the mask's loads,
     // and Q's loads issued after it would add a second memory round trip
     // before the first product (one of a (1, 16) layer's critical path).
-    unsigned qa[KD][4];
+    unsigned qa[MR][KD][4];
 #pragma unroll
-    for (int kk = 0; kk < KD; kk++)
+    for (int mr = 0; mr < MR; mr++)
 #pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int row = q0 + g + ((r & 1) ? 8 : 0);
-            const int col = kk * 16 + t4 * 2 + ((r & 2) ? 8 : 0);
-            qa[kk][r] = (row < q_end && (!GQA || col < hd))
-                            ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col)
-                            : 0u;
-        }
+        for (int kk = 0; kk < KD; kk++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int row = q0 + 16 * mr + g + ((r & 1) ? 8 : 0);
+                const int col = kk * 16 + t4 * 2 + ((r & 2) ? 8 : 0);
+                qa[mr][kk][r] = (row < q_end && (!GQA || col < hd))
+                                    ? *reinterpret_cast<const unsigned*>(base + (size_t)row * row_stride + col)
+                                    : 0u;
+            }
     // The first key blocks, while Q's loads are on their way.
     issue(kb_begin, 0);
     issue(kb_begin + 1, 1);
 
-    float o[ND][4];
+    float o[MR][ND][4];
 #pragma unroll
-    for (int i = 0; i < ND; i++)
+    for (int mr = 0; mr < MR; mr++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) o[i][e] = 0.0f;
-    float m_run[2] = {NEG_INF_F, NEG_INF_F};  // running max, log2 units
-    float l_run[2] = {0.0f, 0.0f};
+        for (int i = 0; i < ND; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[mr][i][e] = 0.0f;
+    float m_run[MR][2], l_run[MR][2];  // running max (log2 units) and sum
+#pragma unroll
+    for (int mr = 0; mr < MR; mr++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            m_run[mr][r] = NEG_INF_F;
+            l_run[mr][r] = 0.0f;
+        }
     const float scale2 = scale * TC_LOG2E;
     // This lane's ldmatrix row: matrix lane/8, row lane%8 of it.
     const int lm = lane >> 3, lr = lane & 7;
@@ -215,26 +232,32 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
         const int st = (kb - kb_begin) & 1, kb0 = kb * KB;
         cp_async_wait<1>();  // block kb has landed (kb+1 may still fly)
         __syncthreads();
-        // BAND: this warp's queries q0 .. q0+15 against keys kb0 .. kb0+KB-1.
-        const bool band_skip = BAND && (kb0 > q0 + 15 + right || kb0 + KB - 1 < q0 - left);
-        const bool band_full = !BAND || (kb0 >= q0 + 15 - left && kb0 + KB - 1 <= q0 + right);
+        // BAND: this warp's queries q0 .. q0+WR-1 against keys kb0 .. kb0+KB-1.
+        const bool band_skip = BAND && (kb0 > q0 + WR - 1 + right || kb0 + KB - 1 < q0 - left);
+        const bool band_full = !BAND || (kb0 >= q0 + WR - 1 - left && kb0 + KB - 1 <= q0 + right);
         if (active && !band_skip) {
-            // S = Q K^T: K's rows are the B fragments as stored.
-            float sc[NK][4];
+            // S = Q K^T: K's rows are the B fragments as stored, each loaded
+            // once for the warp's MR row tiles.
+            float sc[MR][NK][4];
 #pragma unroll
             for (int nt = 0; nt < NK; nt++) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) sc[nt][e] = 0.0f;
+                for (int mr = 0; mr < MR; mr++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) sc[mr][nt][e] = 0.0f;
 #pragma unroll
                 for (int kp = 0; kp < KD / 2; kp++) {
                     unsigned b[4];
                     ldsm_x4(b, &sK[st][(nt * 8 + lr) * KS + kp * 32 + lm * 8]);
-                    mma16816(sc[nt], qa[2 * kp], b[0], b[1], T());
-                    mma16816(sc[nt], qa[2 * kp + 1], b[2], b[3], T());
+#pragma unroll
+                    for (int mr = 0; mr < MR; mr++) {
+                        mma16816(sc[mr][nt], qa[mr][2 * kp], b[0], b[1], T());
+                        mma16816(sc[mr][nt], qa[mr][2 * kp + 1], b[2], b[3], T());
+                    }
                 }
             }
-            // The online softmax over rows g and g + 8 of the warp's 16, in
-            // log2 units. Without a bias the row max is taken on the raw
+            // The online softmax over rows g and g + 8 of each 16-row tile,
+            // in log2 units. Without a bias the row max is taken on the raw
             // products (the scale is positive), so scaling and subtracting the
             // max is one fma per score.
             unsigned long long live = 0;
@@ -250,79 +273,92 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
             constexpr unsigned long long all_keys = KB >= 64 ? ~0ull : ((1ull << KB) - 1);
             const bool full = (live & all_keys) == all_keys;
             const unsigned long long lt = live >> (t4 * 2);
-            float mx[2] = {NEG_INF_F, NEG_INF_F};
-#pragma unroll
-            for (int nt = 0; nt < NK; nt++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float s = sc[nt][e];
-                    if (BIAS)
-                        s = fmaf(s, scale, rel_bias(brow, radius, q0 + g + 8 * (e >> 1), kb0 + nt * 8 + t4 * 2 + (e & 1))) *
-                            TC_LOG2E;
-                    if (!full && !((lt >> (nt * 8 + (e & 1))) & 1ull)) s = NEG_INF_F;
-                    if (BAND && !band_full) {
-                        const int d = (q0 + g + 8 * (e >> 1)) - (kb0 + nt * 8 + t4 * 2 + (e & 1));
-                        if (d > left || d < -right) s = NEG_INF_F;
-                    }
-                    sc[nt][e] = s;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s);
-                }
             // s * mul - sub is the score in log2 units minus the row max.
             const float mul = BIAS ? 1.0f : scale2;
-            float alpha[2], sub[2];
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float m_new = fmaxf(m_run[r], mx[r] * mul);
-                // (Head size 256: exactly 1 where the max stays, so the
-                // rescale below can be skipped.)
-                alpha[r] = (m_new == NEG_INF_F || (D >= 256 && m_new == m_run[r])) ? 1.0f
-                                                                                  : ex2_approx(m_run[r] - m_new);
-                m_run[r] = m_new;
-                // A row with no live key yet: every p is 0 (ex2(-inf)).
-                sub[r] = (m_new == NEG_INF_F) ? 0.0f : m_new;
-            }
-            float rs[2] = {0.0f, 0.0f};
+            for (int mr = 0; mr < MR; mr++) {
+                const int qm = q0 + 16 * mr;
+                float mx[2] = {NEG_INF_F, NEG_INF_F};
 #pragma unroll
-            for (int nt = 0; nt < NK; nt++)
+                for (int nt = 0; nt < NK; nt++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int r = e >> 1;
-                    const float p = ex2_approx(fmaf(sc[nt][e], mul, -sub[r]));
-                    sc[nt][e] = p;
-                    rs[r] += p;
+                    for (int e = 0; e < 4; e++) {
+                        float s = sc[mr][nt][e];
+                        if (BIAS)
+                            s = fmaf(s, scale,
+                                     rel_bias(brow, radius, qm + g + 8 * (e >> 1), kb0 + nt * 8 + t4 * 2 + (e & 1))) *
+                                TC_LOG2E;
+                        if (!full && !((lt >> (nt * 8 + (e & 1))) & 1ull)) s = NEG_INF_F;
+                        if (BAND && !band_full) {
+                            const int d = (qm + g + 8 * (e >> 1)) - (kb0 + nt * 8 + t4 * 2 + (e & 1));
+                            if (d > left || d < -right) s = NEG_INF_F;
+                        }
+                        sc[mr][nt][e] = s;
+                        mx[e >> 1] = fmaxf(mx[e >> 1], s);
+                    }
+                float alpha[2], sub[2];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    const float m_new = fmaxf(m_run[mr][r], mx[r] * mul);
+                    // (Head size 256: exactly 1 where the max stays, so the
+                    // rescale below can be skipped.)
+                    alpha[r] = (m_new == NEG_INF_F || (D >= 256 && m_new == m_run[mr][r]))
+                                   ? 1.0f
+                                   : ex2_approx(m_run[mr][r] - m_new);
+                    m_run[mr][r] = m_new;
+                    // A row with no live key yet: every p is 0 (ex2(-inf)).
+                    sub[r] = (m_new == NEG_INF_F) ? 0.0f : m_new;
                 }
+                float rs[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int r = 0; r < 2; r++) l_run[r] = l_run[r] * alpha[r] + rs[r];
-            // Head size 256: 128 products a thread for 16 keys; skipped
-            // (warp-uniformly) where no row's max grew, as multiplying by
-            // 1 changes nothing.
-            if (D < 256 || __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+                for (int nt = 0; nt < NK; nt++)
 #pragma unroll
-                for (int i = 0; i < ND; i++) {
-                    o[i][0] *= alpha[0];
-                    o[i][1] *= alpha[0];
-                    o[i][2] *= alpha[1];
-                    o[i][3] *= alpha[1];
+                    for (int e = 0; e < 4; e++) {
+                        const int r = e >> 1;
+                        const float p = ex2_approx(fmaf(sc[mr][nt][e], mul, -sub[r]));
+                        sc[mr][nt][e] = p;
+                        rs[r] += p;
+                    }
+#pragma unroll
+                for (int r = 0; r < 2; r++) l_run[mr][r] = l_run[mr][r] * alpha[r] + rs[r];
+                // Head size 256: 128 products a thread for 16 keys; skipped
+                // (warp-uniformly) where no row's max grew, as multiplying by
+                // 1 changes nothing.
+                if (D < 256 || __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+                    for (int i = 0; i < ND; i++) {
+                        o[mr][i][0] *= alpha[0];
+                        o[mr][i][1] *= alpha[0];
+                        o[mr][i][2] *= alpha[1];
+                        o[mr][i][3] *= alpha[1];
+                    }
                 }
             }
             // O += P V: the score fragments of key tiles 2ks and 2ks+1 form
             // the A operand; ldmatrix.trans turns V's rows into B fragments
-            // (matrices: keys +0..7 and +8..15, for d-tiles nd and nd+1).
+            // (matrices: keys +0..7 and +8..15, for d-tiles nd and nd+1),
+            // each loaded once for the warp's MR row tiles.
 #pragma unroll
             for (int ks = 0; ks < KB / 16; ks++) {
-                unsigned pa[4];
-                pa[0] = pack2<T>(sc[2 * ks][0], sc[2 * ks][1]);
-                pa[1] = pack2<T>(sc[2 * ks][2], sc[2 * ks][3]);
-                pa[2] = pack2<T>(sc[2 * ks + 1][0], sc[2 * ks + 1][1]);
-                pa[3] = pack2<T>(sc[2 * ks + 1][2], sc[2 * ks + 1][3]);
+                unsigned pa[MR][4];
+#pragma unroll
+                for (int mr = 0; mr < MR; mr++) {
+                    pa[mr][0] = pack2<T>(sc[mr][2 * ks][0], sc[mr][2 * ks][1]);
+                    pa[mr][1] = pack2<T>(sc[mr][2 * ks][2], sc[mr][2 * ks][3]);
+                    pa[mr][2] = pack2<T>(sc[mr][2 * ks + 1][0], sc[mr][2 * ks + 1][1]);
+                    pa[mr][3] = pack2<T>(sc[mr][2 * ks + 1][2], sc[mr][2 * ks + 1][3]);
+                }
 #pragma unroll
                 for (int nd = 0; nd < ND; nd += 2) {
                     unsigned b[4];
                     ldsm_x4_t(b, &sV[st][(ks * 16 + (lm & 1) * 8 + lr) * KS + (nd + (lm >> 1)) * 8]);
-                    mma16816(o[nd], pa, b[0], b[1], T());
-                    mma16816(o[nd + 1], pa, b[2], b[3], T());
+#pragma unroll
+                    for (int mr = 0; mr < MR; mr++) {
+                        mma16816(o[mr][nd], pa[mr], b[0], b[1], T());
+                        mma16816(o[mr][nd + 1], pa[mr], b[2], b[3], T());
+                    }
                 }
             }
         }
@@ -332,20 +368,24 @@ __device__ __forceinline__ void tc_attend(const T* __restrict__ base, size_t row
     cp_async_wait<0>();
     if (!active) return;
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
+    for (int mr = 0; mr < MR; mr++) {
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int row = q0 + g + 8 * r;
-        if (row >= q_end) continue;
-        const float inv = l_run[r] > 0.0f ? 1.0f / l_run[r] : 0.0f;
-        T* orow = obase + (size_t)row * HD;
+        for (int r = 0; r < 2; r++) {
+            l_run[mr][r] += __shfl_xor_sync(0xffffffffu, l_run[mr][r], 1);
+            l_run[mr][r] += __shfl_xor_sync(0xffffffffu, l_run[mr][r], 2);
+        }
 #pragma unroll
-        for (int nd = 0; nd < ND; nd++) {
-            if (GQA && nd * 8 >= hd) break;
-            *reinterpret_cast<unsigned*>(orow + nd * 8 + t4 * 2) = pack2<T>(o[nd][2 * r] * inv, o[nd][2 * r + 1] * inv);
+        for (int r = 0; r < 2; r++) {
+            const int row = q0 + 16 * mr + g + 8 * r;
+            if (row >= q_end) continue;
+            const float inv = l_run[mr][r] > 0.0f ? 1.0f / l_run[mr][r] : 0.0f;
+            T* orow = obase + (size_t)row * HD;
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+                if (GQA && nd * 8 >= hd) break;
+                *reinterpret_cast<unsigned*>(orow + nd * 8 + t4 * 2) =
+                    pack2<T>(o[mr][nd][2 * r] * inv, o[mr][nd][2 * r + 1] * inv);
+            }
         }
     }
 }
@@ -370,7 +410,7 @@ __device__ __forceinline__ void tc_kv_offsets(int h, int heads, int kv_heads, in
     }
 }
 
-template <typename T, int D, bool BIAS, int KB = TC_KB(D), bool BAND = false, bool GQA = false>
+template <typename T, int D, bool BIAS, int KB = TC_KB(D), bool BAND = false, bool GQA = false, int MR = 1>
 __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, const int* __restrict__ mask,
                                                   T* __restrict__ out, int seq, int heads, float scale,
                                                   const T* __restrict__ pbias, int radius, int kv_heads = 0,
@@ -383,7 +423,7 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
     tc_kv_offsets<D, GQA>(h, heads, kv_heads, hd, koff, voff, row_stride);
     const T* base = qkv + (size_t)b * seq * row_stride + (size_t)h * hd;
     const T* brow = BIAS ? pbias + (size_t)h * (2 * radius + 1) : nullptr;
-    tc_attend<T, D, BIAS, true, KB, BAND, GQA>(base, row_stride, HD, koff, voff, seq, blockIdx.x * TC_QT, seq,
+    tc_attend<T, D, BIAS, true, KB, BAND, GQA, MR>(base, row_stride, HD, koff, voff, seq, blockIdx.x * TC_QT * MR, seq,
                                                mask + (size_t)b * seq, scale, brow, radius,
                                                out + (size_t)b * seq * HD + (size_t)h * hd, left, right, hd);
 }
@@ -438,6 +478,16 @@ __device__ __forceinline__ void attention_tc_impl(const T* __restrict__ qkv, con
         attention_tc_impl<T, D, true, 16>(qkv, mask, out, seq, heads, scale, pbias, radius);                      \
     }
 
+// attention_tc_q128_<t>_d<D> (head sizes 32 and 64): two 16-row tiles a
+// warp, 128 queries a block (tc_attend's MR = 2), for longer sequences.
+#define TC_Q128_MIN_BLOCKS(D) ((D) == 32 ? 3 : 2)
+#define ATTENTION_TC_Q128_KERNEL(T, SUF, D)                                                                       \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_Q128_MIN_BLOCKS(D))                               \
+        attention_tc_q128_##SUF##_d##D(const T* qkv, const int* mask, T* out, int seq, int heads, float scale) {  \
+        pdl_enter();                                                                                              \
+        attention_tc_impl<T, D, false, TC_KB(D), false, false, 2>(qkv, mask, out, seq, heads, scale, nullptr, 0); \
+    }
+
 ATTENTION_TC_KERNEL(f16_t, f16, 32)
 ATTENTION_TC_KERNEL(f16_t, f16, 64)
 ATTENTION_TC_KERNEL(f16_t, f16, 128)
@@ -452,6 +502,10 @@ ATTENTION_TC_BAND_KERNEL(bf16_t, bf16, 32)
 ATTENTION_TC_BAND_KERNEL(bf16_t, bf16, 64)
 ATTENTION_TC_BAND_KERNEL(bf16_t, bf16, 128)
 ATTENTION_TC_BAND_KERNEL(bf16_t, bf16, 256)
+ATTENTION_TC_Q128_KERNEL(f16_t, f16, 32)
+ATTENTION_TC_Q128_KERNEL(f16_t, f16, 64)
+ATTENTION_TC_Q128_KERNEL(bf16_t, bf16, 32)
+ATTENTION_TC_Q128_KERNEL(bf16_t, bf16, 64)
 ATTENTION_TC_S16_KERNEL(f16_t, f16, 32)
 ATTENTION_TC_S16_KERNEL(f16_t, f16, 64)
 ATTENTION_TC_S16_KERNEL(bf16_t, bf16, 32)

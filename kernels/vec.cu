@@ -119,7 +119,8 @@ __device__ __forceinline__ void lnv_finish_pre(float (&v)[LNV_J][4], int hidden,
 }
 
 // out = LayerNorm(x + residual), `rows` rows; `out` may alias `residual`
-// (each value is read by the lane that later writes it).
+// (each value is read by the lane that later writes it). A null residual:
+// LayerNorm(x) (the matmul before it added the residual: mm_residual).
 template <typename T>
 __device__ __forceinline__ void add_ln_vec_impl(const T* __restrict__ x, const T* residual,
                                                 const T* __restrict__ gamma, const T* __restrict__ beta, float eps,
@@ -134,9 +135,9 @@ __device__ __forceinline__ void add_ln_vec_impl(const T* __restrict__ x, const T
     for (int j = 0; j < LNV_J; j++) {
         const int qi = lane + 32 * j;
         if (qi < nv) {
-            float a[4], b[4];
+            float a[4], b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             ld4(x + base + 4 * qi, a);
-            ld4(residual + base + 4 * qi, b);
+            if (residual != 0) ld4(residual + base + 4 * qi, b);
 #pragma unroll
             for (int e = 0; e < 4; e++) v[j][e] = a[e] + b[e];
         } else {

@@ -49,11 +49,20 @@ pub enum KernelPath {
     PollOutput,
     /// Padded sequences of at most 16 tokens on the 16-key-block attention.
     AttnS16,
+    /// Padded sequences of at least 128 tokens on the 128-query-block
+    /// attention (two 16-row tiles a warp; head sizes 32 and 64).
+    AttnQ128,
+    /// A cuBLASLt Linear followed by an AddLayerNorm adds the residual in
+    /// the matmul (its C operand), so the LayerNorm reads one operand.
+    MmResidual,
+    /// Mean, max and sum pooling of sequences longer than 32 tokens over
+    /// several blocks a sequence (`pool_split`) instead of one.
+    PoolSplit,
 }
 
 impl KernelPath {
     /// Every path, in the order `--help` and the logs list them.
-    pub const ALL: [KernelPath; 12] = [
+    pub const ALL: [KernelPath; 15] = [
         KernelPath::TcAttention,
         KernelPath::Skinny,
         KernelPath::LnVec,
@@ -66,6 +75,9 @@ impl KernelPath {
         KernelPath::InlineInput,
         KernelPath::PollOutput,
         KernelPath::AttnS16,
+        KernelPath::AttnQ128,
+        KernelPath::MmResidual,
+        KernelPath::PoolSplit,
     ];
 
     /// The paths the small-shape work added (vectorised LayerNorm and
@@ -97,6 +109,9 @@ impl KernelPath {
             KernelPath::InlineInput => "inline_input",
             KernelPath::PollOutput => "poll_output",
             KernelPath::AttnS16 => "attn_s16",
+            KernelPath::AttnQ128 => "attn_q128",
+            KernelPath::MmResidual => "mm_residual",
+            KernelPath::PoolSplit => "pool_split",
         }
     }
 

@@ -32,6 +32,8 @@ pub const KERNEL_FILES: &[(&str, &str)] = kernel_files![
     // Vectorised LayerNorm / element-wise kernels (after skinny.cu and
     // attention_tc.cu, whose helpers they use).
     "vec.cu",
+    // Pooling of long sequences over several blocks (vec.cu's 8-wide loads).
+    "pool_split.cu",
     // Linears of few rows with their epilogues (attention_tc.cu's mma,
     // vec.cu's vector loads).
     "gemm_small.cu",

@@ -59,6 +59,10 @@ pub const ATTENTION_BAND_DMAX: &[usize] = &[128, 256];
 /// (`attention_tc_s16_<t>_d<N>`, plan::ATTN_S16_MAX_SEQ).
 pub const ATTENTION_TC_S16_HEAD_DIMS: &[usize] = &[32, 64];
 
+/// Head sizes with a 128-query tensor-core attention kernel
+/// (`attention_tc_q128_<t>_d<D>`: two 16-row tiles a warp).
+pub const ATTENTION_TC_Q128_HEAD_DIMS: &[usize] = &[32, 64];
+
 /// `<input>_<output>` storage-type pairs of `bias_act_<in>_<out>`.
 pub const BIAS_ACT_PAIRS: &[&str] = &[
     "f32_f32",
@@ -97,6 +101,11 @@ const ENTRY_POINTS: &[(&str, &[&str], &[usize])] = &[
         HALF,
         ATTENTION_TC_S16_HEAD_DIMS,
     ),
+    (
+        "attention_tc_q128_{t}_d{d}",
+        HALF,
+        ATTENTION_TC_Q128_HEAD_DIMS,
+    ),
     // Packed batches: embed_packed.cu, pool_packed.cu, attention_varlen.cu
     ("embed_ln_packed_{t}", DTYPE_SUFFIXES, &[]),
     ("pool_packed_{t}", DTYPE_SUFFIXES, &[]),
@@ -112,6 +121,9 @@ const ENTRY_POINTS: &[(&str, &[&str], &[usize])] = &[
     ("gemm_small_{t}", HALF, &[]),
     ("pool_ln_{t}", HALF, &[]),
     ("pool_packed_ln_{t}", HALF, &[]),
+    // Pooling of long sequences over several blocks (pool_split.cu)
+    ("pool_split_{t}", DTYPE_SUFFIXES, &[]),
+    ("pool_split_packed_{t}", DTYPE_SUFFIXES, &[]),
     // The encoder families: XLM-R / MPNet position ids (embed_pos.cu), a
     // `Normalize` after a `Dense` module (rownorm.cu), pooling that skips a
     // prompt, and MPNet's relative attention bias in every attention kernel

@@ -77,9 +77,26 @@ fn enqueue_one(
             .result()
             .cu("kernel launch (programmatic)")
         }
-        Resolved::Matmul { plan, w, x, out } => {
+        Resolved::Matmul {
+            plan,
+            w,
+            x,
+            residual,
+            out,
+        } => {
             // SAFETY: extents checked by the planner; the workspace belongs to this stream.
-            unsafe { matmul.run(plan, *w, *x, *out, workspace, workspace_bytes, stream) }
+            unsafe {
+                matmul.run(
+                    plan,
+                    *w,
+                    *x,
+                    *residual,
+                    *out,
+                    workspace,
+                    workspace_bytes,
+                    stream,
+                )
+            }
         }
     }
 }
@@ -107,12 +124,13 @@ pub fn label(s: &Resolved) -> String {
         Resolved::Matmul { plan, .. } => {
             let sh = plan.shape;
             format!(
-                "cublasLt {} m{} n{} k{} {:?}",
+                "cublasLt {} m{} n{} k{} {:?}{}",
                 suffix(sh.dtype),
                 sh.m,
                 sh.n,
                 sh.k,
-                sh.epilogue
+                sh.epilogue,
+                if sh.accumulate { "+C" } else { "" }
             )
         }
     }

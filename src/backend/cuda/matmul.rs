@@ -100,6 +100,10 @@ pub struct MatmulShape {
     pub epilogue: Epilogue,
     /// f32 only: TF32 tensor cores.
     pub tf32: bool,
+    /// `out = product + epilogue + c` (cuBLASLt's C, β = 1; C has D's
+    /// layout): the residual of the AddLayerNorm that follows, added here
+    /// so that the LayerNorm reads one operand instead of two.
+    pub accumulate: bool,
 }
 
 fn data_type(d: DType) -> Result<sys::cudaDataType_t, BackendError> {
@@ -329,8 +333,13 @@ impl Matmul {
         let mut count: i32 = 0;
         let what = || {
             format!(
-                "cublasLtMatmulAlgoGetHeuristic for {:?} {}x{}x{} {:?}",
-                shape.dtype, shape.m, shape.n, shape.k, shape.epilogue
+                "cublasLtMatmulAlgoGetHeuristic for {:?} {}x{}x{} {:?}{}",
+                shape.dtype,
+                shape.m,
+                shape.n,
+                shape.k,
+                shape.epilogue,
+                if shape.accumulate { " + C" } else { "" }
             )
         };
         // SAFETY: all handles are live; `results` holds TUNE_CANDIDATES entries.
@@ -402,7 +411,8 @@ impl Matmul {
     }
 
     /// Enqueues `d = epilogue(w · x + bias)` on `stream` (see the module docs
-    /// for the layout). Pointers are device addresses, 256-byte aligned.
+    /// for the layout), plus `c` where the shape accumulates (`c` is
+    /// ignored otherwise). Pointers are device addresses, 256-byte aligned.
     ///
     /// # Safety
     /// The pointers (and the plan's bias) must be valid for the plan's shape
@@ -414,13 +424,18 @@ impl Matmul {
         plan: &MatmulPlan,
         w: u64,
         x: u64,
+        c: u64,
         d: u64,
         workspace: u64,
         workspace_bytes: usize,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<(), BackendError> {
         let alpha: f32 = 1.0;
-        let beta: f32 = 0.0;
+        let (beta, c): (f32, u64) = if plan.shape.accumulate {
+            (1.0, c)
+        } else {
+            (0.0, d)
+        };
         lt::matmul(
             self.handle,
             plan.desc,
@@ -430,7 +445,7 @@ impl Matmul {
             plan.a,
             x as *const c_void,
             plan.b,
-            d as *const c_void,
+            c as *const c_void,
             plan.d,
             d as *mut c_void,
             plan.d,
@@ -458,10 +473,29 @@ impl Matmul {
         use super::error::DriverResultExt;
         const RUNS: usize = 5;
         let ev = super::timing::Events::new(2).cu("cuEventCreate")?;
-        self.run(plan, t.w, t.x, t.d, t.workspace, workspace_bytes, t.stream)?;
+        // (An accumulating plan adds the output to itself: timing only.)
+        self.run(
+            plan,
+            t.w,
+            t.x,
+            t.d,
+            t.d,
+            t.workspace,
+            workspace_bytes,
+            t.stream,
+        )?;
         ev.record(0, t.stream).cu("cuEventRecord")?;
         for _ in 0..RUNS {
-            self.run(plan, t.w, t.x, t.d, t.workspace, workspace_bytes, t.stream)?;
+            self.run(
+                plan,
+                t.w,
+                t.x,
+                t.d,
+                t.d,
+                t.workspace,
+                workspace_bytes,
+                t.stream,
+            )?;
         }
         ev.record(1, t.stream).cu("cuEventRecord")?;
         Ok(ev.elapsed_ms(0, 1).cu("cuEventElapsedTime")? / RUNS as f32)

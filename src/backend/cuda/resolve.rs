@@ -66,6 +66,8 @@ pub enum Resolved {
         plan: Arc<MatmulPlan>,
         w: u64,
         x: u64,
+        /// C of an accumulating plan (0 otherwise).
+        residual: u64,
         out: u64,
     },
 }
@@ -126,8 +128,10 @@ pub fn resolve(
                 x,
                 out,
                 bias,
+                residual,
             } => {
                 let bias_addr = bias.map(|b| bases.addr(b));
+                let residual = residual.map_or(0, |r| bases.addr(r));
                 let tune_args = tune.map(|(ws, stream)| TuneArgs {
                     w: bases.addr(*w),
                     x: bases.addr(*x),
@@ -140,6 +144,7 @@ pub fn resolve(
                         plan: p,
                         w: bases.addr(*w),
                         x: bases.addr(*x),
+                        residual,
                         out: bases.addr(*out),
                     },
                     // No algorithm for this epilogue: plain matmul, then bias
@@ -161,6 +166,7 @@ pub fn resolve(
                             plan: matmul.plan(plain, None, workspace_bytes, tune_args)?,
                             w: bases.addr(*w),
                             x: bases.addr(*x),
+                            residual,
                             out: bases.addr(*out),
                         });
                         let name = format!("bias_act_{0}_{0}", suffix(shape.dtype));

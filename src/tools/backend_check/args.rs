@@ -61,7 +61,8 @@ pub struct BackendCheckArgs {
     /// Kernel paths to switch off for the whole run (comma-separated), in
     /// addition to the config's `[devices] kernel_paths_off`: tc_attention,
     /// skinny, ln_vec, ew_vec, gemm_small, ln_defer, pdl, staged_io,
-    /// stage_fold, inline_input, poll_output, attn_s16.
+    /// stage_fold, inline_input, poll_output, attn_s16, attn_q128,
+    /// mm_residual, pool_split.
     #[arg(long, value_delimiter = ',')]
     pub paths_off: Vec<KernelPath>,
     /// Kernel paths to measure against: each bucket whose plan they change

@@ -22,7 +22,8 @@ use super::planner::Planner;
 use super::INT_INPUT_ALIGN;
 use super::{suffix, Arg, Loc, TileTable};
 use crate::backend::cuda::kernels::{
-    ATTENTION_DMAX, ATTENTION_TC_BAND_HEAD_DIMS, ATTENTION_TC_HEAD_DIMS, ATTENTION_TC_S16_HEAD_DIMS,
+    ATTENTION_DMAX, ATTENTION_TC_BAND_HEAD_DIMS, ATTENTION_TC_HEAD_DIMS,
+    ATTENTION_TC_Q128_HEAD_DIMS, ATTENTION_TC_S16_HEAD_DIMS,
 };
 use crate::backend::cuda::mem::align_up;
 use crate::backend::BackendError;
@@ -50,6 +51,9 @@ pub const TILE_ENTRY: usize = 4;
 /// The longest padded sequence that takes `attention_tc_s16`
 /// ([`KernelPath::AttnS16`]).
 pub const ATTN_S16_MAX_SEQ: usize = 16;
+/// The shortest padded sequence that takes `attention_tc_q128` (128
+/// queries a block, [`KernelPath::AttnQ128`]).
+pub const ATTN_Q128_MIN_SEQ: usize = 128;
 
 /// Whether `op` takes the band kernels: grouped-query heads, the causal
 /// mask, or a head size over 128 (EmbeddingGemma's 256).
@@ -200,6 +204,15 @@ impl Planner<'_> {
         };
         // The grid: a padded batch's (query tiles, heads, rows); a packed
         // one's tiles × heads, each block reading its tile from the table.
+        // Long padded sequences (no bias, band or window): 128 queries a
+        // block, two 16-row tiles a warp.
+        let q128 = tensor_cores
+            && !band
+            && op.window.is_none()
+            && op.bias.is_none()
+            && self.on(KernelPath::AttnQ128)
+            && matches!(seqs, Seqs::Padded { seq, .. } if seq >= ATTN_Q128_MIN_SEQ)
+            && ATTENTION_TC_Q128_HEAD_DIMS.contains(&head_dim);
         let grid = match seqs {
             Seqs::Padded { batch, seq, .. } => {
                 if batch > 65535 || heads > 65535 {
@@ -207,7 +220,11 @@ impl Planner<'_> {
                         "{what}: batch {batch} x heads {heads}"
                     )));
                 }
-                let qt = if tensor_cores { TC_QT } else { ATT_QT };
+                let qt = match (tensor_cores, q128) {
+                    (true, true) => 2 * TC_QT,
+                    (true, false) => TC_QT,
+                    (false, _) => ATT_QT,
+                };
                 (seq.div_ceil(qt) as u32, heads as u32, batch as u32)
             }
             Seqs::Packed { tokens, seqs, .. } => {
@@ -308,7 +325,11 @@ impl Planner<'_> {
                 && self.on(KernelPath::AttnS16)
                 && max_len <= ATTN_S16_MAX_SEQ
                 && ATTENTION_TC_S16_HEAD_DIMS.contains(&head_dim);
-            let s16 = if s16 { "_s16" } else { "" };
+            let s16 = match (s16, q128) {
+                (true, _) => "_s16",
+                (false, true) => "_q128",
+                (false, false) => "",
+            };
             (
                 format!("attention{variant}_tc{tag}{s16}_{ts}_d{dmax}"),
                 TC_THREADS,
@@ -647,7 +668,7 @@ mod tests {
         let (p, w) = packed_bert_dims(64, 4, 64, 384, 12, 1536);
         let plan = planned(&p, &w, DType::F32, LIMITS);
         assert_eq!(
-            kernel(&plan, "pool_packed_f32").4[2],
+            kernel(&plan, "pool_split_packed_f32").4[3],
             Arg::Ptr(Loc::Output(0))
         );
     }

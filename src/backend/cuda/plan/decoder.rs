@@ -723,7 +723,7 @@ mod tests {
         want.extend(layer[..].iter().map(|s| s.to_string()));
         want[10] = "rms_norm_bf16".into();
         want.push("rms_norm_bf16".into()); // post-norm + Add + final norm
-        want.push("pool_bf16".into());
+        want.push("pool_split_bf16".into()); // 512 tokens over 16 blocks
         let names = plan.step_names();
         assert_eq!(names, want);
         let a = arena(&p, DType::BF16);

@@ -6,7 +6,7 @@
 //! tensor cores) for an encoder's; the rest go to cuBLASLt, its bias
 //! epilogue, and `bias_act` for an activation it lacks.
 
-use super::norms::ln_vec_fits;
+use super::norms::{ln_vec_fits, LNV_WARPS};
 use super::planner::{DeferredLn, Planner};
 use super::pooling::POOL_LN_MAX_HIDDEN;
 use super::{act_code, dead_after, suffix, Arg, Loc, Step};
@@ -123,6 +123,15 @@ impl Planner<'_> {
             LinearKernel::CublasLt => {}
         }
         let (epilogue, post) = split_activation(act, bias.is_some());
+        // The AddLayerNorm after it, whose residual cuBLASLt can add as C:
+        // the LayerNorm then reads one operand ([`KernelPath::MmResidual`]).
+        let residual_ln = (self.on(KernelPath::MmResidual)
+            && self.on(KernelPath::LnVec)
+            && ln_vec_fits(n)
+            && out_t == t
+            && post.is_none())
+        .then(|| self.add_ln_after(idx, act, out, m, n))
+        .flatten();
         let shape = MatmulShape {
             dtype: t,
             m,
@@ -130,7 +139,35 @@ impl Planner<'_> {
             k,
             epilogue,
             tf32: self.tf32 && t == DType::F32,
+            accumulate: residual_ln.is_some(),
         };
+        if let Some(ln) = residual_ln {
+            let o = self.locs[&out];
+            self.steps.push(Step::Matmul {
+                shape,
+                w: Loc::Weight(w),
+                x: x_l,
+                out: o,
+                bias: bias.map(Loc::Weight),
+                residual: Some(self.locs[&ln.residual]),
+            });
+            let rows = u32::try_from(m.div_ceil(LNV_WARPS)).map_err(|_| {
+                BackendError::Unsupported(format!("op {} (AddLayerNorm): {m} rows", idx + 1))
+            })?;
+            let args = vec![
+                Arg::Ptr(o),
+                Arg::Null, // the residual is in o already
+                Arg::Ptr(Loc::Weight(ln.gamma)),
+                Arg::Ptr(Loc::Weight(ln.beta)),
+                Arg::F32(ln.eps),
+                Arg::Ptr(self.locs[&ln.out]),
+                Arg::I32(m as i32),
+                Arg::I32(n as i32),
+            ];
+            let name = format!("add_ln_vec_{}", suffix(t));
+            self.kernel(name, (rows, 1, 1), (32 * LNV_WARPS) as u32, 0, args);
+            return Ok(2);
+        }
         // An output of another type: the product into scratch, then a cast
         // (with the activation cuBLASLt's epilogue did not apply).
         let product = if out_t == t {
@@ -144,6 +181,7 @@ impl Planner<'_> {
             x: x_l,
             out: product,
             bias: bias.map(Loc::Weight),
+            residual: None,
         });
         if out_t != t || post.is_some() {
             let o = self.locs[&out];

@@ -245,6 +245,8 @@ pub enum Step {
         x: Loc,
         out: Loc,
         bias: Option<Loc>,
+        /// Added to the product (`shape.accumulate`): cuBLASLt's C with β = 1.
+        residual: Option<Loc>,
     },
 }
 

@@ -199,7 +199,7 @@ mod tests {
                 "bias_act_f16_f16", // exact GELU
                 "mm",
                 "add_ln_f16",
-                "pool_packed_f16",
+                "pool_split_packed_f16",
             ]
         );
         assert_eq!(
@@ -264,7 +264,32 @@ mod tests {
                 Arg::I32(1024),
             ]
         );
-        let (_, grid, block, smem, args) = kernel(&plan, "pool_packed");
+        // Sequences of up to 256 tokens: 8 blocks a sequence, each with its
+        // partial row and count in scratch, a counter a sequence.
+        let (_, grid, block, smem, args) = kernel(&plan, "pool_split_packed");
+        assert_eq!((grid, block, smem), ((32, 8, 1), POOL_THREADS, 0));
+        assert_eq!(
+            &args[..8],
+            &[
+                Arg::Ptr(h),
+                Arg::Ptr(Loc::Input(3 * 4096)),
+                Arg::Null,
+                Arg::Ptr(Loc::Output(0)),
+                Arg::I32(1024),
+                Arg::I32(384),
+                Arg::I32(pool_code(Pooling::Mean)),
+                Arg::I32(1),
+            ]
+        );
+        assert!(matches!(args[8], Arg::Ptr(Loc::Arena(_))));
+        assert!(matches!(args[9], Arg::Ptr(Loc::Arena(_))));
+        assert_eq!(args[10], Arg::Ptr(Loc::Counter(0)));
+        assert_eq!(plan.counters, 32);
+        // Without the path: one block a sequence.
+        let one =
+            LIMITS.without(&[&KernelPath::SMALL_SHAPE[..], &[KernelPath::PoolSplit]].concat());
+        let plan1 = planned(&p, &w, DType::F16, one);
+        let (_, grid, block, smem, args) = kernel(&plan1, "pool_packed");
         assert_eq!((grid, block, smem), ((32, 1, 1), POOL_THREADS, 0));
         assert_eq!(
             args,
@@ -278,7 +303,7 @@ mod tests {
                 Arg::I32(1),
             ]
         );
-        assert_eq!(plan.output_elems, 32 * 384);
+        assert_eq!((plan1.counters, plan.output_elems), (0, 32 * 384));
         // Every layer's attention shares the one table.
         let (p2, w2) = packed_bert_dims(64, 64, 64, 384, 12, 1536);
         let plan2 = planned(
@@ -362,6 +387,23 @@ mod tests {
         assert_eq!(
             attention(&long),
             ("attention_tc_f16_d32".into(), (1, 12, 2))
+        );
+        // 128 tokens and more: 128 queries a block (head sizes 32 and 64;
+        // 128 keeps 64-query blocks), unless switched off.
+        let (p300, w300) = tiny_bert(2, 300);
+        assert_eq!(
+            attention(&planned(&p300, &w300, DType::F16, separate)),
+            ("attention_tc_q128_f16_d32".into(), (3, 12, 2))
+        );
+        let no_q128 = separate.without(&[KernelPath::AttnQ128]);
+        assert_eq!(
+            attention(&planned(&p300, &w300, DType::BF16, no_q128)),
+            ("attention_tc_bf16_d32".into(), (5, 12, 2))
+        );
+        let (pb, wb) = bert_dims(2, 128, 256, 2, 512);
+        assert_eq!(
+            attention(&planned(&pb, &wb, DType::F16, separate)),
+            ("attention_tc_f16_d128".into(), (2, 2, 2))
         );
         // f32 keeps the CUDA-core kernel, with dynamic shared memory.
         let plan32 = planned(&p, &w, DType::F32, LIMITS);
@@ -552,11 +594,12 @@ mod tests {
                 args[15] == Arg::Null,
             _ => true,
         }));
-        // (128, 128): cuBLASLt, with the vectorised LayerNorms and GELU.
+        // (128, 128): cuBLASLt, with the vectorised LayerNorms and GELU,
+        // the 128-query attention.
         let big = steps(&cases[3].1, DType::F16, LIMITS);
         let layer: Vec<&str> = vec![
             "mm",
-            "attention_tc_f16_d32",
+            "attention_tc_q128_f16_d32",
             "mm",
             "add_ln_vec_f16",
             "mm",
@@ -567,8 +610,9 @@ mod tests {
         let names = big.step_names();
         assert_eq!(names[0], "embed_ln_vec_f16");
         assert_eq!(&names[1..9], &layer[..]);
-        assert_eq!(names[49], "pool_f16");
-        assert_eq!((big.counters, big.accum_bytes), (0, 0));
+        // The pooling over 16 blocks a sequence, a counter each.
+        assert_eq!(names[49], "pool_split_f16");
+        assert_eq!((big.counters, big.accum_bytes), (128, 0));
         let packed = steps(&cases[6].1, DType::F16, LIMITS).step_names();
         assert_eq!(packed[2], "attention_varlen_tc_f16_d32");
         assert_eq!(packed[6], "bias_act_vec_f16");
@@ -594,6 +638,7 @@ mod tests {
             p.for_graph(&limits)
         };
         let (p16, p17, p64) = (a.program(1, 16), a.program(1, 17), a.packed_program(64, 64));
+        let p2x128 = a.program(2, 128);
         let (mlp8, mw) = mlp(8, Activation::Relu);
         for path in KernelPath::ALL {
             let off = LIMITS.without(&[path]);
@@ -603,6 +648,7 @@ mod tests {
                 (&p16, DType::F32),
                 (&p17, DType::F32),
                 (&p64, DType::F16),
+                (&p2x128, DType::F16), // attn_q128, pool_split
             ]
             .iter()
             .any(|&(p, dtype)| staged(LIMITS, p, dtype) != staged(off, p, dtype))
