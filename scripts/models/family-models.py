@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Full-size random-weight folders of issue 13's encoder families, and
-PyTorch's CUDA-graph replay of them (scripts/gpu/gpu-families.sh, step c).
+"""Full-size random-weight folders of issue 13's encoder families (and of
+issue 33's speed set and issue 32's scale set), and PyTorch's CUDA-graph
+replay of them (scripts/gpu/gpu-families.sh, step c).
 
   family-models.py make OUT_DIR [--layers N]
       (the default set) Writes OUT_DIR/{xlmr,mpnet,bert-ce}/: the test folders'
@@ -43,6 +44,19 @@ PyTorch's CUDA-graph replay of them (scripts/gpu/gpu-families.sh, step c).
       depend on. ARCHS says how each architecture's test folder is rescaled
       (config keys, fused tensors); GTE and NomicBERT have entries there, and
       SPEED lines to uncomment, for when their test folders exist.
+
+  family-models.py make OUT_DIR --set scale [--layers N]
+      Issue 32's scale set (scripts/bench/kernels-at-scale.sh): BERT at the
+      three sizes people deploy, each from bert-st-old (mean pooling,
+      Normalize) with a maximum length of 512 as in the speed set:
+        minilm-384x6   BertModel 384, 6 layers, 12 heads, intermediate 1536
+                       (all-MiniLM-L6-v2's shape)
+        bert-768x12    BertModel 768, 12 layers, 12 heads, intermediate 3072
+                       (BERT-base)
+        bert-1024x24   BertModel 1024, 24 layers, 16 heads, intermediate 4096
+                       (BERT-large)
+      Head size 32 (MiniLM) and 64 (BERT-base and -large). families.json
+      as for the speed set (no baselines).
 
   family-models.py reference FOLDER OUT_JSONL MIN_TOKENS MAX_TOKENS N
       N texts of MIN..MAX tokens (the folder's tokenizer, special tokens
@@ -175,7 +189,15 @@ SPEED = {
     "gte-768x12": ("gte-st", 768, 12, 12, 3072, "bert-768x12"),
     "nomic-768x12": ("nomic-st", 768, 12, 12, 3072, "bert-768x12"),
 }
-SETS = {"default": FAMILIES, "speed": SPEED}
+# The scale set (issue 32: the kernels against PyTorch at BERT's sizes),
+# name: (test folder, hidden, layers, heads, intermediate, baseline), as
+# SPEED, each with a maximum length of SPEED_MAX_LEN.
+SCALE = {
+    "minilm-384x6": ("bert-st-old", 384, 6, 12, 1536, None),
+    "bert-768x12": ("bert-st-old", 768, 12, 12, 3072, None),
+    "bert-1024x24": ("bert-st-old", 1024, 24, 16, 4096, None),
+}
+SETS = {"default": FAMILIES, "speed": SPEED, "scale": SCALE}
 # The torch subcommand's shapes.
 SHAPES = [(1, 16), (32, 128)]
 SPEED_MAX_LEN = 512
@@ -370,8 +392,9 @@ def make(out_dir, layers_override=None, which="default"):
             made[fam], _, _ = make_folder(dst, src_name, h, layers, nh, inter)
         else:
             e, cfg, arch = make_folder(dst, src_name, h, layers, nh, inter, max_len=SPEED_MAX_LEN)
-            # What the speed table needs: the baseline, and the shapes that
-            # set the FLOPs (the MLP's kind, each layer's attention span).
+            # What the speed and scale tables need: the baseline, and the
+            # shapes that set the FLOPs (the MLP's kind, each layer's
+            # attention span).
             kinds = cfg.get("layer_types") or ["full_attention"] * layers
             e.update(model_type=cfg["model_type"], source=src_name, baseline=spec[5],
                      glu=bool(arch.get("glu")),
