@@ -349,7 +349,7 @@ def table(out_dir):
         driver = next((v for k, v in d.items() if k.startswith("driver")), "")
     reports = {}
     for f in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
-        m = re.match(r"bc_(new|base)_(.+)_(s16|s128|s512|packed)\.json$", f)
+        m = re.match(r"bc_(new|base|tuned)_(.+)_(s16|s128|s512|packed)\.json$", f)
         if m:
             reports[(m.group(1), m.group(2), m.group(3))] = load_json(P(f))
     if not gpu_name:
@@ -508,6 +508,22 @@ def table(out_dir):
             for k, (n, t) in profile_summary(steps):
                 print(f"* {k} {n}× {t / n:.1f} µs ({t:.1f})")
             print("\n</details>\n")
+
+    # ---- matmul_autotune
+    tuned = [(k, v) for k, v in reports.items() if k[0] == "tuned"]
+    if tuned:
+        print("## BERT-base with `matmul_autotune = true` (this build)\n")
+        print("| shape | heuristic µs | tuned µs | change |")
+        print("|---|---|---|---|")
+        for (_, name, group), rep in sorted(tuned):
+            for (b, s_), g in GROUPS.items():
+                if g != group:
+                    continue
+                t = p50(bucket_of(rep, name, f"{b}x{s_}"))
+                h = p50(bucket_of(reports.get(("new", name, group)), name, f"{b}x{s_}"))
+                ch = f"{(t / h - 1) * 100:+.1f} %" if t and h else "n/a"
+                print(f"| ({b}, {s_}) | {fmt(h)} | {fmt(t)} | {ch} |")
+        print()
 
     # ---- targets
     print("## Targets (informative)\n")

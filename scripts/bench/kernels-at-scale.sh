@@ -33,7 +33,9 @@
 # 5. The packed budgets, both builds side by side, model by model; BERT-large
 #    last (its CPU check of 2 × 16,384 tokens a budget is the slowest step:
 #    a time limit that stops the run takes it first).
-# 6. The table (kernels-at-scale.py table): per model and shape PyTorch SDPA
+# 6. BERT-base (padded) once more with `matmul_autotune = true`, if time
+#    is left: cuBLASLt's algorithms chosen by timing against its heuristic's.
+# 7. The table (kernels-at-scale.py table): per model and shape PyTorch SDPA
 #    and eager µs, replayd µs of both builds, the ratio, the change against
 #    the baseline, the fraction of the dense f16 peak (PEAK_TFLOPS, else by
 #    the GPU's name), the CPU check; the profile's kernel groups; issue 32's
@@ -191,7 +193,22 @@ for n in "${NAMES[@]}"; do
   [ -n "$BASE" ] && check base "$n" packed 150
 done
 
-# --- 6. the table
+# --- 6. BERT-base with cuBLASLt's algorithms chosen by timing
+# (`matmul_autotune`, off by default): what the heuristic's first choice
+# leaves on the table, for the matmul-choice question of issue 32.
+n=bert-768x12
+{ printf '[devices]\nmatmul_autotune = true\n\n'; cat "$WORK/$n.toml"; } > "$WORK/$n-tuned.toml"
+for group in s128 s512; do
+  t=$(left 90); stem=bc_tuned_${n}_$group
+  if [ "$t" -lt 30 ]; then log "no time left for $stem (skipped)"; continue; fi
+  sel=(--batches 32,128 --seqs 128); [ $group = s512 ] && sel=(--batches 8,32 --seqs 512)
+  log "backend-check tuned $n $group (timeout ${t}s)"
+  timeout -k 10 "$t" "$BIN/replayd" backend-check --config "$WORK/$n-tuned.toml" --models "$n" "${sel[@]}" \
+    --out "$OUT/$stem.json" --iters "$ITERS" --warmup "$WARMUP" --no-eager --no-compare --check-rows 1 \
+    > "$OUT/$stem.log" 2>&1 || fail "backend-check tuned $n $group, rc $? (see $stem.log)"
+done
+
+# --- 7. the table
 $PY $KS table "$OUT" > "$OUT/kernels-at-scale.md" 2>>"$OUT/kernels-at-scale.log" || fail "the table (see kernels-at-scale.log)"
 # A CPU check that failed in this build's reports is a failure of the run.
 $PY - "$OUT" <<'PY' || FAILED=1
