@@ -935,8 +935,10 @@ mod tests {
         // three head sizes), and the decoders' kernels: the tensor-core band
         // attention (padded and varlen, two types, four head sizes), the
         // CUDA-core band attention (three types, two head-size classes) and
-        // decoder.cu's three families in three types.
-        assert_eq!(all.len(), 133 + 18 + 12 + 3 + 16 + 6 + 9, "{all:?}");
+        // decoder.cu's three families in three types; then issue 32's split
+        // pooling (padded and packed, three types) and the 128-query
+        // tensor-core attention (two types, head dims 32 and 64).
+        assert_eq!(all.len(), 133 + 18 + 12 + 3 + 16 + 6 + 9 + 6 + 4, "{all:?}");
         for name in [
             "embed_ln_packed_f32",
             "attention_varlen_tc_bf16_d128",
