@@ -92,6 +92,11 @@ impl Hasher for FxHasher {
     }
 
     #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.add(n);
+    }
+
+    #[inline]
     fn write_u128(&mut self, n: u128) {
         self.add(n as u64);
         self.add((n >> 64) as u64);
@@ -108,19 +113,29 @@ impl Hasher for FxHasher {
 type Fx = BuildHasherDefault<FxHasher>;
 
 /// Vocabulary pieces by their bytes. Pieces of up to 16 bytes (nearly all)
-/// are keyed by the bytes themselves packed in a `u128`, zero-padded (no
-/// word holds a zero byte: `clean_text` drops it), so a look-up reads one
-/// table slot and no key on the heap.
+/// are keyed by the bytes themselves, zero-padded (no word holds a zero
+/// byte: `clean_text` drops it), so a look-up reads one table slot and no
+/// key on the heap: up to 8 bytes (three pieces in four) in a `u64`, whose
+/// table takes half the memory of the `u128` one (16 bytes a slot, not 32),
+/// since a look-up's time is mostly that slot's cache miss.
 #[derive(Clone, Default)]
 struct Pieces {
-    short: HashMap<u128, u32, Fx>,
+    short8: HashMap<u64, u32, Fx>,
+    short16: HashMap<u128, u32, Fx>,
     long: HashMap<Box<[u8]>, u32, Fx>,
     /// The longest key (no look-up is longer).
     max: usize,
 }
 
 #[inline]
-fn pack(key: &[u8]) -> u128 {
+fn pack8(key: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    b[..key.len()].copy_from_slice(key);
+    u64::from_le_bytes(b)
+}
+
+#[inline]
+fn pack16(key: &[u8]) -> u128 {
     let mut b = [0u8; 16];
     b[..key.len()].copy_from_slice(key);
     u128::from_le_bytes(b)
@@ -132,24 +147,25 @@ impl Pieces {
             return; // never matches a word
         }
         self.max = self.max.max(key.len());
-        if key.len() <= 16 {
-            self.short.insert(pack(key), id);
-        } else {
-            self.long.insert(key.into(), id);
-        }
+        match key.len() {
+            0..=8 => self.short8.insert(pack8(key), id),
+            9..=16 => self.short16.insert(pack16(key), id),
+            _ => self.long.insert(key.into(), id),
+        };
     }
 
     #[inline]
     fn get(&self, key: &[u8]) -> Option<u32> {
-        if key.len() <= 16 {
-            self.short.get(&pack(key)).copied()
-        } else {
-            self.long.get(key).copied()
+        match key.len() {
+            0..=8 => self.short8.get(&pack8(key)),
+            9..=16 => self.short16.get(&pack16(key)),
+            _ => self.long.get(key),
         }
+        .copied()
     }
 
     fn len(&self) -> usize {
-        self.short.len() + self.long.len()
+        self.short8.len() + self.short16.len() + self.long.len()
     }
 }
 
