@@ -52,8 +52,23 @@ pub const TILE_ENTRY: usize = 4;
 /// ([`KernelPath::AttnS16`]).
 pub const ATTN_S16_MAX_SEQ: usize = 16;
 /// The shortest padded sequence that takes `attention_tc_q128` (128
-/// queries a block, [`KernelPath::AttnQ128`]).
+/// queries a block, [`KernelPath::AttnQ128`]) at head size 64.
 pub const ATTN_Q128_MIN_SEQ: usize = 128;
+/// The same at head size 32, where 128-query blocks measured slower at 128
+/// tokens (MiniLM (128, 128) on an H100: 44.2 µs a layer against 40.8 for
+/// 64-query blocks) and faster at 512 ((32, 512): 92.3 against 96.3);
+/// between them is unmeasured, so they keep the 64-query blocks.
+pub const ATTN_Q128_MIN_SEQ_D32: usize = 512;
+
+/// The shortest padded sequence that takes `attention_tc_q128` at
+/// `head_dim`.
+pub fn attn_q128_min_seq(head_dim: usize) -> usize {
+    if head_dim <= 32 {
+        ATTN_Q128_MIN_SEQ_D32
+    } else {
+        ATTN_Q128_MIN_SEQ
+    }
+}
 
 /// Whether `op` takes the band kernels: grouped-query heads, the causal
 /// mask, or a head size over 128 (EmbeddingGemma's 256).
@@ -211,7 +226,7 @@ impl Planner<'_> {
             && op.window.is_none()
             && op.bias.is_none()
             && self.on(KernelPath::AttnQ128)
-            && matches!(seqs, Seqs::Padded { seq, .. } if seq >= ATTN_Q128_MIN_SEQ)
+            && matches!(seqs, Seqs::Padded { seq, .. } if seq >= attn_q128_min_seq(head_dim))
             && ATTENTION_TC_Q128_HEAD_DIMS.contains(&head_dim);
         let grid = match seqs {
             Seqs::Padded { batch, seq, .. } => {

@@ -388,17 +388,22 @@ mod tests {
             attention(&long),
             ("attention_tc_f16_d32".into(), (1, 12, 2))
         );
-        // 128 tokens and more: 128 queries a block (head sizes 32 and 64;
-        // 128 keeps 64-query blocks), unless switched off.
+        // Long sequences: 128 queries a block (head size 32 from 512 tokens,
+        // 64 from 128; 128 keeps 64-query blocks), unless switched off.
         let (p300, w300) = tiny_bert(2, 300);
         assert_eq!(
             attention(&planned(&p300, &w300, DType::F16, separate)),
-            ("attention_tc_q128_f16_d32".into(), (3, 12, 2))
+            ("attention_tc_f16_d32".into(), (5, 12, 2))
+        );
+        let (p512, w512) = tiny_bert(2, 512);
+        assert_eq!(
+            attention(&planned(&p512, &w512, DType::F16, separate)),
+            ("attention_tc_q128_f16_d32".into(), (4, 12, 2))
         );
         let no_q128 = separate.without(&[KernelPath::AttnQ128]);
         assert_eq!(
-            attention(&planned(&p300, &w300, DType::BF16, no_q128)),
-            ("attention_tc_bf16_d32".into(), (5, 12, 2))
+            attention(&planned(&p512, &w512, DType::BF16, no_q128)),
+            ("attention_tc_bf16_d32".into(), (8, 12, 2))
         );
         let (pb, wb) = bert_dims(2, 128, 256, 2, 512);
         assert_eq!(
@@ -595,11 +600,11 @@ mod tests {
             _ => true,
         }));
         // (128, 128): cuBLASLt, with the vectorised LayerNorms and GELU,
-        // the 128-query attention.
+        // the 64-query attention (head size 32 takes 128 from 512 tokens).
         let big = steps(&cases[3].1, DType::F16, LIMITS);
         let layer: Vec<&str> = vec![
             "mm",
-            "attention_tc_q128_f16_d32",
+            "attention_tc_f16_d32",
             "mm",
             "add_ln_vec_f16",
             "mm",
@@ -638,7 +643,7 @@ mod tests {
             p.for_graph(&limits)
         };
         let (p16, p17, p64) = (a.program(1, 16), a.program(1, 17), a.packed_program(64, 64));
-        let p2x128 = a.program(2, 128);
+        let (p2x128, p2x512) = (a.program(2, 128), a.program(2, 512));
         let (mlp8, mw) = mlp(8, Activation::Relu);
         for path in KernelPath::ALL {
             let off = LIMITS.without(&[path]);
@@ -648,7 +653,8 @@ mod tests {
                 (&p16, DType::F32),
                 (&p17, DType::F32),
                 (&p64, DType::F16),
-                (&p2x128, DType::F16), // attn_q128, pool_split
+                (&p2x128, DType::F16), // pool_split
+                (&p2x512, DType::F16), // attn_q128
             ]
             .iter()
             .any(|&(p, dtype)| staged(LIMITS, p, dtype) != staged(off, p, dtype))
