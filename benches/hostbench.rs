@@ -635,6 +635,7 @@ async fn link(t: &mut Table, args: &Args) {
                     ordinal: 0,
                     threads: 1,
                     eager: false,
+                    spin_us: None,
                 },
                 runtime_dir: runtime_dir.clone(),
                 batchers: Batchers::over(fake.clone(), &[DeviceKind::Graph]),

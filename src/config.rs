@@ -302,8 +302,9 @@ pub struct DevicesConfig {
     /// After each batch, a worker's backend thread polls its doorbell for
     /// this many µs before it sleeps (0: it sleeps at once). A busy core for
     /// the next request's wake-up; at most 10000. Unset:
-    /// [`AUTO_WORKER_SPIN_US`] on a host of at least [`AUTO_SPIN_MIN_CPUS`]
-    /// CPUs, else 0 (see [`DevicesConfig::worker_spin`]).
+    /// [`AUTO_WORKER_SPIN_US`] where the host has at least
+    /// [`AUTO_SPIN_MIN_CPUS`] CPUs for each worker process, else 0 (see
+    /// [`DevicesConfig::worker_spin_for`]).
     pub worker_spin_us: Option<u64>,
     /// The null backend's modelled time per batch and per real token, in µs.
     pub null_us_per_batch: f64,
@@ -314,17 +315,28 @@ pub struct DevicesConfig {
 }
 
 /// `devices.worker_spin_us` when unset, on a host of at least
-/// [`AUTO_SPIN_MIN_CPUS`] CPUs: on the 16-vCPU H200 host it took 44 µs off a
-/// short text's p50 and added 10 % to many small requests' throughput
+/// [`AUTO_SPIN_MIN_CPUS`] CPUs a worker: on the 16-vCPU H200 host it took
+/// 44 µs off a short text's p50 and added 10 % to many small requests'
+/// throughput with one worker
 /// (docs/perf-log.md#run-record-2026-12-02-h200-bench-host-b239445).
 pub const AUTO_WORKER_SPIN_US: u64 = 300;
 /// Below this many CPUs the spinning core costs the rest of the host more
 /// than the wake-up it saves (−9 % throughput on 2 cores), so unset means 0.
+/// For the workers' spin it is CPUs per worker process: 8 zero-time devices
+/// on the 16-vCPU H100 host answered 15 % more requests with their workers
+/// not spinning (2.5 cores of spin given back; docs/perf-log.md, 2026-12-07
+/// host tuning).
 pub const AUTO_SPIN_MIN_CPUS: usize = 8;
 
 /// A spin setting in µs, or when unset the automatic choice for `cpus`.
 fn spin_for(configured: Option<u64>, cpus: usize) -> std::time::Duration {
-    let us = configured.unwrap_or(if cpus >= AUTO_SPIN_MIN_CPUS {
+    spin_per(configured, cpus, 1)
+}
+
+/// A spin setting in µs, or when unset the automatic choice for `cpus`
+/// shared by `spinners` threads that would each spin.
+fn spin_per(configured: Option<u64>, cpus: usize, spinners: usize) -> std::time::Duration {
+    let us = configured.unwrap_or(if cpus >= AUTO_SPIN_MIN_CPUS * spinners.max(1) {
         AUTO_WORKER_SPIN_US
     } else {
         0
@@ -351,15 +363,16 @@ impl ServerConfig {
 }
 
 impl DevicesConfig {
-    /// How long a worker polls its doorbell after a batch: the configured
-    /// `worker_spin_us`, or when unset the automatic choice for `cpus`.
-    pub fn worker_spin_for(&self, cpus: usize) -> std::time::Duration {
-        spin_for(self.worker_spin_us, cpus)
+    /// How long each of `workers` worker processes polls its doorbell after
+    /// a batch: the configured `worker_spin_us`, or when unset the automatic
+    /// choice: spin where the host has [`AUTO_SPIN_MIN_CPUS`] CPUs for each.
+    pub fn worker_spin_for(&self, cpus: usize, workers: usize) -> std::time::Duration {
+        spin_per(self.worker_spin_us, cpus, workers)
     }
 
     /// [`Self::worker_spin_for`] this host's CPUs.
-    pub fn worker_spin(&self) -> std::time::Duration {
-        self.worker_spin_for(host_cpus())
+    pub fn worker_spin(&self, workers: usize) -> std::time::Duration {
+        self.worker_spin_for(host_cpus(), workers)
     }
 }
 
@@ -1025,10 +1038,14 @@ path = "mlp.safetensors"
         use std::time::Duration;
         let d = Config::parse(MINIMAL).unwrap().devices;
         assert_eq!(d.worker_spin_us, None);
-        assert_eq!(d.worker_spin_for(2), Duration::ZERO);
-        assert_eq!(d.worker_spin_for(16), Duration::from_micros(300));
+        assert_eq!(d.worker_spin_for(2, 1), Duration::ZERO);
+        assert_eq!(d.worker_spin_for(16, 1), Duration::from_micros(300));
+        // Eight CPUs a spinning worker: 2 workers spin on 16, 8 do not.
+        assert_eq!(d.worker_spin_for(16, 2), Duration::from_micros(300));
+        assert_eq!(d.worker_spin_for(16, 8), Duration::ZERO);
+        assert_eq!(d.worker_spin_for(128, 8), Duration::from_micros(300));
         let c = Config::parse(&format!("{MINIMAL}\n[devices]\nworker_spin_us = 0\n")).unwrap();
-        assert_eq!(c.devices.worker_spin_for(16), Duration::ZERO);
+        assert_eq!(c.devices.worker_spin_for(16, 1), Duration::ZERO);
         let c = Config::parse(&format!("{MINIMAL}\n[server]\nio_spin_us = 40\n")).unwrap();
         assert_eq!(c.server.io_spin_for(2), Duration::from_micros(40));
         assert_eq!(c.server.io_spin_us, Some(40));
@@ -1040,7 +1057,7 @@ path = "mlp.safetensors"
         let e = Config::parse(&format!("{MINIMAL}\n[server]\nio_spin_us = 20000\n")).unwrap_err();
         assert!(e.to_string().contains("server.io_spin_us"), "{e}");
         let c = Config::parse(&format!("{MINIMAL}\n[devices]\nworker_spin_us = 50\n")).unwrap();
-        assert_eq!(c.devices.worker_spin_for(2), Duration::from_micros(50));
+        assert_eq!(c.devices.worker_spin_for(2, 8), Duration::from_micros(50));
         let err =
             Config::parse(&format!("{MINIMAL}\n[devices]\nworker_spin_us = 20000\n")).unwrap_err();
         assert!(err.to_string().contains("devices.worker_spin_us"), "{err}");

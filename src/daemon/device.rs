@@ -64,6 +64,10 @@ pub struct WorkerCommand {
     pub ordinal: usize,
     pub threads: usize,
     pub eager: bool,
+    /// µs the worker polls its doorbell after a batch (`--spin-us`): the
+    /// daemon's choice for its number of workers; `None`: the worker's own
+    /// (as for one worker).
+    pub spin_us: Option<u64>,
 }
 
 #[derive(Clone)]
@@ -412,6 +416,9 @@ impl DeviceState {
             .kill_on_drop(true);
         if w.eager {
             cmd.arg("--eager");
+        }
+        if let Some(us) = w.spin_us {
+            cmd.arg("--spin-us").arg(us.to_string());
         }
         if let Some((path, theirs)) = &ring {
             let fd = theirs.as_raw_fd();

@@ -117,6 +117,7 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
         ordinal,
         threads,
         eager,
+        spin_us: None,
     };
     let mut devices = Vec::new();
     match backend {
@@ -188,6 +189,12 @@ fn plan_devices(config: &Config, options: &ServerOptions) -> anyhow::Result<Vec<
                 });
             }
         }
+    }
+    // devices.worker_spin_us, when unset, for this many workers on this
+    // host: spinning where each would have its share of the CPUs.
+    let spin = config.devices.worker_spin(devices.len());
+    for d in &mut devices {
+        d.worker.spin_us = Some(spin.as_micros() as u64);
     }
     Ok(devices)
 }

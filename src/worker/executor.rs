@@ -403,7 +403,10 @@ fn serve<B: Backend>(
     ];
     // devices.worker_spin_us: the doorbell is polled, not slept on, this
     // long after the last command or finished batch.
-    let spin = config.devices.worker_spin();
+    let spin = args.spin_us.map_or_else(
+        || config.devices.worker_spin(1),
+        std::time::Duration::from_micros,
+    );
     let mut busy_at = Instant::now();
     loop {
         if last_said.elapsed() >= heartbeat {
@@ -732,6 +735,7 @@ mod tests {
                 threads: 2,
                 eager: false,
                 heartbeat_ms: 100,
+                spin_us: None,
                 shm: None,
                 doorbell_fd: None,
             };

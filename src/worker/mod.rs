@@ -59,6 +59,12 @@ pub struct WorkerArgs {
     /// How often the backend thread says it is alive, in milliseconds.
     #[arg(long, default_value_t = 100)]
     pub heartbeat_ms: u64,
+    /// How long the backend thread polls its doorbell after a batch, in µs
+    /// (the daemon's choice for its number of workers); unset:
+    /// `devices.worker_spin_us` of the config, or its automatic value for
+    /// one worker.
+    #[arg(long)]
+    pub spin_us: Option<u64>,
     /// The shared-memory ring the daemon created for this worker ([`shm`]).
     #[arg(long, requires = "doorbell_fd")]
     pub shm: Option<PathBuf>,
