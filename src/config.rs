@@ -134,8 +134,9 @@ pub struct ServerConfig {
     /// polls its sockets this many µs before it sleeps (0: it sleeps at
     /// once, libzmq's own behaviour), so a request arriving, or a reply
     /// leaving, soon after finds it awake instead of waiting for a wake-up.
-    /// At most 10000. Unset: as `devices.worker_spin_us` (on by default on
-    /// hosts of 8 or more CPUs, see [`ServerConfig::io_spin`]).
+    /// At most 10000. Unset: [`AUTO_WORKER_SPIN_US`] on hosts of 8 or more
+    /// CPUs, else 0 (see [`ServerConfig::io_spin`]); only while the load is
+    /// light ([`crate::daemon::admission`]).
     pub io_spin_us: Option<u64>,
     /// ROUTER sockets ("shards") that serve `endpoint` together, 1 to 16:
     /// each has its own libzmq context (`io_threads` I/O threads), its own
