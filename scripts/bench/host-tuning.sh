@@ -25,24 +25,9 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 . scripts/gpu/gpu-common.sh
 BIN=$(carried_bin "${HT_BIN:-}") || { echo "no binaries (run scripts/gpu/gpu-carry.sh, carry .carry)"; exit 1; }
-# Where the carry limit leaves no room for the f16 weights: the config and
-# tokenizer from .carry/minilm-cfg with random f16 weights made here (the
-# null backend computes nothing with them).
-if [ -z "${HT_MODEL:-}" ] && [ ! -f .carry/minilm-f16/model.safetensors.xz ] && [ -d .carry/minilm-cfg ]; then
-  HT_MODEL=/tmp/minilm-random
-  if [ ! -f "$HT_MODEL/model.safetensors" ]; then
-    rm -rf "$HT_MODEL" && cp -R .carry/minilm-cfg "$HT_MODEL"
-    python3 - "$HT_MODEL" <<'PY' || { echo "cannot make random MiniLM weights"; exit 1; }
-import sys, torch
-from safetensors.torch import save_file
-from transformers import BertConfig, BertModel
-torch.manual_seed(0)
-model = BertModel(BertConfig.from_pretrained(sys.argv[1])).half()
-save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{sys.argv[1]}/model.safetensors")
-PY
-  fi
-fi
-MODEL=$(carried_minilm_f16 "${HT_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
+# The model: given, the f16 MiniLM gpu-carry.sh staged, or random f16
+# weights on .carry/minilm-cfg (gpu-common.sh, carried_minilm_any).
+MODEL=$(carried_minilm_any "${HT_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
 SECONDS_PER_LOAD=${HT_SECONDS:-6}
 DEVICES=${HT_DEVICES:-8}
 WORK=$(mktemp -d)

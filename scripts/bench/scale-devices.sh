@@ -50,25 +50,9 @@ if [ -n "${SCALE_BASE:-}" ]; then
 elif [ -f .carry/before/bin.tar.xz ]; then
   BASE=/tmp/replayd-before && mkdir -p "$BASE" && tar -C "$BASE" -xJf .carry/before/bin.tar.xz
 fi
-# The model: given, the f16 MiniLM gpu-carry.sh staged, or (where the carry
-# limit leaves no room for its weights) its config and tokenizer from
-# .carry/minilm-cfg with random f16 weights made here: the time of a batch
-# does not depend on the weights' values.
-if [ -z "${SCALE_MODEL:-}" ] && [ ! -f .carry/minilm-f16/model.safetensors.xz ] && [ -d .carry/minilm-cfg ]; then
-  SCALE_MODEL=/tmp/minilm-random
-  if [ ! -f "$SCALE_MODEL/model.safetensors" ]; then
-    rm -rf "$SCALE_MODEL" && cp -R .carry/minilm-cfg "$SCALE_MODEL"
-    python3 - "$SCALE_MODEL" <<'PY' || { echo "cannot make random MiniLM weights"; exit 1; }
-import sys, torch
-from safetensors.torch import save_file
-from transformers import BertConfig, BertModel
-torch.manual_seed(0)
-model = BertModel(BertConfig.from_pretrained(sys.argv[1])).half()
-save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{sys.argv[1]}/model.safetensors")
-PY
-  fi
-fi
-MODEL=$(carried_minilm_f16 "${SCALE_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
+# The model: given, the f16 MiniLM gpu-carry.sh staged, or random f16
+# weights on .carry/minilm-cfg (gpu-common.sh, carried_minilm_any).
+MODEL=$(carried_minilm_any "${SCALE_MODEL:-}") || { echo "no f16 MiniLM under .carry"; exit 1; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export REPLAYD_LOG=${REPLAYD_LOG:-info}
 WORK=$(mktemp -d)

@@ -47,3 +47,28 @@ wait_ready() {
   done
   [ -f "$file" ]
 }
+
+# carried_minilm_any [DIR]: prints DIR when given; else the f16 MiniLM that
+# gpu-carry.sh staged; else, where the carry limit left no room for its
+# weights, .carry/minilm-cfg (config and tokenizer) with random f16 weights
+# made here once, in /tmp/minilm-random (for host-path runs: a batch's time
+# does not depend on the weights' values).
+carried_minilm_any() {
+  if [ -z "${1:-}" ] && [ ! -f .carry/minilm-f16/model.safetensors.xz ] && [ -d .carry/minilm-cfg ]; then
+    local dir=/tmp/minilm-random
+    if [ ! -f "$dir/model.safetensors" ]; then
+      rm -rf "$dir" && cp -R .carry/minilm-cfg "$dir" || return 1
+      python3 - "$dir" <<'PY' >&2 || { echo "cannot make random MiniLM weights" >&2; return 1; }
+import sys, torch
+from safetensors.torch import save_file
+from transformers import BertConfig, BertModel
+torch.manual_seed(0)
+model = BertModel(BertConfig.from_pretrained(sys.argv[1])).half()
+save_file({k: v.contiguous() for k, v in model.state_dict().items()}, f"{sys.argv[1]}/model.safetensors")
+PY
+    fi
+    echo "$dir"
+    return 0
+  fi
+  carried_minilm_f16 "${1:-}"
+}
